@@ -1,0 +1,27 @@
+"""jax_rope_cache: fused RoPE + paged KV-cache write for JAX, in one kernel, in place inside jit.
+
+`jax_rope_cache.reference` (the numpy oracle) imports without jax; everything else loads jax on
+first use.
+"""
+
+import importlib
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "rope_and_cache": "jax_rope_cache.api",
+    "rope_and_cache_donated": "jax_rope_cache.api",
+    "make_kv_cache": "jax_rope_cache.api",
+    "read_kv": "jax_rope_cache.api",
+    "LAYOUTS": "jax_rope_cache._spec",
+    "PRECISIONS": "jax_rope_cache._spec",
+    "cache_shapes": "jax_rope_cache._spec",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'jax_rope_cache' has no attribute {name!r}")

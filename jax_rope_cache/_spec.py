@@ -1,0 +1,224 @@
+"""Argument checking and the static description of one call (numpy only, shared by every impl).
+
+`check_op` takes anything with `.shape` and `.dtype` (numpy arrays, jax arrays, tracers,
+ShapeDtypeStruct) and returns an `OpSpec`, or raises ValueError/TypeError naming the argument,
+what was expected and what was given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+
+import ml_dtypes
+import numpy as np
+
+LAYOUTS = ("flash", "xpacked", "xpacked_shuffled")
+PRECISIONS = ("fp32", "native")
+INPUT_DTYPES = (np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16), np.dtype(np.float32))
+FP8_DTYPES = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e4m3fnuz))
+INDEX_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
+# Element codes understood by the native kernels (kernels/common/rope_cache_math.h: RcDtype).
+DTYPE_CODES = {
+    np.dtype(np.float32): 0,
+    np.dtype(ml_dtypes.bfloat16): 1,
+    np.dtype(np.float16): 2,
+    np.dtype(ml_dtypes.float8_e4m3fn): 3,
+    np.dtype(ml_dtypes.float8_e4m3fnuz): 4,
+}
+FP8_MAX = {FP8_DTYPES[0]: 448.0, FP8_DTYPES[1]: 240.0}
+
+
+def _names(dtypes) -> str:
+    return ", ".join(d.name for d in dtypes)
+
+
+def pack_width(cache_dtype) -> int:
+    """X of the x-packed layouts: how many elements make 16 bytes."""
+    return 16 // np.dtype(cache_dtype).itemsize
+
+
+def cache_shapes(layout: str, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
+                 cache_dtype) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(key_cache shape, value_cache shape) of one layer for `layout`."""
+    nb, bs, kh, d = num_blocks, block_size, kv_heads, head_dim
+    x = pack_width(cache_dtype)
+    if layout == "flash":
+        return (nb, bs, kh, d), (nb, bs, kh, d)
+    if layout == "xpacked":
+        return (nb, kh, d // x, bs, x), (nb, kh, d, bs)
+    if layout == "xpacked_shuffled":
+        return (nb, kh, d // x, bs, x), (nb, kh, bs // x, d, x)
+    raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
+
+
+_CACHE_DIMS = {
+    "flash": ("[NB, BS, KH, D]", "[NB, BS, KH, D]"),
+    "xpacked": ("[NB, KH, D//X, BS, X]", "[NB, KH, D, BS]"),
+    "xpacked_shuffled": ("[NB, KH, D//X, BS, X]", "[NB, KH, BS//X, D, X]"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class OpSpec:
+    """Everything static about one call (JAX shapes and dtypes are static)."""
+
+    num_tokens: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    rotary_dim: int
+    num_blocks: int
+    block_size: int
+    max_pos: int
+    layout: str
+    is_neox: bool
+    table_full: bool  # cos/sin width R (one value per channel) instead of R/2
+    precision: str
+    dtype: np.dtype  # q, k, v and outputs
+    table_dtype: np.dtype
+    cache_dtype: np.dtype
+    slot_dtype: np.dtype
+    pos_dtype: np.dtype
+
+    @property
+    def fp8(self) -> bool:
+        return self.cache_dtype in FP8_DTYPES
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def x(self) -> int:
+        return pack_width(self.cache_dtype)
+
+
+def _dtype(arg: str, a) -> np.dtype:
+    if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+        raise TypeError(f"{arg}: expected an array, got {type(a).__name__}")
+    return np.dtype(a.dtype)
+
+
+def _check_rank(arg: str, a, rank: int, dims: str) -> tuple[int, ...]:
+    shape = tuple(a.shape)
+    if len(shape) != rank:
+        raise ValueError(f"{arg}: expected rank {rank} {dims}, got shape {list(shape)}")
+    return shape
+
+
+def _check_shape(arg: str, a, expected: tuple[int, ...], dims: str) -> None:
+    _check_rank(arg, a, len(expected), dims)
+    if tuple(a.shape) != tuple(expected):
+        raise ValueError(f"{arg}: expected shape {dims} = {list(expected)}, got {list(a.shape)}")
+
+
+def check_scale(arg: str, scale, fp8: bool, cache_dtype) -> None:
+    if not fp8:
+        if scale is not None:
+            raise ValueError(f"{arg}: scales apply to float8 caches only; expected None for a "
+                             f"{np.dtype(cache_dtype).name} cache, got {scale!r}")
+        return
+    if scale is None:
+        raise ValueError(f"{arg}: a {np.dtype(cache_dtype).name} cache needs a scale; expected a "
+                         f"float32 scalar, got None")
+    if isinstance(scale, numbers.Real) and not isinstance(scale, bool):
+        return
+    if isinstance(scale, bool) or not hasattr(scale, "dtype"):
+        raise TypeError(f"{arg}: expected a float32 scalar, got {type(scale).__name__}")
+    if not np.issubdtype(np.dtype(scale.dtype), np.floating) or tuple(scale.shape) not in ((), (1,)):
+        raise TypeError(f"{arg}: expected a float32 scalar (shape () or (1,)), got "
+                        f"{np.dtype(scale.dtype).name}{list(scale.shape)}")
+
+
+def check_op(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, *,
+             layout="flash", is_neox=True, rotary_dim=None, k_scale=None, v_scale=None,
+             precision="fp32") -> OpSpec:
+    """Validates one call of rope_and_cache and returns its static description."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision: expected one of {PRECISIONS}, got {precision!r}")
+    if not isinstance(is_neox, (bool, np.bool_)):
+        raise TypeError(f"is_neox: expected a Python bool, got {type(is_neox).__name__}")
+
+    dtype = _dtype("q", q)
+    if dtype not in INPUT_DTYPES:
+        raise TypeError(f"q: expected dtype one of ({_names(INPUT_DTYPES)}), got {dtype.name}")
+    t, qh, d = _check_rank("q", q, 3, "[T, QH, D]")
+    for name, a in (("k", k), ("v", v)):
+        if _dtype(name, a) != dtype:
+            raise TypeError(f"{name}: expected dtype {dtype.name} (same as q), got {np.dtype(a.dtype).name}")
+    _, kh, _ = _check_rank("k", k, 3, "[T, KH, D]")
+    _check_shape("k", k, (t, kh, d), "[T, KH, D]")
+    _check_shape("v", v, (t, kh, d), "[T, KH, D]")
+    if kh < 1 or qh % kh != 0:
+        raise ValueError(f"q: expected QH to be a multiple of KH={kh} (grouped-query attention), got QH={qh}")
+    if d < 2 or d % 2:
+        raise ValueError(f"q: expected an even head_dim D >= 2, got D={d}")
+
+    r = d if rotary_dim is None else rotary_dim
+    if isinstance(r, bool) or not isinstance(r, numbers.Integral):
+        raise TypeError(f"rotary_dim: expected an int or None, got {type(rotary_dim).__name__}")
+    r = int(r)
+    if r < 2 or r % 2 or r > d:
+        raise ValueError(f"rotary_dim: expected an even value in [2, D={d}], got {r}")
+
+    for name, a in (("slot_mapping", slot_mapping), ("positions", positions)):
+        idt = _dtype(name, a)
+        if idt not in INDEX_DTYPES:
+            raise TypeError(f"{name}: expected dtype int32 or int64, got {idt.name}")
+        _check_shape(name, a, (t,), "[T]")
+
+    table_dtype = _dtype("cos", cos)
+    if table_dtype not in INPUT_DTYPES:
+        raise TypeError(f"cos: expected dtype one of ({_names(INPUT_DTYPES)}), got {table_dtype.name}")
+    if _dtype("sin", sin) != table_dtype:
+        raise TypeError(f"sin: expected dtype {table_dtype.name} (same as cos), got {np.dtype(sin.dtype).name}")
+    max_pos, width = _check_rank("cos", cos, 2, "[max_pos, R/2] or [max_pos, R]")
+    if width not in (r // 2, r):
+        raise ValueError(f"cos: expected width R/2={r // 2} ('half' table) or R={r} ('full' table) "
+                         f"for rotary_dim={r}, got shape {list(cos.shape)}")
+    if max_pos < 1:
+        raise ValueError(f"cos: expected at least one row (max_pos >= 1), got shape {list(cos.shape)}")
+    _check_shape("sin", sin, tuple(cos.shape), "same as cos")
+
+    cache_dtype = _dtype("key_cache", key_cache)
+    if cache_dtype != dtype and cache_dtype not in FP8_DTYPES:
+        raise TypeError(f"key_cache: expected dtype {dtype.name} (same as q) or one of "
+                        f"({_names(FP8_DTYPES)}), got {cache_dtype.name}")
+    if _dtype("value_cache", value_cache) != cache_dtype:
+        raise TypeError(f"value_cache: expected dtype {cache_dtype.name} (same as key_cache), "
+                        f"got {np.dtype(value_cache.dtype).name}")
+    kdims, vdims = _CACHE_DIMS[layout]
+    kshape = _check_rank("key_cache", key_cache, len(kdims.split(",")), f"{kdims} for layout {layout!r}")
+    nb = kshape[0]
+    bs = kshape[1] if layout == "flash" else kshape[3]
+    x = pack_width(cache_dtype)
+    if layout != "flash":
+        if kshape[4] != x:
+            raise ValueError(f"key_cache: expected X = 16 // itemsize = {x} for {cache_dtype.name} in the last "
+                             f"dim of {kdims}, got shape {list(kshape)}")
+        if d % x:
+            raise ValueError(f"key_cache: layout {layout!r} needs D divisible by X={x}, got D={d}")
+    if layout == "xpacked_shuffled" and bs % x:
+        raise ValueError(f"value_cache: layout 'xpacked_shuffled' needs the block size divisible by X={x}, "
+                         f"got BS={bs}")
+    if bs < 1:
+        raise ValueError(f"key_cache: expected block size >= 1, got shape {list(kshape)}")
+    kexp, vexp = cache_shapes(layout, nb, bs, kh, d, cache_dtype)
+    _check_shape("key_cache", key_cache, kexp, f"{kdims} for layout {layout!r}")
+    _check_shape("value_cache", value_cache, vexp, f"{vdims} for layout {layout!r}")
+    if nb * bs >= 2**62:
+        raise ValueError(f"key_cache: too many slots ({nb}*{bs})")
+
+    fp8 = cache_dtype in FP8_DTYPES
+    check_scale("k_scale", k_scale, fp8, cache_dtype)
+    check_scale("v_scale", v_scale, fp8, cache_dtype)
+
+    return OpSpec(
+        num_tokens=t, q_heads=qh, kv_heads=kh, head_dim=d, rotary_dim=r, num_blocks=nb,
+        block_size=bs, max_pos=max_pos, layout=layout, is_neox=bool(is_neox),
+        table_full=(width == r), precision=precision, dtype=dtype,
+        table_dtype=table_dtype, cache_dtype=cache_dtype,
+        slot_dtype=np.dtype(slot_mapping.dtype), pos_dtype=np.dtype(positions.dtype))

@@ -1,0 +1,114 @@
+"""The public API: rope_and_cache, its donating jit entry point, and cache helpers."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_rope_cache import _ffi, _spec, xla
+
+IMPLS = (None, "kernel", "xla")
+
+
+def _scale_operand(scale):
+    if scale is None:
+        return jnp.ones((), jnp.float32)
+    return jnp.asarray(scale, jnp.float32).reshape(())
+
+
+def rope_and_cache(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, *,
+                   layout="flash", is_neox=True, rotary_dim=None, k_scale=None, v_scale=None,
+                   precision="fp32", impl=None):
+    """Rotates q and k with RoPE and writes k and v into a paged KV cache, in one kernel.
+
+    Args:
+      q: [T, QH, D] bfloat16, float16 or float32 queries.
+      k, v: [T, KH, D] new keys and values, q's dtype; QH % KH == 0.
+      key_cache, value_cache: the caches in `layout` (see below), q's dtype or float8_e4m3fn /
+        float8_e4m3fnuz. Updated in place when the caller's jit donates them (or use
+        `rope_and_cache_donated`).
+      slot_mapping: [T] int32/int64. Slot s is block s // BS, offset s % BS; slots outside
+        [0, NB*BS) (e.g. -1 for padding) write nothing.
+      positions: [T] int32/int64 rows of cos/sin, clamped to [0, max_pos - 1].
+      cos, sin: [max_pos, R/2] ("half") or [max_pos, R] ("full") tables, bf16/f16/f32.
+      layout: "flash"            K, V: [NB, BS, KH, D]
+              "xpacked"          K: [NB, KH, D//X, BS, X], V: [NB, KH, D, BS]
+              "xpacked_shuffled" K: [NB, KH, D//X, BS, X], V: [NB, KH, BS//X, D, X]
+        with X = 16 // cache itemsize.
+      is_neox: True rotates pairs (i, i + R/2); False (GPT-J) pairs (2i, 2i + 1).
+      rotary_dim: R, even, <= D (default D); channels >= R pass through.
+      k_scale, v_scale: float32 scalars for float8 caches (stored = fp8(sat(x / scale))); None otherwise.
+      precision: "fp32" (rotate in float32, round once) or "native" (round every product and
+        the sum to the input dtype, bit-compatible with AITER/FlyDSL kernels).
+      impl: None (native kernel where the platform has one, else XLA), "kernel", or "xla".
+
+    Returns:
+      (q_out [T, QH, D], k_out [T, KH, D], key_cache, value_cache).
+    """
+    spec = _spec.check_op(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
+                          layout=layout, is_neox=is_neox, rotary_dim=rotary_dim, k_scale=k_scale,
+                          v_scale=v_scale, precision=precision)
+    if impl not in IMPLS:
+        raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
+    args = tuple(jnp.asarray(a) for a in (q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin))
+    args += (_scale_operand(k_scale), _scale_operand(v_scale))
+    if spec.num_tokens == 0:
+        return args[:2] + args[3:5]
+    if impl == "xla":
+        return xla.rope_and_cache(*args, spec=spec)
+    return tuple(_ffi.bind(*args, spec=spec, impl=impl))
+
+
+_STATIC = ("layout", "is_neox", "rotary_dim", "precision", "impl")
+
+rope_and_cache_donated = jax.jit(rope_and_cache, static_argnames=_STATIC,
+                                 donate_argnames=("key_cache", "value_cache"))
+rope_and_cache_donated.__doc__ = """`rope_and_cache` under `jax.jit` with both caches donated.
+
+The caches passed in are consumed (updated in place, then deleted on the caller's side): use the
+returned ones. Inside your own jit, call `rope_and_cache` and donate the caches at the outermost
+jit instead.
+"""
+
+
+def make_kv_cache(num_blocks, block_size, kv_heads, head_dim, dtype=jnp.bfloat16, *, layout="flash",
+                  num_layers=None, fill="zeros", seed=0, device=None):
+    """Allocates (key_cache, value_cache) for `layout`, optionally with a leading [num_layers] axis.
+
+    fill: "zeros", or "random" (standard normal values; useful for tests that must see which
+    slots a kernel touched).
+    """
+    dtype = np.dtype(dtype)
+    if dtype not in _spec.INPUT_DTYPES + _spec.FP8_DTYPES:
+        raise TypeError(f"dtype: expected one of "
+                        f"({_spec._names(_spec.INPUT_DTYPES + _spec.FP8_DTYPES)}), got {dtype.name}")
+    if layout not in _spec.LAYOUTS:
+        raise ValueError(f"layout: expected one of {_spec.LAYOUTS}, got {layout!r}")
+    x = _spec.pack_width(dtype)
+    if layout != "flash" and head_dim % x:
+        raise ValueError(f"head_dim: layout {layout!r} with {dtype.name} needs a multiple of X={x}, got {head_dim}")
+    if layout == "xpacked_shuffled" and block_size % x:
+        raise ValueError(f"block_size: layout 'xpacked_shuffled' with {dtype.name} needs a multiple of X={x}, "
+                         f"got {block_size}")
+    shapes = _spec.cache_shapes(layout, num_blocks, block_size, kv_heads, head_dim, dtype)
+    if num_layers is not None:
+        shapes = tuple((num_layers,) + s for s in shapes)
+    if fill == "zeros":
+        make = lambda shape, _: jnp.zeros(shape, dtype, device=device)  # noqa: E731
+    elif fill == "random":
+        keys = jax.random.split(jax.random.key(seed), 2)
+        make = lambda shape, i: jax.device_put(  # noqa: E731
+            jax.random.normal(keys[i], shape, jnp.float32).astype(dtype), device)
+    else:
+        raise ValueError(f"fill: expected 'zeros' or 'random', got {fill!r}")
+    return make(shapes[0], 0), make(shapes[1], 1)
+
+
+@functools.partial(jax.jit, static_argnames=("layout",))
+def read_kv(key_cache, value_cache, slot_mapping, *, layout="flash"):
+    """Gathers cached K and V for each slot as [T, KH, D] in the cache dtype (zeros where the slot
+    is outside the cache)."""
+    return xla.read_kv(key_cache, value_cache, slot_mapping, layout=layout)

@@ -1,0 +1,155 @@
+"""The oracle: rope_and_cache in numpy (+ ml_dtypes), importable without jax.
+
+Same signature as `jax_rope_cache.rope_and_cache`; returns new arrays and never modifies its
+inputs. It defines the arithmetic every implementation must reproduce:
+
+* positions are clamped to [0, max_pos - 1]; a slot s writes the caches only if 0 <= s < NB*BS
+  (block s // BS, offset s % BS);
+* rotary pair (a, b) is (i, i + R/2) for NeoX and (2i, 2i+1) for GPT-J, i < R/2; channels >= R are
+  copied unchanged. A "half" table gives both channels of pair i the value cos[p, i]; a "full"
+  table gives channel c the value cos[p, c];
+  a' = a*cos_a - b*sin_a,  b' = b*cos_b + a*sin_b;
+* precision "fp32": inputs and table values in float32, each product and the difference/sum a
+  separate float32 operation (no FMA), one rounding to the input dtype at the end;
+* precision "native": the table values are first rounded to the input dtype, and each product and
+  the sum is rounded to the input dtype (float32 operation, then round to nearest even);
+* the cache stores k_out/v as they are (cache dtype == input dtype), or for float8 caches
+  fp8(clamp(float32(x) * (1/scale), -max, max)) with 1/scale computed in float32 and
+  round-to-nearest-even; NaN stays NaN.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jax_rope_cache import _spec
+
+__all__ = ["rope_and_cache", "read_kv", "rotate", "quantize", "cache_views"]
+
+_F32 = np.float32
+
+
+def _round(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    return x.astype(dtype).astype(_F32)
+
+
+def pair_channels(rotary_dim: int, is_neox: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Channel indices (a, b) of each rotary pair."""
+    i = np.arange(rotary_dim // 2)
+    return (i, i + rotary_dim // 2) if is_neox else (2 * i, 2 * i + 1)
+
+
+def rotate(x: np.ndarray, cos_rows: np.ndarray, sin_rows: np.ndarray, spec: _spec.OpSpec) -> np.ndarray:
+    """Rotates x [T, H, D] with the already gathered table rows [T, W]; returns x's dtype."""
+    a, b = pair_channels(spec.rotary_dim, spec.is_neox)
+    c = cos_rows.astype(_F32)
+    s = sin_rows.astype(_F32)
+    native = spec.precision == "native"
+    if native:
+        c, s = _round(c, spec.dtype), _round(s, spec.dtype)
+    if spec.table_full:
+        ca, cb, sa, sb = c[:, a], c[:, b], s[:, a], s[:, b]
+    else:
+        ca = cb = c
+        sa = sb = s
+    ca, cb, sa, sb = (t[:, None, :] for t in (ca, cb, sa, sb))
+    xf = x.astype(_F32)
+    xa, xb = xf[..., a], xf[..., b]
+    if native:
+        r = lambda y: _round(y, spec.dtype)  # noqa: E731
+        ya = r(r(xa * ca) - r(xb * sa))
+        yb = r(r(xb * cb) + r(xa * sb))
+    else:
+        ya = xa * ca - xb * sa
+        yb = xb * cb + xa * sb
+    out = x.copy()
+    out[..., a] = ya.astype(spec.dtype)
+    out[..., b] = yb.astype(spec.dtype)
+    return out
+
+
+def quantize(x: np.ndarray, cache_dtype, scale) -> np.ndarray:
+    """Values as the cache stores them (saturating scaled fp8, or the same bits)."""
+    cache_dtype = np.dtype(cache_dtype)
+    if cache_dtype not in _spec.FP8_DTYPES:
+        return x.astype(cache_dtype)
+    inv = _F32(1.0) / _F32(np.asarray(scale, dtype=_F32).reshape(()))
+    m = _spec.FP8_MAX[cache_dtype]
+    with np.errstate(invalid="ignore", over="ignore"):
+        y = np.clip(x.astype(_F32) * inv, -m, m)
+    return y.astype(cache_dtype)
+
+
+def cache_views(key_cache: np.ndarray, value_cache: np.ndarray, layout: str):
+    """Views of both caches indexed by (block, offset) with token values reshaped to fit.
+
+    Returns (k_view, k_index, k_shape, v_view, v_index, v_shape): `view[index(blk, off)]` has the
+    shape `shape(T)` of one token's [KH, D] values as stored in that layout.
+    """
+    if layout == "flash":
+        ix = lambda blk, off: (blk, off)  # noqa: E731
+        return key_cache, ix, None, value_cache, ix, None
+    nb, kh, dx, bs, x = key_cache.shape
+    k_view = key_cache.transpose(0, 3, 1, 2, 4)  # [NB, BS, KH, D//X, X]
+    k_index = lambda blk, off: (blk, off)  # noqa: E731
+    k_shape = (kh, dx, x)
+    if layout == "xpacked":
+        v_view = value_cache.transpose(0, 3, 1, 2)  # [NB, BS, KH, D]
+        v_index = k_index
+    else:
+        v_view = value_cache.transpose(0, 2, 4, 1, 3)  # [NB, BS//X, X, KH, D]
+        v_index = lambda blk, off: (blk, off // x, off % x)  # noqa: E731
+    return k_view, k_index, k_shape, v_view, v_index, None
+
+
+def _valid_slots(slot_mapping: np.ndarray, num_slots: int) -> np.ndarray:
+    s = np.asarray(slot_mapping).astype(np.int64)
+    return (s >= 0) & (s < num_slots)
+
+
+def rope_and_cache(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, *,
+                   layout="flash", is_neox=True, rotary_dim=None, k_scale=None, v_scale=None,
+                   precision="fp32", impl=None):
+    """numpy oracle; returns (q_out, k_out, new_key_cache, new_value_cache) as new arrays."""
+    del impl
+    q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin = (
+        np.asarray(a) for a in (q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin))
+    spec = _spec.check_op(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
+                          layout=layout, is_neox=is_neox, rotary_dim=rotary_dim, k_scale=k_scale,
+                          v_scale=v_scale, precision=precision)
+    pos = np.clip(positions.astype(np.int64), 0, spec.max_pos - 1)
+    cos_rows, sin_rows = cos[pos], sin[pos]
+    q_out = rotate(q, cos_rows, sin_rows, spec)
+    k_out = rotate(k, cos_rows, sin_rows, spec)
+
+    kc, vc = key_cache.copy(), value_cache.copy()
+    valid = _valid_slots(slot_mapping, spec.num_slots)
+    slots = slot_mapping.astype(np.int64)[valid]
+    blk, off = slots // spec.block_size, slots % spec.block_size
+    kq = quantize(k_out[valid], spec.cache_dtype, k_scale)
+    vq = quantize(v[valid], spec.cache_dtype, v_scale)
+    k_view, k_index, k_shape, v_view, v_index, _ = cache_views(kc, vc, layout)
+    n = len(slots)
+    k_view[k_index(blk, off)] = kq if k_shape is None else kq.reshape((n,) + k_shape)
+    v_view[v_index(blk, off)] = vq
+    return q_out, k_out, kc, vc
+
+
+def read_kv(key_cache, value_cache, slot_mapping, *, layout="flash"):
+    """Gathers the cached K and V of each slot as [T, KH, D] in the cache dtype (zeros for
+    slots outside [0, NB*BS))."""
+    key_cache, value_cache = np.asarray(key_cache), np.asarray(value_cache)
+    k_view, k_index, _, v_view, v_index, _ = cache_views(key_cache, value_cache, layout)
+    if layout == "flash":
+        nb, bs, kh, d = key_cache.shape
+    else:
+        nb, kh, _, bs, _ = key_cache.shape
+        d = value_cache.shape[2] if layout == "xpacked" else value_cache.shape[3]
+    s = np.asarray(slot_mapping).astype(np.int64)
+    valid = _valid_slots(s, nb * bs)
+    safe = np.where(valid, s, 0)
+    blk, off = safe // bs, safe % bs
+    kk = k_view[k_index(blk, off)].reshape(len(s), kh, d)
+    vv = v_view[v_index(blk, off)].reshape(len(s), kh, d)
+    zero = np.zeros((), key_cache.dtype)
+    return np.where(valid[:, None, None], kk, zero), np.where(valid[:, None, None], vv, zero)

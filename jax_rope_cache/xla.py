@@ -1,0 +1,123 @@
+"""impl="xla": the op in pure jax.numpy. The fallback on every platform and the baseline to beat.
+
+One gather of the cos/sin rows, the rotation as slices, and one windowed scatter per cache with
+mode="drop" (invalid slots are mapped past the last block, never wrapped like negative indices)
+and unique_indices=True (callers pass unique slots, as the contract says).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from jax_rope_cache import _spec
+
+_F32 = jnp.float32
+
+
+def _pairs(x, spec: _spec.OpSpec):
+    r = spec.rotary_dim
+    if spec.is_neox:
+        return x[..., : r // 2], x[..., r // 2 : r]
+    return x[..., 0:r:2], x[..., 1:r:2]
+
+
+def _unpair(xa, xb, tail, spec: _spec.OpSpec):
+    if spec.is_neox:
+        rot = jnp.concatenate([xa, xb], axis=-1)
+    else:
+        rot = jnp.stack([xa, xb], axis=-1).reshape(xa.shape[:-1] + (2 * xa.shape[-1],))
+    return jnp.concatenate([rot, tail], axis=-1) if tail.shape[-1] else rot
+
+
+def table_rows(cos, sin, positions, spec: _spec.OpSpec):
+    """(cos_a, cos_b, sin_a, sin_b) as f32 [T, 1, R/2], gathered once per token."""
+    pos = jnp.clip(positions, 0, spec.max_pos - 1)
+    cs = jnp.take(jnp.stack([cos, sin]), pos, axis=1, mode="clip").astype(_F32)  # [2, T, W]
+    if spec.precision == "native":
+        cs = cs.astype(spec.dtype).astype(_F32)
+    c, s = cs[0][:, None, :], cs[1][:, None, :]
+    if spec.table_full:
+        (ca, cb), (sa, sb) = _pairs(c, spec), _pairs(s, spec)
+        return ca, cb, sa, sb
+    return c, c, s, s
+
+
+def rotate(x, rows, spec: _spec.OpSpec):
+    ca, cb, sa, sb = rows
+    xa, xb = (t.astype(_F32) for t in _pairs(x, spec))
+    if spec.precision == "native":
+        r = lambda y: y.astype(spec.dtype).astype(_F32)  # noqa: E731
+        ya = r(r(xa * ca) - r(xb * sa))
+        yb = r(r(xb * cb) + r(xa * sb))
+    else:
+        ya = xa * ca - xb * sa
+        yb = xb * cb + xa * sb
+    return _unpair(ya.astype(x.dtype), yb.astype(x.dtype), x[..., spec.rotary_dim :], spec)
+
+
+def quantize(x, cache_dtype, scale):
+    cache_dtype = np.dtype(cache_dtype)
+    if cache_dtype not in _spec.FP8_DTYPES:
+        return x.astype(cache_dtype)
+    inv = _F32(1.0) / jnp.asarray(scale, _F32).reshape(())
+    m = _spec.FP8_MAX[cache_dtype]
+    return jnp.clip(x.astype(_F32) * inv, -m, m).astype(cache_dtype)
+
+
+def slot_coords(slot_mapping, spec: _spec.OpSpec):
+    """(block, offset) per token; invalid slots get block NB, which mode="drop" skips."""
+    s = slot_mapping
+    valid = (s >= 0) & (s < spec.num_slots)
+    blk = jnp.where(valid, s // spec.block_size, spec.num_blocks)
+    off = jnp.where(valid, s % spec.block_size, 0)
+    return blk, off
+
+
+def scatter_kv(key_cache, value_cache, kq, vq, blk, off, spec: _spec.OpSpec):
+    """Writes kq, vq [T, KH, D] (already in the cache dtype) into both caches."""
+    t, kh, d, x = spec.num_tokens, spec.kv_heads, spec.head_dim, spec.x
+    kw = dict(mode="drop", unique_indices=True)
+    if spec.layout == "flash":
+        return key_cache.at[blk, off].set(kq, **kw), value_cache.at[blk, off].set(vq, **kw)
+    # Advanced indices split by slices: the token axis comes first in the indexed shape.
+    key_cache = key_cache.at[blk, :, :, off, :].set(kq.reshape(t, kh, d // x, x), **kw)
+    if spec.layout == "xpacked":
+        value_cache = value_cache.at[blk, :, :, off].set(vq, **kw)
+    else:
+        value_cache = value_cache.at[blk, :, off // x, :, off % x].set(vq, **kw)
+    return key_cache, value_cache
+
+
+def rope_and_cache(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
+                   k_scale, v_scale, spec: _spec.OpSpec):
+    rows = table_rows(cos, sin, positions, spec)
+    q_out, k_out = rotate(q, rows, spec), rotate(k, rows, spec)
+    blk, off = slot_coords(slot_mapping, spec)
+    kq = quantize(k_out, spec.cache_dtype, k_scale)
+    vq = quantize(v, spec.cache_dtype, v_scale)
+    key_cache, value_cache = scatter_kv(key_cache, value_cache, kq, vq, blk, off, spec)
+    return q_out, k_out, key_cache, value_cache
+
+
+def read_kv(key_cache, value_cache, slot_mapping, *, layout="flash"):
+    """Cached K and V of each slot as [T, KH, D] in the cache dtype; zeros for invalid slots."""
+    if layout == "flash":
+        nb, bs, kh, d = key_cache.shape
+    else:
+        nb, kh, _, bs, x = key_cache.shape
+        d = value_cache.shape[2] if layout == "xpacked" else value_cache.shape[3]
+    s = jnp.asarray(slot_mapping)
+    valid = (s >= 0) & (s < nb * bs)
+    safe = jnp.where(valid, s, 0)
+    blk, off = safe // bs, safe % bs
+    t = s.shape[0]
+    if layout == "flash":
+        kk, vv = key_cache[blk, off], value_cache[blk, off]
+    else:
+        kk = key_cache[blk, :, :, off, :].reshape(t, kh, d)
+        vv = (value_cache[blk, :, :, off] if layout == "xpacked"
+              else value_cache[blk, :, off // x, :, off % x])
+    keep = valid[:, None, None]
+    return (jnp.where(keep, kk, jnp.zeros((), kk.dtype)), jnp.where(keep, vv, jnp.zeros((), vv.dtype)))
+

@@ -1,0 +1,179 @@
+// Scalar arithmetic of the op, shared by the CPU handler (g++) and the CUDA kernel (NVRTC).
+//
+// Every rounding here is defined bit for bit so that all implementations and the numpy
+// reference (jax_rope_cache/reference.py) agree exactly:
+//   * conversions f32 -> bf16 / f16 / fp8 round to nearest, ties to even;
+//   * fp8 stores saturate to the largest finite value (never NaN from overflow), NaN stays NaN;
+//   * products and sums are separate f32 operations (no FMA contraction: the CPU build uses
+//     -ffp-contract=off, the CUDA kernel calls the _rn intrinsics through rc_mul/rc_add/rc_sub).
+// No standard headers: NVRTC compiles this file as is.
+#pragma once
+
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+#define RC_FN __host__ __device__ __forceinline__
+#else
+#define RC_FN static inline
+#endif
+
+typedef unsigned char rc_u8;
+typedef unsigned short rc_u16;
+typedef unsigned int rc_u32;
+typedef int rc_i32;
+typedef long long rc_i64;
+
+// Element codes shared with the Python side (jax_rope_cache/_spec.py: DTYPE_CODES).
+enum RcDtype {
+  RC_F32 = 0,
+  RC_BF16 = 1,
+  RC_F16 = 2,
+  RC_FP8_E4M3FN = 3,
+  RC_FP8_E4M3FNUZ = 4,
+};
+
+// Cache layouts (jax_rope_cache/_spec.py: LAYOUTS).
+enum RcLayout { RC_FLASH = 0, RC_XPACKED = 1, RC_XPACKED_SHUFFLED = 2 };
+
+RC_FN rc_u32 rc_f32_bits(float f) {
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+  return __float_as_uint(f);
+#else
+  rc_u32 u;
+  __builtin_memcpy(&u, &f, 4);
+  return u;
+#endif
+}
+
+RC_FN float rc_bits_f32(rc_u32 u) {
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+  return __uint_as_float(u);
+#else
+  float f;
+  __builtin_memcpy(&f, &u, 4);
+  return f;
+#endif
+}
+
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+RC_FN float rc_mul(float a, float b) { return __fmul_rn(a, b); }
+RC_FN float rc_add(float a, float b) { return __fadd_rn(a, b); }
+RC_FN float rc_sub(float a, float b) { return __fsub_rn(a, b); }
+#else
+RC_FN float rc_mul(float a, float b) { return a * b; }
+RC_FN float rc_add(float a, float b) { return a + b; }
+RC_FN float rc_sub(float a, float b) { return a - b; }
+#endif
+
+// ---- bfloat16 -------------------------------------------------------------------------------
+RC_FN float rc_bf16_to_f32(rc_u16 h) { return rc_bits_f32((rc_u32)h << 16); }
+
+RC_FN rc_u16 rc_f32_to_bf16(float f) {
+  rc_u32 u = rc_f32_bits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (rc_u16)((u >> 16) | 0x0040u);  // quiet NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (rc_u16)(u >> 16);
+}
+
+// ---- float16 --------------------------------------------------------------------------------
+RC_FN float rc_f16_to_f32(rc_u16 h) {
+  rc_u32 sign = (rc_u32)(h & 0x8000u) << 16;
+  rc_u32 exp = (h >> 10) & 0x1fu;
+  rc_u32 man = h & 0x3ffu;
+  if (exp == 0x1fu) return rc_bits_f32(sign | 0x7f800000u | (man << 13));
+  if (exp == 0) {  // zero or subnormal: man * 2^-24, exact in f32
+    float v = (float)man * rc_bits_f32(0x33800000u);
+    return rc_bits_f32(sign | rc_f32_bits(v));
+  }
+  return rc_bits_f32(sign | ((exp + 112u) << 23) | (man << 13));
+}
+
+// Rounds m >> shift to nearest, ties to even (shift in [1, 31]).
+RC_FN rc_u32 rc_shift_rne(rc_u32 m, rc_u32 shift) {
+  rc_u32 kept = m >> shift;
+  rc_u32 rem = m & ((1u << shift) - 1u);
+  rc_u32 half = 1u << (shift - 1u);
+  if (rem > half || (rem == half && (kept & 1u))) kept += 1u;
+  return kept;
+}
+
+RC_FN rc_u16 rc_f32_to_f16(float f) {
+  rc_u32 x = rc_f32_bits(f);
+  rc_u16 sign = (rc_u16)((x >> 16) & 0x8000u);
+  x &= 0x7fffffffu;
+  if (x > 0x7f800000u) return (rc_u16)(sign | 0x7e00u | ((x >> 13) & 0x3ffu));  // NaN
+  if (x >= 0x477ff000u) return (rc_u16)(sign | 0x7c00u);  // >= 65520 rounds to inf
+  if (x >= 0x38800000u) {  // normal half: rebias exponent 127 -> 15, keep 10 mantissa bits
+    return (rc_u16)(sign | rc_shift_rne(x - 0x38000000u, 13));
+  }
+  if (x <= 0x33000000u) return sign;  // <= 2^-25: rounds to zero (tie goes to even 0)
+  rc_u32 e = x >> 23;                 // subnormal half: k * 2^-24
+  rc_u32 m = (x & 0x7fffffu) | 0x800000u;
+  return (rc_u16)(sign | rc_shift_rne(m, 126u - e));
+}
+
+// ---- float8 e4m3 (fn: bias 7, max 448, NaN 0x7f/0xff; fnuz: bias 8, max 240, NaN 0x80) --------
+RC_FN float rc_fp8_to_f32(rc_u8 b, bool fnuz) {
+  if (fnuz && b == 0x80u) return rc_bits_f32(0x7fc00000u);
+  if (!fnuz && (b & 0x7fu) == 0x7fu) return rc_bits_f32(((rc_u32)(b & 0x80u) << 24) | 0x7fc00000u);
+  rc_u32 sign = (rc_u32)(b & 0x80u) << 24;
+  rc_u32 exp = (b >> 3) & 0xfu;
+  rc_u32 man = b & 7u;
+  rc_u32 bias = fnuz ? 8u : 7u;
+  if (exp == 0) {  // subnormal: man * 2^(1 - bias - 3)
+    float v = (float)man * rc_bits_f32((127u + 1u - bias - 3u) << 23);
+    return rc_bits_f32(sign | rc_f32_bits(v));
+  }
+  return rc_bits_f32(sign | ((exp + 127u - bias) << 23) | (man << 20));
+}
+
+// f32 -> e4m3 with saturation: |x| beyond the largest finite value (inf included) stores +-max.
+RC_FN rc_u8 rc_f32_to_fp8(float f, bool fnuz) {
+  rc_u32 x = rc_f32_bits(f);
+  rc_u8 sign = (rc_u8)((x >> 24) & 0x80u);
+  x &= 0x7fffffffu;
+  if (x > 0x7f800000u) return fnuz ? (rc_u8)0x80u : (rc_u8)(sign | 0x7fu);
+  rc_u32 bias = fnuz ? 8u : 7u;
+  rc_u32 max_code = fnuz ? 0x7fu : 0x7eu;
+  rc_u32 code;
+  rc_u32 e = x >> 23;
+  if (e >= 128u - bias) {  // normal e4m3: rebias exponent, keep 3 mantissa bits
+    rc_u32 rebased = x - ((127u - bias) << 23);
+    code = (e > 127u + 9u) ? max_code + 1u : rc_shift_rne(rebased, 20);
+    if (code > max_code) code = max_code;
+  } else {  // subnormal e4m3: k * 2^(-2 - bias)
+    rc_u32 shift = 148u - bias - e;  // >= 21
+    code = (shift > 25u || e == 0u) ? 0u : rc_shift_rne((x & 0x7fffffu) | 0x800000u, shift);
+  }
+  if (code == 0u && fnuz) return 0;  // fnuz has no negative zero (0x80 is NaN)
+  return (rc_u8)(sign | code);
+}
+
+RC_FN float rc_fp8_max(bool fnuz) { return fnuz ? 240.0f : 448.0f; }
+
+// ---- the rotation ---------------------------------------------------------------------------
+// One rotary pair (a, b) with the table values of each channel:
+//   a' = a*cos_a - b*sin_a,   b' = b*cos_b + a*sin_b
+// fp32 precision: f32 products and sums, one rounding to the output dtype afterwards (by the caller).
+// native precision: every product and the sum rounded to the input dtype `dt` (the caller passes
+// inputs and table values already representable in `dt`).
+RC_FN float rc_round_to(float v, int dt) {
+  if (dt == RC_BF16) return rc_bf16_to_f32(rc_f32_to_bf16(v));
+  if (dt == RC_F16) return rc_f16_to_f32(rc_f32_to_f16(v));
+  return v;
+}
+
+RC_FN void rc_rotate_pair(float a, float b, float cos_a, float sin_a, float cos_b, float sin_b,
+                          int native_dt, float* out_a, float* out_b) {
+  if (native_dt < 0) {
+    *out_a = rc_sub(rc_mul(a, cos_a), rc_mul(b, sin_a));
+    *out_b = rc_add(rc_mul(b, cos_b), rc_mul(a, sin_b));
+  } else {
+    const int dt = native_dt;
+    *out_a = rc_round_to(rc_sub(rc_round_to(rc_mul(a, cos_a), dt), rc_round_to(rc_mul(b, sin_a), dt)), dt);
+    *out_b = rc_round_to(rc_add(rc_round_to(rc_mul(b, cos_b), dt), rc_round_to(rc_mul(a, sin_b), dt)), dt);
+  }
+}
+
+// Quantises one value for an fp8 cache: saturate(x * inv_scale).
+RC_FN rc_u8 rc_quantize_fp8(float x, float inv_scale, bool fnuz) {
+  return rc_f32_to_fp8(rc_mul(x, inv_scale), fnuz);
+}
