@@ -27,7 +27,9 @@ LAYOUT_CODES = {name: i for i, name in enumerate(_spec.LAYOUTS)}
 rope_cache_p = Primitive("rope_and_cache")
 rope_cache_p.multiple_results = True
 
-_registered: set[str] = set()
+_registered: set[tuple[str, str]] = set()
+# platform -> callable telling whether its native kernel can be built here (backend modules add theirs).
+_KERNEL_PLATFORMS = {"cpu": lambda: native_module() is not None}
 _lock = threading.Lock()
 
 
@@ -39,6 +41,15 @@ def native_module():
     except ImportError:
         return None
     return _native
+
+
+def register_kernel_platform(platform: str, available) -> None:
+    _KERNEL_PLATFORMS[platform] = available
+
+
+def kernel_platforms() -> list[str]:
+    """Platforms (jax names: "cpu", "cuda", "rocm") whose native kernel is usable in this process."""
+    return [p for p, available in _KERNEL_PLATFORMS.items() if available()]
 
 
 def register_target(name: str, capsule_fn, platform: str) -> None:

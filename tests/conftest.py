@@ -1,0 +1,140 @@
+"""Shared test helpers: which (platform, impl) pairs exist here, random problems, bitwise checks.
+
+Tests never assume the platform: they ask jax which backends exist and parametrise over them, so
+the same files run on CPU (CI), on CUDA and on ROCm hosts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jax_rope_cache import _ffi, _spec, reference
+
+FULL_SWEEP = os.environ.get("JRC_FULL_SWEEP") == "1"
+
+
+def platforms() -> list[str]:
+    found = []
+    for name in ("cpu", "cuda", "rocm"):
+        try:
+            if jax.devices(name):
+                found.append(name)
+        except RuntimeError:
+            pass
+    return found
+
+
+def impl_params() -> list:
+    """(platform, impl) pairs: the XLA path everywhere, the native kernel where one exists."""
+    out = []
+    for p in platforms():
+        out.append(pytest.param(p, "xla", id=f"{p}-xla"))
+        if p in _ffi.kernel_platforms():
+            out.append(pytest.param(p, "kernel", id=f"{p}-kernel"))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    T: int = 7
+    QH: int = 8
+    KH: int = 2
+    D: int = 128
+    R: int | None = None
+    BS: int = 16
+    NB: int = 6
+    layout: str = "flash"
+    is_neox: bool = True
+    table: str = "half"
+    dtype: str = "bfloat16"
+    table_dtype: str = "float32"
+    cache_dtype: str | None = None  # None: same as dtype
+    index_dtype: str = "int32"
+    precision: str = "fp32"
+    max_pos: int = 64
+
+    @property
+    def id(self) -> str:
+        return (f"T{self.T}-h{self.QH}x{self.KH}-D{self.D}-R{self.R or self.D}-BS{self.BS}-{self.layout}-"
+                f"{'neox' if self.is_neox else 'gptj'}-{self.table}-{self.dtype}-{self.table_dtype}-"
+                f"{self.cache_dtype or 'same'}-{self.index_dtype}-{self.precision}")
+
+
+def make_problem(case: Case, seed: int):
+    """Fresh random inputs: caches pre-filled with random values, slots a random permutation with
+    -1, >= NB*BS and huge values mixed in, positions partly out of range."""
+    rng = np.random.default_rng(seed)
+    dt = np.dtype(getattr(ml_dtypes, case.dtype, None) or case.dtype)
+    cdt = dt if case.cache_dtype is None else np.dtype(getattr(ml_dtypes, case.cache_dtype))
+    tdt = np.dtype(getattr(ml_dtypes, case.table_dtype, None) or case.table_dtype)
+    idt = np.dtype(case.index_dtype)
+    r = case.R or case.D
+    normal = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
+    q, k, v = (normal(case.T, h, case.D).astype(dt) for h in (case.QH, case.KH, case.KH))
+    nb = max(case.NB, -(-2 * case.T // case.BS))  # room for T unique valid slots
+    kshape, vshape = _spec.cache_shapes(case.layout, nb, case.BS, case.KH, case.D, cdt)
+    kc, vc = normal(*kshape).astype(cdt), normal(*vshape).astype(cdt)
+    nslots = nb * case.BS
+    slots = rng.permutation(nslots)[: case.T].astype(np.int64)
+    if case.T < nslots:  # invalid slots must not hide valid ones that are still free
+        bad = [-1, nslots, -(2**31), 2**31 - 1] + ([2**40, -(2**62)] if idt == np.int64 else [])
+        for i in range(0, case.T, 3):
+            slots[i] = bad[(i // 3) % len(bad)]
+    pos = rng.integers(0, case.max_pos, case.T)
+    pos[1::4] = rng.integers(case.max_pos, 10 * case.max_pos + 5, len(pos[1::4]))
+    pos[2::5] = -rng.integers(1, 1000, len(pos[2::5]))
+    ang = rng.uniform(-np.pi, np.pi, (case.max_pos, r if case.table == "full" else r // 2))
+    cos, sin = np.cos(ang).astype(tdt), np.sin(ang).astype(tdt)
+    fp8 = cdt in _spec.FP8_DTYPES
+    scales = dict(k_scale=np.float32(rng.uniform(0.05, 0.5)), v_scale=np.float32(rng.uniform(0.05, 0.5))) if fp8 else {}
+    args = (q, k, v, kc, vc, slots.astype(idt), pos.astype(idt), cos, sin)
+    opts = dict(layout=case.layout, is_neox=case.is_neox, rotary_dim=case.R, precision=case.precision, **scales)
+    return args, opts
+
+
+def ordered_bits(a: np.ndarray) -> np.ndarray:
+    """Maps float bit patterns to integers whose difference counts ulps (sign-magnitude -> two's)."""
+    a = np.asarray(a)
+    nbits = a.dtype.itemsize * 8
+    u = a.view({8: np.uint8, 16: np.uint16, 32: np.uint32}[nbits]).astype(np.int64)
+    sign = 1 << (nbits - 1)
+    return np.where(u & sign, -(u & (sign - 1)), u)
+
+
+def ulp_diff(a, b) -> np.ndarray:
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, b.dtype, a.shape, b.shape)
+    return np.abs(ordered_bits(a) - ordered_bits(b))
+
+
+def assert_bits_equal(got, want, what: str):
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.dtype == want.dtype and got.shape == want.shape, (what, got.dtype, want.dtype, got.shape, want.shape)
+    d = ulp_diff(got, want)
+    bad = np.argwhere(d != 0)
+    assert len(bad) == 0, f"{what}: {len(bad)} of {d.size} elements differ, first at {tuple(bad[0])}, max {d.max()} ulp"
+
+
+def assert_within_ulp(got, want, what: str, ulps: int = 1):
+    d = ulp_diff(got, want)
+    assert d.max(initial=0) <= ulps, f"{what}: max {d.max()} ulp > {ulps} ({int((d > ulps).sum())} elements)"
+
+
+def assert_fma_close(got, want, bound, what: str):
+    """Each element within 1 ulp of the output dtype, or within `bound` (broadcastable) in absolute
+    terms: an FMA moves a difference of two products by up to one f32 ulp of the larger product,
+    which under cancellation is many ulps of the (small) result in any dtype."""
+    got, want = np.asarray(got), np.asarray(want)
+    ulps = ulp_diff(got, want)
+    err = np.abs(got.astype(np.float64) - want.astype(np.float64))
+    ok = (ulps <= 1) | (err <= bound)
+    assert ok.all(), f"{what}: {int((~ok).sum())} elements beyond 1 ulp and the FMA bound, max {ulps.max()} ulp"
+
+
+reference_op = reference.rope_and_cache
