@@ -1,0 +1,131 @@
+"""Bad input raises ValueError/TypeError at trace time naming the argument, the expectation and
+what was given, for the jax API (every impl) and the numpy reference alike."""
+
+from __future__ import annotations
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jax_rope_cache as jrc
+from jax_rope_cache import reference
+
+BF16, FP8 = ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn
+T, QH, KH, D, NB, BS = 4, 8, 2, 64, 3, 16
+
+
+def _good():
+    z = lambda *s, dt=BF16: np.ones(s, dt)  # noqa: E731  (values are irrelevant: errors come first)
+    return dict(q=z(T, QH, D), k=z(T, KH, D), v=z(T, KH, D), key_cache=z(NB, BS, KH, D), value_cache=z(NB, BS, KH, D),
+                slot_mapping=np.arange(T, dtype=np.int32), positions=np.arange(T, dtype=np.int32),
+                cos=z(32, D // 2, dt=np.float32), sin=z(32, D // 2, dt=np.float32))
+
+
+def _xpacked(dt=BF16, x=8, d=D):
+    return dict(key_cache=np.ones((NB, KH, d // x, BS, x), dt), value_cache=np.ones((NB, KH, d, BS), dt))
+
+
+# (id, argument overrides, option overrides, exception, substrings the message must contain)
+BAD = [
+    ("q-rank", dict(q=np.ones((T, QH * D), BF16)), {}, ValueError, ["q", "rank 3", "[4, 512]"]),
+    ("q-dtype-int", dict(q=np.ones((T, QH, D), np.int32)), {}, TypeError, ["q", "bfloat16", "int32"]),
+    ("q-dtype-f64", dict(q=np.ones((T, QH, D), np.float64)), {}, TypeError, ["q", "float64"]),
+    ("k-dtype-mismatch", dict(k=np.ones((T, KH, D), np.float16)), {}, TypeError, ["k", "same as q", "float16"]),
+    ("v-shape", dict(v=np.ones((T, KH + 1, D), BF16)), {}, ValueError, ["v", "[4, 2, 64]", "[4, 3, 64]"]),
+    ("k-tokens", dict(k=np.ones((T + 1, KH, D), BF16)), {}, ValueError, ["k", "[4, 2, 64]", "[5, 2, 64]"]),
+    ("heads-not-multiple", dict(q=np.ones((T, 7, D), BF16)), {}, ValueError, ["q", "multiple of KH=2", "QH=7"]),
+    ("odd-head-dim", dict(q=np.ones((T, QH, 63), BF16), k=np.ones((T, KH, 63), BF16), v=np.ones((T, KH, 63), BF16)),
+     {}, ValueError, ["q", "even head_dim", "D=63"]),
+    ("rotary-odd", {}, dict(rotary_dim=31), ValueError, ["rotary_dim", "even", "31"]),
+    ("rotary-too-large", {}, dict(rotary_dim=128), ValueError, ["rotary_dim", "D=64", "128"]),
+    ("rotary-float", {}, dict(rotary_dim=32.0), TypeError, ["rotary_dim", "int", "float"]),
+    ("table-width", dict(cos=np.ones((32, 20), np.float32), sin=np.ones((32, 20), np.float32)), {}, ValueError,
+     ["cos", "R/2=32", "R=64", "[32, 20]"]),
+    ("table-width-partial", {}, dict(rotary_dim=16), ValueError, ["cos", "R/2=8", "R=16", "[32, 32]"]),
+    ("sin-shape", dict(sin=np.ones((31, D // 2), np.float32)), {}, ValueError, ["sin", "[32, 32]", "[31, 32]"]),
+    ("sin-dtype", dict(sin=np.ones((32, D // 2), np.float16)), {}, TypeError, ["sin", "float32", "float16"]),
+    ("table-int", dict(cos=np.ones((32, D // 2), np.int32), sin=np.ones((32, D // 2), np.int32)), {}, TypeError,
+     ["cos", "int32"]),
+    ("table-rank", dict(cos=np.ones((32,), np.float32), sin=np.ones((32,), np.float32)), {}, ValueError,
+     ["cos", "rank 2", "[32]"]),
+    ("slots-float", dict(slot_mapping=np.zeros(T, np.float32)), {}, TypeError, ["slot_mapping", "int32 or int64", "float32"]),
+    ("slots-length", dict(slot_mapping=np.zeros(T + 2, np.int32)), {}, ValueError, ["slot_mapping", "[4]", "[6]"]),
+    ("positions-rank", dict(positions=np.zeros((T, 1), np.int32)), {}, ValueError, ["positions", "rank 1", "[4, 1]"]),
+    ("positions-uint", dict(positions=np.zeros(T, np.uint32)), {}, TypeError, ["positions", "uint32"]),
+    ("cache-dtype", dict(key_cache=np.ones((NB, BS, KH, D), np.float32), value_cache=np.ones((NB, BS, KH, D), np.float32)),
+     {}, TypeError, ["key_cache", "bfloat16", "float8_e4m3fn", "float32"]),
+    ("value-cache-dtype", dict(value_cache=np.ones((NB, BS, KH, D), np.float16)), {}, TypeError,
+     ["value_cache", "same as key_cache", "float16"]),
+    ("cache-heads", dict(key_cache=np.ones((NB, BS, KH + 1, D), BF16)), {}, ValueError,
+     ["key_cache", "[NB, BS, KH, D]", "[3, 16, 2, 64]", "[3, 16, 3, 64]"]),
+    ("cache-rank-for-layout", {}, dict(layout="xpacked"), ValueError, ["key_cache", "rank 5", "xpacked", "[3, 16, 2, 64]"]),
+    ("value-cache-layout", dict(value_cache=np.ones((NB, BS, KH, D), BF16), key_cache=_xpacked()["key_cache"]),
+     dict(layout="xpacked"), ValueError, ["value_cache", "[NB, KH, D, BS]", "[3, 2, 64, 16]", "[3, 16, 2, 64]"]),
+    ("x-mismatch", _xpacked(x=4), dict(layout="xpacked"), ValueError, ["key_cache", "X = 16 // itemsize = 8", "bfloat16"]),
+    ("x-mismatch-fp8", _xpacked(dt=FP8, x=8), dict(layout="xpacked", k_scale=1.0, v_scale=1.0), ValueError,
+     ["key_cache", "X = 16 // itemsize = 16", "float8_e4m3fn"]),
+    ("shuffled-block", dict(key_cache=np.ones((NB, KH, D // 8, 12, 8), BF16), value_cache=np.ones((NB, KH, 1, D, 8), BF16)),
+     dict(layout="xpacked_shuffled"), ValueError, ["value_cache", "divisible by X=8", "BS=12"]),
+    ("fp8-no-scale", dict(key_cache=np.ones((NB, BS, KH, D), FP8), value_cache=np.ones((NB, BS, KH, D), FP8)),
+     dict(v_scale=1.0), ValueError, ["k_scale", "needs a scale", "None"]),
+    ("scale-non-fp8", {}, dict(k_scale=0.5), ValueError, ["k_scale", "float8 caches only", "0.5"]),
+    ("scale-shape", dict(key_cache=np.ones((NB, BS, KH, D), FP8), value_cache=np.ones((NB, BS, KH, D), FP8)),
+     dict(k_scale=np.ones(3, np.float32), v_scale=1.0), TypeError, ["k_scale", "float32 scalar", "float32[3]"]),
+    ("unknown-layout", {}, dict(layout="paged"), ValueError, ["layout", "flash", "'paged'"]),
+    ("unknown-precision", {}, dict(precision="bf16"), ValueError, ["precision", "fp32", "'bf16'"]),
+    ("is-neox-str", {}, dict(is_neox="yes"), TypeError, ["is_neox", "bool", "str"]),
+    ("not-an-array", dict(q=[[1.0]]), {}, TypeError, ["q", "array", "list"]),
+]
+
+
+def _call(fn, overrides, options):
+    args = _good()
+    args.update(overrides)
+    return fn(*args.values(), **options)
+
+
+def test_the_good_call_is_accepted():
+    q_out, *_ = _call(reference.rope_and_cache, {}, {})
+    assert q_out.shape == (T, QH, D)
+    assert len(BAD) >= 20
+
+
+# Not every entry sees every input: a Python list is no jit argument, jit turns float64 into float32
+# (x64 off), and the numpy reference converts array-likes (a list becomes a float64 array).
+EXCLUDED = {("api-jit", "not-an-array"), ("api-jit", "q-dtype-f64"), ("reference", "not-an-array")}
+PARAMS = [pytest.param(entry, *b[1:], id=f"{entry}-{b[0]}") for entry in ("api", "api-jit", "reference") for b in BAD
+          if (entry, b[0]) not in EXCLUDED]
+
+
+@pytest.mark.parametrize("entry,overrides,options,exc,parts", PARAMS)
+def test_bad_input_raises_a_clear_error(entry, overrides, options, exc, parts):
+    if entry == "reference":
+        fn = reference.rope_and_cache
+    elif entry == "api":
+        fn = jrc.rope_and_cache
+    else:  # traced: the error comes at trace time, before any lowering
+        static = {k: v for k, v in options.items() if k not in ("k_scale", "v_scale")}
+        scales = {k: v for k, v in options.items() if k in ("k_scale", "v_scale")}
+        fn = lambda *a, **_: jax.jit(lambda *b: jrc.rope_and_cache(*b, **static, **scales))(*a)  # noqa: E731
+    with pytest.raises(exc) as err:
+        _call(fn, overrides, options)
+    msg = str(err.value)
+    assert msg.split(":")[0] == parts[0], msg  # names the argument first
+    for p in parts[1:]:
+        assert p in msg, f"{p!r} not in {msg!r}"
+
+
+@pytest.mark.parametrize("bad", ["gpu", "triton", ""])
+def test_unknown_impl(bad):
+    with pytest.raises(ValueError, match="impl: expected one of"):
+        _call(jrc.rope_and_cache, {}, dict(impl=bad))
+
+
+def test_make_kv_cache_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="layout: expected one of"):
+        jrc.make_kv_cache(2, 16, 1, 64, layout="paged")
+    with pytest.raises(TypeError, match="dtype: expected one of .* got int8"):
+        jrc.make_kv_cache(2, 16, 1, 64, np.int8)
+    with pytest.raises(ValueError, match="head_dim: layout 'xpacked' with float8_e4m3fn needs a multiple of X=16, got 72"):
+        jrc.make_kv_cache(2, 16, 1, 72, FP8, layout="xpacked")
