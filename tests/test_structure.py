@@ -1,0 +1,132 @@
+"""Structure, not only values: the caches are updated in place.
+
+For every (platform, impl): a donated jit aliases both caches (`input_output_alias=` in the
+compiled HLO), contains no copy of a cache-shaped buffer, and needs less temp memory than one
+cache; a 64-step fori_loop decode keeps all of that and matches 64 reference steps; the library's
+own donating entry point consumes the caches it is given; the kernel path is one custom call.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_rope_cache as jrc
+from conftest import Case, assert_bits_equal, assert_fma_close, impl_params, make_problem, reference_op
+
+CASE = Case(T=8, QH=8, KH=2, D=128, NB=64, BS=16, layout="xpacked")
+OPTS_STATIC = ("layout", "is_neox", "rotary_dim", "precision")
+
+
+def _on(platform, tree):
+    return jax.device_put(tree, jax.devices(platform)[0])
+
+
+def _dims(shape) -> str:
+    return "[" + ",".join(str(d) for d in shape) + "]"
+
+
+def check_in_place(compiled, cache_shapes, cache_bytes, n_params_before_caches=3):
+    text = compiled.as_text()
+    aliases = {int(p) for _, p in re.findall(r"\{(\d*)\}: \((\d+), \{\}, (?:may|must)-alias\)", text)}
+    assert "input_output_alias=" in text, "no input_output_alias in the compiled module"
+    assert {n_params_before_caches, n_params_before_caches + 1} <= aliases, f"caches not aliased: {aliases}"
+    for line in text.splitlines():
+        if re.search(r"\bcopy(-start)?\(", line):
+            for shape in cache_shapes:
+                assert _dims(shape) not in line, f"cache-shaped copy: {line.strip()}"
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    assert temp < cache_bytes, f"temp memory {temp} B holds a cache-sized buffer ({cache_bytes} B)"
+    return text
+
+
+def _split(args, opts):
+    static = {k: v for k, v in opts.items() if k in OPTS_STATIC}
+    dynamic = {k: v for k, v in opts.items() if k not in OPTS_STATIC}
+    return static, dynamic
+
+
+@pytest.mark.parametrize("platform,impl", impl_params())
+def test_donated_jit_updates_caches_in_place(platform, impl):
+    args, opts = make_problem(CASE, seed=11)
+    static, _ = _split(args, opts)
+    step = jax.jit(lambda *a: jrc.rope_and_cache(*a, **static, impl=impl), donate_argnums=(3, 4))
+    dargs = _on(platform, args)
+    compiled = step.lower(*dargs).compile()
+    text = check_in_place(compiled, [args[3].shape, args[4].shape], args[3].nbytes)
+    if impl == "kernel":
+        calls = re.findall(r"custom_call_target=\"(jax_rope_cache[a-z_]*)\"", text)
+        assert len(calls) == 1, f"expected one kernel custom call, found {calls}"
+    want = reference_op(*args, **opts)
+    got = [np.asarray(o) for o in compiled(*dargs)]
+    for g, w in zip(got[2:], want[2:]):
+        assert_fma_close(g, w, 2.0**-22 * 8, "cache")
+    assert dargs[3].is_deleted() and dargs[4].is_deleted(), "donated caches were not consumed"
+
+
+@pytest.mark.parametrize("platform,impl", impl_params())
+def test_fori_loop_decode_keeps_caches_in_place(platform, impl):
+    steps = 64
+    case = Case(T=4, QH=8, KH=2, D=64, NB=80, BS=16, layout="flash")
+    args, opts = make_problem(case, seed=12)
+    q, k, v, kc, vc, _, _, cos, sin = args
+    base_slots = np.arange(case.T, dtype=np.int32) * 300  # token t owns slots [300 t, 300 t + 64)
+    static, _ = _split(args, opts)
+
+    def decode(q, k, v, kc, vc, cos, sin):
+        def body(i, carry):
+            kc, vc, acc = carry
+            slots = jnp.asarray(base_slots) + i
+            pos = jnp.full((case.T,), i, jnp.int32)
+            qo, ko, kc, vc = jrc.rope_and_cache(q * (i + 1).astype(q.dtype), k, v, kc, vc, slots, pos, cos, sin,
+                                                **static, impl=impl)
+            return kc, vc, acc + qo[0, 0, 0].astype(jnp.float32)
+        return jax.lax.fori_loop(0, steps, body, (kc, vc, jnp.float32(0)))
+
+    loop = jax.jit(decode, donate_argnums=(3, 4))
+    dargs = _on(platform, (q, k, v, kc, vc, cos, sin))
+    compiled = loop.lower(*dargs).compile()
+    text = compiled.as_text()
+    check_in_place(compiled, [kc.shape, vc.shape], kc.nbytes)
+    assert not re.search(r"dynamic-update-slice\(|\bdynamic-slice\(", text) or impl == "xla"
+    got_kc, got_vc, _ = compiled(*dargs)
+
+    want_kc, want_vc = kc, vc
+    for i in range(steps):
+        qi = (q.astype(np.float32) * (i + 1)).astype(q.dtype)
+        _, _, want_kc, want_vc = reference_op(qi, k, v, want_kc, want_vc, base_slots + i,
+                                              np.full(case.T, i, np.int32), cos, sin, **opts)
+    if impl == "kernel":
+        assert_bits_equal(got_kc, want_kc, "key_cache after 64 steps")
+        assert_bits_equal(got_vc, want_vc, "value_cache after 64 steps")
+    else:
+        assert_fma_close(got_kc, want_kc, 2.0**-22 * 8, "key_cache after 64 steps")
+        assert_bits_equal(got_vc, want_vc, "value_cache after 64 steps")
+
+
+@pytest.mark.parametrize("platform,impl", impl_params())
+def test_library_donating_entry_point(platform, impl):
+    args, opts = make_problem(CASE, seed=13)
+    static, dynamic = _split(args, opts)
+    dargs = _on(platform, args)
+    lowered = jrc.rope_and_cache_donated.lower(*dargs, **static, **dynamic, impl=impl)
+    check_in_place(lowered.compile(), [args[3].shape, args[4].shape], args[3].nbytes)
+    out = jrc.rope_and_cache_donated(*dargs, **static, **dynamic, impl=impl)
+    assert dargs[3].is_deleted() and dargs[4].is_deleted()
+    want = reference_op(*args, **opts)
+    assert_fma_close(np.asarray(out[3]), want[3], 0.0, "value_cache")
+
+
+def test_without_donation_the_callers_caches_survive():
+    """A jit that does not donate must copy (XLA's rule): the caller's arrays stay valid."""
+    args, opts = make_problem(CASE, seed=14)
+    static, _ = _split(args, opts)
+    kc = jnp.asarray(args[3])
+    out = jax.jit(lambda *a: jrc.rope_and_cache(*a, **static))(*args[:3], kc, *args[4:])
+    assert not kc.is_deleted()
+    assert_bits_equal(np.asarray(kc), args[3], "caller's key_cache")
+    assert not np.array_equal(np.asarray(out[2]).view(np.uint8), args[3].view(np.uint8))
