@@ -31,7 +31,11 @@ int DtypeCode(ffi::DataType t) {
   }
 }
 
-float LoadF32(const void* base, int64_t i, int dt) {
+int64_t LoadIndex(const void* base, int64_t i, bool is64) {
+  return is64 ? static_cast<const int64_t*>(base)[i] : static_cast<const int32_t*>(base)[i];
+}
+
+float LoadTable(const void* base, int64_t i, int dt) {
   switch (dt) {
     case RC_BF16: return rc_bf16_to_f32(static_cast<const uint16_t*>(base)[i]);
     case RC_F16: return rc_f16_to_f32(static_cast<const uint16_t*>(base)[i]);
@@ -39,17 +43,23 @@ float LoadF32(const void* base, int64_t i, int dt) {
   }
 }
 
-void StoreAs(void* base, int64_t i, int dt, float v) {
-  switch (dt) {
-    case RC_BF16: static_cast<uint16_t*>(base)[i] = rc_f32_to_bf16(v); break;
-    case RC_F16: static_cast<uint16_t*>(base)[i] = rc_f32_to_f16(v); break;
-    default: static_cast<float*>(base)[i] = v; break;
-  }
-}
-
-int64_t LoadIndex(const void* base, int64_t i, bool is64) {
-  return is64 ? static_cast<const int64_t*>(base)[i] : static_cast<const int32_t*>(base)[i];
-}
+// Element access by dtype code, resolved at compile time so the inner loops inline and vectorise.
+template <int DT> struct Elem;
+template <> struct Elem<RC_F32> {
+  using T = float;
+  static float Load(T v) { return v; }
+  static T Store(float v) { return v; }
+};
+template <> struct Elem<RC_BF16> {
+  using T = uint16_t;
+  static float Load(T v) { return rc_bf16_to_f32(v); }
+  static T Store(float v) { return rc_f32_to_bf16(v); }
+};
+template <> struct Elem<RC_F16> {
+  using T = uint16_t;
+  static float Load(T v) { return rc_f16_to_f32(v); }
+  static T Store(float v) { return rc_f32_to_f16(v); }
+};
 
 struct Problem {
   const void *q, *k, *v, *slots, *pos, *cos, *sin;
@@ -58,76 +68,126 @@ struct Problem {
   int dt, table_dt, cache_dt, layout;
   bool neox, native, slots64, pos64, full_table;
   float inv_k_scale, inv_v_scale;
-
-  // Element offsets of (block, offset, head, channel) in each cache.
-  int64_t KeyIndex(int64_t blk, int64_t off, int64_t h, int64_t d) const {
-    if (layout == RC_FLASH) return ((blk * BS + off) * KH + h) * D + d;
-    return (((blk * KH + h) * (D / X) + d / X) * BS + off) * X + d % X;
-  }
-  int64_t ValueIndex(int64_t blk, int64_t off, int64_t h, int64_t d) const {
-    if (layout == RC_FLASH) return ((blk * BS + off) * KH + h) * D + d;
-    if (layout == RC_XPACKED) return ((blk * KH + h) * D + d) * BS + off;
-    return (((blk * KH + h) * (BS / X) + off / X) * D + d) * X + off % X;
-  }
 };
 
-// Stores one value into a cache element (same dtype as the input, or scaled fp8).
-void StoreCache(const Problem& p, void* cache, int64_t i, float value, float inv_scale) {
-  if (p.cache_dt == RC_FP8_E4M3FN || p.cache_dt == RC_FP8_E4M3FNUZ) {
-    static_cast<uint8_t*>(cache)[i] = rc_quantize_fp8(value, inv_scale, p.cache_dt == RC_FP8_E4M3FNUZ);
-  } else {
-    StoreAs(cache, i, p.cache_dt, value);
+// Where one token's head h lands in each cache: K element d at
+// k_base + (d / k_group) * k_group_stride + d % k_group, V element d at v_base + d * v_stride.
+struct CacheRow {
+  int64_t k_base, k_group, k_group_stride, v_base, v_stride;
+};
+
+CacheRow Locate(const Problem& p, int64_t blk, int64_t off, int64_t h) {
+  const int64_t bs = p.BS, kh = p.KH, d = p.D, x = p.X;
+  switch (p.layout) {
+    case RC_FLASH: {
+      const int64_t base = ((blk * bs + off) * kh + h) * d;
+      return {base, d, 0, base, 1};
+    }
+    case RC_XPACKED:
+      return {((blk * kh + h) * (d / x) * bs + off) * x, x, bs * x, (blk * kh + h) * d * bs + off, bs};
+    default:
+      return {((blk * kh + h) * (d / x) * bs + off) * x, x, bs * x,
+              ((blk * kh + h) * (bs / x) + off / x) * d * x + off % x, x};
   }
 }
 
-// Rotates row `row` (H heads of D channels) of x into out. Returns nothing; out gets x's dtype.
-void RotateRow(const Problem& p, const void* x, void* out, int64_t row, const float* ca, const float* cb,
-               const float* sa, const float* sb) {
+template <int DT, bool kNative>
+void RotateRow(const Problem& p, const typename Elem<DT>::T* x, typename Elem<DT>::T* out, const float* ca,
+               const float* cb, const float* sa, const float* sb) {
+  using E = Elem<DT>;
   const int64_t half = p.R / 2;
-  const int64_t base = row * p.D;
-  const int native_dt = p.native ? p.dt : -1;
+  const int64_t step = p.neox ? 1 : 2, b_off = p.neox ? half : 1;
   for (int64_t i = 0; i < half; ++i) {
-    const int64_t ia = p.neox ? i : 2 * i;
-    const int64_t ib = p.neox ? i + half : 2 * i + 1;
+    const int64_t ia = i * step, ib = ia + b_off;
     float ya, yb;
-    rc_rotate_pair(LoadF32(x, base + ia, p.dt), LoadF32(x, base + ib, p.dt), ca[i], sa[i], cb[i], sb[i],
-                   native_dt, &ya, &yb);
-    StoreAs(out, base + ia, p.dt, ya);
-    StoreAs(out, base + ib, p.dt, yb);
+    rc_rotate_pair(E::Load(x[ia]), E::Load(x[ib]), ca[i], sa[i], cb[i], sb[i], kNative ? DT : -1, &ya, &yb);
+    out[ia] = E::Store(ya);
+    out[ib] = E::Store(yb);
   }
-  const int64_t elem = p.dt == RC_F32 ? 4 : 2;
-  std::memcpy(static_cast<char*>(out) + (base + p.R) * elem, static_cast<const char*>(x) + (base + p.R) * elem,
-              (p.D - p.R) * elem);
+  std::memcpy(out + p.R, x + p.R, (p.D - p.R) * sizeof(*x));
 }
 
-void RunTokens(const Problem& p, int64_t t0, int64_t t1) {
+// Writes one head's K (already rotated, in the input dtype) and V into the caches.
+template <int DT, int CDT>
+void WriteRow(const Problem& p, const CacheRow& at, const typename Elem<DT>::T* k, const typename Elem<DT>::T* v) {
+  using E = Elem<DT>;
+  if constexpr (CDT == DT) {
+    auto* kc = static_cast<typename E::T*>(p.kc);
+    auto* vc = static_cast<typename E::T*>(p.vc);
+    for (int64_t d0 = 0; d0 < p.D; d0 += at.k_group)
+      std::memcpy(kc + at.k_base + (d0 / at.k_group) * at.k_group_stride, k + d0, at.k_group * sizeof(*k));
+    for (int64_t d = 0; d < p.D; ++d) vc[at.v_base + d * at.v_stride] = v[d];
+  } else {
+    constexpr bool fnuz = CDT == RC_FP8_E4M3FNUZ;
+    auto* kc = static_cast<uint8_t*>(p.kc);
+    auto* vc = static_cast<uint8_t*>(p.vc);
+    for (int64_t d0 = 0; d0 < p.D; d0 += at.k_group) {
+      uint8_t* dst = kc + at.k_base + (d0 / at.k_group) * at.k_group_stride;
+      for (int64_t j = 0; j < at.k_group; ++j) dst[j] = rc_quantize_fp8(E::Load(k[d0 + j]), p.inv_k_scale, fnuz);
+    }
+    for (int64_t d = 0; d < p.D; ++d) vc[at.v_base + d * at.v_stride] = rc_quantize_fp8(E::Load(v[d]), p.inv_v_scale, fnuz);
+  }
+}
+
+template <int DT, int CDT, bool kNative>
+void RunTokensT(const Problem& p, int64_t t0, int64_t t1) {
+  using T = typename Elem<DT>::T;
   const int64_t half = p.R / 2;
   std::unique_ptr<float[]> table(new float[4 * half]);
   float *ca = table.get(), *cb = ca + half, *sa = cb + half, *sb = sa + half;
-  const int round_dt = p.native ? p.dt : RC_F32;
+  const int round_dt = kNative ? DT : RC_F32;
+  const T* q = static_cast<const T*>(p.q);
+  const T* k = static_cast<const T*>(p.k);
+  const T* v = static_cast<const T*>(p.v);
+  T* q_out = static_cast<T*>(p.q_out);
+  T* k_out = static_cast<T*>(p.k_out);
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t row = std::clamp<int64_t>(LoadIndex(p.pos, t, p.pos64), 0, p.max_pos - 1) * p.width;
     for (int64_t i = 0; i < half; ++i) {
       const int64_t ia = p.full_table ? (p.neox ? i : 2 * i) : i;
       const int64_t ib = p.full_table ? (p.neox ? i + half : 2 * i + 1) : i;
-      ca[i] = rc_round_to(LoadF32(p.cos, row + ia, p.table_dt), round_dt);
-      cb[i] = rc_round_to(LoadF32(p.cos, row + ib, p.table_dt), round_dt);
-      sa[i] = rc_round_to(LoadF32(p.sin, row + ia, p.table_dt), round_dt);
-      sb[i] = rc_round_to(LoadF32(p.sin, row + ib, p.table_dt), round_dt);
+      ca[i] = rc_round_to(LoadTable(p.cos, row + ia, p.table_dt), round_dt);
+      cb[i] = rc_round_to(LoadTable(p.cos, row + ib, p.table_dt), round_dt);
+      sa[i] = rc_round_to(LoadTable(p.sin, row + ia, p.table_dt), round_dt);
+      sb[i] = rc_round_to(LoadTable(p.sin, row + ib, p.table_dt), round_dt);
     }
-    for (int64_t h = 0; h < p.QH; ++h) RotateRow(p, p.q, p.q_out, t * p.QH + h, ca, cb, sa, sb);
-    for (int64_t h = 0; h < p.KH; ++h) RotateRow(p, p.k, p.k_out, t * p.KH + h, ca, cb, sa, sb);
-
+    for (int64_t h = 0; h < p.QH; ++h) {
+      const int64_t o = (t * p.QH + h) * p.D;
+      RotateRow<DT, kNative>(p, q + o, q_out + o, ca, cb, sa, sb);
+    }
+    for (int64_t h = 0; h < p.KH; ++h) {
+      const int64_t o = (t * p.KH + h) * p.D;
+      RotateRow<DT, kNative>(p, k + o, k_out + o, ca, cb, sa, sb);
+    }
     const int64_t slot = LoadIndex(p.slots, t, p.slots64);
     if (slot < 0 || slot >= p.NB * p.BS) continue;
-    const int64_t blk = slot / p.BS, off = slot % p.BS;
     for (int64_t h = 0; h < p.KH; ++h) {
-      const int64_t src = (t * p.KH + h) * p.D;
-      for (int64_t d = 0; d < p.D; ++d) {
-        StoreCache(p, p.kc, p.KeyIndex(blk, off, h, d), LoadF32(p.k_out, src + d, p.dt), p.inv_k_scale);
-        StoreCache(p, p.vc, p.ValueIndex(blk, off, h, d), LoadF32(p.v, src + d, p.dt), p.inv_v_scale);
-      }
+      const int64_t o = (t * p.KH + h) * p.D;
+      WriteRow<DT, CDT>(p, Locate(p, slot / p.BS, slot % p.BS, h), k_out + o, v + o);
     }
+  }
+}
+
+template <int DT, int CDT>
+void RunTokensNative(const Problem& p, int64_t t0, int64_t t1) {
+  if (p.native) RunTokensT<DT, CDT, true>(p, t0, t1);
+  else RunTokensT<DT, CDT, false>(p, t0, t1);
+}
+
+template <int DT>
+void RunTokensCache(const Problem& p, int64_t t0, int64_t t1) {
+  switch (p.cache_dt) {
+    case RC_FP8_E4M3FN: return RunTokensNative<DT, RC_FP8_E4M3FN>(p, t0, t1);
+    case RC_FP8_E4M3FNUZ: return RunTokensNative<DT, RC_FP8_E4M3FNUZ>(p, t0, t1);
+    default: return RunTokensNative<DT, DT>(p, t0, t1);
+  }
+}
+
+void RunTokens(const Problem& p, int64_t t0, int64_t t1) {
+  switch (p.dt) {
+    case RC_BF16: return RunTokensCache<RC_BF16>(p, t0, t1);
+    case RC_F16: return RunTokensCache<RC_F16>(p, t0, t1);
+    default: return RunTokensCache<RC_F32>(p, t0, t1);
   }
 }
 
@@ -184,6 +244,8 @@ ffi::Error CpuRopeAndCache(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffe
   p.cache_dt = DtypeCode(key_cache.element_type());
   if (p.dt < 0 || p.dt > RC_F16 || p.table_dt < 0 || p.table_dt > RC_F16 || p.cache_dt < 0)
     return ffi::Error::InvalidArgument("rope_and_cache cpu: unsupported dtype");
+  if (p.cache_dt != p.dt && p.cache_dt != RC_FP8_E4M3FN && p.cache_dt != RC_FP8_E4M3FNUZ)
+    return ffi::Error::InvalidArgument("rope_and_cache cpu: cache dtype must equal the input dtype or be fp8");
   if (p.layout < RC_FLASH || p.layout > RC_XPACKED_SHUFFLED)
     return ffi::Error::InvalidArgument("rope_and_cache cpu: unknown layout " + std::to_string(layout));
   auto kcd = key_cache.dimensions();
