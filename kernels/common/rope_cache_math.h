@@ -66,11 +66,12 @@ RC_FN float rc_sub(float a, float b) { return a - b; }
 // ---- bfloat16 -------------------------------------------------------------------------------
 RC_FN float rc_bf16_to_f32(rc_u16 h) { return rc_bits_f32((rc_u32)h << 16); }
 
+// Branch-free (a select) so that host compilers vectorise loops around it.
 RC_FN rc_u16 rc_f32_to_bf16(float f) {
-  rc_u32 u = rc_f32_bits(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (rc_u16)((u >> 16) | 0x0040u);  // quiet NaN
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return (rc_u16)(u >> 16);
+  const rc_u32 u = rc_f32_bits(f);
+  const rc_u32 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  const rc_u32 quiet_nan = (u >> 16) | 0x0040u;
+  return (rc_u16)((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
 }
 
 // ---- float16 --------------------------------------------------------------------------------

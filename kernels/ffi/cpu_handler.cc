@@ -1,15 +1,15 @@
 // The op on the host: an XLA FFI handler for platform "cpu" that computes directly into the
-// aliased cache buffers. Tokens are split over XLA's intra-op thread pool.
+// aliased cache buffers. Large calls split their tokens over a few threads.
 //
 // Bounds safety: positions are clamped to the table, a slot writes only if 0 <= slot < NB*BS,
 // and every other index is derived from buffer dimensions checked at the top of the handler.
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "kernels/common/rope_cache_math.h"
 #include "kernels/ffi/handlers.h"
@@ -91,12 +91,13 @@ CacheRow Locate(const Problem& p, int64_t blk, int64_t off, int64_t h) {
   }
 }
 
-template <int DT, bool kNative>
-void RotateRow(const Problem& p, const typename Elem<DT>::T* x, typename Elem<DT>::T* out, const float* ca,
-               const float* cb, const float* sa, const float* sb) {
+template <int DT, bool kNative, bool kNeox>
+void RotateRow(const Problem& p, const typename Elem<DT>::T* __restrict x, typename Elem<DT>::T* __restrict out,
+               const float* __restrict ca, const float* __restrict cb, const float* __restrict sa,
+               const float* __restrict sb) {
   using E = Elem<DT>;
   const int64_t half = p.R / 2;
-  const int64_t step = p.neox ? 1 : 2, b_off = p.neox ? half : 1;
+  const int64_t step = kNeox ? 1 : 2, b_off = kNeox ? half : 1;
   for (int64_t i = 0; i < half; ++i) {
     const int64_t ia = i * step, ib = ia + b_off;
     float ya, yb;
@@ -129,7 +130,7 @@ void WriteRow(const Problem& p, const CacheRow& at, const typename Elem<DT>::T* 
   }
 }
 
-template <int DT, int CDT, bool kNative>
+template <int DT, int CDT, bool kNative, bool kNeox>
 void RunTokensT(const Problem& p, int64_t t0, int64_t t1) {
   using T = typename Elem<DT>::T;
   const int64_t half = p.R / 2;
@@ -153,11 +154,11 @@ void RunTokensT(const Problem& p, int64_t t0, int64_t t1) {
     }
     for (int64_t h = 0; h < p.QH; ++h) {
       const int64_t o = (t * p.QH + h) * p.D;
-      RotateRow<DT, kNative>(p, q + o, q_out + o, ca, cb, sa, sb);
+      RotateRow<DT, kNative, kNeox>(p, q + o, q_out + o, ca, cb, sa, sb);
     }
     for (int64_t h = 0; h < p.KH; ++h) {
       const int64_t o = (t * p.KH + h) * p.D;
-      RotateRow<DT, kNative>(p, k + o, k_out + o, ca, cb, sa, sb);
+      RotateRow<DT, kNative, kNeox>(p, k + o, k_out + o, ca, cb, sa, sb);
     }
     const int64_t slot = LoadIndex(p.slots, t, p.slots64);
     if (slot < 0 || slot >= p.NB * p.BS) continue;
@@ -170,8 +171,13 @@ void RunTokensT(const Problem& p, int64_t t0, int64_t t1) {
 
 template <int DT, int CDT>
 void RunTokensNative(const Problem& p, int64_t t0, int64_t t1) {
-  if (p.native) RunTokensT<DT, CDT, true>(p, t0, t1);
-  else RunTokensT<DT, CDT, false>(p, t0, t1);
+  if (p.native) {
+    if (p.neox) RunTokensT<DT, CDT, true, true>(p, t0, t1);
+    else RunTokensT<DT, CDT, true, false>(p, t0, t1);
+  } else {
+    if (p.neox) RunTokensT<DT, CDT, false, true>(p, t0, t1);
+    else RunTokensT<DT, CDT, false, false>(p, t0, t1);
+  }
 }
 
 template <int DT>
@@ -191,29 +197,20 @@ void RunTokens(const Problem& p, int64_t t0, int64_t t1) {
   }
 }
 
-// Splits [0, T) into chunks; the calling thread and pool tasks claim chunks until none is left.
-// State lives on the heap so pool tasks that start late (after the work is done) stay valid.
-void ParallelOverTokens(const Problem& p, ffi::ThreadPool& pool) {
-  constexpr int64_t kChunk = 16;
-  const int64_t n_chunks = (p.T + kChunk - 1) / kChunk;
-  struct Shared {
-    Problem p;
-    int64_t n_chunks;
-    std::atomic<int64_t> next{0}, done{0};
-  };
-  auto shared = std::make_shared<Shared>();
-  shared->p = p;
-  shared->n_chunks = n_chunks;
-  auto work = [](Shared& s) {
-    for (int64_t c; (c = s.next.fetch_add(1)) < s.n_chunks;) {
-      RunTokens(s.p, c * kChunk, std::min(s.p.T, (c + 1) * kChunk));
-      s.done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n_chunks - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([shared, work] { work(*shared); });
-  work(*shared);
-  while (shared->done.load(std::memory_order_acquire) < n_chunks) std::this_thread::yield();
+// Splits [0, T) over a few threads for large calls. XLA's FFI thread pool is not used: under the
+// jaxlib CPU client its Schedule ran tasks inline (measured: CPU time == wall time), so the
+// handler starts its own workers, and only when each gets enough tokens to repay the start.
+void ParallelOverTokens(const Problem& p) {
+  constexpr int64_t kTokensPerThread = 128;
+  const int64_t hw = std::max(1u, std::thread::hardware_concurrency());
+  const int64_t n = std::min(hw, std::max<int64_t>(1, p.T / kTokensPerThread));
+  if (n == 1) return RunTokens(p, 0, p.T);
+  std::vector<std::thread> workers;
+  const int64_t per = (p.T + n - 1) / n;
+  for (int64_t i = 1; i < n; ++i)
+    workers.emplace_back([&p, i, per] { RunTokens(p, i * per, std::min(p.T, (i + 1) * per)); });
+  RunTokens(p, 0, std::min(p.T, per));
+  for (auto& w : workers) w.join();
 }
 
 ffi::Error CheckSame(const char* what, int64_t got, int64_t want) {
@@ -227,7 +224,7 @@ float InverseScale(ffi::AnyBuffer scale) {
   return 1.0f / *static_cast<const float*>(scale.untyped_data());
 }
 
-ffi::Error CpuRopeAndCache(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+ffi::Error CpuRopeAndCache(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                            ffi::AnyBuffer key_cache, ffi::AnyBuffer value_cache, ffi::AnyBuffer slots,
                            ffi::AnyBuffer positions, ffi::AnyBuffer cos, ffi::AnyBuffer sin,
                            ffi::AnyBuffer k_scale, ffi::AnyBuffer v_scale, ffi::Result<ffi::AnyBuffer> q_out,
@@ -281,7 +278,7 @@ ffi::Error CpuRopeAndCache(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffe
   // Outputs alias the caches; should XLA ever hand separate buffers, start from the inputs' bits.
   if (p.kc != key_cache.untyped_data()) std::memcpy(p.kc, key_cache.untyped_data(), key_cache.size_bytes());
   if (p.vc != value_cache.untyped_data()) std::memcpy(p.vc, value_cache.untyped_data(), value_cache.size_bytes());
-  if (p.T > 0) ParallelOverTokens(p, pool);
+  if (p.T > 0) ParallelOverTokens(p);
   return ffi::Error::Success();
 }
 
@@ -289,7 +286,6 @@ ffi::Error CpuRopeAndCache(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffe
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuRopeAndCache, CpuRopeAndCache,
                               ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()  // q
                                   .Arg<ffi::AnyBuffer>()  // k
                                   .Arg<ffi::AnyBuffer>()  // v
