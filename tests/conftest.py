@@ -18,6 +18,11 @@ from jax_rope_cache import _ffi, _spec, reference
 
 FULL_SWEEP = os.environ.get("JRC_FULL_SWEEP") == "1"
 
+# A suite that silently lost its native kernel would pass on the XLA path alone.
+if _ffi.native_module() is None and os.environ.get("JRC_ALLOW_NO_NATIVE") != "1":
+    raise RuntimeError("jax_rope_cache._native did not import: run the tests against the installed package "
+                       "(scripts/run_tests.sh), or set JRC_ALLOW_NO_NATIVE=1 to test the XLA path alone")
+
 
 def platforms() -> list[str]:
     found = []

@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# The test suite on this machine's jax backends (CPU here; CUDA or ROCm where jax has them).
+source "$(dirname "${BASH_SOURCE[0]}")/_venv.sh"
+cd "$ROOT"
+# -P: import the installed package, not the source folder (which has no compiled extension).
+exec "$PY" -P -m pytest -q "$ROOT/tests" "$@"
