@@ -8,4 +8,15 @@ namespace jax_rope_cache {
 // Platform "cpu": computes the op directly into the aliased caches.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kCpuRopeAndCache);
 
+// Platforms "CUDA" and "ROCM": the generic code-object launcher (kernels/ffi/gpu_launcher.cc).
+// Stages instantiate / initialize / execute; the execute stage comes command-buffer compatible
+// (kGpuRopeCacheExecute) or not (kGpuRopeCacheExecuteNoGraph).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kGpuRopeCacheInstantiate);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kGpuRopeCacheInitialize);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kGpuRopeCacheExecute);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kGpuRopeCacheExecuteNoGraph);
+// Kernels launched by the GPU launcher in this process (execute calls that launched; with XLA
+// command buffers a replayed launch does not call the handler and is not counted).
+uint64_t GpuLaunchCount();
+
 }  // namespace jax_rope_cache

@@ -54,6 +54,22 @@ void WidenToF32(nb::ndarray<const uint32_t, nb::ndim<1>, nb::c_contig, nb::devic
 
 NB_MODULE(_native, m) {
   m.def("cpu_handler", [] { return HandlerCapsule(jax_rope_cache::kCpuRopeAndCache); });
+  // GPU launcher: dicts of stage capsules, as jax.ffi.register_ffi_target takes them.
+  m.def("gpu_handler", [] {
+    nb::dict d;
+    d["instantiate"] = HandlerCapsule(jax_rope_cache::kGpuRopeCacheInstantiate);
+    d["initialize"] = HandlerCapsule(jax_rope_cache::kGpuRopeCacheInitialize);
+    d["execute"] = HandlerCapsule(jax_rope_cache::kGpuRopeCacheExecute);
+    return d;
+  });
+  m.def("gpu_handler_no_graph", [] {
+    nb::dict d;
+    d["instantiate"] = HandlerCapsule(jax_rope_cache::kGpuRopeCacheInstantiate);
+    d["initialize"] = HandlerCapsule(jax_rope_cache::kGpuRopeCacheInitialize);
+    d["execute"] = HandlerCapsule(jax_rope_cache::kGpuRopeCacheExecuteNoGraph);
+    return d;
+  });
+  m.def("gpu_launch_count", [] { return jax_rope_cache::GpuLaunchCount(); });
   m.def("round_f32", &RoundF32, nb::arg("src"), nb::arg("bits"), nb::arg("dt"));
   m.def("widen_to_f32", &WidenToF32, nb::arg("bits"), nb::arg("dst"), nb::arg("dt"));
 }

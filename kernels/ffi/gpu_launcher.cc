@@ -1,0 +1,449 @@
+// One generic GPU launcher for CUDA and HIP: XLA FFI handler that launches a precompiled kernel
+// whose code object travels inside the executable as a bytes attribute. No vendor headers: the
+// driver API is reached through dlopen (libcuda.so.1, or libamdhip64.so.7 / .6), binding first
+// with RTLD_NOLOAD to the copy the PJRT plugin already loaded.
+//
+// Attributes (all read in every stage):
+//   code       bytes  a code-object table (format below) holding one or more code objects
+//   code_hash  int64  a hash of `code` computed by the caller (module cache key; never trusted
+//                     for anything but lookups: a collision only matters with equal hashes from
+//                     different tables, which the caller's 64-bit sha256 prefix makes negligible)
+//   kernel     string the kernel's symbol name (extern "C")
+//   grid_div   int64  grid.x = ceil(dim0(operand 0) / grid_div); grid.y = grid.z = 1
+//   block      int64  threads per block (x)
+//   smem       int64  dynamic shared memory bytes
+//
+// Code-object table (little-endian):
+//   char magic[8] = "JRCCODE1"; uint32 count; uint32 reserved;
+//   count entries of { uint32 kind; uint32 reserved; char arch[16] (NUL-padded);
+//                      uint64 offset; uint64 size }   offsets from the start of the table
+//   kind 1: CUDA cubin for arch "sm_XY"; kind 2: CUDA PTX (NUL-terminated) for "compute_XY";
+//   kind 3: AMDGPU code object for "gfxNNN".
+// CUDA picks the cubin whose arch equals the device's sm_XY, else the PTX entry with the highest
+// compute_XY <= the device's (the driver JIT-compiles it); HIP tries the AMDGPU entries whose arch
+// matches the device's gfx name if the runtime reports it, else each in turn. No fit: an error
+// naming the device's arch and the table's.
+//
+// Kernel ABI: ONE kernel parameter, a struct passed by value (the kernel's documentation names
+// its fields): void* of every operand buffer in order, then of every result buffer, then int64
+// dim0 of every operand (1 for rank-0 operands). At most kMaxBuffers buffers.
+//
+// Stages: instantiate parses and checks the table; initialize (has the stream) loads the module
+// for this device into a process-wide cache keyed by (code_hash, device ordinal) and resolves the
+// function; execute looks the function up lock-free (atomic open-addressing table), packs the
+// parameter struct on the stack and launches on XLA's stream. No allocation, no host sync, no lock
+// on that path. kGpuRopeCacheExecute is registered command-buffer compatible (XLA may capture it
+// into a CUDA graph and replay the launch without calling the handler: every index the kernel
+// uses is read from device buffers); kGpuRopeCacheExecuteNoGraph is the same without that trait,
+// selected by jax_rope_cache when JAX_ROPE_CACHE_COMMAND_BUFFERS=0.
+#include <dlfcn.h>
+
+#include <atomic>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <string_view>
+
+#include "kernels/ffi/handlers.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jax_rope_cache {
+namespace {
+
+// ---- the driver API, by hand ------------------------------------------------------------------
+using Result = int;  // CUresult / hipError_t: 0 is success
+using Handle = void*;
+
+struct Driver {
+  bool hip = false;
+  void* lib = nullptr;
+  std::string error;  // why no driver was found
+  // CUDA
+  Result (*cuInit)(unsigned) = nullptr;
+  Result (*cuDeviceGet)(int*, int) = nullptr;
+  Result (*cuDeviceGetAttribute)(int*, int, int) = nullptr;
+  Result (*cuDevicePrimaryCtxRetain)(Handle*, int) = nullptr;
+  Result (*cuCtxPushCurrent)(Handle) = nullptr;
+  Result (*cuCtxPopCurrent)(Handle*) = nullptr;
+  Result (*cuCtxGetCurrent)(Handle*) = nullptr;
+  Result (*cuModuleLoadData)(Handle*, const void*) = nullptr;
+  Result (*cuModuleGetFunction)(Handle*, Handle, const char*) = nullptr;
+  Result (*cuLaunchKernel)(Handle, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, Handle,
+                           void**, void**) = nullptr;
+  Result (*cuGetErrorString)(Result, const char**) = nullptr;
+  // HIP
+  Result (*hipInit)(unsigned) = nullptr;
+  Result (*hipGetDevice)(int*) = nullptr;
+  Result (*hipSetDevice)(int) = nullptr;
+  Result (*hipModuleLoadData)(Handle*, const void*) = nullptr;
+  Result (*hipModuleGetFunction)(Handle*, Handle, const char*) = nullptr;
+  Result (*hipModuleLaunchKernel)(Handle, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                                  Handle, void**, void**) = nullptr;
+  const char* (*hipGetErrorString)(Result) = nullptr;
+
+  std::string ErrorString(Result r) const {
+    const char* s = nullptr;
+    if (hip) {
+      if (hipGetErrorString) s = hipGetErrorString(r);
+    } else if (cuGetErrorString) {
+      cuGetErrorString(r, &s);
+    }
+    return std::string(s ? s : "unknown error") + " (" + std::to_string(r) + ")";
+  }
+};
+
+template <typename F>
+bool Sym(void* lib, const char* name, F* out) {
+  *out = reinterpret_cast<F>(dlsym(lib, name));
+  return *out != nullptr;
+}
+
+bool BindCuda(Driver& d, void* lib) {
+  d.lib = lib;
+  d.hip = false;
+  return Sym(lib, "cuInit", &d.cuInit) && Sym(lib, "cuDeviceGet", &d.cuDeviceGet) &&
+         Sym(lib, "cuDeviceGetAttribute", &d.cuDeviceGetAttribute) &&
+         Sym(lib, "cuDevicePrimaryCtxRetain", &d.cuDevicePrimaryCtxRetain) &&
+         Sym(lib, "cuCtxPushCurrent_v2", &d.cuCtxPushCurrent) && Sym(lib, "cuCtxPopCurrent_v2", &d.cuCtxPopCurrent) &&
+         Sym(lib, "cuCtxGetCurrent", &d.cuCtxGetCurrent) && Sym(lib, "cuModuleLoadData", &d.cuModuleLoadData) &&
+         Sym(lib, "cuModuleGetFunction", &d.cuModuleGetFunction) && Sym(lib, "cuLaunchKernel", &d.cuLaunchKernel) &&
+         Sym(lib, "cuGetErrorString", &d.cuGetErrorString);
+}
+
+bool BindHip(Driver& d, void* lib) {
+  d.lib = lib;
+  d.hip = true;
+  return Sym(lib, "hipInit", &d.hipInit) && Sym(lib, "hipGetDevice", &d.hipGetDevice) &&
+         Sym(lib, "hipSetDevice", &d.hipSetDevice) && Sym(lib, "hipModuleLoadData", &d.hipModuleLoadData) &&
+         Sym(lib, "hipModuleGetFunction", &d.hipModuleGetFunction) &&
+         Sym(lib, "hipModuleLaunchKernel", &d.hipModuleLaunchKernel) &&
+         Sym(lib, "hipGetErrorString", &d.hipGetErrorString);
+}
+
+// The driver matching the platform XLA runs on. A process runs one GPU platform; if both runtimes
+// are loaded, the one already loaded (RTLD_NOLOAD) wins, CUDA first.
+const Driver& GetDriver() {
+  static const Driver* driver = [] {
+    auto* d = new Driver();
+    const char* cuda_names[] = {"libcuda.so.1", "libcuda.so"};
+    const char* hip_names[] = {"libamdhip64.so.7", "libamdhip64.so.6", "libamdhip64.so"};
+    for (int pass = 0; pass < 2; ++pass) {  // pass 0: only libraries already loaded
+      const int flags = RTLD_NOW | RTLD_LOCAL | (pass == 0 ? RTLD_NOLOAD : 0);
+      for (const char* n : cuda_names) {
+        if (void* h = dlopen(n, flags); h && BindCuda(*d, h)) {
+          if (Result r = d->cuInit(0); r != 0) d->error = std::string("cuInit: ") + d->ErrorString(r);
+          return d;
+        }
+      }
+      for (const char* n : hip_names) {
+        if (void* h = dlopen(n, flags); h && BindHip(*d, h)) {
+          if (Result r = d->hipInit(0); r != 0) d->error = std::string("hipInit: ") + d->ErrorString(r);
+          return d;
+        }
+      }
+    }
+    d->lib = nullptr;
+    d->error = "found neither libcuda.so.1 nor libamdhip64.so (" + std::string(dlerror() ? dlerror() : "") + ")";
+    return d;
+  }();
+  return *driver;
+}
+
+// ---- the code-object table --------------------------------------------------------------------
+constexpr char kMagic[8] = {'J', 'R', 'C', 'C', 'O', 'D', 'E', '1'};
+enum Kind : uint32_t { kCubin = 1, kPtx = 2, kAmdgpu = 3 };
+
+struct Entry {
+  uint32_t kind;
+  std::string arch;
+  const void* data;
+  uint64_t size;
+};
+
+template <typename T>
+T ReadLE(const char* p) {
+  T v;
+  std::memcpy(&v, p, sizeof(T));
+  return v;
+}
+
+constexpr int kMaxEntries = 16;
+
+struct Table {
+  int n = 0;
+  Entry e[kMaxEntries];
+};
+
+ffi::Error ParseTable(std::string_view code, Table* t) {
+  constexpr size_t kHeader = 16, kEntry = 40;
+  if (code.size() < kHeader || std::memcmp(code.data(), kMagic, 8) != 0)
+    return ffi::Error::InvalidArgument("gpu launcher: attribute 'code' is not a code-object table");
+  const uint32_t count = ReadLE<uint32_t>(code.data() + 8);
+  if (count < 1 || count > kMaxEntries || code.size() < kHeader + count * kEntry)
+    return ffi::Error::InvalidArgument("gpu launcher: bad code-object table header");
+  t->n = static_cast<int>(count);
+  for (uint32_t i = 0; i < count; ++i) {
+    const char* p = code.data() + kHeader + i * kEntry;
+    Entry& e = t->e[i];
+    e.kind = ReadLE<uint32_t>(p);
+    e.arch.assign(p + 8, strnlen(p + 8, 16));
+    const uint64_t off = ReadLE<uint64_t>(p + 24);
+    e.size = ReadLE<uint64_t>(p + 32);
+    if (off > code.size() || e.size > code.size() - off || e.size == 0)
+      return ffi::Error::InvalidArgument("gpu launcher: code-object table entry out of range");
+    if (e.kind == kPtx && code[off + e.size - 1] != '\0')
+      return ffi::Error::InvalidArgument("gpu launcher: PTX entry is not NUL-terminated");
+    e.data = code.data() + off;
+  }
+  return ffi::Error::Success();
+}
+
+std::string TableArchs(const Table& t) {
+  std::string s;
+  for (int i = 0; i < t.n; ++i) s += (i ? ", " : "") + t.e[i].arch;
+  return s;
+}
+
+// ---- the process-wide function cache ----------------------------------------------------------
+// Open addressing, insert-only: written under a mutex (initialize), read lock-free (execute).
+struct Slot {
+  std::atomic<uint64_t> key{0};  // 0: empty; published last (release)
+  Handle function = nullptr;
+  Handle context = nullptr;  // CUDA: the primary context the module lives in
+};
+constexpr uint64_t kSlots = 4096;
+Slot g_slots[kSlots];
+std::mutex g_insert_mutex;
+std::atomic<uint64_t> g_launches{0};
+
+uint64_t CacheKey(int64_t code_hash, int device) {
+  uint64_t k = static_cast<uint64_t>(code_hash) ^ (0x9e3779b97f4a7c15ull * static_cast<uint64_t>(device + 1));
+  k ^= k >> 29;
+  return k ? k : 1;
+}
+
+const Slot* Lookup(uint64_t key) {
+  for (uint64_t i = 0; i < kSlots; ++i) {
+    const Slot& s = g_slots[(key + i) & (kSlots - 1)];
+    const uint64_t k = s.key.load(std::memory_order_acquire);
+    if (k == key) return &s;
+    if (k == 0) return nullptr;
+  }
+  return nullptr;
+}
+
+ffi::Error DriverError(const Driver& d, const char* what, Result r) {
+  return ffi::Error::Internal(std::string("gpu launcher: ") + what + " failed: " + d.ErrorString(r));
+}
+
+// Loads the table's best code object for `device` and resolves `kernel`.
+ffi::Error LoadFunction(const Driver& d, const Table& t, std::string_view kernel, int device, Handle* function,
+                        Handle* context) {
+  const std::string name(kernel);
+  if (!d.hip) {
+    int dev = 0, major = 0, minor = 0;
+    if (Result r = d.cuDeviceGet(&dev, device); r) return DriverError(d, "cuDeviceGet", r);
+    d.cuDeviceGetAttribute(&major, 75, dev);  // CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR
+    d.cuDeviceGetAttribute(&minor, 76, dev);  // ..._MINOR
+    const int cc = major * 10 + minor;
+    const std::string sm = "sm_" + std::to_string(cc);
+    const Entry* pick = nullptr;
+    int best_ptx = -1;
+    for (int i = 0; i < t.n; ++i) {
+      const Entry& e = t.e[i];
+      if (e.kind == kCubin && e.arch == sm) {
+        pick = &e;
+        break;
+      }
+      if (e.kind == kPtx && e.arch.rfind("compute_", 0) == 0) {
+        const int a = std::atoi(e.arch.c_str() + 8);
+        if (a <= cc && a > best_ptx) best_ptx = a, pick = &e;
+      }
+    }
+    if (!pick)
+      return ffi::Error::InvalidArgument("gpu launcher: no code object for this GPU (" + sm +
+                                         "); the executable holds: " + TableArchs(t) +
+                                         ". Lower the computation on (or for) this GPU's architecture");
+    Handle ctx = nullptr, popped = nullptr, module = nullptr;
+    if (Result r = d.cuDevicePrimaryCtxRetain(&ctx, dev); r) return DriverError(d, "cuDevicePrimaryCtxRetain", r);
+    if (Result r = d.cuCtxPushCurrent(ctx); r) return DriverError(d, "cuCtxPushCurrent", r);
+    Result r = d.cuModuleLoadData(&module, pick->data);
+    Result r2 = r ? 0 : d.cuModuleGetFunction(function, module, name.c_str());
+    d.cuCtxPopCurrent(&popped);
+    if (r) return DriverError(d, ("cuModuleLoadData (" + pick->arch + ")").c_str(), r);
+    if (r2) return DriverError(d, ("cuModuleGetFunction(" + name + ")").c_str(), r2);
+    *context = ctx;
+    return ffi::Error::Success();
+  }
+  int prev = 0;
+  d.hipGetDevice(&prev);
+  if (Result r = d.hipSetDevice(device); r) return DriverError(d, "hipSetDevice", r);
+  std::string tried;
+  Result last = 0;
+  for (int i = 0; i < t.n; ++i) {
+    if (t.e[i].kind != kAmdgpu) continue;
+    Handle module = nullptr;
+    last = d.hipModuleLoadData(&module, t.e[i].data);
+    if (last == 0) {
+      last = d.hipModuleGetFunction(function, module, name.c_str());
+      d.hipSetDevice(prev);
+      if (last) return DriverError(d, ("hipModuleGetFunction(" + name + ")").c_str(), last);
+      *context = nullptr;
+      return ffi::Error::Success();
+    }
+    tried += (tried.empty() ? "" : ", ") + t.e[i].arch;
+  }
+  d.hipSetDevice(prev);
+  return ffi::Error::InvalidArgument("gpu launcher: no code object loads on HIP device " + std::to_string(device) +
+                                     " (tried: " + (tried.empty() ? std::string("none") : tried) +
+                                     "; last error: " + d.ErrorString(last) + "); the executable holds: " +
+                                     TableArchs(t));
+}
+
+ffi::Error EnsureLoaded(std::string_view code, int64_t code_hash, std::string_view kernel, int device) {
+  const Driver& d = GetDriver();
+  if (!d.lib) return ffi::Error::Internal("gpu launcher: " + d.error);
+  if (!d.error.empty()) return ffi::Error::Internal("gpu launcher: " + d.error);
+  const uint64_t key = CacheKey(code_hash, device);
+  if (Lookup(key)) return ffi::Error::Success();
+  Table t;
+  if (auto e = ParseTable(code, &t); e.failure()) return e;
+  std::lock_guard<std::mutex> lock(g_insert_mutex);
+  if (Lookup(key)) return ffi::Error::Success();
+  Handle fn = nullptr, ctx = nullptr;
+  if (auto e = LoadFunction(d, t, kernel, device, &fn, &ctx); e.failure()) return e;
+  for (uint64_t i = 0; i < kSlots; ++i) {
+    Slot& s = g_slots[(key + i) & (kSlots - 1)];
+    if (s.key.load(std::memory_order_relaxed) == 0) {
+      s.function = fn;
+      s.context = ctx;
+      s.key.store(key, std::memory_order_release);
+      return ffi::Error::Success();
+    }
+  }
+  return ffi::Error::Internal("gpu launcher: module cache full (4096 kernels)");
+}
+
+// ---- stages ------------------------------------------------------------------------------------
+ffi::Error Instantiate(std::string_view code, int64_t code_hash, std::string_view kernel, int64_t grid_div,
+                       int64_t block, int64_t smem) {
+  (void)code_hash;
+  Table t;
+  if (auto e = ParseTable(code, &t); e.failure()) return e;
+  if (kernel.empty()) return ffi::Error::InvalidArgument("gpu launcher: empty kernel name");
+  if (grid_div < 1 || block < 1 || block > 1024 || smem < 0)
+    return ffi::Error::InvalidArgument("gpu launcher: bad launch attributes");
+  return ffi::Error::Success();
+}
+
+ffi::Error Initialize(int32_t device, std::string_view code, int64_t code_hash, std::string_view kernel,
+                      int64_t grid_div, int64_t block, int64_t smem) {
+  (void)grid_div, (void)block, (void)smem;
+  return EnsureLoaded(code, code_hash, kernel, device);
+}
+
+constexpr int kMaxBuffers = 32;
+
+ffi::Error Execute(void* stream, int32_t device, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                   std::string_view code, int64_t code_hash, std::string_view kernel, int64_t grid_div,
+                   int64_t block, int64_t smem) {
+  const Driver& d = GetDriver();
+  const Slot* slot = Lookup(CacheKey(code_hash, device));
+  if (XLA_FFI_PREDICT_FALSE(slot == nullptr)) {  // initialize did not run for this device
+    if (auto e = EnsureLoaded(code, code_hash, kernel, device); e.failure()) return e;
+    slot = Lookup(CacheKey(code_hash, device));
+    if (!slot) return ffi::Error::Internal("gpu launcher: module cache lookup failed");
+  }
+  const size_t na = args.size(), nr = rets.size();
+  if (na + nr > kMaxBuffers || na < 1) return ffi::Error::InvalidArgument("gpu launcher: too many buffers");
+  // The parameter struct: pointers of args, then rets, then dim0 of each arg.
+  alignas(16) unsigned char params[kMaxBuffers * 8 + kMaxBuffers * 8];
+  int64_t* words = reinterpret_cast<int64_t*>(params);
+  size_t w = 0;
+  int64_t dim0[kMaxBuffers];
+  for (size_t i = 0; i < na; ++i) {
+    auto b = args.get<ffi::AnyBuffer>(i);
+    if (XLA_FFI_PREDICT_FALSE(!b.has_value())) return ffi::Error::InvalidArgument("gpu launcher: bad operand");
+    void* p = b->untyped_data();
+    std::memcpy(&words[w++], &p, sizeof(p));
+    auto dims = b->dimensions();
+    dim0[i] = dims.size() ? dims[0] : 1;
+  }
+  for (size_t i = 0; i < nr; ++i) {
+    auto b = rets.get<ffi::AnyBuffer>(i);
+    if (XLA_FFI_PREDICT_FALSE(!b.has_value())) return ffi::Error::InvalidArgument("gpu launcher: bad result");
+    void* p = (*b)->untyped_data();
+    std::memcpy(&words[w++], &p, sizeof(p));
+  }
+  for (size_t i = 0; i < na; ++i) words[w++] = dim0[i];
+  const int64_t n = dim0[0];
+  if (n <= 0) return ffi::Error::Success();
+  const int64_t grid = (n + grid_div - 1) / grid_div;
+  if (grid > 0x7fffffff) return ffi::Error::InvalidArgument("gpu launcher: grid too large");
+  void* kparams[1] = {params};
+  Result r;
+  if (d.hip) {
+    r = d.hipModuleLaunchKernel(slot->function, static_cast<unsigned>(grid), 1, 1, static_cast<unsigned>(block), 1,
+                                1, static_cast<unsigned>(smem), stream, kparams, nullptr);
+    if (r) return DriverError(d, "hipModuleLaunchKernel", r);
+  } else {
+    Handle current = nullptr;
+    d.cuCtxGetCurrent(&current);
+    const bool push = current != slot->context;
+    if (push) d.cuCtxPushCurrent(slot->context);
+    r = d.cuLaunchKernel(slot->function, static_cast<unsigned>(grid), 1, 1, static_cast<unsigned>(block), 1, 1,
+                         static_cast<unsigned>(smem), stream, kparams, nullptr);
+    if (push) d.cuCtxPopCurrent(&current);
+    if (r) return DriverError(d, "cuLaunchKernel", r);
+  }
+  g_launches.fetch_add(1, std::memory_order_relaxed);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+uint64_t GpuLaunchCount() { return g_launches.load(std::memory_order_relaxed); }
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kGpuRopeCacheInstantiate, Instantiate,
+                              ffi::Ffi::BindInstantiate()
+                                  .Attr<std::string_view>("code")
+                                  .Attr<int64_t>("code_hash")
+                                  .Attr<std::string_view>("kernel")
+                                  .Attr<int64_t>("grid_div")
+                                  .Attr<int64_t>("block")
+                                  .Attr<int64_t>("smem"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kGpuRopeCacheInitialize, Initialize,
+                              ffi::Ffi::BindInitialize()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Attr<std::string_view>("code")
+                                  .Attr<int64_t>("code_hash")
+                                  .Attr<std::string_view>("kernel")
+                                  .Attr<int64_t>("grid_div")
+                                  .Attr<int64_t>("block")
+                                  .Attr<int64_t>("smem"));
+
+#define JRC_EXECUTE_BINDING                        \
+  ffi::Ffi::Bind()                                 \
+      .Ctx<ffi::PlatformStream<void*>>()           \
+      .Ctx<ffi::DeviceOrdinal>()                   \
+      .RemainingArgs()                             \
+      .RemainingRets()                             \
+      .Attr<std::string_view>("code")              \
+      .Attr<int64_t>("code_hash")                  \
+      .Attr<std::string_view>("kernel")            \
+      .Attr<int64_t>("grid_div")                   \
+      .Attr<int64_t>("block")                      \
+      .Attr<int64_t>("smem")
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kGpuRopeCacheExecute, Execute, JRC_EXECUTE_BINDING,
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kGpuRopeCacheExecuteNoGraph, Execute, JRC_EXECUTE_BINDING);
+
+#undef JRC_EXECUTE_BINDING
+
+}  // namespace jax_rope_cache

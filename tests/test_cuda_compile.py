@@ -1,0 +1,236 @@
+"""The CUDA kernel without a GPU (runs in CPU-only CI).
+
+1. NVRTC compiles every kernel variant of a config matrix (layouts, rotation styles, dtypes incl.
+   fp8, precisions, D in {64, 80, 128, 256}, partial rotary, half/full tables, int32/int64
+   indices) for sm_80 and sm_90; the kernel symbol is in each cubin and ptxas reports no spills
+   and no stack frame. Compiles go through the package's disk cache, so reruns are fast.
+2. The same source, built for the host with a C++ compiler (kernels/cuda/host_emulation.h, one
+   thread per block), is compared bit for bit with the numpy reference on hostile inputs
+   (invalid/duplicate-free slots, out-of-range positions, random caches): this checks the
+   kernel's index math and arithmetic; thread-level parallelism is left to the GPU tests.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import itertools
+import os
+import shutil
+import subprocess
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jax_rope_cache import _spec, reference
+
+_nvrtc = pytest.importorskip("jax_rope_cache._nvrtc")
+if not _nvrtc.available():
+    pytest.skip(f"NVRTC is not available: {_nvrtc.unavailable_reason()} (pip install nvidia-cuda-nvrtc)",
+                allow_module_level=True)
+
+import jax  # noqa: E402
+
+from jax_rope_cache import cuda  # noqa: E402
+
+BF16, F16, F32 = np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16), np.dtype(np.float32)
+FN, FNUZ = np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e4m3fnuz)
+
+
+def make_spec(*, T=64, QH=4, KH=2, D=128, R=None, layout="flash", neox=True, dt=BF16, cdt=None, tdt=F32,
+              full=False, prec="fp32", BS=16, NB=24, max_pos=64, slot64=False, pos64=True):
+    r = R or D
+    cdt = np.dtype(cdt or dt)
+    s = jax.ShapeDtypeStruct
+    kc, vc = _spec.cache_shapes(layout, NB, BS, KH, D, cdt)
+    w = r if full else r // 2
+    fp8 = cdt in _spec.FP8_DTYPES
+    idx = lambda b: np.int64 if b else np.int32  # noqa: E731
+    return _spec.check_op(s((T, QH, D), dt), s((T, KH, D), dt), s((T, KH, D), dt), s(kc, cdt), s(vc, cdt),
+                          s((T,), idx(slot64)), s((T,), idx(pos64)), s((max_pos, w), tdt), s((max_pos, w), tdt),
+                          layout=layout, is_neox=neox, rotary_dim=r, k_scale=1.0 if fp8 else None,
+                          v_scale=1.0 if fp8 else None, precision=prec)
+
+
+# dtype combos: (q/k/v, cache, table, precision)
+COMBOS = [(BF16, BF16, F32, "fp32"), (F16, FN, F16, "native"), (F32, F32, BF16, "fp32"), (BF16, FNUZ, BF16, "native")]
+
+
+def compile_matrix():
+    out = []
+    for i, (d, layout, neox, combo) in enumerate(itertools.product((64, 80, 128, 256), _spec.LAYOUTS, (True, False),
+                                                                   COMBOS)):
+        dt, cdt, tdt, prec = combo
+        x = _spec.pack_width(cdt)
+        if layout != "flash" and d % x:
+            continue
+        r = d if i % 3 else d // 2  # partial rotary on every third variant
+        if neox and (r // 2) % 2 and i % 2:
+            r = d
+        heads = [(8, 1), (32, 8), (4, 4)][i % 3]
+        t = (1, 8192, 128)[i % 3]
+        out.append(dict(T=t, QH=heads[0], KH=heads[1], D=d, R=r, layout=layout, neox=neox, dt=dt, cdt=cdt, tdt=tdt,
+                        prec=prec, full=bool(i % 2), slot64=bool(i % 4 == 1), pos64=bool(i % 4 == 2)))
+    return out
+
+
+MATRIX = compile_matrix()
+
+
+def _id(kw):
+    return "-".join(f"{k}{v.name if isinstance(v, np.dtype) else v}" for k, v in kw.items())
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_nvrtc_compiles_every_variant_without_spills(arch):
+    failures = []
+    for kw in MATRIX:
+        cfg = cuda.kernel_config(make_spec(**kw))
+        c = cuda.compile_variant(cfg, arch)
+        assert c.code[:4] == b"\x7fELF", f"{_id(kw)}: not a cubin"
+        assert cuda.KERNEL_NAME.encode() in c.code, f"{_id(kw)}: kernel symbol missing"
+        stores, loads, stack = _nvrtc.spill_bytes(c.log)
+        if "spill" not in c.log:
+            failures.append(f"{_id(kw)}: no ptxas -v report in the log")
+        elif stores or loads or stack:
+            failures.append(f"{_id(kw)}: {stores} B spill stores, {loads} B spill loads, {stack} B stack\n{c.log}")
+    assert not failures, "\n".join(failures[:5])
+    assert len(MATRIX) >= 80
+
+
+def test_ptx_fallback_and_code_table():
+    cfg = cuda.kernel_config(make_spec())
+    table = cuda.build_code_table(cfg, None)
+    assert table[:8] == b"JRCCODE1"
+    count = int.from_bytes(table[8:12], "little")
+    archs = [table[16 + 40 * i + 8:16 + 40 * i + 24].rstrip(b"\0").decode() for i in range(count)]
+    assert archs == ["sm_90", "compute_90"]
+    # a newer arch than this NVRTC knows: PTX only
+    t2 = cuda.build_code_table(cfg, 999)
+    assert int.from_bytes(t2[8:12], "little") == 1
+
+
+def test_disk_cache_roundtrip(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAX_ROPE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(_nvrtc, "_mem_cache", {})
+    cfg = cuda.kernel_config(make_spec(D=64, QH=2, KH=1))
+    a = cuda.compile_variant(cfg, "sm_90")
+    assert not a.from_disk and list(tmp_path.glob("*.bin"))
+    monkeypatch.setattr(_nvrtc, "_mem_cache", {})
+    b = cuda.compile_variant(cfg, "sm_90")
+    assert b.from_disk and b.code == a.code
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+# ---- host emulation of the kernel ------------------------------------------------------------------
+_KDIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "kernels")
+
+
+def _kernel_dir():
+    return _KDIR if os.path.isdir(os.path.join(_KDIR, "cuda")) else os.path.join(os.path.dirname(cuda.__file__),
+                                                                                 "kernels")
+
+
+class _Params(ctypes.Structure):
+    _fields_ = [("ptr", ctypes.c_void_p * 15), ("dim0", ctypes.c_int64 * 11)]
+
+
+def _build_emulation(cfg, tmp_dir):
+    cxx = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no C++ compiler for the host emulation")
+    kd = _kernel_dir()
+    defs = [f"-D{k}={1 if k == 'RC_NT' else v}" for k, v in cfg.defines]
+    tag = hashlib.sha256(" ".join(defs).encode()).hexdigest()[:16]
+    so = os.path.join(tmp_dir, f"emu_{tag}.so")
+    if not os.path.exists(so):
+        cmd = [cxx, "-std=c++17", "-O1", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC", "-DRC_EMULATE",
+               *defs, "-I", os.path.join(kd, "cuda"), "-I", os.path.join(kd, "common"), "-x", "c++",
+               os.path.join(kd, "cuda", "rope_cache.cu"), "-o", so]
+        subprocess.run(cmd, check=True, capture_output=True, text=True)
+    lib = ctypes.CDLL(so)
+    lib.rc_emulate.argtypes = [ctypes.POINTER(_Params), ctypes.c_longlong]
+    return lib
+
+
+def _random(rng, shape, dtype, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(np.float32).astype(dtype)
+
+
+def make_inputs(spec, rng):
+    t, qh, kh, d = spec.num_tokens, spec.q_heads, spec.kv_heads, spec.head_dim
+    q = _random(rng, (t, qh, d), spec.dtype, 2.0)
+    k = _random(rng, (t, kh, d), spec.dtype, 2.0)
+    v = _random(rng, (t, kh, d), spec.dtype, 300.0 if spec.fp8 else 2.0)  # fp8: some saturate
+    kshape, vshape = _spec.cache_shapes(spec.layout, spec.num_blocks, spec.block_size, kh, d, spec.cache_dtype)
+    kc = _random(rng, kshape, spec.cache_dtype)
+    vc = _random(rng, vshape, spec.cache_dtype)
+    n = spec.num_slots
+    slots = rng.permutation(n)[:t].astype(np.int64)
+    bad = rng.random(t) < 0.25
+    slots[bad] = rng.choice([-1, -7, n, n + 3, 2**40 if spec.slot_dtype == np.int64 else 2**30], bad.sum())
+    pos = rng.integers(-5, spec.max_pos + 5, t)
+    w = spec.rotary_dim if spec.table_full else spec.rotary_dim // 2
+    ang = rng.random((spec.max_pos, w)) * 6.3
+    cos, sin = np.cos(ang).astype(spec.table_dtype), np.sin(ang).astype(spec.table_dtype)
+    return (q, k, v, kc, vc, slots.astype(spec.slot_dtype), pos.astype(spec.pos_dtype), cos, sin)
+
+
+def run_emulation(spec, args, k_scale, v_scale, tmp_dir):
+    cfg = cuda.kernel_config(spec)
+    lib = _build_emulation(cfg, tmp_dir)
+    q, k, v, kc, vc, slots, pos, cos, sin = (np.ascontiguousarray(a) for a in args)
+    ks = np.array(k_scale if k_scale is not None else 1.0, np.float32)
+    vs = np.array(v_scale if v_scale is not None else 1.0, np.float32)
+    q_out, k_out = np.full_like(q, 7), np.full_like(k, 7)
+    kc_out, vc_out = kc.copy(), vc.copy()
+    ops = [q, k, v, kc_out, vc_out, slots, pos, cos, sin, ks, vs]
+    p = _Params()
+    for i, a in enumerate(ops + [q_out, k_out, kc_out, vc_out]):
+        p.ptr[i] = a.ctypes.data
+    for i, a in enumerate(ops):
+        p.dim0[i] = a.shape[0] if a.ndim else 1
+    grid = -(-spec.num_tokens // cfg.tokens_per_block)
+    lib.rc_emulate(ctypes.byref(p), grid)
+    return q_out, k_out, kc_out, vc_out
+
+
+def emulation_matrix():
+    cases = []
+    for i, (layout, neox, combo) in enumerate(itertools.product(_spec.LAYOUTS, (True, False), COMBOS)):
+        dt, cdt, tdt, prec = combo
+        d = (128, 64, 80, 256)[i % 4]
+        if layout != "flash" and d % _spec.pack_width(cdt):
+            d = 128
+        r = (d, d // 2, d)[i % 3]
+        cases.append(dict(T=(37, 5, 130)[i % 3], QH=(4, 8, 2)[i % 3], KH=(2, 1, 2)[i % 3], D=d, R=r, layout=layout,
+                          neox=neox, dt=dt, cdt=cdt, tdt=tdt, prec=prec, full=bool(i % 2), slot64=bool(i % 2),
+                          pos64=bool(i % 3 == 0), max_pos=50))
+    cases.append(dict(T=9, QH=2, KH=1, D=64, R=6, neox=True, dt=F16))  # odd R/2: scalar chunks
+    cases.append(dict(T=9, QH=2, KH=1, D=80, R=20, neox=False, dt=F32, full=True, prec="native"))
+    return cases
+
+
+@pytest.fixture(scope="module")
+def emu_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("emu"))
+
+
+@pytest.mark.parametrize("kw", emulation_matrix(), ids=_id)
+def test_host_emulation_matches_reference_bitwise(kw, emu_dir):
+    spec = make_spec(**kw)
+    rng = np.random.default_rng(abs(hash(_id(kw))) % 2**32)
+    args = make_inputs(spec, rng)
+    ks = vs = None
+    if spec.fp8:
+        ks, vs = np.float32(0.37), np.float32(1.9)
+    want = reference.rope_and_cache(*args, layout=spec.layout, is_neox=spec.is_neox, rotary_dim=spec.rotary_dim,
+                                    k_scale=ks, v_scale=vs, precision=spec.precision)
+    got = run_emulation(spec, args, ks, vs, emu_dir)
+    for name, g, w in zip(("q_out", "k_out", "key_cache", "value_cache"), got, want):
+        gb, wb = g.view(np.uint8), np.asarray(w).view(np.uint8)
+        assert g.shape == w.shape
+        if not np.array_equal(gb, wb):
+            bad = np.argwhere(g.view(f"u{g.dtype.itemsize}") != np.asarray(w).view(f"u{g.dtype.itemsize}"))
+            pytest.fail(f"{name}: {len(bad)} elements differ, first at {bad[:3].tolist()}")
