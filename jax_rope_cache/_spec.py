@@ -80,6 +80,7 @@ class OpSpec:
     cache_dtype: np.dtype
     slot_dtype: np.dtype
     pos_dtype: np.dtype
+    num_layers: int | None = None  # caches stacked as [L, ...] and indexed by the `layer` operand
 
     @property
     def fp8(self) -> bool:
@@ -131,12 +132,48 @@ def check_scale(arg: str, scale, fp8: bool, cache_dtype) -> None:
                         f"{np.dtype(scale.dtype).name}{list(scale.shape)}")
 
 
+@dataclasses.dataclass(frozen=True)
+class _LayerView:
+    """Shape and dtype of one layer of a stacked cache."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+
+def check_layer(layer, key_cache, value_cache, layout: str):
+    """Validates `layer` and returns (per-layer key view, value view, number of layers or None)."""
+    if layer is None:
+        return key_cache, value_cache, None
+    if isinstance(layer, bool) or not (isinstance(layer, numbers.Integral) or (
+            hasattr(layer, "dtype") and np.issubdtype(np.dtype(layer.dtype), np.integer) and tuple(layer.shape) == ())):
+        raise TypeError(f"layer: expected None, an int or an integer scalar array, got "
+                        f"{type(layer).__name__}{list(getattr(layer, 'shape', []))}")
+    kdims, vdims = _CACHE_DIMS[layout]
+    krank = len(kdims.split(","))
+    for name, a, rank, dims in (("key_cache", key_cache, krank, kdims),
+                                ("value_cache", value_cache, len(vdims.split(",")), vdims)):
+        _dtype(name, a)
+        _check_rank(name, a, rank + 1, f"[L, {dims[1:]} (stacked layers, layer={layer!r}) for layout {layout!r}")
+    if value_cache.shape[0] != key_cache.shape[0]:
+        raise ValueError(f"value_cache: expected {key_cache.shape[0]} layers (as key_cache), "
+                         f"got shape {list(value_cache.shape)}")
+    num_layers = key_cache.shape[0]
+    if isinstance(layer, numbers.Integral) and not 0 <= layer < num_layers:
+        raise ValueError(f"layer: expected 0 <= layer < {num_layers}, got {layer}")
+    return (_LayerView(tuple(key_cache.shape[1:]), np.dtype(key_cache.dtype)),
+            _LayerView(tuple(value_cache.shape[1:]), np.dtype(value_cache.dtype)), num_layers)
+
+
 def check_op(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, *,
              layout="flash", is_neox=True, rotary_dim=None, k_scale=None, v_scale=None,
-             precision="fp32") -> OpSpec:
-    """Validates one call of rope_and_cache and returns its static description."""
+             precision="fp32", layer=None) -> OpSpec:
+    """Validates one call of rope_and_cache and returns its static description.
+
+    With `layer` given, the caches are stacked per layer ([L, ...]) and only layer `layer` is
+    written; every shape rule below applies to one layer."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
+    key_cache, value_cache, num_layers = check_layer(layer, key_cache, value_cache, layout)
     if precision not in PRECISIONS:
         raise ValueError(f"precision: expected one of {PRECISIONS}, got {precision!r}")
     if not isinstance(is_neox, (bool, np.bool_)):
@@ -221,4 +258,4 @@ def check_op(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
         block_size=bs, max_pos=max_pos, layout=layout, is_neox=bool(is_neox),
         table_full=(width == r), precision=precision, dtype=dtype,
         table_dtype=table_dtype, cache_dtype=cache_dtype,
-        slot_dtype=np.dtype(slot_mapping.dtype), pos_dtype=np.dtype(positions.dtype))
+        slot_dtype=np.dtype(slot_mapping.dtype), pos_dtype=np.dtype(positions.dtype), num_layers=num_layers)

@@ -21,7 +21,7 @@ def _scale_operand(scale):
 
 def rope_and_cache(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, *,
                    layout="flash", is_neox=True, rotary_dim=None, k_scale=None, v_scale=None,
-                   precision="fp32", impl=None):
+                   precision="fp32", impl=None, layer=None):
     """Rotates q and k with RoPE and writes k and v into a paged KV cache, in one kernel.
 
     Args:
@@ -29,7 +29,8 @@ def rope_and_cache(q, k, v, key_cache, value_cache, slot_mapping, positions, cos
       k, v: [T, KH, D] new keys and values, q's dtype; QH % KH == 0.
       key_cache, value_cache: the caches in `layout` (see below), q's dtype or float8_e4m3fn /
         float8_e4m3fnuz. Updated in place when the caller's jit donates them (or use
-        `rope_and_cache_donated`).
+        `rope_and_cache_donated`), or when they are `jax.Ref`s (then nothing needs donating:
+        the refs are written and also returned). With `layer`, stacked as [L, ...].
       slot_mapping: [T] int32/int64. Slot s is block s // BS, offset s % BS; slots outside
         [0, NB*BS) (e.g. -1 for padding) write nothing.
       positions: [T] int32/int64 rows of cos/sin, clamped to [0, max_pos - 1].
@@ -44,17 +45,33 @@ def rope_and_cache(q, k, v, key_cache, value_cache, slot_mapping, positions, cos
       precision: "fp32" (rotate in float32, round once) or "native" (round every product and
         the sum to the input dtype, bit-compatible with AITER/FlyDSL kernels).
       impl: None (native kernel where the platform has one, else XLA), "kernel", or "xla".
+      layer: None, or the layer (int or traced integer scalar) of stacked [L, ...] caches to
+        write: one stacked cache carried through `lax.scan`/`fori_loop` over layers is updated in
+        place, never sliced. A traced layer outside [0, L) writes nothing.
 
     Returns:
       (q_out [T, QH, D], k_out [T, KH, D], key_cache, value_cache).
     """
+    refs = [isinstance(c, jax.Ref) for c in (key_cache, value_cache)]
+    if any(refs):
+        if not all(refs):
+            raise TypeError(f"value_cache: expected {'a jax.Ref' if refs[0] else 'an array'} like key_cache, "
+                            f"got {type(value_cache).__name__}")
+        key_ref, value_ref = key_cache, value_cache
+        q_out, k_out, kc, vc = rope_and_cache(
+            q, k, v, key_ref[...], value_ref[...], slot_mapping, positions, cos, sin, layout=layout,
+            is_neox=is_neox, rotary_dim=rotary_dim, k_scale=k_scale, v_scale=v_scale, precision=precision,
+            impl=impl, layer=layer)
+        key_ref[...], value_ref[...] = kc, vc
+        return q_out, k_out, key_ref, value_ref
     spec = _spec.check_op(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
                           layout=layout, is_neox=is_neox, rotary_dim=rotary_dim, k_scale=k_scale,
-                          v_scale=v_scale, precision=precision)
+                          v_scale=v_scale, precision=precision, layer=layer)
     if impl not in IMPLS:
         raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
     args = tuple(jnp.asarray(a) for a in (q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin))
-    args += (_scale_operand(k_scale), _scale_operand(v_scale))
+    args += (_scale_operand(k_scale), _scale_operand(v_scale),
+             jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(()))
     if spec.num_tokens == 0:
         return args[:2] + args[3:5]
     if impl == "xla":

@@ -109,20 +109,29 @@ def _valid_slots(slot_mapping: np.ndarray, num_slots: int) -> np.ndarray:
 
 def rope_and_cache(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, *,
                    layout="flash", is_neox=True, rotary_dim=None, k_scale=None, v_scale=None,
-                   precision="fp32", impl=None):
-    """numpy oracle; returns (q_out, k_out, new_key_cache, new_value_cache) as new arrays."""
+                   precision="fp32", impl=None, layer=None):
+    """numpy oracle; returns (q_out, k_out, new_key_cache, new_value_cache) as new arrays.
+
+    With `layer`, the caches are stacked [L, ...] and only layer `layer` is written (a layer
+    outside [0, L) writes nothing, as an invalid slot)."""
     del impl
     q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin = (
         np.asarray(a) for a in (q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin))
     spec = _spec.check_op(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
                           layout=layout, is_neox=is_neox, rotary_dim=rotary_dim, k_scale=k_scale,
-                          v_scale=v_scale, precision=precision)
+                          v_scale=v_scale, precision=precision, layer=layer)
     pos = np.clip(positions.astype(np.int64), 0, spec.max_pos - 1)
     cos_rows, sin_rows = cos[pos], sin[pos]
     q_out = rotate(q, cos_rows, sin_rows, spec)
     k_out = rotate(k, cos_rows, sin_rows, spec)
 
     kc, vc = key_cache.copy(), value_cache.copy()
+    if spec.num_layers is not None:
+        layer = int(np.asarray(layer))
+        if not 0 <= layer < spec.num_layers:
+            return q_out, k_out, kc, vc
+        kc_all, vc_all = kc, vc
+        kc, vc = kc_all[layer], vc_all[layer]  # views: writes land in the stacked copies
     valid = _valid_slots(slot_mapping, spec.num_slots)
     slots = slot_mapping.astype(np.int64)[valid]
     blk, off = slots // spec.block_size, slots % spec.block_size
@@ -132,6 +141,8 @@ def rope_and_cache(q, k, v, key_cache, value_cache, slot_mapping, positions, cos
     n = len(slots)
     k_view[k_index(blk, off)] = kq if k_shape is None else kq.reshape((n,) + k_shape)
     v_view[v_index(blk, off)] = vq
+    if spec.num_layers is not None:
+        return q_out, k_out, kc_all, vc_all
     return q_out, k_out, kc, vc
 
 

@@ -65,38 +65,44 @@ def quantize(x, cache_dtype, scale):
     return jnp.clip(x.astype(_F32) * inv, -m, m).astype(cache_dtype)
 
 
-def slot_coords(slot_mapping, spec: _spec.OpSpec):
-    """(block, offset) per token; invalid slots get block NB, which mode="drop" skips."""
+def slot_coords(slot_mapping, spec: _spec.OpSpec, layer=None):
+    """(block, offset) per token; invalid slots (and all slots of a layer outside [0, L)) get
+    block NB, which mode="drop" skips."""
     s = slot_mapping
     valid = (s >= 0) & (s < spec.num_slots)
+    if spec.num_layers is not None:
+        valid = valid & (layer >= 0) & (layer < spec.num_layers)
     blk = jnp.where(valid, s // spec.block_size, spec.num_blocks)
     off = jnp.where(valid, s % spec.block_size, 0)
     return blk, off
 
 
-def scatter_kv(key_cache, value_cache, kq, vq, blk, off, spec: _spec.OpSpec):
-    """Writes kq, vq [T, KH, D] (already in the cache dtype) into both caches."""
+def scatter_kv(key_cache, value_cache, kq, vq, blk, off, spec: _spec.OpSpec, layer=None):
+    """Writes kq, vq [T, KH, D] (already in the cache dtype) into both caches; with stacked
+    caches, into layer `layer` by one scatter on the whole stack (no slice of it is copied)."""
     t, kh, d, x = spec.num_tokens, spec.kv_heads, spec.head_dim, spec.x
     kw = dict(mode="drop", unique_indices=True)
+    lead = () if spec.num_layers is None else (jnp.full_like(blk, jnp.clip(layer, 0, spec.num_layers - 1)),)
     if spec.layout == "flash":
-        return key_cache.at[blk, off].set(kq, **kw), value_cache.at[blk, off].set(vq, **kw)
+        return key_cache.at[lead + (blk, off)].set(kq, **kw), value_cache.at[lead + (blk, off)].set(vq, **kw)
     # Advanced indices split by slices: the token axis comes first in the indexed shape.
-    key_cache = key_cache.at[blk, :, :, off, :].set(kq.reshape(t, kh, d // x, x), **kw)
+    s = slice(None)
+    key_cache = key_cache.at[lead + (blk, s, s, off, s)].set(kq.reshape(t, kh, d // x, x), **kw)
     if spec.layout == "xpacked":
-        value_cache = value_cache.at[blk, :, :, off].set(vq, **kw)
+        value_cache = value_cache.at[lead + (blk, s, s, off)].set(vq, **kw)
     else:
-        value_cache = value_cache.at[blk, :, off // x, :, off % x].set(vq, **kw)
+        value_cache = value_cache.at[lead + (blk, s, off // x, s, off % x)].set(vq, **kw)
     return key_cache, value_cache
 
 
 def rope_and_cache(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
-                   k_scale, v_scale, spec: _spec.OpSpec):
+                   k_scale, v_scale, layer, spec: _spec.OpSpec):
     rows = table_rows(cos, sin, positions, spec)
     q_out, k_out = rotate(q, rows, spec), rotate(k, rows, spec)
-    blk, off = slot_coords(slot_mapping, spec)
+    blk, off = slot_coords(slot_mapping, spec, layer)
     kq = quantize(k_out, spec.cache_dtype, k_scale)
     vq = quantize(v, spec.cache_dtype, v_scale)
-    key_cache, value_cache = scatter_kv(key_cache, value_cache, kq, vq, blk, off, spec)
+    key_cache, value_cache = scatter_kv(key_cache, value_cache, kq, vq, blk, off, spec, layer)
     return q_out, k_out, key_cache, value_cache
 
 

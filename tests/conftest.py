@@ -9,12 +9,16 @@ from __future__ import annotations
 import dataclasses
 import os
 
-import jax
-import ml_dtypes
-import numpy as np
-import pytest
+# Eight host devices for the tensor-parallel tests; must be set before jax starts its CPU backend.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
-from jax_rope_cache import _ffi, _spec, reference
+import jax  # noqa: E402
+import ml_dtypes  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from jax_rope_cache import _ffi, _spec, reference  # noqa: E402
 
 FULL_SWEEP = os.environ.get("JRC_FULL_SWEEP") == "1"
 

@@ -227,7 +227,8 @@ float InverseScale(ffi::AnyBuffer scale) {
 ffi::Error CpuRopeAndCache(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                            ffi::AnyBuffer key_cache, ffi::AnyBuffer value_cache, ffi::AnyBuffer slots,
                            ffi::AnyBuffer positions, ffi::AnyBuffer cos, ffi::AnyBuffer sin,
-                           ffi::AnyBuffer k_scale, ffi::AnyBuffer v_scale, ffi::Result<ffi::AnyBuffer> q_out,
+                           ffi::AnyBuffer k_scale, ffi::AnyBuffer v_scale, ffi::AnyBuffer layer,
+                           ffi::Result<ffi::AnyBuffer> q_out,
                            ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> key_cache_out,
                            ffi::Result<ffi::AnyBuffer> value_cache_out, int64_t layout, bool is_neox,
                            int64_t rotary_dim, bool native) {
@@ -245,7 +246,14 @@ ffi::Error CpuRopeAndCache(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
     return ffi::Error::InvalidArgument("rope_and_cache cpu: cache dtype must equal the input dtype or be fp8");
   if (p.layout < RC_FLASH || p.layout > RC_XPACKED_SHUFFLED)
     return ffi::Error::InvalidArgument("rope_and_cache cpu: unknown layout " + std::to_string(layout));
+  // Stacked caches ([L, ...], one rank more than a layer's layout) are written at layer `layer`.
   auto kcd = key_cache.dimensions();
+  const size_t layer_rank = p.layout == RC_FLASH ? 4 : 5;
+  if (kcd.size() != layer_rank && kcd.size() != layer_rank + 1)
+    return ffi::Error::InvalidArgument("rope_and_cache cpu: key_cache rank does not match the layout");
+  const bool stacked = kcd.size() == layer_rank + 1;
+  const int64_t num_layers = stacked ? kcd[0] : 1;
+  if (stacked) kcd = kcd.last(kcd.size() - 1);
   p.NB = kcd[0];
   p.BS = p.layout == RC_FLASH ? kcd[1] : kcd[3];
   p.X = 16 / static_cast<int64_t>(ffi::ByteWidth(key_cache.element_type()));
@@ -253,11 +261,14 @@ ffi::Error CpuRopeAndCache(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
   if (auto e = CheckSame("k tokens", kd[0], p.T); e.failure()) return e;
   if (auto e = CheckSame("k head_dim", kd[2], p.D); e.failure()) return e;
   if (auto e = CheckSame("v elements", v.element_count(), k.element_count()); e.failure()) return e;
-  if (auto e = CheckSame("key_cache elements", key_cache.element_count(), p.NB * p.BS * p.KH * p.D); e.failure())
+  const int64_t layer_elems = p.NB * p.BS * p.KH * p.D;
+  if (auto e = CheckSame("key_cache elements", key_cache.element_count(), num_layers * layer_elems); e.failure())
     return e;
-  if (auto e = CheckSame("value_cache elements", value_cache.element_count(), p.NB * p.BS * p.KH * p.D);
+  if (auto e = CheckSame("value_cache elements", value_cache.element_count(), num_layers * layer_elems);
       e.failure())
     return e;
+  if (layer.element_count() != 1 || layer.element_type() != ffi::DataType::S32)
+    return ffi::Error::InvalidArgument("rope_and_cache cpu: layer must be an int32 scalar");
   if (auto e = CheckSame("slot_mapping elements", slots.element_count(), p.T); e.failure()) return e;
   if (auto e = CheckSame("positions elements", positions.element_count(), p.T); e.failure()) return e;
   if (p.R < 2 || p.R % 2 || p.R > p.D || (p.width != p.R && p.width != p.R / 2) || p.max_pos < 1)
@@ -275,9 +286,13 @@ ffi::Error CpuRopeAndCache(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
   p.q_out = q_out->untyped_data(), p.k_out = k_out->untyped_data();
   p.kc = key_cache_out->untyped_data(), p.vc = value_cache_out->untyped_data();
   p.inv_k_scale = InverseScale(k_scale), p.inv_v_scale = InverseScale(v_scale);
+  const int64_t layer_index = stacked ? *static_cast<const int32_t*>(layer.untyped_data()) : 0;
   // Outputs alias the caches; should XLA ever hand separate buffers, start from the inputs' bits.
   if (p.kc != key_cache.untyped_data()) std::memcpy(p.kc, key_cache.untyped_data(), key_cache.size_bytes());
   if (p.vc != value_cache.untyped_data()) std::memcpy(p.vc, value_cache.untyped_data(), value_cache.size_bytes());
+  if (layer_index < 0 || layer_index >= num_layers) p.NB = 0;  // no slot is valid: nothing is written
+  const int64_t cache_offset = (p.NB ? layer_index : 0) * layer_elems * ffi::ByteWidth(key_cache.element_type());
+  p.kc = static_cast<char*>(p.kc) + cache_offset, p.vc = static_cast<char*>(p.vc) + cache_offset;
   if (p.T > 0) ParallelOverTokens(p);
   return ffi::Error::Success();
 }
@@ -297,6 +312,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuRopeAndCache, CpuRopeAndCache,
                                   .Arg<ffi::AnyBuffer>()  // sin
                                   .Arg<ffi::AnyBuffer>()  // k_scale (f32[], 1 when unused)
                                   .Arg<ffi::AnyBuffer>()  // v_scale
+                                  .Arg<ffi::AnyBuffer>()  // layer (i32[], used with stacked caches)
                                   .Ret<ffi::AnyBuffer>()  // q_out
                                   .Ret<ffi::AnyBuffer>()  // k_out
                                   .Ret<ffi::AnyBuffer>()  // key_cache (aliased)
