@@ -1,33 +1,69 @@
-"""Command line: `python -m jax_rope_cache demo` (the README's main job) and `info`."""
+"""Command line: `python -m jax_rope_cache {info,demo,bench,compile}` (also `jax-rope-cache`)."""
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 
+COMMANDS = {
+    "info": "platforms, native kernels usable here, device architecture, code-object cache dir",
+    "demo": "the README's main job: prefill + decode loop of a preset, checked and timed",
+    "bench": "kernel vs XLA path table (+ CSV/JSON/PNG) on the default device",
+    "compile": "precompile code objects of presets into the disk cache (deployment hosts compile nothing)",
+}
 
-def info() -> None:
+
+def info(argv) -> None:
     import jax
 
-    from jax_rope_cache import _ffi
+    from jax_rope_cache import _ffi, shapes
 
-    print(f"jax {jax.__version__}; devices: {', '.join(f'{d.platform}:{d.device_kind}' for d in jax.devices())}")
-    print(f"native kernels usable here: {', '.join(_ffi.kernel_platforms()) or 'none'}")
+    devices = jax.devices()
+    arch = [getattr(d, "compute_capability", None) or getattr(d, "device_kind", "") for d in devices[:1]]
+    data = dict(
+        jax=jax.__version__, default_backend=jax.default_backend(),
+        devices=[f"{d.platform}:{d.device_kind}" for d in devices], arch=arch[0] if arch else None,
+        native_kernels=_ffi.kernel_platforms(),
+        code_object_cache=os.environ.get("JAX_ROPE_CACHE_DIR", os.path.expanduser("~/.cache/jax_rope_cache")),
+        presets=sorted(shapes.MODELS), tp_degrees=list(shapes.TP_DEGREES))
+    if "--json" in argv:
+        print(json.dumps(data, indent=1))
+        return
+    for key, value in data.items():
+        print(f"{key:>18}: {', '.join(map(str, value)) if isinstance(value, list) else value}")
+
+
+def compile_presets(argv) -> None:
+    try:
+        from jax_rope_cache import rocm
+    except ImportError as e:  # pragma: no cover - depends on the optional ROCm toolchain
+        raise SystemExit(f"compile: the ROCm compile path is unavailable here: {e}")
+    rocm.main(argv)
 
 
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: python -m jax_rope_cache {demo,info} [options]")
+        print("usage: python -m jax_rope_cache {" + ",".join(COMMANDS) + "} [options]\n")
+        for name, text in COMMANDS.items():
+            print(f"  {name:<9}{text}")
         return
     command, rest = argv[0], argv[1:]
-    if command == "demo":
+    if command == "info":
+        info(rest)
+    elif command == "demo":
         from jax_rope_cache import demo
 
         demo.main(rest)
-    elif command == "info":
-        info()
+    elif command == "bench":
+        from jax_rope_cache import bench
+
+        bench.main(rest)
+    elif command == "compile":
+        compile_presets(rest)
     else:
-        raise SystemExit(f"unknown command {command!r}; expected demo or info")
+        raise SystemExit(f"unknown command {command!r}; expected one of {', '.join(COMMANDS)}")
 
 
 if __name__ == "__main__":

@@ -1,10 +1,10 @@
-"""The main job: a jitted decode loop on the default device, checked against the reference and
-timed for the native kernel vs the XLA path.
+"""The main job: one prefill and a jitted decode loop of a model preset on the default device,
+with ONE stacked [L, ...] cache per K and V updated in place by `lax.scan` over the layers; the
+final caches are checked against the numpy reference and the kernel is timed against the XLA path.
 
-Each step rotates one new token per sequence for every layer and writes it into that layer's
-paged cache (caches donated, carried through a fori_loop). Afterwards the final caches are compared
-with the numpy reference applied to all tokens of all steps at once (slots never repeat, so that
-is the same computation), and both implementations are timed per step.
+The inputs of layer l at step s are a pool entry scaled by a power of two (exact in bf16), so the
+reference can rebuild them; slots never repeat, so the reference applies each layer's prefill and
+decode tokens in one call.
 """
 
 from __future__ import annotations
@@ -19,99 +19,140 @@ import numpy as np
 import jax_rope_cache as jrc
 from jax_rope_cache import reference, shapes
 
+POOL = 4  # distinct decode input sets, cycled over steps
 
-def build(model: shapes.ModelShape, batch: int, steps: int, layers: int, block_size: int, seed: int):
+
+def layer_scale(layer):
+    return 2.0 ** ((layer % 4) - 2)
+
+
+def build(model: shapes.ModelShape, batch: int, prefill: int, steps: int, layers: int, block_size: int, seed: int):
     rng = np.random.default_rng(seed)
     qh, kh, d = model.q_heads, model.kv_heads, model.head_dim
-    blocks_per_seq = -(-steps // block_size)
-    nb = batch * blocks_per_seq + 1
-    # Each sequence owns random blocks; step s of sequence b writes its s-th slot.
-    perm = rng.permutation(nb)[: batch * blocks_per_seq].reshape(batch, blocks_per_seq)
-    s = np.arange(steps)
-    slots = (perm[:, s // block_size] * block_size + s % block_size).T.astype(np.int32)  # [steps, batch]
-    start = rng.integers(0, 512, batch)
-    positions = (start[None, :] + s[:, None]).astype(np.int32)
-    inv = 1.0 / (10000.0 ** (np.arange(0, d, 2) / d))
-    ang = np.arange(1024)[:, None] * inv[None, :]
-    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
-    dt = jnp.bfloat16
-    x = lambda *shape: rng.standard_normal(shape, np.float32).astype(dt)  # noqa: E731
-    qkv = [(x(steps, batch, qh, d), x(steps, batch, kh, d), x(steps, batch, kh, d)) for _ in range(layers)]
-    caches = [jrc.make_kv_cache(nb, block_size, kh, d, dt, fill="random", seed=seed + i) for i in range(layers)]
-    return qkv, caches, slots, positions, cos, sin
+    per_seq = prefill + steps
+    bps = -(-per_seq // block_size)
+    nb = batch * bps + 1
+    blocks = rng.permutation(nb)[: batch * bps].reshape(batch, bps)  # each sequence owns random blocks
+    t = np.arange(per_seq)
+    seq_slots = (blocks[:, t // block_size] * block_size + t % block_size).astype(np.int32)  # [batch, per_seq]
+    seq_pos = (rng.integers(0, 1024, batch)[:, None] + t[None, :]).astype(np.int32)
+    inv = 1.0 / (500000.0 ** (np.arange(0, d, 2) / d))
+    ang = np.arange(4096)[:, None] * inv[None, :]
+    x = lambda *shape: rng.standard_normal(shape, np.float32).astype(jnp.bfloat16)  # noqa: E731
+    data = dict(
+        pre_q=x(batch * prefill, qh, d), pre_k=x(batch * prefill, kh, d), pre_v=x(batch * prefill, kh, d),
+        pre_slots=seq_slots[:, :prefill].reshape(-1), pre_pos=seq_pos[:, :prefill].reshape(-1),
+        dec_q=x(POOL, batch, qh, d), dec_k=x(POOL, batch, kh, d), dec_v=x(POOL, batch, kh, d),
+        dec_slots=seq_slots[:, prefill:].T.copy(), dec_pos=seq_pos[:, prefill:].T.copy(),  # [steps, batch]
+        cos=np.cos(ang).astype(np.float32), sin=np.sin(ang).astype(np.float32))
+    caches = jrc.make_kv_cache(nb, block_size, kh, d, jnp.bfloat16, num_layers=layers, fill="random", seed=seed)
+    return data, tuple(np.asarray(c) for c in caches)
 
 
-def make_loop(steps: int, impl: str):
-    def loop(qkv, caches, slots, positions, cos, sin):
-        def body(i, carry):
-            caches, acc = carry
-            new = []
-            for (q, k, v), (kc, vc) in zip(qkv, caches):
-                q_out, _, kc, vc = jrc.rope_and_cache(q[i], k[i], v[i], kc, vc, slots[i], positions[i], cos, sin,
-                                                      impl=impl)
-                acc = acc + q_out[0, 0, 0].astype(jnp.float32)
-                new.append((kc, vc))
-            return new, acc
-        return jax.lax.fori_loop(0, steps, body, (caches, jnp.float32(0)))
-    return jax.jit(loop, donate_argnums=(1,))
+def make_programs(layers: int, steps: int, impl: str):
+    scales = jnp.asarray([layer_scale(i) for i in range(layers)], jnp.bfloat16)
+
+    def prefill(d, kc, vc):
+        def layer_fn(carry, i):
+            kc, vc, acc = carry
+            s = scales[i]
+            q_out, _, kc, vc = jrc.rope_and_cache(d["pre_q"] * s, d["pre_k"] * s, d["pre_v"] * s, kc, vc,
+                                                  d["pre_slots"], d["pre_pos"], d["cos"], d["sin"], impl=impl,
+                                                  layer=i)
+            return (kc, vc, acc + jnp.sum(q_out, dtype=jnp.float32)), None
+        (kc, vc, acc), _ = jax.lax.scan(layer_fn, (kc, vc, jnp.float32(0)), jnp.arange(layers))
+        return kc, vc, acc
+
+    def decode(d, kc, vc):
+        def step(n, carry):
+            def layer_fn(carry, i):
+                kc, vc, acc = carry
+                s, j = scales[i], n % POOL
+                q_out, _, kc, vc = jrc.rope_and_cache(
+                    d["dec_q"][j] * s, d["dec_k"][j] * s, d["dec_v"][j] * s, kc, vc, d["dec_slots"][n],
+                    d["dec_pos"][n], d["cos"], d["sin"], impl=impl, layer=i)
+                # Consume all of q_out (as attention would), so XLA cannot skip part of the rotation.
+                return (kc, vc, acc + jnp.sum(q_out, dtype=jnp.float32)), None
+            carry, _ = jax.lax.scan(layer_fn, carry, jnp.arange(layers))
+            return carry
+        return jax.lax.fori_loop(0, steps, step, (kc, vc, jnp.float32(0)))
+
+    return jax.jit(prefill, donate_argnums=(1, 2)), jax.jit(decode, donate_argnums=(1, 2))
 
 
-def run(model_name="llama-3.1-8b", batch=64, steps=128, layers=4, block_size=16, repeats=3, seed=0):
-    model = shapes.MODELS[model_name]
-    qkv, caches, slots, positions, cos, sin = build(model, batch, steps, layers, block_size, seed)
-    initial = [(np.asarray(kc), np.asarray(vc)) for kc, vc in caches]
-    device = jax.devices()[0]
-    print(f"device: {device.platform} ({device.device_kind}); {model_name} heads {model.q_heads}/{model.kv_heads} "
-          f"D={model.head_dim}; {layers} layers, batch {batch}, {steps} decode steps, block size {block_size}")
-    results = {}
+def reference_caches(data, caches, layers: int, steps: int):
+    """What the caches must hold afterwards, layer by layer, from the numpy reference."""
+    kc, vc = caches
+    out_k, out_v = kc.copy(), vc.copy()
+    f32 = np.float32
+    for layer in range(layers):
+        s = f32(layer_scale(layer))
+        sc = lambda a: (a.astype(f32) * s).astype(a.dtype)  # noqa: E731
+        pick = np.arange(steps) % POOL
+        q = np.concatenate([sc(data["pre_q"]), sc(data["dec_q"][pick]).reshape((-1,) + data["pre_q"].shape[1:])])
+        k = np.concatenate([sc(data["pre_k"]), sc(data["dec_k"][pick]).reshape((-1,) + data["pre_k"].shape[1:])])
+        v = np.concatenate([sc(data["pre_v"]), sc(data["dec_v"][pick]).reshape((-1,) + data["pre_v"].shape[1:])])
+        slots = np.concatenate([data["pre_slots"], data["dec_slots"].reshape(-1)])
+        pos = np.concatenate([data["pre_pos"], data["dec_pos"].reshape(-1)])
+        _, _, out_k[layer], out_v[layer] = reference.rope_and_cache(q, k, v, kc[layer], vc[layer], slots, pos,
+                                                                    data["cos"], data["sin"])
+    return out_k, out_v
+
+
+def run(preset="llama-3.1-8b", tp=8, batch=64, prefill=128, steps=256, layers=32, block_size=16, repeats=3, seed=0):
+    model = shapes.model_shape(preset, tp)
+    data, caches = build(model, batch, prefill, steps, layers, block_size, seed)
+    dev = jax.devices()[0]
+    print(f"device {dev.platform} ({dev.device_kind}); {model.name}: heads {model.q_heads}/{model.kv_heads}, "
+          f"D={model.head_dim}; {layers} layers in one stacked cache per K/V "
+          f"({caches[0].nbytes * 2 / 2**20:.0f} MiB), batch {batch}, prefill {prefill}/seq, {steps} decode steps")
+    ddata = jax.device_put(data, dev)
+    want_k, want_v = reference_caches(data, caches, layers, steps)
+    timing, exact = {}, {}
     for impl in ("kernel", "xla"):
-        loop = make_loop(steps, impl)
-        fresh = lambda: [tuple(jnp.asarray(c) for c in pair) for pair in initial]  # noqa: E731
-        out_caches, _ = loop(qkv, fresh(), slots, positions, cos, sin)  # compile + first run
-        jax.block_until_ready(out_caches)
-        times = []
+        prefill_fn, decode_fn = make_programs(layers, steps, impl)
+        kc, vc, _ = prefill_fn(ddata, *jax.device_put(caches, dev))
+        kc, vc, _ = decode_fn(ddata, kc, vc)  # compiles both; first full run
+        exact[impl] = (np.array_equal(np.asarray(kc).view(np.uint16), want_k.view(np.uint16)),
+                       np.array_equal(np.asarray(vc).view(np.uint16), want_v.view(np.uint16)))
+        close = np.allclose(np.asarray(kc, np.float32), want_k.astype(np.float32), rtol=2**-7, atol=2**-7)
+        exact[impl] += (close,)
+        t_pre, t_dec = [], []
         for _ in range(repeats):
-            caches_in = fresh()
-            jax.block_until_ready(caches_in)
+            kc, vc = jax.device_put(caches, dev)
+            jax.block_until_ready((kc, vc))
             t0 = time.perf_counter()
-            out_caches, _ = loop(qkv, caches_in, slots, positions, cos, sin)
-            jax.block_until_ready(out_caches)
-            times.append(time.perf_counter() - t0)
-        results[impl] = (np.median(times), out_caches)
+            kc, vc, _ = prefill_fn(ddata, kc, vc)
+            jax.block_until_ready(kc)
+            t1 = time.perf_counter()
+            kc, vc, _ = decode_fn(ddata, kc, vc)
+            jax.block_until_ready(kc)
+            t_pre.append(t1 - t0)
+            t_dec.append(time.perf_counter() - t1)
+        timing[impl] = (float(np.median(t_pre)), float(np.median(t_dec)))
+        del kc, vc
 
-    # The reference: every step's tokens at once, per layer.
-    ok = True
-    exact_by_impl = {impl: [] for impl in results}
-    flat = lambda a: np.asarray(a).reshape((steps * batch,) + a.shape[2:])  # noqa: E731
-    for layer, ((q, k, v), (kc0, vc0)) in enumerate(zip(qkv, initial)):
-        _, _, kc_ref, vc_ref = reference.rope_and_cache(flat(q), flat(k), flat(v), kc0, vc0, slots.ravel(),
-                                                        positions.ravel(), cos, sin)
-        for impl, (_, out) in results.items():
-            kc, vc = (np.asarray(c) for c in out[layer])
-            exact = np.array_equal(kc.view(np.uint16), kc_ref.view(np.uint16)) and np.array_equal(
-                vc.view(np.uint16), vc_ref.view(np.uint16))
-            close = np.allclose(kc.astype(np.float32), kc_ref.astype(np.float32), atol=2**-7, rtol=2**-7)
-            ok = ok and close and (exact or impl != "kernel")
-            exact_by_impl[impl].append(exact)
-    per_step = {impl: results[impl][0] / steps for impl in ("kernel", "xla")}
-    tokens = batch * steps * layers
-    print(f"final caches vs numpy reference: kernel {'bit-exact' if all(exact_by_impl['kernel']) else 'MISMATCH'}, "
-          f"xla {'bit-exact' if all(exact_by_impl['xla']) else 'within tolerance' if ok else 'MISMATCH'}")
-    print(f"{'impl':<8}{'per step':>12}{'per op':>12}{'tokens/s':>14}")
-    for impl in ("kernel", "xla"):
-        t = results[impl][0]
-        print(f"{impl:<8}{per_step[impl] * 1e6:>10.1f}us{per_step[impl] / layers * 1e6:>10.2f}us{tokens / t:>14,.0f}")
-    print(f"kernel vs xla: {per_step['xla'] / per_step['kernel']:.2f}x faster per step")
+    ok = all(exact["kernel"][:2]) and exact["xla"][2] and exact["xla"][1]
+    describe = lambda e: "bit-exact" if all(e[:2]) else "within bf16 rounding" if e[2] and e[1] else "MISMATCH"  # noqa
+    print(f"final caches vs numpy reference: kernel {describe(exact['kernel'])}, xla {describe(exact['xla'])}")
+    print(f"{'impl':<8}{'prefill':>12}{'decode step':>14}{'per op':>10}{'decode tok/s':>15}")
+    for impl, (tp_, td) in timing.items():
+        print(f"{impl:<8}{tp_ * 1e3:>10.1f}ms{td / steps * 1e6:>12.0f}us{td / steps / layers * 1e6:>8.1f}us"
+              f"{batch * steps / td:>15,.0f}")
+    k, x = timing["kernel"], timing["xla"]
+    print(f"kernel vs xla: decode step {x[1] / k[1]:.2f}x faster, prefill {x[0] / k[0]:.2f}x faster")
     return ok
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="jax_rope_cache demo", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="llama-3.1-8b", choices=sorted(shapes.MODELS))
+    p = argparse.ArgumentParser(prog="python -m jax_rope_cache demo", description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="llama-3.1-8b", choices=sorted(shapes.MODELS))
+    p.add_argument("--tp", type=int, default=8, help="tensor-parallel degree: the heads of one shard")
     p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--steps", type=int, default=128)
-    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--prefill", type=int, default=128, help="prefill tokens per sequence")
+    p.add_argument("--steps", type=int, default=256)
+    p.add_argument("--layers", type=int, default=32)
     p.add_argument("--block-size", type=int, default=16)
     a = p.parse_args(argv)
-    ok = run(a.model, a.batch, a.steps, a.layers, a.block_size)
+    ok = run(a.preset, a.tp, a.batch, a.prefill, a.steps, a.layers, a.block_size)
     raise SystemExit(0 if ok else 1)

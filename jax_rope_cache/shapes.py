@@ -27,9 +27,25 @@ class ModelShape:
 
 MODELS = {
     "llama-3.1-8b": ModelShape("llama-3.1-8b", 32, 8, 128, 128),
-    "llama-3.1-70b-tp8": ModelShape("llama-3.1-70b-tp8", 8, 1, 128, 128),
-    "gpt-oss-120b-tp8": ModelShape("gpt-oss-120b-tp8", 8, 1, 64, 64),
+    "llama-3.1-70b": ModelShape("llama-3.1-70b", 64, 8, 128, 128),
+    "llama-3.1-405b": ModelShape("llama-3.1-405b", 128, 8, 128, 128),
     "gpt-oss-120b": ModelShape("gpt-oss-120b", 64, 8, 64, 64),
-    "qwen3-32b-tp8": ModelShape("qwen3-32b-tp8", 8, 1, 128, 128),
+    "qwen3-32b": ModelShape("qwen3-32b", 64, 8, 128, 128),
+    "qwen3-235b-a22b": ModelShape("qwen3-235b-a22b", 64, 4, 128, 128),
     "tiny": ModelShape("tiny", 8, 2, 64, 64),
 }
+TP_DEGREES = (1, 2, 4, 8)
+
+
+def model_shape(name: str, tp: int = 1) -> ModelShape:
+    """The per-shard shape of model `name` at tensor-parallel degree `tp`: query heads split evenly,
+    KV heads split while there are enough and replicated (one per shard) beyond that."""
+    if name not in MODELS:
+        raise ValueError(f"preset: expected one of {sorted(MODELS)}, got {name!r}")
+    m = MODELS[name]
+    if tp < 1 or m.q_heads % tp:
+        raise ValueError(f"tp: expected a divisor of {m.q_heads} query heads, got {tp}")
+    if m.kv_heads >= tp and m.kv_heads % tp:
+        raise ValueError(f"tp: expected a divisor of {m.kv_heads} KV heads (or >= their count), got {tp}")
+    return dataclasses.replace(m, name=m.name if tp == 1 else f"{m.name}-tp{tp}", q_heads=m.q_heads // tp,
+                               kv_heads=max(1, m.kv_heads // tp))
