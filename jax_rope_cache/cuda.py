@@ -236,4 +236,12 @@ def _lower_cuda(ctx, *args, spec, impl):
                 grid_div=np.int64(cfg.tokens_per_block), block=np.int64(cfg.threads), smem=np.int64(0))
 
 
+def kernel_available() -> bool:
+    """True when impl="kernel" can lower for CUDA in this process (extension + NVRTC present)."""
+    module = _ffi.native_module()
+    return module is not None and hasattr(module, "gpu_handler") and _nvrtc.available()
+
+
 mlir.register_lowering(_ffi.rope_cache_p, _lower_cuda, platform="cuda")
+if hasattr(_ffi, "register_kernel_platform"):
+    _ffi.register_kernel_platform("cuda", kernel_available)
