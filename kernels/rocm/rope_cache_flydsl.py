@@ -119,9 +119,12 @@ def make_config(*, qh, kh, d, r, bs, layout, neox, full_table, native, dt, tab_d
 # IR emission (runs inside a FlyDSL trace; imports flydsl lazily so this module imports anywhere)
 # ------------------------------------------------------------------------------------------------
 class _Emitter:
-    def __init__(self, cfg: RocmKernelConfig):
-        from flydsl._mlir import ir
-        from flydsl._mlir.dialects import arith, gpu, llvm, rocdl, scf, vector
+    def __init__(self, cfg: RocmKernelConfig, dialects=None):
+        if dialects is None:  # FlyDSL's MLIR bindings; tests pass a numpy interpreter with the same API
+            from flydsl._mlir import ir
+            from flydsl._mlir.dialects import arith, gpu, llvm, rocdl, scf, vector
+        else:
+            ir, arith, gpu, llvm, rocdl, scf, vector = dialects
 
         self.cfg = cfg
         self.ir, self.arith, self.gpu, self.llvm, self.rocdl, self.scf, self.vector = (
@@ -417,9 +420,10 @@ class _Ctx:
     pass
 
 
-def emit_kernel_body(cfg: RocmKernelConfig, args: list) -> None:
-    """Emits the kernel body. `args`: the 26 i64 kernel arguments as MLIR values."""
-    E = _Emitter(cfg)
+def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
+    """Emits the kernel body. `args`: the 26 i64 kernel arguments as MLIR values.
+    `dialects`: (ir, arith, gpu, llvm, rocdl, scf, vector) modules to emit with (default FlyDSL's)."""
+    E = _Emitter(cfg, dialects)
     ir = E.ir
     c32, c64 = E.i32c, E.i64c
     (p_q, p_k, p_v, _p_kc, _p_vc, p_slot, p_pos, p_cos, p_sin, p_ks, p_vs,
