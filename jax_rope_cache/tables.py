@@ -142,6 +142,8 @@ def rope_frequencies(rotary_dim: int, *, base: float, scaling=None, max_pos: int
     base = float(base)
     law = _rope_type(scaling)
     scaling = {} if scaling is None else dict(scaling)
+    if scaling.get("rope_theta") is not None and scaling["rope_theta"] != base:
+        raise ValueError(f"scaling['rope_theta']: differs from base ({base}), got {scaling['rope_theta']!r}")
     unknown = set(scaling) - _KNOWN_KEYS[law] - _COMMON_KEYS
     if unknown:
         raise ValueError(f"scaling[{sorted(unknown)[0]!r}]: not a parameter of rope_type {law!r} "
@@ -279,15 +281,18 @@ def _tables(max_pos, rotary_dim, base, scaling, dtype, form, is_neox):
     if form not in FORMS:
         raise ValueError(f"form: expected one of {FORMS}, got {form!r}")
     inv_freq, attention = rope_frequencies(rotary_dim, base=base, scaling=scaling, max_pos=max_pos)
-    if form == "full":
-        inv_freq = np.concatenate([inv_freq, inv_freq]) if is_neox else np.repeat(inv_freq, 2)
     angles = np.arange(max_pos, dtype=np.float64)[:, None] * inv_freq[None, :]
     cos = np.cos(angles)
-    sin = np.sin(angles)
+    sin = np.sin(angles, out=angles)
     if attention != 1.0:
         cos *= attention
         sin *= attention
-    return cos.astype(dt), sin.astype(dt), attention
+    cos, sin = cos.astype(dt), sin.astype(dt)
+    if form == "full":  # each channel gets its pair's column
+        half = np.arange(rotary_dim // 2)
+        cols = np.concatenate([half, half]) if is_neox else np.repeat(half, 2)
+        cos, sin = cos[:, cols], sin[:, cols]
+    return cos, sin, attention
 
 
 # --- Hugging Face configs ------------------------------------------------------------------------------

@@ -184,6 +184,7 @@ def test_hf_config_reading():
     (dict(scaling={"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0, 1.0],
                    "original_max_position_embeddings": 4}), r"scaling\['short_factor'\]"),
     (dict(scaling=[("rope_type", "linear")]), r"scaling:"),
+    (dict(scaling={"rope_type": "linear", "factor": 2.0, "rope_theta": 10.0}), r"scaling\['rope_theta'\]"),
     (dict(rotary_dim=5), r"rotary_dim"),
     (dict(base=1.0), r"base"),
     (dict(max_pos=0), r"max_pos"),
