@@ -64,9 +64,9 @@ def kernel_source_path() -> str:
 
 
 @functools.cache
-def kernel_module():
+def kernel_module(path: str | None = None):
     """The kernel builder module (kernels/rocm/rope_cache_flydsl.py), importable without flydsl."""
-    path = kernel_source_path()
+    path = path or kernel_source_path()
     spec = importlib.util.spec_from_file_location("jax_rope_cache._rocm_kernel", path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod
@@ -76,6 +76,10 @@ def kernel_module():
 
 @functools.cache
 def _probe() -> tuple[bool, str]:
+    try:
+        kernel_source_path()
+    except FileNotFoundError as e:
+        return False, str(e)
     for name in ("flydsl", "torch"):
         if importlib.util.find_spec(name) is None:
             return False, f"the Python package {name!r} is not installed"

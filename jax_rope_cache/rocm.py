@@ -45,9 +45,9 @@ def target_archs() -> tuple[str, ...]:
     return archs
 
 
-def kernel_config(spec: _spec.OpSpec):
+def kernel_config(spec: _spec.OpSpec, module=None):
     """The static kernel configuration of a call (kernels/rocm/rope_cache_flydsl.py)."""
-    K = _flydsl.kernel_module()
+    K = module or _flydsl.kernel_module()
     codes = _spec.DTYPE_CODES
     dt = codes[np.dtype(spec.dtype)]
     return K.make_config(

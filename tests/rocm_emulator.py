@@ -56,6 +56,7 @@ class Machine:
     def __init__(self, nt: int):
         self.nt = nt
         self.mask = [np.ones(nt, bool)]
+        self.blocks = []
         self.bufs: list[tuple[int, bytearray]] = []
         self.tid = np.arange(nt, dtype=np.uint64)
         self.bid = 0
@@ -133,11 +134,13 @@ class ir:  # noqa: N801 - mirrors the module name
     @staticmethod
     @contextlib.contextmanager
     def InsertionPoint(block):  # noqa: N802
-        M.mask.append(M.mask[-1] & block)
+        M.mask.append(M.mask[-1] & block.cond)
+        M.blocks.append(block)
         try:
             yield
         finally:
             M.mask.pop()
+            M.blocks.pop()
 
 
 # ---------------------------------------------------------------- arith
@@ -364,14 +367,33 @@ class rocdl:  # noqa: N801
                 buf[s:s + nb] = data[lane]
 
 
+class _Block:
+    def __init__(self, cond):
+        self.cond = cond
+        self.yielded = None
+
+
 class scf:  # noqa: N801
     class IfOp:
-        def __init__(self, cond):
-            self.then_block = cond.a.astype(bool)
+        def __init__(self, cond, results_=None, *, has_else=False):
+            c = cond.a.astype(bool)
+            self.types = list(results_ or [])
+            self.then_block = _Block(c)
+            self.else_block = _Block(~c) if has_else else None
+
+        @property
+        def results(self):
+            t, e = self.then_block.yielded, self.else_block.yielded
+            assert len(t) == len(e) == len(self.types)
+            out = []
+            for ty, a, b in zip(self.types, t, e):
+                c = self.then_block.cond.reshape((-1,) + (1,) * (a.a.ndim - 1))
+                out.append(Val(ty, np.where(c, a.a, b.a)))
+            return out
 
     @staticmethod
     def YieldOp(vals):  # noqa: N802
-        return None
+        M.blocks[-1].yielded = list(vals)
 
 
 class vector:  # noqa: N801

@@ -38,7 +38,7 @@ ARCHS = ("gfx942", "gfx950")
 NUM_OPERANDS, NUM_RESULTS = 11, 4  # the custom call: 11 operands, 4 results (kernels/ffi/gpu_launcher.cc)
 
 needs_flydsl = pytest.mark.skipif(not _flydsl.available(),
-                                  reason=f"FlyDSL unavailable: {_flydsl.unavailable_reason()}; "
+                                  reason=f"the ROCm kernel cannot be compiled here: {_flydsl.unavailable_reason()}; "
                                          f"install with: {_flydsl.INSTALL_HINT}")
 
 

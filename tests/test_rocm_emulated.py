@@ -21,7 +21,14 @@ import rocm_emulator
 from conftest import Case, assert_bits_equal, make_problem, reference_op
 from jax_rope_cache import _flydsl, _spec
 
-K = _flydsl.kernel_module()
+import os  # noqa: E402
+
+# The source under test: the installed copy, else the repository's (the emulator needs no build).
+try:
+    _SRC = _flydsl.kernel_source_path()
+except FileNotFoundError:
+    _SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "kernels", "rocm", "rope_cache_flydsl.py")
+K = _flydsl.kernel_module(_SRC)
 
 CASES = [
     Case(),
@@ -65,7 +72,7 @@ def test_emulated_kernel_matches_reference(case):
     from jax_rope_cache import rocm
 
     spec = _spec.check_op(*args, **opts)
-    cfg = rocm.kernel_config(spec)
+    cfg = rocm.kernel_config(spec, K)
     got = rocm_emulator.run(K, cfg, custom_call_operands(args, opts))
     want = reference_op(*args, **opts)
     for name, g, w in zip(("q_out", "k_out", "key_cache", "value_cache"), got, want):
@@ -78,7 +85,7 @@ def test_emulated_kernel_small_workgroups_cover_tails():
     args, opts = make_problem(case, seed=3)
     from jax_rope_cache import rocm
 
-    cfg = rocm.kernel_config(_spec.check_op(*args, **opts))
+    cfg = rocm.kernel_config(_spec.check_op(*args, **opts), K)
     assert cfg.tpb > 1 and case.T % cfg.tpb, cfg
     got = rocm_emulator.run(K, cfg, custom_call_operands(args, opts))
     for name, g, w in zip(("q_out", "k_out", "key_cache", "value_cache"), got, reference_op(*args, **opts)):

@@ -554,6 +554,26 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
             else:
                 guarded(lane_ok, lambda: per_token(tl, tvalid, c, heads))
 
+    def load_qk(is_q, oq, ok, nbytes):
+        """nbytes of q (Q heads) or k (K heads): one load per lane, branch on the head kind (uniform
+        per wave whenever QH is a multiple of the heads a wave covers)."""
+        sizes = E._pieces(nbytes)
+        op = E.scf.IfOp(is_q, [E._raw_type(p) for p in sizes], has_else=True)
+        with ir.InsertionPoint(op.then_block):
+            E.scf.YieldOp([v for _, v in E.buf_load_words(rs_q, oq, nbytes)])
+        with ir.InsertionPoint(op.else_block):
+            E.scf.YieldOp([v for _, v in E.buf_load_words(rs_k, ok, nbytes)])
+        return list(zip(sizes, op.results))
+
+    def store_qk(is_q, pieces, oq, ok):
+        op = E.scf.IfOp(is_q, [], has_else=True)
+        with ir.InsertionPoint(op.then_block):
+            E.buf_store_pieces(pieces, rs_qo, oq)
+            E.scf.YieldOp([])
+        with ir.InsertionPoint(op.else_block):
+            E.buf_store_pieces(pieces, rs_ko, ok)
+            E.scf.YieldOp([])
+
     def head_offset(tl, h, nheads, ch0_bytes_i32):
         return E.add(E.mul(E.add(E.mul(tl, c32(nheads)), h), c32(D * s_in)), ch0_bytes_i32)
 
@@ -614,15 +634,11 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
             def ld(extra_bytes):
                 oq = E.add(off_q, c32(extra_bytes)) if extra_bytes else off_q
                 ok = E.add(off_k, c32(extra_bytes)) if extra_bytes else off_k
-                big = c32(0x7FFFFFF0)  # past the descriptor: the hardware returns 0
-                oq = E.sel(is_q, oq, big)
-                ok = E.sel(is_q, big, ok)
                 if hvalid is not None:
+                    big = c32(0x7FFFFFF0)  # past the descriptor: the hardware returns 0, drops stores
                     oq = E.sel(hvalid, oq, big)
                     ok = E.sel(hvalid, ok, big)
-                pq = E.buf_load_words(rs_q, oq, W * s_in)
-                pk = E.buf_load_words(rs_k, ok, W * s_in)
-                return pq, pk, oq, ok
+                return load_qk(is_q, oq, ok, W * s_in), oq, ok
             if cfg.neox:
                 a = ld(0)
                 b = ld((R // 2) * s_in)
@@ -632,19 +648,11 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
                 results.append((h, hvalid, is_q, hk, a, None))
 
         for h, hvalid, is_q, hk, a, b in results:
-            def merge(pq, pk):
-                # one of the two loads was out of range (zeros): OR the raw words
-                wq, wk = E.piece_words(pq), E.piece_words(pk)
-                return [(bq, E.bor(vq, vk)) for (bq, vq), (_, vk) in zip(wq, wk)]
-
-            def words_vals(words, n):
-                return E.elems_from_pieces(words, cfg.dt, n)
-
             if cfg.neox:
-                xa = words_vals(merge(a[0], a[1]), W)
-                xb = words_vals(merge(b[0], b[1]), W)
+                xa = E.elems_from_pieces(a[0], cfg.dt, W)
+                xb = E.elems_from_pieces(b[0], cfg.dt, W)
             else:
-                xx = words_vals(merge(a[0], a[1]), W)
+                xx = E.elems_from_pieces(a[0], cfg.dt, W)
                 xa, xb = xx[0::2], xx[1::2]
             ya, yb = [], []
             for i in range(npairs):
@@ -668,8 +676,7 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
                 pieces = E.store_elems_pieces(vals, cfg.dt)
                 out_pieces.append(pieces)
                 # q_out / k_out: the same offsets as the loads (out-of-range ones are dropped)
-                E.buf_store_pieces(pieces, rs_qo, src[2])
-                E.buf_store_pieces(pieces, rs_ko, src[3])
+                store_qk(is_q, pieces, src[1], src[2])
             # key cache: K heads only
             if KH > 0:
                 s_ok, s = kslot
@@ -700,17 +707,14 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
                 hk = E.sub(h, c32(QH))
                 cw = E.add(E.mul(c, c32(WP * s_in)), c32(R * s_in))
                 big = c32(0x7FFFFFF0)
-                oq = E.sel(is_q, head_offset(tl, h, QH, cw), big)
-                ok = E.sel(is_q, big, head_offset(tl, hk, KH, cw))
+                oq = head_offset(tl, h, QH, cw)
+                ok = head_offset(tl, hk, KH, cw)
                 if hvalid is not None:
                     oq = E.sel(hvalid, oq, big)
                     ok = E.sel(hvalid, ok, big)
-                pq = E.buf_load_words(rs_q, oq, WP * s_in)
-                pk = E.buf_load_words(rs_k, ok, WP * s_in)
-                words = [(bq, E.bor(vq, vk)) for (bq, vq), (_, vk) in zip(E.piece_words(pq), E.piece_words(pk))]
-                pieces = E.words_to_pieces(words)
-                E.buf_store_pieces(pieces, rs_qo, oq)
-                E.buf_store_pieces(pieces, rs_ko, ok)
+                pieces = load_qk(is_q, oq, ok, WP * s_in)
+                words = E.piece_words(pieces)
+                store_qk(is_q, pieces, oq, ok)
                 s_ok, s = kslot
                 wr = E.and1(s_ok, E.arith.xori(is_q, E.c(1, E.i1)))
                 if hvalid is not None:
