@@ -23,7 +23,9 @@ Work decomposition. A workgroup owns TPB consecutive tokens. Three phases run on
            reuses it for every Q and K head it visits. K heads also write the key cache.
   * pass : channels >= R of every Q and K head (copied; K also to the key cache). Only if R < D.
   * v    : V heads copied into the value cache.
-All loads of a (token, phase) iteration are issued before the first store. q/k/v/q_out/k_out and
+All loads of a (token, phase) iteration are issued before the first store; a lane makes one access
+per chunk (Q and K heads branch on the head kind, which is uniform per wave whenever QH is a
+multiple of the heads one wave covers). q/k/v/q_out/k_out and
 the tables are accessed with 32-bit-offset buffer instructions through descriptors based at the
 workgroup's first token row, whose size covers only the valid rows (the hardware drops accesses
 past T). The caches (any size) are written with 64-bit global stores.
@@ -139,19 +141,16 @@ class _Emitter:
         self.ptr0 = ir.Type.parse("!llvm.ptr")
         self.ptr1 = ir.Type.parse("!llvm.ptr<1>")
         self.ptr8 = ir.Type.parse("!llvm.ptr<8>")
-        self._consts = {}
 
     # ---- scalars ----
     def c(self, v: int, ty=None):
         ty = ty or self.i32
-        key = (v, str(ty))
         if ty == self.f32:
             return self.arith.ConstantOp(ty, self.ir.FloatAttr.get(ty, float(v))).result
         width = self.ir.IntegerType(ty).width
         v = int(v) & ((1 << width) - 1)
         if v >= 1 << (width - 1):
             v -= 1 << width
-        del key
         return self.arith.ConstantOp(ty, self.ir.IntegerAttr.get(ty, v)).result
 
     def add(self, a, b):
@@ -404,20 +403,12 @@ class _Emitter:
         bits = [self.to_bits(v, code, inv_scale) for v in vals]
         return self.words_to_pieces(self.pack_bits(bits, ITEMSIZE[code]))
 
-    def if_(self, cond):
-        op = self.scf.IfOp(cond)
-        return op
-
     # ---- thread / block ----
     def tid(self):
         return self.arith.index_cast(self.i32, self.gpu.thread_id(self.gpu.Dimension.x))
 
     def bid(self):
         return self.arith.index_cast(self.i32, self.gpu.block_id(self.gpu.Dimension.x))
-
-
-class _Ctx:
-    pass
 
 
 def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
@@ -761,10 +752,6 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
             guarded(wr, body)
 
     run_phase(cpx_v, KH, v_token)
-
-
-def kernel_name(cfg: RocmKernelConfig) -> str:
-    return KERNEL_BASENAME
 
 
 def build_launcher(cfg: RocmKernelConfig):
