@@ -180,11 +180,13 @@ def toolkit_root() -> str:
 @contextlib.contextmanager
 def _compile_env(arch: str):
     """Environment for one compile (process-wide: callers hold _lock)."""
-    saved = {k: os.environ.get(k) for k in ("ROCM_PATH", "FLYDSL_GPU_ARCH", "ARCH", "COMPILE_ONLY")}
+    keys = ("ROCM_PATH", "FLYDSL_GPU_ARCH", "ARCH", "COMPILE_ONLY", "FLYDSL_RUNTIME_ENABLE_CACHE")
+    saved = {k: os.environ.get(k) for k in keys}
     try:
         os.environ["ROCM_PATH"] = toolkit_root()
         os.environ["FLYDSL_GPU_ARCH"] = arch
         os.environ["ARCH"] = arch
+        os.environ["FLYDSL_RUNTIME_ENABLE_CACHE"] = "0"  # this module caches the code objects itself
         os.environ.pop("COMPILE_ONLY", None)
         yield
     finally:

@@ -274,6 +274,32 @@ def test_without_flydsl_kernel_raises_and_default_falls_back(monkeypatch):
     assert "rocm" not in _ffi.kernel_platforms()
 
 
+def test_compile_failure_falls_back_for_default_impl(monkeypatch):
+    monkeypatch.setattr(_flydsl, "available", lambda: True)
+
+    def broken(cfg, arch):
+        raise RuntimeError("DSLCompileError: lld invocation failed")
+
+    monkeypatch.setattr(_flydsl, "compile_config", broken)
+    monkeypatch.setattr(_flydsl, "kernel_module", lambda path=None: _REPO_KERNEL)
+    with pytest.raises(RuntimeError, match="lld invocation failed"):
+        export_rocm(impl="kernel")
+    with pytest.warns(RuntimeWarning, match="compiling the kernel failed"):
+        exp = export_rocm(impl=None)
+    assert not [c for c in custom_calls(exp) if c[0].startswith("jax_rope_cache")]
+
+
+def _repo_kernel():
+    try:
+        return _flydsl.kernel_module()
+    except FileNotFoundError:
+        return _flydsl.kernel_module(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "kernels",
+                                                  "rocm", "rope_cache_flydsl.py"))
+
+
+_REPO_KERNEL = _repo_kernel()
+
+
 @needs_flydsl
 def test_compile_cli_fills_the_disk_cache(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("JAX_ROPE_CACHE_DIR", str(tmp_path))
