@@ -304,7 +304,8 @@ def _cfg_int(config: Mapping, key: str, *, required=True):
         if required:
             raise ValueError(f"config[{key!r}]: missing")
         return None
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer, float)) or v != int(v) or v < 1:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer, float)) or not math.isfinite(v) \
+            or v != int(v) or v < 1:
         raise ValueError(f"config[{key!r}]: expected a positive integer, got {v!r}")
     return int(v)
 
@@ -313,7 +314,7 @@ def hf_rope_settings(config: Mapping) -> dict:
     """Reads the RoPE settings of a Hugging Face-style config dict, as transformers does.
 
     Returns a dict: rope_type, base, head_dim, rotary_dim, partial_rotary_factor, max_position_embeddings
-    (or None) and scaling (the law's parameters, with Hugging Face's defaults filled in: a llama3/yarn/
+    (or None), source (the config key the parameters came from) and scaling (the law's parameters, with Hugging Face's defaults filled in: a llama3/yarn/
     longrope original_max_position_embeddings from a top-level key of that name, else from
     max_position_embeddings; a missing yarn/longrope factor from max_position_embeddings /
     original_max_position_embeddings; the dynamic law's original length is max_position_embeddings).
@@ -383,7 +384,7 @@ def hf_rope_settings(config: Mapping) -> dict:
         scaling["original_max_position_embeddings"] = mpe
     scaling = None if law == "default" else {"rope_type": law, **scaling}
     return dict(rope_type=law, base=float(base), head_dim=head_dim, rotary_dim=rotary_dim,
-                partial_rotary_factor=float(prf), max_position_embeddings=mpe, scaling=scaling)
+                partial_rotary_factor=float(prf), max_position_embeddings=mpe, scaling=scaling, source=key)
 
 
 def rope_tables_from_hf_config(config, max_pos=None, tp=1, dtype=np.float32, form="half", is_neox=None):
@@ -423,7 +424,13 @@ def rope_tables_from_hf_config(config, max_pos=None, tp=1, dtype=np.float32, for
         shape = presets.shard_shape(config, tp, is_neox=bool(is_neox))
     elif isinstance(tp, bool) or not isinstance(tp, (int, np.integer)) or tp < 1:
         raise ValueError(f"tp: expected an integer >= 1, got {tp!r}")
-    cos, sin, attention = _tables(max_pos, s["rotary_dim"], s["base"], s["scaling"], dtype, form, bool(is_neox))
+    try:
+        cos, sin, attention = _tables(max_pos, s["rotary_dim"], s["base"], s["scaling"], dtype, form, bool(is_neox))
+    except ValueError as e:  # name the config's key: config['rope_scaling']['factor'], not scaling['factor']
+        msg = str(e)
+        if msg.startswith("scaling["):
+            raise ValueError(f"config[{s['source']!r}]{msg[len('scaling'):]}") from None
+        raise
     info = RopeInfo(rope_type=s["rope_type"], rotary_dim=s["rotary_dim"], head_dim=s["head_dim"],
                     is_neox=bool(is_neox), base=s["base"], max_pos=int(max_pos), form=form,
                     attention_scaling=attention, scaling=s["scaling"], shape=shape)
