@@ -44,7 +44,9 @@ fi
 if has test; then
   t0=$SECONDS
   # -P: import the installed package, not the source folder
-  (cd / && timeout "${PYTEST_TIMEOUT:-420}" "$PY" -P -m pytest $PYTEST_ARGS -p no:cacheprovider "$ROOT/tests") >"$OUT/pytest.log" 2>&1
+  eval "pytest_args=($PYTEST_ARGS)"  # PYTEST_ARGS may hold quoted words, e.g. -k 'not slow'
+  (cd / && timeout "${PYTEST_TIMEOUT:-420}" "$PY" -P -m pytest "${pytest_args[@]}" -p no:cacheprovider "$ROOT/tests") \
+      >"$OUT/pytest.log" 2>&1
   rc=$?
   tail -25 "$OUT/pytest.log"
   summary+=("pytest: rc=$rc ($((SECONDS - t0)) s): $(grep -E '(passed|failed|error)' "$OUT/pytest.log" | tail -1)")
@@ -55,32 +57,37 @@ if has sanitize; then
   cat >/tmp/jrc_sanitize.py <<'EOF'
 # Hostile indices through the CUDA kernel, every layout, fp8 and int64 included; compared with the reference.
 import numpy as np, jax, jax.numpy as jnp, ml_dtypes
+jax.config.update("jax_enable_x64", True)  # int64 indices reach the kernel unchanged
 import jax_rope_cache as jrc
 from jax_rope_cache import reference
 rng = np.random.default_rng(0)
 bad = 0
 for layout in ("flash", "xpacked", "xpacked_shuffled"):
-    for cdt, idt in ((jnp.bfloat16, np.int64), (ml_dtypes.float8_e4m3fn, np.int32)):
+    for cdt, idt in ((ml_dtypes.bfloat16, np.int64), (ml_dtypes.float8_e4m3fn, np.int32)):
         T, QH, KH, D, NB, BS = 67, 8, 2, 128, 8, 16
         q = rng.standard_normal((T, QH, D)).astype(ml_dtypes.bfloat16)
         k = rng.standard_normal((T, KH, D)).astype(ml_dtypes.bfloat16)
         v = rng.standard_normal((T, KH, D)).astype(ml_dtypes.bfloat16)
         kc, vc = (np.asarray(a) for a in jrc.make_kv_cache(NB, BS, KH, D, cdt, layout=layout, fill="random"))
-        big = [2**40, -2**62, 2**62] if idt == np.int64 else [2**31 - 1, -2**31]
-        slots = rng.choice(np.array([-1, NB * BS, NB * BS - 1, 0] + big, np.int64), T).astype(idt)
-        pos = rng.choice(np.array([-1, 0, 63, 64, 10**6] + big, np.int64), T).astype(idt)
+        big = [2**40, -2**62, 2**62, 2**63 - 1, -2**63] if idt == np.int64 else [2**31 - 1, -2**31]
+        hostile = np.array([-1, NB * BS, NB * BS + 1] + big, np.int64)
+        slots = rng.permutation(NB * BS)[:T].astype(np.int64)  # unique valid slots ...
+        m = rng.random(T) < 0.5
+        slots[m] = rng.choice(hostile, m.sum())  # ... and half of them hostile
+        pos = rng.choice(np.array([-1, 0, 63, 64, 10**6] + big, np.int64), T)
+        slots, pos = slots.astype(idt), pos.astype(idt)
         cos = rng.standard_normal((64, D // 2)).astype(np.float32); sin = cos[::-1].copy()
         kw = dict(layout=layout)
-        if cdt is not jnp.bfloat16:
+        if cdt is not ml_dtypes.bfloat16:
             kw.update(k_scale=np.float32(0.3), v_scale=np.float32(0.2))
         args = (q, k, v, kc, vc, slots, pos, cos, sin)
         got = jrc.rope_and_cache(*args, impl="kernel", **kw)
         want = reference.rope_and_cache(*args, **kw)
-        for g, w in zip(got, want):
+        for name, g, w in zip(("q_out", "k_out", "key_cache", "value_cache"), got, want):
             g, w = np.asarray(g), np.asarray(w)
             if not np.array_equal(g.view(np.uint8), w.view(np.uint8)):
                 bad += 1
-                print("MISMATCH", layout, cdt, idt)
+                print("MISMATCH", layout, np.dtype(cdt).name, np.dtype(idt).name, name)
 print("sanitize script done, mismatches:", bad)
 EOF
   # platform allocator: every buffer is its own cudaMalloc, so memcheck sees overruns past a buffer
@@ -93,7 +100,8 @@ fi
 
 if has bench; then
   t0=$SECONDS
-  (cd / && "$PY" -P "$ROOT/benchmarks/bench_gpu.py" "$OUT" $BENCH_ARGS) >"$OUT/bench.log" 2>&1
+  eval "bench_args=($BENCH_ARGS)"
+  (cd / && "$PY" -P "$ROOT/benchmarks/bench_gpu.py" "$OUT" "${bench_args[@]}") >"$OUT/bench.log" 2>&1
   rc=$?
   summary+=("bench: rc=$rc ($((SECONDS - t0)) s)")
   echo "---- benchmark (full log: bench.log, bench_gpu.csv, bench_gpu.json) ----"
