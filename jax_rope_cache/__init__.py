@@ -16,6 +16,8 @@ _LAZY = {
     "LAYOUTS": "jax_rope_cache._spec",
     "PRECISIONS": "jax_rope_cache._spec",
     "cache_shapes": "jax_rope_cache._spec",
+    "rope_tables": "jax_rope_cache.tables",
+    "rope_tables_from_hf_config": "jax_rope_cache.tables",
 }
 
 __all__ = sorted(_LAZY)

@@ -184,3 +184,4 @@ def bind(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, k_s
     return rope_cache_p.bind(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
                              k_scale, v_scale, layer, spec=spec, impl=impl)
 from jax_rope_cache import cuda as _cuda  # noqa: E402,F401
+from jax_rope_cache import rocm as _rocm  # noqa: E402,F401

@@ -27,6 +27,7 @@ import warnings
 
 import jax
 import numpy as np
+from jaxlib import xla_client as jax_xla_client
 from jax.interpreters import mlir
 
 from jax_rope_cache import _ffi, _nvrtc, _spec
@@ -36,6 +37,7 @@ GPU_TARGET_NO_GRAPH = "jax_rope_cache_gpu_nograph"
 KERNEL_NAME = "rope_cache_kernel"
 DEFAULT_ARCH = 90
 DEFAULT_SMS = 132
+UNROLL = 4  # units per thread per round (kernels/cuda/rope_cache.cu: RC_UNROLL)
 
 _LAYOUT_CODE = {"flash": 0, "xpacked": 1, "xpacked_shuffled": 2}
 
@@ -102,7 +104,7 @@ def kernel_config(spec: _spec.OpSpec, num_sms: int = DEFAULT_SMS) -> KernelConfi
     units = units_rot + rh * ((d - r) // w) + kh * (d // w)
     table_w = r if spec.table_full else r // 2
     nt = 256
-    tpb = max(1, min(64, _pow2_floor(1024 // max(1, units))))
+    tpb = max(1, min(64, _pow2_floor(2048 // max(1, units))))
     if spec.layout != "flash":
         tpb = max(tpb, 16)  # value rows of 16 consecutive slots are written together
     # Limits: shared table <= 32 KiB and <= 16 staged values per thread.
@@ -129,7 +131,7 @@ def kernel_config(spec: _spec.OpSpec, num_sms: int = DEFAULT_SMS) -> KernelConfi
         ("RC_CACHE_DT", _spec.DTYPE_CODES[np.dtype(spec.cache_dtype)]),
         ("RC_SLOT64", int(np.dtype(spec.slot_dtype).itemsize == 8)),
         ("RC_POS64", int(np.dtype(spec.pos_dtype).itemsize == 8)),
-        ("RC_WCH", w), ("RC_TPB", tpb), ("RC_NT", nt),
+        ("RC_WCH", w), ("RC_TPB", tpb), ("RC_NT", nt), ("RC_UNROLL", UNROLL),
     )
     return KernelConfig(defines=defines, tokens_per_block=tpb, threads=nt)
 
@@ -204,11 +206,25 @@ def build_code_table(cfg: KernelConfig, cc: int | None) -> bytes:
 
 
 # ---- registration and lowering ------------------------------------------------------------------
+def _register(name: str, capsules, platform: str, graph: bool) -> None:
+    # XLA takes a target's command-buffer trait from its registration (the execute handler also
+    # declares it), so the graph-compatible target is registered with that trait here.
+    with _ffi._lock:
+        if (name, platform) in _ffi._registered:
+            return
+        kwargs = {}
+        traits = getattr(getattr(jax_xla_client, "CustomCallTargetTraits", None), "COMMAND_BUFFER_COMPATIBLE", None)
+        if graph and traits is not None:
+            kwargs["traits"] = traits
+        jax.ffi.register_ffi_target(name, capsules(), platform=platform, api_version=1, **kwargs)
+        _ffi._registered.add((name, platform))
+
+
 def _register_gpu_targets(module) -> str:
     """Registers both launcher targets for CUDA and ROCM; returns the one to use."""
     for platform in ("CUDA", "ROCM"):
-        _ffi.register_target(GPU_TARGET, module.gpu_handler, platform)
-        _ffi.register_target(GPU_TARGET_NO_GRAPH, module.gpu_handler_no_graph, platform)
+        _register(GPU_TARGET, module.gpu_handler, platform, graph=True)
+        _register(GPU_TARGET_NO_GRAPH, module.gpu_handler_no_graph, platform, graph=False)
     return GPU_TARGET if command_buffers_enabled() else GPU_TARGET_NO_GRAPH
 
 
@@ -236,4 +252,12 @@ def _lower_cuda(ctx, *args, spec, impl):
                 grid_div=np.int64(cfg.tokens_per_block), block=np.int64(cfg.threads), smem=np.int64(0))
 
 
+def kernel_available() -> bool:
+    """True when impl="kernel" can lower for CUDA in this process (extension + NVRTC present)."""
+    module = _ffi.native_module()
+    return module is not None and hasattr(module, "gpu_handler") and _nvrtc.available()
+
+
 mlir.register_lowering(_ffi.rope_cache_p, _lower_cuda, platform="cuda")
+if hasattr(_ffi, "register_kernel_platform"):
+    _ffi.register_kernel_platform("cuda", kernel_available)

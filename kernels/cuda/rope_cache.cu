@@ -13,6 +13,7 @@
 //                                (power of two; divides D and R, and R/2 for NeoX; even for GPT-J)
 //   RC_TPB                       tokens per thread block
 //   RC_NT                        threads per block (launch bound)
+//   RC_UNROLL                    units per thread per round (memory-level parallelism)
 //
 // Kernel ABI (what kernels/ffi/gpu_launcher.cc passes; the launcher is generic and knows nothing of
 // this op): one kernel parameter, a struct by value holding
@@ -33,7 +34,9 @@
 // The cos/sin rows of the block's tokens are read once per token into shared memory (as f32,
 // already rounded to the input dtype in native precision) and shared by all heads. V and pass
 // units need no table, so they run while the table loads are in flight; each thread also
-// prefetches its first rotation unit before the barrier.
+// prefetches its first round of rotation units before the barrier. Each thread works in rounds of
+// RC_UNROLL units and issues all loads of a round before its first store, to keep enough bytes in
+// flight for the memory system.
 // For the x-packed layouts the V units are ordered token-fastest, so a warp writing a run of
 // consecutive slots (prefill) stores consecutive offsets of one value row together.
 //
@@ -287,6 +290,8 @@ __device__ __forceinline__ float table_load(const Params& p, i64 t0, i64 T, i64 
 }
 
 constexpr int TAB_ELEMS = TPB * 2 * TW;
+// Units each thread keeps in flight per round (loads of all of them issued before any store).
+constexpr int UB = RC_UNROLL;
 constexpr int TAB_PER_THREAD = (TAB_ELEMS + NT - 1) / NT;
 
 }  // namespace rc
@@ -310,33 +315,50 @@ extern "C" __global__ void __launch_bounds__(RC_NT, 1) rope_cache_kernel(const r
     tv[i] = e < TAB_ELEMS ? table_load(p, t0, T, max_pos, e) : 0.0f;
   }
   const int n_rot = ntok * RH * P;
-  RotIn first;
-  if (tid < n_rot) first = rot_load(p, t0, tid);
+  RotIn rin[UB];
+#pragma unroll
+  for (int j = 0; j < UB; ++j) {
+    const int u = tid + j * NT;
+    if (u < n_rot) rin[j] = rot_load(p, t0, u);
+  }
 
   // 2. Units that need no table: V into the value cache, channels >= R to q_out/k_out/key cache.
+  //    UB units per thread per round, all loads issued before the first store.
   const int n_v = (LAYOUT == RC_FLASH ? ntok : TPB) * KH * CH;
-  for (int u = tid; u < n_v; u += NT) {
-    int tt, h, c;
-    if (LAYOUT == RC_FLASH) {  // token-major: a warp writes contiguous rows
-      c = u % CH;
-      h = (u / CH) % KH;
-      tt = u / (CH * KH);
-    } else {  // token-fastest: consecutive slots of one value row are written together
-      tt = u % TPB;
-      c = (u / TPB) % CH;
-      h = u / (TPB * CH);
-      if (tt >= ntok) continue;
-    }
-    const i64 t = t0 + tt;
-    const i64 s = valid_slot(p, t, num_slots);
-    if (s < 0) continue;
-    const Chunk x = load_chunk(p.v, (t * KH + h) * (i64)D + c * W);
-    const i64 blk = s / BS, off = s % BS;
-    if (LAYOUT == RC_FLASH) {
-      store_cache_chunk(p.vc, value_index(blk, off, h, c * W), x, inv_v);
-    } else {
+  for (int base = tid; base < n_v; base += NT * UB) {
+    Chunk xs[UB];
+    i64 dst[UB];
 #pragma unroll
-      for (int e = 0; e < W; ++e) store_cache_elem(p.vc, value_index(blk, off, h, c * W + e), x.e[e], inv_v);
+    for (int j = 0; j < UB; ++j) {
+      const int u = base + j * NT;
+      dst[j] = -1;
+      if (u >= n_v) continue;
+      int tt, h, c;
+      if (LAYOUT == RC_FLASH) {  // token-major: a warp writes contiguous rows
+        c = u % CH;
+        h = (u / CH) % KH;
+        tt = u / (CH * KH);
+      } else {  // token-fastest: consecutive slots of one value row are written together
+        tt = u % TPB;
+        c = (u / TPB) % CH;
+        h = u / (TPB * CH);
+        if (tt >= ntok) continue;
+      }
+      const i64 t = t0 + tt;
+      const i64 s = valid_slot(p, t, num_slots);
+      xs[j] = load_chunk(p.v, (t * KH + h) * (i64)D + c * W);  // in bounds whatever the slot
+      if (s >= 0) dst[j] = value_index(s / BS, s % BS, h, c * W);
+    }
+#pragma unroll
+    for (int j = 0; j < UB; ++j) {
+      if (dst[j] < 0) continue;
+      if (LAYOUT == RC_FLASH) {
+        store_cache_chunk(p.vc, dst[j], xs[j], inv_v);
+      } else {  // consecutive channels are BS (xpacked) or X (shuffled) elements apart
+        constexpr int STEP = LAYOUT == RC_XPACKED ? BS : X;
+#pragma unroll
+        for (int e = 0; e < W; ++e) store_cache_elem(p.vc, dst[j] + (i64)e * STEP, xs[j].e[e], inv_v);
+      }
     }
   }
   if (CPASS > 0) {
@@ -363,9 +385,19 @@ extern "C" __global__ void __launch_bounds__(RC_NT, 1) rope_cache_kernel(const r
     if (e < TAB_ELEMS) tab[e] = tv[i];
   }
   __syncthreads();
-  for (int u = tid; u < n_rot; u += NT) {
-    const RotIn in = u == tid ? first : rot_load(p, t0, u);
-    rot_compute_store(p, t0, u, in, tab, num_slots, inv_k);
+  for (int base = tid; base < n_rot; base += NT * UB) {
+    if (base != tid) {
+#pragma unroll
+      for (int j = 0; j < UB; ++j) {
+        const int u = base + j * NT;
+        if (u < n_rot) rin[j] = rot_load(p, t0, u);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < UB; ++j) {
+      const int u = base + j * NT;
+      if (u < n_rot) rot_compute_store(p, t0, u, rin[j], tab, num_slots, inv_k);
+    }
   }
 }
 

@@ -1,0 +1,122 @@
+"""Prints the ROCm build-notes tables: per variant and arch, VGPR/SGPR counts (code-object
+metadata) and the global memory instructions of the ISA with their widths.
+
+    python scripts/rocm_build_notes.py            # our kernel
+    python scripts/rocm_build_notes.py --upstream /path/to/FlyDSL/checkout   # + upstream kernel
+(needs flydsl; compiles only, never launches)
+"""
+
+import argparse
+import collections
+import os
+import re
+import sys
+import tempfile
+
+import numpy as np
+
+from jax_rope_cache import _flydsl, rocm, shapes
+
+GMEM = re.compile(r"^\s*((?:buffer|global|flat)_(?:load|store)_\w+)", re.M)
+WIDTH = {"byte": 1, "ubyte": 1, "sbyte": 1, "short": 2, "ushort": 2, "sshort": 2, "dword": 4, "dwordx2": 8,
+         "dwordx3": 12, "dwordx4": 16, "b8": 1, "b16": 2, "b32": 4, "b64": 8, "b128": 16}
+
+
+def summarize(isa: str) -> str:
+    c = collections.Counter(GMEM.findall(isa))
+    parts = []
+    for op, n in sorted(c.items()):
+        w = WIDTH.get(op.split("_")[-1], "?")
+        parts.append(f"{n}x {op} ({w} B)")
+    return ", ".join(parts)
+
+
+VARIANTS = [  # (label, options for configs_for)
+    ("flash bf16, f32 table, NeoX, fp32", dict(layouts=("flash",))),
+    ("xpacked_shuffled bf16 -> fp8 e4m3fnuz, NeoX, native", dict(layouts=("xpacked_shuffled",),
+                                                                cache_dtypes=("float8_e4m3fnuz",),
+                                                                precisions=("native",), table_dtypes=("bfloat16",))),
+    ("xpacked f16 -> fp8 e4m3fn, GPT-J, full table", dict(layouts=("xpacked",), dtypes=("float16",),
+                                                         cache_dtypes=("float8_e4m3fn",), neox=(False,),
+                                                         tables=("full",))),
+]
+
+
+def ours():
+    print("| model (per shard) | variant | arch | VGPR | SGPR | NT x TPB | global memory instructions (width) |")
+    print("|---|---|---|---|---|---|---|")
+    for mname in ("llama-3.1-8b", "llama-3.1-70b-tp8", "gpt-oss-120b-tp8", "gpt-oss-120b"):
+        m = shapes.MODELS[mname]
+        for label, opts in VARIANTS:
+            cfg = rocm.configs_for(q_heads=m.q_heads, kv_heads=m.kv_heads, head_dim=m.head_dim,
+                                   rotary_dim=m.rotary_dim, **opts)[0]
+            for arch in ("gfx942", "gfx950"):
+                co = _flydsl.compile_config(cfg, arch)
+                i = co.info
+                isa = _flydsl.isa(cfg, arch)
+                print(f"| {mname} ({m.q_heads}x{m.kv_heads}x{m.head_dim}) | {label} | {arch} | {i['vgpr_count']} | "
+                      f"{i['sgpr_count']} | {cfg.nt} x {cfg.tpb} | {summarize(isa)} |")
+    m = shapes.MODELS["llama-3.1-8b"]
+    cfg = rocm.configs_for(q_heads=m.q_heads, kv_heads=m.kv_heads, head_dim=128, rotary_dim=64,
+                           layouts=("flash",))[0]
+    for arch in ("gfx942", "gfx950"):
+        co = _flydsl.compile_config(cfg, arch)
+        i = co.info
+        print(f"| llama-3.1-8b, partial R=64 | flash bf16 NeoX fp32 | {arch} | {i['vgpr_count']} | {i['sgpr_count']} | "
+              f"{cfg.nt} x {cfg.tpb} | {summarize(_flydsl.isa(cfg, arch))} |")
+
+
+def upstream(root):
+    """Upstream ROCm/FlyDSL fused_rope_cache_kernel compiled the same way (COMPILE_ONLY)."""
+    import torch
+
+    sys.path.insert(0, root)
+    from kernels.attention.fused_rope_cache_kernel import build_fused_rope_cache_module
+
+    print("\n| model | upstream variant | arch | VGPR | SGPR | global memory instructions (width) |")
+    print("|---|---|---|---|---|---|")
+    for mname in ("llama-3.1-8b", "llama-3.1-70b-tp8", "gpt-oss-120b-tp8", "gpt-oss-120b"):
+        m = shapes.MODELS[mname]
+        for flash in (True, False):
+            for arch in ("gfx942", "gfx950"):
+                T, NB, BS, D = 4, 8, 16, m.head_dim
+                with tempfile.TemporaryDirectory() as d, _flydsl._compile_env(arch):
+                    os.environ.update(COMPILE_ONLY="1", FLYDSL_DEBUG_DUMP_ASM="1", FLYDSL_DUMP_DIR=d,
+                                      FLYDSL_RUNTIME_ENABLE_CACHE="0")
+                    try:
+                        fn = build_fused_rope_cache_module(head_dim=D, num_q_heads=m.q_heads,
+                                                           num_kv_heads=m.kv_heads, block_size=BS,
+                                                           flash_layout=flash, dtype_str="bf16")
+                        bf = torch.bfloat16
+                        q = torch.zeros(T, m.q_heads, D, dtype=bf)
+                        k = torch.zeros(T, m.kv_heads, D, dtype=bf)
+                        kc = torch.zeros((NB, BS, m.kv_heads, D) if flash else (NB, m.kv_heads, D // 16, BS, 16),
+                                         dtype=bf)
+                        vc = torch.zeros((NB, BS, m.kv_heads, D) if flash else (NB, m.kv_heads, D, BS), dtype=bf)
+                        cos = torch.zeros(64, D // 2, dtype=bf)
+                        idx = torch.zeros(T, dtype=torch.int32)
+                        one = torch.ones(1, dtype=torch.float32)
+                        fn(q, k, k.clone(), idx, cos, cos.clone(), idx.clone(), kc, vc, q.clone(), k.clone(), T,
+                           one, one.clone())
+                        isa = ""
+                        for r, _, files in os.walk(d):
+                            for f in files:
+                                if f.endswith(".s"):
+                                    isa += open(os.path.join(r, f)).read()
+                    finally:
+                        for kk in ("COMPILE_ONLY", "FLYDSL_DEBUG_DUMP_ASM", "FLYDSL_DUMP_DIR",
+                                   "FLYDSL_RUNTIME_ENABLE_CACHE"):
+                            os.environ.pop(kk, None)
+                v = re.search(r"\.vgpr_count:\s+(\d+)", isa)
+                s = re.search(r"\.sgpr_count:\s+(\d+)", isa)
+                print(f"| {mname} | {'flash' if flash else 'x-packed'} bf16 NeoX | {arch} | {v and v.group(1)} | "
+                      f"{s and s.group(1)} | {summarize(isa)} |")
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("--upstream")
+    a = p.parse_args()
+    ours()
+    if a.upstream:
+        upstream(a.upstream)

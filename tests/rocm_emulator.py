@@ -1,0 +1,430 @@
+"""A numpy interpreter for the ROCm kernel's emitter (kernels/rocm/rope_cache_flydsl.py).
+
+The kernel body is written against a small set of MLIR builder calls (arith, rocdl buffer ops,
+llvm store, scf.if, vector extract/from_elements, gpu ids). This module implements the same
+calls on numpy arrays holding one value per lane of a workgroup, so the *same emitter code*
+that FlyDSL compiles runs on the CPU: every workgroup of a launch is executed lane-parallel
+against byte arrays standing in for device memory, and the results are compared with the
+numpy reference. Semantics follow the AMDGPU/MLIR ops used: wrapping integer arithmetic,
+IEEE f32 operations with one rounding each, buffer loads returning 0 and buffer stores dropped
+past the descriptor's num_records, scf.if as an execution mask. A masked-in global store outside
+every buffer raises (an out-of-bounds write on the GPU). Needs no flydsl.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Ty:
+    kind: str          # "i", "f", "ptr", "v", "index"
+    width: int = 0
+    n: int = 0
+    elem: "Ty | None" = None
+
+
+I1, I8, I16, I32, I64 = (Ty("i", w) for w in (1, 8, 16, 32, 64))
+F32, F16, PTR, INDEX = Ty("f", 32), Ty("f", 16), Ty("ptr"), Ty("index")
+_UDT = {1: np.bool_, 8: np.uint8, 16: np.uint16, 32: np.uint32, 64: np.uint64}
+_SDT = {8: np.int8, 16: np.int16, 32: np.int32, 64: np.int64}
+
+
+class Val:
+    def __init__(self, ty: Ty, a):
+        self.ty, self.a = ty, a
+
+    @property
+    def result(self):
+        return self
+
+
+def _np(ty):
+    if ty.kind == "i":
+        return _UDT[ty.width]
+    if ty.kind == "f":
+        return np.float32 if ty.width == 32 else np.float16
+    raise TypeError(ty)
+
+
+class Machine:
+    """Lane state of one workgroup plus device memory."""
+
+    def __init__(self, nt: int):
+        self.nt = nt
+        self.mask = [np.ones(nt, bool)]
+        self.blocks = []
+        self.bufs: list[tuple[int, bytearray]] = []
+        self.tid = np.arange(nt, dtype=np.uint64)
+        self.bid = 0
+
+    def alloc(self, arr: np.ndarray) -> int:
+        base = (len(self.bufs) + 1) << 40
+        self.bufs.append((base, bytearray(np.ascontiguousarray(arr).tobytes())))
+        return base
+
+    def buffer(self, addr: int) -> tuple[int, bytearray]:
+        for base, b in self.bufs:
+            if base <= addr < base + max(1, len(b)):
+                return base, b
+        raise IndexError(f"address 0x{addr:x} is in no buffer")
+
+    def read(self, base: int, like: np.ndarray) -> np.ndarray:
+        for b0, b in self.bufs:
+            if b0 == base:
+                return np.frombuffer(bytes(b), dtype=like.dtype).reshape(like.shape)
+        raise KeyError(base)
+
+
+M: Machine | None = None
+
+
+
+# ---------------------------------------------------------------- ir
+class _IntegerType:
+    def __new__(cls, ty):
+        return ty
+
+    @staticmethod
+    def get_signless(w):
+        return Ty("i", w)
+
+
+class _Attr:
+    def __init__(self, ty, v):
+        self.ty, self.v = ty, v
+
+
+class ir:  # noqa: N801 - mirrors the module name
+    IntegerType = _IntegerType
+
+    class F32Type:
+        @staticmethod
+        def get():
+            return F32
+
+    class F16Type:
+        @staticmethod
+        def get():
+            return F16
+
+    class Type:
+        @staticmethod
+        def parse(s):
+            return PTR
+
+    class VectorType:
+        @staticmethod
+        def get(shape, elem):
+            return Ty("v", 0, shape[0], elem)
+
+    class IntegerAttr:
+        @staticmethod
+        def get(ty, v):
+            return _Attr(ty, v)
+
+    class FloatAttr:
+        @staticmethod
+        def get(ty, v):
+            return _Attr(ty, v)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def InsertionPoint(block):  # noqa: N802
+        M.mask.append(M.mask[-1] & block.cond)
+        M.blocks.append(block)
+        try:
+            yield
+        finally:
+            M.mask.pop()
+            M.blocks.pop()
+
+
+# ---------------------------------------------------------------- arith
+def _u(v):
+    return v.a
+
+
+def _s(v):
+    return v.a.view(_SDT[v.ty.width]) if v.ty.width > 1 else v.a
+
+
+class arith:  # noqa: N801
+    class CmpIPredicate:
+        eq, ne, slt, sle, sgt, sge, ult, ule, ugt, uge = ("eq", "ne", "slt", "sle", "sgt", "sge", "ult", "ule",
+                                                          "ugt", "uge")
+
+    @staticmethod
+    def ConstantOp(ty, attr):  # noqa: N802
+        if ty.kind == "f":
+            return Val(ty, np.full(M.nt, attr.v, _np(ty)))
+        return Val(ty, np.full(M.nt, attr.v & ((1 << ty.width) - 1), _np(ty)))
+
+    @staticmethod
+    def addi(a, b):
+        return Val(a.ty, _u(a) + _u(b))
+
+    @staticmethod
+    def subi(a, b):
+        return Val(a.ty, _u(a) - _u(b))
+
+    @staticmethod
+    def muli(a, b):
+        return Val(a.ty, _u(a) * _u(b))
+
+    @staticmethod
+    def andi(a, b):
+        return Val(a.ty, _u(a) & _u(b))
+
+    @staticmethod
+    def ori(a, b):
+        return Val(a.ty, _u(a) | _u(b))
+
+    @staticmethod
+    def xori(a, b):
+        return Val(a.ty, _u(a) ^ _u(b))
+
+    @staticmethod
+    def shli(a, b):
+        assert (_u(b) < a.ty.width).all()
+        return Val(a.ty, _u(a) << _u(b).astype(_u(a).dtype))
+
+    @staticmethod
+    def shrui(a, b):
+        assert (_u(b) < a.ty.width).all()
+        return Val(a.ty, _u(a) >> _u(b).astype(_u(a).dtype))
+
+    @staticmethod
+    def divui(a, b):
+        return Val(a.ty, _u(a) // np.maximum(_u(b), 1))
+
+    @staticmethod
+    def remui(a, b):
+        return Val(a.ty, _u(a) % np.maximum(_u(b), 1))
+
+    @staticmethod
+    def minui(a, b):
+        return Val(a.ty, np.minimum(_u(a), _u(b)))
+
+    @staticmethod
+    def minsi(a, b):
+        return Val(a.ty, np.minimum(_s(a), _s(b)).view(_u(a).dtype))
+
+    @staticmethod
+    def maxsi(a, b):
+        return Val(a.ty, np.maximum(_s(a), _s(b)).view(_u(a).dtype))
+
+    @staticmethod
+    def cmpi(pred, a, b):
+        sig = pred[0] == "s"
+        x, y = (_s(a), _s(b)) if sig else (_u(a), _u(b))
+        op = pred[1:] if pred[0] in "su" else pred
+        r = {"eq": x == y, "ne": x != y, "lt": x < y, "le": x <= y, "gt": x > y, "ge": x >= y}[op]
+        return Val(I1, r)
+
+    @staticmethod
+    def select(c, a, b):
+        return Val(a.ty, np.where(c.a, a.a, b.a))
+
+    @staticmethod
+    def extui(ty, v):
+        return Val(ty, v.a.astype(_np(ty)))
+
+    @staticmethod
+    def extsi(ty, v):
+        return Val(ty, _s(v).astype(_SDT[ty.width]).view(_np(ty)))
+
+    @staticmethod
+    def trunci(ty, v):
+        return Val(ty, v.a.astype(_np(ty)))
+
+    @staticmethod
+    def index_cast(ty, v):
+        return Val(ty, v.a.astype(_np(ty)))
+
+    @staticmethod
+    def bitcast(ty, v):
+        return Val(ty, v.a.view(_np(ty)))
+
+    @staticmethod
+    def mulf(a, b):
+        return Val(F32, (a.a * b.a).astype(np.float32))
+
+    @staticmethod
+    def addf(a, b):
+        return Val(F32, (a.a + b.a).astype(np.float32))
+
+    @staticmethod
+    def subf(a, b):
+        return Val(F32, (a.a - b.a).astype(np.float32))
+
+    @staticmethod
+    def divf(a, b):
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return Val(F32, (a.a / b.a).astype(np.float32))
+
+    @staticmethod
+    def extf(ty, v):
+        return Val(ty, v.a.astype(np.float32))
+
+    @staticmethod
+    def truncf(ty, v):
+        with np.errstate(over="ignore"):
+            return Val(ty, v.a.astype(np.float16))
+
+
+# ---------------------------------------------------------------- gpu / llvm / rocdl / scf / vector
+class gpu:  # noqa: N801
+    class Dimension:
+        x = "x"
+
+    @staticmethod
+    def thread_id(d):
+        return Val(INDEX, M.tid.copy())
+
+    @staticmethod
+    def block_id(d):
+        return Val(INDEX, np.full(M.nt, M.bid, np.uint64))
+
+
+class llvm:  # noqa: N801
+    @staticmethod
+    def inttoptr(ty, v):
+        return Val(PTR, v.a.astype(np.uint64))
+
+    @staticmethod
+    def StoreOp(val, ptr, alignment=None):  # noqa: N802
+        nb = _nbytes(val.ty)
+        data = _lane_bytes(val)
+        for lane in np.nonzero(M.mask[-1])[0]:
+            addr = int(ptr.a[lane])
+            assert alignment is None or addr % alignment == 0, "misaligned store"
+            base, buf = M.buffer(addr)
+            off = addr - base
+            if off + nb > len(buf):
+                raise IndexError(f"store of {nb} bytes at +{off} past a buffer of {len(buf)} bytes")
+            buf[off:off + nb] = data[lane]
+
+
+def _nbytes(ty):
+    if ty.kind == "v":
+        return ty.n * ty.elem.width // 8
+    return ty.width // 8
+
+
+def _lane_bytes(v):
+    a = np.ascontiguousarray(v.a)
+    if a.ndim == 1:
+        a = a[:, None]
+    return [bytes(a[i].tobytes()) for i in range(M.nt)]
+
+
+def _from_bytes(ty, raw: list[bytes]):
+    if ty.kind == "v":
+        arr = np.frombuffer(b"".join(raw), dtype=_np(ty.elem)).reshape(M.nt, ty.n)
+    else:
+        arr = np.frombuffer(b"".join(raw), dtype=_np(ty)).copy()
+    return Val(ty, arr.copy())
+
+
+class rocdl:  # noqa: N801
+    @staticmethod
+    def make_buffer_rsrc(ty, base, stride, nrec, flags):
+        b, n = np.unique(base.a), np.unique(nrec.a)
+        assert len(b) == 1 and len(n) == 1, "buffer descriptor is not uniform across the workgroup"
+        return Val(Ty("rsrc"), (int(b[0]), int(n[0])))
+
+    @staticmethod
+    def raw_ptr_buffer_load(ty, rsrc, off, soff):
+        base, nrec = rsrc.a
+        nb = _nbytes(ty)
+        raw = []
+        for lane in range(M.nt):
+            o = int(off.a[lane]) + int(soff.a[lane])
+            if o + nb <= nrec:
+                b0, buf = M.buffer(base)
+                s = base - b0 + o
+                assert s + nb <= len(buf), "descriptor larger than its buffer"
+                raw.append(bytes(buf[s:s + nb]))
+            else:
+                raw.append(b"\0" * nb)
+        return _from_bytes(ty, raw)
+
+    @staticmethod
+    def raw_ptr_buffer_store(val, rsrc, off, soff):
+        base, nrec = rsrc.a
+        nb = _nbytes(val.ty)
+        data = _lane_bytes(val)
+        for lane in np.nonzero(M.mask[-1])[0]:
+            o = int(off.a[lane]) + int(soff.a[lane])
+            if o + nb <= nrec:
+                b0, buf = M.buffer(base)
+                s = base - b0 + o
+                assert s + nb <= len(buf), "descriptor larger than its buffer"
+                buf[s:s + nb] = data[lane]
+
+
+class _Block:
+    def __init__(self, cond):
+        self.cond = cond
+        self.yielded = None
+
+
+class scf:  # noqa: N801
+    class IfOp:
+        def __init__(self, cond, results_=None, *, has_else=False):
+            c = cond.a.astype(bool)
+            self.types = list(results_ or [])
+            self.then_block = _Block(c)
+            self.else_block = _Block(~c) if has_else else None
+
+        @property
+        def results(self):
+            t, e = self.then_block.yielded, self.else_block.yielded
+            assert len(t) == len(e) == len(self.types)
+            out = []
+            for ty, a, b in zip(self.types, t, e):
+                c = self.then_block.cond.reshape((-1,) + (1,) * (a.a.ndim - 1))
+                out.append(Val(ty, np.where(c, a.a, b.a)))
+            return out
+
+    @staticmethod
+    def YieldOp(vals):  # noqa: N802
+        M.blocks[-1].yielded = list(vals)
+
+
+class vector:  # noqa: N801
+    @staticmethod
+    def extract(v, dyn, pos):
+        return Val(v.ty.elem, v.a[:, pos[0]].copy())
+
+    @staticmethod
+    def from_elements(ty, elems):
+        return Val(ty, np.stack([e.a for e in elems], axis=1))
+
+
+DIALECTS = (ir, arith, gpu, llvm, rocdl, scf, vector)
+
+
+def run(kernel_module, cfg, operands: list[np.ndarray]) -> list[np.ndarray]:
+    """Launches the kernel on numpy operands (the custom call's 11, in order); returns the 4
+    results (q_out, k_out, key_cache, value_cache), caches updated in place semantics."""
+    global M
+    q, k, v, kc, vc = operands[:5]
+    T = q.shape[0]
+    grid = -(-T // cfg.tpb)
+    M = Machine(cfg.nt)
+    addrs = [M.alloc(a) for a in operands]
+    q_out, k_out = np.zeros_like(q), np.zeros_like(k)
+    a_qo, a_ko = M.alloc(q_out), M.alloc(k_out)
+    # the caches are aliased: results = operands 3 and 4
+    args_py = addrs + [a_qo, a_ko, addrs[3], addrs[4]] + [a.shape[0] if a.ndim else 1 for a in operands]
+    for b in range(grid):
+        M.bid = b
+        M.mask = [np.ones(cfg.nt, bool)]
+        args = [Val(I64, np.full(cfg.nt, x, np.uint64)) for x in args_py]
+        kernel_module.emit_kernel_body(cfg, args, dialects=DIALECTS)
+    return [M.read(a_qo, q_out), M.read(a_ko, k_out), M.read(addrs[3], kc), M.read(addrs[4], vc)]

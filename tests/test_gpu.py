@@ -1,0 +1,201 @@
+"""Structural tests of the CUDA path (skipped unless jax has a CUDA backend and the kernel path is
+usable). Correctness against the reference over the option matrix lives in the platform-agnostic
+test files, which parametrise over impl="kernel" on CUDA too.
+
+What "one kernel per call" means here, measured two ways:
+  * the compiled HLO of a jitted call holds exactly one custom call and no fusion or other
+    kernel-launching instruction (so XLA itself launches nothing else), and
+  * the launcher's own counter (jax_rope_cache._native.gpu_launch_count, incremented after each
+    successful cuLaunchKernel in the execute stage) grows by exactly one per executed call. A
+    single-op executable is below XLA's command-buffer size threshold, so its handler runs on
+    every call; inside a captured CUDA graph the launch is replayed without calling the handler
+    and is not counted (that case is checked for correctness, not counted).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_rope_cache as jrc
+from jax_rope_cache import _ffi, cuda, reference
+
+try:
+    _HAS_CUDA = bool(jax.devices("cuda"))
+except RuntimeError:
+    _HAS_CUDA = False
+
+pytestmark = [
+    pytest.mark.skipif(not _HAS_CUDA, reason="jax has no CUDA backend here"),
+    pytest.mark.skipif(_HAS_CUDA and not cuda.kernel_available(),
+                       reason="CUDA kernel path unavailable (extension or NVRTC missing)"),
+]
+
+T, QH, KH, D, BS, NB = 37, 8, 2, 128, 16, 16
+
+
+def _problem(seed=0, layout="flash", t=T):
+    rng = np.random.default_rng(seed)
+    bf16 = jnp.bfloat16
+    q = rng.standard_normal((t, QH, D)).astype(np.float32)
+    k = rng.standard_normal((t, KH, D)).astype(np.float32)
+    v = rng.standard_normal((t, KH, D)).astype(np.float32)
+    kc, vc = jrc.make_kv_cache(NB, BS, KH, D, bf16, layout=layout, fill="random", seed=seed)
+    slots = rng.permutation(NB * BS)[:t].astype(np.int32)
+    slots[::5] = -1
+    pos = rng.integers(-3, 70, t).astype(np.int32)
+    ang = rng.uniform(-np.pi, np.pi, (64, D // 2))
+    args = [jnp.asarray(a, bf16) for a in (q, k, v)] + [kc, vc] + [jnp.asarray(slots), jnp.asarray(pos),
+                                                                    jnp.asarray(np.cos(ang), jnp.float32),
+                                                                    jnp.asarray(np.sin(ang), jnp.float32)]
+    return args
+
+
+def _check(got, args, layout="flash"):
+    host = [np.asarray(a) for a in args]
+    want = reference.rope_and_cache(*host, layout=layout)
+    for name, g, w in zip(("q_out", "k_out", "key_cache", "value_cache"), got, want):
+        g = np.asarray(g)
+        assert np.array_equal(g.view(np.uint16), np.asarray(w).view(np.uint16)), name
+
+
+def _jitted(layout="flash"):
+    def f(q, k, v, kc, vc, s, p, c, sn):
+        return jrc.rope_and_cache(q, k, v, kc, vc, s, p, c, sn, layout=layout, impl="kernel")
+    return jax.jit(f, donate_argnums=(3, 4))
+
+
+def test_compiled_hlo_has_one_custom_call_and_nothing_else_launches():
+    args = _problem()
+    compiled = _jitted().lower(*args).compile()
+    hlo = compiled.as_text()
+    calls = re.findall(r'custom_call_target="([^"]+)"', hlo)
+    assert calls == [cuda.GPU_TARGET if cuda.command_buffers_enabled() else cuda.GPU_TARGET_NO_GRAPH], calls
+    entry = hlo[hlo.index("ENTRY"):]
+    kernels = re.findall(r"= [^ ]+ (fusion|copy|scatter|gather|dynamic-update-slice|convert|add|multiply)\(",
+                         entry)
+    assert not kernels, f"other kernel-launching instructions in the entry computation: {kernels}"
+
+
+def test_launcher_launches_exactly_one_kernel_per_call():
+    native = _ffi.native_module()
+    f = _jitted()
+    args = _problem(1)
+    q_out, k_out, kc, vc = f(*args)  # compile + first run
+    jax.block_until_ready(vc)
+    before = native.gpu_launch_count()
+    n = 5
+    for _ in range(n):
+        q_out, k_out, kc, vc = f(args[0], args[1], args[2], kc, vc, *args[5:])
+    jax.block_until_ready(vc)
+    assert native.gpu_launch_count() - before == n
+
+
+def test_caches_are_aliased_in_the_compiled_hlo_on_gpu():
+    args = _problem()
+    compiled = _jitted().lower(*args).compile()
+    hlo = compiled.as_text()
+    assert "input_output_alias=" in hlo
+    cache_shape = "bf16[%d,%d,%d,%d]" % (NB, BS, KH, D)
+    assert not re.search(r"= %s\{[^}]*\} copy\(" % re.escape(cache_shape), hlo), "a cache-shaped copy"
+    cache_bytes = NB * BS * KH * D * 2
+    assert compiled.memory_analysis().temp_size_in_bytes < cache_bytes
+
+
+@pytest.mark.parametrize("layout", ["flash", "xpacked", "xpacked_shuffled"])
+def test_graph_replay_reads_indices_from_device(layout):
+    """Unrolled calls in one jit (XLA captures them into a command buffer / CUDA graph); the same
+    executable run twice with different slots and positions must follow the device data."""
+    n = 6
+
+    @functools.partial(jax.jit, donate_argnums=(3, 4))
+    def step(q, k, v, kc, vc, slots, pos, c, s):
+        outs = []
+        for i in range(n):
+            qo, ko, kc, vc = jrc.rope_and_cache(q[i], k[i], v[i], kc, vc, slots[i], pos[i], c, s, layout=layout,
+                                                impl="kernel")
+            outs.append(qo)
+        return outs, kc, vc
+
+    for seed in (3, 4):
+        rng = np.random.default_rng(seed)
+        base = _problem(seed, layout, t=8)
+        kc0, vc0 = np.asarray(base[3]), np.asarray(base[4])
+        q = rng.standard_normal((n, 8, QH, D)).astype(jnp.bfloat16)
+        k = rng.standard_normal((n, 8, KH, D)).astype(jnp.bfloat16)
+        v = rng.standard_normal((n, 8, KH, D)).astype(jnp.bfloat16)
+        slots = rng.permutation(NB * BS)[: n * 8].reshape(n, 8).astype(np.int32)
+        pos = rng.integers(0, 64, (n, 8)).astype(np.int32)
+        outs, kc, vc = step(q, k, v, base[3], base[4], slots, pos, base[7], base[8])
+        kw, vw = kc0, vc0
+        cos, sin = np.asarray(base[7]), np.asarray(base[8])
+        for i in range(n):
+            qw, _, kw, vw = reference.rope_and_cache(q[i], k[i], v[i], kw, vw, slots[i], pos[i], cos, sin,
+                                                     layout=layout)
+            assert np.array_equal(np.asarray(outs[i]).view(np.uint16), qw.view(np.uint16))
+        assert np.array_equal(np.asarray(kc).view(np.uint16), kw.view(np.uint16))
+        assert np.array_equal(np.asarray(vc).view(np.uint16), vw.view(np.uint16))
+
+
+_SWITCH_SCRIPT = textwrap.dedent("""
+    import re, numpy as np, jax, jax.numpy as jnp
+    import jax_rope_cache as jrc
+    from jax_rope_cache import reference
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((4, 2, 64)), jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((4, 1, 64)), jnp.bfloat16)
+    kc, vc = jrc.make_kv_cache(4, 16, 1, 64, fill="random")
+    s = jnp.arange(4, dtype=jnp.int32); p = jnp.arange(4, dtype=jnp.int32)
+    c = jnp.asarray(rng.standard_normal((8, 32)), jnp.float32)
+    args = (q, k, k, kc, vc, s, p, c, c)
+    host = [np.asarray(a) for a in args]
+    f = jax.jit(lambda *a: jrc.rope_and_cache(*a, impl="kernel"))
+    print("TARGETS", re.findall(r'custom_call_target="([^"]+)"', f.lower(*args).compile().as_text()))
+    got = f(*args)
+    want = reference.rope_and_cache(*host)
+    print("EQUAL", all(np.array_equal(np.asarray(g).view(np.uint16), w.view(np.uint16)) for g, w in zip(got, want)))
+""")
+
+
+@pytest.mark.parametrize("value,target", [("0", cuda.GPU_TARGET_NO_GRAPH), ("1", cuda.GPU_TARGET)])
+def test_command_buffer_switch(value, target):
+    env = dict(os.environ, JAX_ROPE_CACHE_COMMAND_BUFFERS=value)
+    r = subprocess.run([sys.executable, "-P", "-c", _SWITCH_SCRIPT], env=env, capture_output=True, text=True,
+                       timeout=300, cwd="/")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"TARGETS ['{target}']" in r.stdout, r.stdout
+    assert "EQUAL True" in r.stdout, r.stdout
+
+
+def test_wrong_arch_code_object_is_a_clear_error():
+    """A code-object table with no entry for this GPU fails with the device's arch in the message."""
+    table = cuda.pack_code_table([(cuda.KIND_CUBIN, "sm_10", b"\x7fELF-not-a-real-cubin")])
+    x = jnp.ones((4,), jnp.float32)
+    call = jax.ffi.ffi_call(cuda.GPU_TARGET_NO_GRAPH, jax.ShapeDtypeStruct((4,), jnp.float32))
+    cuda._register_gpu_targets(_ffi.native_module())
+    with pytest.raises(Exception, match=r"no code object for this GPU \(sm_\d+\).*sm_10"):
+        jax.block_until_ready(jax.jit(lambda a: call(a, code=table, code_hash=np.int64(12345),
+                                                     kernel="rope_cache_kernel", grid_div=np.int64(1),
+                                                     block=np.int64(32), smem=np.int64(0)))(x))
+
+
+def test_driver_error_message_surfaces():
+    """A corrupt cubin for the right arch: cuModuleLoadData's own message comes back."""
+    cc, _ = cuda._local_cuda_arch()
+    table = cuda.pack_code_table([(cuda.KIND_CUBIN, f"sm_{cc}", b"\x7fELF" + b"\0" * 60)])
+    x = jnp.ones((4,), jnp.float32)
+    call = jax.ffi.ffi_call(cuda.GPU_TARGET_NO_GRAPH, jax.ShapeDtypeStruct((4,), jnp.float32))
+    cuda._register_gpu_targets(_ffi.native_module())
+    with pytest.raises(Exception, match=r"cuModuleLoadData"):
+        jax.block_until_ready(jax.jit(lambda a: call(a, code=table, code_hash=np.int64(54321),
+                                                     kernel="rope_cache_kernel", grid_div=np.int64(1),
+                                                     block=np.int64(32), smem=np.int64(0)))(x))
