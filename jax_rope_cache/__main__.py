@@ -39,7 +39,7 @@ def compile_presets(argv) -> None:
         from jax_rope_cache import rocm
     except ImportError as e:  # pragma: no cover - depends on the optional ROCm toolchain
         raise SystemExit(f"compile: the ROCm compile path is unavailable here: {e}")
-    rocm.main(argv)
+    rocm.compile_main(argv)
 
 
 def main(argv=None) -> None:

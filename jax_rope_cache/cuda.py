@@ -229,6 +229,11 @@ def _register_gpu_targets(module) -> str:
 
 
 def _lower_cuda(ctx, *args, spec, impl):
+    if (fallback := _ffi.kernel_or_fallback(ctx, *args, spec=spec, impl=impl, platform="cuda")) is not None:
+        return fallback
+    if spec.num_layers is not None:
+        return _ffi.lower_with_layers_folded(ctx, *args, spec=spec, impl=impl)
+    ctx, args = _ffi.without_layer_operand(ctx, args)
     module = _ffi.native_module()
     problem = None
     if module is None or not hasattr(module, "gpu_handler"):

@@ -93,6 +93,10 @@ def _lower_rocm(ctx, *args, spec, impl):
 
     from jax_rope_cache import _ffi, cuda
 
+    if (fallback := _ffi.kernel_or_fallback(ctx, *args, spec=spec, impl=impl, platform="rocm")) is not None:
+        return fallback
+    if spec.num_layers is not None:
+        return _ffi.lower_with_layers_folded(ctx, *args, spec=spec, impl=impl)
     module = _ffi.native_module()
     problem = None
     if module is None or not hasattr(module, "gpu_handler"):
@@ -118,6 +122,7 @@ def _lower_rocm(ctx, *args, spec, impl):
         return _ffi._lower_fallback(ctx, *args, spec=spec, impl=impl)
     target = cuda._register_gpu_targets(module)
     rule = jax.ffi.ffi_lowering(target, operand_output_aliases=_ffi.CACHE_ALIASES)
+    ctx, args = _ffi.without_layer_operand(ctx, args)
     return rule(ctx, *args, code=table, code_hash=np.int64(code_hash(table)), kernel=symbol,
                 grid_div=np.int64(cfg.tpb), block=np.int64(cfg.nt), smem=np.int64(0))
 
