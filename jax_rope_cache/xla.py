@@ -7,6 +7,7 @@ and unique_indices=True (callers pass unique slots, as the contract says).
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -30,12 +31,23 @@ def _unpair(xa, xb, tail, spec: _spec.OpSpec):
     return jnp.concatenate([rot, tail], axis=-1) if tail.shape[-1] else rot
 
 
+def round_to(y, dtype):
+    """Rounds f32 values to `dtype`'s precision, staying f32. For bf16, reduce_precision: an
+    explicit op XLA keeps, where a convert pair may be dropped by its excess-precision rewrites.
+    float16 keeps the convert pair: reduce_precision flushes f16 subnormals to zero (measured)."""
+    if np.dtype(dtype) == np.dtype(jnp.bfloat16):
+        return jax.lax.reduce_precision(y, 8, 7)
+    if np.dtype(dtype) == np.dtype(jnp.float16):
+        return y.astype(dtype).astype(_F32)
+    return y
+
+
 def table_rows(cos, sin, positions, spec: _spec.OpSpec):
     """(cos_a, cos_b, sin_a, sin_b) as f32 [T, 1, R/2], gathered once per token."""
     pos = jnp.clip(positions, 0, spec.max_pos - 1)
     cs = jnp.take(jnp.stack([cos, sin]), pos, axis=1, mode="clip").astype(_F32)  # [2, T, W]
     if spec.precision == "native":
-        cs = cs.astype(spec.dtype).astype(_F32)
+        cs = round_to(cs, spec.dtype)
     c, s = cs[0][:, None, :], cs[1][:, None, :]
     if spec.table_full:
         (ca, cb), (sa, sb) = _pairs(c, spec), _pairs(s, spec)
@@ -47,7 +59,7 @@ def rotate(x, rows, spec: _spec.OpSpec):
     ca, cb, sa, sb = rows
     xa, xb = (t.astype(_F32) for t in _pairs(x, spec))
     if spec.precision == "native":
-        r = lambda y: y.astype(spec.dtype).astype(_F32)  # noqa: E731
+        r = lambda y: round_to(y, spec.dtype)  # noqa: E731
         ya = r(r(xa * ca) - r(xb * sa))
         yb = r(r(xb * cb) + r(xa * sb))
     else:
