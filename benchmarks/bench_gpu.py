@@ -5,15 +5,15 @@
 Prints a table and writes OUT_DIR/bench_gpu.csv and OUT_DIR/bench_gpu.json.
 
 Method (stated in the output too):
-  * device time per call: N calls unrolled in ONE jit (each on its own input set, the caches
-    carried from call to call and donated), wall time of the whole executable around
-    jax.block_until_ready, divided by N; warm-up first, median of R repetitions. No profiler.
-    XLA captures the unrolled calls into a command buffer (CUDA graph) where it can, so this is the
-    per-call time inside a graph: kernel time plus the graph's per-node gap, plus 1/N of one
-    executable launch (a few us: it inflates T=1 numbers by ~0.1-0.3 us at N=32). Input sets rotate
-    across the N calls (8 <= N <= 32 chosen so that the sets together exceed 2x the 60 MB L2 where
-    possible; T >= 8192: N = 4, each set alone is over 200 MB for Llama). For T <= 128 the sets
-    fit in L2, as in real decode where q/k/v were just written.
+  * device time per call: N = 16 calls unrolled in ONE jit (each on its own input set, the
+    caches carried from call to call and donated); wall time of the whole executable around
+    jax.block_until_ready, minus the executable's fixed dispatch overhead, divided by N; warm-up
+    first, median of R repetitions; no profiler. The fixed overhead is measured once per impl as
+    2*t(N) - t(2N) (Llama shapes, T=8, flash; clamped to [0, t(N)/2]) and reported. XLA may
+    capture the unrolled calls into a command buffer (CUDA graph), so at small T this is the
+    per-call cost inside the executable (kernel + per-node gap or per-thunk host cost), not the
+    bare kernel time. Input sets: for T >= 2048 each set is bigger than the 60 MB L2 (Llama);
+    for T <= 128 the 16 sets fit in L2, as in real decode where q/k/v were just written.
   * bytes per call (the floor), as benchmarks/baselines: (QH+2KH)*D*s_in + R*s_table + 2*s_index
     + (QH+KH)*D*s_out + 2*KH*D*s_cache per token; GB/s = bytes / time.
   * ceiling: a device-to-device copy measured in the same run (a 2 GiB buffer rewritten by a

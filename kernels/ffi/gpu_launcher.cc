@@ -24,9 +24,12 @@
 // matches the device's gfx name if the runtime reports it, else each in turn. No fit: an error
 // naming the device's arch and the table's.
 //
-// Kernel ABI: ONE kernel parameter, a struct passed by value (the kernel's documentation names
-// its fields): void* of every operand buffer in order, then of every result buffer, then int64
-// dim0 of every operand (1 for rank-0 operands). At most kMaxBuffers buffers.
+// Kernel ABI: a parameter block of 8-byte words: void* of every operand buffer in order, then of
+// every result buffer, then int64 dim0 of every operand (1 for rank-0 operands); at most
+// kMaxBuffers buffers. CUDA: the kernel takes it as ONE struct parameter by value
+// (kernelParams = {&block}). HIP: the block is passed as the raw kernarg buffer
+// (HIP_LAUNCH_PARAM_BUFFER_POINTER), so a kernel may declare the words as one struct or as
+// separate 8-byte arguments.
 //
 // Stages: instantiate parses and checks the table; initialize (has the stream) loads the module
 // for this device into a process-wide cache keyed by (code_hash, device ordinal) and resolves the
@@ -387,8 +390,14 @@ ffi::Error Execute(void* stream, int32_t device, ffi::RemainingArgs args, ffi::R
   void* kparams[1] = {params};
   Result r;
   if (d.hip) {
+    // HIP reads kernelParams[i] for EACH argument the code object declares (a kernel may declare the
+    // block's 8-byte words as separate arguments), so hand the block over as the raw kernarg buffer.
+    size_t kernarg_bytes = w * sizeof(int64_t);
+    void* extra[] = {reinterpret_cast<void*>(0x01), params,          // HIP_LAUNCH_PARAM_BUFFER_POINTER
+                     reinterpret_cast<void*>(0x02), &kernarg_bytes,  // HIP_LAUNCH_PARAM_BUFFER_SIZE
+                     reinterpret_cast<void*>(0x03)};                 // HIP_LAUNCH_PARAM_END
     r = d.hipModuleLaunchKernel(slot->function, static_cast<unsigned>(grid), 1, 1, static_cast<unsigned>(block), 1,
-                                1, static_cast<unsigned>(smem), stream, kparams, nullptr);
+                                1, static_cast<unsigned>(smem), stream, nullptr, extra);
     if (r) return DriverError(d, "hipModuleLaunchKernel", r);
   } else {
     Handle current = nullptr;
