@@ -321,9 +321,6 @@ LAUNCHER_SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "k
 
 
 @pytest.mark.skipif(not os.path.exists(LAUNCHER_SRC), reason="kernels/ffi/gpu_launcher.cc is not in this checkout")
-@pytest.mark.xfail(reason="the launcher's HIP path passes kernelParams = {&block}; HIP reads one pointer per "
-                          "kernel argument (the ROCm kernel has 26), so it must pass the block through `extra` "
-                          "(HIP_LAUNCH_PARAM_BUFFER_POINTER/SIZE/END) instead: see BUILD_NOTES_ROCM.md", strict=False)
 def test_launcher_passes_the_parameter_block_as_the_hip_kernarg_buffer():
     with open(LAUNCHER_SRC) as f:
         src = f.read()
