@@ -32,13 +32,19 @@ def _unpair(xa, xb, tail, spec: _spec.OpSpec):
 
 
 def round_to(y, dtype):
-    """Rounds f32 values to `dtype`'s precision, staying f32. For bf16, reduce_precision: an
-    explicit op XLA keeps, where a convert pair may be dropped by its excess-precision rewrites.
-    float16 keeps the convert pair: reduce_precision flushes f16 subnormals to zero (measured)."""
+    """Rounds f32 values to `dtype`'s precision (nearest even), staying f32, with explicit ops XLA
+    keeps: a convert pair (f32 -> bf16 -> f32) may be dropped by XLA's excess-precision rewrites
+    (seen on GPU: up to 166 ulp off in "native" precision). reduce_precision with f16's own 5
+    exponent bits flushes subnormals to zero (measured), so f16 uses 8 exponent bits for the
+    normal range, an exact scale-round-scale for subnormals, and inf from 65520 up."""
     if np.dtype(dtype) == np.dtype(jnp.bfloat16):
         return jax.lax.reduce_precision(y, 8, 7)
     if np.dtype(dtype) == np.dtype(jnp.float16):
-        return y.astype(dtype).astype(_F32)
+        tiny = jnp.abs(y) < 2.0**-14
+        normal = jax.lax.reduce_precision(y, 8, 10)
+        sub = jnp.round(y * 2.0**24) * 2.0**-24  # multiples of 2^-24, ties to even; scaling is exact
+        big = jnp.abs(y) >= 65520.0
+        return jnp.where(tiny, sub, jnp.where(big, jnp.copysign(jnp.inf, y), normal)).astype(_F32)
     return y
 
 
