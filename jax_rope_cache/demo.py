@@ -1,5 +1,6 @@
 """The main job: one prefill and a jitted decode loop of a model preset on the default device,
-with ONE stacked [L, ...] cache per K and V updated in place by `lax.scan` over the layers; the
+with ONE stacked [L, ...] cache per K and V updated in place by `lax.scan` over the layers
+(unrolled by default, so a GPU step is straight-line code XLA can capture in one graph); the
 final caches are checked against the numpy reference and the kernel is timed against the XLA path.
 
 The inputs of layer l at step s are a pool entry scaled by a power of two (exact in bf16), so the
@@ -49,7 +50,7 @@ def build(model: shapes.ModelShape, batch: int, prefill: int, steps: int, layers
     return data, tuple(np.asarray(c) for c in caches)
 
 
-def make_programs(layers: int, steps: int, impl: str):
+def make_programs(layers: int, steps: int, impl: str, unroll: bool = True):
     scales = jnp.asarray([layer_scale(i) for i in range(layers)], jnp.bfloat16)
 
     def prefill(d, kc, vc):
@@ -60,7 +61,7 @@ def make_programs(layers: int, steps: int, impl: str):
                                                   d["pre_slots"], d["pre_pos"], d["cos"], d["sin"], impl=impl,
                                                   layer=i)
             return (kc, vc, acc + jnp.sum(q_out, dtype=jnp.float32)), None
-        (kc, vc, acc), _ = jax.lax.scan(layer_fn, (kc, vc, jnp.float32(0)), jnp.arange(layers))
+        (kc, vc, acc), _ = jax.lax.scan(layer_fn, (kc, vc, jnp.float32(0)), jnp.arange(layers), unroll=unroll)
         return kc, vc, acc
 
     def decode(d, kc, vc):
@@ -73,7 +74,7 @@ def make_programs(layers: int, steps: int, impl: str):
                     d["dec_pos"][n], d["cos"], d["sin"], impl=impl, layer=i)
                 # Consume all of q_out (as attention would), so XLA cannot skip part of the rotation.
                 return (kc, vc, acc + jnp.sum(q_out, dtype=jnp.float32)), None
-            carry, _ = jax.lax.scan(layer_fn, carry, jnp.arange(layers))
+            carry, _ = jax.lax.scan(layer_fn, carry, jnp.arange(layers), unroll=unroll)
             return carry
         return jax.lax.fori_loop(0, steps, step, (kc, vc, jnp.float32(0)))
 
@@ -107,7 +108,7 @@ def reference_caches(data, caches, layers: list[int], steps: int):
 
 
 def run(preset="llama-3.1-8b", tp=8, batch=64, prefill=128, steps=256, layers=32, block_size=16, repeats=3, seed=0,
-        check_layers=None):
+        check_layers=None, unroll=True):
     model = shapes.model_shape(preset, tp)
     data, caches = build(model, batch, prefill, steps, layers, block_size, seed)
     dev = jax.devices()[0]
@@ -120,7 +121,7 @@ def run(preset="llama-3.1-8b", tp=8, batch=64, prefill=128, steps=256, layers=32
     want_k, want_v = want_k[check], want_v[check]
     timing, exact = {}, {}
     for impl in ("kernel", "xla"):
-        prefill_fn, decode_fn = make_programs(layers, steps, impl)
+        prefill_fn, decode_fn = make_programs(layers, steps, impl, unroll)
         kc, vc, _ = prefill_fn(ddata, *jax.device_put(caches, dev))
         kc, vc, _ = decode_fn(ddata, kc, vc)  # compiles both; first full run
         got_k, got_v = np.asarray(kc)[check], np.asarray(vc)[check]
@@ -165,6 +166,9 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--check-layers", type=int, default=None, help="compare only this many layers (default all)")
+    p.add_argument("--no-unroll", action="store_true",
+                   help="keep the layer scan rolled (a while loop: on GPUs one host round trip per layer)")
     a = p.parse_args(argv)
-    ok = run(a.preset, a.tp, a.batch, a.prefill, a.steps, a.layers, a.block_size, check_layers=a.check_layers)
+    ok = run(a.preset, a.tp, a.batch, a.prefill, a.steps, a.layers, a.block_size, check_layers=a.check_layers,
+             unroll=not a.no_unroll)
     raise SystemExit(0 if ok else 1)
