@@ -10,7 +10,9 @@
 * Targets are chosen per compile (FLYDSL_GPU_ARCH / ARCH set during the call, under a lock), so
   one process compiles gfx942 and gfx950.
 * Cache: key = sha256(kernel source, config, arch, flydsl version); in memory and on disk
-  (JAX_ROPE_CACHE_DIR or ~/.cache/jax_rope_cache, "" disables the disk), files written atomically.
+  (JAX_ROPE_CACHE_DIR or ~/.cache/jax_rope_cache, "" disables the disk): one file per entry with a
+  checksum, written atomically; corrupt entries are rebuilt and an unwritable folder falls back to
+  memory, both with a warning (jax_rope_cache._diskcache).
 """
 
 import contextlib
@@ -18,14 +20,13 @@ import dataclasses
 import functools
 import hashlib
 import importlib.util
-import json
 import os
 import shutil
 import sys
 import tempfile
 import threading
 
-from jax_rope_cache import _amdgpu_elf
+from jax_rope_cache import _amdgpu_elf, _diskcache
 
 SUPPORTED_ARCHS = ("gfx942", "gfx950")
 INSTALL_HINT = ("pip install 'flydsl==0.5.0' torch ziglang  (or: pip install 'jax_rope_cache[rocm]'); "
@@ -156,13 +157,24 @@ def toolkit_root() -> str:
         cmd = f'exec "{sys.executable}" -m ziglang ld.lld "$@"'
     else:
         cmd = f'exec "{where}" "$@"'
-    base = cache_dir() or tempfile.gettempdir()
     tag = hashlib.sha256(cmd.encode()).hexdigest()[:12]
-    root = os.path.join(base, f"rocm-toolkit-{tag}")
+    script = f"#!/bin/sh\n{cmd}\n"
+    bases = [b for b in (cache_dir(), tempfile.gettempdir()) if b]
+    for i, base in enumerate(bases):  # an unwritable cache folder falls back to the temp folder
+        root = os.path.join(base, f"rocm-toolkit-{tag}")
+        try:
+            _write_wrapper(root, script)
+            break
+        except OSError:
+            if i == len(bases) - 1:
+                raise
+    return root
+
+
+def _write_wrapper(root: str, script: str) -> None:
     lld = os.path.join(root, "llvm", "bin", "ld.lld")
     os.makedirs(os.path.dirname(lld), exist_ok=True)
     os.makedirs(os.path.join(root, "amdgcn", "bitcode"), exist_ok=True)
-    script = f"#!/bin/sh\n{cmd}\n"
     try:
         with open(lld) as f:
             same = f.read() == script
@@ -174,7 +186,6 @@ def toolkit_root() -> str:
             f.write(script)
         os.chmod(tmp, 0o755)
         os.replace(tmp, lld)
-    return root
 
 
 @contextlib.contextmanager
@@ -253,47 +264,20 @@ def _compile_now(cfg, arch: str, dump_dir: str | None = None) -> bytes:
 
 def _disk_read(key: str) -> CodeObject | None:
     d = cache_dir()
-    if not d:
+    entry = _diskcache.read(os.path.join(d, "rocm") if d else None, key + ".hsaco.jrc")
+    if entry is None:
         return None
-    base = os.path.join(d, "rocm", key)
-    try:
-        with open(base + ".json") as f:
-            meta = json.load(f)
-        with open(base + ".hsaco", "rb") as f:
-            code = f.read()
-    except (OSError, ValueError):
-        return None
-    if hashlib.sha256(code).hexdigest() != meta.get("sha256"):
-        return None
+    meta, code = entry
     info = _amdgpu_elf.kernel_info(code)
     return CodeObject(arch=meta["arch"], code=code, symbol=info["name"], info=info, key=key, from_disk=True)
 
 
-def _atomic_write(path: str, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-
-
 def _disk_write(co: CodeObject, cfg) -> None:
+    # One file, written atomically with a checksum (jax_rope_cache._diskcache); an unwritable
+    # folder only costs a recompilation next time (warned once).
     d = cache_dir()
-    if not d:
-        return
-    try:
-        os.makedirs(os.path.join(d, "rocm"), exist_ok=True)
-        base = os.path.join(d, "rocm", co.key)
-        _atomic_write(base + ".hsaco", co.code)
-        meta = dict(arch=co.arch, sha256=hashlib.sha256(co.code).hexdigest(), flydsl=flydsl_version(),
-                    config=dataclasses.asdict(cfg))
-        _atomic_write(base + ".json", json.dumps(meta).encode())
-    except OSError:
-        pass
+    meta = dict(arch=co.arch, flydsl=flydsl_version(), config=dataclasses.asdict(cfg))
+    _diskcache.write(os.path.join(d, "rocm") if d else None, co.key + ".hsaco.jrc", co.code, meta)
 
 
 def compile_config(cfg, arch: str) -> CodeObject:

@@ -6,9 +6,10 @@ the loader path, $CUDA_HOME/lib64). No GPU is needed to compile.
 
 Cache: key = sha256(source, every header, options, target arch, NVRTC version); values are the
 compiled bytes plus the compiler log. In memory per process, and on disk under
-$JAX_ROPE_CACHE_DIR or ~/.cache/jax_rope_cache (files written to a temporary name, then
-os.replace'd, so concurrent processes never see half a file). Set JAX_ROPE_CACHE_DIR to an empty
-string to disable the disk cache.
+$JAX_ROPE_CACHE_DIR or ~/.cache/jax_rope_cache, one file per entry with a checksum, written
+atomically (jax_rope_cache._diskcache: concurrent processes never see half a file; a corrupt entry
+is rebuilt with a warning; an unwritable folder falls back to memory with a warning). Set
+JAX_ROPE_CACHE_DIR to an empty string to disable the disk cache.
 """
 
 from __future__ import annotations
@@ -17,12 +18,12 @@ import ctypes
 import dataclasses
 import glob
 import hashlib
-import json
 import os
 import re
 import sys
-import tempfile
 import threading
+
+from jax_rope_cache import _diskcache
 
 __all__ = ["NvrtcError", "NvrtcUnavailable", "Compiled", "available", "version", "supported_archs",
            "compile_cuda", "cache_dir", "spill_bytes"]
@@ -191,49 +192,17 @@ def _key(source: str, headers: dict[str, str], options: list[str], arch: str) ->
 
 
 def _disk_read(key: str) -> Compiled | None:
-    d = cache_dir()
-    if not d:
+    entry = _diskcache.read(cache_dir(), key + ".cubin.jrc")
+    if entry is None:
         return None
-    base = os.path.join(d, key)
-    try:
-        with open(base + ".json") as f:
-            meta = json.load(f)
-        with open(base + ".bin", "rb") as f:
-            code = f.read()
-    except (OSError, ValueError):
-        return None
-    if hashlib.sha256(code).hexdigest() != meta.get("sha256"):
-        return None
+    meta, code = entry
     return Compiled(arch=meta["arch"], code=code, log=meta.get("log", ""), key=key, from_disk=True)
 
 
-def _atomic_write(path: str, data: bytes) -> None:
-    d = os.path.dirname(path)
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=".tmp-", suffix=os.path.basename(path))
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-
-
 def _disk_write(c: Compiled) -> None:
-    d = cache_dir()
-    if not d:
-        return
-    try:
-        os.makedirs(d, exist_ok=True)
-        base = os.path.join(d, c.key)
-        _atomic_write(base + ".bin", c.code)  # data first: a reader checks its hash from the .json
-        meta = dict(arch=c.arch, log=c.log, sha256=hashlib.sha256(c.code).hexdigest(), nvrtc=list(version()))
-        _atomic_write(base + ".json", json.dumps(meta).encode())
-    except OSError:
-        pass  # a read-only or full disk only costs a recompilation next time
+    # One file, written atomically with a checksum (jax_rope_cache._diskcache); an unwritable
+    # folder only costs a recompilation next time (warned once).
+    _diskcache.write(cache_dir(), c.key + ".cubin.jrc", c.code, dict(arch=c.arch, log=c.log, nvrtc=list(version())))
 
 
 def _compile_now(source: str, headers: dict[str, str], options: list[str], arch: str, name: str) -> tuple[bytes, str]:

@@ -119,7 +119,7 @@ def test_disk_cache_roundtrip(tmp_path, monkeypatch):
     monkeypatch.setattr(_nvrtc, "_mem_cache", {})
     cfg = cuda.kernel_config(make_spec(D=64, QH=2, KH=1))
     a = cuda.compile_variant(cfg, "sm_90")
-    assert not a.from_disk and list(tmp_path.glob("*.bin"))
+    assert not a.from_disk and list(tmp_path.glob("*.cubin.jrc"))
     monkeypatch.setattr(_nvrtc, "_mem_cache", {})
     b = cuda.compile_variant(cfg, "sm_90")
     assert b.from_disk and b.code == a.code

@@ -308,7 +308,7 @@ def test_compile_cli_fills_the_disk_cache(tmp_path, monkeypatch, capsys):
                        "--layout", "flash,xpacked_shuffled", "--dtype", "bfloat16"])
     err = capsys.readouterr().err
     assert "4 code objects (2 configurations x 2 archs)" in err, err
-    assert len(list((tmp_path / "rocm").glob("*.hsaco"))) == 4
+    assert len(list((tmp_path / "rocm").glob("*.hsaco.jrc"))) == 4
     # a lowering of the same shape now reads the disk cache (nothing compiled)
     monkeypatch.setattr(_flydsl, "_mem", {})
     monkeypatch.setattr(_flydsl, "_compile_now", lambda *a, **k: pytest.fail("compiled instead of using the cache"))

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Memory-safety check of the CPU handler: builds the extension with AddressSanitizer + UBSan
+# (CMake option JRC_SANITIZE=ON) into a separate folder, then runs the fuzz set and test_op's
+# native-kernel cases against that build with libasan preloaded. Fails on any sanitizer report.
+#
+# Python: $JRC_PY, else the venv of run_tests.sh ($JRC_VENV or .venv; made by scripts/_venv.sh
+# when missing). Build and install folders: $JRC_ASAN_DIR (default /tmp/jrc_asan), never the
+# regular build folder. Extra arguments go to pytest.
+set -euo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+if [ -n "${JRC_PY:-}" ]; then
+  PY=$JRC_PY
+elif [ -x "${JRC_VENV:-$ROOT/.venv}/bin/python" ]; then
+  PY="${JRC_VENV:-$ROOT/.venv}/bin/python"
+else
+  source "$ROOT/scripts/_venv.sh"
+fi
+WORK="${JRC_ASAN_DIR:-/tmp/jrc_asan}"
+SITE="$WORK/site"
+LOG="$WORK/pytest.log"
+CXX_BIN="${CXX:-g++}"
+LIBASAN=$("$CXX_BIN" -print-file-name=libasan.so)
+if [ ! -e "$LIBASAN" ] || [ "$LIBASAN" = libasan.so ]; then
+  echo "asan_check: libasan.so not found for $CXX_BIN (install the compiler's sanitizer runtime)" >&2
+  exit 1
+fi
+
+echo "# asan_check: building jax_rope_cache with -fsanitize=address,undefined into $SITE"
+rm -rf "$SITE"
+mkdir -p "$WORK"
+t0=$(date +%s)
+"$PY" -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps --target "$SITE" \
+  -C cmake.define.JRC_SANITIZE=ON -C build-dir="$WORK/build" "$ROOT"
+echo "# asan_check: built in $(( $(date +%s) - t0 )) s"
+NATIVE=$(ls "$SITE"/jax_rope_cache/_native*.so)
+if ! ldd "$NATIVE" | grep -q libasan; then
+  echo "asan_check: $NATIVE is not linked with libasan (was JRC_SANITIZE honoured?)" >&2
+  exit 1
+fi
+
+export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+export ASAN_OPTIONS="detect_leaks=0:halt_on_error=1:abort_on_error=0:exitcode=99:print_summary=1${ASAN_OPTIONS:+:$ASAN_OPTIONS}"
+export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1:exitcode=98${UBSAN_OPTIONS:+:$UBSAN_OPTIONS}"
+export JRC_FUZZ_CASES="${JRC_FUZZ_CASES:-150}"
+cd "$ROOT"
+# The sanitized extension must be the one imported.
+LD_PRELOAD="$LIBASAN" "$PY" -P -c "
+import sys, jax_rope_cache._native as n
+assert n.__file__.startswith('$SITE'), n.__file__
+print('# asan_check: importing', n.__file__)"
+
+echo "# asan_check: fuzz set ($JRC_FUZZ_CASES cases per impl) + test_op kernel cases under ASan/UBSan"
+t0=$(date +%s)
+set +e
+LD_PRELOAD="$LIBASAN" "$PY" -P -m pytest -q -p no:cacheprovider \
+  "$ROOT/tests/test_fuzz.py" "$ROOT/tests/test_op.py" -k "kernel or case_mix" "$@" 2>&1 | tee "$LOG"
+rc=${PIPESTATUS[0]}
+set -e
+echo "# asan_check: pytest exit $rc after $(( $(date +%s) - t0 )) s"
+if grep -Eq "ERROR: AddressSanitizer|runtime error:|SUMMARY: (Address|UndefinedBehavior)Sanitizer" "$LOG"; then
+  echo "asan_check: FAILED: sanitizer report(s) in $LOG:" >&2
+  grep -E -A20 "ERROR: AddressSanitizer|runtime error:" "$LOG" | head -60 >&2
+  exit 1
+fi
+if [ "$rc" -ne 0 ]; then
+  echo "asan_check: FAILED: pytest exit $rc (see $LOG)" >&2
+  exit "$rc"
+fi
+echo "# asan_check: clean (no AddressSanitizer or UBSan report)"
