@@ -86,7 +86,7 @@ def read(folder: str | None, name: str) -> tuple[dict, bytes] | None:
     try:
         with open(path, "rb") as f:
             blob = f.read()
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # absent (a folder that cannot exist warns on write)
         return None
     except OSError as e:
         _warn_once("read", folder, f"rope_and_cache: cannot read the code-object cache {folder!r} "
