@@ -24,6 +24,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from conftest import make_spec
 from jax_rope_cache import _spec, reference
 
 _nvrtc = pytest.importorskip("jax_rope_cache._nvrtc")
@@ -39,19 +40,6 @@ BF16, F16, F32 = np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16), np.dtype(np
 FN, FNUZ = np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e4m3fnuz)
 
 
-def make_spec(*, T=64, QH=4, KH=2, D=128, R=None, layout="flash", neox=True, dt=BF16, cdt=None, tdt=F32,
-              full=False, prec="fp32", BS=16, NB=24, max_pos=64, slot64=False, pos64=True):
-    r = R or D
-    cdt = np.dtype(cdt or dt)
-    s = jax.ShapeDtypeStruct
-    kc, vc = _spec.cache_shapes(layout, NB, BS, KH, D, cdt)
-    w = r if full else r // 2
-    fp8 = cdt in _spec.FP8_DTYPES
-    idx = lambda b: np.int64 if b else np.int32  # noqa: E731
-    return _spec.check_op(s((T, QH, D), dt), s((T, KH, D), dt), s((T, KH, D), dt), s(kc, cdt), s(vc, cdt),
-                          s((T,), idx(slot64)), s((T,), idx(pos64)), s((max_pos, w), tdt), s((max_pos, w), tdt),
-                          layout=layout, is_neox=neox, rotary_dim=r, k_scale=1.0 if fp8 else None,
-                          v_scale=1.0 if fp8 else None, precision=prec)
 
 
 # dtype combos: (q/k/v, cache, table, precision)
