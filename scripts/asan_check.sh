@@ -20,18 +20,30 @@ SITE="$WORK/site"
 LOG="$WORK/pytest.log"
 CXX_BIN="${CXX:-g++}"
 LIBASAN=$("$CXX_BIN" -print-file-name=libasan.so)
-if [ ! -e "$LIBASAN" ] || [ "$LIBASAN" = libasan.so ]; then
-  echo "asan_check: libasan.so not found for $CXX_BIN (install the compiler's sanitizer runtime)" >&2
-  exit 1
-fi
+# libstdc++ is preloaded too: Python itself does not link it, and ASan's __cxa_throw interceptor
+# must find it when ASan initialises (else: "CHECK failed ... real___cxa_throw" at the first C++
+# exception thrown inside jaxlib).
+LIBSTDCXX=$("$CXX_BIN" -print-file-name=libstdc++.so)
+for lib in "$LIBASAN" "$LIBSTDCXX"; do
+  if [ ! -e "$lib" ]; then
+    echo "asan_check: $lib not found for $CXX_BIN (install the compiler's sanitizer runtime)" >&2
+    exit 1
+  fi
+done
+PRELOAD="$LIBASAN $LIBSTDCXX"
 
-echo "# asan_check: building jax_rope_cache with -fsanitize=address,undefined into $SITE"
-rm -rf "$SITE"
 mkdir -p "$WORK"
-t0=$(date +%s)
-"$PY" -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps --target "$SITE" \
-  -C cmake.define.JRC_SANITIZE=ON -C build-dir="$WORK/build" "$ROOT"
-echo "# asan_check: built in $(( $(date +%s) - t0 )) s"
+if [ "${JRC_ASAN_REUSE:-0}" = 1 ] && ls "$SITE"/jax_rope_cache/_native*.so >/dev/null 2>&1; then
+  echo "# asan_check: reusing the sanitized build in $SITE (JRC_ASAN_REUSE=1)"
+else
+  echo "# asan_check: building jax_rope_cache with -fsanitize=address,undefined into $SITE"
+  rm -rf "$SITE"
+  t0=$(date +%s)
+  # A build folder of its own: the regular build (build/{wheel_tag}) is never touched.
+  "$PY" -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps --target "$SITE" \
+    -C cmake.define.JRC_SANITIZE=ON -C build-dir="$WORK/build" "$ROOT"
+  echo "# asan_check: built in $(( $(date +%s) - t0 )) s"
+fi
 NATIVE=$(ls "$SITE"/jax_rope_cache/_native*.so)
 if ! ldd "$NATIVE" | grep -q libasan; then
   echo "asan_check: $NATIVE is not linked with libasan (was JRC_SANITIZE honoured?)" >&2
@@ -41,10 +53,10 @@ fi
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 export ASAN_OPTIONS="detect_leaks=0:halt_on_error=1:abort_on_error=0:exitcode=99:print_summary=1${ASAN_OPTIONS:+:$ASAN_OPTIONS}"
 export UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1:exitcode=98${UBSAN_OPTIONS:+:$UBSAN_OPTIONS}"
-export JRC_FUZZ_CASES="${JRC_FUZZ_CASES:-150}"
+export JRC_FUZZ_CASES="${JRC_FUZZ_CASES:-400}"
 cd "$ROOT"
 # The sanitized extension must be the one imported.
-LD_PRELOAD="$LIBASAN" "$PY" -P -c "
+LD_PRELOAD="$PRELOAD" "$PY" -P -c "
 import sys, jax_rope_cache._native as n
 assert n.__file__.startswith('$SITE'), n.__file__
 print('# asan_check: importing', n.__file__)"
@@ -52,12 +64,12 @@ print('# asan_check: importing', n.__file__)"
 echo "# asan_check: fuzz set ($JRC_FUZZ_CASES cases per impl) + test_op kernel cases under ASan/UBSan"
 t0=$(date +%s)
 set +e
-LD_PRELOAD="$LIBASAN" "$PY" -P -m pytest -q -p no:cacheprovider \
+LD_PRELOAD="$PRELOAD" "$PY" -P -m pytest -q -p no:cacheprovider \
   "$ROOT/tests/test_fuzz.py" "$ROOT/tests/test_op.py" -k "kernel or case_mix" "$@" 2>&1 | tee "$LOG"
 rc=${PIPESTATUS[0]}
 set -e
 echo "# asan_check: pytest exit $rc after $(( $(date +%s) - t0 )) s"
-if grep -Eq "ERROR: AddressSanitizer|runtime error:|SUMMARY: (Address|UndefinedBehavior)Sanitizer" "$LOG"; then
+if grep -Eq "ERROR: AddressSanitizer|AddressSanitizer: CHECK failed|runtime error:|SUMMARY: (Address|UndefinedBehavior)Sanitizer" "$LOG"; then
   echo "asan_check: FAILED: sanitizer report(s) in $LOG:" >&2
   grep -E -A20 "ERROR: AddressSanitizer|runtime error:" "$LOG" | head -60 >&2
   exit 1
