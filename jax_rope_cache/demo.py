@@ -27,8 +27,20 @@ def layer_scale(layer):
     return 2.0 ** ((layer % 4) - 2)
 
 
-def build(model: shapes.ModelShape, batch: int, prefill: int, steps: int, layers: int, block_size: int, seed: int):
+def tables_for(preset: str, model: shapes.ModelShape, max_pos: int):
+    """The model's own RoPE tables (its scaling law) for presets with a config; plain RoPE otherwise."""
+    from jax_rope_cache import presets, tables
+
+    if preset in presets.PRESETS:
+        cos, sin, _ = presets.preset_tables(preset, max_pos)
+        return cos, sin
+    return tables.rope_tables(max_pos, model.rotary_dim, base=10000.0)
+
+
+def build(model: shapes.ModelShape, batch: int, prefill: int, steps: int, layers: int, block_size: int, seed: int,
+          preset: str = "tiny"):
     rng = np.random.default_rng(seed)
+    cos, sin = tables_for(preset, model, 4096)
     qh, kh, d = model.q_heads, model.kv_heads, model.head_dim
     per_seq = prefill + steps
     bps = -(-per_seq // block_size)
@@ -37,15 +49,13 @@ def build(model: shapes.ModelShape, batch: int, prefill: int, steps: int, layers
     t = np.arange(per_seq)
     seq_slots = (blocks[:, t // block_size] * block_size + t % block_size).astype(np.int32)  # [batch, per_seq]
     seq_pos = (rng.integers(0, 1024, batch)[:, None] + t[None, :]).astype(np.int32)
-    inv = 1.0 / (500000.0 ** (np.arange(0, d, 2) / d))
-    ang = np.arange(4096)[:, None] * inv[None, :]
     x = lambda *shape: rng.standard_normal(shape, np.float32).astype(jnp.bfloat16)  # noqa: E731
     data = dict(
         pre_q=x(batch * prefill, qh, d), pre_k=x(batch * prefill, kh, d), pre_v=x(batch * prefill, kh, d),
         pre_slots=seq_slots[:, :prefill].reshape(-1), pre_pos=seq_pos[:, :prefill].reshape(-1),
         dec_q=x(POOL, batch, qh, d), dec_k=x(POOL, batch, kh, d), dec_v=x(POOL, batch, kh, d),
         dec_slots=seq_slots[:, prefill:].T.copy(), dec_pos=seq_pos[:, prefill:].T.copy(),  # [steps, batch]
-        cos=np.cos(ang).astype(np.float32), sin=np.sin(ang).astype(np.float32))
+        cos=cos, sin=sin)
     caches = jrc.make_kv_cache(nb, block_size, kh, d, jnp.bfloat16, num_layers=layers, fill="random", seed=seed)
     return data, tuple(np.asarray(c) for c in caches)
 
@@ -110,7 +120,7 @@ def reference_caches(data, caches, layers: list[int], steps: int):
 def run(preset="llama-3.1-8b", tp=8, batch=64, prefill=128, steps=256, layers=32, block_size=16, repeats=3, seed=0,
         check_layers=None, unroll=True):
     model = shapes.model_shape(preset, tp)
-    data, caches = build(model, batch, prefill, steps, layers, block_size, seed)
+    data, caches = build(model, batch, prefill, steps, layers, block_size, seed, preset)
     dev = jax.devices()[0]
     print(f"device {dev.platform} ({dev.device_kind}); {model.name}: heads {model.q_heads}/{model.kv_heads}, "
           f"D={model.head_dim}; {layers} layers in one stacked cache per K/V "

@@ -184,16 +184,8 @@ def precompile(archs=DEFAULT_ARCHS, configs=None, *, presets=(), tp: int = 1, ve
     _flydsl.require()
     cfgs = list(configs or [])
     for name in presets:
-        m = shapes.MODELS.get(name)
-        if m is None:
-            raise ValueError(f"preset: expected one of {sorted(shapes.MODELS)}, got {name!r}")
-        qh, kh = m.q_heads, m.kv_heads
-        if tp > 1:
-            if qh % tp:
-                raise ValueError(f"--tp {tp}: {name} has {qh} query heads, not divisible by {tp}")
-            qh //= tp
-            kh = max(1, kh // tp)
-        cfgs += configs_for(q_heads=qh, kv_heads=kh, head_dim=m.head_dim, rotary_dim=m.rotary_dim,
+        m = shapes.model_shape(name, tp)
+        cfgs += configs_for(q_heads=m.q_heads, kv_heads=m.kv_heads, head_dim=m.head_dim, rotary_dim=m.rotary_dim,
                             **({"neox": (m.is_neox,)} | options))
     out = []
     for cfg in cfgs:

@@ -25,6 +25,8 @@ class ModelShape:
                 + (qh + kh) * d * in_size + 2 * kh * d * cache_size)
 
 
+# Full (TP 1) attention shapes; for the real models these agree with the configs in presets.py
+# (tests/test_rope_tables.py checks it), whose shard_shape is the one rule for splitting heads.
 MODELS = {
     "llama-3.1-8b": ModelShape("llama-3.1-8b", 32, 8, 128, 128),
     "llama-3.1-70b": ModelShape("llama-3.1-70b", 64, 8, 128, 128),
@@ -39,13 +41,16 @@ TP_DEGREES = (1, 2, 4, 8)
 
 def model_shape(name: str, tp: int = 1) -> ModelShape:
     """The per-shard shape of model `name` at tensor-parallel degree `tp`: query heads split evenly,
-    KV heads split while there are enough and replicated (one per shard) beyond that."""
+    KV heads split while there are enough and replicated (one per shard) beyond that
+    (presets.shard_shape for the real models)."""
     if name not in MODELS:
         raise ValueError(f"preset: expected one of {sorted(MODELS)}, got {name!r}")
+    from jax_rope_cache import presets  # presets imports this module
+
+    if name in presets.PRESETS:
+        return presets.preset_shape(name, tp)
     m = MODELS[name]
-    if tp < 1 or m.q_heads % tp:
-        raise ValueError(f"tp: expected a divisor of {m.q_heads} query heads, got {tp}")
-    if m.kv_heads >= tp and m.kv_heads % tp:
-        raise ValueError(f"tp: expected a divisor of {m.kv_heads} KV heads (or >= their count), got {tp}")
+    if tp < 1 or m.q_heads % tp or (m.kv_heads >= tp and m.kv_heads % tp):
+        raise ValueError(f"tp: expected a divisor of {m.q_heads} query heads and {m.kv_heads} KV heads, got {tp}")
     return dataclasses.replace(m, name=m.name if tp == 1 else f"{m.name}-tp{tp}", q_heads=m.q_heads // tp,
                                kv_heads=max(1, m.kv_heads // tp))
