@@ -11,8 +11,9 @@ to chunk) and the whole device cache is compared with it: bit for bit for the na
 the FMA tolerance of tests/test_op.py for the XLA path. The last step's q_out is compared too.
 
 Recorded per chunk: process RSS (VmRSS from /proc/self/status) and, on GPU platforms, the
-launcher's launch counter (jax_rope_cache._native.gpu_launch_count; the launcher exposes no count
-of loaded modules). Prints a table; --json writes the records.
+launcher's counters of kernel launches and of loaded modules (jax_rope_cache._native.gpu_launch_count
+and gpu_module_count; modules must stay flat: one per code object and device). Prints a table;
+--json writes the records.
 """
 
 from __future__ import annotations
@@ -41,9 +42,10 @@ def rss_mib() -> float:
     return float("nan")
 
 
-def gpu_launches() -> int | None:
+def gpu_counter(name: str) -> int | None:
+    """The launcher's counter `name` ("gpu_launch_count" or "gpu_module_count"), None without it."""
     module = _ffi.native_module()
-    fn = getattr(module, "gpu_launch_count", None) if module is not None else None
+    fn = getattr(module, name, None) if module is not None else None
     return int(fn()) if fn is not None else None
 
 
@@ -137,20 +139,24 @@ def soak(steps=100_000, *, report_every=10, out=sys.stdout, **kw):
     print(f"# soak: {steps} steps, chunk {s.chunk}, {s.platform} impl={s.impl}, batch {s.b}, heads {s.qh}/{s.kh}, "
           f"D {s.d}, {s.layout} {s.dtype.name}, cache {2 * s.ref_kc.nbytes / 2**20:.1f} MiB; RSS at start "
           f"{rss0:.1f} MiB", file=out)
-    header = f"{'steps':>10} {'time s':>8} {'steps/s':>9} {'RSS MiB':>9} {'dRSS MiB':>9} {'launches':>9}  check"
+    header = (f"{'steps':>10} {'time s':>8} {'steps/s':>9} {'RSS MiB':>9} {'dRSS MiB':>9} {'launches':>9} "
+              f"{'modules':>8}  check")
     print(header, file=out)
     done = 0
     while done < steps:
         n = min(s.chunk, steps - done)
         result = s.run_chunk(n)
         done += n
-        launches = gpu_launches() if s.platform != "cpu" else None
-        rec = dict(steps=done, seconds=time.perf_counter() - t0, rss_mib=rss_mib(), launches=launches, check=result)
+        gpu = s.platform != "cpu"
+        launches = gpu_counter("gpu_launch_count") if gpu else None
+        modules = gpu_counter("gpu_module_count") if gpu else None
+        rec = dict(steps=done, seconds=time.perf_counter() - t0, rss_mib=rss_mib(), launches=launches,
+                   modules=modules, check=result)
         records.append(rec)
         if result != "ok" or len(records) % report_every == 0 or done == steps or len(records) == 1:
             print(f"{done:>10} {rec['seconds']:>8.1f} {done / rec['seconds']:>9.0f} {rec['rss_mib']:>9.1f} "
-                  f"{rec['rss_mib'] - records[0]['rss_mib']:>+9.1f} {'-' if launches is None else launches:>9}  "
-                  f"{result}", file=out, flush=True)
+                  f"{rec['rss_mib'] - records[0]['rss_mib']:>+9.1f} {'-' if launches is None else launches:>9} "
+                  f"{'-' if modules is None else modules:>8}  {result}", file=out, flush=True)
         if result != "ok":
             break
     return records

@@ -100,6 +100,29 @@ def test_launcher_launches_exactly_one_kernel_per_call():
     assert native.gpu_launch_count() - before == n
 
 
+def test_modules_load_once_per_code_object_and_device():
+    """32 call sites of one configuration (unrolled layers) and repeated executions: the launcher
+    loads the module at most once for this process, and never again."""
+    native = _ffi.native_module()
+    args = _problem(2)
+
+    def layers(q, k, v, kc, vc, slots, pos, cos, sin):
+        for i in range(32):
+            q, k, kc, vc = jrc.rope_and_cache(q, k, v, kc, vc, slots, pos, cos, sin)
+        return q, k, kc, vc
+
+    f = jax.jit(layers, donate_argnums=(3, 4))
+    before = native.gpu_module_count()
+    q, k, kc, vc = f(*args)
+    jax.block_until_ready(vc)
+    loaded = native.gpu_module_count() - before
+    assert loaded <= 1, f"{loaded} modules for one code object on one device"
+    for _ in range(5):
+        q, k, kc, vc = f(args[0], args[1], args[2], kc, vc, *args[5:])
+    jax.block_until_ready(vc)
+    assert native.gpu_module_count() - before == loaded
+
+
 def test_caches_are_aliased_in_the_compiled_hlo_on_gpu():
     args = _problem()
     compiled = _jitted().lower(*args).compile()

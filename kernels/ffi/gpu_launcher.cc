@@ -222,6 +222,7 @@ constexpr uint64_t kSlots = 4096;
 Slot g_slots[kSlots];
 std::mutex g_insert_mutex;
 std::atomic<uint64_t> g_launches{0};
+std::atomic<uint64_t> g_modules{0};  // modules loaded: one per (code object, device), ever
 
 uint64_t CacheKey(int64_t code_hash, int device) {
   uint64_t k = static_cast<uint64_t>(code_hash) ^ (0x9e3779b97f4a7c15ull * static_cast<uint64_t>(device + 1));
@@ -325,6 +326,7 @@ ffi::Error EnsureLoaded(std::string_view code, int64_t code_hash, std::string_vi
       s.function = fn;
       s.context = ctx;
       s.key.store(key, std::memory_order_release);
+      g_modules.fetch_add(1, std::memory_order_relaxed);
       return ffi::Error::Success();
     }
   }
@@ -416,6 +418,7 @@ ffi::Error Execute(void* stream, int32_t device, ffi::RemainingArgs args, ffi::R
 }  // namespace
 
 uint64_t GpuLaunchCount() { return g_launches.load(std::memory_order_relaxed); }
+uint64_t GpuModuleCount() { return g_modules.load(std::memory_order_relaxed); }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kGpuRopeCacheInstantiate, Instantiate,
                               ffi::Ffi::BindInstantiate()

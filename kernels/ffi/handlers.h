@@ -18,5 +18,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(kGpuRopeCacheExecuteNoGraph);
 // Kernels launched by the GPU launcher in this process (execute calls that launched; with XLA
 // command buffers a replayed launch does not call the handler and is not counted).
 uint64_t GpuLaunchCount();
+// Modules the GPU launcher has loaded in this process (one per code object and device).
+uint64_t GpuModuleCount();
 
 }  // namespace jax_rope_cache

@@ -70,6 +70,7 @@ NB_MODULE(_native, m) {
     return d;
   });
   m.def("gpu_launch_count", [] { return jax_rope_cache::GpuLaunchCount(); });
+  m.def("gpu_module_count", [] { return jax_rope_cache::GpuModuleCount(); });
   m.def("round_f32", &RoundF32, nb::arg("src"), nb::arg("bits"), nb::arg("dt"));
   m.def("widen_to_f32", &WidenToF32, nb::arg("bits"), nb::arg("dst"), nb::arg("dt"));
 }
