@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import threading
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -91,13 +92,27 @@ def auto_partitioned(ctx) -> bool:
     return any(size > 1 for name, size in mesh.shape.items() if name not in manual)
 
 
+def _lower_xla(ctx, *args, spec):
+    return mlir.lower_fun(functools.partial(_xla_fallback, spec=spec, impl=None), multiple_results=True)(ctx, *args)
+
+
 def _lower_fallback(ctx, *args, spec, impl):
     platform = ",".join(ctx.module_context.platforms)
     if impl == "kernel":
         raise NotImplementedError(
             f"rope_and_cache: impl='kernel' has no kernel for platform {platform!r}; "
             "use impl=None (falls back to the XLA implementation) or impl='xla'")
-    return mlir.lower_fun(functools.partial(_xla_fallback, spec=spec, impl=impl), multiple_results=True)(ctx, *args)
+    return _lower_xla(ctx, *args, spec=spec)
+
+
+def kernel_unusable(ctx, *args, spec, impl, platform: str, problem: str):
+    """A platform's kernel cannot be built here (`problem` says why): impl="kernel" raises,
+    impl=None warns and lowers the XLA path. `args` must still include the layer operand."""
+    if impl == "kernel":
+        raise RuntimeError(f"rope_and_cache: impl='kernel' on {platform} needs {problem}")
+    warnings.warn(f"rope_and_cache: falling back to the XLA implementation on {platform}: it needs {problem}",
+                  RuntimeWarning, stacklevel=3)
+    return _lower_xla(ctx, *args, spec=spec)
 
 
 def kernel_attrs(spec: _spec.OpSpec) -> dict:
@@ -114,7 +129,7 @@ def kernel_or_fallback(ctx, *args, spec, impl, platform: str):
     if impl == "kernel":
         raise ValueError(f"rope_and_cache: impl='kernel' cannot be partitioned automatically by jit over "
                          f"several {platform} devices; {SHARD_MAP_RECIPE}, or use impl='xla'")
-    return mlir.lower_fun(functools.partial(_xla_fallback, spec=spec, impl=impl), multiple_results=True)(ctx, *args)
+    return _lower_xla(ctx, *args, spec=spec)
 
 
 def _lower_cpu(ctx, *args, spec, impl):

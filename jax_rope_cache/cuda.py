@@ -23,7 +23,6 @@ import functools
 import hashlib
 import os
 import struct
-import warnings
 
 import jax
 import numpy as np
@@ -39,7 +38,6 @@ DEFAULT_ARCH = 90
 DEFAULT_SMS = 132
 UNROLL = 4  # units per thread per round (kernels/cuda/rope_cache.cu: RC_UNROLL)
 
-_LAYOUT_CODE = {"flash": 0, "xpacked": 1, "xpacked_shuffled": 2}
 
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -123,7 +121,7 @@ def kernel_config(spec: _spec.OpSpec, num_sms: int = DEFAULT_SMS) -> KernelConfi
         tpb //= 2
     defines = (
         ("RC_QH", qh), ("RC_KH", kh), ("RC_D", d), ("RC_R", r), ("RC_BS", spec.block_size),
-        ("RC_LAYOUT", _LAYOUT_CODE[spec.layout]), ("RC_NEOX", int(spec.is_neox)),
+        ("RC_LAYOUT", _ffi.LAYOUT_CODES[spec.layout]), ("RC_NEOX", int(spec.is_neox)),
         ("RC_FULL_TABLE", int(spec.table_full)),
         ("RC_NATIVE", int(spec.precision == "native" and np.dtype(spec.dtype) != np.float32)),
         ("RC_DT", _spec.DTYPE_CODES[np.dtype(spec.dtype)]),
@@ -233,26 +231,21 @@ def _lower_cuda(ctx, *args, spec, impl):
         return fallback
     if spec.num_layers is not None:
         return _ffi.lower_with_layers_folded(ctx, *args, spec=spec, impl=impl)
-    ctx, args = _ffi.without_layer_operand(ctx, args)
     module = _ffi.native_module()
-    problem = None
     if module is None or not hasattr(module, "gpu_handler"):
-        problem = ("the compiled extension jax_rope_cache._native (with the GPU launcher) did not import; "
-                   "reinstall the package")
-    elif not _nvrtc.available():
-        problem = (f"NVRTC (the CUDA runtime compiler) was not found ({_nvrtc.unavailable_reason()}); "
-                   "install it with `pip install nvidia-cuda-nvrtc` (jax[cuda13] installs it too)")
-    if problem is not None:
-        if impl == "kernel":
-            raise RuntimeError(f"rope_and_cache: impl='kernel' on CUDA needs {problem}")
-        warnings.warn(f"rope_and_cache: falling back to the XLA implementation on CUDA: {problem}",
-                      RuntimeWarning, stacklevel=2)
-        return _ffi._lower_fallback(ctx, *args, spec=spec, impl=impl)
+        return _ffi.kernel_unusable(ctx, *args, spec=spec, impl=impl, platform="CUDA", problem=(
+            "the compiled extension jax_rope_cache._native (with the GPU launcher), which did not import; "
+            "reinstall the package"))
+    if not _nvrtc.available():
+        return _ffi.kernel_unusable(ctx, *args, spec=spec, impl=impl, platform="CUDA", problem=(
+            f"NVRTC (the CUDA runtime compiler), which was not found ({_nvrtc.unavailable_reason()}); "
+            "install it with `pip install nvidia-cuda-nvrtc` (jax[cuda13] installs it too)"))
     cc, sms = _local_cuda_arch()
     cfg = kernel_config(spec, sms)
     table = build_code_table(cfg, cc)
     target = _register_gpu_targets(module)
     rule = jax.ffi.ffi_lowering(target, operand_output_aliases=_ffi.CACHE_ALIASES)
+    ctx, args = _ffi.without_layer_operand(ctx, args)
     return rule(ctx, *args, code=table, code_hash=np.int64(code_hash(table)), kernel=KERNEL_NAME,
                 grid_div=np.int64(cfg.tokens_per_block), block=np.int64(cfg.threads), smem=np.int64(0))
 

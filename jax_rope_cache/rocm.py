@@ -24,7 +24,6 @@ import argparse
 import os
 import sys
 import time
-import warnings
 
 import numpy as np
 
@@ -98,28 +97,22 @@ def _lower_rocm(ctx, *args, spec, impl):
     if spec.num_layers is not None:
         return _ffi.lower_with_layers_folded(ctx, *args, spec=spec, impl=impl)
     module = _ffi.native_module()
-    problem = None
     if module is None or not hasattr(module, "gpu_handler"):
-        problem = ("the compiled extension jax_rope_cache._native (with the GPU launcher) did not import; "
-                   "reinstall the package")
-    elif not _flydsl.available():
-        problem = (f"FlyDSL to compile the kernel ({_flydsl.unavailable_reason()}); install it with: "
-                   f"{_flydsl.INSTALL_HINT}")
-    if problem is not None:
-        if impl == "kernel":
-            raise RuntimeError(f"rope_and_cache: impl='kernel' on ROCm needs {problem}")
-        warnings.warn(f"rope_and_cache: falling back to the XLA implementation on ROCm: it needs {problem}",
-                      RuntimeWarning, stacklevel=2)
-        return _ffi._lower_fallback(ctx, *args, spec=spec, impl=impl)
+        return _ffi.kernel_unusable(ctx, *args, spec=spec, impl=impl, platform="ROCm", problem=(
+            "the compiled extension jax_rope_cache._native (with the GPU launcher), which did not import; "
+            "reinstall the package"))
+    if not _flydsl.available():
+        return _ffi.kernel_unusable(ctx, *args, spec=spec, impl=impl, platform="ROCm", problem=(
+            f"FlyDSL to compile the kernel ({_flydsl.unavailable_reason()}); install it with: "
+            f"{_flydsl.INSTALL_HINT}"))
     try:
         cfg = kernel_config(spec)
         table, symbol, _ = build_code_table(cfg)
     except Exception as e:  # noqa: BLE001 - a broken toolchain must not break impl=None users
         if impl == "kernel":
             raise
-        warnings.warn(f"rope_and_cache: falling back to the XLA implementation on ROCm: compiling the kernel "
-                      f"failed ({type(e).__name__}: {e})", RuntimeWarning, stacklevel=2)
-        return _ffi._lower_fallback(ctx, *args, spec=spec, impl=impl)
+        return _ffi.kernel_unusable(ctx, *args, spec=spec, impl=impl, platform="ROCm", problem=(
+            f"its kernel, but compiling the kernel failed ({type(e).__name__}: {e})"))
     target = cuda._register_gpu_targets(module)
     rule = jax.ffi.ffi_lowering(target, operand_output_aliases=_ffi.CACHE_ALIASES)
     ctx, args = _ffi.without_layer_operand(ctx, args)

@@ -225,3 +225,42 @@ def test_host_emulation_matches_reference_bitwise(kw, emu_dir):
         if not np.array_equal(gb, wb):
             bad = np.argwhere(g.view(f"u{g.dtype.itemsize}") != np.asarray(w).view(f"u{g.dtype.itemsize}"))
             pytest.fail(f"{name}: {len(bad)} elements differ, first at {bad[:3].tolist()}")
+
+
+# ---- lowering for "cuda" on this CPU machine (jax.export): fallback and stacked layers ----------
+def _export_cuda(impl, layers=None):
+    import jax.numpy as jnp
+
+    import jax_rope_cache as jrc
+
+    T, QH, KH, D, NB, BS = 4, 8, 2, 64, 8, 16
+    kshape = (NB, BS, KH, D) if layers is None else (layers, NB, BS, KH, D)
+    s = jax.ShapeDtypeStruct
+    args = (s((T, QH, D), jnp.bfloat16), s((T, KH, D), jnp.bfloat16), s((T, KH, D), jnp.bfloat16),
+            s(kshape, jnp.bfloat16), s(kshape, jnp.bfloat16), s((T,), jnp.int32), s((T,), jnp.int32),
+            s((32, D // 2), jnp.float32), s((32, D // 2), jnp.float32))
+    step = lambda *a: jrc.rope_and_cache(*a, impl=impl, layer=None if layers is None else 1)  # noqa: E731
+    checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in (cuda.GPU_TARGET, cuda.GPU_TARGET_NO_GRAPH)]
+    return jax.export.export(jax.jit(step, donate_argnums=(3, 4)), platforms=["cuda"], disabled_checks=checks)(*args)
+
+
+def test_cuda_lowering_without_nvrtc_falls_back_or_raises(monkeypatch):
+    monkeypatch.setattr(_nvrtc, "available", lambda: False)
+    with pytest.raises(Exception, match="pip install nvidia-cuda-nvrtc"):
+        _export_cuda("kernel")
+    with pytest.warns(RuntimeWarning, match="falling back to the XLA implementation on CUDA"):
+        exp = _export_cuda(None)
+    assert "custom_call @jax_rope_cache" not in exp.mlir_module()
+    assert "scatter" in exp.mlir_module()
+
+
+@pytest.mark.parametrize("layers", [None, 3])
+def test_cuda_lowering_passes_eleven_operands(layers):
+    """The CUDA kernel's ABI has 11 operands: the layer operand is dropped, and stacked caches are
+    folded into one cache of L*NB blocks (a reshape, not a copy) before the one custom call."""
+    text = _export_cuda("kernel", layers).mlir_module()
+    calls = [ln for ln in text.splitlines() if "stablehlo.custom_call @jax_rope_cache_gpu" in ln]
+    assert len(calls) == 1, calls
+    operands = calls[0].split("(", 1)[1].split(")", 1)[0]
+    assert operands.count("%") == 11, calls[0]
+    assert ("tensor<24x16x2x64xbf16>" in text) == (layers == 3)

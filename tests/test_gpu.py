@@ -199,26 +199,26 @@ def test_command_buffer_switch(value, target):
     assert "EQUAL True" in r.stdout, r.stdout
 
 
-def test_wrong_arch_code_object_is_a_clear_error():
-    """A code-object table with no entry for this GPU fails with the device's arch in the message."""
-    table = cuda.pack_code_table([(cuda.KIND_CUBIN, "sm_10", b"\x7fELF-not-a-real-cubin")])
+def _launch_raw(table: bytes, code_hash: int):
+    """Runs the launcher directly on a hand-made code-object table (no op, 4 floats)."""
     x = jnp.ones((4,), jnp.float32)
     call = jax.ffi.ffi_call(cuda.GPU_TARGET_NO_GRAPH, jax.ShapeDtypeStruct((4,), jnp.float32))
     cuda._register_gpu_targets(_ffi.native_module())
+    fn = jax.jit(lambda a: call(a, code=table, code_hash=np.int64(code_hash), kernel="rope_cache_kernel",
+                                grid_div=np.int64(1), block=np.int64(32), smem=np.int64(0)))
+    jax.block_until_ready(fn(x))
+
+
+def test_wrong_arch_code_object_is_a_clear_error():
+    """A code-object table with no entry for this GPU fails with the device's arch in the message."""
+    table = cuda.pack_code_table([(cuda.KIND_CUBIN, "sm_10", b"\x7fELF-not-a-real-cubin")])
     with pytest.raises(Exception, match=r"no code object for this GPU \(sm_\d+\).*sm_10"):
-        jax.block_until_ready(jax.jit(lambda a: call(a, code=table, code_hash=np.int64(12345),
-                                                     kernel="rope_cache_kernel", grid_div=np.int64(1),
-                                                     block=np.int64(32), smem=np.int64(0)))(x))
+        _launch_raw(table, 12345)
 
 
 def test_driver_error_message_surfaces():
     """A corrupt cubin for the right arch: cuModuleLoadData's own message comes back."""
     cc, _ = cuda._local_cuda_arch()
     table = cuda.pack_code_table([(cuda.KIND_CUBIN, f"sm_{cc}", b"\x7fELF" + b"\0" * 60)])
-    x = jnp.ones((4,), jnp.float32)
-    call = jax.ffi.ffi_call(cuda.GPU_TARGET_NO_GRAPH, jax.ShapeDtypeStruct((4,), jnp.float32))
-    cuda._register_gpu_targets(_ffi.native_module())
     with pytest.raises(Exception, match=r"cuModuleLoadData"):
-        jax.block_until_ready(jax.jit(lambda a: call(a, code=table, code_hash=np.int64(54321),
-                                                     kernel="rope_cache_kernel", grid_div=np.int64(1),
-                                                     block=np.int64(32), smem=np.int64(0)))(x))
+        _launch_raw(table, 54321)
