@@ -274,3 +274,30 @@ def test_fuzz(platform, impl, capsys):
     with capsys.disabled():
         print(f"\nfuzz {platform}-{impl}: {N_CASES} cases, {outcomes['match']} matched the reference, "
               f"{outcomes['error']} raised the documented error")
+
+
+def main(argv=None) -> int:
+    """Standalone run with a line per case, for runs that may be cut short (compute-sanitizer):
+    python tests/test_fuzz.py --platform cuda --impl kernel --cases 150   (no -P: conftest is beside it)"""
+    import argparse
+    import sys
+    import time
+
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("--platform", required=True)
+    p.add_argument("--impl", default="kernel", choices=["kernel", "xla"])
+    p.add_argument("--cases", type=int, default=N_CASES)
+    a = p.parse_args(argv)
+    outcomes = {"match": 0, "error": 0}
+    t0 = time.perf_counter()
+    for i in range(a.cases):
+        outcome = check_case(a.platform, a.impl, i)
+        outcomes[outcome] += 1
+        print(f"case {i}: {outcome} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    print(f"fuzz {a.platform}-{a.impl}: {a.cases} cases, {outcomes['match']} matched the reference, "
+          f"{outcomes['error']} raised the documented error", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
