@@ -49,6 +49,17 @@ def gpu_counter(name: str) -> int | None:
     return int(fn()) if fn is not None else None
 
 
+def jax_platform(device) -> str:
+    """jax's platform name of `device`: "cpu", "cuda" or "rocm" (device.platform says "gpu" for both GPUs)."""
+    for name in ("cuda", "rocm"):
+        try:
+            if device in jax.devices(name):
+                return name
+        except RuntimeError:
+            pass
+    return device.platform
+
+
 class Soak:
     """The decode loop and its reference twin."""
 
@@ -61,7 +72,7 @@ class Soak:
         self.ring, self.layout, self.chunk, self.max_pos = ring, layout, chunk, max_pos
         self.dtype = np.dtype(getattr(ml_dtypes, dtype, None) or dtype)
         self.device = jax.devices(platform)[0] if platform else jax.devices()[0]
-        self.platform = self.device.platform
+        self.platform = jax_platform(self.device)
         if impl is None:
             impl = "kernel" if self.platform in _ffi.kernel_platforms() else "xla"
         self.impl = impl
@@ -75,6 +86,7 @@ class Soak:
         self.cos, self.sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
         self.dcos, self.dsin = jax.device_put((self.cos, self.sin), self.device)
         self.step = 0
+        self.seconds = {}  # where the wall time goes: inputs, device (incl. dispatch), reference, check
         self._run = jax.jit(functools.partial(_run_chunk, layout=layout, impl=impl), donate_argnums=(0, 1))
 
     def _inputs(self, n):
@@ -91,15 +103,28 @@ class Soak:
     def run_chunk(self, n=None):
         """Runs n (default: chunk) steps on the device and on the reference; returns the check result."""
         n = n or self.chunk
+        t = time.perf_counter()
         q, k, v, slots, pos = self._inputs(n)
         dev = jax.device_put((q, k, v, slots, pos), self.device)
+        t = self._tick("inputs", t)
         self.kc, self.vc, q_last = self._run(self.kc, self.vc, *dev, self.dcos, self.dsin)
+        jax.block_until_ready(self.vc)
+        t = self._tick("device", t)
         flat = lambda a: a.reshape((n * self.b,) + a.shape[2:])  # noqa: E731
         rq, _, self.ref_kc, self.ref_vc = reference.rope_and_cache(
             flat(q), flat(k), flat(v), self.ref_kc, self.ref_vc, flat(slots), flat(pos), self.cos, self.sin,
             layout=self.layout)
         self.step += n
-        return self.check(np.asarray(q_last), rq[-self.b:], k)
+        t = self._tick("reference", t)
+        result = self.check(np.asarray(q_last), rq[-self.b:], k)
+        self._tick("check", t)
+        return result
+
+    def _tick(self, what, t0):
+        """Adds the time since t0 to self.seconds[what]; returns now."""
+        now = time.perf_counter()
+        self.seconds[what] = self.seconds.get(what, 0.0) + now - t0
+        return now
 
     def check(self, q_last, ref_q_last, k) -> str:
         got = [np.asarray(self.kc), np.asarray(self.vc), q_last]
@@ -163,6 +188,9 @@ def soak(steps=100_000, *, report_every=10, time_limit=None, out=sys.stdout, **k
         if time_limit is not None and rec["seconds"] > time_limit and done < steps:
             print(f"# time limit: stopped after {done} of {steps} steps", file=out, flush=True)
             break
+    split = ", ".join(f"{k} {v:.1f} s" for k, v in s.seconds.items())
+    print(f"# time split: {split}; device time per step {s.seconds.get('device', 0) / max(done, 1) * 1e6:.2f} us "
+          f"(one fori_loop call per chunk, dispatch included)", file=out, flush=True)
     return records
 
 

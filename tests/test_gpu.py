@@ -100,27 +100,62 @@ def test_launcher_launches_exactly_one_kernel_per_call():
     assert native.gpu_launch_count() - before == n
 
 
-def test_modules_load_once_per_code_object_and_device():
-    """32 call sites of one configuration (unrolled layers) and repeated executions: the launcher
-    loads the module at most once for this process, and never again."""
+_MODULES_SCRIPT = textwrap.dedent("""
+    import numpy as np, jax, jax.numpy as jnp
+    import jax_rope_cache as jrc
+    from jax_rope_cache import _ffi, reference
     native = _ffi.native_module()
-    args = _problem(2)
+    rng = np.random.default_rng(0)
 
-    def layers(q, k, v, kc, vc, slots, pos, cos, sin):
-        for i in range(32):
-            q, k, kc, vc = jrc.rope_and_cache(q, k, v, kc, vc, slots, pos, cos, sin)
-        return q, k, kc, vc
+    def problem(d):
+        q = rng.standard_normal((5, 4, d)).astype(jnp.bfloat16)
+        k = rng.standard_normal((5, 2, d)).astype(jnp.bfloat16)
+        kc, vc = (np.asarray(a) for a in jrc.make_kv_cache(4, 16, 2, d, fill="random"))
+        slots = rng.permutation(64)[:5].astype(np.int32); pos = rng.integers(0, 8, 5).astype(np.int32)
+        ang = rng.uniform(-np.pi, np.pi, (8, d // 2))  # true rotations: 32 layers stay finite
+        return [q, k, k, kc, vc, slots, pos, np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)]
 
-    f = jax.jit(layers, donate_argnums=(3, 4))
-    before = native.gpu_module_count()
-    q, k, kc, vc = f(*args)
-    jax.block_until_ready(vc)
-    loaded = native.gpu_module_count() - before
-    assert loaded <= 1, f"{loaded} modules for one code object on one device"
-    for _ in range(5):
-        q, k, kc, vc = f(args[0], args[1], args[2], kc, vc, *args[5:])
-    jax.block_until_ready(vc)
-    assert native.gpu_module_count() - before == loaded
+    def step(args, op):  # one layer: rotated q/k feed the next layer, the caches carry over
+        q, k, kc, vc = op(*args)
+        return [q, k, args[2], kc, vc] + list(args[5:])
+
+    def layers(a, b):  # 32 call sites of configuration a (D=64) and 32 of b (D=128)
+        for _ in range(32):
+            a, b = step(a, jrc.rope_and_cache), step(b, jrc.rope_and_cache)
+        return a, b
+
+    print("MODULES_AT_START", native.gpu_module_count())
+    f = jax.jit(layers)
+    for i, dev in enumerate(jax.devices("cuda")[:2]):
+        a, b = problem(64), problem(128)
+        want = a
+        for _ in range(32):
+            want = step(want, reference.rope_and_cache)
+        da, db = jax.device_put((a, b), dev)
+        for _ in range(4):
+            got, _ = f(da, db)
+        exact = all(np.array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8))
+                    for g, w in zip(got, want))
+        jrc.rope_and_cache(*db)  # an eager call of configuration b: the same code object again
+        print("DEVICE", i, "MODULES", native.gpu_module_count(), "LAUNCHES", native.gpu_launch_count(),
+              "EXACT", exact)
+""")
+
+
+def test_modules_load_once_per_code_object_and_device():
+    """In a fresh process, per device (up to two): 64 call sites of two configurations (two code
+    objects) executed four times, then one eager call: exactly 2 modules per device, results exact."""
+    r = subprocess.run([sys.executable, "-P", "-c", _MODULES_SCRIPT], capture_output=True, text=True, timeout=300,
+                       cwd="/")
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [line.split() for line in r.stdout.splitlines()]
+    assert ["MODULES_AT_START", "0"] in lines, r.stdout
+    per_device = [line for line in lines if line[:1] == ["DEVICE"]]
+    assert per_device, r.stdout
+    for i, line in enumerate(per_device):
+        assert int(line[3]) == 2 * (i + 1), f"device {i}: {line[3]} modules loaded in total, want {2 * (i + 1)}"
+        assert int(line[5]) > 0, "the kernel never launched"
+        assert line[7] == "True", r.stdout
 
 
 def test_caches_are_aliased_in_the_compiled_hlo_on_gpu():
