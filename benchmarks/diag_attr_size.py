@@ -5,12 +5,15 @@ donated), wall time per execution (median of --reps after 3 warm-ups), for code 
 sizes holding the same kernel: cubin only, cubin + PTX (the default), and the default plus an
 unused padding entry (a PTX entry for an arch no GPU has, so the launcher never picks it). The XLA
 path is measured beside them. If the per-execution time grows with the table size at fixed N, the
-attribute is handled per execution (or per call).
+attribute is handled per execution (or per call). Each is run twice: the calls reading 16 input
+sets (64 input buffers per execution) and all calls reading one set (4 buffers), to separate the
+host's per-buffer dispatch cost from the kernels'.
 
     python benchmarks/diag_attr_size.py [--reps 30] [--pad-kib 256]
 """
 
 import argparse
+import itertools
 import statistics
 import time
 
@@ -34,11 +37,11 @@ def inputs(rng):
     return q, k, sl, ps, jnp.asarray(np.cos(ang), jnp.float32), jnp.asarray(np.sin(ang), jnp.float32)
 
 
-def make(n, impl, cos, sin):
+def make(n, impl, cos, sin, sets):
     def chain(q, k, sl, ps, kc, vc):
         outs = []
         for j in range(n):
-            i = j % SETS
+            i = j % sets
             qo, ko, kc, vc = jrc.rope_and_cache(q[i], k[i], k[i], kc, vc, sl[i], ps[i], cos, sin, impl=impl)
             outs += [qo, ko]
         return outs, kc, vc
@@ -98,19 +101,21 @@ def main():
     q, k, sl, ps, cos, sin = inputs(rng)
     caches = list(jrc.make_kv_cache(NB, BS, KH, D, jnp.bfloat16, fill="random"))
     original = cuda.build_code_table
-    print(f"{'variant':>14} {'table KiB':>9} {'N':>3} {'us/exec':>9} {'us/call':>8} {'handler launches/exec':>22}")
-    for kind in ("cubin only", "default", "padded", "xla path"):
-        for n in (int(x) for x in a.calls.split(",")):
-            sizes = []
-            if kind != "xla path":
-                cuda.build_code_table, sizes = table_variant(kind, a.pad_kib * 1024)
-            try:
-                f = make(n, "xla" if kind == "xla path" else "kernel", cos, sin)
-                med, launches = per_execution(f, (q, k, sl, ps), caches, a.reps)
-            finally:
-                cuda.build_code_table = original
-            kib = f"{sizes[0] / 1024:.1f}" if sizes else "-"
-            print(f"{kind:>14} {kib:>9} {n:>3} {med * 1e6:>9.1f} {med * 1e6 / n:>8.2f} {launches:>22}", flush=True)
+    print(f"{'inputs':>6} {'variant':>14} {'table KiB':>9} {'N':>3} {'us/exec':>9} {'us/call':>8} "
+          f"{'handler launches/exec':>22}")
+    for sets, kind, n in itertools.product((SETS, 1), ("cubin only", "default", "padded", "xla path"),
+                                           (int(x) for x in a.calls.split(","))):
+        sizes = []
+        if kind != "xla path":
+            cuda.build_code_table, sizes = table_variant(kind, a.pad_kib * 1024)
+        try:
+            f = make(n, "xla" if kind == "xla path" else "kernel", cos, sin, sets)
+            med, launches = per_execution(f, (q[:sets], k[:sets], sl[:sets], ps[:sets]), caches, a.reps)
+        finally:
+            cuda.build_code_table = original
+        kib = f"{sizes[0] / 1024:.1f}" if sizes else "-"
+        print(f"{4 * sets:>6} {kind:>14} {kib:>9} {n:>3} {med * 1e6:>9.1f} {med * 1e6 / n:>8.2f} {launches:>22}",
+              flush=True)
 
 
 if __name__ == "__main__":

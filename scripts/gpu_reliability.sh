@@ -30,7 +30,7 @@ has test_gpu && TAIL=3 run test_gpu 120 python3 -P -m pytest -q -p no:cacheprovi
 has memcheck && TAIL=4 run memcheck_fuzz "${SAN_TIMEOUT:-230}" env XLA_PYTHON_CLIENT_ALLOCATOR=platform \
     compute-sanitizer --tool memcheck --error-exitcode 9 \
     python3 "$ROOT/tests/test_fuzz.py" --platform cuda --impl kernel --cases "${FUZZ_CASES:-150}"
-has diag && TAIL=14 run diag_attr_size 150 python3 -P "$ROOT/benchmarks/diag_attr_size.py"
+has diag && TAIL=26 run diag_attr_size 200 python3 -P "$ROOT/benchmarks/diag_attr_size.py" ${DIAG_ARGS:-}
 has soak && TAIL=7 run soak "$(( ${SOAK_LIMIT:-140} + 60 ))" python3 -P "$ROOT/benchmarks/soak.py" --platform cuda \
     --steps "${SOAK_STEPS:-1000000}" --time-limit "${SOAK_LIMIT:-140}" --report-every 50 --json "$OUT/soak_cuda.json"
 printf '%s\n' "${summary[@]}"
