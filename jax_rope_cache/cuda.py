@@ -129,6 +129,7 @@ def kernel_config(spec: _spec.OpSpec, num_sms: int = DEFAULT_SMS) -> KernelConfi
         ("RC_CACHE_DT", _spec.DTYPE_CODES[np.dtype(spec.cache_dtype)]),
         ("RC_SLOT64", int(np.dtype(spec.slot_dtype).itemsize == 8)),
         ("RC_POS64", int(np.dtype(spec.pos_dtype).itemsize == 8)),
+        ("RC_LAYER_BLOCKS", spec.num_blocks if spec.num_layers is not None else 0),
         ("RC_WCH", w), ("RC_TPB", tpb), ("RC_NT", nt), ("RC_UNROLL", UNROLL),
     )
     return KernelConfig(defines=defines, tokens_per_block=tpb, threads=nt)
@@ -229,8 +230,6 @@ def _register_gpu_targets(module) -> str:
 def _lower_cuda(ctx, *args, spec, impl):
     if (fallback := _ffi.kernel_or_fallback(ctx, *args, spec=spec, impl=impl, platform="cuda")) is not None:
         return fallback
-    if spec.num_layers is not None:
-        return _ffi.lower_with_layers_folded(ctx, *args, spec=spec, impl=impl)
     module = _ffi.native_module()
     if module is None or not hasattr(module, "gpu_handler"):
         return _ffi.kernel_unusable(ctx, *args, spec=spec, impl=impl, platform="CUDA", problem=(
@@ -245,7 +244,6 @@ def _lower_cuda(ctx, *args, spec, impl):
     table = build_code_table(cfg, cc)
     target = _register_gpu_targets(module)
     rule = jax.ffi.ffi_lowering(target, operand_output_aliases=_ffi.CACHE_ALIASES)
-    ctx, args = _ffi.without_layer_operand(ctx, args)
     return rule(ctx, *args, code=table, code_hash=np.int64(code_hash(table)), kernel=KERNEL_NAME,
                 grid_div=np.int64(cfg.tokens_per_block), block=np.int64(cfg.threads), smem=np.int64(0))
 

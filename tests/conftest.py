@@ -109,19 +109,23 @@ def make_problem(case: Case, seed: int):
 
 def make_spec(*, T=64, QH=4, KH=2, D=128, R=None, layout="flash", neox=True, dt=np.dtype(ml_dtypes.bfloat16),
               cdt=None, tdt=np.dtype(np.float32), full=False, prec="fp32", BS=16, NB=24, max_pos=64, slot64=False,
-              pos64=True) -> _spec.OpSpec:
-    """The OpSpec of a call with these shapes (no arrays): for compile-only tests of the kernels."""
+              pos64=True, layers=None) -> _spec.OpSpec:
+    """The OpSpec of a call with these shapes (no arrays): for compile-only tests of the kernels.
+    `layers`: stacked caches [layers, NB, ...] (the spec of a call with a traced layer)."""
     r = R or D
     cdt = np.dtype(cdt or dt)
     s = jax.ShapeDtypeStruct
     kc, vc = _spec.cache_shapes(layout, NB, BS, KH, D, cdt)
+    if layers is not None:
+        kc, vc = (layers,) + tuple(kc), (layers,) + tuple(vc)
     w = r if full else r // 2
     fp8 = cdt in _spec.FP8_DTYPES
     idx = lambda b: np.int64 if b else np.int32  # noqa: E731
     return _spec.check_op(s((T, QH, D), dt), s((T, KH, D), dt), s((T, KH, D), dt), s(kc, cdt), s(vc, cdt),
                           s((T,), idx(slot64)), s((T,), idx(pos64)), s((max_pos, w), tdt), s((max_pos, w), tdt),
                           layout=layout, is_neox=neox, rotary_dim=r, k_scale=1.0 if fp8 else None,
-                          v_scale=1.0 if fp8 else None, precision=prec)
+                          v_scale=1.0 if fp8 else None, precision=prec,
+                          layer=None if layers is None else np.zeros((), np.int32))
 
 
 def ordered_bits(a: np.ndarray) -> np.ndarray:

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import ctypes
+import dataclasses
 import hashlib
 import itertools
 import os
+import re
 import shutil
 import subprocess
 
@@ -124,7 +126,7 @@ def _kernel_dir():
 
 
 class _Params(ctypes.Structure):
-    _fields_ = [("ptr", ctypes.c_void_p * 15), ("dim0", ctypes.c_int64 * 11)]
+    _fields_ = [("ptr", ctypes.c_void_p * 16), ("dim0", ctypes.c_int64 * 12)]
 
 
 def _build_emulation(cfg, tmp_dir):
@@ -168,7 +170,7 @@ def make_inputs(spec, rng):
     return (q, k, v, kc, vc, slots.astype(spec.slot_dtype), pos.astype(spec.pos_dtype), cos, sin)
 
 
-def run_emulation(spec, args, k_scale, v_scale, tmp_dir):
+def run_emulation(spec, args, k_scale, v_scale, tmp_dir, layer=0):
     cfg = cuda.kernel_config(spec)
     lib = _build_emulation(cfg, tmp_dir)
     q, k, v, kc, vc, slots, pos, cos, sin = (np.ascontiguousarray(a) for a in args)
@@ -176,7 +178,7 @@ def run_emulation(spec, args, k_scale, v_scale, tmp_dir):
     vs = np.array(v_scale if v_scale is not None else 1.0, np.float32)
     q_out, k_out = np.full_like(q, 7), np.full_like(k, 7)
     kc_out, vc_out = kc.copy(), vc.copy()
-    ops = [q, k, v, kc_out, vc_out, slots, pos, cos, sin, ks, vs]
+    ops = [q, k, v, kc_out, vc_out, slots, pos, cos, sin, ks, vs, np.array(layer, np.int32)]
     p = _Params()
     for i, a in enumerate(ops + [q_out, k_out, kc_out, vc_out]):
         p.ptr[i] = a.ctypes.data
@@ -227,6 +229,26 @@ def test_host_emulation_matches_reference_bitwise(kw, emu_dir):
             pytest.fail(f"{name}: {len(bad)} elements differ, first at {bad[:3].tolist()}")
 
 
+@pytest.mark.parametrize("layout", _spec.LAYOUTS)
+def test_host_emulation_writes_one_layer_of_stacked_caches(layout, emu_dir):
+    """Stacked caches [L, NB, ...]: the layer comes from the device operand; every layer in range
+    writes exactly that layer (bit-exact to the reference), one outside [0, L) writes nothing."""
+    layers = 3
+    spec = make_spec(T=21, QH=4, KH=2, D=64, layout=layout, max_pos=50, layers=layers)
+    rng = np.random.default_rng(11)
+    q, k, v, kc, vc, slots, pos, cos, sin = make_inputs(dataclasses.replace(spec, num_layers=None), rng)
+    kc = np.stack([_random(rng, kc.shape, kc.dtype) for _ in range(layers)])
+    vc = np.stack([_random(rng, vc.shape, vc.dtype) for _ in range(layers)])
+    args = (q, k, v, kc, vc, slots, pos, cos, sin)
+    for layer in (0, 2, 1, -1, 3, 2**31 - 1, -2**31):
+        want = reference.rope_and_cache(*args, layout=layout, layer=np.array(layer, np.int32))  # as if traced
+        got = run_emulation(spec, args, None, None, emu_dir, layer=layer)
+        for name, g, w in zip(("q_out", "k_out", "key_cache", "value_cache"), got, want):
+            assert np.array_equal(g.view(np.uint8), np.asarray(w).view(np.uint8)), (layer, name)
+        if not 0 <= layer < layers:
+            assert np.array_equal(got[2].view(np.uint8), kc.view(np.uint8)), layer
+
+
 # ---- lowering for "cuda" on this CPU machine (jax.export): fallback and stacked layers ----------
 def _export_cuda(impl, layers=None):
     import jax.numpy as jnp
@@ -255,12 +277,16 @@ def test_cuda_lowering_without_nvrtc_falls_back_or_raises(monkeypatch):
 
 
 @pytest.mark.parametrize("layers", [None, 3])
-def test_cuda_lowering_passes_eleven_operands(layers):
-    """The CUDA kernel's ABI has 11 operands: the layer operand is dropped, and stacked caches are
-    folded into one cache of L*NB blocks (a reshape, not a copy) before the one custom call."""
+def test_cuda_lowering_is_one_custom_call_with_twelve_operands(layers):
+    """The CUDA kernel takes all 12 operands, the layer included: stacked caches [L, NB, ...] go to
+    the one custom call as they are (no folding, no op on the slots before it)."""
     text = _export_cuda("kernel", layers).mlir_module()
     calls = [ln for ln in text.splitlines() if "stablehlo.custom_call @jax_rope_cache_gpu" in ln]
     assert len(calls) == 1, calls
     operands = calls[0].split("(", 1)[1].split(")", 1)[0]
-    assert operands.count("%") == 11, calls[0]
-    assert ("tensor<24x16x2x64xbf16>" in text) == (layers == 3)
+    assert operands.count("%") == 12, calls[0]
+    assert "tensor<24x16x2x64xbf16>" not in text  # never folded to L*NB blocks
+    main = text[text.index("func.func public @main"):]
+    ops = set(re.findall(r"^\s*%[\w#:]+ = \"?([\w.]+)", main[:main.index("return")], re.M))
+    # reshapes are layout-free bitcasts here (the layer scalar); no arithmetic on slots or layer
+    assert ops <= {"stablehlo.custom_call", "stablehlo.constant", "stablehlo.reshape"}, ops

@@ -86,6 +86,34 @@ def test_compiled_hlo_has_one_custom_call_and_nothing_else_launches():
     assert not kernels, f"other kernel-launching instructions in the entry computation: {kernels}"
 
 
+def test_stacked_caches_are_one_kernel_with_the_layer_read_on_the_device():
+    """Stacked caches [L, ...] and a traced layer: still one custom call and nothing else in the
+    entry computation, one launch per call; the layer comes from device memory (one executable
+    serves every layer), an out-of-range layer writes nothing."""
+    layers = 4
+    q, k, v, _, _, slots, pos, cos, sin = _problem(3)
+    kc, vc = jrc.make_kv_cache(NB, BS, KH, D, jnp.bfloat16, fill="random", num_layers=layers, seed=3)
+    f = jax.jit(lambda q, k, v, kc, vc, s, p, c, sn, layer: jrc.rope_and_cache(
+        q, k, v, kc, vc, s, p, c, sn, layer=layer, impl="kernel"), donate_argnums=(3, 4))
+    layer0 = jnp.int32(0)
+    hlo = f.lower(q, k, v, kc, vc, slots, pos, cos, sin, layer0).compile().as_text()
+    entry = hlo[hlo.index("ENTRY"):]
+    assert len(re.findall(r"custom_call_target=", hlo)) == 1, hlo
+    assert not re.findall(r"= [^ ]+ (fusion|copy|scatter|gather|select|add|multiply|convert)\(", entry), entry
+    native = _ffi.native_module()
+    host = [np.asarray(a) for a in (q, k, v, kc, vc, slots, pos, cos, sin)]
+    for layer in (2, 0, 3, 7, -1):
+        want = reference.rope_and_cache(*host, layer=np.array(layer, np.int32))
+        before = native.gpu_launch_count()
+        out = f(q, k, v, kc, vc, slots, pos, cos, sin, jnp.int32(layer))
+        jax.block_until_ready(out)
+        assert native.gpu_launch_count() - before == 1
+        kc, vc = out[2], out[3]
+        for name, g, w in zip(("q_out", "k_out", "key_cache", "value_cache"), out, want):
+            assert np.array_equal(np.asarray(g).view(np.uint16), np.asarray(w).view(np.uint16)), (layer, name)
+        host[3], host[4] = np.asarray(kc), np.asarray(vc)
+
+
 def test_launcher_launches_exactly_one_kernel_per_call():
     native = _ffi.native_module()
     f = _jitted()

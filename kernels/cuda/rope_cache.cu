@@ -9,6 +9,8 @@
 //   RC_NATIVE                    1: "native" precision (round every product and the sum), 0: "fp32"
 //   RC_DT, RC_TAB_DT, RC_CACHE_DT  RcDtype codes of q/k/v (and outputs), cos/sin, the caches
 //   RC_SLOT64, RC_POS64          1: int64 slot_mapping / positions, 0: int32
+//   RC_LAYER_BLOCKS              0: one cache [NB, ...]; NB > 0: stacked caches [L, NB, ...], the
+//                                layer to write read from the `layer` operand (a device scalar)
 //   RC_WCH                       elements per chunk: 16 bytes of q/k/v where the shape allows
 //                                (power of two; divides D and R, and R/2 for NeoX; even for GPT-J)
 //   RC_TPB                       tokens per thread block
@@ -17,12 +19,13 @@
 //
 // Kernel ABI (what kernels/ffi/gpu_launcher.cc passes; the launcher is generic and knows nothing of
 // this op): one kernel parameter, a struct by value holding
-//   void*  ptr[15]   device pointers of the 11 operands, then of the 4 results, in custom-call order:
+//   void*  ptr[16]   device pointers of the 12 operands, then of the 4 results, in custom-call order:
 //                    q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, k_scale,
-//                    v_scale | q_out, k_out, key_cache_out, value_cache_out
-//   int64  dim0[11]  the leading dimension of each operand (rank-0 operands: 1)
+//                    v_scale, layer (int32) | q_out, k_out, key_cache_out, value_cache_out
+//   int64  dim0[12]  the leading dimension of each operand (rank-0 operands: 1)
 // Grid: (ceil(T / RC_TPB), 1, 1) blocks of RC_NT threads, T = dim0[0]; no dynamic shared memory.
-// Runtime values: T = dim0[0], NB = dim0[3], max_pos = dim0[7]; every index comes from device
+// Runtime values: T = dim0[0], NB = dim0[3] (stacked: L = dim0[3]), max_pos = dim0[7]; every index
+// (slots, positions, layer) comes from device
 // buffers, so a captured CUDA graph replays correctly whatever the slots and positions hold.
 //
 // Work decomposition. A block owns RC_TPB consecutive tokens. Units of work (each one chunk of
@@ -40,7 +43,8 @@
 // For the x-packed layouts the V units are ordered token-fastest, so a warp writing a run of
 // consecutive slots (prefill) stores consecutive offsets of one value row together.
 //
-// Bounds: positions are clamped to [0, max_pos-1]; a slot writes only if 0 <= slot < NB*BS;
+// Bounds: positions are clamped to [0, max_pos-1]; a slot writes only if 0 <= slot < NB*BS (and,
+// stacked, 0 <= layer < L);
 // all offsets are 64-bit. q_out/k_out are written for every token.
 // Arithmetic: kernels/common/rope_cache_math.h (rc_mul/rc_add/rc_sub are the _rn intrinsics, and
 // NVRTC runs with --fmad=false), bit-exact to jax_rope_cache.reference in both precisions.
@@ -56,6 +60,7 @@
 namespace rc {
 
 constexpr int QH = RC_QH, KH = RC_KH, D = RC_D, R = RC_R, BS = RC_BS;
+constexpr int LAYER_BLOCKS = RC_LAYER_BLOCKS;
 constexpr int RH = QH + KH;  // heads rotated per token
 constexpr int W = RC_WCH;
 constexpr int TPB = RC_TPB, NT = RC_NT;
@@ -182,11 +187,12 @@ struct Params {
   const void* sin;
   const float* k_scale;
   const float* v_scale;
+  const int* layer;
   void* q_out;
   void* k_out;
   void* kc;
   void* vc;
-  i64 dim0[11];
+  i64 dim0[12];
 };
 
 // Row of one token's head h (h < QH: q, else k head h - QH) in the rotation inputs.
@@ -194,10 +200,15 @@ __device__ __forceinline__ i64 row_of(i64 t, int h) {
   return h < QH ? (t * QH + h) * (i64)D : (t * KH + (h - QH)) * (i64)D;
 }
 
-// Slot of token t if it writes the cache, else -1.
-__device__ __forceinline__ i64 valid_slot(const Params& p, i64 t, i64 num_slots) {
+// The slots this call writes: slot s in [0, n) lands at cache slot base + s (base: the layer's first).
+struct SlotRange {
+  i64 n, base;
+};
+
+// Cache slot of token t if it writes the cache, else -1.
+__device__ __forceinline__ i64 valid_slot(const Params& p, i64 t, SlotRange r) {
   const i64 s = load_index(p.slots, t, RC_SLOT64 != 0);
-  return (s >= 0 && s < num_slots) ? s : -1;
+  return (s >= 0 && s < r.n) ? r.base + s : -1;
 }
 
 // Loaded inputs of one rotation unit.
@@ -224,7 +235,7 @@ __device__ __forceinline__ RotIn rot_load(const Params& p, i64 t0, int u) {
 }
 
 __device__ __forceinline__ void rot_compute_store(const Params& p, i64 t0, int u, RotIn in, const float* tab,
-                                                  i64 num_slots, float inv_k) {
+                                                  SlotRange slot_range, float inv_k) {
   int tt, h, j;
   rot_decode(u, &tt, &h, &j);
   const i64 t = t0 + tt;
@@ -259,7 +270,7 @@ __device__ __forceinline__ void rot_compute_store(const Params& p, i64 t0, int u
   store_chunk(dst, row + j * W, in.a);
   if (NEOX) store_chunk(dst, row + HALF + j * W, in.b);
   if (h >= QH) {
-    const i64 s = valid_slot(p, t, num_slots);
+    const i64 s = valid_slot(p, t, slot_range);
     if (s >= 0) {
       const i64 blk = s / BS, off = s % BS;
       const int kh = h - QH;
@@ -300,10 +311,14 @@ extern "C" __global__ void __launch_bounds__(RC_NT, 1) rope_cache_kernel(const r
   using namespace rc;
   __shared__ float tab[TAB_ELEMS];
   const int tid = threadIdx.x;
-  const i64 T = p.dim0[0], NB = p.dim0[3], max_pos = p.dim0[7];
+  const i64 T = p.dim0[0], max_pos = p.dim0[7];
   const i64 t0 = (i64)blockIdx.x * TPB;
   const int ntok = (int)((T - t0) < TPB ? (T - t0) : TPB);  // tokens of this block (>= 1)
-  const i64 num_slots = NB * BS;
+  SlotRange slot_range{p.dim0[3] * BS, 0};
+  if (LAYER_BLOCKS > 0) {  // stacked [L, NB, ...]: a layer outside [0, L) writes nothing
+    const i64 layer = *p.layer, per_layer = (i64)LAYER_BLOCKS * BS;
+    slot_range = (layer >= 0 && layer < p.dim0[3]) ? SlotRange{per_layer, layer * per_layer} : SlotRange{0, 0};
+  }
   const float inv_k = FP8 ? __frcp_rn(*p.k_scale) : 1.0f;
   const float inv_v = FP8 ? __frcp_rn(*p.v_scale) : 1.0f;
 
@@ -345,7 +360,7 @@ extern "C" __global__ void __launch_bounds__(RC_NT, 1) rope_cache_kernel(const r
         if (tt >= ntok) continue;
       }
       const i64 t = t0 + tt;
-      const i64 s = valid_slot(p, t, num_slots);
+      const i64 s = valid_slot(p, t, slot_range);
       xs[j] = load_chunk(p.v, (t * KH + h) * (i64)D + c * W);  // in bounds whatever the slot
       if (s >= 0) dst[j] = value_index(s / BS, s % BS, h, c * W);
     }
@@ -372,7 +387,7 @@ extern "C" __global__ void __launch_bounds__(RC_NT, 1) rope_cache_kernel(const r
       const Chunk x = load_chunk(h < QH ? p.q : p.k, row + c * W);
       store_chunk(h < QH ? p.q_out : p.k_out, row + c * W, x);
       if (h >= QH) {
-        const i64 s = valid_slot(p, t, num_slots);
+        const i64 s = valid_slot(p, t, slot_range);
         if (s >= 0) store_cache_chunk(p.kc, key_index(s / BS, s % BS, h - QH, c * W), x, inv_k);
       }
     }
@@ -396,7 +411,7 @@ extern "C" __global__ void __launch_bounds__(RC_NT, 1) rope_cache_kernel(const r
 #pragma unroll
     for (int j = 0; j < UB; ++j) {
       const int u = base + j * NT;
-      if (u < n_rot) rot_compute_store(p, t0, u, rin[j], tab, num_slots, inv_k);
+      if (u < n_rot) rot_compute_store(p, t0, u, rin[j], tab, slot_range, inv_k);
     }
   }
 }
