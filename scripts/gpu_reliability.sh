@@ -26,7 +26,7 @@ run() {  # run NAME TIMEOUT CMD...: log to $OUT/NAME.log, keep the tail for the 
 STAGES=install bash "$ROOT/scripts/h200.sh" >"$OUT/install_stage.log" 2>&1 || { tail -30 "$OUT/install_stage.log"; exit 1; }
 
 has suite && TAIL=3 run pytest_cuda 300 python3 -P -m pytest -q -p no:cacheprovider "$ROOT/tests" \
-    -k "cuda or gpu" --ignore "$ROOT/tests/test_cuda_compile.py" --ignore "$ROOT/tests/test_gpu.py"
+    -k "(cuda or gpu) and not fuzz" --ignore "$ROOT/tests/test_cuda_compile.py" --ignore "$ROOT/tests/test_gpu.py"
 has test_gpu && TAIL=3 run test_gpu 120 python3 -P -m pytest -q -p no:cacheprovider "$ROOT/tests/test_gpu.py"
 # platform allocator: every buffer is its own cudaMalloc, so memcheck sees accesses past a buffer
 has memcheck && TAIL=4 run memcheck_fuzz "${SAN_TIMEOUT:-230}" env XLA_PYTHON_CLIENT_ALLOCATOR=platform \
