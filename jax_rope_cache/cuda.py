@@ -14,6 +14,9 @@ Environment:
   JAX_ROPE_CACHE_DIR                 on-disk cache of compiled code objects
                                      (default ~/.cache/jax_rope_cache; "" disables it)
   JAX_ROPE_CACHE_NVRTC               path of a libnvrtc.so to use instead of searching
+  JAX_ROPE_CACHE_CUDA_FOLD_LAYERS=1  stacked caches: fold the layer into the slots (an elementwise
+                                     op before the kernel) instead of passing it to the kernel;
+                                     for A/B measurements
 """
 
 from __future__ import annotations
@@ -230,6 +233,8 @@ def _register_gpu_targets(module) -> str:
 def _lower_cuda(ctx, *args, spec, impl):
     if (fallback := _ffi.kernel_or_fallback(ctx, *args, spec=spec, impl=impl, platform="cuda")) is not None:
         return fallback
+    if spec.num_layers is not None and os.environ.get("JAX_ROPE_CACHE_CUDA_FOLD_LAYERS") == "1":
+        return _ffi.lower_with_layers_folded(ctx, *args, spec=spec, impl=impl)
     module = _ffi.native_module()
     if module is None or not hasattr(module, "gpu_handler"):
         return _ffi.kernel_unusable(ctx, *args, spec=spec, impl=impl, platform="CUDA", problem=(
