@@ -56,7 +56,7 @@ def table_variant(kind, pad_bytes):
     def build(cfg, cc):
         table = original(cfg, cc)
         if kind != "default":
-            entries = unpack(table)
+            entries = cuda.unpack_code_table(table)
             if kind == "cubin only":
                 entries = [e for e in entries if e[0] == cuda.KIND_CUBIN]
             elif kind == "padded":
@@ -65,16 +65,6 @@ def table_variant(kind, pad_bytes):
         sizes.append(len(table))
         return table
     return build, sizes
-
-
-def unpack(table):
-    import struct
-    n = struct.unpack_from("<I", table, 8)[0]
-    out = []
-    for i in range(n):
-        kind, _, arch, off, size = struct.unpack_from("<II16sQQ", table, 16 + 40 * i)
-        out.append((kind, arch.rstrip(b"\0").decode(), table[off:off + size]))
-    return out
 
 
 def per_execution(f, args, caches, reps):

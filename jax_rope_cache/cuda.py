@@ -173,6 +173,18 @@ def pack_code_table(entries: list[tuple[int, str, bytes]]) -> bytes:
     return header + b"".join(rows) + b"".join(blobs)
 
 
+def unpack_code_table(table: bytes) -> list[tuple[int, str, bytes]]:
+    """The (kind, arch, data) entries of a table made by pack_code_table (PTX data keeps its NUL)."""
+    if table[:8] != b"JRCCODE1":
+        raise ValueError("code table: bad magic")
+    count = struct.unpack_from("<I", table, 8)[0]
+    entries = []
+    for i in range(count):
+        kind, _, arch, offset, size = struct.unpack_from("<II16sQQ", table, 16 + 40 * i)
+        entries.append((kind, arch.rstrip(b"\0").decode(), table[offset:offset + size]))
+    return entries
+
+
 def code_hash(table: bytes) -> int:
     return int.from_bytes(hashlib.sha256(table).digest()[:8], "little", signed=True)
 

@@ -8,15 +8,7 @@ OUT="${OUT:-$ROOT/.out}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false JAX_ROPE_CACHE_DIR=/tmp/jax_rope_cache
 export NCCL_NVLS_ENABLE=0 NCCL_CUMEM_ENABLE=0
-summary=()
-run() {  # run NAME TIMEOUT CMD...: log to $OUT/NAME.log, keep the tail for the summary
-  local name=$1 limit=$2 t0=$SECONDS rc
-  shift 2
-  (cd / && timeout "$limit" "$@") >"$OUT/$name.log" 2>&1
-  rc=$?
-  summary+=("== $name: rc=$rc, $((SECONDS - t0)) s")
-  summary+=("$(tail -n "${TAIL:-6}" "$OUT/$name.log")")
-}
+source "$ROOT/scripts/_stages.sh"
 
 STAGES=install bash "$ROOT/scripts/h200.sh" >"$OUT/install_stage.log" 2>&1 || { tail -30 "$OUT/install_stage.log"; exit 1; }
 nvidia-smi --query-gpu=name --format=csv,noheader | head -4

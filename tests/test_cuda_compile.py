@@ -104,6 +104,14 @@ def test_ptx_fallback_and_code_table():
     assert int.from_bytes(t2[8:12], "little") == 1
 
 
+def test_code_table_unpacks_to_what_was_packed():
+    entries = [(cuda.KIND_CUBIN, "sm_90", b"\x7fELF" + bytes(range(37))), (cuda.KIND_PTX, "compute_90", b".version 8.0\0")]
+    table = cuda.pack_code_table(entries)
+    assert cuda.unpack_code_table(table) == entries
+    with pytest.raises(ValueError, match="bad magic"):
+        cuda.unpack_code_table(b"NOTATABLE" + table[9:])
+
+
 def test_disk_cache_roundtrip(tmp_path, monkeypatch):
     monkeypatch.setenv("JAX_ROPE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(_nvrtc, "_mem_cache", {})
