@@ -173,13 +173,9 @@ def _fold_layers(*args, spec, impl):
 
 
 def lower_with_layers_folded(ctx, *args, spec, impl):
-    """Lowering for kernels without a layer operand (see _fold_layers)."""
+    """Lowering with the layer folded into the slots (see _fold_layers): the CUDA lowering's A/B
+    switch JAX_ROPE_CACHE_CUDA_FOLD_LAYERS=1; the kernels themselves take the layer operand."""
     return mlir.lower_fun(functools.partial(_fold_layers, spec=spec, impl=impl), multiple_results=True)(ctx, *args)
-
-
-def without_layer_operand(ctx, args):
-    """(ctx, args) minus the trailing `layer` operand, for kernels whose ABI has 11 operands."""
-    return ctx.replace(avals_in=ctx.avals_in[:11]), args[:11]
 
 
 def _not_differentiable(primals, tangents, **params):

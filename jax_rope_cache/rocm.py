@@ -54,7 +54,8 @@ def kernel_config(spec: _spec.OpSpec, module=None):
         layout=_spec.LAYOUTS.index(spec.layout), neox=spec.is_neox, full_table=spec.table_full,
         native=spec.precision == "native" and dt != codes[np.dtype(np.float32)], dt=dt,
         tab_dt=codes[np.dtype(spec.table_dtype)], cache_dt=codes[np.dtype(spec.cache_dtype)],
-        slot64=np.dtype(spec.slot_dtype).itemsize == 8, pos64=np.dtype(spec.pos_dtype).itemsize == 8)
+        slot64=np.dtype(spec.slot_dtype).itemsize == 8, pos64=np.dtype(spec.pos_dtype).itemsize == 8,
+        layer_blocks=spec.num_blocks if spec.num_layers is not None else 0)
 
 
 def pack_code_table(entries: list[tuple[int, str, bytes]]) -> bytes:
@@ -94,8 +95,6 @@ def _lower_rocm(ctx, *args, spec, impl):
 
     if (fallback := _ffi.kernel_or_fallback(ctx, *args, spec=spec, impl=impl, platform="rocm")) is not None:
         return fallback
-    if spec.num_layers is not None:
-        return _ffi.lower_with_layers_folded(ctx, *args, spec=spec, impl=impl)
     module = _ffi.native_module()
     if module is None or not hasattr(module, "gpu_handler"):
         return _ffi.kernel_unusable(ctx, *args, spec=spec, impl=impl, platform="ROCm", problem=(
@@ -115,7 +114,6 @@ def _lower_rocm(ctx, *args, spec, impl):
             f"its kernel, but compiling the kernel failed ({type(e).__name__}: {e})"))
     target = cuda._register_gpu_targets(module)
     rule = jax.ffi.ffi_lowering(target, operand_output_aliases=_ffi.CACHE_ALIASES)
-    ctx, args = _ffi.without_layer_operand(ctx, args)
     return rule(ctx, *args, code=table, code_hash=np.int64(code_hash(table)), kernel=symbol,
                 grid_div=np.int64(cfg.tpb), block=np.int64(cfg.nt), smem=np.int64(0))
 

@@ -410,7 +410,7 @@ DIALECTS = (ir, arith, gpu, llvm, rocdl, scf, vector)
 
 
 def run(kernel_module, cfg, operands: list[np.ndarray]) -> list[np.ndarray]:
-    """Launches the kernel on numpy operands (the custom call's 11, in order); returns the 4
+    """Launches the kernel on numpy operands (the custom call's 12, in order); returns the 4
     results (q_out, k_out, key_cache, value_cache), caches updated in place semantics."""
     global M
     q, k, v, kc, vc = operands[:5]

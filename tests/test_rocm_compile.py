@@ -4,8 +4,8 @@
    bf16/f16/f32 inputs, f32/bf16/f16 tables, fp8 e4m3fn and e4m3fnuz caches, both precisions,
    int32/int64 indices, D in {64, 128, 256}) compiles for gfx942 AND gfx950.
 2. Each code object's AMDGPU metadata (parsed in pure Python) matches what the launcher does:
-   the kernarg segment is exactly the launcher's parameter block (15 pointers then 11 int64
-   dim0, 8 bytes each at offsets 0..200, 208 bytes, no hidden arguments), no scratch, no spills,
+   the kernarg segment is exactly the launcher's parameter block (16 pointers then 12 int64
+   dim0, 8 bytes each at offsets 0..216, 224 bytes, no hidden arguments), no scratch, no spills,
    required workgroup size == the launch block of the lowering, wave64.
 3. The ISA of representative variants has no fused multiply-add (the arithmetic must round each
    product and sum separately) and uses 16-byte global memory instructions.
@@ -37,7 +37,7 @@ from jax_rope_cache import _amdgpu_elf, _ffi, _flydsl, _spec, rocm
 BF16, F16, F32 = np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16), np.dtype(np.float32)
 FN, FNUZ = np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e4m3fnuz)
 ARCHS = ("gfx942", "gfx950")
-NUM_OPERANDS, NUM_RESULTS = 11, 4  # the custom call: 11 operands, 4 results (kernels/ffi/gpu_launcher.cc)
+NUM_OPERANDS, NUM_RESULTS = 12, 4  # the custom call: 12 operands (layer last), 4 results
 
 needs_flydsl = pytest.mark.skipif(not _flydsl.available(),
                                   reason=f"the ROCm kernel cannot be compiled here: {_flydsl.unavailable_reason()}; "
@@ -64,7 +64,8 @@ def matrix():
                     full = i % 2 == 0
                     QH, KH = ((8, 1), (4, 2), (16, 4))[i % 3]
                     out.append(dict(layout=layout, neox=neox, dt=dt, cdt=cdt, tdt=tdt, prec=prec, D=D, R=R,
-                                    full=full, QH=QH, KH=KH, slot64=i % 4 == 1, pos64=i % 4 != 2))
+                                    full=full, QH=QH, KH=KH, slot64=i % 4 == 1, pos64=i % 4 != 2,
+                                    layers=4 if i % 5 == 0 else None))  # stacked caches: layer operand
     # odd shapes: D=80 (chunks of 8 / 4 elements), tiny rotary dim, a partial GPT-J with f32 input
     out.append(dict(layout="flash", neox=True, dt=BF16, cdt=BF16, tdt=F32, prec="fp32", D=80, R=None, full=False,
                     QH=8, KH=8, slot64=False, pos64=False))
@@ -80,7 +81,8 @@ MATRIX = matrix()
 
 def _id(p):
     return (f"{p['layout']}-{'neox' if p['neox'] else 'gptj'}-{p['dt'].name}-{p['cdt'].name}-{p['tdt'].name}-"
-            f"{p['prec']}-D{p['D']}-R{p['R'] or p['D']}-{'full' if p['full'] else 'half'}-h{p['QH']}x{p['KH']}")
+            f"{p['prec']}-D{p['D']}-R{p['R'] or p['D']}-{'full' if p['full'] else 'half'}-h{p['QH']}x{p['KH']}"
+            f"{'-L' + str(p['layers']) if p.get('layers') else ''}")
 
 
 def expected_kernargs():
@@ -112,8 +114,9 @@ def check_code_object(code: bytes, arch: str, cfg, symbol: str | None = None):
 def test_variant_compiles_for_both_archs(p):
     spec = make_spec(layout=p["layout"], neox=p["neox"], dt=p["dt"], cdt=p["cdt"], tdt=p["tdt"], prec=p["prec"],
                      D=p["D"], R=p["R"], full=p["full"], QH=p["QH"], KH=p["KH"], slot64=p["slot64"],
-                     pos64=p["pos64"])
+                     pos64=p["pos64"], layers=p.get("layers"))
     cfg = rocm.kernel_config(spec)
+    assert cfg.layer_blocks == (spec.num_blocks if p.get("layers") else 0)
     table, symbol, objs = rocm.build_code_table(cfg, ARCHS)
     assert [o.arch for o in objs] == list(ARCHS)
     for o in objs:

@@ -59,11 +59,11 @@ for _layout in _spec.LAYOUTS:
                               precision=_prec, index_dtype="int64" if _i % 3 == 1 else "int32"))
 
 
-def custom_call_operands(args, opts):
+def custom_call_operands(args, opts, layer=0):
     fp8 = np.dtype(args[3].dtype) in _spec.FP8_DTYPES
     ks = np.asarray(opts.get("k_scale", 1.0) if fp8 else 1.0, np.float32).reshape(())
     vs = np.asarray(opts.get("v_scale", 1.0) if fp8 else 1.0, np.float32).reshape(())
-    return [np.asarray(a) for a in args] + [ks, vs]
+    return [np.asarray(a) for a in args] + [ks, vs, np.asarray(layer, np.int32).reshape(())]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
@@ -90,3 +90,29 @@ def test_emulated_kernel_small_workgroups_cover_tails():
     got = rocm_emulator.run(K, cfg, custom_call_operands(args, opts))
     for name, g, w in zip(("q_out", "k_out", "key_cache", "value_cache"), got, reference_op(*args, **opts)):
         assert_bits_equal(g, w, name)
+
+
+@pytest.mark.parametrize("layout", _spec.LAYOUTS)
+def test_emulated_kernel_writes_one_layer_of_stacked_caches(layout):
+    """Stacked caches [L, NB, ...]: the layer is read from its operand on the device; a layer in
+    range writes exactly that layer (bit-exact), one outside [0, L) writes nothing."""
+    from jax_rope_cache import rocm
+
+    layers = 3
+    case = Case(T=9, QH=4, KH=2, D=64, layout=layout, dtype="bfloat16")
+    args, opts = make_problem(case, seed=5)
+    rng = np.random.default_rng(5)
+    stacks = []
+    for c in (args[3], args[4]):
+        c = np.asarray(c)
+        bits = rng.integers(0, 2**16, (layers,) + c.shape, dtype=np.uint16) & 0x3FFF  # finite bf16 values
+        stacks.append(bits.view(c.dtype))
+    args = list(args[:3]) + stacks + list(args[5:])
+    spec = _spec.check_op(*args, **opts, layer=np.zeros((), np.int32))
+    cfg = rocm.kernel_config(spec, K)
+    assert cfg.layer_blocks == np.asarray(args[3]).shape[1]
+    for layer in (2, 0, -1, 3, 2**31 - 1):
+        got = rocm_emulator.run(K, cfg, custom_call_operands(args, opts, layer))
+        want = reference_op(*args, **opts, layer=np.array(layer, np.int32))
+        for name, g, w in zip(("q_out", "k_out", "key_cache", "value_cache"), got, want):
+            assert_bits_equal(g, w, f"{name} (layer {layer})")

@@ -5,14 +5,15 @@ Every option of the op contract is a compile-time parameter: NeoX / GPT-J pairin
 rotary (R < D), "half" / "full" cos/sin tables, the three cache layouts, bf16/f16/f32 inputs,
 bf16/f16/f32 tables, caches of the input dtype or float8 e4m3fn / e4m3fnuz (both formats on both
 archs: the conversion is integer arithmetic, not the hardware's fp8 instructions), per-tensor
-k/v scales, "fp32" and "native" precision, int32/int64 slot_mapping and positions.
+k/v scales, "fp32" and "native" precision, int32/int64 slot_mapping and positions, one cache or
+stacked per-layer caches [L, NB, ...] (`layer_blocks` = NB) with the layer read on the device.
 
-Kernel ABI (what kernels/ffi/gpu_launcher.cc packs): 26 kernel arguments of 8 bytes each, at
-byte offsets 0, 8, ..., 200 (kernarg segment 208 bytes, no hidden arguments):
-  0..10   device addresses of the operands  q, k, v, key_cache, value_cache, slot_mapping,
-          positions, cos, sin, k_scale, v_scale
-  11..14  device addresses of the results   q_out, k_out, key_cache_out, value_cache_out
-  15..25  int64 dim0 of each operand (T = dim0[0], NB = dim0[3], max_pos = dim0[7])
+Kernel ABI (what kernels/ffi/gpu_launcher.cc packs): 28 kernel arguments of 8 bytes each, at
+byte offsets 0, 8, ..., 216 (kernarg segment 224 bytes, no hidden arguments):
+  0..11   device addresses of the operands  q, k, v, key_cache, value_cache, slot_mapping,
+          positions, cos, sin, k_scale, v_scale, layer (int32 scalar)
+  12..15  device addresses of the results   q_out, k_out, key_cache_out, value_cache_out
+  16..27  int64 dim0 of each operand (T = dim0[0], NB = dim0[3] (stacked: L), max_pos = dim0[7])
 Grid: (ceil(T / TPB), 1, 1) workgroups of NT threads (NT is the required workgroup size).
 
 Work decomposition. A workgroup owns TPB consecutive tokens. Three phases run one after the other
@@ -31,7 +32,8 @@ workgroup's first token row, whose size covers only the valid rows (the hardware
 past T). The caches (any size) are written with 64-bit global stores.
 
 Bounds: positions clamped to [0, max_pos - 1] (in 64-bit); a cache row is written only when the
-token exists (t < T) and 0 <= slot < NB*BS (64-bit compare). Offsets into the caches are 64-bit.
+token exists (t < T) and 0 <= slot < NB*BS (64-bit compare; stacked: and 0 <= layer < L, the row
+then lands in layer `layer`). Offsets into the caches are 64-bit.
 Arithmetic (bit-exact with jax_rope_cache.reference and kernels/common/rope_cache_math.h):
 separate f32 multiply / add / subtract (no contraction: no fast-math flags are set, and the
 compile-only test checks the ISA has no FMA/MAD), bf16 and fp8 rounding in integer arithmetic
@@ -42,7 +44,7 @@ with the NaN bit pattern of rope_cache_math.h, 1/scale by a correctly rounded f3
 import dataclasses
 
 KERNEL_BASENAME = "jrc_rope_cache"
-NUM_ARGS = 26
+NUM_ARGS = 28
 ARG_BYTES = 8
 
 # dtype codes: jax_rope_cache/_spec.py DTYPE_CODES
@@ -72,6 +74,7 @@ class RocmKernelConfig:
     w_v: int           # elements per V chunk
     tpb: int           # tokens per workgroup
     nt: int            # threads per workgroup
+    layer_blocks: int = 0  # 0: one cache [NB, ...]; NB: stacked caches [L, NB, ...]
 
     @property
     def x(self) -> int:
@@ -97,7 +100,7 @@ def phase_geometry(cpx: int, nh: int, nt: int) -> tuple[int, int]:
 
 
 def make_config(*, qh, kh, d, r, bs, layout, neox, full_table, native, dt, tab_dt, cache_dt, slot64,
-                pos64, nt: int = 256) -> RocmKernelConfig:
+                pos64, layer_blocks: int = 0, nt: int = 256) -> RocmKernelConfig:
     s = ITEMSIZE[dt]
     vmax = 16 // s
     w_rot = _pow2_width(vmax, r // 2) if neox else _pow2_width(vmax, r)
@@ -114,7 +117,7 @@ def make_config(*, qh, kh, d, r, bs, layout, neox, full_table, native, dt, tab_d
     return RocmKernelConfig(qh=qh, kh=kh, d=d, r=r, bs=bs, layout=layout, neox=bool(neox),
                             full_table=bool(full_table), native=bool(native), dt=dt, tab_dt=tab_dt,
                             cache_dt=cache_dt, slot64=bool(slot64), pos64=bool(pos64), w_rot=w_rot,
-                            w_pass=w_pass, w_v=w_v, tpb=tpb, nt=nt)
+                            w_pass=w_pass, w_v=w_v, tpb=tpb, nt=nt, layer_blocks=int(layer_blocks))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -412,14 +415,14 @@ class _Emitter:
 
 
 def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
-    """Emits the kernel body. `args`: the 26 i64 kernel arguments as MLIR values.
+    """Emits the kernel body. `args`: the 28 i64 kernel arguments as MLIR values.
     `dialects`: (ir, arith, gpu, llvm, rocdl, scf, vector) modules to emit with (default FlyDSL's)."""
     E = _Emitter(cfg, dialects)
     ir = E.ir
     c32, c64 = E.i32c, E.i64c
-    (p_q, p_k, p_v, _p_kc, _p_vc, p_slot, p_pos, p_cos, p_sin, p_ks, p_vs,
-     p_qo, p_ko, p_kco, p_vco) = args[:15]
-    dims = args[15:26]
+    (p_q, p_k, p_v, _p_kc, _p_vc, p_slot, p_pos, p_cos, p_sin, p_ks, p_vs, p_layer,
+     p_qo, p_ko, p_kco, p_vco) = args[:16]
+    dims = args[16:28]
     T, NB, MAXPOS = dims[0], dims[3], dims[7]
 
     s_in = ITEMSIZE[cfg.dt]
@@ -451,7 +454,13 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
     tab_bytes = E.mul(MAXPOS, c64(tw * s_tab))
     rs_cos = E.rsrc(p_cos, tab_bytes)
     rs_sin = E.rsrc(p_sin, tab_bytes)
-    num_slots = E.mul(NB, c64(BS))
+    num_slots, slot_base = E.mul(NB, c64(BS)), c64(0)
+    if cfg.layer_blocks:  # stacked [L, NB, ...]: NB is static, L = dims[3]; a layer outside [0, L) writes nothing
+        layer = E.sext64(E.rocdl.raw_ptr_buffer_load(E.i32, E.rsrc(p_layer, c64(4)), c32(0), c32(0)))
+        layer_ok = E.and1(E.cmp("sge", layer, c64(0)), E.cmp("slt", layer, dims[3]))
+        per_layer = c64(cfg.layer_blocks * BS)
+        num_slots = E.sel(layer_ok, per_layer, c64(0))
+        slot_base = E.sel(layer_ok, E.mul(layer, per_layer), c64(0))
 
     inv_k = inv_v = None
     if fp8:
@@ -471,10 +480,10 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
         return E.sext64(w)
 
     def token_slot(tl, tvalid):
-        """(write?, slot as i64 made safe (0 when not written))."""
+        """(write?, cache slot as i64 made safe (0 when not written)); stacked: the layer's slot."""
         s = load_index(rs_slot, tl, cfg.slot64)
         ok = E.and1(E.and1(E.cmp("sge", s, c64(0)), E.cmp("slt", s, num_slots)), tvalid)
-        return ok, E.sel(ok, s, c64(0))
+        return ok, E.sel(ok, E.add(s, slot_base), c64(0))
 
     def k_cache_addr(s, h, d0: int | None, dvar=None):
         """Byte address in the key cache of element d of head h for slot s (i64)."""
@@ -755,7 +764,7 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
 
 
 def build_launcher(cfg: RocmKernelConfig):
-    """A @flyc.jit function (26 Int64 arguments) that launches the kernel for `cfg`."""
+    """A @flyc.jit function (NUM_ARGS Int64 arguments) that launches the kernel for `cfg`."""
     import flydsl.compiler as flyc
     import flydsl.expr as fx
 
@@ -767,17 +776,18 @@ def build_launcher(cfg: RocmKernelConfig):
                        a6: fx.Int64, a7: fx.Int64, a8: fx.Int64, a9: fx.Int64, a10: fx.Int64, a11: fx.Int64,
                        a12: fx.Int64, a13: fx.Int64, a14: fx.Int64, a15: fx.Int64, a16: fx.Int64, a17: fx.Int64,
                        a18: fx.Int64, a19: fx.Int64, a20: fx.Int64, a21: fx.Int64, a22: fx.Int64, a23: fx.Int64,
-                       a24: fx.Int64, a25: fx.Int64):
+                       a24: fx.Int64, a25: fx.Int64, a26: fx.Int64, a27: fx.Int64):
         emit_kernel_body(cfg, [_raw(a) for a in (a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13,
-                                                 a14, a15, a16, a17, a18, a19, a20, a21, a22, a23, a24, a25)])
+                                                 a14, a15, a16, a17, a18, a19, a20, a21, a22, a23, a24, a25,
+                                                 a26, a27)])
 
     @flyc.jit
     def jrc_launch(a0: fx.Int64, a1: fx.Int64, a2: fx.Int64, a3: fx.Int64, a4: fx.Int64, a5: fx.Int64,
                    a6: fx.Int64, a7: fx.Int64, a8: fx.Int64, a9: fx.Int64, a10: fx.Int64, a11: fx.Int64,
                    a12: fx.Int64, a13: fx.Int64, a14: fx.Int64, a15: fx.Int64, a16: fx.Int64, a17: fx.Int64,
                    a18: fx.Int64, a19: fx.Int64, a20: fx.Int64, a21: fx.Int64, a22: fx.Int64, a23: fx.Int64,
-                   a24: fx.Int64, a25: fx.Int64):
+                   a24: fx.Int64, a25: fx.Int64, a26: fx.Int64, a27: fx.Int64):
         jrc_rope_cache(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, a16, a17, a18,
-                       a19, a20, a21, a22, a23, a24, a25).launch(grid=(1, 1, 1), block=(cfg.nt, 1, 1))
+                       a19, a20, a21, a22, a23, a24, a25, a26, a27).launch(grid=(1, 1, 1), block=(cfg.nt, 1, 1))
 
     return jrc_launch
