@@ -45,8 +45,9 @@ VARIANTS = [  # (label, options for configs_for)
 def ours():
     print("| model (per shard) | variant | arch | VGPR | SGPR | NT x TPB | global memory instructions (width) |")
     print("|---|---|---|---|---|---|---|")
-    for mname in ("llama-3.1-8b", "llama-3.1-70b-tp8", "gpt-oss-120b-tp8", "gpt-oss-120b"):
-        m = shapes.MODELS[mname]
+    for name, tp in (("llama-3.1-8b", 1), ("llama-3.1-70b", 8), ("gpt-oss-120b", 8), ("gpt-oss-120b", 1)):
+        m = shapes.model_shape(name, tp)
+        mname = m.name
         for label, opts in VARIANTS:
             cfg = rocm.configs_for(q_heads=m.q_heads, kv_heads=m.kv_heads, head_dim=m.head_dim,
                                    rotary_dim=m.rotary_dim, **opts)[0]
@@ -75,8 +76,9 @@ def upstream(root):
 
     print("\n| model | upstream variant | arch | VGPR | SGPR | global memory instructions (width) |")
     print("|---|---|---|---|---|---|")
-    for mname in ("llama-3.1-8b", "llama-3.1-70b-tp8", "gpt-oss-120b-tp8", "gpt-oss-120b"):
-        m = shapes.MODELS[mname]
+    for name, tp in (("llama-3.1-8b", 1), ("llama-3.1-70b", 8), ("gpt-oss-120b", 8), ("gpt-oss-120b", 1)):
+        m = shapes.model_shape(name, tp)
+        mname = m.name
         for flash in (True, False):
             for arch in ("gfx942", "gfx950"):
                 T, NB, BS, D = 4, 8, 16, m.head_dim
