@@ -153,31 +153,6 @@ mlir.register_lowering(rope_cache_p, _lower_fallback)
 mlir.register_lowering(rope_cache_p, _lower_cpu, platform="cpu")
 
 
-def _fold_layers(*args, spec, impl):
-    """Stacked caches as one cache of L*NB blocks: merging the leading [L, NB] dims is a free
-    reshape, and slot s of layer l becomes l*NB*BS + s (-1 when either is invalid). Lets a kernel
-    that knows no layers write layer l in place; costs one tiny elementwise op on the slots."""
-    layers, nb, bs = spec.num_layers, spec.num_blocks, spec.block_size
-    if layers * nb * bs >= 2**31 and np.dtype(spec.slot_dtype) == np.int32:
-        raise ValueError(f"key_cache: {layers} stacked layers of {nb * bs} slots exceed int32 slot indices; "
-                         "pass int64 slot_mapping (with jax_enable_x64)")
-    q, k, v, kc, vc, slots, pos, cos, sin, k_scale, v_scale, layer = args
-    s = slots.astype(spec.slot_dtype)
-    ok = (s >= 0) & (s < nb * bs) & (layer >= 0) & (layer < layers)
-    folded = jnp.where(ok, layer.astype(s.dtype) * (nb * bs) + s, -1).astype(s.dtype)
-    flat = dataclasses.replace(spec, num_layers=None, num_blocks=layers * nb)
-    kc2, vc2 = (c.reshape((layers * nb,) + c.shape[2:]) for c in (kc, vc))
-    qo, ko, kc2, vc2 = rope_cache_p.bind(q, k, v, kc2, vc2, folded, pos, cos, sin, k_scale, v_scale,
-                                         jnp.zeros((), jnp.int32), spec=flat, impl=impl)
-    return [qo, ko, kc2.reshape(kc.shape), vc2.reshape(vc.shape)]
-
-
-def lower_with_layers_folded(ctx, *args, spec, impl):
-    """Lowering with the layer folded into the slots (see _fold_layers): the CUDA lowering's A/B
-    switch JAX_ROPE_CACHE_CUDA_FOLD_LAYERS=1; the kernels themselves take the layer operand."""
-    return mlir.lower_fun(functools.partial(_fold_layers, spec=spec, impl=impl), multiple_results=True)(ctx, *args)
-
-
 def _not_differentiable(primals, tangents, **params):
     raise TypeError("rope_and_cache is not differentiable: it writes a KV cache for inference. Apply "
                     "jax.lax.stop_gradient to its inputs, or differentiate a pure-jnp RoPE instead")

@@ -14,9 +14,6 @@ Environment:
   JAX_ROPE_CACHE_DIR                 on-disk cache of compiled code objects
                                      (default ~/.cache/jax_rope_cache; "" disables it)
   JAX_ROPE_CACHE_NVRTC               path of a libnvrtc.so to use instead of searching
-  JAX_ROPE_CACHE_CUDA_FOLD_LAYERS=1  stacked caches: fold the layer into the slots (an elementwise
-                                     op before the kernel) instead of passing it to the kernel;
-                                     for A/B measurements
 """
 
 from __future__ import annotations
@@ -242,33 +239,43 @@ def _register_gpu_targets(module) -> str:
     return GPU_TARGET if command_buffers_enabled() else GPU_TARGET_NO_GRAPH
 
 
+LAUNCHER_MISSING = ("the compiled extension jax_rope_cache._native (with the GPU launcher), which did not import; "
+                    "reinstall the package")
+
+
+def launcher_module():
+    """jax_rope_cache._native when it carries the GPU launcher, else None."""
+    module = _ffi.native_module()
+    return module if module is not None and hasattr(module, "gpu_handler") else None
+
+
+def lower_launch(ctx, args, module, *, table: bytes, kernel: str, grid_div: int, block: int):
+    """The launcher's custom call running `kernel` of the code-object `table` (caches in place);
+    shared by the CUDA and ROCm lowerings."""
+    rule = jax.ffi.ffi_lowering(_register_gpu_targets(module), operand_output_aliases=_ffi.CACHE_ALIASES)
+    return rule(ctx, *args, code=table, code_hash=np.int64(code_hash(table)), kernel=kernel,
+                grid_div=np.int64(grid_div), block=np.int64(block), smem=np.int64(0))
+
+
 def _lower_cuda(ctx, *args, spec, impl):
     if (fallback := _ffi.kernel_or_fallback(ctx, *args, spec=spec, impl=impl, platform="cuda")) is not None:
         return fallback
-    if spec.num_layers is not None and os.environ.get("JAX_ROPE_CACHE_CUDA_FOLD_LAYERS") == "1":
-        return _ffi.lower_with_layers_folded(ctx, *args, spec=spec, impl=impl)
-    module = _ffi.native_module()
-    if module is None or not hasattr(module, "gpu_handler"):
-        return _ffi.kernel_unusable(ctx, *args, spec=spec, impl=impl, platform="CUDA", problem=(
-            "the compiled extension jax_rope_cache._native (with the GPU launcher), which did not import; "
-            "reinstall the package"))
+    module = launcher_module()
+    if module is None:
+        return _ffi.kernel_unusable(ctx, *args, spec=spec, impl=impl, platform="CUDA", problem=LAUNCHER_MISSING)
     if not _nvrtc.available():
         return _ffi.kernel_unusable(ctx, *args, spec=spec, impl=impl, platform="CUDA", problem=(
             f"NVRTC (the CUDA runtime compiler), which was not found ({_nvrtc.unavailable_reason()}); "
             "install it with `pip install nvidia-cuda-nvrtc` (jax[cuda13] installs it too)"))
     cc, sms = _local_cuda_arch()
     cfg = kernel_config(spec, sms)
-    table = build_code_table(cfg, cc)
-    target = _register_gpu_targets(module)
-    rule = jax.ffi.ffi_lowering(target, operand_output_aliases=_ffi.CACHE_ALIASES)
-    return rule(ctx, *args, code=table, code_hash=np.int64(code_hash(table)), kernel=KERNEL_NAME,
-                grid_div=np.int64(cfg.tokens_per_block), block=np.int64(cfg.threads), smem=np.int64(0))
+    return lower_launch(ctx, args, module, table=build_code_table(cfg, cc), kernel=KERNEL_NAME,
+                        grid_div=cfg.tokens_per_block, block=cfg.threads)
 
 
 def kernel_available() -> bool:
     """True when impl="kernel" can lower for CUDA in this process (extension + NVRTC present)."""
-    module = _ffi.native_module()
-    return module is not None and hasattr(module, "gpu_handler") and _nvrtc.available()
+    return launcher_module() is not None and _nvrtc.available()
 
 
 mlir.register_lowering(_ffi.rope_cache_p, _lower_cuda, platform="cuda")

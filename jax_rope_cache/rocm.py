@@ -82,24 +82,19 @@ def build_code_table(cfg, archs=None) -> tuple[bytes, str, list]:
 
 def kernel_available() -> bool:
     """True when impl="kernel" can lower for ROCm in this process (extension + FlyDSL present)."""
-    from jax_rope_cache import _ffi
+    from jax_rope_cache import cuda
 
-    module = _ffi.native_module()
-    return module is not None and hasattr(module, "gpu_handler") and _flydsl.available()
+    return cuda.launcher_module() is not None and _flydsl.available()
 
 
 def _lower_rocm(ctx, *args, spec, impl):
-    import jax
-
     from jax_rope_cache import _ffi, cuda
 
     if (fallback := _ffi.kernel_or_fallback(ctx, *args, spec=spec, impl=impl, platform="rocm")) is not None:
         return fallback
-    module = _ffi.native_module()
-    if module is None or not hasattr(module, "gpu_handler"):
-        return _ffi.kernel_unusable(ctx, *args, spec=spec, impl=impl, platform="ROCm", problem=(
-            "the compiled extension jax_rope_cache._native (with the GPU launcher), which did not import; "
-            "reinstall the package"))
+    module = cuda.launcher_module()
+    if module is None:
+        return _ffi.kernel_unusable(ctx, *args, spec=spec, impl=impl, platform="ROCm", problem=cuda.LAUNCHER_MISSING)
     if not _flydsl.available():
         return _ffi.kernel_unusable(ctx, *args, spec=spec, impl=impl, platform="ROCm", problem=(
             f"FlyDSL to compile the kernel ({_flydsl.unavailable_reason()}); install it with: "
@@ -112,10 +107,7 @@ def _lower_rocm(ctx, *args, spec, impl):
             raise
         return _ffi.kernel_unusable(ctx, *args, spec=spec, impl=impl, platform="ROCm", problem=(
             f"its kernel, but compiling the kernel failed ({type(e).__name__}: {e})"))
-    target = cuda._register_gpu_targets(module)
-    rule = jax.ffi.ffi_lowering(target, operand_output_aliases=_ffi.CACHE_ALIASES)
-    return rule(ctx, *args, code=table, code_hash=np.int64(code_hash(table)), kernel=symbol,
-                grid_div=np.int64(cfg.tpb), block=np.int64(cfg.nt), smem=np.int64(0))
+    return cuda.lower_launch(ctx, args, module, table=table, kernel=symbol, grid_div=cfg.tpb, block=cfg.nt)
 
 
 def _register() -> None:

@@ -299,11 +299,3 @@ def test_cuda_lowering_is_one_custom_call_with_twelve_operands(layers):
     # reshapes are layout-free bitcasts here (the layer scalar); no arithmetic on slots or layer
     assert ops <= {"stablehlo.custom_call", "stablehlo.constant", "stablehlo.reshape"}, ops
 
-
-def test_cuda_fold_layers_switch_folds_stacked_caches(monkeypatch):
-    """JAX_ROPE_CACHE_CUDA_FOLD_LAYERS=1 (the A/B switch): stacked caches reach the kernel as one
-    cache of L*NB blocks, the layer folded into the slots by an op before the custom call."""
-    monkeypatch.setenv("JAX_ROPE_CACHE_CUDA_FOLD_LAYERS", "1")
-    text = _export_cuda("kernel", 3).mlir_module()
-    assert "tensor<24x16x2x64xbf16>" in text
-    assert "stablehlo.select" in text

@@ -420,37 +420,27 @@ ffi::Error Execute(void* stream, int32_t device, ffi::RemainingArgs args, ffi::R
 uint64_t GpuLaunchCount() { return g_launches.load(std::memory_order_relaxed); }
 uint64_t GpuModuleCount() { return g_modules.load(std::memory_order_relaxed); }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kGpuRopeCacheInstantiate, Instantiate,
-                              ffi::Ffi::BindInstantiate()
-                                  .Attr<std::string_view>("code")
-                                  .Attr<int64_t>("code_hash")
-                                  .Attr<std::string_view>("kernel")
-                                  .Attr<int64_t>("grid_div")
-                                  .Attr<int64_t>("block")
-                                  .Attr<int64_t>("smem"));
+namespace {
+// The launch attributes every stage binds, after the stage's own contexts and buffers.
+template <typename Binding>
+auto WithLaunchAttrs(Binding b) {
+  return std::move(b)
+      .template Attr<std::string_view>("code")
+      .template Attr<int64_t>("code_hash")
+      .template Attr<std::string_view>("kernel")
+      .template Attr<int64_t>("grid_div")
+      .template Attr<int64_t>("block")
+      .template Attr<int64_t>("smem");
+}
+}  // namespace
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kGpuRopeCacheInstantiate, Instantiate, WithLaunchAttrs(ffi::Ffi::BindInstantiate()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kGpuRopeCacheInitialize, Initialize,
-                              ffi::Ffi::BindInitialize()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Attr<std::string_view>("code")
-                                  .Attr<int64_t>("code_hash")
-                                  .Attr<std::string_view>("kernel")
-                                  .Attr<int64_t>("grid_div")
-                                  .Attr<int64_t>("block")
-                                  .Attr<int64_t>("smem"));
+                              WithLaunchAttrs(ffi::Ffi::BindInitialize().Ctx<ffi::DeviceOrdinal>()));
 
-#define JRC_EXECUTE_BINDING                        \
-  ffi::Ffi::Bind()                                 \
-      .Ctx<ffi::PlatformStream<void*>>()           \
-      .Ctx<ffi::DeviceOrdinal>()                   \
-      .RemainingArgs()                             \
-      .RemainingRets()                             \
-      .Attr<std::string_view>("code")              \
-      .Attr<int64_t>("code_hash")                  \
-      .Attr<std::string_view>("kernel")            \
-      .Attr<int64_t>("grid_div")                   \
-      .Attr<int64_t>("block")                      \
-      .Attr<int64_t>("smem")
+#define JRC_EXECUTE_BINDING                                                                              \
+  WithLaunchAttrs(                                                                                      \
+      ffi::Ffi::Bind().Ctx<ffi::PlatformStream<void*>>().Ctx<ffi::DeviceOrdinal>().RemainingArgs().RemainingRets())
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kGpuRopeCacheExecute, Execute, JRC_EXECUTE_BINDING,
                               {ffi::Traits::kCmdBufferCompatible});
