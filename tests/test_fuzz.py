@@ -265,22 +265,30 @@ def test_case_mix():
         assert all(v > 0 for v in seen.values()), seen
 
 
+def run_cases(platform, impl, n, on_case=None) -> str:
+    """Checks cases 0..n-1; returns the summary line. on_case(i, outcome) follows progress."""
+    outcomes = {"match": 0, "error": 0}
+    for i in range(n):
+        outcome = check_case(platform, impl, i)
+        outcomes[outcome] += 1
+        if on_case is not None:
+            on_case(i, outcome)
+    return (f"fuzz {platform}-{impl}: {n} cases, {outcomes['match']} matched the reference, "
+            f"{outcomes['error']} raised the documented error")
+
+
 @pytest.mark.parametrize("platform,impl", impl_params())
 def test_fuzz(platform, impl, capsys):
-    outcomes = {"match": 0, "error": 0}
-    for i in range(N_CASES):
-        outcomes[check_case(platform, impl, i)] += 1
+    summary = run_cases(platform, impl, N_CASES)
     jax.clear_caches()
     with capsys.disabled():
-        print(f"\nfuzz {platform}-{impl}: {N_CASES} cases, {outcomes['match']} matched the reference, "
-              f"{outcomes['error']} raised the documented error")
+        print("\n" + summary)
 
 
 def main(argv=None) -> int:
     """Standalone run with a line per case, for runs that may be cut short (compute-sanitizer):
     python tests/test_fuzz.py --platform cuda --impl kernel --cases 150   (no -P: conftest is beside it)"""
     import argparse
-    import sys
     import time
 
     p = argparse.ArgumentParser(description=main.__doc__)
@@ -288,14 +296,9 @@ def main(argv=None) -> int:
     p.add_argument("--impl", default="kernel", choices=["kernel", "xla"])
     p.add_argument("--cases", type=int, default=N_CASES)
     a = p.parse_args(argv)
-    outcomes = {"match": 0, "error": 0}
     t0 = time.perf_counter()
-    for i in range(a.cases):
-        outcome = check_case(a.platform, a.impl, i)
-        outcomes[outcome] += 1
-        print(f"case {i}: {outcome} ({time.perf_counter() - t0:.0f} s)", flush=True)
-    print(f"fuzz {a.platform}-{a.impl}: {a.cases} cases, {outcomes['match']} matched the reference, "
-          f"{outcomes['error']} raised the documented error", flush=True)
+    progress = lambda i, outcome: print(f"case {i}: {outcome} ({time.perf_counter() - t0:.0f} s)", flush=True)  # noqa: E731
+    print(run_cases(a.platform, a.impl, a.cases, progress), flush=True)
     return 0
 
 
