@@ -20,6 +20,7 @@ import itertools
 import os
 import re
 import shutil
+import struct
 import subprocess
 
 import ml_dtypes
@@ -108,6 +109,11 @@ def test_code_table_unpacks_to_what_was_packed():
     entries = [(cuda.KIND_CUBIN, "sm_90", b"\x7fELF" + bytes(range(37))), (cuda.KIND_PTX, "compute_90", b".version 8.0\0")]
     table = cuda.pack_code_table(entries)
     assert cuda.unpack_code_table(table) == entries
+    # the byte layout gpu_launcher.cc parses: magic, count, 40-byte rows, 16-byte aligned blobs
+    assert table[:8] == b"JRCCODE1" and struct.unpack_from("<I", table, 8)[0] == 2
+    for i, (kind, arch, data) in enumerate(entries):
+        k, _, a, off, size = struct.unpack_from("<II16sQQ", table, 16 + 40 * i)
+        assert (k, a.rstrip(b"\0").decode(), table[off:off + size]) == (kind, arch, data) and off % 16 == 0
     with pytest.raises(ValueError, match="bad magic"):
         cuda.unpack_code_table(b"NOTATABLE" + table[9:])
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import os
 import re
-import struct
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +31,7 @@ import numpy as np
 import pytest
 
 from conftest import make_spec
-from jax_rope_cache import _amdgpu_elf, _ffi, _flydsl, _spec, rocm
+from jax_rope_cache import _amdgpu_elf, _ffi, _flydsl, _spec, cuda, rocm
 
 BF16, F16, F32 = np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16), np.dtype(np.float32)
 FN, FNUZ = np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e4m3fnuz)
@@ -121,18 +120,7 @@ def test_variant_compiles_for_both_archs(p):
     assert [o.arch for o in objs] == list(ARCHS)
     for o in objs:
         check_code_object(o.code, o.arch, cfg, symbol)
-    assert parse_table(table) == [(3, a, o.code) for a, o in zip(ARCHS, objs)]
-
-
-def parse_table(table: bytes):
-    """Decodes the launcher's code-object table (format: kernels/ffi/gpu_launcher.cc)."""
-    assert table[:8] == b"JRCCODE1"
-    count = struct.unpack_from("<I", table, 8)[0]
-    out = []
-    for i in range(count):
-        kind, _, arch, off, size = struct.unpack_from("<II16sQQ", table, 16 + 40 * i)
-        out.append((kind, arch.rstrip(b"\0").decode(), table[off:off + size]))
-    return out
+    assert cuda.unpack_code_table(table) == [(3, a, o.code) for a, o in zip(ARCHS, objs)]
 
 
 ISA_CASES = [
@@ -238,7 +226,7 @@ def test_export_rocm_on_cpu_carries_both_archs(layout, cdt):
     calls = [c for c in custom_calls(restored) if c[0].startswith("jax_rope_cache_gpu")]
     assert len(calls) == 1, calls
     _, attrs = calls[0]
-    entries = parse_table(attrs["code"])
+    entries = cuda.unpack_code_table(attrs["code"])
     assert [(k, a) for k, a, _ in entries] == [(3, "gfx942"), (3, "gfx950")]
     symbol = attrs["kernel"].decode()
     spec_cfg = rocm.kernel_config(make_spec_from_decode(layout, cdt))
