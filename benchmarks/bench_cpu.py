@@ -5,7 +5,7 @@
 Each implementation runs under a jit that donates the caches; a call's time is the median over
 `--repeats` runs, the two implementations' calls alternating (inputs rotate between several sets
 so the machine's caches do not serve them).
-Bandwidth counts the fewest bytes the op must move (shapes.ModelShape.bytes_per_token) and is
+Bandwidth counts the fewest bytes the op must move (presets.ModelShape.bytes_per_token) and is
 compared with a large memcpy measured in the same run.
 """
 
@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_rope_cache as jrc
-from jax_rope_cache import shapes
+from jax_rope_cache.models import presets
 
 
 def copy_bandwidth(nbytes=1 << 28, repeats=5) -> float:
@@ -35,7 +35,7 @@ def copy_bandwidth(nbytes=1 << 28, repeats=5) -> float:
     return 2 * nbytes / np.median(times)
 
 
-def make_inputs(model: shapes.ModelShape, tokens: int, sets: int, seed=0):
+def make_inputs(model: presets.ModelShape, tokens: int, sets: int, seed=0):
     rng = np.random.default_rng(seed)
     bs = 16
     nb = -(-tokens // bs) * 2 + 1
@@ -81,12 +81,12 @@ def time_impls(impls, inputs, caches, cos, sin, repeats):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="llama-3.1-8b", choices=sorted(shapes.MODELS))
+    p.add_argument("--model", default="llama-3.1-8b", choices=sorted(presets.MODELS))
     p.add_argument("--tokens", type=int, nargs="+", default=[4096, 256, 1])
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
-    model = shapes.MODELS[a.model]
+    model = presets.MODELS[a.model]
     ceiling = copy_bandwidth()
     per_token = model.bytes_per_token()
     rows = []

@@ -40,8 +40,12 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_rope_cache as jrc
+from jax_rope_cache.models import presets
 
-CONFIGS = {"llama3.1-8b-tp1": (32, 8, 128), "gpt-oss-120b-tp8": (8, 1, 64)}
+# (QH, KH, D) of the library's named models (models/presets.py), keyed by their per-shard names.
+_MODELS = (presets.model_shape("llama-3.1-8b"), presets.model_shape("gpt-oss-120b", 8))
+CONFIGS = {m.name: (m.q_heads, m.kv_heads, m.head_dim) for m in _MODELS}
+LLAMA = _MODELS[0].name
 TOKENS = (1, 8, 128, 2048, 8192, 32768)
 LAYOUTS = ("flash", "xpacked")
 PATTERNS = ("random", "prefill")
@@ -49,10 +53,6 @@ BS = 16
 MAX_POS = 131072
 L2_BYTES = 60e6
 N_SETS = 16  # ops (each with its own input set) unrolled in one timed executable
-
-
-def bytes_per_token(qh, kh, d, r, s_in=2, s_tab=4, s_idx=4, s_out=2, s_cache=2):
-    return (qh + 2 * kh) * d * s_in + r * s_tab + 2 * s_idx + (qh + kh) * d * s_out + 2 * kh * d * s_cache
 
 
 def _timeit(fn, args_fn, reps, warm=2):
@@ -143,7 +143,7 @@ def chain_time(cfg, t, layout, pattern, impl, reps, rng, n_sets=N_SETS, n_calls=
 
 def dispatch_overhead(impl, reps, rng):
     """Fixed cost of launching one N_SETS-call executable: 2*t(N) - t(2N) at a small T."""
-    cfg = CONFIGS["llama3.1-8b-tp1"]
+    cfg = CONFIGS[LLAMA]
     t1 = chain_time(cfg, 8, "flash", "random", impl, reps, rng)
     t2 = chain_time(cfg, 8, "flash", "random", impl, reps, rng, n_calls=2 * N_SETS)
     return min(max(0.0, 2 * t1 - t2), 0.5 * t1), (t2 - t1) / N_SETS  # clamped against noise
@@ -268,7 +268,7 @@ def main(argv=None):
                     for impl in ("kernel", "xla"):
                         tm, n = op_time(cfg, t, layout, pattern, impl, reps, rng, overhead[impl])
                         res[impl] = tm
-                    by = bytes_per_token(qh, kh, d, d) * t
+                    by = presets.ModelShape(name, qh, kh, d, d).bytes_per_token() * t
                     for impl in ("kernel", "xla"):
                         gbs = by / res[impl] / 1e9
                         row = dict(config=name, layout=layout, T=t, slots=pattern, impl=impl,
@@ -283,7 +283,7 @@ def main(argv=None):
             extra[f"decode32_{name}_{impl}_us_per_op"] = decode_step(cfg, impl, reps) * 1e6
             print(f"decode step, 32 layers unrolled, {name} {impl}: "
                   f"{extra[f'decode32_{name}_{impl}_us_per_op']:.2f} us/op", flush=True)
-    cfg = CONFIGS["llama3.1-8b-tp1"]
+    cfg = CONFIGS[LLAMA]
     for impl in (() if a.skip_loops else ("kernel", "xla", "dus")):
         extra[f"fori1000_{impl}_us_per_step"] = fori_loop_steps(cfg, impl) * 1e6
         print(f"fori_loop 1000 x T=1, llama shapes, {impl}: {extra[f'fori1000_{impl}_us_per_step']:.2f} us/step",

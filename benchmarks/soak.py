@@ -30,7 +30,8 @@ import ml_dtypes
 import numpy as np
 
 import jax_rope_cache as jrc
-from jax_rope_cache import _ffi, reference
+from jax_rope_cache import backends, reference
+from jax_rope_cache.backends import native
 
 
 def rss_mib() -> float:
@@ -44,7 +45,7 @@ def rss_mib() -> float:
 
 def gpu_counter(name: str) -> int | None:
     """The launcher's counter `name` ("gpu_launch_count" or "gpu_module_count"), None without it."""
-    module = _ffi.native_module()
+    module = native.native_module()
     fn = getattr(module, name, None) if module is not None else None
     return int(fn()) if fn is not None else None
 
@@ -74,7 +75,7 @@ class Soak:
         self.device = jax.devices(platform)[0] if platform else jax.devices()[0]
         self.platform = jax_platform(self.device)
         if impl is None:
-            impl = "kernel" if self.platform in _ffi.kernel_platforms() else "xla"
+            impl = "kernel" if self.platform in backends.kernel_platforms() else "xla"
         self.impl = impl
         self.rng = np.random.default_rng(seed)
         nb = batch * (-(-ring // block_size))

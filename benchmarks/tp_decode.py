@@ -20,19 +20,20 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_rope_cache as jrc
-from jax_rope_cache import reference, shapes
+from jax_rope_cache import reference
+from jax_rope_cache.models import presets
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--preset", default="llama-3.1-8b", choices=sorted(shapes.MODELS))
+    p.add_argument("--preset", default="llama-3.1-8b", choices=sorted(presets.MODELS))
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--batch", type=int, default=64)
     a = p.parse_args(argv)
     devices = jax.devices()
     tp = len(devices)
-    full = shapes.model_shape(a.preset, 1)
+    full = presets.model_shape(a.preset, 1)
     mesh = jax.make_mesh((tp,), ("tp",), devices=devices)
     rng = np.random.default_rng(0)
     qh, kh, d, L, B, S = full.q_heads, full.kv_heads, full.head_dim, a.layers, a.batch, a.steps

@@ -13,11 +13,11 @@ _LAZY = {
     "rope_and_cache_donated": "jax_rope_cache.api",
     "make_kv_cache": "jax_rope_cache.api",
     "read_kv": "jax_rope_cache.api",
-    "LAYOUTS": "jax_rope_cache._spec",
-    "PRECISIONS": "jax_rope_cache._spec",
-    "cache_shapes": "jax_rope_cache._spec",
-    "rope_tables": "jax_rope_cache.tables",
-    "rope_tables_from_hf_config": "jax_rope_cache.tables",
+    "LAYOUTS": "jax_rope_cache.contract",
+    "PRECISIONS": "jax_rope_cache.contract",
+    "cache_shapes": "jax_rope_cache.contract",
+    "rope_tables": "jax_rope_cache.models.tables",
+    "rope_tables_from_hf_config": "jax_rope_cache.models.config",
 }
 
 __all__ = sorted(_LAZY)

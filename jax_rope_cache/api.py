@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_rope_cache import _ffi, _spec, xla
+from jax_rope_cache import contract, primitive
+from jax_rope_cache.backends import xla
 
 IMPLS = (None, "kernel", "xla")
 
@@ -64,7 +65,7 @@ def rope_and_cache(q, k, v, key_cache, value_cache, slot_mapping, positions, cos
             impl=impl, layer=layer)
         key_ref[...], value_ref[...] = kc, vc
         return q_out, k_out, key_ref, value_ref
-    spec = _spec.check_op(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
+    spec = contract.check_op(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
                           layout=layout, is_neox=is_neox, rotary_dim=rotary_dim, k_scale=k_scale,
                           v_scale=v_scale, precision=precision, layer=layer)
     if impl not in IMPLS:
@@ -76,7 +77,7 @@ def rope_and_cache(q, k, v, key_cache, value_cache, slot_mapping, positions, cos
         return args[:2] + args[3:5]
     if impl == "xla":
         return xla.rope_and_cache(*args, spec=spec)
-    return tuple(_ffi.bind(*args, spec=spec, impl=impl))
+    return tuple(primitive.bind(*args, spec=spec, impl=impl))
 
 
 _STATIC = ("layout", "is_neox", "rotary_dim", "precision", "impl")
@@ -99,18 +100,13 @@ def make_kv_cache(num_blocks, block_size, kv_heads, head_dim, dtype=jnp.bfloat16
     slots a kernel touched).
     """
     dtype = np.dtype(dtype)
-    if dtype not in _spec.INPUT_DTYPES + _spec.FP8_DTYPES:
+    if dtype not in contract.INPUT_DTYPES + contract.FP8_DTYPES:
         raise TypeError(f"dtype: expected one of "
-                        f"({_spec._names(_spec.INPUT_DTYPES + _spec.FP8_DTYPES)}), got {dtype.name}")
-    if layout not in _spec.LAYOUTS:
-        raise ValueError(f"layout: expected one of {_spec.LAYOUTS}, got {layout!r}")
-    x = _spec.pack_width(dtype)
-    if layout != "flash" and head_dim % x:
-        raise ValueError(f"head_dim: layout {layout!r} with {dtype.name} needs a multiple of X={x}, got {head_dim}")
-    if layout == "xpacked_shuffled" and block_size % x:
-        raise ValueError(f"block_size: layout 'xpacked_shuffled' with {dtype.name} needs a multiple of X={x}, "
-                         f"got {block_size}")
-    shapes = _spec.cache_shapes(layout, num_blocks, block_size, kv_heads, head_dim, dtype)
+                        f"({contract.dtype_names(contract.INPUT_DTYPES + contract.FP8_DTYPES)}), got {dtype.name}")
+    contract.cache_layout(layout)
+    contract.check_layout_divisibility(layout, head_dim, block_size, dtype, head_arg="head_dim",
+                                       block_arg="block_size")
+    shapes = contract.cache_shapes(layout, num_blocks, block_size, kv_heads, head_dim, dtype)
     if num_layers is not None:
         shapes = tuple((num_layers,) + s for s in shapes)
     if fill == "zeros":

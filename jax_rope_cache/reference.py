@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from jax_rope_cache import _spec
+from jax_rope_cache import contract
 
-__all__ = ["rope_and_cache", "read_kv", "rotate", "quantize", "cache_views"]
+__all__ = ["rope_and_cache", "read_kv", "rotate", "quantize", "write_tokens", "read_tokens"]
 
 _F32 = np.float32
 
@@ -39,7 +39,7 @@ def pair_channels(rotary_dim: int, is_neox: bool) -> tuple[np.ndarray, np.ndarra
     return (i, i + rotary_dim // 2) if is_neox else (2 * i, 2 * i + 1)
 
 
-def rotate(x: np.ndarray, cos_rows: np.ndarray, sin_rows: np.ndarray, spec: _spec.OpSpec) -> np.ndarray:
+def rotate(x: np.ndarray, cos_rows: np.ndarray, sin_rows: np.ndarray, spec: contract.OpSpec) -> np.ndarray:
     """Rotates x [T, H, D] with the already gathered table rows [T, W]; returns x's dtype."""
     a, b = pair_channels(spec.rotary_dim, spec.is_neox)
     c = cos_rows.astype(_F32)
@@ -71,35 +71,28 @@ def rotate(x: np.ndarray, cos_rows: np.ndarray, sin_rows: np.ndarray, spec: _spe
 def quantize(x: np.ndarray, cache_dtype, scale) -> np.ndarray:
     """Values as the cache stores them (saturating scaled fp8, or the same bits)."""
     cache_dtype = np.dtype(cache_dtype)
-    if cache_dtype not in _spec.FP8_DTYPES:
+    if cache_dtype not in contract.FP8_DTYPES:
         return x.astype(cache_dtype)
     inv = _F32(1.0) / _F32(np.asarray(scale, dtype=_F32).reshape(()))
-    m = _spec.FP8_MAX[cache_dtype]
+    m = contract.FP8_MAX[cache_dtype]
     with np.errstate(invalid="ignore", over="ignore"):
         y = np.clip(x.astype(_F32) * inv, -m, m)
     return y.astype(cache_dtype)
 
 
-def cache_views(key_cache: np.ndarray, value_cache: np.ndarray, layout: str):
-    """Views of both caches indexed by (block, offset) with token values reshaped to fit.
+def write_tokens(cache: np.ndarray, which: str, layout: str, blk, off, values: np.ndarray) -> None:
+    """Stores values [n, KH, D] (cache dtype) of n tokens at (blk, off) of one layer, in place."""
+    lay, x = contract.LAYOUT_TABLE[layout], contract.pack_width(cache.dtype)
+    shape, perm = lay.token_split(which, values.shape[1], values.shape[2], x)
+    cache[lay.token_index(which, blk, off, x)] = values.reshape((len(values),) + shape).transpose(perm)
 
-    Returns (k_view, k_index, k_shape, v_view, v_index, v_shape): `view[index(blk, off)]` has the
-    shape `shape(T)` of one token's [KH, D] values as stored in that layout.
-    """
-    if layout == "flash":
-        ix = lambda blk, off: (blk, off)  # noqa: E731
-        return key_cache, ix, None, value_cache, ix, None
-    nb, kh, dx, bs, x = key_cache.shape
-    k_view = key_cache.transpose(0, 3, 1, 2, 4)  # [NB, BS, KH, D//X, X]
-    k_index = lambda blk, off: (blk, off)  # noqa: E731
-    k_shape = (kh, dx, x)
-    if layout == "xpacked":
-        v_view = value_cache.transpose(0, 3, 1, 2)  # [NB, BS, KH, D]
-        v_index = k_index
-    else:
-        v_view = value_cache.transpose(0, 2, 4, 1, 3)  # [NB, BS//X, X, KH, D]
-        v_index = lambda blk, off: (blk, off // x, off % x)  # noqa: E731
-    return k_view, k_index, k_shape, v_view, v_index, None
+
+def read_tokens(cache: np.ndarray, which: str, layout: str, blk, off, kv_heads: int, head_dim: int) -> np.ndarray:
+    """The values [n, KH, D] stored at (blk, off) of one layer."""
+    lay, x = contract.LAYOUT_TABLE[layout], contract.pack_width(cache.dtype)
+    shape, perm = lay.token_split(which, kv_heads, head_dim, x)
+    got = cache[lay.token_index(which, blk, off, x)]
+    return got.transpose(np.argsort(perm)).reshape(len(blk), kv_heads, head_dim)
 
 
 def _valid_slots(slot_mapping: np.ndarray, num_slots: int) -> np.ndarray:
@@ -117,7 +110,7 @@ def rope_and_cache(q, k, v, key_cache, value_cache, slot_mapping, positions, cos
     del impl
     q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin = (
         np.asarray(a) for a in (q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin))
-    spec = _spec.check_op(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
+    spec = contract.check_op(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
                           layout=layout, is_neox=is_neox, rotary_dim=rotary_dim, k_scale=k_scale,
                           v_scale=v_scale, precision=precision, layer=layer)
     pos = np.clip(positions.astype(np.int64), 0, spec.max_pos - 1)
@@ -135,12 +128,8 @@ def rope_and_cache(q, k, v, key_cache, value_cache, slot_mapping, positions, cos
     valid = _valid_slots(slot_mapping, spec.num_slots)
     slots = slot_mapping.astype(np.int64)[valid]
     blk, off = slots // spec.block_size, slots % spec.block_size
-    kq = quantize(k_out[valid], spec.cache_dtype, k_scale)
-    vq = quantize(v[valid], spec.cache_dtype, v_scale)
-    k_view, k_index, k_shape, v_view, v_index, _ = cache_views(kc, vc, layout)
-    n = len(slots)
-    k_view[k_index(blk, off)] = kq if k_shape is None else kq.reshape((n,) + k_shape)
-    v_view[v_index(blk, off)] = vq
+    write_tokens(kc, "key", layout, blk, off, quantize(k_out[valid], spec.cache_dtype, k_scale))
+    write_tokens(vc, "value", layout, blk, off, quantize(v[valid], spec.cache_dtype, v_scale))
     if spec.num_layers is not None:
         return q_out, k_out, kc_all, vc_all
     return q_out, k_out, kc, vc
@@ -150,17 +139,15 @@ def read_kv(key_cache, value_cache, slot_mapping, *, layout="flash"):
     """Gathers the cached K and V of each slot as [T, KH, D] in the cache dtype (zeros for
     slots outside [0, NB*BS))."""
     key_cache, value_cache = np.asarray(key_cache), np.asarray(value_cache)
-    k_view, k_index, _, v_view, v_index, _ = cache_views(key_cache, value_cache, layout)
-    if layout == "flash":
-        nb, bs, kh, d = key_cache.shape
-    else:
-        nb, kh, _, bs, _ = key_cache.shape
-        d = value_cache.shape[2] if layout == "xpacked" else value_cache.shape[3]
+    lay = contract.cache_layout(layout)
+    x = contract.pack_width(key_cache.dtype)
+    nb, bs = lay.block_geometry(key_cache.shape, x)
+    kh, d = key_cache.shape[lay.key_axes.index("KH")], value_cache.shape[lay.value_axes.index("D")]
     s = np.asarray(slot_mapping).astype(np.int64)
     valid = _valid_slots(s, nb * bs)
     safe = np.where(valid, s, 0)
     blk, off = safe // bs, safe % bs
-    kk = k_view[k_index(blk, off)].reshape(len(s), kh, d)
-    vv = v_view[v_index(blk, off)].reshape(len(s), kh, d)
+    kk = read_tokens(key_cache, "key", layout, blk, off, kh, d)
+    vv = read_tokens(value_cache, "value", layout, blk, off, kh, d)
     zero = np.zeros((), key_cache.dtype)
     return np.where(valid[:, None, None], kk, zero), np.where(valid[:, None, None], vv, zero)

@@ -15,7 +15,13 @@ import tempfile
 
 import numpy as np
 
-from jax_rope_cache import _flydsl, rocm, shapes
+from jax_rope_cache.backends import rocm
+
+from jax_rope_cache.cli import aot
+
+from jax_rope_cache.compilers import flydsl
+
+from jax_rope_cache.models import presets
 
 GMEM = re.compile(r"^\s*((?:buffer|global|flat)_(?:load|store)_\w+)", re.M)
 WIDTH = {"byte": 1, "ubyte": 1, "sbyte": 1, "short": 2, "ushort": 2, "sshort": 2, "dword": 4, "dwordx2": 8,
@@ -46,25 +52,25 @@ def ours():
     print("| model (per shard) | variant | arch | VGPR | SGPR | NT x TPB | global memory instructions (width) |")
     print("|---|---|---|---|---|---|---|")
     for name, tp in (("llama-3.1-8b", 1), ("llama-3.1-70b", 8), ("gpt-oss-120b", 8), ("gpt-oss-120b", 1)):
-        m = shapes.model_shape(name, tp)
+        m = presets.model_shape(name, tp)
         mname = m.name
         for label, opts in VARIANTS:
-            cfg = rocm.configs_for(q_heads=m.q_heads, kv_heads=m.kv_heads, head_dim=m.head_dim,
+            cfg = aot.configs_for(q_heads=m.q_heads, kv_heads=m.kv_heads, head_dim=m.head_dim,
                                    rotary_dim=m.rotary_dim, **opts)[0]
             for arch in ("gfx942", "gfx950"):
-                co = _flydsl.compile_config(cfg, arch)
+                co = flydsl.compile_config(cfg, arch)
                 i = co.info
-                isa = _flydsl.isa(cfg, arch)
+                isa = flydsl.isa(cfg, arch)
                 print(f"| {mname} ({m.q_heads}x{m.kv_heads}x{m.head_dim}) | {label} | {arch} | {i['vgpr_count']} | "
                       f"{i['sgpr_count']} | {cfg.nt} x {cfg.tpb} | {summarize(isa)} |")
-    m = shapes.MODELS["llama-3.1-8b"]
-    cfg = rocm.configs_for(q_heads=m.q_heads, kv_heads=m.kv_heads, head_dim=128, rotary_dim=64,
+    m = presets.MODELS["llama-3.1-8b"]
+    cfg = aot.configs_for(q_heads=m.q_heads, kv_heads=m.kv_heads, head_dim=128, rotary_dim=64,
                            layouts=("flash",))[0]
     for arch in ("gfx942", "gfx950"):
-        co = _flydsl.compile_config(cfg, arch)
+        co = flydsl.compile_config(cfg, arch)
         i = co.info
         print(f"| llama-3.1-8b, partial R=64 | flash bf16 NeoX fp32 | {arch} | {i['vgpr_count']} | {i['sgpr_count']} | "
-              f"{cfg.nt} x {cfg.tpb} | {summarize(_flydsl.isa(cfg, arch))} |")
+              f"{cfg.nt} x {cfg.tpb} | {summarize(flydsl.isa(cfg, arch))} |")
 
 
 def upstream(root):
@@ -77,12 +83,12 @@ def upstream(root):
     print("\n| model | upstream variant | arch | VGPR | SGPR | global memory instructions (width) |")
     print("|---|---|---|---|---|---|")
     for name, tp in (("llama-3.1-8b", 1), ("llama-3.1-70b", 8), ("gpt-oss-120b", 8), ("gpt-oss-120b", 1)):
-        m = shapes.model_shape(name, tp)
+        m = presets.model_shape(name, tp)
         mname = m.name
         for flash in (True, False):
             for arch in ("gfx942", "gfx950"):
                 T, NB, BS, D = 4, 8, 16, m.head_dim
-                with tempfile.TemporaryDirectory() as d, _flydsl._compile_env(arch):
+                with tempfile.TemporaryDirectory() as d, flydsl._compile_env(arch):
                     os.environ.update(COMPILE_ONLY="1", FLYDSL_DEBUG_DUMP_ASM="1", FLYDSL_DUMP_DIR=d,
                                       FLYDSL_RUNTIME_ENABLE_CACHE="0")
                     try:

@@ -18,12 +18,13 @@ import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from jax_rope_cache import _ffi, _spec, reference  # noqa: E402
+from jax_rope_cache import backends, contract, reference  # noqa: E402
+from jax_rope_cache.backends import native  # noqa: E402
 
 FULL_SWEEP = os.environ.get("JRC_FULL_SWEEP") == "1"
 
 # A suite that silently lost its native kernel would pass on the XLA path alone.
-if _ffi.native_module() is None and os.environ.get("JRC_ALLOW_NO_NATIVE") != "1":
+if native.native_module() is None and os.environ.get("JRC_ALLOW_NO_NATIVE") != "1":
     raise RuntimeError("jax_rope_cache._native did not import: run the tests against the installed package "
                        "(scripts/run_tests.sh), or set JRC_ALLOW_NO_NATIVE=1 to test the XLA path alone")
 
@@ -44,7 +45,7 @@ def impl_params() -> list:
     out = []
     for p in platforms():
         out.append(pytest.param(p, "xla", id=f"{p}-xla"))
-        if p in _ffi.kernel_platforms():
+        if p in backends.kernel_platforms():
             out.append(pytest.param(p, "kernel", id=f"{p}-kernel"))
     return out
 
@@ -87,7 +88,7 @@ def make_problem(case: Case, seed: int):
     normal = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
     q, k, v = (normal(case.T, h, case.D).astype(dt) for h in (case.QH, case.KH, case.KH))
     nb = max(case.NB, -(-2 * case.T // case.BS))  # room for T unique valid slots
-    kshape, vshape = _spec.cache_shapes(case.layout, nb, case.BS, case.KH, case.D, cdt)
+    kshape, vshape = contract.cache_shapes(case.layout, nb, case.BS, case.KH, case.D, cdt)
     kc, vc = normal(*kshape).astype(cdt), normal(*vshape).astype(cdt)
     nslots = nb * case.BS
     slots = rng.permutation(nslots)[: case.T].astype(np.int64)
@@ -100,7 +101,7 @@ def make_problem(case: Case, seed: int):
     pos[2::5] = -rng.integers(1, 1000, len(pos[2::5]))
     ang = rng.uniform(-np.pi, np.pi, (case.max_pos, r if case.table == "full" else r // 2))
     cos, sin = np.cos(ang).astype(tdt), np.sin(ang).astype(tdt)
-    fp8 = cdt in _spec.FP8_DTYPES
+    fp8 = cdt in contract.FP8_DTYPES
     scales = dict(k_scale=np.float32(rng.uniform(0.05, 0.5)), v_scale=np.float32(rng.uniform(0.05, 0.5))) if fp8 else {}
     args = (q, k, v, kc, vc, slots.astype(idt), pos.astype(idt), cos, sin)
     opts = dict(layout=case.layout, is_neox=case.is_neox, rotary_dim=case.R, precision=case.precision, **scales)
@@ -109,19 +110,19 @@ def make_problem(case: Case, seed: int):
 
 def make_spec(*, T=64, QH=4, KH=2, D=128, R=None, layout="flash", neox=True, dt=np.dtype(ml_dtypes.bfloat16),
               cdt=None, tdt=np.dtype(np.float32), full=False, prec="fp32", BS=16, NB=24, max_pos=64, slot64=False,
-              pos64=True, layers=None) -> _spec.OpSpec:
+              pos64=True, layers=None) -> contract.OpSpec:
     """The OpSpec of a call with these shapes (no arrays): for compile-only tests of the kernels.
     `layers`: stacked caches [layers, NB, ...] (the spec of a call with a traced layer)."""
     r = R or D
     cdt = np.dtype(cdt or dt)
     s = jax.ShapeDtypeStruct
-    kc, vc = _spec.cache_shapes(layout, NB, BS, KH, D, cdt)
+    kc, vc = contract.cache_shapes(layout, NB, BS, KH, D, cdt)
     if layers is not None:
         kc, vc = (layers,) + tuple(kc), (layers,) + tuple(vc)
     w = r if full else r // 2
-    fp8 = cdt in _spec.FP8_DTYPES
+    fp8 = cdt in contract.FP8_DTYPES
     idx = lambda b: np.int64 if b else np.int32  # noqa: E731
-    return _spec.check_op(s((T, QH, D), dt), s((T, KH, D), dt), s((T, KH, D), dt), s(kc, cdt), s(vc, cdt),
+    return contract.check_op(s((T, QH, D), dt), s((T, KH, D), dt), s((T, KH, D), dt), s(kc, cdt), s(vc, cdt),
                           s((T,), idx(slot64)), s((T,), idx(pos64)), s((max_pos, w), tdt), s((max_pos, w), tdt),
                           layout=layout, is_neox=neox, rotary_dim=r, k_scale=1.0 if fp8 else None,
                           v_scale=1.0 if fp8 else None, precision=prec,

@@ -10,18 +10,18 @@ import numpy as np
 import pytest
 
 import jax_rope_cache as jrc
-from jax_rope_cache import _spec, reference
+from jax_rope_cache import contract, reference
 from conftest import Case, assert_bits_equal, make_problem, platforms
 
 DTYPES = [jnp.bfloat16, jnp.float16, jnp.float32, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e4m3fnuz]
 
 
-@pytest.mark.parametrize("layout", _spec.LAYOUTS)
+@pytest.mark.parametrize("layout", contract.LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("num_layers", [None, 3])
 def test_make_kv_cache_shapes(layout, dtype, num_layers):
     kc, vc = jrc.make_kv_cache(5, 32, 2, 128, dtype, layout=layout, num_layers=num_layers, fill="random")
-    want_k, want_v = _spec.cache_shapes(layout, 5, 32, 2, 128, dtype)
+    want_k, want_v = contract.cache_shapes(layout, 5, 32, 2, 128, dtype)
     lead = () if num_layers is None else (num_layers,)
     assert kc.shape == lead + want_k and vc.shape == lead + want_v
     assert kc.dtype == np.dtype(dtype) and vc.dtype == np.dtype(dtype)
@@ -36,7 +36,7 @@ def test_make_kv_cache_zeros():
 
 
 @pytest.mark.parametrize("platform", platforms())
-@pytest.mark.parametrize("layout", _spec.LAYOUTS)
+@pytest.mark.parametrize("layout", contract.LAYOUTS)
 @pytest.mark.parametrize("cache_dtype", [None, "float8_e4m3fn"])
 def test_read_kv_matches_reference(platform, layout, cache_dtype):
     args, opts = make_problem(Case(T=20, D=128, layout=layout, cache_dtype=cache_dtype), seed=21)

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 import jax_rope_cache as jrc
-from jax_rope_cache import _ffi
+from jax_rope_cache import backends
+from jax_rope_cache.backends import native
 from conftest import Case, assert_bits_equal, assert_fma_close, make_problem, platforms, reference_op
 
 # Different static configurations: each thread traces and compiles its own executables.
@@ -30,7 +31,7 @@ CONFIGS = [
 
 
 def _impls(platform):
-    return ["xla"] + (["kernel"] if platform in _ffi.kernel_platforms() else [])
+    return ["xla"] + (["kernel"] if platform in backends.kernel_platforms() else [])
 
 
 def _check(got, args, opts, impl, what):

@@ -28,16 +28,16 @@ import numpy as np
 import pytest
 
 from conftest import make_spec
-from jax_rope_cache import _spec, reference
+from jax_rope_cache import contract, reference
 
-_nvrtc = pytest.importorskip("jax_rope_cache._nvrtc")
-if not _nvrtc.available():
-    pytest.skip(f"NVRTC is not available: {_nvrtc.unavailable_reason()} (pip install nvidia-cuda-nvrtc)",
+nvrtc = pytest.importorskip("jax_rope_cache.compilers.nvrtc")
+if not nvrtc.available():
+    pytest.skip(f"NVRTC is not available: {nvrtc.unavailable_reason()} (pip install nvidia-cuda-nvrtc)",
                 allow_module_level=True)
 
 import jax  # noqa: E402
 
-from jax_rope_cache import cuda  # noqa: E402
+from jax_rope_cache.backends import cuda, launcher  # noqa: E402
 
 BF16, F16, F32 = np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16), np.dtype(np.float32)
 FN, FNUZ = np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e4m3fnuz)
@@ -51,10 +51,10 @@ COMBOS = [(BF16, BF16, F32, "fp32"), (F16, FN, F16, "native"), (F32, F32, BF16, 
 
 def compile_matrix():
     out = []
-    for i, (d, layout, neox, combo) in enumerate(itertools.product((64, 80, 128, 256), _spec.LAYOUTS, (True, False),
+    for i, (d, layout, neox, combo) in enumerate(itertools.product((64, 80, 128, 256), contract.LAYOUTS, (True, False),
                                                                    COMBOS)):
         dt, cdt, tdt, prec = combo
-        x = _spec.pack_width(cdt)
+        x = contract.pack_width(cdt)
         if layout != "flash" and d % x:
             continue
         r = d if i % 3 else d // 2  # partial rotary on every third variant
@@ -84,7 +84,7 @@ def test_nvrtc_compiles_every_variant_without_spills(arch):
     for kw, c in zip(MATRIX, compiled):
         assert c.code[:4] == b"\x7fELF", f"{_id(kw)}: not a cubin"
         assert cuda.KERNEL_NAME.encode() in c.code, f"{_id(kw)}: kernel symbol missing"
-        stores, loads, stack = _nvrtc.spill_bytes(c.log)
+        stores, loads, stack = nvrtc.spill_bytes(c.log)
         if "spill" not in c.log:
             failures.append(f"{_id(kw)}: no ptxas -v report in the log")
         elif stores or loads or stack:
@@ -106,25 +106,25 @@ def test_ptx_fallback_and_code_table():
 
 
 def test_code_table_unpacks_to_what_was_packed():
-    entries = [(cuda.KIND_CUBIN, "sm_90", b"\x7fELF" + bytes(range(37))), (cuda.KIND_PTX, "compute_90", b".version 8.0\0")]
-    table = cuda.pack_code_table(entries)
-    assert cuda.unpack_code_table(table) == entries
+    entries = [(launcher.KIND_CUBIN, "sm_90", b"\x7fELF" + bytes(range(37))), (launcher.KIND_PTX, "compute_90", b".version 8.0\0")]
+    table = launcher.pack_code_table(entries)
+    assert launcher.unpack_code_table(table) == entries
     # the byte layout gpu_launcher.cc parses: magic, count, 40-byte rows, 16-byte aligned blobs
     assert table[:8] == b"JRCCODE1" and struct.unpack_from("<I", table, 8)[0] == 2
     for i, (kind, arch, data) in enumerate(entries):
         k, _, a, off, size = struct.unpack_from("<II16sQQ", table, 16 + 40 * i)
         assert (k, a.rstrip(b"\0").decode(), table[off:off + size]) == (kind, arch, data) and off % 16 == 0
     with pytest.raises(ValueError, match="bad magic"):
-        cuda.unpack_code_table(b"NOTATABLE" + table[9:])
+        launcher.unpack_code_table(b"NOTATABLE" + table[9:])
 
 
 def test_disk_cache_roundtrip(tmp_path, monkeypatch):
     monkeypatch.setenv("JAX_ROPE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(_nvrtc, "_mem_cache", {})
+    monkeypatch.setattr(nvrtc, "_mem_cache", {})
     cfg = cuda.kernel_config(make_spec(D=64, QH=2, KH=1))
     a = cuda.compile_variant(cfg, "sm_90")
     assert not a.from_disk and list(tmp_path.glob("*.cubin.jrc"))
-    monkeypatch.setattr(_nvrtc, "_mem_cache", {})
+    monkeypatch.setattr(nvrtc, "_mem_cache", {})
     b = cuda.compile_variant(cfg, "sm_90")
     assert b.from_disk and b.code == a.code
     assert not list(tmp_path.glob(".tmp-*"))
@@ -170,7 +170,7 @@ def make_inputs(spec, rng):
     q = _random(rng, (t, qh, d), spec.dtype, 2.0)
     k = _random(rng, (t, kh, d), spec.dtype, 2.0)
     v = _random(rng, (t, kh, d), spec.dtype, 300.0 if spec.fp8 else 2.0)  # fp8: some saturate
-    kshape, vshape = _spec.cache_shapes(spec.layout, spec.num_blocks, spec.block_size, kh, d, spec.cache_dtype)
+    kshape, vshape = contract.cache_shapes(spec.layout, spec.num_blocks, spec.block_size, kh, d, spec.cache_dtype)
     kc = _random(rng, kshape, spec.cache_dtype)
     vc = _random(rng, vshape, spec.cache_dtype)
     n = spec.num_slots
@@ -205,10 +205,10 @@ def run_emulation(spec, args, k_scale, v_scale, tmp_dir, layer=0):
 
 def emulation_matrix():
     cases = []
-    for i, (layout, neox, combo) in enumerate(itertools.product(_spec.LAYOUTS, (True, False), COMBOS)):
+    for i, (layout, neox, combo) in enumerate(itertools.product(contract.LAYOUTS, (True, False), COMBOS)):
         dt, cdt, tdt, prec = combo
         d = (128, 64, 80, 256)[i % 4]
-        if layout != "flash" and d % _spec.pack_width(cdt):
+        if layout != "flash" and d % contract.pack_width(cdt):
             d = 128
         r = (d, d // 2, d)[i % 3]
         cases.append(dict(T=(37, 5, 130)[i % 3], QH=(4, 8, 2)[i % 3], KH=(2, 1, 2)[i % 3], D=d, R=r, layout=layout,
@@ -243,7 +243,7 @@ def test_host_emulation_matches_reference_bitwise(kw, emu_dir):
             pytest.fail(f"{name}: {len(bad)} elements differ, first at {bad[:3].tolist()}")
 
 
-@pytest.mark.parametrize("layout", _spec.LAYOUTS)
+@pytest.mark.parametrize("layout", contract.LAYOUTS)
 def test_host_emulation_writes_one_layer_of_stacked_caches(layout, emu_dir):
     """Stacked caches [L, NB, ...]: the layer comes from the device operand; every layer in range
     writes exactly that layer (bit-exact to the reference), one outside [0, L) writes nothing."""
@@ -276,12 +276,12 @@ def _export_cuda(impl, layers=None):
             s(kshape, jnp.bfloat16), s(kshape, jnp.bfloat16), s((T,), jnp.int32), s((T,), jnp.int32),
             s((32, D // 2), jnp.float32), s((32, D // 2), jnp.float32))
     step = lambda *a: jrc.rope_and_cache(*a, impl=impl, layer=None if layers is None else 1)  # noqa: E731
-    checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in (cuda.GPU_TARGET, cuda.GPU_TARGET_NO_GRAPH)]
+    checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in (launcher.GPU_TARGET, launcher.GPU_TARGET_NO_GRAPH)]
     return jax.export.export(jax.jit(step, donate_argnums=(3, 4)), platforms=["cuda"], disabled_checks=checks)(*args)
 
 
 def test_cuda_lowering_without_nvrtc_falls_back_or_raises(monkeypatch):
-    monkeypatch.setattr(_nvrtc, "available", lambda: False)
+    monkeypatch.setattr(nvrtc, "available", lambda: False)
     with pytest.raises(Exception, match="pip install nvidia-cuda-nvrtc"):
         _export_cuda("kernel")
     with pytest.warns(RuntimeWarning, match="falling back to the XLA implementation on CUDA"):

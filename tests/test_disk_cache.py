@@ -1,4 +1,4 @@
-"""The on-disk cache of compiled code objects (jax_rope_cache._diskcache, used by _nvrtc and _flydsl):
+"""The on-disk cache of compiled code objects (jax_rope_cache.compilers.cache, used by compilers.nvrtc and compilers.flydsl):
 atomic writes under a multi-process race, corrupt or truncated entries rebuilt with a warning, and
 unwritable or missing folders falling back to memory with a warning.
 
@@ -17,15 +17,15 @@ import warnings
 
 import pytest
 
-from jax_rope_cache import _diskcache, _flydsl, _nvrtc
+from jax_rope_cache.compilers import cache, flydsl, nvrtc
 
-needs_nvrtc = pytest.mark.skipif(not _nvrtc.available(), reason="NVRTC not installed")
+needs_nvrtc = pytest.mark.skipif(not nvrtc.available(), reason="NVRTC not installed")
 
 SOURCE = 'extern "C" __global__ void jrc_probe(float* x) { x[threadIdx.x] = VALUE * threadIdx.x; }\n'
 
 
 def _compile(value: int = 2):
-    return _nvrtc.compile_cuda(SOURCE, arch="compute_90", options=[f"-DVALUE={value}"], name="probe.cu")
+    return nvrtc.compile_cuda(SOURCE, arch="compute_90", options=[f"-DVALUE={value}"], name="probe.cu")
 
 
 @pytest.fixture
@@ -33,9 +33,9 @@ def cache(tmp_path, monkeypatch):
     """A fresh cache folder and empty memory caches."""
     d = tmp_path / "cache"
     monkeypatch.setenv("JAX_ROPE_CACHE_DIR", str(d))
-    monkeypatch.setattr(_nvrtc, "_mem_cache", {})
-    monkeypatch.setattr(_flydsl, "_mem", {})
-    monkeypatch.setattr(_diskcache, "_warned", set())
+    monkeypatch.setattr(nvrtc, "_mem_cache", {})
+    monkeypatch.setattr(flydsl, "_mem", {})
+    monkeypatch.setattr(cache, "_warned", set())
     return d
 
 
@@ -46,14 +46,14 @@ def _entries(d):
 @contextlib.contextmanager
 def _no_cache_warnings():
     with warnings.catch_warnings():
-        warnings.simplefilter("error", _diskcache.CacheWarning)
+        warnings.simplefilter("error", cache.CacheWarning)
         yield
 
 
 # ---- format ----------------------------------------------------------------------------------------
 def test_encode_decode_and_every_kind_of_damage():
-    blob = _diskcache.encode(b"\x7fELF" + bytes(range(256)) * 4, dict(arch="sm_90"))
-    meta, payload = _diskcache.decode(blob)
+    blob = cache.encode(b"\x7fELF" + bytes(range(256)) * 4, dict(arch="sm_90"))
+    meta, payload = cache.decode(blob)
     assert meta["arch"] == "sm_90" and payload.startswith(b"\x7fELF") and len(payload) == 1028
     damaged = {
         "empty": b"",
@@ -66,7 +66,7 @@ def test_encode_decode_and_every_kind_of_damage():
     }
     for what, bad in damaged.items():
         with pytest.raises(ValueError):
-            _diskcache.decode(bad)
+            cache.decode(bad)
         assert what  # every kind was detected
 
 
@@ -77,7 +77,7 @@ def test_roundtrip_one_file_per_entry(cache):
         a = _compile()
     files = _entries(cache)
     assert [p.name for p in files] == [a.key + ".cubin.jrc"] and not a.from_disk
-    _nvrtc._mem_cache.clear()
+    nvrtc._mem_cache.clear()
     b = _compile()
     assert b.from_disk and b.code == a.code and b.arch == a.arch
 
@@ -90,13 +90,13 @@ def test_corrupt_entry_is_detected_rebuilt_and_rewritten(cache, damage):
     blob = path.read_bytes()
     path.write_bytes({"truncate": blob[: len(blob) // 2], "flip": blob[:-5] + bytes([blob[-5] ^ 0x40]) + blob[-4:],
                       "garbage": os.urandom(len(blob)), "empty": b""}[damage])
-    _nvrtc._mem_cache.clear()
-    with pytest.warns(_diskcache.CacheWarning, match="corrupt code-object cache entry"):
+    nvrtc._mem_cache.clear()
+    with pytest.warns(cache.CacheWarning, match="corrupt code-object cache entry"):
         b = _compile()
     assert not b.from_disk and b.code == a.code  # compiled again, same result
-    meta, payload = _diskcache.decode(path.read_bytes())  # and the entry is whole again
+    meta, payload = cache.decode(path.read_bytes())  # and the entry is whole again
     assert payload == a.code
-    _nvrtc._mem_cache.clear()
+    nvrtc._mem_cache.clear()
     with _no_cache_warnings():
         assert _compile().from_disk
 
@@ -106,8 +106,8 @@ def test_unwritable_folder_falls_back_to_memory(cache, monkeypatch):
     def refuse(*a, **k):
         raise OSError(errno.EROFS, "Read-only file system")
 
-    monkeypatch.setattr(_diskcache.tempfile, "mkstemp", refuse)  # what a read-only mount does
-    with pytest.warns(_diskcache.CacheWarning, match="cannot write to the code-object cache .*Read-only"):
+    monkeypatch.setattr(cache.tempfile, "mkstemp", refuse)  # what a read-only mount does
+    with pytest.warns(cache.CacheWarning, match="cannot write to the code-object cache .*Read-only"):
         a = _compile()
     assert not _entries(cache)
     with _no_cache_warnings():  # one warning per folder, then the memory cache serves
@@ -122,7 +122,7 @@ def test_read_only_directory_falls_back_to_memory(cache):
     cache.mkdir()
     cache.chmod(0o555)
     try:
-        with pytest.warns(_diskcache.CacheWarning, match="cannot write"):
+        with pytest.warns(cache.CacheWarning, match="cannot write"):
             a = _compile()
         assert a.code and not _entries(cache)
     finally:
@@ -142,7 +142,7 @@ def test_missing_folder_is_created(cache):
 def test_folder_that_cannot_exist_falls_back_to_memory(cache):
     cache.parent.joinpath("a_file").write_text("not a folder")
     os.environ["JAX_ROPE_CACHE_DIR"] = str(cache.parent / "a_file" / "cache")
-    with pytest.warns(_diskcache.CacheWarning, match="cannot write"):
+    with pytest.warns(cache.CacheWarning, match="cannot write"):
         a = _compile()
     assert a.code
     with _no_cache_warnings():
@@ -158,14 +158,14 @@ def test_empty_setting_disables_the_disk(cache, monkeypatch):
 
 
 def test_failed_write_leaves_no_temporary_file(tmp_path, monkeypatch):
-    monkeypatch.setattr(_diskcache, "_warned", set())
+    monkeypatch.setattr(cache, "_warned", set())
 
     def crash(src, dst):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(_diskcache.os, "replace", crash)
-    with pytest.warns(_diskcache.CacheWarning, match="No space"):
-        assert not _diskcache.write(str(tmp_path), "k.jrc", b"payload", {})
+    monkeypatch.setattr(cache.os, "replace", crash)
+    with pytest.warns(cache.CacheWarning, match="No space"):
+        assert not cache.write(str(tmp_path), "k.jrc", b"payload", {})
     assert list(tmp_path.iterdir()) == []  # neither the entry nor a half-written temporary
 
 
@@ -174,7 +174,7 @@ def _race_worker(folder, barrier, queue, values):
     import hashlib
     import warnings as w
 
-    from jax_rope_cache import _nvrtc as nv
+    from jax_rope_cache.compilers import nvrtc as nv
 
     out = []
     try:
@@ -212,7 +212,7 @@ def test_processes_compiling_the_same_keys_at_once(cache):
     import hashlib
     want = {k: h for _, k, h in per_process[0]}
     for p in files:
-        _, payload = _diskcache.decode(p.read_bytes())
+        _, payload = cache.decode(p.read_bytes())
         assert hashlib.sha256(payload).hexdigest() == want[p.name.split(".")[0]]
     assert not [p for p in cache.iterdir() if p.name.startswith(".tmp-")]
 
@@ -234,32 +234,32 @@ def fake_flydsl(cache, monkeypatch):
         compiles.append((cfg, arch))
         return b"\x7fELF-fake-" + arch.encode() + bytes(cfg.d)
 
-    monkeypatch.setattr(_flydsl, "require", lambda: None)
-    monkeypatch.setattr(_flydsl, "_compile_now", compile_now)
-    monkeypatch.setattr(_flydsl, "_source_hash", lambda: "test-source")
-    monkeypatch.setattr(_flydsl, "flydsl_version", lambda: "0.0-test")
-    monkeypatch.setattr(_flydsl._amdgpu_elf, "kernel_info", lambda code: {"name": "jrc_rope_cache_0"})
+    monkeypatch.setattr(flydsl, "require", lambda: None)
+    monkeypatch.setattr(flydsl, "_compile_now", compile_now)
+    monkeypatch.setattr(flydsl, "_source_hash", lambda: "test-source")
+    monkeypatch.setattr(flydsl, "flydsl_version", lambda: "0.0-test")
+    monkeypatch.setattr(flydsl.amdgpu_elf, "kernel_info", lambda code: {"name": "jrc_rope_cache_0"})
     return compiles
 
 
 def test_flydsl_roundtrip_corruption_and_fallback(cache, fake_flydsl, monkeypatch):
     with _no_cache_warnings():
-        a = _flydsl.compile_config(_Cfg(), "gfx942")
+        a = flydsl.compile_config(_Cfg(), "gfx942")
     (path,) = _entries(cache / "rocm")
     assert path.name == a.key + ".hsaco.jrc" and len(fake_flydsl) == 1
-    _flydsl._mem.clear()
-    b = _flydsl.compile_config(_Cfg(), "gfx942")
+    flydsl._mem.clear()
+    b = flydsl.compile_config(_Cfg(), "gfx942")
     assert b.from_disk and b.code == a.code and len(fake_flydsl) == 1
     # truncated: detected, rebuilt, rewritten
     path.write_bytes(path.read_bytes()[:-3])
-    _flydsl._mem.clear()
-    with pytest.warns(_diskcache.CacheWarning, match="corrupt"):
-        c = _flydsl.compile_config(_Cfg(), "gfx942")
+    flydsl._mem.clear()
+    with pytest.warns(cache.CacheWarning, match="corrupt"):
+        c = flydsl.compile_config(_Cfg(), "gfx942")
     assert not c.from_disk and c.code == a.code and len(fake_flydsl) == 2
-    assert _diskcache.decode(path.read_bytes())[1] == a.code
+    assert cache.decode(path.read_bytes())[1] == a.code
     # unwritable: memory only, one warning
     monkeypatch.setenv("JAX_ROPE_CACHE_DIR", str(cache / "rocm" / path.name / "sub"))  # under a file
-    with pytest.warns(_diskcache.CacheWarning, match="cannot write"):
-        d = _flydsl.compile_config(_Cfg(96), "gfx950")
+    with pytest.warns(cache.CacheWarning, match="cannot write"):
+        d = flydsl.compile_config(_Cfg(96), "gfx950")
     with _no_cache_warnings():
-        assert _flydsl.compile_config(_Cfg(96), "gfx950") is d
+        assert flydsl.compile_config(_Cfg(96), "gfx950") is d

@@ -27,15 +27,15 @@ import numpy as np
 import pytest
 
 import jax_rope_cache as jrc
-from jax_rope_cache import _spec
+from jax_rope_cache import contract
 from conftest import impl_params, reference_op, ulp_diff
 
 N_CASES = int(os.environ.get("JRC_FUZZ_CASES", "150"))
 SEED0 = int(os.environ.get("JRC_FUZZ_SEED", "0"))
 
 DTYPES = [np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16), np.dtype(np.float32)]
-FP8 = list(_spec.FP8_DTYPES)
-LAYOUTS = list(_spec.LAYOUTS)
+FP8 = list(contract.FP8_DTYPES)
+LAYOUTS = list(contract.LAYOUTS)
 
 
 def _choice(rng, seq):
@@ -46,7 +46,7 @@ def _draw_spec(rng) -> dict:
     """The static shape of one random case (always valid)."""
     dt = _choice(rng, DTYPES)
     cdt = dt if rng.random() < 0.6 else _choice(rng, FP8)
-    x = _spec.pack_width(cdt)
+    x = contract.pack_width(cdt)
     layout = _choice(rng, LAYOUTS)
     d = int(_choice(rng, [2, 4, 8, 16, 32, 48, 64, 80, 96, 128, 256]))
     if layout != "flash" and d % x:
@@ -121,14 +121,14 @@ def make_case(i: int):
             cos, sin = _sprinkle(rng, cos, 0.02), _sprinkle(rng, sin, 0.02)
     q, k, v = (a.astype(s["dt"]) for a in (q, k, v))
     cos, sin = cos.astype(s["tdt"]), sin.astype(s["tdt"])
-    kshape, vshape = _spec.cache_shapes(s["layout"], s["NB"], s["BS"], s["KH"], d, s["cdt"])
+    kshape, vshape = contract.cache_shapes(s["layout"], s["NB"], s["BS"], s["KH"], d, s["cdt"])
     if s["layers"]:
         kshape, vshape = (s["layers"],) + kshape, (s["layers"],) + vshape
     kc = rng.standard_normal(kshape).astype(np.float32).astype(s["cdt"])
     vc = rng.standard_normal(vshape).astype(np.float32).astype(s["cdt"])
     slots, pos = _indices(rng, s["max_pos"], t, s["idt"], s["NB"] * s["BS"])
     opts = dict(layout=s["layout"], is_neox=s["neox"], rotary_dim=None if r == d else r, precision=s["precision"])
-    if s["cdt"] in _spec.FP8_DTYPES:
+    if s["cdt"] in contract.FP8_DTYPES:
         opts.update(k_scale=np.float32(rng.uniform(0.01, 2)), v_scale=np.float32(rng.uniform(0.01, 2)))
     layer = int(rng.integers(0, s["layers"])) if s["layers"] else None
     args = [q, k, v, kc, vc, slots, pos, cos, sin]

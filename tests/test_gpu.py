@@ -27,7 +27,8 @@ import numpy as np
 import pytest
 
 import jax_rope_cache as jrc
-from jax_rope_cache import _ffi, cuda, reference
+from jax_rope_cache import reference
+from jax_rope_cache.backends import cuda, launcher, native
 
 try:
     _HAS_CUDA = bool(jax.devices("cuda"))
@@ -36,7 +37,7 @@ except RuntimeError:
 
 pytestmark = [
     pytest.mark.skipif(not _HAS_CUDA, reason="jax has no CUDA backend here"),
-    pytest.mark.skipif(_HAS_CUDA and not cuda.kernel_available(),
+    pytest.mark.skipif(_HAS_CUDA and not (cuda.missing() is None),
                        reason="CUDA kernel path unavailable (extension or NVRTC missing)"),
 ]
 
@@ -79,7 +80,7 @@ def test_compiled_hlo_has_one_custom_call_and_nothing_else_launches():
     compiled = _jitted().lower(*args).compile()
     hlo = compiled.as_text()
     calls = re.findall(r'custom_call_target="([^"]+)"', hlo)
-    assert calls == [cuda.GPU_TARGET if cuda.command_buffers_enabled() else cuda.GPU_TARGET_NO_GRAPH], calls
+    assert calls == [launcher.GPU_TARGET if launcher.command_buffers_enabled() else launcher.GPU_TARGET_NO_GRAPH], calls
     entry = hlo[hlo.index("ENTRY"):]
     kernels = re.findall(r"= [^ ]+ (fusion|copy|scatter|gather|dynamic-update-slice|convert|add|multiply)\(",
                          entry)
@@ -100,7 +101,7 @@ def test_stacked_caches_are_one_kernel_with_the_layer_read_on_the_device():
     entry = hlo[hlo.index("ENTRY"):]
     assert len(re.findall(r"custom_call_target=", hlo)) == 1, hlo
     assert not re.findall(r"= [^ ]+ (fusion|copy|scatter|gather|select|add|multiply|convert)\(", entry), entry
-    native = _ffi.native_module()
+    native = native.native_module()
     host = [np.asarray(a) for a in (q, k, v, kc, vc, slots, pos, cos, sin)]
     for layer in (2, 0, 3, 7, -1):
         want = reference.rope_and_cache(*host, layer=np.array(layer, np.int32))
@@ -115,7 +116,7 @@ def test_stacked_caches_are_one_kernel_with_the_layer_read_on_the_device():
 
 
 def test_launcher_launches_exactly_one_kernel_per_call():
-    native = _ffi.native_module()
+    native = native.native_module()
     f = _jitted()
     args = _problem(1)
     q_out, k_out, kc, vc = f(*args)  # compile + first run
@@ -131,8 +132,9 @@ def test_launcher_launches_exactly_one_kernel_per_call():
 _MODULES_SCRIPT = textwrap.dedent("""
     import numpy as np, jax, jax.numpy as jnp
     import jax_rope_cache as jrc
-    from jax_rope_cache import _ffi, reference
-    native = _ffi.native_module()
+    from jax_rope_cache import reference
+    from jax_rope_cache.backends import native
+    native = native.native_module()
     rng = np.random.default_rng(0)
 
     def problem(d):
@@ -252,7 +254,7 @@ _SWITCH_SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("value,target", [("0", cuda.GPU_TARGET_NO_GRAPH), ("1", cuda.GPU_TARGET)])
+@pytest.mark.parametrize("value,target", [("0", launcher.GPU_TARGET_NO_GRAPH), ("1", launcher.GPU_TARGET)])
 def test_command_buffer_switch(value, target):
     env = dict(os.environ, JAX_ROPE_CACHE_COMMAND_BUFFERS=value)
     r = subprocess.run([sys.executable, "-P", "-c", _SWITCH_SCRIPT], env=env, capture_output=True, text=True,
@@ -265,8 +267,8 @@ def test_command_buffer_switch(value, target):
 def _launch_raw(table: bytes, code_hash: int):
     """Runs the launcher directly on a hand-made code-object table (no op, 4 floats)."""
     x = jnp.ones((4,), jnp.float32)
-    call = jax.ffi.ffi_call(cuda.GPU_TARGET_NO_GRAPH, jax.ShapeDtypeStruct((4,), jnp.float32))
-    cuda._register_gpu_targets(_ffi.native_module())
+    call = jax.ffi.ffi_call(launcher.GPU_TARGET_NO_GRAPH, jax.ShapeDtypeStruct((4,), jnp.float32))
+    launcher.register_gpu_targets(native.native_module())
     fn = jax.jit(lambda a: call(a, code=table, code_hash=np.int64(code_hash), kernel="rope_cache_kernel",
                                 grid_div=np.int64(1), block=np.int64(32), smem=np.int64(0)))
     jax.block_until_ready(fn(x))
@@ -274,7 +276,7 @@ def _launch_raw(table: bytes, code_hash: int):
 
 def test_wrong_arch_code_object_is_a_clear_error():
     """A code-object table with no entry for this GPU fails with the device's arch in the message."""
-    table = cuda.pack_code_table([(cuda.KIND_CUBIN, "sm_10", b"\x7fELF-not-a-real-cubin")])
+    table = launcher.pack_code_table([(launcher.KIND_CUBIN, "sm_10", b"\x7fELF-not-a-real-cubin")])
     with pytest.raises(Exception, match=r"no code object for this GPU \(sm_\d+\).*sm_10"):
         _launch_raw(table, 12345)
 
@@ -282,6 +284,6 @@ def test_wrong_arch_code_object_is_a_clear_error():
 def test_driver_error_message_surfaces():
     """A corrupt cubin for the right arch: cuModuleLoadData's own message comes back."""
     cc, _ = cuda._local_cuda_arch()
-    table = cuda.pack_code_table([(cuda.KIND_CUBIN, f"sm_{cc}", b"\x7fELF" + b"\0" * 60)])
+    table = launcher.pack_code_table([(launcher.KIND_CUBIN, f"sm_{cc}", b"\x7fELF" + b"\0" * 60)])
     with pytest.raises(Exception, match=r"cuModuleLoadData"):
         _launch_raw(table, 54321)

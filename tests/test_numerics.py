@@ -7,10 +7,12 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jax_rope_cache import _ffi, _spec, reference
+from jax_rope_cache import contract, reference
+
+from jax_rope_cache.backends import native
 from conftest import Case, make_problem
 
-native = _ffi.native_module()
+native = native.native_module()
 needs_native = pytest.mark.skipif(native is None, reason="the compiled extension did not import")
 SMALL = {"bfloat16": (ml_dtypes.bfloat16, np.uint16), "float16": (np.float16, np.uint16),
          "float8_e4m3fn": (ml_dtypes.float8_e4m3fn, np.uint8), "float8_e4m3fnuz": (ml_dtypes.float8_e4m3fnuz, np.uint8)}
@@ -34,12 +36,12 @@ def test_rounding_matches_ml_dtypes(name):
     dt, ut = SMALL[name]
     f = _hard_f32(np.random.default_rng(0), 1 << 18)
     if name.startswith("float8"):  # the kernels saturate; ml_dtypes would give NaN past max
-        m = _spec.FP8_MAX[np.dtype(dt)]
+        m = contract.FP8_MAX[np.dtype(dt)]
         with np.errstate(invalid="ignore"):
             f = np.where(np.isnan(f), f, np.clip(f, -m, m)).astype(np.float32)
     f = f[~np.isnan(f)]
     bits = np.zeros(f.size, np.uint32)
-    native.round_f32(f, bits, _spec.DTYPE_CODES[np.dtype(dt)])
+    native.round_f32(f, bits, contract.DTYPE_CODES[np.dtype(dt)])
     with np.errstate(over="ignore"):
         want = f.astype(dt).view(ut).astype(np.uint32)
     bad = np.flatnonzero(bits != want)
@@ -52,7 +54,7 @@ def test_widening_is_exact_for_every_code(name):
     dt, ut = SMALL[name]
     codes = np.arange(np.iinfo(ut).max + 1, dtype=np.uint32)
     got = np.zeros(codes.size, np.float32)
-    native.widen_to_f32(codes, got, _spec.DTYPE_CODES[np.dtype(dt)])
+    native.widen_to_f32(codes, got, contract.DTYPE_CODES[np.dtype(dt)])
     want = codes.astype(ut).view(dt).astype(np.float32)
     same = (got.view(np.uint32) == want.view(np.uint32)) | (np.isnan(got) & np.isnan(want))
     assert same.all(), f"code {codes[~same][0]:#x}: got {got[~same][0]} want {want[~same][0]}"
@@ -64,9 +66,9 @@ def test_fp8_saturates_and_keeps_nan(name):
     dt, _ = SMALL[name]
     f = np.array([1e6, -1e6, np.inf, -np.inf, 449.0, np.nan, -0.0, 1e-30], np.float32)
     bits = np.zeros(f.size, np.uint32)
-    native.round_f32(f, bits, _spec.DTYPE_CODES[np.dtype(dt)])
+    native.round_f32(f, bits, contract.DTYPE_CODES[np.dtype(dt)])
     vals = bits.astype(np.uint8).view(dt).astype(np.float32)
-    m = _spec.FP8_MAX[np.dtype(dt)]
+    m = contract.FP8_MAX[np.dtype(dt)]
     assert list(vals[:4]) == [m, -m, m, -m] and vals[4] == min(448.0, m)
     assert np.isnan(vals[5]) and vals[6] == 0 and vals[7] == 0
 
@@ -109,7 +111,7 @@ def test_reference_native_differs_from_fp32_only_by_rounding():
     assert np.abs(a - b).max() <= 4 * 2.0**-8 * np.abs(a).max()
 
 
-@pytest.mark.parametrize("layout", _spec.LAYOUTS)
+@pytest.mark.parametrize("layout", contract.LAYOUTS)
 def test_read_kv_inverts_the_write(layout):
     args, opts = make_problem(Case(T=7, D=64, layout=layout, cache_dtype="float8_e4m3fnuz"), seed=8)
     _, k_out, kc, vc = reference.rope_and_cache(*args, **opts)

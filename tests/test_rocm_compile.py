@@ -31,16 +31,19 @@ import numpy as np
 import pytest
 
 from conftest import make_spec
-from jax_rope_cache import _amdgpu_elf, _ffi, _flydsl, _spec, cuda, rocm
+from jax_rope_cache import backends, contract
+from jax_rope_cache.backends import launcher, rocm
+from jax_rope_cache.cli import aot
+from jax_rope_cache.compilers import amdgpu_elf, flydsl
 
 BF16, F16, F32 = np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16), np.dtype(np.float32)
 FN, FNUZ = np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e4m3fnuz)
 ARCHS = ("gfx942", "gfx950")
 NUM_OPERANDS, NUM_RESULTS = 12, 4  # the custom call: 12 operands (layer last), 4 results
 
-needs_flydsl = pytest.mark.skipif(not _flydsl.available(),
-                                  reason=f"the ROCm kernel cannot be compiled here: {_flydsl.unavailable_reason()}; "
-                                         f"install with: {_flydsl.INSTALL_HINT}")
+needs_flydsl = pytest.mark.skipif(not flydsl.available(),
+                                  reason=f"the ROCm kernel cannot be compiled here: {flydsl.unavailable_reason()}; "
+                                         f"install with: {flydsl.INSTALL_HINT}")
 
 
 
@@ -53,7 +56,7 @@ COMBOS = [(BF16, BF16, F32, "fp32"), (F16, FN, F16, "native"), (F32, F32, BF16, 
 def matrix():
     out = []
     i = 0
-    for layout in _spec.LAYOUTS:
+    for layout in contract.LAYOUTS:
         for neox in (True, False):
             for dt, cdt, tdt, prec in COMBOS:
                 for D in (64, 128, 256):
@@ -91,7 +94,7 @@ def expected_kernargs():
 
 
 def check_code_object(code: bytes, arch: str, cfg, symbol: str | None = None):
-    info = _amdgpu_elf.kernel_info(code)
+    info = amdgpu_elf.kernel_info(code)
     args, size = expected_kernargs()
     assert info["target"].endswith(arch), info["target"]
     assert info["args"] == args, info["args"]
@@ -120,7 +123,7 @@ def test_variant_compiles_for_both_archs(p):
     assert [o.arch for o in objs] == list(ARCHS)
     for o in objs:
         check_code_object(o.code, o.arch, cfg, symbol)
-    assert cuda.unpack_code_table(table) == [(3, a, o.code) for a, o in zip(ARCHS, objs)]
+    assert launcher.unpack_code_table(table) == [(3, a, o.code) for a, o in zip(ARCHS, objs)]
 
 
 ISA_CASES = [
@@ -154,7 +157,7 @@ def fma_outside_division(isa: str) -> list[str]:
 def test_isa_no_fma_and_wide_memory(p, arch):
     spec = make_spec(**p)
     cfg = rocm.kernel_config(spec)
-    isa = _flydsl.isa(cfg, arch)
+    isa = flydsl.isa(cfg, arch)
     assert "s_endpgm" in isa
     fused = fma_outside_division(isa)
     assert not fused, f"fused multiply-add in the ISA outside the IEEE division of 1/scale: {fused[:8]}"
@@ -166,7 +169,7 @@ def test_isa_no_fma_and_wide_memory(p, arch):
 # ---- export ------------------------------------------------------------------------------------
 def decode_args(layout="flash", T=8, QH=8, KH=1, D=64, NB=64, BS=16, cdt=jnp.bfloat16):
     s = jax.ShapeDtypeStruct
-    kc, vc = _spec.cache_shapes(layout, NB, BS, KH, D, np.dtype(cdt))
+    kc, vc = contract.cache_shapes(layout, NB, BS, KH, D, np.dtype(cdt))
     return (s((T, QH, D), jnp.bfloat16), s((T, KH, D), jnp.bfloat16), s((T, KH, D), jnp.bfloat16),
             s(kc, cdt), s(vc, cdt), s((T,), jnp.int32), s((T,), jnp.int32),
             s((4096, D // 2), jnp.float32), s((4096, D // 2), jnp.float32))
@@ -175,7 +178,7 @@ def decode_args(layout="flash", T=8, QH=8, KH=1, D=64, NB=64, BS=16, cdt=jnp.bfl
 def export_rocm(impl="kernel", layout="flash", cdt=jnp.bfloat16):
     import jax_rope_cache as jrc
 
-    fp8 = np.dtype(cdt) in _spec.FP8_DTYPES
+    fp8 = np.dtype(cdt) in contract.FP8_DTYPES
 
     def step(q, k, v, kc, vc, slots, pos, cos, sin):
         return jrc.rope_and_cache(q, k, v, kc, vc, slots, pos, cos, sin, layout=layout, impl=impl,
@@ -226,41 +229,41 @@ def test_export_rocm_on_cpu_carries_both_archs(layout, cdt):
     calls = [c for c in custom_calls(restored) if c[0].startswith("jax_rope_cache_gpu")]
     assert len(calls) == 1, calls
     _, attrs = calls[0]
-    entries = cuda.unpack_code_table(attrs["code"])
+    entries = launcher.unpack_code_table(attrs["code"])
     assert [(k, a) for k, a, _ in entries] == [(3, "gfx942"), (3, "gfx950")]
     symbol = attrs["kernel"].decode()
     spec_cfg = rocm.kernel_config(make_spec_from_decode(layout, cdt))
     assert attrs["block"] == spec_cfg.nt and attrs["grid_div"] == spec_cfg.tpb and attrs["smem"] == 0
     for _, arch, code in entries:
         check_code_object(code, arch, spec_cfg, symbol)
-    assert attrs["code_hash"] == rocm.code_hash(attrs["code"])
+    assert attrs["code_hash"] == launcher.code_hash(attrs["code"])
 
 
 def make_spec_from_decode(layout, cdt):
     a = decode_args(layout=layout, cdt=cdt)
-    fp8 = np.dtype(cdt) in _spec.FP8_DTYPES
-    return _spec.check_op(*a, layout=layout, k_scale=0.5 if fp8 else None, v_scale=0.25 if fp8 else None)
+    fp8 = np.dtype(cdt) in contract.FP8_DTYPES
+    return contract.check_op(*a, layout=layout, k_scale=0.5 if fp8 else None, v_scale=0.25 if fp8 else None)
 
 
 def test_without_flydsl_kernel_raises_and_default_falls_back(monkeypatch):
-    monkeypatch.setattr(_flydsl, "available", lambda: False)
-    monkeypatch.setattr(_flydsl, "unavailable_reason", lambda: "the Python package 'flydsl' is not installed")
+    monkeypatch.setattr(flydsl, "available", lambda: False)
+    monkeypatch.setattr(flydsl, "unavailable_reason", lambda: "the Python package 'flydsl' is not installed")
     with pytest.raises(Exception, match=r"pip install 'flydsl"):
         export_rocm(impl="kernel")
     with pytest.warns(RuntimeWarning, match="falling back to the XLA implementation on ROCm"):
         exp = export_rocm(impl=None)
     assert not [c for c in custom_calls(exp) if c[0].startswith("jax_rope_cache")]
-    assert "rocm" not in _ffi.kernel_platforms()
+    assert "rocm" not in backends.kernel_platforms()
 
 
 def test_compile_failure_falls_back_for_default_impl(monkeypatch):
-    monkeypatch.setattr(_flydsl, "available", lambda: True)
+    monkeypatch.setattr(flydsl, "available", lambda: True)
 
     def broken(cfg, arch):
         raise RuntimeError("DSLCompileError: lld invocation failed")
 
-    monkeypatch.setattr(_flydsl, "compile_config", broken)
-    monkeypatch.setattr(_flydsl, "kernel_module", lambda path=None: _REPO_KERNEL)
+    monkeypatch.setattr(flydsl, "compile_config", broken)
+    monkeypatch.setattr(flydsl, "kernel_module", lambda path=None: _REPO_KERNEL)
     with pytest.raises(RuntimeError, match="lld invocation failed"):
         export_rocm(impl="kernel")
     with pytest.warns(RuntimeWarning, match="compiling the kernel failed"):
@@ -270,9 +273,9 @@ def test_compile_failure_falls_back_for_default_impl(monkeypatch):
 
 def _repo_kernel():
     try:
-        return _flydsl.kernel_module()
+        return flydsl.kernel_module()
     except FileNotFoundError:
-        return _flydsl.kernel_module(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "kernels",
+        return flydsl.kernel_module(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "kernels",
                                                   "rocm", "rope_cache_flydsl.py"))
 
 
@@ -282,15 +285,15 @@ _REPO_KERNEL = _repo_kernel()
 @needs_flydsl
 def test_compile_cli_fills_the_disk_cache(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("JAX_ROPE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(_flydsl, "_mem", {})
-    rocm.compile_main(["--arch", "gfx942,gfx950", "--preset", "gpt-oss-120b", "--tp", "8",
+    monkeypatch.setattr(flydsl, "_mem", {})
+    aot.main(["--arch", "gfx942,gfx950", "--preset", "gpt-oss-120b", "--tp", "8",
                        "--layout", "flash,xpacked_shuffled", "--dtype", "bfloat16"])
     err = capsys.readouterr().err
     assert "4 code objects (2 configurations x 2 archs)" in err, err
     assert len(list((tmp_path / "rocm").glob("*.hsaco.jrc"))) == 4
     # a lowering of the same shape now reads the disk cache (nothing compiled)
-    monkeypatch.setattr(_flydsl, "_mem", {})
-    monkeypatch.setattr(_flydsl, "_compile_now", lambda *a, **k: pytest.fail("compiled instead of using the cache"))
+    monkeypatch.setattr(flydsl, "_mem", {})
+    monkeypatch.setattr(flydsl, "_compile_now", lambda *a, **k: pytest.fail("compiled instead of using the cache"))
     spec = make_spec(T=3, QH=8, KH=1, D=64, layout="xpacked_shuffled", tdt=F32, pos64=False)
     _, _, objs = rocm.build_code_table(rocm.kernel_config(spec), ARCHS)
     assert all(o.from_disk for o in objs)

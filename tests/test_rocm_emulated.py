@@ -19,16 +19,17 @@ import pytest
 
 import rocm_emulator
 from conftest import Case, assert_bits_equal, make_problem, reference_op
-from jax_rope_cache import _flydsl, _spec
+from jax_rope_cache import contract
+from jax_rope_cache.compilers import flydsl
 
 import os  # noqa: E402
 
 # The source under test: the installed copy, else the repository's (the emulator needs no build).
 try:
-    _SRC = _flydsl.kernel_source_path()
+    _SRC = flydsl.kernel_source_path()
 except FileNotFoundError:
     _SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "kernels", "rocm", "rope_cache_flydsl.py")
-K = _flydsl.kernel_module(_SRC)
+K = flydsl.kernel_module(_SRC)
 
 CASES = [
     Case(),
@@ -48,7 +49,7 @@ _COMBOS = [("bfloat16", None, "float32", "fp32"), ("float16", "float8_e4m3fn", "
            ("float32", None, "bfloat16", "fp32"), ("bfloat16", "float8_e4m3fnuz", "bfloat16", "native"),
            ("float16", None, "float32", "native")]
 _i = 0
-for _layout in _spec.LAYOUTS:
+for _layout in contract.LAYOUTS:
     for _neox in (True, False):
         for _dt, _cdt, _tdt, _prec in _COMBOS:
             _i += 1
@@ -60,7 +61,7 @@ for _layout in _spec.LAYOUTS:
 
 
 def custom_call_operands(args, opts, layer=0):
-    fp8 = np.dtype(args[3].dtype) in _spec.FP8_DTYPES
+    fp8 = np.dtype(args[3].dtype) in contract.FP8_DTYPES
     ks = np.asarray(opts.get("k_scale", 1.0) if fp8 else 1.0, np.float32).reshape(())
     vs = np.asarray(opts.get("v_scale", 1.0) if fp8 else 1.0, np.float32).reshape(())
     return [np.asarray(a) for a in args] + [ks, vs, np.asarray(layer, np.int32).reshape(())]
@@ -69,9 +70,9 @@ def custom_call_operands(args, opts, layer=0):
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_emulated_kernel_matches_reference(case):
     args, opts = make_problem(case, seed=7)
-    from jax_rope_cache import rocm
+    from jax_rope_cache.backends import rocm
 
-    spec = _spec.check_op(*args, **opts)
+    spec = contract.check_op(*args, **opts)
     cfg = rocm.kernel_config(spec, K)
     got = rocm_emulator.run(K, cfg, custom_call_operands(args, opts))
     want = reference_op(*args, **opts)
@@ -83,20 +84,20 @@ def test_emulated_kernel_small_workgroups_cover_tails():
     """A config forced to several tokens per workgroup with a partial last workgroup."""
     case = Case(T=10, QH=1, KH=1, D=16, layout="flash", dtype="bfloat16")
     args, opts = make_problem(case, seed=3)
-    from jax_rope_cache import rocm
+    from jax_rope_cache.backends import rocm
 
-    cfg = rocm.kernel_config(_spec.check_op(*args, **opts), K)
+    cfg = rocm.kernel_config(contract.check_op(*args, **opts), K)
     assert cfg.tpb > 1 and case.T % cfg.tpb, cfg
     got = rocm_emulator.run(K, cfg, custom_call_operands(args, opts))
     for name, g, w in zip(("q_out", "k_out", "key_cache", "value_cache"), got, reference_op(*args, **opts)):
         assert_bits_equal(g, w, name)
 
 
-@pytest.mark.parametrize("layout", _spec.LAYOUTS)
+@pytest.mark.parametrize("layout", contract.LAYOUTS)
 def test_emulated_kernel_writes_one_layer_of_stacked_caches(layout):
     """Stacked caches [L, NB, ...]: the layer is read from its operand on the device; a layer in
     range writes exactly that layer (bit-exact), one outside [0, L) writes nothing."""
-    from jax_rope_cache import rocm
+    from jax_rope_cache.backends import rocm
 
     layers = 3
     case = Case(T=9, QH=4, KH=2, D=64, layout=layout, dtype="bfloat16")
@@ -108,7 +109,7 @@ def test_emulated_kernel_writes_one_layer_of_stacked_caches(layout):
         bits = rng.integers(0, 2**16, (layers,) + c.shape, dtype=np.uint16) & 0x3FFF  # finite bf16 values
         stacks.append(bits.view(c.dtype))
     args = list(args[:3]) + stacks + list(args[5:])
-    spec = _spec.check_op(*args, **opts, layer=np.zeros((), np.int32))
+    spec = contract.check_op(*args, **opts, layer=np.zeros((), np.int32))
     cfg = rocm.kernel_config(spec, K)
     assert cfg.layer_blocks == np.asarray(args[3]).shape[1]
     for layer in (2, 0, -1, 3, 2**31 - 1):

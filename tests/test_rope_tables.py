@@ -1,4 +1,4 @@
-"""RoPE tables (jax_rope_cache.tables, jax_rope_cache.presets).
+"""RoPE tables (jax_rope_cache.models.tables, jax_rope_cache.models.presets).
 
 1. Known answers: one hand-computable tiny case per scaling law and per table form (no transformers).
 2. Bad settings and configs raise ValueError naming the key.
@@ -29,8 +29,8 @@ import numpy as np
 import pytest
 
 import jax_rope_cache as jrc
-from jax_rope_cache import presets, reference, tables
-from jax_rope_cache.shapes import MODELS
+from jax_rope_cache import reference
+from jax_rope_cache.models import config, presets, tables
 from conftest import Case, assert_bits_equal, assert_fma_close, impl_params, make_problem
 
 TABLE_TOL = 1e-6
@@ -242,7 +242,7 @@ def test_bad_preset_name():
 def test_importable_without_jax():
     import subprocess
     import sys
-    code = ("import sys, jax_rope_cache as j; from jax_rope_cache import presets; "
+    code = ("import sys, jax_rope_cache as j; from jax_rope_cache.models import presets; "
             "c, s, i = presets.preset_tables('gpt-oss-120b', 8); j.rope_tables(4, 4, base=1e4); "
             "assert 'jax' not in sys.modules, 'jax imported'")
     subprocess.run([sys.executable, "-P", "-c", code], check=True)
@@ -268,8 +268,7 @@ def test_preset_shapes(name):
         s = presets.preset_shape(name, tp)
         assert (s.q_heads, s.kv_heads, s.head_dim, s.rotary_dim, s.is_neox) == want + (True,), (name, tp)
         assert s.name == (name if tp == 1 else f"{name}-tp{tp}")
-        if s.name in MODELS:  # agrees with the shared benchmark shapes
-            assert MODELS[s.name] == s
+        assert presets.model_shape(name, tp) == s  # the one model list agrees
 
 
 # --- 4. end to end -------------------------------------------------------------------------------------

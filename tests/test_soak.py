@@ -21,9 +21,10 @@ RSS_GROWTH_MIB = 32.0  # after the first chunk (which compiles); measured here: 
 def test_short_soak(platform, impl, layout, tmp_path):
     """In a fresh process: RSS of this test process carries every earlier test's garbage (seen in
     CI: 1.9 GB and 40 MiB of drift from the XLA path's own allocations), which is no signal."""
-    from jax_rope_cache import _ffi
+    from jax_rope_cache import backends
+    from jax_rope_cache.backends import native
 
-    if impl == "kernel" and platform not in _ffi.kernel_platforms():
+    if impl == "kernel" and platform not in backends.kernel_platforms():
         pytest.skip(f"no native kernel on {platform}")
     out = tmp_path / "soak.json"
     cmd = [sys.executable, "-P", _PATH, "--steps", "2000", "--chunk", "250", "--impl", impl, "--layout", layout,

@@ -1,0 +1,31 @@
+"""impl="kernel" on CPU: the custom call of the C++ handler (kernels/ffi/cpu_handler.cc), which
+computes the op directly. Shapes and dtypes come from the buffers; the attributes say the rest."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from jax_rope_cache import contract
+from jax_rope_cache.backends import native
+
+PLATFORM = "cpu"
+NAME = "CPU"
+TARGET = "jax_rope_cache_cpu"
+
+
+def missing() -> str | None:
+    """What the kernel needs that this process lacks, or None when it can lower."""
+    return None if native.native_module() is not None else native.MISSING
+
+
+def kernel_attrs(spec: contract.OpSpec) -> dict:
+    """The attributes the CPU handler reads."""
+    return dict(layout=np.int64(contract.LAYOUT_TABLE[spec.layout].code), is_neox=bool(spec.is_neox),
+                rotary_dim=np.int64(spec.rotary_dim), native=spec.precision == "native")
+
+
+def lower(ctx, args, spec: contract.OpSpec):
+    native.register_target(TARGET, native.native_module().cpu_handler, "cpu")
+    rule = jax.ffi.ffi_lowering(TARGET, operand_output_aliases=contract.CACHE_ALIASES)
+    return rule(ctx, *args, **kernel_attrs(spec))

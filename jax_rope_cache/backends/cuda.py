@@ -1,0 +1,168 @@
+"""impl="kernel" on NVIDIA GPUs: OpSpec -> CUDA kernel variant -> NVRTC -> the launcher's custom call.
+
+At lowering time the CUDA kernel (kernels/cuda/rope_cache.cu, shipped inside the package) is
+compiled by NVRTC for the local GPU's architecture (cubin) plus PTX of the same architecture as a
+fallback (a GPU of a newer architecture JIT-compiles it); without a visible CUDA device: sm_90 +
+compute_90. Compiled code objects are cached in memory and on disk (compilers/nvrtc.py). The code
+objects travel inside the executable as the `code` attribute of the custom call (backends/launcher.py).
+
+Environment: JAX_ROPE_CACHE_NVRTC, a libnvrtc.so to use instead of searching; JAX_ROPE_CACHE_DIR
+(compilers/cache.py); JAX_ROPE_CACHE_COMMAND_BUFFERS (backends/launcher.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import numpy as np
+
+from jax_rope_cache import contract
+from jax_rope_cache.backends import launcher
+from jax_rope_cache.compilers import cache, nvrtc
+
+PLATFORM = "cuda"
+NAME = "CUDA"
+KERNEL_NAME = "rope_cache_kernel"
+DEFAULT_ARCH = 90
+DEFAULT_SMS = 132
+UNROLL = 4  # units per thread per round (kernels/cuda/rope_cache.cu: RC_UNROLL)
+
+
+
+@functools.cache
+def kernel_sources() -> tuple[str, dict[str, str]]:
+    """(rope_cache.cu text, {include name: header text})."""
+    with open(cache.find_source("cuda/rope_cache.cu")) as f:
+        src = f.read()
+    with open(cache.find_source("common/rope_cache_math.h")) as f:
+        hdr = f.read()
+    return src, {"rope_cache_math.h": hdr}
+
+
+# ---- the static configuration of one variant ----------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    defines: tuple[tuple[str, int], ...]
+    tokens_per_block: int
+    threads: int
+
+    def options(self) -> list[str]:
+        return [f"-D{k}={v}" for k, v in self.defines]
+
+
+# -D name of each KernelCodes field (the configuration rope_cache.cu's header lists).
+_DEFINES = (("QH", "qh"), ("KH", "kh"), ("D", "d"), ("R", "r"), ("BS", "bs"), ("LAYOUT", "layout"),
+            ("NEOX", "neox"), ("FULL_TABLE", "full_table"), ("NATIVE", "native"), ("DT", "dt"),
+            ("TAB_DT", "tab_dt"), ("CACHE_DT", "cache_dt"), ("SLOT64", "slot64"), ("POS64", "pos64"),
+            ("LAYER_BLOCKS", "layer_blocks"))
+
+
+def chunk_width(spec: contract.OpSpec) -> int:
+    """Elements per vector access: 16 bytes of q/k/v where D, R (and R/2 for NeoX) allow."""
+    s_in = np.dtype(spec.dtype).itemsize
+    w = 16 // s_in
+    d, r = spec.head_dim, spec.rotary_dim
+    while w > 1:
+        if d % w == 0 and r % w == 0 and (not spec.is_neox or (r // 2) % w == 0):
+            break
+        w //= 2
+    if not spec.is_neox and w < 2:
+        w = 2  # D and R are even
+    return w
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
+
+
+def kernel_config(spec: contract.OpSpec, num_sms: int = DEFAULT_SMS) -> KernelConfig:
+    w = chunk_width(spec)
+    d, r, qh, kh = spec.head_dim, spec.rotary_dim, spec.q_heads, spec.kv_heads
+    rh = qh + kh
+    units_rot = rh * ((r // 2) // w if spec.is_neox else r // w)
+    units = units_rot + rh * ((d - r) // w) + kh * (d // w)
+    table_w = r if spec.table_full else r // 2
+    nt = 256
+    tpb = max(1, min(64, _pow2_floor(2048 // max(1, units))))
+    if spec.layout != "flash":
+        tpb = max(tpb, 16)  # value rows of 16 consecutive slots are written together
+    # Limits: shared table <= 32 KiB and <= 16 staged values per thread.
+    while tpb > 1 and (tpb * 2 * table_w * 4 > 32768 or tpb * 2 * table_w > 16 * nt):
+        tpb //= 2
+    # Small T: spread the tokens over at least 2 blocks per SM.
+    t = spec.num_tokens
+    while tpb > 1 and -(-t // tpb) < 2 * num_sms:
+        tpb //= 2
+    work = units * tpb
+    if -(-t // tpb) < num_sms:  # latency-bound: one pass of threads over the units if possible
+        nt = min(512, max(64, -(-work // 32) * 32))
+    else:
+        nt = min(256, max(64, -(-work // 32) * 32))
+    while tpb * 2 * table_w > 16 * nt and tpb > 1:
+        tpb //= 2
+    c = contract.kernel_codes(spec)
+    defines = tuple((f"RC_{name}", int(getattr(c, field))) for name, field in _DEFINES) + (
+        ("RC_WCH", w), ("RC_TPB", tpb), ("RC_NT", nt), ("RC_UNROLL", UNROLL))
+    return KernelConfig(defines=defines, tokens_per_block=tpb, threads=nt)
+
+
+BASE_OPTIONS = ("--std=c++17", "--fmad=false", "--ptxas-options=-v", "--device-as-default-execution-space")
+
+
+def compile_variant(cfg: KernelConfig, arch: str) -> nvrtc.Compiled:
+    """NVRTC-compiles one variant for `arch` ("sm_90" or "compute_90"), through the caches."""
+    src, headers = kernel_sources()
+    opts = list(BASE_OPTIONS) + cfg.options()
+    if arch.startswith("compute_"):
+        opts.remove("--ptxas-options=-v")
+    return nvrtc.compile_cuda(src, arch=arch, options=opts, headers=headers, name="rope_cache.cu")
+
+
+def _local_cuda_arch() -> tuple[int | None, int]:
+    """(compute capability as 90, 100, ... or None without a CUDA device, SM count)."""
+    try:
+        dev = jax.devices("cuda")[0]
+    except Exception:  # noqa: BLE001 - no CUDA backend
+        return None, DEFAULT_SMS
+    cc = getattr(dev, "compute_capability", None)
+    sms = getattr(dev, "core_count", None) or DEFAULT_SMS
+    if not cc:
+        return None, sms
+    major, minor = str(cc).split(".")[:2]
+    return int(major) * 10 + int(minor), int(sms)
+
+
+def build_code_table(cfg: KernelConfig, cc: int | None) -> bytes:
+    """cubin for the GPU's arch (sm_90 without a GPU) + PTX fallback, packed as a table."""
+    supported = nvrtc.supported_archs() or [DEFAULT_ARCH]
+    target = cc if cc is not None else DEFAULT_ARCH
+    entries = []
+    if target in supported:
+        c = compile_variant(cfg, f"sm_{target}")
+        entries.append((launcher.KIND_CUBIN, f"sm_{target}", c.code))
+        ptx_arch = target
+    else:  # a GPU newer than this NVRTC: PTX of the newest arch it knows, JIT-compiled by the driver
+        ptx_arch = max(a for a in supported if a <= target) if any(a <= target for a in supported) else min(supported)
+    p = compile_variant(cfg, f"compute_{ptx_arch}")
+    entries.append((launcher.KIND_PTX, f"compute_{ptx_arch}", p.code))
+    return launcher.pack_code_table(entries)
+
+
+# ---- the backend interface (backends/__init__.py) ------------------------------------------
+def missing() -> str | None:
+    """What the kernel needs that this process lacks, or None when it can lower."""
+    if launcher.launcher_module() is None:
+        return launcher.MISSING
+    if not nvrtc.available():
+        return (f"NVRTC (the CUDA runtime compiler), which was not found ({nvrtc.unavailable_reason()}); "
+                "install it with `pip install nvidia-cuda-nvrtc` (jax[cuda13] installs it too)")
+    return None
+
+
+def lower(ctx, args, spec: contract.OpSpec):
+    cc, sms = _local_cuda_arch()
+    cfg = kernel_config(spec, sms)
+    return launcher.lower_launch(ctx, args, table=build_code_table(cfg, cc), kernel=KERNEL_NAME,
+                                 grid_div=cfg.tokens_per_block, block=cfg.threads)

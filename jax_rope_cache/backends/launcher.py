@@ -1,0 +1,96 @@
+"""The GPU side shared by CUDA and ROCm: the code-object table format, the launcher's FFI targets
+(registered for both platforms), and the custom call that launches a kernel of a table.
+
+The launcher (kernels/ffi/gpu_launcher.cc) is generic: it loads the entry of the table that fits
+the device (cubin / PTX / AMDGPU ELF), once per device and table hash, and launches the named
+kernel on XLA's stream with the operand pointers and leading dimensions (see rope_cache.cu's ABI).
+
+Environment:
+  JAX_ROPE_CACHE_COMMAND_BUFFERS=0   use the launcher target WITHOUT the command-buffer trait (XLA
+                                     then never captures the call into a CUDA/HIP graph; for hosts
+                                     where graph replay misbehaves)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+
+import jax
+import numpy as np
+
+from jax_rope_cache import contract
+from jax_rope_cache.backends import native
+
+GPU_TARGET = "jax_rope_cache_gpu"
+GPU_TARGET_NO_GRAPH = "jax_rope_cache_gpu_nograph"
+KIND_CUBIN, KIND_PTX, KIND_AMDGPU = 1, 2, 3
+MAGIC = b"JRCCODE1"
+_ENTRY = struct.Struct("<II16sQQ")  # kind, reserved, arch (NUL-padded), offset, size
+
+MISSING = ("the compiled extension jax_rope_cache._native (with the GPU launcher), which did not import; "
+           "reinstall the package")
+
+
+def command_buffers_enabled() -> bool:
+    return os.environ.get("JAX_ROPE_CACHE_COMMAND_BUFFERS", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def launcher_module():
+    """jax_rope_cache._native when it carries the GPU launcher, else None."""
+    module = native.native_module()
+    return module if module is not None and hasattr(module, "gpu_handler") else None
+
+
+# ---- the code-object table (parsed by kernels/ffi/gpu_launcher.cc) ---------------------------
+def pack_code_table(entries: list[tuple[int, str, bytes]]) -> bytes:
+    """Header (magic, count, 0), one 40-byte row per entry, then the 16-byte aligned blobs."""
+    header = MAGIC + struct.pack("<II", len(entries), 0)
+    offset = len(header) + _ENTRY.size * len(entries)
+    rows, blobs = [], []
+    for kind, arch, data in entries:
+        if kind == KIND_PTX and not data.endswith(b"\0"):
+            data += b"\0"
+        a = arch.encode()
+        if len(a) > 15:
+            raise ValueError(f"arch name too long: {arch}")
+        rows.append(_ENTRY.pack(kind, 0, a, offset, len(data)))
+        blobs.append(data)
+        offset += len(data)
+        pad = (-offset) % 16
+        blobs.append(b"\0" * pad)
+        offset += pad
+    return header + b"".join(rows) + b"".join(blobs)
+
+
+def unpack_code_table(table: bytes) -> list[tuple[int, str, bytes]]:
+    """The (kind, arch, data) entries of a table made by pack_code_table (PTX data keeps its NUL)."""
+    if table[:8] != MAGIC:
+        raise ValueError("code table: bad magic")
+    count = struct.unpack_from("<I", table, 8)[0]
+    entries = []
+    for i in range(count):
+        kind, _, arch, offset, size = _ENTRY.unpack_from(table, 16 + _ENTRY.size * i)
+        entries.append((kind, arch.rstrip(b"\0").decode(), table[offset:offset + size]))
+    return entries
+
+
+def code_hash(table: bytes) -> int:
+    return int.from_bytes(hashlib.sha256(table).digest()[:8], "little", signed=True)
+
+
+# ---- registration and the custom call ----------------------------------------------------------
+def register_gpu_targets(module) -> str:
+    """Registers both launcher targets for CUDA and ROCM; returns the one to use."""
+    for platform in ("CUDA", "ROCM"):
+        native.register_target(GPU_TARGET, module.gpu_handler, platform, command_buffers=True)
+        native.register_target(GPU_TARGET_NO_GRAPH, module.gpu_handler_no_graph, platform)
+    return GPU_TARGET if command_buffers_enabled() else GPU_TARGET_NO_GRAPH
+
+
+def lower_launch(ctx, args, *, table: bytes, kernel: str, grid_div: int, block: int):
+    """The launcher's custom call running `kernel` of the code-object `table` (caches in place)."""
+    rule = jax.ffi.ffi_lowering(register_gpu_targets(launcher_module()), operand_output_aliases=contract.CACHE_ALIASES)
+    return rule(ctx, *args, code=table, code_hash=np.int64(code_hash(table)), kernel=kernel,
+                grid_div=np.int64(grid_div), block=np.int64(block), smem=np.int64(0))

@@ -1,0 +1,45 @@
+"""The compiled extension jax_rope_cache._native (CPU handler + GPU launcher) and FFI target
+registration, shared by the CPU, CUDA and ROCm backends."""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import jax
+from jaxlib import xla_client
+
+_registered: set[tuple[str, str]] = set()
+_lock = threading.Lock()
+
+class KernelUnavailable(RuntimeError):
+    """Raised by a backend's `lower` when the kernel cannot be built here (the cause is chained):
+    impl=None then falls back to the XLA path with a warning, impl="kernel" re-raises the cause."""
+
+
+MISSING = ("the compiled extension jax_rope_cache._native, which did not import; reinstall the package")
+
+
+@functools.cache
+def native_module():
+    """The compiled extension, or None when the package was installed without it."""
+    try:
+        from jax_rope_cache import _native
+    except ImportError:
+        return None
+    return _native
+
+
+def register_target(name: str, capsules, platform: str, *, command_buffers: bool = False) -> None:
+    """Registers an FFI target once per process (for a platform jax lacks, registration is queued).
+    XLA takes a target's command-buffer trait from its registration, so a graph-compatible target
+    says so here (its execute handler declares it too)."""
+    with _lock:
+        if (name, platform) in _registered:
+            return
+        kwargs = {}
+        trait = getattr(getattr(xla_client, "CustomCallTargetTraits", None), "COMMAND_BUFFER_COMPATIBLE", None)
+        if command_buffers and trait is not None:
+            kwargs["traits"] = trait
+        jax.ffi.register_ffi_target(name, capsules(), platform=platform, api_version=1, **kwargs)
+        _registered.add((name, platform))

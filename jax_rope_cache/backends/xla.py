@@ -1,0 +1,139 @@
+"""impl="xla": the op in pure jax.numpy. The fallback on every platform and the baseline to beat.
+
+One gather of the cos/sin rows, the rotation as slices, and one windowed scatter per cache with
+mode="drop" (invalid slots are mapped past the last block, never wrapped like negative indices)
+and unique_indices=True (callers pass unique slots, as the contract says).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_rope_cache import contract
+
+_F32 = jnp.float32
+
+
+def _pairs(x, spec: contract.OpSpec):
+    r = spec.rotary_dim
+    if spec.is_neox:
+        return x[..., : r // 2], x[..., r // 2 : r]
+    return x[..., 0:r:2], x[..., 1:r:2]
+
+
+def _unpair(xa, xb, tail, spec: contract.OpSpec):
+    if spec.is_neox:
+        rot = jnp.concatenate([xa, xb], axis=-1)
+    else:
+        rot = jnp.stack([xa, xb], axis=-1).reshape(xa.shape[:-1] + (2 * xa.shape[-1],))
+    return jnp.concatenate([rot, tail], axis=-1) if tail.shape[-1] else rot
+
+
+def round_to(y, dtype):
+    """Rounds f32 values to `dtype`'s precision (nearest even), staying f32, with explicit ops XLA
+    keeps: a convert pair (f32 -> bf16 -> f32) may be dropped by XLA's excess-precision rewrites
+    (seen on GPU: up to 166 ulp off in "native" precision). reduce_precision with f16's own 5
+    exponent bits flushes subnormals to zero (measured), so f16 uses 8 exponent bits for the
+    normal range, an exact scale-round-scale for subnormals, and inf from 65520 up."""
+    if np.dtype(dtype) == np.dtype(jnp.bfloat16):
+        return jax.lax.reduce_precision(y, 8, 7)
+    if np.dtype(dtype) == np.dtype(jnp.float16):
+        tiny = jnp.abs(y) < 2.0**-14
+        normal = jax.lax.reduce_precision(y, 8, 10)
+        sub = jnp.round(y * 2.0**24) * 2.0**-24  # multiples of 2^-24, ties to even; scaling is exact
+        big = jnp.abs(y) >= 65520.0
+        return jnp.where(tiny, sub, jnp.where(big, jnp.copysign(jnp.inf, y), normal)).astype(_F32)
+    return y
+
+
+def table_rows(cos, sin, positions, spec: contract.OpSpec):
+    """(cos_a, cos_b, sin_a, sin_b) as f32 [T, 1, R/2], gathered once per token."""
+    pos = jnp.clip(positions, 0, spec.max_pos - 1)
+    cs = jnp.take(jnp.stack([cos, sin]), pos, axis=1, mode="clip").astype(_F32)  # [2, T, W]
+    if spec.precision == "native":
+        cs = round_to(cs, spec.dtype)
+    c, s = cs[0][:, None, :], cs[1][:, None, :]
+    if spec.table_full:
+        (ca, cb), (sa, sb) = _pairs(c, spec), _pairs(s, spec)
+        return ca, cb, sa, sb
+    return c, c, s, s
+
+
+def rotate(x, rows, spec: contract.OpSpec):
+    ca, cb, sa, sb = rows
+    xa, xb = (t.astype(_F32) for t in _pairs(x, spec))
+    if spec.precision == "native":
+        r = lambda y: round_to(y, spec.dtype)  # noqa: E731
+        ya = r(r(xa * ca) - r(xb * sa))
+        yb = r(r(xb * cb) + r(xa * sb))
+    else:
+        ya = xa * ca - xb * sa
+        yb = xb * cb + xa * sb
+    return _unpair(ya.astype(x.dtype), yb.astype(x.dtype), x[..., spec.rotary_dim :], spec)
+
+
+def quantize(x, cache_dtype, scale):
+    cache_dtype = np.dtype(cache_dtype)
+    if cache_dtype not in contract.FP8_DTYPES:
+        return x.astype(cache_dtype)
+    inv = _F32(1.0) / jnp.asarray(scale, _F32).reshape(())
+    m = contract.FP8_MAX[cache_dtype]
+    return jnp.clip(x.astype(_F32) * inv, -m, m).astype(cache_dtype)
+
+
+def slot_coords(slot_mapping, spec: contract.OpSpec, layer=None):
+    """(block, offset) per token; invalid slots (and all slots of a layer outside [0, L)) get
+    block NB, which mode="drop" skips."""
+    s = slot_mapping
+    valid = (s >= 0) & (s < spec.num_slots)
+    if spec.num_layers is not None:
+        valid = valid & (layer >= 0) & (layer < spec.num_layers)
+    blk = jnp.where(valid, s // spec.block_size, spec.num_blocks)
+    off = jnp.where(valid, s % spec.block_size, 0)
+    return blk, off
+
+
+def scatter_kv(key_cache, value_cache, kq, vq, blk, off, spec: contract.OpSpec, layer=None):
+    """Writes kq, vq [T, KH, D] (already in the cache dtype) into both caches; with stacked
+    caches, into layer `layer` by one scatter on the whole stack (no slice of it is copied)."""
+    lay, x = contract.LAYOUT_TABLE[spec.layout], spec.x
+    lead = () if spec.num_layers is None else (jnp.full_like(blk, jnp.clip(layer, 0, spec.num_layers - 1)),)
+    out = []
+    for cache, which, vals in ((key_cache, "key", kq), (value_cache, "value", vq)):
+        shape, perm = lay.token_split(which, spec.kv_heads, spec.head_dim, x)
+        vals = vals.reshape((spec.num_tokens,) + shape).transpose(perm)
+        index = lead + lay.token_index(which, blk, off, x)
+        out.append(cache.at[index].set(vals, mode="drop", unique_indices=True))
+    return tuple(out)
+
+
+def rope_and_cache(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
+                   k_scale, v_scale, layer, spec: contract.OpSpec):
+    rows = table_rows(cos, sin, positions, spec)
+    q_out, k_out = rotate(q, rows, spec), rotate(k, rows, spec)
+    blk, off = slot_coords(slot_mapping, spec, layer)
+    kq = quantize(k_out, spec.cache_dtype, k_scale)
+    vq = quantize(v, spec.cache_dtype, v_scale)
+    key_cache, value_cache = scatter_kv(key_cache, value_cache, kq, vq, blk, off, spec, layer)
+    return q_out, k_out, key_cache, value_cache
+
+
+def read_kv(key_cache, value_cache, slot_mapping, *, layout="flash"):
+    """Cached K and V of each slot as [T, KH, D] in the cache dtype; zeros for invalid slots."""
+    lay = contract.cache_layout(layout)
+    x = contract.pack_width(key_cache.dtype)
+    nb, bs = lay.block_geometry(key_cache.shape, x)
+    kh, d = key_cache.shape[lay.key_axes.index("KH")], value_cache.shape[lay.value_axes.index("D")]
+    s = jnp.asarray(slot_mapping)
+    valid = (s >= 0) & (s < nb * bs)
+    safe = jnp.where(valid, s, 0)
+    blk, off = safe // bs, safe % bs
+    keep = valid[:, None, None]
+    out = []
+    for cache, which in ((key_cache, "key"), (value_cache, "value")):
+        shape, perm = lay.token_split(which, kh, d, x)
+        got = cache[lay.token_index(which, blk, off, x)].transpose(np.argsort(perm)).reshape(s.shape[0], kh, d)
+        out.append(jnp.where(keep, got, jnp.zeros((), got.dtype)))
+    return tuple(out)

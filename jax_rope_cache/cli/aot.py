@@ -1,0 +1,114 @@
+"""`python -m jax_rope_cache compile`: precompile the ROCm kernel into the disk cache, so a deployment
+host lowers without a compiler (`precompile` is the same as a function)."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+import time
+
+import ml_dtypes
+import numpy as np
+
+from jax_rope_cache import contract
+from jax_rope_cache.backends import rocm
+from jax_rope_cache.compilers import cache, flydsl
+from jax_rope_cache.models.presets import MODELS, model_shape
+
+_DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32,
+           "float8_e4m3fn": ml_dtypes.float8_e4m3fn, "float8_e4m3fnuz": ml_dtypes.float8_e4m3fnuz}
+
+
+def _code(name: str) -> int:
+    if name not in _DTYPES:
+        raise ValueError(f"dtype: expected one of {sorted(_DTYPES)}, got {name!r}")
+    return contract.DTYPE_CODES[np.dtype(_DTYPES[name])]
+
+
+def configs_for(*, q_heads, kv_heads, head_dim, rotary_dim=None, block_sizes=(16,), layouts=contract.LAYOUTS,
+                dtypes=("bfloat16",), cache_dtypes=None, table_dtypes=("float32",), neox=(True,),
+                tables=("half",), precisions=("fp32",), index_dtypes=("int32",)):
+    """Kernel configurations of every combination of the given options (one model shape); combinations
+    a layout cannot hold (D or BS not a multiple of X) are left out."""
+    r = rotary_dim or head_dim
+    out = []
+    for bs, layout, dt, tdt, nx, table, prec, idx in itertools.product(
+            block_sizes, layouts, dtypes, table_dtypes, neox, tables, precisions, index_dtypes):
+        for cdt in (cache_dtypes or (dt,)):
+            try:
+                contract.check_layout_divisibility(layout, head_dim, bs, _DTYPES[cdt], head_arg="head_dim",
+                                                   block_arg="block_size")
+            except ValueError:
+                continue
+            codes = contract.KernelCodes(
+                qh=q_heads, kh=kv_heads, d=head_dim, r=r, bs=bs, layout=contract.cache_layout(layout).code,
+                neox=nx, full_table=table == "full", native=prec == "native" and dt != "float32", dt=_code(dt),
+                tab_dt=_code(tdt), cache_dt=_code(cdt), slot64=idx == "int64", pos64=idx == "int64")
+            out.append(rocm.kernel_config(codes))
+    return out
+
+
+def precompile(archs=rocm.DEFAULT_ARCHS, configs=None, *, presets=(), tp: int = 1, verbose=False, **options):
+    """Compiles kernel configurations into the disk cache; returns [(config, CodeObject)].
+
+    `configs`: RocmKernelConfig objects; `presets`: names of models.presets.MODELS (a model at tensor
+    parallelism `tp` divides its heads by tp), each expanded with `options` (see `configs_for`).
+    """
+    flydsl.require()
+    cfgs = list(configs or [])
+    for name in presets:
+        m = model_shape(name, tp)
+        cfgs += configs_for(q_heads=m.q_heads, kv_heads=m.kv_heads, head_dim=m.head_dim, rotary_dim=m.rotary_dim,
+                            **({"neox": (m.is_neox,)} | options))
+    out = []
+    for cfg in cfgs:
+        for arch in archs:
+            t = time.perf_counter()
+            co = flydsl.compile_config(cfg, arch)
+            if verbose:
+                i = co.info
+                print(f"{arch} {cfg.key()}: {len(co.code)} B, {i['vgpr_count']} VGPR, {i['sgpr_count']} SGPR, "
+                      f"{'cached' if co.from_disk else f'{time.perf_counter() - t:.2f} s'}")
+            out.append((cfg, co))
+    return out
+
+
+def main(argv=None) -> None:
+    """`python -m jax_rope_cache compile --arch gfx942,gfx950 --preset gpt-oss-120b --tp 8 ...`"""
+    p = argparse.ArgumentParser(prog="python -m jax_rope_cache compile",
+                                description="Precompile the ROCm kernel into the disk cache "
+                                            f"({cache.cache_dir()}) for deployment hosts.")
+    p.add_argument("--arch", default=",".join(rocm.DEFAULT_ARCHS), help="comma-separated: gfx942,gfx950")
+    p.add_argument("--preset", action="append", default=[],
+                   help=f"model shape (repeatable); one of: {', '.join(sorted(MODELS))}")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree dividing the preset's heads")
+    p.add_argument("--heads", help="explicit shape instead of a preset: QH,KH,D[,R]")
+    csv = lambda s: tuple(x for x in s.split(",") if x)  # noqa: E731
+    p.add_argument("--block-size", type=lambda s: tuple(int(x) for x in s.split(",")), default=(16,))
+    p.add_argument("--layout", type=csv, default=("flash",), help=",".join(contract.LAYOUTS))
+    p.add_argument("--dtype", type=csv, default=("bfloat16",), help="q/k/v dtypes")
+    p.add_argument("--cache-dtype", type=csv, default=None, help="default: same as --dtype; or float8_e4m3fn,...")
+    p.add_argument("--table-dtype", type=csv, default=("float32",))
+    p.add_argument("--style", type=csv, default=None, help="neox,gptj (default: the preset's)")
+    p.add_argument("--table", type=csv, default=("half",), help="half,full")
+    p.add_argument("--precision", type=csv, default=("fp32",), help=",".join(contract.PRECISIONS))
+    p.add_argument("--index-dtype", type=csv, default=("int32",), help="int32,int64")
+    a = p.parse_args(argv)
+    archs = csv(a.arch)
+    opts = dict(block_sizes=a.block_size, layouts=a.layout, dtypes=a.dtype, cache_dtypes=a.cache_dtype,
+                table_dtypes=a.table_dtype, tables=a.table, precisions=a.precision, index_dtypes=a.index_dtype)
+    if a.style:
+        opts["neox"] = tuple(s == "neox" for s in a.style)
+    configs = []
+    if a.heads:
+        vals = [int(x) for x in a.heads.split(",")]
+        qh, kh, d = vals[:3]
+        configs = configs_for(q_heads=qh, kv_heads=kh, head_dim=d, rotary_dim=vals[3] if len(vals) > 3 else None,
+                              **opts)
+    if not configs and not a.preset:
+        p.error("give --preset NAME (repeatable) or --heads QH,KH,D[,R]")
+    t = time.perf_counter()
+    out = precompile(archs, configs, presets=a.preset, tp=a.tp, verbose=True, **opts)
+    print(f"{len(out)} code objects ({len(out) // max(1, len(archs))} configurations x {len(archs)} archs) "
+          f"in {cache.cache_dir()} ({time.perf_counter() - t:.1f} s)", file=sys.stderr)

@@ -1,0 +1,183 @@
+"""The main job: one prefill and a jitted decode loop of a model preset on the default device,
+with ONE stacked [L, ...] cache per K and V updated in place by `lax.scan` over the layers
+(unrolled by default, so a GPU step is straight-line code XLA can capture in one graph); the
+final caches are checked against the numpy reference and the kernel is timed against the XLA path.
+
+The inputs of layer l at step s are a pool entry scaled by a power of two (exact in bf16), so the
+reference can rebuild them; slots never repeat, so the reference applies each layer's prefill and
+decode tokens in one call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_rope_cache as jrc
+from jax_rope_cache import reference
+from jax_rope_cache.models import presets, tables
+
+POOL = 4  # distinct decode input sets, cycled over steps
+
+
+def layer_scale(layer):
+    return 2.0 ** ((layer % 4) - 2)
+
+
+def tables_for(preset: str, model: presets.ModelShape, max_pos: int):
+    """The model's own RoPE tables (its scaling law) for presets with a config; plain RoPE otherwise."""
+    if preset in presets.PRESETS:
+        cos, sin, _ = presets.preset_tables(preset, max_pos)
+        return cos, sin
+    return tables.rope_tables(max_pos, model.rotary_dim, base=10000.0)
+
+
+def build(model: presets.ModelShape, batch: int, prefill: int, steps: int, layers: int, block_size: int, seed: int,
+          preset: str = "tiny"):
+    rng = np.random.default_rng(seed)
+    cos, sin = tables_for(preset, model, 4096)
+    qh, kh, d = model.q_heads, model.kv_heads, model.head_dim
+    per_seq = prefill + steps
+    bps = -(-per_seq // block_size)
+    nb = batch * bps + 1
+    blocks = rng.permutation(nb)[: batch * bps].reshape(batch, bps)  # each sequence owns random blocks
+    t = np.arange(per_seq)
+    seq_slots = (blocks[:, t // block_size] * block_size + t % block_size).astype(np.int32)  # [batch, per_seq]
+    seq_pos = (rng.integers(0, 1024, batch)[:, None] + t[None, :]).astype(np.int32)
+    x = lambda *shape: rng.standard_normal(shape, np.float32).astype(jnp.bfloat16)  # noqa: E731
+    data = dict(
+        pre_q=x(batch * prefill, qh, d), pre_k=x(batch * prefill, kh, d), pre_v=x(batch * prefill, kh, d),
+        pre_slots=seq_slots[:, :prefill].reshape(-1), pre_pos=seq_pos[:, :prefill].reshape(-1),
+        dec_q=x(POOL, batch, qh, d), dec_k=x(POOL, batch, kh, d), dec_v=x(POOL, batch, kh, d),
+        dec_slots=seq_slots[:, prefill:].T.copy(), dec_pos=seq_pos[:, prefill:].T.copy(),  # [steps, batch]
+        cos=cos, sin=sin)
+    caches = jrc.make_kv_cache(nb, block_size, kh, d, jnp.bfloat16, num_layers=layers, fill="random", seed=seed)
+    return data, tuple(np.asarray(c) for c in caches)
+
+
+def make_programs(layers: int, steps: int, impl: str, unroll: bool = True):
+    scales = jnp.asarray([layer_scale(i) for i in range(layers)], jnp.bfloat16)
+
+    def prefill(d, kc, vc):
+        def layer_fn(carry, i):
+            kc, vc, acc = carry
+            s = scales[i]
+            q_out, _, kc, vc = jrc.rope_and_cache(d["pre_q"] * s, d["pre_k"] * s, d["pre_v"] * s, kc, vc,
+                                                  d["pre_slots"], d["pre_pos"], d["cos"], d["sin"], impl=impl,
+                                                  layer=i)
+            return (kc, vc, acc + jnp.sum(q_out, dtype=jnp.float32)), None
+        (kc, vc, acc), _ = jax.lax.scan(layer_fn, (kc, vc, jnp.float32(0)), jnp.arange(layers), unroll=unroll)
+        return kc, vc, acc
+
+    def decode(d, kc, vc):
+        def step(n, carry):
+            def layer_fn(carry, i):
+                kc, vc, acc = carry
+                s, j = scales[i], n % POOL
+                q_out, _, kc, vc = jrc.rope_and_cache(
+                    d["dec_q"][j] * s, d["dec_k"][j] * s, d["dec_v"][j] * s, kc, vc, d["dec_slots"][n],
+                    d["dec_pos"][n], d["cos"], d["sin"], impl=impl, layer=i)
+                # Consume all of q_out (as attention would), so XLA cannot skip part of the rotation.
+                return (kc, vc, acc + jnp.sum(q_out, dtype=jnp.float32)), None
+            carry, _ = jax.lax.scan(layer_fn, carry, jnp.arange(layers), unroll=unroll)
+            return carry
+        return jax.lax.fori_loop(0, steps, step, (kc, vc, jnp.float32(0)))
+
+    return jax.jit(prefill, donate_argnums=(1, 2)), jax.jit(decode, donate_argnums=(1, 2))
+
+
+def checked_layers(layers: int, check: int | None) -> list[int]:
+    """All layers, or `check` of them spread over the stack (first and last included)."""
+    if check is None or check >= layers:
+        return list(range(layers))
+    return sorted({int(round(i * (layers - 1) / max(1, check - 1))) for i in range(check)})
+
+
+def reference_caches(data, caches, layers: list[int], steps: int):
+    """What the caches must hold afterwards in `layers`, from the numpy reference."""
+    kc, vc = caches
+    out_k, out_v = kc.copy(), vc.copy()
+    f32 = np.float32
+    for layer in layers:
+        s = f32(layer_scale(layer))
+        sc = lambda a: (a.astype(f32) * s).astype(a.dtype)  # noqa: E731
+        pick = np.arange(steps) % POOL
+        q = np.concatenate([sc(data["pre_q"]), sc(data["dec_q"][pick]).reshape((-1,) + data["pre_q"].shape[1:])])
+        k = np.concatenate([sc(data["pre_k"]), sc(data["dec_k"][pick]).reshape((-1,) + data["pre_k"].shape[1:])])
+        v = np.concatenate([sc(data["pre_v"]), sc(data["dec_v"][pick]).reshape((-1,) + data["pre_v"].shape[1:])])
+        slots = np.concatenate([data["pre_slots"], data["dec_slots"].reshape(-1)])
+        pos = np.concatenate([data["pre_pos"], data["dec_pos"].reshape(-1)])
+        _, _, out_k[layer], out_v[layer] = reference.rope_and_cache(q, k, v, kc[layer], vc[layer], slots, pos,
+                                                                    data["cos"], data["sin"])
+    return out_k, out_v
+
+
+def run(preset="llama-3.1-8b", tp=8, batch=64, prefill=128, steps=256, layers=32, block_size=16, repeats=3, seed=0,
+        check_layers=None, unroll=True):
+    model = presets.model_shape(preset, tp)
+    data, caches = build(model, batch, prefill, steps, layers, block_size, seed, preset)
+    dev = jax.devices()[0]
+    print(f"device {dev.platform} ({dev.device_kind}); {model.name}: heads {model.q_heads}/{model.kv_heads}, "
+          f"D={model.head_dim}; {layers} layers in one stacked cache per K/V "
+          f"({caches[0].nbytes * 2 / 2**20:.0f} MiB), batch {batch}, prefill {prefill}/seq, {steps} decode steps")
+    ddata = jax.device_put(data, dev)
+    check = checked_layers(layers, check_layers)
+    want_k, want_v = reference_caches(data, caches, check, steps)
+    want_k, want_v = want_k[check], want_v[check]
+    timing, exact = {}, {}
+    for impl in ("kernel", "xla"):
+        prefill_fn, decode_fn = make_programs(layers, steps, impl, unroll)
+        kc, vc, _ = prefill_fn(ddata, *jax.device_put(caches, dev))
+        kc, vc, _ = decode_fn(ddata, kc, vc)  # compiles both; first full run
+        got_k, got_v = np.asarray(kc)[check], np.asarray(vc)[check]
+        exact[impl] = (np.array_equal(got_k.view(np.uint16), want_k.view(np.uint16)),
+                       np.array_equal(got_v.view(np.uint16), want_v.view(np.uint16)))
+        close = np.allclose(got_k.astype(np.float32), want_k.astype(np.float32), rtol=2**-7, atol=2**-7)
+        exact[impl] += (close,)
+        t_pre, t_dec = [], []
+        for _ in range(repeats):
+            kc, vc = jax.device_put(caches, dev)
+            jax.block_until_ready((kc, vc))
+            t0 = time.perf_counter()
+            kc, vc, _ = prefill_fn(ddata, kc, vc)
+            jax.block_until_ready(kc)
+            t1 = time.perf_counter()
+            kc, vc, _ = decode_fn(ddata, kc, vc)
+            jax.block_until_ready(kc)
+            t_pre.append(t1 - t0)
+            t_dec.append(time.perf_counter() - t1)
+        timing[impl] = (float(np.median(t_pre)), float(np.median(t_dec)))
+        del kc, vc
+
+    ok = all(exact["kernel"][:2]) and exact["xla"][2] and exact["xla"][1]
+    describe = lambda e: "bit-exact" if all(e[:2]) else "within bf16 rounding" if e[2] and e[1] else "MISMATCH"  # noqa
+    print(f"final caches ({len(check)} of {layers} layers) vs numpy reference: kernel {describe(exact['kernel'])}, xla {describe(exact['xla'])}")
+    print(f"{'impl':<8}{'prefill':>12}{'decode step':>14}{'per op':>10}{'decode tok/s':>15}")
+    for impl, (tp_, td) in timing.items():
+        print(f"{impl:<8}{tp_ * 1e3:>10.1f}ms{td / steps * 1e6:>12.0f}us{td / steps / layers * 1e6:>8.1f}us"
+              f"{batch * steps / td:>15,.0f}")
+    k, x = timing["kernel"], timing["xla"]
+    print(f"kernel vs xla: decode step {x[1] / k[1]:.2f}x faster, prefill {x[0] / k[0]:.2f}x faster")
+    return ok
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m jax_rope_cache demo", description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="llama-3.1-8b", choices=sorted(presets.MODELS))
+    p.add_argument("--tp", type=int, default=8, help="tensor-parallel degree: the heads of one shard")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--prefill", type=int, default=128, help="prefill tokens per sequence")
+    p.add_argument("--steps", type=int, default=256)
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--check-layers", type=int, default=None, help="compare only this many layers (default all)")
+    p.add_argument("--no-unroll", action="store_true",
+                   help="keep the layer scan rolled (a while loop: on GPUs one host round trip per layer)")
+    a = p.parse_args(argv)
+    ok = run(a.preset, a.tp, a.batch, a.prefill, a.steps, a.layers, a.block_size, check_layers=a.check_layers,
+             unroll=not a.no_unroll)
+    raise SystemExit(0 if ok else 1)

@@ -1,0 +1,368 @@
+"""Argument checking and the static description of one call (numpy only, shared by every impl).
+
+`check_op` takes anything with `.shape` and `.dtype` (numpy arrays, jax arrays, tracers,
+ShapeDtypeStruct) and returns an `OpSpec`, or raises ValueError/TypeError naming the argument,
+what was expected and what was given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+
+import ml_dtypes
+import numpy as np
+
+PRECISIONS = ("fp32", "native")
+INPUT_DTYPES = (np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16), np.dtype(np.float32))
+FP8_DTYPES = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e4m3fnuz))
+INDEX_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
+# Element codes understood by the native kernels (kernels/common/rope_cache_math.h: RcDtype).
+DTYPE_CODES = {
+    np.dtype(np.float32): 0,
+    np.dtype(ml_dtypes.bfloat16): 1,
+    np.dtype(np.float16): 2,
+    np.dtype(ml_dtypes.float8_e4m3fn): 3,
+    np.dtype(ml_dtypes.float8_e4m3fnuz): 4,
+}
+FP8_MAX = {FP8_DTYPES[0]: 448.0, FP8_DTYPES[1]: 240.0}
+
+
+def dtype_names(dtypes) -> str:
+    return ", ".join(d.name for d in dtypes)
+
+
+def pack_width(cache_dtype) -> int:
+    """X of the x-packed layouts: how many elements make 16 bytes."""
+    return 16 // np.dtype(cache_dtype).itemsize
+
+
+# ---- THE cache-layout table -----------------------------------------------------------------
+# One token's values [KH, D] go to block blk = slot // BS, offset off = slot % BS. A layout names,
+# per cache, the axes of one layer in memory order, each axis a function of (blk, off, h, d):
+#   NB: blk   BS: off   KH: h   D: d   D//X, D%X: d split in X-wide groups   BS//X, BS%X: off split
+# with X = 16 // cache itemsize. Everything else (shapes, dim strings, divisibility, the block-size
+# axis, the generic scatter/gather of the reference and the XLA path) is derived from this table;
+# only the kernels (kernels/) spell the index arithmetic out, selected by `code`.
+AXES = ("NB", "BS", "KH", "D", "D//X", "D%X", "BS//X", "BS%X")
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheLayout:
+    name: str
+    code: int                    # RcLayout in kernels/common/rope_cache_math.h
+    key_axes: tuple[str, ...]
+    value_axes: tuple[str, ...]
+
+    def axes(self, which: str) -> tuple[str, ...]:
+        return self.key_axes if which == "key" else self.value_axes
+
+    def dims(self, which: str) -> str:
+        """Human-readable shape, e.g. "[NB, KH, D//X, BS, X]"."""
+        return "[" + ", ".join("X" if a.endswith("%X") else a for a in self.axes(which)) + "]"
+
+    @property
+    def needs_d_multiple_of_x(self) -> bool:
+        return any(a.startswith("D") and "X" in a for a in self.key_axes + self.value_axes)
+
+    @property
+    def needs_bs_multiple_of_x(self) -> bool:
+        return any(a.startswith("BS") and "X" in a for a in self.key_axes + self.value_axes)
+
+    def shape(self, which: str, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
+              x: int) -> tuple[int, ...]:
+        size = {"NB": num_blocks, "BS": block_size, "KH": kv_heads, "D": head_dim, "D//X": head_dim // x,
+                "D%X": x, "BS//X": block_size // x, "BS%X": x}
+        return tuple(size[a] for a in self.axes(which))
+
+    def token_index(self, which: str, blk, off, x: int) -> tuple:
+        """Index of every token's [KH, D] values: the slot axes take the per-token arrays blk/off,
+        the others a full slice. NB leads every layout, so the indexed shape is [T, *token axes]."""
+        per_token = {"NB": blk, "BS": off, "BS//X": off // x, "BS%X": off % x}
+        return tuple(per_token.get(a, slice(None)) for a in self.axes(which))
+
+    def token_split(self, which: str, kv_heads: int, head_dim: int, x: int):
+        """(shape, perm): values [T, KH, D] reshaped to [T, *shape] and transposed by perm are in
+        the order the cache stores one token's values (the axes of `token_index`'s slices)."""
+        tok = tuple(a for a in self.axes(which) if a in ("KH", "D", "D//X", "D%X"))
+        canon = ("KH", "D//X", "D%X") if "D//X" in tok else ("KH", "D")
+        size = {"KH": kv_heads, "D": head_dim, "D//X": head_dim // x, "D%X": x}
+        return tuple(size[a] for a in canon), (0,) + tuple(1 + canon.index(a) for a in tok)
+
+    def block_geometry(self, key_shape: tuple[int, ...], x: int) -> tuple[int, int]:
+        """(NB, BS) read off a key cache shape of the right rank."""
+        ax = self.key_axes
+        bs = key_shape[ax.index("BS")] if "BS" in ax else key_shape[ax.index("BS//X")] * x
+        return key_shape[ax.index("NB")], bs
+
+
+LAYOUT_TABLE = {layout.name: layout for layout in (
+    CacheLayout("flash", 0, ("NB", "BS", "KH", "D"), ("NB", "BS", "KH", "D")),
+    CacheLayout("xpacked", 1, ("NB", "KH", "D//X", "BS", "D%X"), ("NB", "KH", "D", "BS")),
+    CacheLayout("xpacked_shuffled", 2, ("NB", "KH", "D//X", "BS", "D%X"), ("NB", "KH", "BS//X", "D", "BS%X")),
+)}
+LAYOUTS = tuple(LAYOUT_TABLE)
+assert all(lay.key_axes[0] == lay.value_axes[0] == "NB" and set(lay.key_axes + lay.value_axes) <= set(AXES)
+           for lay in LAYOUT_TABLE.values())
+
+
+def cache_layout(layout: str) -> CacheLayout:
+    if layout not in LAYOUT_TABLE:
+        raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
+    return LAYOUT_TABLE[layout]
+
+
+def cache_shapes(layout: str, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
+                 cache_dtype) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(key_cache shape, value_cache shape) of one layer for `layout`."""
+    lay, x = cache_layout(layout), pack_width(cache_dtype)
+    return tuple(lay.shape(w, num_blocks, block_size, kv_heads, head_dim, x) for w in ("key", "value"))
+
+
+def check_layout_divisibility(layout: str, head_dim: int, block_size: int, cache_dtype, *, head_arg: str,
+                              block_arg: str) -> None:
+    """D (and BS) must be multiples of X where the layout splits them into X-wide groups."""
+    lay, x, name = cache_layout(layout), pack_width(cache_dtype), np.dtype(cache_dtype).name
+    if lay.needs_d_multiple_of_x and head_dim % x:
+        raise ValueError(f"{head_arg}: layout {layout!r} with {name} needs a multiple of X={x}, got {head_dim}")
+    if lay.needs_bs_multiple_of_x and block_size % x:
+        raise ValueError(f"{block_arg}: layout {layout!r} with {name} needs a multiple of X={x}, got {block_size}")
+
+
+# Operand order of the primitive and every native handler; the caches are updated in place.
+OPERANDS = ("q", "k", "v", "key_cache", "value_cache", "slot_mapping", "positions", "cos", "sin",
+            "k_scale", "v_scale", "layer")
+RESULTS = ("q_out", "k_out", "key_cache", "value_cache")
+CACHE_ALIASES = {OPERANDS.index("key_cache"): 2, OPERANDS.index("value_cache"): 3}  # operand -> result
+
+
+@dataclasses.dataclass(frozen=True)
+class OpSpec:
+    """Everything static about one call (JAX shapes and dtypes are static)."""
+
+    num_tokens: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    rotary_dim: int
+    num_blocks: int
+    block_size: int
+    max_pos: int
+    layout: str
+    is_neox: bool
+    table_full: bool  # cos/sin width R (one value per channel) instead of R/2
+    precision: str
+    dtype: np.dtype  # q, k, v and outputs
+    table_dtype: np.dtype
+    cache_dtype: np.dtype
+    slot_dtype: np.dtype
+    pos_dtype: np.dtype
+    num_layers: int | None = None  # caches stacked as [L, ...] and indexed by the `layer` operand
+
+    @property
+    def fp8(self) -> bool:
+        return self.cache_dtype in FP8_DTYPES
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def x(self) -> int:
+        return pack_width(self.cache_dtype)
+
+
+def _dtype(arg: str, a) -> np.dtype:
+    if not hasattr(a, "shape") or not hasattr(a, "dtype"):
+        raise TypeError(f"{arg}: expected an array, got {type(a).__name__}")
+    return np.dtype(a.dtype)
+
+
+def _check_rank(arg: str, a, rank: int, dims: str) -> tuple[int, ...]:
+    shape = tuple(a.shape)
+    if len(shape) != rank:
+        raise ValueError(f"{arg}: expected rank {rank} {dims}, got shape {list(shape)}")
+    return shape
+
+
+def _check_shape(arg: str, a, expected: tuple[int, ...], dims: str) -> None:
+    _check_rank(arg, a, len(expected), dims)
+    if tuple(a.shape) != tuple(expected):
+        raise ValueError(f"{arg}: expected shape {dims} = {list(expected)}, got {list(a.shape)}")
+
+
+def check_scale(arg: str, scale, fp8: bool, cache_dtype) -> None:
+    if not fp8:
+        if scale is not None:
+            raise ValueError(f"{arg}: scales apply to float8 caches only; expected None for a "
+                             f"{np.dtype(cache_dtype).name} cache, got {scale!r}")
+        return
+    if scale is None:
+        raise ValueError(f"{arg}: a {np.dtype(cache_dtype).name} cache needs a scale; expected a "
+                         f"float32 scalar, got None")
+    if isinstance(scale, numbers.Real) and not isinstance(scale, bool):
+        return
+    if isinstance(scale, bool) or not hasattr(scale, "dtype"):
+        raise TypeError(f"{arg}: expected a float32 scalar, got {type(scale).__name__}")
+    if not np.issubdtype(np.dtype(scale.dtype), np.floating) or tuple(scale.shape) not in ((), (1,)):
+        raise TypeError(f"{arg}: expected a float32 scalar (shape () or (1,)), got "
+                        f"{np.dtype(scale.dtype).name}{list(scale.shape)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class _LayerView:
+    """Shape and dtype of one layer of a stacked cache."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+
+def check_layer(layer, key_cache, value_cache, layout: str):
+    """Validates `layer` and returns (per-layer key view, value view, number of layers or None)."""
+    if layer is None:
+        return key_cache, value_cache, None
+    if isinstance(layer, bool) or not (isinstance(layer, numbers.Integral) or (
+            hasattr(layer, "dtype") and np.issubdtype(np.dtype(layer.dtype), np.integer) and tuple(layer.shape) == ())):
+        raise TypeError(f"layer: expected None, an int or an integer scalar array, got "
+                        f"{type(layer).__name__}{list(getattr(layer, 'shape', []))}")
+    lay = cache_layout(layout)
+    for name, a, which in (("key_cache", key_cache, "key"), ("value_cache", value_cache, "value")):
+        rank, dims = len(lay.axes(which)), lay.dims(which)
+        _dtype(name, a)
+        _check_rank(name, a, rank + 1, f"[L, {dims[1:]} (stacked layers, layer={layer!r}) for layout {layout!r}")
+    if value_cache.shape[0] != key_cache.shape[0]:
+        raise ValueError(f"value_cache: expected {key_cache.shape[0]} layers (as key_cache), "
+                         f"got shape {list(value_cache.shape)}")
+    num_layers = key_cache.shape[0]
+    if isinstance(layer, numbers.Integral) and not 0 <= layer < num_layers:
+        raise ValueError(f"layer: expected 0 <= layer < {num_layers}, got {layer}")
+    return (_LayerView(tuple(key_cache.shape[1:]), np.dtype(key_cache.dtype)),
+            _LayerView(tuple(value_cache.shape[1:]), np.dtype(value_cache.dtype)), num_layers)
+
+
+def check_op(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, *,
+             layout="flash", is_neox=True, rotary_dim=None, k_scale=None, v_scale=None,
+             precision="fp32", layer=None) -> OpSpec:
+    """Validates one call of rope_and_cache and returns its static description.
+
+    With `layer` given, the caches are stacked per layer ([L, ...]) and only layer `layer` is
+    written; every shape rule below applies to one layer."""
+    cache_layout(layout)
+    key_cache, value_cache, num_layers = check_layer(layer, key_cache, value_cache, layout)
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision: expected one of {PRECISIONS}, got {precision!r}")
+    if not isinstance(is_neox, (bool, np.bool_)):
+        raise TypeError(f"is_neox: expected a Python bool, got {type(is_neox).__name__}")
+
+    dtype = _dtype("q", q)
+    if dtype not in INPUT_DTYPES:
+        raise TypeError(f"q: expected dtype one of ({dtype_names(INPUT_DTYPES)}), got {dtype.name}")
+    t, qh, d = _check_rank("q", q, 3, "[T, QH, D]")
+    for name, a in (("k", k), ("v", v)):
+        if _dtype(name, a) != dtype:
+            raise TypeError(f"{name}: expected dtype {dtype.name} (same as q), got {np.dtype(a.dtype).name}")
+    _, kh, _ = _check_rank("k", k, 3, "[T, KH, D]")
+    _check_shape("k", k, (t, kh, d), "[T, KH, D]")
+    _check_shape("v", v, (t, kh, d), "[T, KH, D]")
+    if kh < 1 or qh % kh != 0:
+        raise ValueError(f"q: expected QH to be a multiple of KH={kh} (grouped-query attention), got QH={qh}")
+    if d < 2 or d % 2:
+        raise ValueError(f"q: expected an even head_dim D >= 2, got D={d}")
+
+    r = d if rotary_dim is None else rotary_dim
+    if isinstance(r, bool) or not isinstance(r, numbers.Integral):
+        raise TypeError(f"rotary_dim: expected an int or None, got {type(rotary_dim).__name__}")
+    r = int(r)
+    if r < 2 or r % 2 or r > d:
+        raise ValueError(f"rotary_dim: expected an even value in [2, D={d}], got {r}")
+
+    for name, a in (("slot_mapping", slot_mapping), ("positions", positions)):
+        idt = _dtype(name, a)
+        if idt not in INDEX_DTYPES:
+            raise TypeError(f"{name}: expected dtype int32 or int64, got {idt.name}")
+        _check_shape(name, a, (t,), "[T]")
+
+    table_dtype = _dtype("cos", cos)
+    if table_dtype not in INPUT_DTYPES:
+        raise TypeError(f"cos: expected dtype one of ({dtype_names(INPUT_DTYPES)}), got {table_dtype.name}")
+    if _dtype("sin", sin) != table_dtype:
+        raise TypeError(f"sin: expected dtype {table_dtype.name} (same as cos), got {np.dtype(sin.dtype).name}")
+    max_pos, width = _check_rank("cos", cos, 2, "[max_pos, R/2] or [max_pos, R]")
+    if width not in (r // 2, r):
+        raise ValueError(f"cos: expected width R/2={r // 2} ('half' table) or R={r} ('full' table) "
+                         f"for rotary_dim={r}, got shape {list(cos.shape)}")
+    if max_pos < 1:
+        raise ValueError(f"cos: expected at least one row (max_pos >= 1), got shape {list(cos.shape)}")
+    _check_shape("sin", sin, tuple(cos.shape), "same as cos")
+
+    cache_dtype = _dtype("key_cache", key_cache)
+    if cache_dtype != dtype and cache_dtype not in FP8_DTYPES:
+        raise TypeError(f"key_cache: expected dtype {dtype.name} (same as q) or one of "
+                        f"({dtype_names(FP8_DTYPES)}), got {cache_dtype.name}")
+    if _dtype("value_cache", value_cache) != cache_dtype:
+        raise TypeError(f"value_cache: expected dtype {cache_dtype.name} (same as key_cache), "
+                        f"got {np.dtype(value_cache.dtype).name}")
+    lay = cache_layout(layout)
+    kdims, vdims = lay.dims("key"), lay.dims("value")
+    kshape = _check_rank("key_cache", key_cache, len(lay.key_axes), f"{kdims} for layout {layout!r}")
+    x = pack_width(cache_dtype)
+    if "D%X" in lay.key_axes and kshape[lay.key_axes.index("D%X")] != x:
+        raise ValueError(f"key_cache: expected X = 16 // itemsize = {x} for {cache_dtype.name} in the last "
+                         f"dim of {kdims}, got shape {list(kshape)}")
+    nb, bs = lay.block_geometry(kshape, x)
+    if lay.needs_d_multiple_of_x and d % x:
+        raise ValueError(f"key_cache: layout {layout!r} needs D divisible by X={x}, got D={d}")
+    if lay.needs_bs_multiple_of_x and bs % x:
+        raise ValueError(f"value_cache: layout {layout!r} needs the block size divisible by X={x}, "
+                         f"got BS={bs}")
+    if bs < 1:
+        raise ValueError(f"key_cache: expected block size >= 1, got shape {list(kshape)}")
+    kexp, vexp = cache_shapes(layout, nb, bs, kh, d, cache_dtype)
+    _check_shape("key_cache", key_cache, kexp, f"{kdims} for layout {layout!r}")
+    _check_shape("value_cache", value_cache, vexp, f"{vdims} for layout {layout!r}")
+    if nb * bs >= 2**62:
+        raise ValueError(f"key_cache: too many slots ({nb}*{bs})")
+
+    fp8 = cache_dtype in FP8_DTYPES
+    check_scale("k_scale", k_scale, fp8, cache_dtype)
+    check_scale("v_scale", v_scale, fp8, cache_dtype)
+
+    return OpSpec(
+        num_tokens=t, q_heads=qh, kv_heads=kh, head_dim=d, rotary_dim=r, num_blocks=nb,
+        block_size=bs, max_pos=max_pos, layout=layout, is_neox=bool(is_neox),
+        table_full=(width == r), precision=precision, dtype=dtype,
+        table_dtype=table_dtype, cache_dtype=cache_dtype,
+        slot_dtype=np.dtype(slot_mapping.dtype), pos_dtype=np.dtype(positions.dtype), num_layers=num_layers)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelCodes:
+    """The static configuration the GPU kernels are specialised on (RC_* of kernels/cuda/rope_cache.cu,
+    make_config of kernels/rocm/rope_cache_flydsl.py): one translation of an OpSpec for both."""
+
+    qh: int
+    kh: int
+    d: int
+    r: int
+    bs: int
+    layout: int          # CacheLayout.code
+    neox: bool
+    full_table: bool
+    native: bool         # native rounding (never for float32 inputs: nothing to round)
+    dt: int              # DTYPE_CODES of q/k/v, cos/sin, the caches
+    tab_dt: int
+    cache_dt: int
+    slot64: bool
+    pos64: bool
+    layer_blocks: int = 0  # blocks per layer of stacked caches [L, NB, ...]; 0: one layer
+
+
+def kernel_codes(spec: OpSpec) -> KernelCodes:
+    return KernelCodes(
+        qh=spec.q_heads, kh=spec.kv_heads, d=spec.head_dim, r=spec.rotary_dim, bs=spec.block_size,
+        layout=LAYOUT_TABLE[spec.layout].code, neox=bool(spec.is_neox), full_table=bool(spec.table_full),
+        native=spec.precision == "native" and np.dtype(spec.dtype) != np.float32,
+        dt=DTYPE_CODES[np.dtype(spec.dtype)], tab_dt=DTYPE_CODES[np.dtype(spec.table_dtype)],
+        cache_dt=DTYPE_CODES[np.dtype(spec.cache_dtype)], slot64=np.dtype(spec.slot_dtype).itemsize == 8,
+        pos64=np.dtype(spec.pos_dtype).itemsize == 8,
+        layer_blocks=spec.num_blocks if spec.num_layers is not None else 0)

@@ -1,0 +1,233 @@
+"""What a Hugging Face-style config dict (a model's config.json) says about RoPE and attention
+shapes (numpy only): `hf_rope_settings`, `rope_tables_from_hf_config`, and the per-shard
+`ModelShape` at a tensor-parallel degree (`shard_shape`).
+
+Tensor parallelism: query heads are split evenly (num_attention_heads % tp == 0). KV heads are
+split evenly while there are at least tp of them (num_key_value_heads % tp == 0); with fewer KV
+heads than shards each KV head is replicated on tp / num_key_value_heads shards
+(tp % num_key_value_heads == 0), so every shard holds max(1, num_key_value_heads // tp) KV heads,
+the rule vLLM and SGLang use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+
+import numpy as np
+
+from jax_rope_cache.models import tables
+
+__all__ = ["RopeInfo", "ModelShape", "GPTJ_STYLE_MODEL_TYPES", "hf_rope_settings", "rope_tables_from_hf_config",
+           "shard_shape"]
+
+# Hugging Face model types whose attention rotates interleaved pairs (2i, 2i+1) (GPT-J style).
+GPTJ_STYLE_MODEL_TYPES = ("gptj", "codegen")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """Per-shard attention shape of a model at a tensor-parallel degree."""
+
+    name: str
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    rotary_dim: int
+    is_neox: bool = True
+
+    def bytes_per_token(self, in_size=2, table_size=4, cache_size=2, index_size=4, table_full=False) -> int:
+        """The fewest bytes one token must move (baselines.md): read q/k/v, table row and two
+        indices; write q_out/k_out and one K and one V cache row."""
+        qh, kh, d, r = self.q_heads, self.kv_heads, self.head_dim, self.rotary_dim
+        width = r if table_full else r // 2
+        return ((qh + 2 * kh) * d * in_size + 2 * width * table_size + 2 * index_size
+                + (qh + kh) * d * in_size + 2 * kh * d * cache_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeInfo:
+    """What a caller needs besides the tables: pass rotary_dim and is_neox to `rope_and_cache`."""
+
+    rope_type: str
+    rotary_dim: int
+    head_dim: int | None
+    is_neox: bool
+    base: float
+    max_pos: int
+    form: str
+    attention_scaling: float  # already folded into cos and sin
+    scaling: dict | None = None  # the normalised scaling parameters the tables were built with
+    shape: object | None = None  # per-shard `ModelShape` at the requested tp (config input only)
+
+
+
+
+def _cfg_int(config: Mapping, key: str, *, required=True):
+    v = config.get(key)
+    if v is None:
+        if required:
+            raise ValueError(f"config[{key!r}]: missing")
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer, float)) or not math.isfinite(v) \
+            or v != int(v) or v < 1:
+        raise ValueError(f"config[{key!r}]: expected a positive integer, got {v!r}")
+    return int(v)
+
+
+def hf_rope_settings(config: Mapping) -> dict:
+    """Reads the RoPE settings of a Hugging Face-style config dict, as transformers does.
+
+    Returns a dict: rope_type, base, head_dim, rotary_dim, partial_rotary_factor, max_position_embeddings
+    (or None), source (the config key the parameters came from) and scaling (the law's parameters, with Hugging Face's defaults filled in: a llama3/yarn/
+    longrope original_max_position_embeddings from a top-level key of that name, else from
+    max_position_embeddings; a missing yarn/longrope factor from max_position_embeddings /
+    original_max_position_embeddings; the dynamic law's original length is max_position_embeddings).
+    """
+    if not isinstance(config, Mapping):
+        raise ValueError(f"config: expected a dict (a model's config.json), got {type(config).__name__}")
+    params = config.get("rope_parameters")
+    key = "rope_parameters"
+    if params is None:
+        params, key = config.get("rope_scaling"), "rope_scaling"
+    if params is None:
+        params = {}
+    if not isinstance(params, Mapping):
+        raise ValueError(f"config[{key!r}]: expected a dict or null, got {params!r}")
+    if any(isinstance(v, Mapping) for v in params.values()):
+        raise ValueError(f"config[{key!r}]: per-layer-type RoPE parameters ({sorted(params)}) are not supported; "
+                         f"pass one layer type's dict as the config's {key}")
+    params = dict(params)
+    law = params.get("rope_type", params.get("type")) or "default"
+    if law not in tables.ROPE_TYPES:
+        raise ValueError(f"config[{key!r}]['rope_type']: expected one of {tables.ROPE_TYPES}, got {law!r}")
+
+    base = params.get("rope_theta", config.get("rope_theta"))
+    if base is None:
+        base = tables.DEFAULT_THETA
+    if isinstance(base, bool) or not isinstance(base, (int, float)) or not math.isfinite(base) or base <= 1:
+        raise ValueError(f"config['rope_theta']: expected a finite number > 1, got {base!r}")
+
+    head_dim = _cfg_int(config, "head_dim", required=False)
+    if head_dim is None:
+        hidden = config.get("hidden_size")
+        heads = config.get("num_attention_heads")
+        if hidden is None or heads is None:
+            raise ValueError("config['head_dim']: missing, and hidden_size / num_attention_heads to derive it "
+                             "are missing too")
+        head_dim = _cfg_int(config, "hidden_size") // _cfg_int(config, "num_attention_heads")
+    prf = params.get("partial_rotary_factor", config.get("partial_rotary_factor"))
+    if prf is None:
+        prf = 1.0
+    if isinstance(prf, bool) or not isinstance(prf, (int, float)) or not 0 < prf <= 1:
+        raise ValueError(f"config['partial_rotary_factor']: expected a number in (0, 1], got {prf!r}")
+    rotary_dim = int(head_dim * prf)
+    if rotary_dim < 2 or rotary_dim % 2:
+        raise ValueError(f"config['partial_rotary_factor']: head_dim {head_dim} * {prf} gives rotary dimension "
+                         f"{rotary_dim}, which must be even and >= 2")
+    mpe = _cfg_int(config, "max_position_embeddings", required=False)
+
+    scaling = {k: v for k, v in params.items() if k not in tables.COMMON_KEYS}
+    if law in ("llama3", "yarn", "longrope"):
+        top = config.get("original_max_position_embeddings")
+        if top is not None:
+            scaling["original_max_position_embeddings"] = top  # transformers gives it priority
+        elif scaling.get("original_max_position_embeddings") is None:
+            if mpe is None:
+                raise ValueError(f"config['max_position_embeddings']: missing, and rope_type {law!r} needs it "
+                                 f"(or {key}['original_max_position_embeddings'])")
+            scaling["original_max_position_embeddings"] = mpe
+    if law in ("yarn", "longrope") and scaling.get("factor") is None:
+        if mpe is None:
+            raise ValueError(f"config[{key!r}]['factor']: missing, and max_position_embeddings to derive it "
+                             f"is missing too")
+        scaling["factor"] = mpe / float(scaling["original_max_position_embeddings"])
+    if law == "dynamic":
+        if mpe is None:
+            raise ValueError("config['max_position_embeddings']: missing, and rope_type 'dynamic' needs it "
+                             "(the length the model was trained for)")
+        scaling["original_max_position_embeddings"] = mpe
+    scaling = None if law == "default" else {"rope_type": law, **scaling}
+    return dict(rope_type=law, base=float(base), head_dim=head_dim, rotary_dim=rotary_dim,
+                partial_rotary_factor=float(prf), max_position_embeddings=mpe, scaling=scaling, source=key)
+
+
+def rope_tables_from_hf_config(config, max_pos=None, tp=1, dtype=np.float32, form="half", is_neox=None):
+    """(cos, sin, info) for a Hugging Face-style config dict (a model's config.json).
+
+    Reads rope_theta, rope_scaling or the newer rope_parameters (rope_type / type and the law's keys),
+    partial_rotary_factor, head_dim (else hidden_size // num_attention_heads) and
+    max_position_embeddings, as transformers does (see `hf_rope_settings`).
+
+    Args:
+      config: the config dict.
+      max_pos: table rows; default max_position_embeddings, except for the dynamic law, whose default is
+        max_position_embeddings * factor (the length the law extends to; at max_position_embeddings the
+        dynamic law equals plain RoPE).
+      tp: tensor-parallel degree for `info.shape` (per-shard heads, see `shard_shape`); the
+        tables themselves are the same on every shard. Ignored for the shape when the config has no
+        num_attention_heads.
+      dtype, form: as in `rope_tables`.
+      is_neox: rotation style; default True (rotate_half: Llama, Qwen, GPT-OSS, ...) except for the
+        GPT-J-style model types in GPTJ_STYLE_MODEL_TYPES.
+
+    Returns:
+      (cos, sin, RopeInfo): pass info.rotary_dim and info.is_neox to `rope_and_cache`.
+    """
+    s = hf_rope_settings(config)
+    if is_neox is None:
+        is_neox = config.get("model_type") not in GPTJ_STYLE_MODEL_TYPES
+    if max_pos is None:
+        mpe = s["max_position_embeddings"]
+        if mpe is None:
+            raise ValueError("config['max_position_embeddings']: missing; pass max_pos")
+        max_pos = int(mpe * s["scaling"]["factor"]) if s["rope_type"] == "dynamic" else mpe
+    shape = None
+    if config.get("num_attention_heads") is not None:
+        shape = shard_shape(config, tp, is_neox=bool(is_neox))
+    elif isinstance(tp, bool) or not isinstance(tp, (int, np.integer)) or tp < 1:
+        raise ValueError(f"tp: expected an integer >= 1, got {tp!r}")
+    try:
+        cos, sin, attention = tables.build(max_pos, s["rotary_dim"], s["base"], s["scaling"], dtype, form, bool(is_neox))
+    except ValueError as e:  # name the config's key: config['rope_scaling']['factor'], not scaling['factor']
+        msg = str(e)
+        if msg.startswith("scaling["):
+            raise ValueError(f"config[{s['source']!r}]{msg[len('scaling'):]}") from None
+        raise
+    info = RopeInfo(rope_type=s["rope_type"], rotary_dim=s["rotary_dim"], head_dim=s["head_dim"],
+                    is_neox=bool(is_neox), base=s["base"], max_pos=int(max_pos), form=form,
+                    attention_scaling=attention, scaling=s["scaling"], shape=shape)
+    return cos, sin, info
+
+
+def _positive_int(config, key: str) -> int:
+    v = config.get(key)
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+        raise ValueError(f"config[{key!r}]: expected a positive integer, got {v!r}")
+    return int(v)
+
+
+def shard_shape(config, tp: int = 1, *, name: str | None = None, is_neox: bool | None = None) -> ModelShape:
+    """The per-shard `ModelShape` of a config dict at tensor-parallel degree tp (see the module
+    docstring for how KV heads are split or replicated)."""
+    if isinstance(tp, bool) or not isinstance(tp, (int, np.integer)) or tp < 1:
+        raise ValueError(f"tp: expected an integer >= 1, got {tp!r}")
+    tp = int(tp)
+    settings = hf_rope_settings(config)
+    heads = _positive_int(config, "num_attention_heads")
+    kv = _positive_int(config, "num_key_value_heads") if config.get("num_key_value_heads") is not None else heads
+    if heads % kv:
+        raise ValueError(f"config['num_key_value_heads']: must divide num_attention_heads ({heads}), got {kv}")
+    if heads % tp:
+        raise ValueError(f"tp: must divide num_attention_heads ({heads}), got {tp}")
+    if kv >= tp and kv % tp:
+        raise ValueError(f"tp: must divide num_key_value_heads ({kv}) when tp <= {kv}, got {tp}")
+    if kv < tp and tp % kv:
+        raise ValueError(f"tp: must be a multiple of num_key_value_heads ({kv}) to replicate KV heads, got {tp}")
+    if is_neox is None:
+        is_neox = config.get("model_type") not in GPTJ_STYLE_MODEL_TYPES
+    if name is None:
+        name = str(config.get("_name_or_path") or config.get("model_type") or "model")
+    return ModelShape(name if tp == 1 else f"{name}-tp{tp}", heads // tp, max(1, kv // tp),
+                      settings["head_dim"], settings["rotary_dim"], bool(is_neox))

@@ -1,0 +1,99 @@
+"""THE model list: Hugging Face-style configs of real models, a tiny test shape, and the
+tensor-parallel degrees benchmarks and tests use (numpy only).
+
+`PRESETS` maps a model name to the fields of its public config.json that RoPE and the KV cache need
+(heads, KV heads, head_dim, RoPE settings, max_position_embeddings). `MODELS` is every named shape
+(the presets' per-shard shapes at TP 1, plus "tiny"); `model_shape(name, tp)` splits one over tp
+shards (models/config.py: `shard_shape`).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import numpy as np
+
+from jax_rope_cache.models.config import ModelShape, rope_tables_from_hf_config, shard_shape
+
+__all__ = ["PRESETS", "MODELS", "TP_DEGREES", "preset_config", "preset_shape", "preset_tables", "model_shape"]
+
+TP_DEGREES = (1, 2, 4, 8)
+
+_LLAMA_31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192}
+
+# Values from the models' public config.json files (only the fields that matter here).
+PRESETS: dict[str, dict] = {
+    "gpt-oss-120b": {
+        "model_type": "gpt_oss", "hidden_size": 2880, "num_hidden_layers": 36, "num_attention_heads": 64,
+        "num_key_value_heads": 8, "head_dim": 64, "max_position_embeddings": 131072, "rope_theta": 150000,
+        "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "original_max_position_embeddings": 4096, "truncate": False},
+    },
+    "qwen3-32b": {
+        "model_type": "qwen3", "hidden_size": 5120, "num_hidden_layers": 64, "num_attention_heads": 64,
+        "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 40960, "rope_theta": 1000000,
+        "rope_scaling": None,
+    },
+    "qwen3-235b-a22b": {
+        "model_type": "qwen3_moe", "hidden_size": 4096, "num_hidden_layers": 94, "num_attention_heads": 64,
+        "num_key_value_heads": 4, "head_dim": 128, "max_position_embeddings": 40960, "rope_theta": 1000000,
+        "rope_scaling": None,
+    },
+    "llama-3.1-8b": {
+        "model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "max_position_embeddings": 131072, "rope_theta": 500000.0,
+        "rope_scaling": dict(_LLAMA_31_ROPE),
+    },
+    "llama-3.1-70b": {
+        "model_type": "llama", "hidden_size": 8192, "num_hidden_layers": 80, "num_attention_heads": 64,
+        "num_key_value_heads": 8, "max_position_embeddings": 131072, "rope_theta": 500000.0,
+        "rope_scaling": dict(_LLAMA_31_ROPE),
+    },
+    "llama-3.1-405b": {
+        "model_type": "llama", "hidden_size": 16384, "num_hidden_layers": 126, "num_attention_heads": 128,
+        "num_key_value_heads": 8, "max_position_embeddings": 131072, "rope_theta": 500000.0,
+        "rope_scaling": dict(_LLAMA_31_ROPE),
+    },
+}
+
+
+def preset_config(name: str) -> dict:
+    """A copy of the preset's config dict (case-insensitive name)."""
+    key = str(name).lower()
+    if key not in PRESETS:
+        raise ValueError(f"name: expected one of {sorted(PRESETS)}, got {name!r}")
+    return copy.deepcopy(PRESETS[key])
+
+
+def preset_shape(name: str, tp: int = 1) -> ModelShape:
+    """Per-shard shape of a preset at tp (e.g. preset_shape("llama-3.1-70b", 8): 8 q heads, 1 KV head)."""
+    return shard_shape(preset_config(name), tp, name=str(name).lower())
+
+
+def preset_tables(name: str, max_pos=None, *, tp: int = 1, dtype=np.float32, form="half"):
+    """(cos, sin, RopeInfo) of a preset; info.shape is the per-shard shape at tp."""
+    cfg = preset_config(name)
+    cos, sin, info = rope_tables_from_hf_config(cfg, max_pos=max_pos, tp=1, dtype=dtype, form=form)
+    return cos, sin, dataclasses.replace(info, shape=shard_shape(cfg, tp, name=str(name).lower()))
+
+
+# Shapes with no config of their own (a small one for tests and CPU demos).
+_EXTRA_SHAPES = (ModelShape("tiny", 8, 2, 64, 64),)
+MODELS: dict[str, ModelShape] = {name: preset_shape(name) for name in PRESETS} | {m.name: m for m in _EXTRA_SHAPES}
+
+
+def model_shape(name: str, tp: int = 1) -> ModelShape:
+    """The per-shard shape of model `name` at tensor-parallel degree `tp`: query heads split evenly,
+    KV heads split while there are enough and replicated (one per shard) beyond that."""
+    if name not in MODELS:
+        raise ValueError(f"preset: expected one of {sorted(MODELS)}, got {name!r}")
+    if name in PRESETS:
+        return preset_shape(name, tp)
+    m = MODELS[name]
+    if isinstance(tp, bool) or not isinstance(tp, (int, np.integer)) or tp < 1 or m.q_heads % tp or (
+            m.kv_heads >= tp and m.kv_heads % tp):
+        raise ValueError(f"tp: expected a divisor of {m.q_heads} query heads and {m.kv_heads} KV heads, got {tp}")
+    return dataclasses.replace(m, name=f"{m.name}-tp{tp}" if tp > 1 else m.name, q_heads=m.q_heads // tp,
+                               kv_heads=max(1, m.kv_heads // tp))

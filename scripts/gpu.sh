@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Everything the lent NVIDIA GPU runs, in stages (one device call may run at most 10 minutes: pick
+# stages per call; every call starts with `install`). Logs under $OUT; a summary is printed last.
+#
+#   STAGES="install suite test_gpu memcheck bench" scripts/gpu.sh          (the default)
+#   install   pip install the project (no build isolation, no deps: the machine has them)
+#   suite     the platform-agnostic tests with their cuda cases (pytest; PYTEST_ARGS adds options)
+#   test_gpu  tests/test_gpu.py: one custom call, one launch per call, graph replay, module counts
+#   memcheck  the fuzz set through the CUDA kernel under compute-sanitizer memcheck (FUZZ_CASES=150)
+#   bench     benchmarks/bench_gpu.py (BENCH_ARGS, e.g. --quick)
+#   demo      the 32-layer decode demo, with and without command buffers
+#   stacked   benchmarks/diagnostics/stacked_layers.py
+#   tp        benchmarks/tp_decode.py over every GPU (2 or more)
+#   soak      benchmarks/soak.py --platform cuda (SOAK_STEPS=1000000, SOAK_LIMIT=140 seconds)
+STAGES="${STAGES:-install suite test_gpu memcheck bench}"
+source "$(dirname "${BASH_SOURCE[0]}")/_stages.sh"
+PY="${PY:-python3}"
+T="$ROOT/tests"
+
+{ date -u; nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv || true
+  "$PY" -c "import sys, jax; print(sys.version.split()[0], 'jax', jax.__version__, jax.devices())"; } 2>&1 | tee "$OUT/env.log"
+
+if has install; then
+  TAIL=3 run install 300 bash -c "cd '$ROOT' && '$PY' -m pip install --no-build-isolation --no-deps . && cd / && \
+    '$PY' -P -c 'from jax_rope_cache.backends import cuda; print(\"CUDA kernel lowers here:\", cuda.missing() or \"yes\")'" \
+    || { summary_print; tail -40 "$OUT/install.log"; exit 1; }
+fi
+has suite && TAIL=3 run suite "${PYTEST_TIMEOUT:-420}" "$PY" -P -m pytest -q -p no:cacheprovider ${PYTEST_ARGS:-} "$T" \
+    -k "(cuda or gpu) and not fuzz" --ignore "$T/test_cuda_compile.py" --ignore "$T/test_gpu.py"
+has test_gpu && TAIL=3 run test_gpu 120 "$PY" -P -m pytest -q -p no:cacheprovider "$T/test_gpu.py"
+# platform allocator: every buffer is its own cudaMalloc, so memcheck sees accesses past a buffer
+has memcheck && TAIL=4 run memcheck_fuzz "${SAN_TIMEOUT:-230}" env XLA_PYTHON_CLIENT_ALLOCATOR=platform \
+    compute-sanitizer --tool memcheck --error-exitcode 9 \
+    "$PY" "$T/test_fuzz.py" --platform cuda --impl kernel --cases "${FUZZ_CASES:-150}"
+has bench && TAIL=30 run bench 400 "$PY" -P "$ROOT/benchmarks/bench_gpu.py" "$OUT" ${BENCH_ARGS:-}
+if has demo; then
+  TAIL=8 run demo 120 "$PY" -P -m jax_rope_cache demo --tp 1 --check-layers 2
+  TAIL=8 run demo_no_command_buffers 90 env JAX_ROPE_CACHE_COMMAND_BUFFERS=0 "$PY" -P -m jax_rope_cache demo \
+      --tp 1 --check-layers 1
+fi
+has stacked && TAIL=4 run stacked_layers 45 "$PY" -P "$ROOT/benchmarks/diagnostics/stacked_layers.py" --tp 1
+if has tp && [ "$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)" -ge 2 ]; then
+  TAIL=4 run tp_decode 90 "$PY" -P "$ROOT/benchmarks/tp_decode.py" --layers 32 --steps 64 --batch 64
+fi
+has soak && TAIL=7 run soak "$(( ${SOAK_LIMIT:-140} + 60 ))" "$PY" -P "$ROOT/benchmarks/soak.py" --platform cuda \
+    --steps "${SOAK_STEPS:-1000000}" --time-limit "${SOAK_LIMIT:-140}" --report-every 50 --json "$OUT/soak_cuda.json"
+summary_print
