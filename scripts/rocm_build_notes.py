@@ -16,11 +16,8 @@ import tempfile
 import numpy as np
 
 from jax_rope_cache.backends import rocm
-
 from jax_rope_cache.cli import aot
-
 from jax_rope_cache.compilers import flydsl
-
 from jax_rope_cache.models import presets
 
 GMEM = re.compile(r"^\s*((?:buffer|global|flat)_(?:load|store)_\w+)", re.M)

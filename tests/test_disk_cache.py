@@ -17,7 +17,8 @@ import warnings
 
 import pytest
 
-from jax_rope_cache.compilers import cache, flydsl, nvrtc
+from jax_rope_cache.compilers import cache as diskcache
+from jax_rope_cache.compilers import flydsl, nvrtc
 
 needs_nvrtc = pytest.mark.skipif(not nvrtc.available(), reason="NVRTC not installed")
 
@@ -35,7 +36,7 @@ def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("JAX_ROPE_CACHE_DIR", str(d))
     monkeypatch.setattr(nvrtc, "_mem_cache", {})
     monkeypatch.setattr(flydsl, "_mem", {})
-    monkeypatch.setattr(cache, "_warned", set())
+    monkeypatch.setattr(diskcache, "_warned", set())
     return d
 
 
@@ -46,14 +47,14 @@ def _entries(d):
 @contextlib.contextmanager
 def _no_cache_warnings():
     with warnings.catch_warnings():
-        warnings.simplefilter("error", cache.CacheWarning)
+        warnings.simplefilter("error", diskcache.CacheWarning)
         yield
 
 
 # ---- format ----------------------------------------------------------------------------------------
 def test_encode_decode_and_every_kind_of_damage():
-    blob = cache.encode(b"\x7fELF" + bytes(range(256)) * 4, dict(arch="sm_90"))
-    meta, payload = cache.decode(blob)
+    blob = diskcache.encode(b"\x7fELF" + bytes(range(256)) * 4, dict(arch="sm_90"))
+    meta, payload = diskcache.decode(blob)
     assert meta["arch"] == "sm_90" and payload.startswith(b"\x7fELF") and len(payload) == 1028
     damaged = {
         "empty": b"",
@@ -66,7 +67,7 @@ def test_encode_decode_and_every_kind_of_damage():
     }
     for what, bad in damaged.items():
         with pytest.raises(ValueError):
-            cache.decode(bad)
+            diskcache.decode(bad)
         assert what  # every kind was detected
 
 
@@ -91,10 +92,10 @@ def test_corrupt_entry_is_detected_rebuilt_and_rewritten(cache, damage):
     path.write_bytes({"truncate": blob[: len(blob) // 2], "flip": blob[:-5] + bytes([blob[-5] ^ 0x40]) + blob[-4:],
                       "garbage": os.urandom(len(blob)), "empty": b""}[damage])
     nvrtc._mem_cache.clear()
-    with pytest.warns(cache.CacheWarning, match="corrupt code-object cache entry"):
+    with pytest.warns(diskcache.CacheWarning, match="corrupt code-object cache entry"):
         b = _compile()
     assert not b.from_disk and b.code == a.code  # compiled again, same result
-    meta, payload = cache.decode(path.read_bytes())  # and the entry is whole again
+    meta, payload = diskcache.decode(path.read_bytes())  # and the entry is whole again
     assert payload == a.code
     nvrtc._mem_cache.clear()
     with _no_cache_warnings():
@@ -106,8 +107,8 @@ def test_unwritable_folder_falls_back_to_memory(cache, monkeypatch):
     def refuse(*a, **k):
         raise OSError(errno.EROFS, "Read-only file system")
 
-    monkeypatch.setattr(cache.tempfile, "mkstemp", refuse)  # what a read-only mount does
-    with pytest.warns(cache.CacheWarning, match="cannot write to the code-object cache .*Read-only"):
+    monkeypatch.setattr(diskcache.tempfile, "mkstemp", refuse)  # what a read-only mount does
+    with pytest.warns(diskcache.CacheWarning, match="cannot write to the code-object cache .*Read-only"):
         a = _compile()
     assert not _entries(cache)
     with _no_cache_warnings():  # one warning per folder, then the memory cache serves
@@ -122,7 +123,7 @@ def test_read_only_directory_falls_back_to_memory(cache):
     cache.mkdir()
     cache.chmod(0o555)
     try:
-        with pytest.warns(cache.CacheWarning, match="cannot write"):
+        with pytest.warns(diskcache.CacheWarning, match="cannot write"):
             a = _compile()
         assert a.code and not _entries(cache)
     finally:
@@ -142,7 +143,7 @@ def test_missing_folder_is_created(cache):
 def test_folder_that_cannot_exist_falls_back_to_memory(cache):
     cache.parent.joinpath("a_file").write_text("not a folder")
     os.environ["JAX_ROPE_CACHE_DIR"] = str(cache.parent / "a_file" / "cache")
-    with pytest.warns(cache.CacheWarning, match="cannot write"):
+    with pytest.warns(diskcache.CacheWarning, match="cannot write"):
         a = _compile()
     assert a.code
     with _no_cache_warnings():
@@ -158,14 +159,14 @@ def test_empty_setting_disables_the_disk(cache, monkeypatch):
 
 
 def test_failed_write_leaves_no_temporary_file(tmp_path, monkeypatch):
-    monkeypatch.setattr(cache, "_warned", set())
+    monkeypatch.setattr(diskcache, "_warned", set())
 
     def crash(src, dst):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(cache.os, "replace", crash)
-    with pytest.warns(cache.CacheWarning, match="No space"):
-        assert not cache.write(str(tmp_path), "k.jrc", b"payload", {})
+    monkeypatch.setattr(diskcache.os, "replace", crash)
+    with pytest.warns(diskcache.CacheWarning, match="No space"):
+        assert not diskcache.write(str(tmp_path), "k.jrc", b"payload", {})
     assert list(tmp_path.iterdir()) == []  # neither the entry nor a half-written temporary
 
 
@@ -212,7 +213,7 @@ def test_processes_compiling_the_same_keys_at_once(cache):
     import hashlib
     want = {k: h for _, k, h in per_process[0]}
     for p in files:
-        _, payload = cache.decode(p.read_bytes())
+        _, payload = diskcache.decode(p.read_bytes())
         assert hashlib.sha256(payload).hexdigest() == want[p.name.split(".")[0]]
     assert not [p for p in cache.iterdir() if p.name.startswith(".tmp-")]
 
@@ -253,13 +254,13 @@ def test_flydsl_roundtrip_corruption_and_fallback(cache, fake_flydsl, monkeypatc
     # truncated: detected, rebuilt, rewritten
     path.write_bytes(path.read_bytes()[:-3])
     flydsl._mem.clear()
-    with pytest.warns(cache.CacheWarning, match="corrupt"):
+    with pytest.warns(diskcache.CacheWarning, match="corrupt"):
         c = flydsl.compile_config(_Cfg(), "gfx942")
     assert not c.from_disk and c.code == a.code and len(fake_flydsl) == 2
-    assert cache.decode(path.read_bytes())[1] == a.code
+    assert diskcache.decode(path.read_bytes())[1] == a.code
     # unwritable: memory only, one warning
     monkeypatch.setenv("JAX_ROPE_CACHE_DIR", str(cache / "rocm" / path.name / "sub"))  # under a file
-    with pytest.warns(cache.CacheWarning, match="cannot write"):
+    with pytest.warns(diskcache.CacheWarning, match="cannot write"):
         d = flydsl.compile_config(_Cfg(96), "gfx950")
     with _no_cache_warnings():
         assert flydsl.compile_config(_Cfg(96), "gfx950") is d

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 from jax_rope_cache import contract, reference
-
 from jax_rope_cache.backends import native
 from conftest import Case, make_problem
 
