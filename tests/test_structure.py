@@ -130,3 +130,29 @@ def test_without_donation_the_callers_caches_survive():
     assert not kc.is_deleted()
     assert_bits_equal(np.asarray(kc), args[3], "caller's key_cache")
     assert not np.array_equal(np.asarray(out[2]).view(np.uint8), args[3].view(np.uint8))
+
+
+@pytest.mark.parametrize("layout", ["flash", "xpacked_shuffled"])
+def test_fp8_caches_on_the_xla_path_are_never_converted_whole(layout):
+    """The XLA path writes fp8 caches as bytes: no convert of a cache-shaped buffer (XLA's CPU backend
+    has no fp8 arithmetic and would convert the whole cache to f16 and back on every call). The caches
+    stay aliased; XLA's CPU backend still spends one pass (and a temp buffer) on the same-width
+    bitcast, which is why temp memory is not checked here (README, "fp8 on the XLA path")."""
+    case = Case(T=16, QH=8, KH=2, D=128, NB=256, BS=16, layout=layout, cache_dtype="float8_e4m3fn")
+    args, opts = make_problem(case, seed=15)
+    static, _ = _split(args, opts)
+    scales = {k: opts[k] for k in ("k_scale", "v_scale")}
+    step = jax.jit(lambda *a: jrc.rope_and_cache(*a, **static, **scales, impl="xla"), donate_argnums=(3, 4))
+    dargs = _on("cpu", args)
+    compiled = step.lower(*dargs).compile()
+    text = compiled.as_text()
+    aliases = {int(p) for _, p in re.findall(r"\{(\d*)\}: \((\d+), \{\}, (?:may|must)-alias\)", text)}
+    assert {3, 4} <= aliases, f"caches not aliased: {aliases}"
+    for line in text.splitlines():
+        if re.search(r"(?<![-\w])convert\(", line):
+            for shape in (args[3].shape, args[4].shape):
+                assert _dims(shape) not in line, f"cache-shaped convert: {line.strip()}"
+    want = reference_op(*args, **opts)
+    got = [np.asarray(o) for o in compiled(*dargs)]
+    assert_bits_equal(got[3], want[3], "value_cache")
+    assert_fma_close(got[2], want[2], 2.0**-22 * 8 / min(opts["k_scale"], 1.0), "key_cache")

@@ -105,7 +105,12 @@ def scatter_kv(key_cache, value_cache, kq, vq, blk, off, spec: contract.OpSpec, 
         shape, perm = lay.token_split(which, spec.kv_heads, spec.head_dim, x)
         vals = vals.reshape((spec.num_tokens,) + shape).transpose(perm)
         index = lead + lay.token_index(which, blk, off, x)
-        out.append(cache.at[index].set(vals, mode="drop", unique_indices=True))
+        if spec.fp8:  # scatter the bytes: XLA would otherwise convert the WHOLE fp8 cache to f16 and back
+            bits = jax.lax.bitcast_convert_type(cache, jnp.uint8).at[index].set(
+                jax.lax.bitcast_convert_type(vals, jnp.uint8), mode="drop", unique_indices=True)
+            out.append(jax.lax.bitcast_convert_type(bits, cache.dtype))
+        else:
+            out.append(cache.at[index].set(vals, mode="drop", unique_indices=True))
     return tuple(out)
 
 
