@@ -13,6 +13,8 @@ _LAZY = {
     "rope_and_cache_donated": "jax_rope_cache.api",
     "make_kv_cache": "jax_rope_cache.api",
     "read_kv": "jax_rope_cache.api",
+    "export": "jax_rope_cache.api",
+    "DISABLED_EXPORT_CHECKS": "jax_rope_cache.api",
     "LAYOUTS": "jax_rope_cache.contract",
     "PRECISIONS": "jax_rope_cache.contract",
     "cache_shapes": "jax_rope_cache.contract",

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_rope_cache import contract, primitive
-from jax_rope_cache.backends import xla
+from jax_rope_cache.backends import cpu, launcher, xla
 
 IMPLS = (None, "kernel", "xla")
 
@@ -125,3 +125,21 @@ def read_kv(key_cache, value_cache, slot_mapping, *, layout="flash"):
     """Gathers cached K and V for each slot as [T, KH, D] in the cache dtype (zeros where the slot
     is outside the cache)."""
     return xla.read_kv(key_cache, value_cache, slot_mapping, layout=layout)
+
+
+# jax.export refuses custom calls it does not know; these are every target the op lowers to (the
+# GPU launcher's two registrations included, whatever JAX_ROPE_CACHE_COMMAND_BUFFERS says).
+EXPORT_TARGETS = (cpu.TARGET, launcher.GPU_TARGET, launcher.GPU_TARGET_NO_GRAPH)
+DISABLED_EXPORT_CHECKS = tuple(jax.export.DisabledSafetyCheck.custom_call(t) for t in EXPORT_TARGETS)
+
+
+def export(fn, *, platforms=None, disabled_checks=(), **kwargs):
+    """`jax.export.export` of `fn` (jitted here if it is not already) with the op's custom calls
+    allowed: `jax_rope_cache.export(step, platforms=["cpu", "cuda", "rocm"])(*args)` returns a
+    `jax.export.Exported` holding each platform's kernel (CUDA: cubin + PTX; ROCm: gfx942 + gfx950).
+    A platform whose kernel cannot be built here lowers the XLA path (impl=None, with a warning) or
+    raises (impl="kernel"). `Exported.serialize()` needs the `flatbuffers` package."""
+    if not hasattr(fn, "lower"):
+        fn = jax.jit(fn)
+    return jax.export.export(fn, platforms=platforms, disabled_checks=tuple(disabled_checks) + DISABLED_EXPORT_CHECKS,
+                             **kwargs)

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import threading
 import warnings
 
 import jax
@@ -71,13 +73,26 @@ def _lower_fallback(ctx, *args, spec, impl):
     return _lower_xla(ctx, *args, spec=spec)
 
 
+_warned: set[str] = set()
+_warn_lock = threading.Lock()
+# Warnings point at the caller's code, not into jax's lowering machinery or this package.
+_INTERNAL = (os.path.dirname(jax.__file__), os.path.dirname(os.path.abspath(__file__)))
+
+
+def warn_once(message: str) -> None:
+    with _warn_lock:
+        if message in _warned:
+            return
+        _warned.add(message)
+    warnings.warn(message, RuntimeWarning, skip_file_prefixes=_INTERNAL)
+
+
 def _kernel_unusable(ctx, *args, spec, impl, platform: str, problem: str):
     """A platform's kernel cannot be built here (`problem` says why): impl="kernel" raises,
-    impl=None warns and lowers the XLA path."""
+    impl=None warns (once per platform and reason) and lowers the XLA path."""
     if impl == "kernel":
         raise RuntimeError(f"rope_and_cache: impl='kernel' on {platform} needs {problem}")
-    warnings.warn(f"rope_and_cache: falling back to the XLA implementation on {platform}: it needs {problem}",
-                  RuntimeWarning, stacklevel=3)
+    warn_once(f"rope_and_cache: falling back to the XLA implementation on {platform}: it needs {problem}")
     return _lower_xla(ctx, *args, spec=spec)
 
 
@@ -87,6 +102,8 @@ def _kernel_lowering(backend):
             if impl == "kernel":
                 raise ValueError(f"rope_and_cache: impl='kernel' cannot be partitioned automatically by jit over "
                                  f"several {backend.PLATFORM} devices; {SHARD_MAP_RECIPE}, or use impl='xla'")
+            warn_once(f"rope_and_cache: a jit over several {backend.PLATFORM} devices runs the XLA implementation "
+                      f"(the kernel cannot be partitioned automatically); for the kernel, {SHARD_MAP_RECIPE}")
             return _lower_xla(ctx, *args, spec=spec)
         problem = backend.missing()
         if problem is None:

@@ -29,6 +29,15 @@ if native.native_module() is None and os.environ.get("JRC_ALLOW_NO_NATIVE") != "
                        "(scripts/run_tests.sh), or set JRC_ALLOW_NO_NATIVE=1 to test the XLA path alone")
 
 
+@pytest.fixture(autouse=True)
+def _fresh_warn_once():
+    """The library warns once per process and message; each test sees its own first warning."""
+    from jax_rope_cache import primitive
+
+    primitive._warned.clear()
+    yield
+
+
 def platforms() -> list[str]:
     found = []
     for name in ("cpu", "cuda", "rocm"):

@@ -4,6 +4,7 @@ caches, vmap, grad, and tensor parallelism over heads (shard_map on 8 host devic
 from __future__ import annotations
 
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -188,5 +189,10 @@ def test_plain_jit_over_sharded_inputs_points_to_shard_map():
     placed[3] = jax.device_put(args[3], NamedSharding(mesh, P(None, None, "tp")))
     with pytest.raises(ValueError, match="shard_map"):
         jax.jit(lambda *a: jrc.rope_and_cache(*a, impl="kernel"))(*placed)
-    got = jax.jit(lambda *a: jrc.rope_and_cache(*a))(*placed)  # impl=None: the XLA path partitions
+    with pytest.warns(RuntimeWarning, match="runs the XLA implementation.*shard_map") as record:
+        got = jax.jit(lambda *a: jrc.rope_and_cache(*a))(*placed)  # impl=None: the XLA path partitions
     _check(got, reference_op(*args, **opts), "xla", "auto-partitioned")
+    assert record[0].filename == __file__, f"the warning points into {record[0].filename}, not at the caller"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per process: a second call site does not warn again
+        jax.jit(lambda *a: jrc.rope_and_cache(*a)[0] + 1)(*placed)

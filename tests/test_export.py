@@ -1,0 +1,50 @@
+"""`jax_rope_cache.export`: a donated decode step exported for every platform in one call, carrying
+each platform's kernel, round-tripping through serialize/deserialize and running (CPU here) bit-exact
+to the reference."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import numpy as np
+import pytest
+
+import jax_rope_cache as jrc
+from jax_rope_cache import backends
+from conftest import Case, assert_bits_equal, make_problem, reference_op
+
+pytest.importorskip("flatbuffers", reason="Exported.serialize() needs flatbuffers (the [test] extra)")
+
+TARGETS = {"cpu": "jax_rope_cache_cpu", "cuda": "jax_rope_cache_gpu", "rocm": "jax_rope_cache_gpu"}
+
+
+def _platforms():
+    # every platform whose kernel can be built in this process (CI: all three, no GPU needed)
+    return [p for p in ("cpu", "cuda", "rocm") if p in backends.kernel_platforms()]
+
+
+def test_export_for_every_platform_in_one_call_and_round_trip():
+    platforms = _platforms()
+    assert "cpu" in platforms
+    args, opts = make_problem(Case(T=5, QH=8, KH=2, D=64, layout="xpacked"), seed=61)
+    static = {k: v for k, v in opts.items() if k in ("layout", "is_neox", "rotary_dim", "precision")}
+    step = jax.jit(lambda *a: jrc.rope_and_cache(*a, **static, impl="kernel"), donate_argnums=(3, 4))
+    exp = jrc.export(step, platforms=platforms)(*args)
+    assert tuple(exp.platforms) == tuple(platforms)
+    text = exp.mlir_module()
+    for p in platforms:
+        assert TARGETS[p] in text, f"no {p} kernel in the exported module"
+    restored = jax.export.deserialize(exp.serialize())
+    got = [np.asarray(o) for o in restored.call(*args)]
+    want = reference_op(*args, **opts)
+    for name, g, w in zip(("q_out", "k_out", "key_cache", "value_cache"), got, want):
+        assert_bits_equal(g, w, name)
+
+
+def test_export_without_the_helper_names_the_missing_check():
+    args, opts = make_problem(Case(T=3, QH=4, KH=2, D=64), seed=62)
+    step = jax.jit(lambda *a: jrc.rope_and_cache(*a, impl="kernel"))
+    with pytest.raises(ValueError, match="jax_rope_cache_cpu"):
+        jax.export.export(step, platforms=["cpu"])(*args)
+    assert len(jrc.DISABLED_EXPORT_CHECKS) == 3  # cpu, gpu, gpu without command buffers
