@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +13,8 @@ from jax_rope_cache import contract, primitive
 from jax_rope_cache.backends import cpu, launcher, xla
 
 IMPLS = (None, "kernel", "xla")
+ArrayLike = jax.typing.ArrayLike
+Cache = jax.Array | jax.Ref
 
 
 def _scale_operand(scale):
@@ -20,9 +23,12 @@ def _scale_operand(scale):
     return jnp.asarray(scale, jnp.float32).reshape(())
 
 
-def rope_and_cache(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, *,
-                   layout="flash", is_neox=True, rotary_dim=None, k_scale=None, v_scale=None,
-                   precision="fp32", impl=None, layer=None):
+def rope_and_cache(q: ArrayLike, k: ArrayLike, v: ArrayLike, key_cache: Cache, value_cache: Cache,
+                   slot_mapping: ArrayLike, positions: ArrayLike, cos: ArrayLike, sin: ArrayLike, *,
+                   layout: str = "flash", is_neox: bool = True, rotary_dim: int | None = None,
+                   k_scale: ArrayLike | None = None, v_scale: ArrayLike | None = None,
+                   precision: str = "fp32", impl: str | None = None,
+                   layer: int | ArrayLike | None = None) -> tuple[jax.Array, jax.Array, Cache, Cache]:
     """Rotates q and k with RoPE and writes k and v into a paged KV cache, in one kernel.
 
     Args:
@@ -92,8 +98,9 @@ jit instead.
 """
 
 
-def make_kv_cache(num_blocks, block_size, kv_heads, head_dim, dtype=jnp.bfloat16, *, layout="flash",
-                  num_layers=None, fill="zeros", seed=0, device=None):
+def make_kv_cache(num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype=jnp.bfloat16, *,
+                  layout: str = "flash", num_layers: int | None = None, fill: str = "zeros", seed: int = 0,
+                  device=None) -> tuple[jax.Array, jax.Array]:
     """Allocates (key_cache, value_cache) for `layout`, optionally with a leading [num_layers] axis.
 
     fill: "zeros", or "random" (standard normal values; useful for tests that must see which
@@ -121,7 +128,8 @@ def make_kv_cache(num_blocks, block_size, kv_heads, head_dim, dtype=jnp.bfloat16
 
 
 @functools.partial(jax.jit, static_argnames=("layout",))
-def read_kv(key_cache, value_cache, slot_mapping, *, layout="flash"):
+def read_kv(key_cache: jax.Array, value_cache: jax.Array, slot_mapping: ArrayLike, *,
+            layout: str = "flash") -> tuple[jax.Array, jax.Array]:
     """Gathers cached K and V for each slot as [T, KH, D] in the cache dtype (zeros where the slot
     is outside the cache)."""
     return xla.read_kv(key_cache, value_cache, slot_mapping, layout=layout)
@@ -133,7 +141,8 @@ EXPORT_TARGETS = (cpu.TARGET, launcher.GPU_TARGET, launcher.GPU_TARGET_NO_GRAPH)
 DISABLED_EXPORT_CHECKS = tuple(jax.export.DisabledSafetyCheck.custom_call(t) for t in EXPORT_TARGETS)
 
 
-def export(fn, *, platforms=None, disabled_checks=(), **kwargs):
+def export(fn: Callable, *, platforms: Sequence[str] | None = None,
+           disabled_checks: Sequence[jax.export.DisabledSafetyCheck] = (), **kwargs) -> Callable[..., jax.export.Exported]:
     """`jax.export.export` of `fn` (jitted here if it is not already) with the op's custom calls
     allowed: `jax_rope_cache.export(step, platforms=["cpu", "cuda", "rocm"])(*args)` returns a
     `jax.export.Exported` holding each platform's kernel (CUDA: cubin + PTX; ROCm: gfx942 + gfx950).

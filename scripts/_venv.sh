@@ -1,5 +1,8 @@
 # Sourced by run_demo.sh and run_tests.sh: finds a Python >= 3.12, makes .venv (or $JRC_VENV) with
 # it, installs the dependencies and builds + installs this project into it. Sets $PY.
+# Each step runs only when needed: dependencies when their list changed, the build when a source
+# file changed (a hash of the tracked sources is kept in the venv). The build folder lives in the
+# venv, never in the source tree. JRC_REBUILD=1 forces the build.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV="${JRC_VENV:-$ROOT/.venv}"
@@ -21,9 +24,42 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$BASE" -m venv "$VENV"
 fi
 PY="$VENV/bin/python"
+# pip without the noise of satisfied requirements and of an index's absent mirrors; keeps pip's status.
+pip_install() {
+  "$PY" -m pip install --disable-pip-version-check --progress-bar off "$@" 2>&1 \
+    | grep -v -E "^(Requirement already satisfied|WARNING: Location)"
+  return "${PIPESTATUS[0]}"
+}
+
+# Run "$@" only when `key` differs from the one stored under $VENV/.jrc-$name (then store it).
+when_changed() {
+  local name=$1 key=$2 stamp="$VENV/.jrc-$1"
+  shift 2
+  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$key" ]; then return 0; fi
+  "$@"
+  echo "$key" >"$stamp"
+}
+
 # JRC_JAX_EXTRA=cuda13 installs jax[cuda13] (NVIDIA GPUs); the default is the CPU build.
 JAX_REQ="jax${JRC_JAX_EXTRA:+[$JRC_JAX_EXTRA]}>=0.11"
-echo "# installing dependencies and building jax_rope_cache into $VENV"
-"$PY" -m pip install -q --disable-pip-version-check "$JAX_REQ" "jaxlib>=0.11" numpy "ml_dtypes>=0.5" "pytest>=8" \
-  "scikit-build-core>=0.10" "nanobind>=2.4" nvidia-cuda-nvrtc
-"$PY" -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps --force-reinstall "$ROOT"
+DEPS=("$JAX_REQ" "jaxlib>=0.11" numpy "ml_dtypes>=0.5" "pytest>=8" "scikit-build-core>=0.11" "nanobind>=2.4"
+      nvidia-cuda-nvrtc)
+install_deps() {
+  echo "# installing dependencies into $VENV: ${DEPS[*]}"
+  pip_install "${DEPS[@]}"
+}
+when_changed deps "${DEPS[*]}" install_deps
+
+sources_hash() {
+  (cd "$ROOT" && git ls-files -z -- jax_rope_cache kernels CMakeLists.txt pyproject.toml 2>/dev/null \
+     | xargs -0 sha256sum 2>/dev/null; git -C "$ROOT" ls-files --others --exclude-standard -- jax_rope_cache kernels) \
+    | sha256sum | cut -c1-16
+}
+build() {
+  echo "# building jax_rope_cache (C++ extension: about a minute on 2 cores) into $VENV"
+  pip_install --no-build-isolation --no-deps --force-reinstall \
+    --config-settings=build-dir="$VENV/build/{wheel_tag}" "$ROOT"
+  "$PY" -P -c "import jax_rope_cache._native" || { echo "error: the build did not produce jax_rope_cache._native" >&2; exit 1; }
+}
+if [ "${JRC_REBUILD:-0}" = 1 ]; then rm -f "$VENV/.jrc-build"; fi
+when_changed build "$(sources_hash)" build

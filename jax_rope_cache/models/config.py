@@ -153,7 +153,8 @@ def hf_rope_settings(config: Mapping) -> dict:
                 partial_rotary_factor=float(prf), max_position_embeddings=mpe, scaling=scaling, source=key)
 
 
-def rope_tables_from_hf_config(config, max_pos=None, tp=1, dtype=np.float32, form="half", is_neox=None):
+def rope_tables_from_hf_config(config: Mapping, *, max_pos: int | None = None, tp: int = 1, dtype=np.float32,
+                               form: str = "half", is_neox: bool | None = None):
     """(cos, sin, info) for a Hugging Face-style config dict (a model's config.json).
 
     Reads rope_theta, rope_scaling or the newer rope_parameters (rope_type / type and the law's keys),
