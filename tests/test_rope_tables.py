@@ -5,8 +5,11 @@
 3. Presets: per-shard shapes at TP 1/2/4/8.
 4. End to end: tables from real configs drive rope_and_cache (every impl here) like the reference,
    and the reference with these tables rotates like float64 RoPE maths.
-5. Hugging Face transformers (needs torch; skipped only when not installed, set
-   JRC_REQUIRE_TRANSFORMERS=1 to make that a failure): for every law and every preset,
+5. Hugging Face transformers, for every law and every preset: against its outputs recorded in
+   tests/data/hf_rope.npz (inv_freq and attention factor; `python scripts/record_hf_rope.py`
+   regenerates it) always, and live when torch and transformers import (the live part is skipped
+   only when they are not installed; JRC_REQUIRE_TRANSFORMERS=1 makes that a failure), the live
+   values also equal to the recorded ones:
    - inv_freq within INV_ULPS float32 ulps of transformers' (it computes them in float32),
    - the attention factor equal to 1e-12,
    - cos/sin built the way transformers builds them (emb = cat(freqs, freqs), cos(emb) *
@@ -477,17 +480,67 @@ HF_LAWS = [
 ]
 
 
-@pytest.mark.parametrize("case_id,cfg,max_pos", HF_LAWS, ids=[c[0] for c in HF_LAWS])
-def test_law_matches_transformers(case_id, cfg, max_pos):
-    inv_hf, att_hf = _hf_law(cfg, seq_len=max_pos)
-    compare_with_hf(cfg, inv_hf, att_hf, max_pos)
+HF_FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "hf_rope.npz")
 
 
-@pytest.mark.parametrize("name", sorted(presets.PRESETS))
-def test_preset_matches_transformers(name):
-    cfg = presets.preset_config(name)
+def _hf_live(kind, key):
+    """transformers' (inv_freq, attention factor) for a law case or a preset, computed now."""
+    if kind == "law":
+        cfg, max_pos = {c[0]: (c[1], c[2]) for c in HF_LAWS}[key]
+        return _hf_law(cfg, seq_len=max_pos)
+    cfg = presets.preset_config(key)
     inv_hf, att_hf = _hf_model_rotary(cfg)  # the model's own rotary embedding module
     inv_law, att_law = _hf_law(cfg, seq_len=None)  # and the registry / default function
     np.testing.assert_array_equal(inv_hf, inv_law)
     assert att_hf == att_law
-    compare_with_hf(cfg, inv_hf, att_hf, cfg["max_position_embeddings"])
+    return inv_hf, att_hf
+
+
+def record_hf(path=HF_FIXTURE):
+    """Writes transformers' outputs for every law case and preset (scripts/record_hf_rope.py)."""
+    import torch
+    import transformers
+
+    out = {"transformers_version": np.array(transformers.__version__), "torch_version": np.array(torch.__version__)}
+    for kind, keys in (("law", [c[0] for c in HF_LAWS]), ("preset", sorted(presets.PRESETS))):
+        for key in keys:
+            inv, att = _hf_live(kind, key)
+            out[f"{kind}:{key}:inv_freq"], out[f"{kind}:{key}:attention"] = inv, np.array(att)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    np.savez_compressed(path, **out)
+    return out
+
+
+def _hf_recorded(kind, key):
+    with np.load(HF_FIXTURE) as data:
+        return data[f"{kind}:{key}:inv_freq"], float(data[f"{kind}:{key}:attention"])
+
+
+def _check_hf(kind, key, cfg, max_pos, live):
+    inv_hf, att_hf = _hf_live(kind, key) if live else _hf_recorded(kind, key)
+    if live:  # the fixture is what transformers computes today
+        inv_rec, att_rec = _hf_recorded(kind, key)
+        np.testing.assert_array_equal(inv_hf, inv_rec, err_msg=f"{key}: transformers changed; re-record")
+        assert att_hf == att_rec
+    compare_with_hf(cfg, inv_hf, att_hf, max_pos)
+
+
+@pytest.mark.parametrize("live", [False, True], ids=["recorded", "live"])
+@pytest.mark.parametrize("case_id,cfg,max_pos", HF_LAWS, ids=[c[0] for c in HF_LAWS])
+def test_law_matches_transformers(case_id, cfg, max_pos, live):
+    _check_hf("law", case_id, cfg, max_pos, live)
+
+
+@pytest.mark.parametrize("live", [False, True], ids=["recorded", "live"])
+@pytest.mark.parametrize("name", sorted(presets.PRESETS))
+def test_preset_matches_transformers(name, live):
+    cfg = presets.preset_config(name)
+    _check_hf("preset", name, cfg, cfg["max_position_embeddings"], live)
+
+
+def test_fixture_covers_every_law_and_preset():
+    with np.load(HF_FIXTURE) as data:
+        keys = {k.rsplit(":", 1)[0] for k in data.files if k.endswith(":inv_freq")}
+        version = str(data["transformers_version"])
+    assert keys == {f"law:{c[0]}" for c in HF_LAWS} | {f"preset:{n}" for n in presets.PRESETS}, keys
+    assert version
