@@ -6,32 +6,56 @@ import json
 import sys
 
 COMMANDS = {
-    "info": "platforms, native kernels usable here, device architecture, code-object cache dir",
+    "info": "version, devices, whether the kernel is usable on each platform present, cache dir, presets",
     "demo": "the README's main job: prefill + decode loop of a preset, checked and timed",
     "bench": "kernel vs XLA path table (+ CSV/JSON/PNG) on the default device",
     "compile": "precompile code objects of presets into the disk cache (deployment hosts compile nothing)",
 }
 
 
-def info(argv) -> None:
+def _backend_platforms() -> list[str]:
+    """jax platform names ("cpu", "cuda", "rocm") of the backends this process has."""
     import jax
 
-    from jax_rope_cache.backends import kernel_platforms
+    out = []
+    for name in ("cpu", "cuda", "rocm"):
+        try:
+            jax.devices(name)
+        except RuntimeError:
+            continue
+        out.append(name)
+    return out
+
+
+def info(argv) -> None:
+    if argv and argv[0] in ("-h", "--help"):
+        print("usage: python -m jax_rope_cache info [--json]\n\n  " + COMMANDS["info"])
+        return
+    import jax
+
+    import jax_rope_cache
+    from jax_rope_cache.backends import KERNEL_BACKENDS
     from jax_rope_cache.compilers.cache import cache_dir
     from jax_rope_cache.models import presets
 
     devices = jax.devices()
     arch = [getattr(d, "compute_capability", None) or getattr(d, "device_kind", "") for d in devices[:1]]
+    kernels = {}
+    for p in _backend_platforms():  # the devices present, not every platform the package knows
+        backend = KERNEL_BACKENDS.get(p)
+        problem = "no native kernel for this platform" if backend is None else backend.missing()
+        kernels[p] = "usable" if problem is None else f"not usable: needs {problem}"
     data = dict(
-        jax=jax.__version__, default_backend=jax.default_backend(),
+        jax_rope_cache=jax_rope_cache.__version__, jax=jax.__version__, default_backend=jax.default_backend(),
         devices=[f"{d.platform}:{d.device_kind}" for d in devices], arch=arch[0] if arch else None,
-        native_kernels=kernel_platforms(),
-        code_object_cache=cache_dir() or "off (JAX_ROPE_CACHE_DIR='')",
+        kernels=kernels, code_object_cache=cache_dir() or "off (JAX_ROPE_CACHE_DIR='')",
         presets=sorted(presets.MODELS), tp_degrees=list(presets.TP_DEGREES))
     if "--json" in argv:
         print(json.dumps(data, indent=1))
         return
     for key, value in data.items():
+        if isinstance(value, dict):
+            value = "; ".join(f"{k} {v}" for k, v in value.items())
         print(f"{key:>18}: {', '.join(map(str, value)) if isinstance(value, list) else value}")
 
 

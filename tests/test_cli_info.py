@@ -1,0 +1,28 @@
+"""`python -m jax_rope_cache info`: the library version and, for each platform present, whether the
+kernel is usable there (not the list of platforms compiled in)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import jax_rope_cache
+
+
+def _info(*args):
+    return subprocess.run([sys.executable, "-P", "-m", "jax_rope_cache", "info", *args], capture_output=True,
+                          text=True, check=True, timeout=120).stdout
+
+
+def test_info_json_reports_version_and_kernels_of_present_platforms():
+    data = json.loads(_info("--json"))
+    assert data["jax_rope_cache"] == jax_rope_cache.__version__
+    platforms = {d.split(":")[0] for d in data["devices"]}
+    assert set(data["kernels"]) >= platforms - {"gpu"}, data
+    assert data["kernels"]["cpu"] == "usable"
+    assert "cuda" not in data["kernels"] or "cuda" in platforms or "gpu" in platforms
+
+
+def test_info_help():
+    assert _info("--help").startswith("usage: python -m jax_rope_cache info")
