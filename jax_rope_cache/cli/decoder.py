@@ -356,11 +356,13 @@ class Decoder:
     the op takes).
 
     The caches live in `self.key_cache` / `self.value_cache` ([L, ...] in `layout`); every jitted
-    call donates them and stores the returned ones.
+    call donates them and stores the returned ones. The tables (cos, sin) and the weights are
+    arguments of the jitted steps, not constants baked into them.
     """
 
     def __init__(self, config: Mapping, params: dict, *, layout="flash", block_size=16, num_blocks=None,
-                 max_seqs=8, max_len=None, impl="kernel", dtype=jnp.float32, unroll=1, seed=0, tables=None):
+                 max_seqs=8, max_len=None, impl="kernel", dtype=jnp.float32, unroll=1, seed=0, tables=None,
+                 device=None, cache_fill="random"):
         if impl not in IMPLS:
             raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
         self.hf_config = dict(config)
@@ -373,19 +375,31 @@ class Decoder:
             self.rotary_dim, self.is_neox = info.rotary_dim, info.is_neox
         else:  # (cos, sin, rotary_dim, is_neox): e.g. deliberately wrong tables in tests
             cos, sin, self.rotary_dim, self.is_neox = tables
-        self.tables = (jnp.asarray(cos), jnp.asarray(sin))
+        self.device = device or jax.devices()[0]
+        self.tables = jax.device_put((jnp.asarray(cos), jnp.asarray(sin)), self.device)
         self.max_len = int(self.tables[0].shape[0])
         self.blocks_per_seq = -(-self.max_len // block_size)
         num_blocks = num_blocks or max_seqs * self.blocks_per_seq
         self.allocator = BlockAllocator(num_blocks, block_size, seed=seed)
-        self.params = jax.tree.map(lambda a: jnp.asarray(a, self.dtype), params)
-        self.key_cache, self.value_cache = jrc.make_kv_cache(
-            num_blocks, block_size, cfg.kv_heads, cfg.head_dim, self.dtype, layout=layout,
-            num_layers=cfg.num_layers, fill="random", seed=seed)
+        self.params = jax.device_put(jax.tree.map(lambda a: jnp.asarray(a, self.dtype), params), self.device)
+        self.key_cache, self.value_cache = self._new_caches(num_blocks, cache_fill, seed)
         # Matmuls in full float32 where the model is float32 (GPUs would otherwise use TF32).
         self._precision = jax.lax.Precision.HIGHEST if self.dtype == np.float32 else None
         self.prefill_fn = jax.jit(self._prefill, donate_argnums=(2, 3))
         self.decode_fn = jax.jit(self._decode, static_argnames=("steps", "with_logits"), donate_argnums=(2, 3))
+
+    def _new_caches(self, num_blocks, fill, seed):
+        """Stacked [L, ...] caches in the layout. fill="random" (numpy normals, seeded): a read of a
+        slot nobody wrote shows as a wrong token, not as a harmless zero; "zeros" for large pools."""
+        cfg = self.cfg
+        shapes = jrc.cache_shapes(self.layout, num_blocks, self.block_size, cfg.kv_heads, cfg.head_dim, self.dtype)
+        if fill == "zeros":
+            return tuple(jnp.zeros((cfg.num_layers,) + tuple(s), self.dtype, device=self.device) for s in shapes)
+        if fill != "random":
+            raise ValueError(f"cache_fill: expected 'random' or 'zeros', got {fill!r}")
+        rng = np.random.default_rng(seed)
+        return tuple(jax.device_put(rng.standard_normal((cfg.num_layers,) + tuple(s), np.float32).astype(self.dtype),
+                                    self.device) for s in shapes)
 
     # -- building blocks (traced) --
     def _mm(self, x, w):
