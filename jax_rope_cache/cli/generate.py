@@ -85,8 +85,9 @@ def check(ref_path: str, impls, layouts, show_tokens=True) -> bool:
                 err = float(np.abs(logits - entry["logits"]).max())
                 good = same and err <= decoder.HF_LOGIT_BOUND
                 ok &= good
-                print(f"  {name:<15} impl={impl:<7}{layout:<17} prompts of {lens} tokens, {toks.shape[1]} tokens each: "
-                      f"tokens {'match' if same else 'DIFFER'}, max |dlogit| {err:.1e} -> {'OK' if good else 'MISMATCH'}")
+                print(f"  {name:<15} impl={impl:<7}{layout:<17} prompts of {lens} tokens, {toks.shape[1]} tokens "
+                      f"each: tokens {'match' if same else 'DIFFER'}, max |dlogit| {err:.1e} -> "
+                      f"{'OK' if good else 'MISMATCH'}")
                 if show_tokens and not shown:
                     for p, t in zip(entry["prompts"], toks):
                         print(f"      prompt[{len(p):>2}] -> {' '.join(map(str, t))}")
@@ -95,11 +96,14 @@ def check(ref_path: str, impls, layouts, show_tokens=True) -> bool:
 
 
 def timing(model: str, impls, layout: str, batch: int, prompt_len: int, steps: int, dtype, repeats: int,
-           unroll: int, block_size: int, seed: int = 0):
-    config = MODELS[model]
+           unroll: int, block_size: int, seed: int = 0, layers: int | None = None):
+    config = dict(MODELS[model])
+    if layers:
+        config["num_hidden_layers"] = layers
     cfg = decoder.DecoderConfig.from_hf(config)
     t0 = time.perf_counter()
-    if cfg.num_layers * cfg.hidden_size ** 2 > 1e8:
+    n_params = sum(int(np.prod(s)) for s in jax.tree.leaves(cfg.param_shapes(), is_leaf=lambda x: isinstance(x, tuple)))
+    if n_params > 5e7:
         params = decoder.random_params_on_device(cfg, seed, dtype)
     else:
         params = decoder.random_params(cfg, decoder.TINY_SEEDS.get(model, seed), np.dtype(dtype))
@@ -109,10 +113,10 @@ def timing(model: str, impls, layout: str, batch: int, prompt_len: int, steps: i
     lengths[0] = prompt_len
     prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in lengths]
     max_len = -(-(prompt_len + steps + 1) // block_size) * block_size
-    print(f"\ntiming {model} ({cfg.num_layers} layers, hidden {cfg.hidden_size}, heads {cfg.q_heads}/{cfg.kv_heads}"
-          f" x {cfg.head_dim}, vocab {cfg.vocab_size}), {np.dtype(dtype).name}, {layout} cache, batch {batch}, prompts"
-          f" {lengths.min()}-{lengths.max()} tokens, {steps} decode steps, layer scan unroll={unroll or 'all'}"
-          f" (weights ready in {time.perf_counter() - t0:.1f} s)")
+    print(f"\ntiming {model} ({n_params / 1e6:,.1f}M parameters, {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+          f"heads {cfg.q_heads}/{cfg.kv_heads} x {cfg.head_dim}, vocab {cfg.vocab_size}), {np.dtype(dtype).name}, "
+          f"{layout} cache, batch {batch}, prompts {lengths.min()}-{lengths.max()} tokens, {steps} decode steps, "
+          f"layer scan unroll={unroll or 'all'} (weights ready in {time.perf_counter() - t0:.1f} s)")
     rows = {}
     for impl in impls:
         m = decoder.Decoder(config, params, layout=layout, block_size=block_size, impl=impl, max_seqs=batch,
@@ -146,12 +150,14 @@ def timing(model: str, impls, layout: str, batch: int, prompt_len: int, steps: i
                 share = 1 - off / rows[impl][1]
                 print(f"RoPE + cache write ({impl}): {share * 100:.1f}% of the decode step "
                       f"({(rows[impl][1] - off) * 1e6:.0f} us of {rows[impl][1] * 1e6:.0f} us; "
-                      f"{(rows[impl][1] - off) / cfg.num_layers * 1e6:.1f} us per layer)")
+                      f"{(rows[impl][1] - off) / cfg.num_layers * 1e6:.1f} us per layer)"
+                      + (" - below zero: smaller than the run-to-run noise" if share < 0 else ""))
     return rows
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m jax_rope_cache generate", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m jax_rope_cache generate", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny-llama-3.1", choices=sorted(MODELS), help="model to time")
     p.add_argument("--check", default="auto", choices=("auto", "none"),
                    help="compare the fixture's tiny models with transformers' tokens (auto: if the fixture is found)")
@@ -162,6 +168,7 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=64, help="longest prompt; the others are 1/2 to all of it")
     p.add_argument("--steps", type=int, default=128, help="decode steps timed")
+    p.add_argument("--layers", type=int, default=None, help="override the model's number of layers (timing only)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
@@ -172,7 +179,7 @@ def main(argv=None):
         if s not in decoder.IMPLS:
             p.error(f"--impls: expected a comma list of {', '.join(decoder.IMPLS)}, got {s!r}")
     for name, v in (("--batch", a.batch), ("--prompt-len", a.prompt_len), ("--steps", a.steps),
-                    ("--block-size", a.block_size), ("--repeats", a.repeats)):
+                    ("--block-size", a.block_size), ("--repeats", a.repeats), ("--layers", a.layers or 1)):
         if v < 1:
             p.error(f"{name}: expected >= 1, got {v}")
     dev = jax.devices()[0]
@@ -186,5 +193,5 @@ def main(argv=None):
             ok = check(ref, [i for i in impls if i != "off"] or ["kernel", "xla"],
                        [s for s in a.check_layouts.split(",") if s])
     timing(a.model, impls, a.layout, a.batch, a.prompt_len, a.steps, jnp.dtype(a.dtype), a.repeats, a.unroll,
-           a.block_size)
+           a.block_size, layers=a.layers)
     raise SystemExit(0 if ok else 1)
