@@ -12,6 +12,10 @@
 #   stacked   benchmarks/diagnostics/stacked_layers.py
 #   tp        benchmarks/tp_decode.py over every GPU (2 or more)
 #   soak      benchmarks/soak.py --platform cuda (SOAK_STEPS=1000000, SOAK_LIMIT=140 seconds)
+#   model     the model client (issue 19): tiny Llama-3.1 / Qwen3 vs transformers' recorded tokens,
+#             tiny Llama bf16 decode at batch 64: kernel vs XLA path vs "off" (no RoPE / cache write:
+#             the op's share of a step)
+#   model_8b  the same timing for 32 layers of Llama-3.1-8B's shapes (bf16, random weights), batch 64
 STAGES="${STAGES:-install suite test_gpu memcheck bench}"
 source "$(dirname "${BASH_SOURCE[0]}")/_stages.sh"
 PY="${PY:-python3}"
@@ -44,4 +48,8 @@ if has tp && [ "$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)" -g
 fi
 has soak && TAIL=7 run soak "$(( ${SOAK_LIMIT:-140} + 60 ))" "$PY" -P "$ROOT/benchmarks/soak.py" --platform cuda \
     --steps "${SOAK_STEPS:-1000000}" --time-limit "${SOAK_LIMIT:-140}" --report-every 50 --json "$OUT/soak_cuda.json"
+has model && TAIL=20 run model 240 "$PY" -P -m jax_rope_cache generate --reference "$ROOT/tests/data/hf_greedy.npz" \
+    --batch 64 --dtype bfloat16 --impls kernel,xla,off
+has model_8b && TAIL=9 run model_8b 420 "$PY" -P -m jax_rope_cache generate --model llama-3.1-8b --dtype bfloat16 \
+    --batch 64 --prompt-len 128 --steps 64 --impls kernel,xla,off --check none
 summary_print

@@ -1,4 +1,4 @@
-"""Command line: `python -m jax_rope_cache {info,demo,bench,compile}` (also `jax-rope-cache`)."""
+"""Command line: `python -m jax_rope_cache {info,generate,demo,bench,compile}` (also `jax-rope-cache`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ import sys
 
 COMMANDS = {
     "info": "version, devices, whether the kernel is usable on each platform present, cache dir, presets",
-    "demo": "the README's main job: prefill + decode loop of a preset, checked and timed",
+    "generate": "the README's main job: a small Llama-3.1 / Qwen3 generating on the paged cache, "
+                "checked against transformers, kernel vs XLA timed",
+    "demo": "prefill + decode loop of the op alone over a preset's shapes, checked and timed",
     "bench": "kernel vs XLA path table (+ CSV/JSON/PNG) on the default device",
     "compile": "precompile code objects of presets into the disk cache (deployment hosts compile nothing)",
 }
@@ -75,6 +77,10 @@ def main(argv=None) -> None:
     command, rest = argv[0], argv[1:]
     if command == "info":
         info(rest)
+    elif command == "generate":
+        from jax_rope_cache.cli import generate
+
+        generate.main(rest)
     elif command == "demo":
         from jax_rope_cache.cli import demo
 

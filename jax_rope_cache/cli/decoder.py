@@ -1,0 +1,544 @@
+"""A minimal Llama-3.1 / Qwen3 decoder in jax.numpy on top of `rope_and_cache`: the library's
+smallest real client, and the check that positions, slots, tables and layouts are right as seen
+through attention.
+
+    token embedding -> L x [RMSNorm -> q/k/v projections -> (Qwen3: per-head q/k RMSNorm)
+    -> rope_and_cache (RoPE on q and k, K and V written into ONE stacked paged cache [L, ...] at
+    layer l) -> GQA attention over the sequence's cache blocks (block-table gather) -> o-projection
+    -> RMSNorm -> SwiGLU MLP] -> RMSNorm -> LM head -> greedy argmax
+
+Layers run under `lax.scan` over the stacked weights and the stacked caches (the op's `layer=`
+argument); prefill (a padded batch of prompts of different lengths, padding slots -1) and decode
+(a `lax.scan` over steps) are each one `jax.jit` with both caches donated. A `BlockAllocator`
+hands each sequence its cache blocks (from a shuffled free list, so a sequence's blocks are not
+contiguous); the block table maps (sequence, position) to a slot.
+
+Why this module is in `cli/`: the package is a one-way import stack (tests/test_package_layout.py)
+with `models/` at layer 1 (numpy only, below the op); a decoder that calls the op must sit above
+`api`, and `cli/` is that layer. Shipping it inside the package (not in a top-level `examples/`
+folder, which the wheel does not install) lets `python -m jax_rope_cache generate` and
+`./scripts/run_demo.sh` run it from any install.
+
+Attention reads the caches with its own block gather, written from the layout table in the README
+(not from the library's index helpers), so a layout bug in the op shows as a wrong token.
+
+Qwen3's q_norm / k_norm run here as a separate jnp RMSNorm before the op (what a JAX user does
+today); issue 18 fuses them into the op, and this decoder can then pass the weights instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_rope_cache as jrc
+
+__all__ = ["DecoderConfig", "BlockAllocator", "Decoder", "TINY_CONFIGS", "LLAMA_31_8B_CONFIG", "random_params",
+           "random_params_on_device", "params_digest", "hf_state_dict", "gather_blocks", "slot_mapping",
+           "load_hf_reference", "TINY_SEEDS", "HF_LOGIT_BOUND"]
+
+_LLAMA3_TINY_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     # 64, not Llama-3.1's 8192: at the short positions of a test the law then changes
+                     # most frequencies (wavelengths > 16 are smoothed or divided by 8), so a wrong law shows.
+                     "original_max_position_embeddings": 64}
+
+# Tiny random-weight models in Hugging Face config.json form (what LlamaConfig / Qwen3Config take).
+TINY_CONFIGS: dict[str, dict] = {
+    "tiny-llama-3.1": {
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 128,
+        "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 32, "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "rope_scaling": dict(_LLAMA3_TINY_ROPE), "hidden_act": "silu", "attention_bias": False,
+        "mlp_bias": False, "tie_word_embeddings": False,
+    },
+    "tiny-qwen3": {
+        # head_dim 64 != hidden_size / heads (32), as in real Qwen3 (5120 hidden, 64 x 128 heads).
+        "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "vocab_size": 256, "hidden_size": 128,
+        "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 64, "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+        "rope_scaling": None, "hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": True,
+        "use_sliding_window": False,
+    },
+}
+
+# Llama-3.1-8B's shapes (public config.json), for the benchmark; weights are random.
+LLAMA_31_8B_CONFIG = {
+    "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
+    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "head_dim": 128, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192},
+    "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
+}
+
+# The recorded models' seeds (scripts/record_hf_model.py draws their weights with these).
+TINY_SEEDS = {"tiny-llama-3.1": 1, "tiny-qwen3": 2}
+
+# Logits of this decoder vs transformers', float32 on both sides, same weights: max |difference|
+# allowed. Measured on CPU over every impl x layout: tiny Llama (logits up to |9.1|) 4.8e-5 with the
+# kernel, 3.4e-5 with the XLA path (2.8e-5 / 2.6e-5 with transformers' own float32 RoPE tables
+# swapped in: the rest is summation order); tiny Qwen3 (logits up to |1.5|) 2.5e-6.
+# The fixture's models have a top-1 / top-2 logit gap >= 10x this bound at every step, so equal
+# greedy tokens are a property of correct code, not luck.
+HF_LOGIT_BOUND = 2e-4
+
+_SUPPORTED = ("llama", "qwen3")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    qk_norm: bool  # Qwen3: RMSNorm over head_dim of every q and k head before RoPE
+
+    @classmethod
+    def from_hf(cls, config: Mapping) -> DecoderConfig:
+        """Reads a Hugging Face-style config dict; raises ValueError naming a key this decoder
+        does not implement (biases, activations other than SiLU, sliding windows)."""
+        mt = config.get("model_type")
+        if mt not in _SUPPORTED:
+            raise ValueError(f"config['model_type']: expected one of {_SUPPORTED}, got {mt!r}")
+        for key in ("attention_bias", "mlp_bias", "use_sliding_window"):
+            if config.get(key):
+                raise ValueError(f"config[{key!r}]: {config[key]!r} is not implemented by this decoder")
+        if config.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"config['hidden_act']: expected 'silu', got {config['hidden_act']!r}")
+
+        def need(key):
+            v = config.get(key)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"config[{key!r}]: expected a positive integer, got {v!r}")
+            return v
+
+        heads = need("num_attention_heads")
+        kv = need("num_key_value_heads") if config.get("num_key_value_heads") is not None else heads
+        if heads % kv:
+            raise ValueError(f"config['num_key_value_heads']: must divide num_attention_heads ({heads}), got {kv}")
+        head_dim = need("head_dim") if config.get("head_dim") is not None else need("hidden_size") // heads
+        # Qwen3 ties by default in transformers only for some sizes; the config decides.
+        return cls(model_type=mt, vocab_size=need("vocab_size"), hidden_size=need("hidden_size"),
+                   intermediate_size=need("intermediate_size"), num_layers=need("num_hidden_layers"),
+                   q_heads=heads, kv_heads=kv, head_dim=head_dim,
+                   rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+                   tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+                   qk_norm=mt == "qwen3")
+
+    def param_shapes(self) -> dict:
+        """{name: shape} of `random_params`' arrays; per-layer weights are stacked [L, ...] and
+        projections stored [in, out] (x @ w)."""
+        L, H, I, V = self.num_layers, self.hidden_size, self.intermediate_size, self.vocab_size
+        qd, kd = self.q_heads * self.head_dim, self.kv_heads * self.head_dim
+        layers = {"attn_norm": (L, H), "wq": (L, H, qd), "wk": (L, H, kd), "wv": (L, H, kd), "wo": (L, qd, H),
+                  "mlp_norm": (L, H), "w_gate": (L, H, I), "w_up": (L, H, I), "w_down": (L, I, H)}
+        if self.qk_norm:
+            layers |= {"q_norm": (L, self.head_dim), "k_norm": (L, self.head_dim)}
+        out = {"embed": (V, H), "final_norm": (H,), "layers": layers}
+        if not self.tie_word_embeddings:
+            out["lm_head"] = (H, V)
+        return out
+
+
+# ---- weights ------------------------------------------------------------------------------------
+# Scales are chosen so that the tiny random model is NOT degenerate: attention logits of order
+# a few units (so attention is position-sensitive, not uniform) and well separated top tokens.
+_GAIN = {"wq": 2.0, "wk": 2.0, "wv": 1.0, "wo": 1.0, "w_gate": 1.0, "w_up": 1.0, "w_down": 1.0, "lm_head": 2.0}
+
+
+def _norm_init(name: str) -> tuple[float, float]:
+    """(mean, std) of a norm weight: not all ones, so a norm applied to the wrong tensor shows."""
+    return (1.5, 0.2) if name in ("q_norm", "k_norm") else (1.0, 0.2)
+
+
+def _leaves(shapes: dict, prefix=()):
+    for name in sorted(shapes):
+        if isinstance(shapes[name], dict):
+            yield from _leaves(shapes[name], prefix + (name,))
+        else:
+            yield prefix + (name,), shapes[name]
+
+
+def _init_value(name: str, shape, normal):
+    if name.endswith("norm"):
+        mean, std = _norm_init(name)
+        return mean + std * normal(shape)
+    if name == "embed":
+        # small next to the layers' outputs (~1 per channel): with tied embeddings a dominant
+        # residual would make every token its own argmax (a model that repeats one token)
+        return 0.03 * normal(shape)
+    fan_in = shape[-2]
+    return (_GAIN[name] / math.sqrt(fan_in)) * normal(shape)
+
+
+def _set(tree: dict, path, value):
+    for p in path[:-1]:
+        tree = tree.setdefault(p, {})
+    tree[path[-1]] = value
+
+
+def random_params(cfg: DecoderConfig, seed: int, dtype=np.float32) -> dict:
+    """Random weights from numpy's PCG64 generator, drawn in sorted name order: the same seed
+    gives the same weights on every machine (`params_digest` checks it)."""
+    rng = np.random.default_rng(seed)
+    out: dict = {}
+    for path, shape in _leaves(cfg.param_shapes()):
+        value = _init_value(path[-1], shape, lambda s: rng.standard_normal(s, dtype=np.float64))
+        _set(out, path, value.astype(np.float32).astype(dtype))
+    return out
+
+
+def random_params_on_device(cfg: DecoderConfig, seed: int, dtype=jnp.bfloat16, device=None) -> dict:
+    """The same scales drawn by jax.random on the device: for benchmark-sized models, whose
+    numpy generation and host-to-device copy would take minutes."""
+    out: dict = {}
+    leaves = list(_leaves(cfg.param_shapes()))
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+
+    def drawer(name, shape):
+        return jax.jit(lambda key: _init_value(name, shape, lambda s: jax.random.normal(key, s, jnp.float32))
+                       .astype(dtype))
+
+    with jax.default_device(device or jax.devices()[0]):
+        for key, (path, shape) in zip(keys, leaves):
+            _set(out, path, drawer(path[-1], shape)(key))
+    return out
+
+
+def params_digest(params: dict) -> str:
+    """sha256 over the names, shapes, dtypes and bytes of every array (sorted by name)."""
+    h = hashlib.sha256()
+
+    def walk(tree, prefix):
+        for name in sorted(tree):
+            if isinstance(tree[name], dict):
+                walk(tree[name], prefix + name + "/")
+                continue
+            a = np.ascontiguousarray(np.asarray(tree[name]))
+            h.update(f"{prefix}{name}:{a.shape}:{a.dtype.name};".encode())
+            h.update(a.tobytes())
+
+    walk(params, "")
+    return h.hexdigest()
+
+
+def hf_state_dict(cfg: DecoderConfig, params: dict) -> dict[str, np.ndarray]:
+    """The same weights under Hugging Face's LlamaForCausalLM / Qwen3ForCausalLM names
+    (projections transposed to [out, in]); numpy arrays, for `load_state_dict` after torch.from_numpy."""
+    t = lambda a: np.ascontiguousarray(np.asarray(a).T)  # noqa: E731
+    lay = params["layers"]
+    sd = {"model.embed_tokens.weight": np.asarray(params["embed"]),
+          "model.norm.weight": np.asarray(params["final_norm"])}
+    sd["lm_head.weight"] = np.asarray(params["embed"]) if cfg.tie_word_embeddings else t(params["lm_head"])
+    names = {"wq": "self_attn.q_proj", "wk": "self_attn.k_proj", "wv": "self_attn.v_proj", "wo": "self_attn.o_proj",
+             "w_gate": "mlp.gate_proj", "w_up": "mlp.up_proj", "w_down": "mlp.down_proj"}
+    norms = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm", "q_norm": "self_attn.q_norm",
+             "k_norm": "self_attn.k_norm"}
+    for i in range(cfg.num_layers):
+        for ours, theirs in names.items():
+            sd[f"model.layers.{i}.{theirs}.weight"] = t(lay[ours][i])
+        for ours, theirs in norms.items():
+            if ours in lay:
+                sd[f"model.layers.{i}.{theirs}.weight"] = np.asarray(lay[ours][i])
+    return sd
+
+
+# ---- paged cache bookkeeping ----------------------------------------------------------------------
+class BlockAllocator:
+    """Cache blocks handed out from a free list (shuffled by `seed`, so one sequence's blocks are
+    scattered over the cache) and given back when a sequence ends."""
+
+    def __init__(self, num_blocks: int, block_size: int, seed: int | None = 0):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"num_blocks, block_size: expected >= 1, got {num_blocks}, {block_size}")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        order = np.arange(num_blocks)
+        if seed is not None:
+            order = np.random.default_rng(seed).permutation(num_blocks)
+        self._free = [int(b) for b in order[::-1]]  # pop() from the end
+        self._owned: set[int] = set()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def allocate(self, num_tokens: int) -> list[int]:
+        """Blocks for a sequence of num_tokens tokens (prompt + every token it will generate)."""
+        n = self.blocks_for(num_tokens)
+        if n > len(self._free):
+            raise RuntimeError(f"out of cache blocks: {num_tokens} tokens need {n} blocks, {len(self._free)} free")
+        got = [self._free.pop() for _ in range(n)]
+        self._owned.update(got)
+        return got
+
+    def free(self, blocks) -> None:
+        for b in blocks:
+            if b not in self._owned:
+                raise ValueError(f"blocks: block {b} is not allocated")
+            self._owned.remove(b)
+            self._free.append(b)
+
+    @staticmethod
+    def block_table(seqs: list[list[int]], width: int | None = None) -> np.ndarray:
+        """[B, width] int32 block ids, padded with -1."""
+        width = max(map(len, seqs)) if width is None else width
+        out = np.full((len(seqs), width), -1, np.int32)
+        for i, blocks in enumerate(seqs):
+            out[i, : len(blocks)] = blocks
+        return out
+
+
+def slot_mapping(block_table, positions, block_size: int):
+    """Slot of each (sequence, position): block_table[b, pos // BS] * BS + pos % BS; -1 where
+    the position is negative (padding) or past the sequence's blocks."""
+    bt = jnp.asarray(block_table)
+    pos = jnp.asarray(positions)
+    col = pos // block_size
+    inside = (pos >= 0) & (col < bt.shape[1])
+    blk = jnp.take_along_axis(bt, jnp.clip(col, 0, bt.shape[1] - 1), axis=1)
+    return jnp.where(inside & (blk >= 0), blk * block_size + pos % block_size, -1).astype(jnp.int32)
+
+
+def gather_blocks(key_cache, value_cache, layer, block_table, layout: str):
+    """K and V of every sequence's blocks, in position order: [B, MB * BS, KH, D] each, from
+    stacked caches [L, NB, ...] at `layer` (one gather per cache; block ids -1 read block 0,
+    which the attention mask hides). Written from the layouts' definitions (README):
+      flash            K, V [NB, BS, KH, D]
+      xpacked          K [NB, KH, D//X, BS, X]    V [NB, KH, D, BS]
+      xpacked_shuffled K as xpacked               V [NB, KH, BS//X, D, X]
+    """
+    bt = jnp.maximum(jnp.asarray(block_table), 0)
+    B, MB = bt.shape
+    k = key_cache[layer, bt]    # [B, MB, *block]
+    v = value_cache[layer, bt]
+    if layout == "flash":
+        _, _, BS, KH, D = k.shape
+    elif layout in ("xpacked", "xpacked_shuffled"):
+        _, _, KH, DX, BS, X = k.shape
+        D = DX * X
+        k = k.transpose(0, 1, 4, 2, 3, 5)  # [B, MB, BS, KH, D//X, X]
+        if layout == "xpacked":
+            v = v.transpose(0, 1, 4, 2, 3)  # [B, MB, KH, D, BS] -> [B, MB, BS, KH, D]
+        else:
+            v = v.transpose(0, 1, 3, 5, 2, 4)  # [B, MB, KH, BS//X, D, X] -> [B, MB, BS//X, X, KH, D]
+    else:
+        raise ValueError(f"layout: expected one of {jrc.LAYOUTS}, got {layout!r}")
+    return k.reshape(B, MB * BS, KH, D), v.reshape(B, MB * BS, KH, D)
+
+
+# ---- the model ------------------------------------------------------------------------------------
+def rms_norm(x, weight, eps):
+    """Hugging Face's order: in float32, normalised, rounded to x's dtype, then times the weight."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight * y.astype(x.dtype)
+
+
+IMPLS = ("kernel", "xla", "off")
+
+
+class Decoder:
+    """A decoder and its paged caches. `impl`: "kernel" or "xla" (the op's implementations), or
+    "off" (no RoPE and no cache write at all: a wrong model, only for timing how much of a step
+    the op takes).
+
+    The caches live in `self.key_cache` / `self.value_cache` ([L, ...] in `layout`); every jitted
+    call donates them and stores the returned ones. The tables (cos, sin) and the weights are
+    arguments of the jitted steps, not constants baked into them.
+    """
+
+    def __init__(self, config: Mapping, params: dict, *, layout="flash", block_size=16, num_blocks=None,
+                 max_seqs=8, max_len=None, impl="kernel", dtype=jnp.float32, unroll=1, seed=0, tables=None,
+                 device=None, cache_fill="random"):
+        if impl not in IMPLS:
+            raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
+        self.hf_config = dict(config)
+        self.cfg = cfg = DecoderConfig.from_hf(config)
+        self.layout, self.block_size, self.impl, self.unroll = layout, block_size, impl, unroll
+        self.dtype = np.dtype(dtype)
+        max_len = max_len or config["max_position_embeddings"]
+        if tables is None:
+            cos, sin, info = jrc.rope_tables_from_hf_config(config, max_pos=max_len, dtype=np.float32)
+            self.rotary_dim, self.is_neox = info.rotary_dim, info.is_neox
+        else:  # (cos, sin, rotary_dim, is_neox): e.g. deliberately wrong tables in tests
+            cos, sin, self.rotary_dim, self.is_neox = tables
+        self.device = device or jax.devices()[0]
+        self.tables = jax.device_put((jnp.asarray(cos), jnp.asarray(sin)), self.device)
+        self.max_len = int(self.tables[0].shape[0])
+        self.blocks_per_seq = -(-self.max_len // block_size)
+        num_blocks = num_blocks or max_seqs * self.blocks_per_seq
+        self.allocator = BlockAllocator(num_blocks, block_size, seed=seed)
+        self.params = jax.device_put(jax.tree.map(lambda a: jnp.asarray(a, self.dtype), params), self.device)
+        self.key_cache, self.value_cache = self._new_caches(num_blocks, cache_fill, seed)
+        # Matmuls in full float32 where the model is float32 (GPUs would otherwise use TF32).
+        self._precision = jax.lax.Precision.HIGHEST if self.dtype == np.float32 else None
+        self.prefill_fn = jax.jit(self._prefill, donate_argnums=(2, 3))
+        self.decode_fn = jax.jit(self._decode, static_argnames=("steps", "with_logits"), donate_argnums=(2, 3))
+
+    def _new_caches(self, num_blocks, fill, seed):
+        """Stacked [L, ...] caches in the layout. fill="random" (numpy normals, seeded): a read of a
+        slot nobody wrote shows as a wrong token, not as a harmless zero; "zeros" for large pools."""
+        cfg = self.cfg
+        shapes = jrc.cache_shapes(self.layout, num_blocks, self.block_size, cfg.kv_heads, cfg.head_dim, self.dtype)
+        if fill == "zeros":
+            return tuple(jnp.zeros((cfg.num_layers,) + tuple(s), self.dtype, device=self.device) for s in shapes)
+        if fill != "random":
+            raise ValueError(f"cache_fill: expected 'random' or 'zeros', got {fill!r}")
+        rng = np.random.default_rng(seed)
+        return tuple(jax.device_put(rng.standard_normal((cfg.num_layers,) + tuple(s), np.float32).astype(self.dtype),
+                                    self.device) for s in shapes)
+
+    # -- building blocks (traced) --
+    def _mm(self, x, w):
+        return jnp.matmul(x, w, precision=self._precision)
+
+    def _attend(self, q, k, v, q_pos):
+        """q [B, P, QH, D]; k, v [B, S, KH, D] with key index = position; q_pos [B, P]."""
+        cfg = self.cfg
+        B, P, QH, D = q.shape
+        S, KH = k.shape[1], k.shape[2]
+        qg = q.reshape(B, P, KH, QH // KH, D)
+        s = jnp.einsum("bpkgd,bskd->bkgps", qg, k, precision=self._precision,
+                       preferred_element_type=jnp.float32) / math.sqrt(cfg.head_dim)
+        mask = jnp.arange(S)[None, None, :] <= q_pos[:, :, None]  # causal and within what was written
+        s = jnp.where(mask[:, None, None], s, -jnp.inf)
+        p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+        o = jnp.einsum("bkgps,bskd->bpkgd", p, v, precision=self._precision, preferred_element_type=jnp.float32)
+        return o.reshape(B, P, QH * D).astype(q.dtype)
+
+    def _forward(self, params, tables, kc, vc, tokens, positions, block_table):
+        """tokens, positions [B, P] (position -1: padding, writes nothing) -> hidden [B, P, H]."""
+        cfg = self.cfg
+        B, P = tokens.shape
+        cos, sin = tables
+        slots = slot_mapping(block_table, positions, self.block_size).reshape(-1)
+        flat_pos = jnp.maximum(positions, 0).reshape(-1)
+        q_pos = jnp.maximum(positions, 0)
+        x = params["embed"][tokens]
+
+        def layer(carry, xs):
+            x, kc, vc = carry
+            w, i = xs
+            h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
+            q = self._mm(h, w["wq"]).reshape(B * P, cfg.q_heads, cfg.head_dim)
+            k = self._mm(h, w["wk"]).reshape(B * P, cfg.kv_heads, cfg.head_dim)
+            v = self._mm(h, w["wv"]).reshape(B * P, cfg.kv_heads, cfg.head_dim)
+            if cfg.qk_norm:
+                q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
+                k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
+            if self.impl != "off":
+                q, k, kc, vc = jrc.rope_and_cache(q, k, v, kc, vc, slots, flat_pos, cos, sin, layout=self.layout,
+                                                  is_neox=self.is_neox, rotary_dim=self.rotary_dim,
+                                                  impl=self.impl, layer=i)
+            keys, values = gather_blocks(kc, vc, i, block_table, self.layout)
+            o = self._attend(q.reshape(B, P, cfg.q_heads, cfg.head_dim), keys, values, q_pos)
+            x = x + self._mm(o, w["wo"])
+            h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
+            x = x + self._mm(jax.nn.silu(self._mm(h, w["w_gate"])) * self._mm(h, w["w_up"]), w["w_down"])
+            return (x, kc, vc), None
+
+        (x, kc, vc), _ = jax.lax.scan(layer, (x, kc, vc), (params["layers"], jnp.arange(cfg.num_layers)),
+                                      unroll=self.unroll)
+        return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), kc, vc
+
+    def _logits(self, params, h):
+        w = params["embed"].T if self.cfg.tie_word_embeddings else params["lm_head"]
+        return jnp.matmul(h, w, precision=self._precision, preferred_element_type=jnp.float32)
+
+    def _prefill(self, params, tables, kc, vc, tokens, lengths, block_table):
+        """tokens [B, P] (padded), lengths [B] -> (first generated token [B], its logits [B, V], caches)."""
+        B, P = tokens.shape
+        pos = jnp.arange(P)[None, :]
+        positions = jnp.where(pos < lengths[:, None], pos, -1)
+        h, kc, vc = self._forward(params, tables, kc, vc, tokens, positions, block_table)
+        last = jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)[:, 0]
+        logits = self._logits(params, last)
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32), logits, kc, vc
+
+    def _decode(self, params, tables, kc, vc, tokens, positions, block_table, *, steps, with_logits=True):
+        """`steps` greedy steps: the token at positions[b] goes in, the next comes out.
+        -> (tokens [steps, B], logits [steps, B, V] or None, caches)."""
+        def step(carry, _):
+            tok, pos, kc, vc = carry
+            h, kc, vc = self._forward(params, tables, kc, vc, tok[:, None], pos[:, None], block_table)
+            logits = self._logits(params, h[:, 0])
+            nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            return (nxt, pos + 1, kc, vc), (nxt, logits if with_logits else None)
+
+        (_, _, kc, vc), (toks, logits) = jax.lax.scan(step, (tokens, positions, kc, vc), None, length=steps)
+        return toks, logits, kc, vc
+
+    # -- host side --
+    def prefill(self, prompts, block_table):
+        lengths = np.array([len(p) for p in prompts], np.int32)
+        grid = np.zeros((len(prompts), int(lengths.max())), np.int32)
+        for i, p in enumerate(prompts):
+            grid[i, : len(p)] = p
+        tok, logits, self.key_cache, self.value_cache = self.prefill_fn(
+            self.params, self.tables, self.key_cache, self.value_cache, grid, lengths, block_table)
+        return tok, logits, lengths
+
+    def decode(self, tokens, positions, block_table, steps, with_logits=True):
+        toks, logits, self.key_cache, self.value_cache = self.decode_fn(
+            self.params, self.tables, self.key_cache, self.value_cache, tokens, positions, block_table,
+            steps=steps, with_logits=with_logits)
+        return toks, logits
+
+    def generate(self, prompts, new_tokens: int):
+        """Greedy generation of new_tokens tokens after each prompt (token id lists of any lengths):
+        one prefill, then new_tokens - 1 decode steps. Returns (tokens [B, new_tokens] int32,
+        logits [B, new_tokens, V] float32) as numpy arrays; the sequences' blocks are freed after."""
+        if new_tokens < 1:
+            raise ValueError(f"new_tokens: expected >= 1, got {new_tokens}")
+        for p in prompts:
+            if not len(p) or len(p) + new_tokens > self.max_len:
+                raise ValueError(f"prompts: lengths must be in [1, {self.max_len - new_tokens}], got {len(p)}")
+        seqs = [self.allocator.allocate(len(p) + new_tokens) for p in prompts]
+        try:
+            bt = self.allocator.block_table(seqs, self.blocks_per_seq)
+            first, first_logits, lengths = self.prefill(prompts, bt)
+            toks, logits = [first[None]], [first_logits[None]]
+            if new_tokens > 1:
+                t, lg = self.decode(first, lengths, bt, new_tokens - 1)
+                toks.append(t)
+                logits.append(lg)
+            toks = np.asarray(jnp.concatenate(toks)).T
+            logits = np.asarray(jnp.concatenate(logits)).transpose(1, 0, 2)
+        finally:
+            for s in seqs:
+                self.allocator.free(s)
+        return toks, logits
+
+
+def load_hf_reference(path: str) -> dict:
+    """The fixture of scripts/record_hf_model.py: {model name: {config, seed, digest, prompts
+    (token lists), tokens [B, N], logits [B, N, V]}, "meta": {versions, new_tokens}}."""
+    import json
+
+    with np.load(path) as f:
+        raw = {k: f[k] for k in f.files}
+    out = {"meta": json.loads(str(raw["meta"]))}
+    for key in raw:
+        if key.endswith("/config"):
+            name = key.split("/")[0]
+            lengths = raw[f"{name}/lengths"]
+            out[name] = {"config": json.loads(str(raw[key])), "seed": int(raw[f"{name}/seed"]),
+                         "digest": str(raw[f"{name}/digest"]),
+                         "prompts": [raw[f"{name}/prompts"][i, :n].tolist() for i, n in enumerate(lengths)],
+                         "tokens": raw[f"{name}/tokens"], "logits": raw[f"{name}/logits"]}
+    return out

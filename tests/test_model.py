@@ -1,0 +1,272 @@
+"""A real model on the op (issue 19): the decoder of jax_rope_cache/cli/decoder.py generates, on
+the paged caches the op writes, the same greedy tokens as Hugging Face transformers, with logits
+within decoder.HF_LOGIT_BOUND, for prompts of 1, 6, 16 and 21 tokens and 32 decode steps, with
+impl="kernel" and impl="xla", flash and x-packed caches, a tiny Llama-3.1 (llama3 RoPE scaling)
+and a tiny Qwen3 (q/k RMSNorm before RoPE, tied embeddings).
+
+The reference is the fixture tests/data/hf_greedy.npz (scripts/record_hf_model.py); the live
+test re-runs transformers when torch and transformers import (only that test skips otherwise).
+The sensitivity tests show the comparison has teeth: tables one position off, or without the
+llama3 law, move the logits far beyond the bound.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_rope_cache as jrc
+from conftest import impl_params
+from jax_rope_cache.cli import decoder, generate
+from jax_rope_cache.models import tables
+from test_structure import check_in_place
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+FIXTURE = os.path.join(HERE, "data", "hf_greedy.npz")
+REF = decoder.load_hf_reference(FIXTURE)
+META = REF.pop("meta")
+LLAMA, QWEN = "tiny-llama-3.1", "tiny-qwen3"
+BOUND = decoder.HF_LOGIT_BOUND
+_DECODERS: dict = {}  # compiled decoders shared by the tests of this module
+
+
+def _decoder(name, platform, impl, layout="flash"):
+    return generate.reference_decoder(REF[name], impl, layout, device=jax.devices(platform)[0],
+                                      decoder_cache=_DECODERS)
+
+
+def _generate(name, platform, impl, layout="flash"):
+    m = _decoder(name, platform, impl, layout)
+    return m.generate(REF[name]["prompts"], REF[name]["tokens"].shape[1])
+
+
+# ---- the fixture itself -------------------------------------------------------------------------
+@pytest.mark.parametrize("name", [LLAMA, QWEN])
+def test_fixture_is_this_model_and_a_meaningful_reference(name):
+    entry = REF[name]
+    assert entry["config"] == decoder.TINY_CONFIGS[name], "config changed: regenerate the fixture"
+    assert entry["seed"] == decoder.TINY_SEEDS[name]
+    params = decoder.random_params(decoder.DecoderConfig.from_hf(entry["config"]), entry["seed"])
+    assert decoder.params_digest(params) == entry["digest"], "weights from the seed changed"
+    lengths = [len(p) for p in entry["prompts"]]
+    assert len(set(lengths)) >= 3 and 1 in lengths and max(lengths) > 16  # several lengths, across blocks
+    tokens, logits = entry["tokens"], entry["logits"]
+    assert tokens.shape == (len(lengths), META["new_tokens"]) and tokens.shape[1] >= 33  # 1 + >= 32 decode steps
+    assert logits.shape == tokens.shape + (entry["config"]["vocab_size"],) and logits.dtype == np.float32
+    np.testing.assert_array_equal(tokens, logits.argmax(-1))
+    top2 = np.sort(logits, axis=-1)[..., -2:]
+    assert (top2[..., 1] - top2[..., 0]).min() >= 10 * BOUND  # equal greedy tokens are no accident
+    assert len(np.unique(tokens)) >= 40  # not a model that repeats one token
+    assert os.path.getsize(FIXTURE) < 400 * 1024
+
+
+def test_llama3_law_matters_at_these_positions():
+    """The tiny Llama's llama3 scaling changes the tables within the positions generated here
+    (else the check could not tell the law from plain RoPE)."""
+    cfg = REF[LLAMA]["config"]
+    cos, _, info = jrc.rope_tables_from_hf_config(cfg, max_pos=64)
+    plain, _ = tables.rope_tables(64, info.rotary_dim, base=cfg["rope_theta"])
+    assert info.rope_type == "llama3"
+    assert np.abs(cos - plain).max() > 0.5
+
+
+# ---- the decoder against transformers -----------------------------------------------------------
+CASES = [(LLAMA, "flash", "kernel xla"), (LLAMA, "xpacked", "kernel"),
+         (QWEN, "flash", "kernel"), (QWEN, "xpacked_shuffled", "xla")]
+
+
+
+
+def _matrix():
+    """CASES on CPU (kept small for CI: every model, impl and layout at least once); every
+    (model, layout) with both implementations on a GPU."""
+    out = []
+    for p in impl_params():
+        platform, impl = p.values
+        for name, layout, impls in CASES:
+            if impl in impls.split() or platform != "cpu":
+                out.append(pytest.param(platform, impl, name, layout, id=f"{p.id}-{name}-{layout}"))
+    return out
+
+
+@pytest.mark.parametrize("platform,impl,name,layout", _matrix())
+def test_greedy_generation_matches_transformers(platform, impl, name, layout):
+    toks, logits = _generate(name, platform, impl, layout)
+    want_t, want_l = REF[name]["tokens"], REF[name]["logits"]
+    bad = np.argwhere(toks != want_t)
+    assert not len(bad), f"first differing token at (prompt, step) {tuple(bad[0])}: {toks[tuple(bad[0])]} vs " \
+                         f"transformers' {want_t[tuple(bad[0])]}"
+    err = np.abs(logits - want_l).max()
+    assert err <= BOUND, f"max |logit - transformers| = {err:.2e} > {BOUND}"
+
+
+def _load_recorder():
+    spec = importlib.util.spec_from_file_location("record_hf_model", os.path.join(HERE, "..", "scripts",
+                                                                                  "record_hf_model.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_live_transformers_agrees_with_fixture_and_decoder():
+    for module in ("torch", "transformers"):  # absent or broken: only this test skips
+        pytest.importorskip(module, exc_type=ImportError)
+    rec = _load_recorder()
+    platform = jax.devices()[0].platform
+    for name in (LLAMA, QWEN):
+        entry = REF[name]
+        params = decoder.random_params(decoder.DecoderConfig.from_hf(entry["config"]), entry["seed"])
+        toks, logits = rec.hf_greedy(entry["config"], params, entry["prompts"], entry["tokens"].shape[1])
+        np.testing.assert_array_equal(toks, entry["tokens"], err_msg=f"{name}: live transformers vs fixture")
+        # another torch/transformers version may sum in another order: the same bound, not bits
+        assert np.abs(logits - entry["logits"]).max() <= BOUND, name
+        ours_t, ours_l = _generate(name, platform, "kernel")
+        np.testing.assert_array_equal(ours_t, toks, err_msg=f"{name}: decoder vs live transformers")
+        assert np.abs(ours_l - logits).max() <= BOUND, name
+
+
+@pytest.mark.parametrize("what", ["positions one off", "plain RoPE instead of llama3"])
+def test_comparison_catches_wrong_tables(what):
+    """Same compiled decoder, wrong tables (they are arguments): the logits move far beyond the
+    bound, so a position or scaling-law bug cannot pass the comparison."""
+    m = _decoder(LLAMA, jax.devices()[0].platform, "xla")
+    good = m.tables
+    cos, sin = (np.asarray(t) for t in good)
+    if what == "positions one off":
+        bad = (np.roll(cos, 1, axis=0), np.roll(sin, 1, axis=0))
+    else:
+        bad = tables.rope_tables(cos.shape[0], m.rotary_dim, base=REF[LLAMA]["config"]["rope_theta"])
+    try:
+        m.tables = tuple(jnp.asarray(t) for t in bad)
+        toks, logits = m.generate(REF[LLAMA]["prompts"], REF[LLAMA]["tokens"].shape[1])
+    finally:
+        m.tables = good
+    assert np.abs(logits - REF[LLAMA]["logits"]).max() > 100 * BOUND
+    assert (toks != REF[LLAMA]["tokens"]).any()
+
+
+# ---- paged-cache bookkeeping ----------------------------------------------------------------------
+def test_block_allocator():
+    a = decoder.BlockAllocator(10, 4, seed=3)
+    s1, s2 = a.allocate(9), a.allocate(4)  # 3 blocks, 1 block
+    assert len(s1) == 3 and len(s2) == 1 and not set(s1) & set(s2) and a.num_free == 6
+    assert s1 != sorted(s1) or s1[0] != 0  # shuffled: not simply 0, 1, 2
+    with pytest.raises(RuntimeError, match="out of cache blocks"):
+        a.allocate(25)
+    assert a.num_free == 6  # a failed allocation takes nothing
+    a.free(s1)
+    with pytest.raises(ValueError, match="not allocated"):
+        a.free(s1)
+    again = a.allocate(36)  # all 9 free blocks
+    assert len(again) == 10 - len(s2) and set(again) | set(s2) == set(range(10))
+    bt = a.block_table([s2, again[:2]], width=4)
+    assert bt.dtype == np.int32 and bt.tolist() == [[s2[0], -1, -1, -1], again[:2] + [-1, -1]]
+
+    pos = np.array([[0, 3, 4, 7, -1, 16], [5, 8, 4, 0, 2, 9]], np.int32)
+    got = np.asarray(decoder.slot_mapping(bt, pos, 4))
+    want = [[s2[0] * 4, s2[0] * 4 + 3, -1, -1, -1, -1],  # block 1 of sequence 0 is padding (-1): no slot
+            [again[1] * 4 + 1, -1, again[1] * 4, again[0] * 4, again[0] * 4 + 2, -1]]
+    assert got.tolist() == want
+
+
+@pytest.mark.parametrize("layout", jrc.LAYOUTS)
+def test_block_gather_agrees_with_read_kv(layout):
+    """The decoder's own block gather (written from the README's layout table) and the library's
+    read_kv see the same K and V for every slot, on a stacked cache at a traced layer."""
+    L, NB, BS, KH, D = 3, 7, 8, 2, 32
+    rng = np.random.default_rng(4)
+    kc, vc = (jnp.asarray(rng.standard_normal((L,) + s, np.float32))
+              for s in jrc.cache_shapes(layout, NB, BS, KH, D, np.float32))
+    bt = np.array([[5, 2, -1], [0, 6, 3]], np.int32)  # -1: padding, read as block 0 (masked by attention)
+    k, v = jax.jit(decoder.gather_blocks, static_argnames="layout")(kc, vc, jnp.int32(1), bt, layout=layout)
+    assert k.shape == v.shape == (2, 3 * BS, KH, D)
+    slots = (np.maximum(bt, 0)[:, :, None] * BS + np.arange(BS)).reshape(-1)  # [B * MB * BS] in position order
+    want_k, want_v = jrc.read_kv(kc[1], vc[1], slots, layout=layout)
+    np.testing.assert_array_equal(np.asarray(k).reshape(want_k.shape), np.asarray(want_k))
+    np.testing.assert_array_equal(np.asarray(v).reshape(want_v.shape), np.asarray(want_v))
+    assert not np.array_equal(np.asarray(k[0]), np.asarray(jrc.read_kv(kc[0], vc[0], slots[: 3 * BS],
+                                                                       layout=layout)[0]))  # layer 1, not 0
+
+
+SENTINEL = 12345.0  # no K or V value of the model comes near it
+
+
+@pytest.mark.parametrize("platform,impl", [p for p in impl_params() if p.values != ("cpu", "xla")])  # CI: one
+def test_generation_writes_only_its_own_slots(platform, impl):
+    """Prefill (padded: padding slots -1) + decode write exactly the slots of positions
+    [0, len + new - 1) of every sequence, in every layer, and no other slot of the cache."""
+    m = _decoder(LLAMA, platform, impl)
+    prompts, new = REF[LLAMA]["prompts"], 9
+    m.key_cache, m.value_cache = (jnp.full_like(c, SENTINEL) for c in (m.key_cache, m.value_cache))
+    seqs = [m.allocator.allocate(len(p) + new) for p in prompts]
+    try:
+        bt = m.allocator.block_table(seqs, m.blocks_per_seq)
+        first, _, lens = m.prefill(prompts, bt)
+        toks, _ = m.decode(first, lens, bt, new - 1)
+        after = np.asarray(m.key_cache), np.asarray(m.value_cache)
+    finally:
+        for s in seqs:
+            m.allocator.free(s)
+    # the generation itself is still transformers' (a finite sentinel in unwritten slots is masked)
+    np.testing.assert_array_equal(np.concatenate([np.asarray(first)[:, None], np.asarray(toks).T], 1),
+                                  REF[LLAMA]["tokens"][:, :new])
+    bs = m.block_size
+    written = np.zeros(m.allocator.num_blocks * bs, bool)
+    for p, blocks in zip(prompts, seqs):
+        n = len(p) + new - 1  # the last generated token is never fed back
+        written[[blocks[t // bs] * bs + t % bs for t in range(n)]] = True
+    assert written.sum() < written.size / 2  # most of the pool belongs to nobody
+    for cache in after:  # flash: [L, NB, BS, KH, D]
+        slot_values = cache.reshape(cache.shape[0], written.size, -1)
+        assert (slot_values[:, written] != SENTINEL).all(), "a slot of a sequence was not written (whole)"
+        assert (slot_values[:, ~written] == SENTINEL).all(), "a slot no sequence owns was written"
+
+
+def test_compiled_steps_donate_caches_and_call_the_op_once_per_layer():
+    """Prefill and decode alias both stacked caches to their outputs, copy no cache-shaped buffer,
+    need no cache-sized temporary, and (CPU kernel) hold one custom call: the layer scan's body."""
+    entry = REF[LLAMA]
+    params = decoder.random_params(decoder.DecoderConfig.from_hf(entry["config"]), entry["seed"])
+    # a pool (1.8 MiB per cache) larger than the steps' own temporaries, so a cache copy would show
+    m = decoder.Decoder(entry["config"], params, block_size=8, max_seqs=64, max_len=56, impl="kernel")
+    n_params = len(jax.tree.leaves(m.params)) + 2  # params, then the two tables, then the caches
+    bt = np.zeros((4, m.blocks_per_seq), np.int32)
+    shapes = [m.key_cache.shape, m.value_cache.shape]
+    args = (m.params, m.tables, m.key_cache, m.value_cache)
+    for fn, rest, kw in ((m.prefill_fn, (np.zeros((4, 21), np.int32), np.full(4, 21, np.int32), bt), {}),
+                         (m.decode_fn, (np.zeros(4, np.int32), np.full(4, 21, np.int32), bt), dict(steps=3))):
+        compiled = fn.lower(*args, *rest, **kw).compile()
+        text = check_in_place(compiled, shapes, m.key_cache.nbytes, n_params_before_caches=n_params)
+        if m.device.platform == "cpu":
+            calls = re.findall(r'custom_call_target="(jax_rope_cache[a-z_]*)"', text)
+            assert len(calls) == 1, calls
+
+
+def test_config_errors():
+    base = decoder.TINY_CONFIGS[LLAMA]
+    for key, value, match in (("model_type", "gpt2", "model_type"), ("attention_bias", True, "attention_bias"),
+                              ("hidden_act", "gelu", "hidden_act"), ("num_key_value_heads", 3, "num_key_value_heads"),
+                              ("vocab_size", 0, "vocab_size")):
+        with pytest.raises(ValueError, match=match):
+            decoder.DecoderConfig.from_hf({**base, key: value})
+    cfg = decoder.DecoderConfig.from_hf(decoder.TINY_CONFIGS[QWEN])
+    assert cfg.qk_norm and cfg.tie_word_embeddings and cfg.head_dim * cfg.q_heads != cfg.hidden_size
+    with pytest.raises(ValueError, match="impl"):
+        decoder.Decoder(base, {}, impl="fast")
+
+
+def test_generate_command_times_a_bfloat16_model(capsys):
+    """The timing half of `python -m jax_rope_cache generate` (what the H200 benchmark runs), on a
+    bfloat16 model with the op removed ("off": one compile, the cheapest smoke test)."""
+    with pytest.raises(SystemExit) as e:
+        generate.main(["--check", "none", "--impls", "off", "--batch", "3", "--prompt-len", "5", "--steps", "2",
+                       "--repeats", "1", "--dtype", "bfloat16", "--block-size", "8"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "bfloat16" in out and re.search(r"^off\s+[\d.]+ms\s+\d+us\s+[\d,]+$", out, re.M), out
