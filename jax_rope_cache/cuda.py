@@ -36,7 +36,6 @@ GPU_TARGET_NO_GRAPH = "jax_rope_cache_gpu_nograph"
 KERNEL_NAME = "rope_cache_kernel"
 DEFAULT_ARCH = 90
 DEFAULT_SMS = 132
-UNROLL = 4  # units per thread per round (kernels/cuda/rope_cache.cu: RC_UNROLL)
 
 
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -94,31 +93,32 @@ def _pow2_floor(n: int) -> int:
     return 1 << (max(1, n).bit_length() - 1)
 
 
+MAX_THREADS = 512  # threads per block (a block's units beyond this loop)
+
+
 def kernel_config(spec: _spec.OpSpec, num_sms: int = DEFAULT_SMS) -> KernelConfig:
+    """One thread per unit of work (kernels/cuda/rope_cache.cu: rotation, pass-through and V units):
+    a block owns RC_TPB tokens, sized so its units fill up to MAX_THREADS threads; small calls get
+    fewer tokens per block so the grid still spreads over the SMs (latency, not bandwidth)."""
     w = chunk_width(spec)
     d, r, qh, kh = spec.head_dim, spec.rotary_dim, spec.q_heads, spec.kv_heads
     rh = qh + kh
-    units_rot = rh * ((r // 2) // w if spec.is_neox else r // w)
-    units = units_rot + rh * ((d - r) // w) + kh * (d // w)
-    table_w = r if spec.table_full else r // 2
-    nt = 256
-    tpb = max(1, min(64, _pow2_floor(2048 // max(1, units))))
-    if spec.layout != "flash":
-        tpb = max(tpb, 16)  # value rows of 16 consecutive slots are written together
-    # Limits: shared table <= 32 KiB and <= 16 staged values per thread.
-    while tpb > 1 and (tpb * 2 * table_w * 4 > 32768 or tpb * 2 * table_w > 16 * nt):
-        tpb //= 2
+    x = spec.x
+    xp = spec.layout != "flash"
+    units_tok = rh * ((r // 2) // w if spec.is_neox else r // w) + rh * ((d - r) // w)
+    v_tok = kh * d / x if xp else kh * (d // w)  # x-packed: one unit per channel per X tokens
+    per_token = units_tok + v_tok
+    tpb = max(1, min(64, _pow2_floor(int(MAX_THREADS // max(1.0, per_token)))))
+    if xp:
+        tpb = max(tpb, x)  # x-packed: the X tokens of an aligned run are stored by one thread
     # Small T: spread the tokens over at least 2 blocks per SM.
     t = spec.num_tokens
     while tpb > 1 and -(-t // tpb) < 2 * num_sms:
         tpb //= 2
-    work = units * tpb
-    if -(-t // tpb) < num_sms:  # latency-bound: one pass of threads over the units if possible
-        nt = min(512, max(64, -(-work // 32) * 32))
-    else:
-        nt = min(256, max(64, -(-work // 32) * 32))
-    while tpb * 2 * table_w > 16 * nt and tpb > 1:
-        tpb //= 2
+    vg = (x if tpb % x == 0 else tpb) if xp else 1
+    units = tpb * units_tok + ((tpb // vg) * kh * d if xp else tpb * kh * (d // w))
+    nt = min(MAX_THREADS, max(32, -(-units // 32) * 32))
+    minb = max(1, 1024 // nt)  # register budget: at least 64 per thread, 32+ warps per SM
     defines = (
         ("RC_QH", qh), ("RC_KH", kh), ("RC_D", d), ("RC_R", r), ("RC_BS", spec.block_size),
         ("RC_LAYOUT", _ffi.LAYOUT_CODES[spec.layout]), ("RC_NEOX", int(spec.is_neox)),
@@ -130,7 +130,7 @@ def kernel_config(spec: _spec.OpSpec, num_sms: int = DEFAULT_SMS) -> KernelConfi
         ("RC_SLOT64", int(np.dtype(spec.slot_dtype).itemsize == 8)),
         ("RC_POS64", int(np.dtype(spec.pos_dtype).itemsize == 8)),
         ("RC_LAYER_BLOCKS", spec.num_blocks if spec.num_layers is not None else 0),
-        ("RC_WCH", w), ("RC_TPB", tpb), ("RC_NT", nt), ("RC_UNROLL", UNROLL),
+        ("RC_WCH", w), ("RC_TPB", tpb), ("RC_NT", nt), ("RC_MINB", minb),
     )
     return KernelConfig(defines=defines, tokens_per_block=tpb, threads=nt)
 
