@@ -190,6 +190,7 @@ def main():
     ap.add_argument("--configs", default="oss-8,l70b8,l8b-1,oss-1")
     ap.add_argument("--tokens", default="8192,32768")
     ap.add_argument("--decode-tokens", default="1,16,64,128")
+    ap.add_argument("--alt", default="", help="other kernel sources run with the new configuration: name=path,...")
     ap.add_argument("--variants", default="", help="extra new-kernel variants: name:KEY=V/KEY*V/KEY+V;...")
     args = ap.parse_args()
     t_start = time.time()
@@ -204,6 +205,7 @@ def main():
 
     src_new, headers = jcuda.kernel_sources()
     src_old = open(args.old).read() if args.old else None
+    alts = [(a.split("=", 1)[0], open(a.split("=", 1)[1]).read()) for a in args.alt.split(",") if a]
     bp = None
     if args.peers:
         sys.path.insert(0, args.peers)
@@ -242,6 +244,15 @@ def main():
     emit(dict(kind="cvt_check", bf16_mismatch=int(o[0]), bf16_nan_not_canonical=int(o[1]), f16_mismatch=int(o[2]),
               f16_nan_not_canonical=int(o[3]), packed_bf16_mismatch=int(o[4]), packed_f16_mismatch=int(o[5]),
               first=[hex(int(x) & 0xffffffff) for x in o[6:12]], s=round(time.time() - t0, 2)))
+
+    out.zero_()
+    chk = floor_fn("check_mul", {})
+    t0 = time.time()
+    chk.launch(132 * 16, 256, [ctypes.c_void_p(out.data_ptr())], stream())
+    torch.cuda.synchronize()
+    o = out.cpu().numpy()
+    emit(dict(kind="mul_check", bf16_mismatch=int(o[0]), f16_mismatch=int(o[1]), bf16_nan_not_canonical=int(o[2]),
+              f16_nan_not_canonical=int(o[3]), first=[hex(int(x)) for x in o[4:6]], s=round(time.time() - t0, 2)))
 
     # 2. copy ceiling
     n = 4 << 30
@@ -349,6 +360,10 @@ def main():
                     for vname, ov in variants:
                         d2, tpb2, nt2 = new_kernel_config(spec, ov)
                         run_ours(f"{vname}_{prec}", src_new, d2, tpb2, nt2, prec)
+                    for aname, asrc in alts:
+                        for suffix, ov in (("", []), ("t2", [("RC_TPB", "*", 2)])):
+                            d2, tpb2, nt2 = new_kernel_config(spec, ov)
+                            run_ours(f"{aname}{suffix}_{prec}", asrc, d2, tpb2, nt2, prec)
                 if src_old:  # bit-identical to the old kernel (outputs and whole caches)
                     a, b = results[f"old_{prec}"], results[f"new_{prec}"]
                     rec[f"same_{prec}"] = all(bool(torch.equal(x.view(torch.int16), y.view(torch.int16)))
@@ -378,6 +393,14 @@ def main():
                     rec["aiter_frac"] = round(nbytes / (us * 1e-6) / 1e9 / ceil_gbs, 3)
                 except Exception as e:  # noqa: BLE001
                     rec["aiter_error"] = f"{type(e).__name__}: {e}"[:200]
+            if T <= 128:  # decode floors: empty kernel and the dependent chain, same grid and block
+                nt_new = new_kernel_config(make_spec(T, QH, KH, D, lay, "fp32", NB, MAX_POS))[2]
+                fnull = floor_fn("null_kernel", {})
+                iT = ctypes.c_int64(T)
+                rec["null_us"] = round(graph_us(lambda: fnull.launch(T, nt_new, [iT], stream())), 2)
+                fch = floor_fn("chain2", {})
+                ca = [ctypes.c_void_p(a.data_ptr()) for a in (pos, cos_t, q, q_out)] + [iT]
+                rec["chain2_us"] = round(graph_us(lambda: fch.launch(T, min(nt_new, QH * D // 8), ca, stream())), 2)
             # floors (same slots): the op's traffic without arithmetic; x-packed: write-only V / K
             if T >= 8192:
                 nslots = NB * 16
@@ -406,7 +429,7 @@ def main():
     log("\n==== H200 kernel device time per call (CUDA graph of 20 calls / 20), us; frac = bytes/time/ceiling ====")
     log(f"copy ceiling {ceil_gbs:.0f} GB/s")
     hdr = ("config", "T", "layout", "slots", "AITER", "old F", "new F", "new N", "A/newF", "N/F", "frac newF",
-           "floor op", "same")
+           "floor op / null,chain2", "same")
     log(" | ".join(hdr))
     for r in rows:
         if r.get("kind") != "case":
@@ -416,15 +439,18 @@ def main():
         log(" | ".join(str(x) for x in (
             r["config"], r["T"], r["layout"], r["slots"], fmt(a), fmt(r.get("old_fp32_us")), fmt(nf), fmt(nn),
             fmt(a / nf if a and nf else None), fmt(nn / nf if nn and nf else None), r.get("new_fp32_frac"),
-            fmt(r.get("floor_op_us")), f"{r.get('same_fp32')}/{r.get('same_native')}")))
+            fmt(r.get("floor_op_us")) if "floor_op_us" in r else f"{r.get('null_us')},{r.get('chain2_us')}",
+            f"{r.get('same_fp32')}/{r.get('same_native')}")))
     for r in rows:
         if r.get("kind") == "case" and r["layout"] == "xpacked" and r["T"] >= 8192:
             log(f"xp floors {r['config']} T={r['T']} {r['slots']}: V write-only d-fastest {r.get('floor_v_xp_d_us')} "
                 f"t-fastest {r.get('floor_v_xp_t_us')} K write-only {r.get('floor_k_xp_us')} op {r.get('floor_op_us')}")
-        extra = {k: v for k, v in r.items() if k.endswith("_us") and k.split("_")[0] not in
+        extra = {k[:-8]: v for k, v in r.items() if k.endswith("_fp32_us") and k.split("_")[0] not in
                  ("aiter", "old", "new", "floor")}
         if extra:
-            log(f"variants {r['config']} T={r['T']} {r['layout']} {r['slots']}: {extra}")
+            best = min(extra, key=extra.get)
+            log(f"variants {r['config']} T={r['T']} {r['layout']} {r['slots']}: new {r.get('new_fp32_us')} "
+                f"aiter {r.get('aiter_us')} | " + " ".join(f"{k}={v}" for k, v in extra.items()) + f" | best {best}")
     log(f"total {time.time() - t_start:.0f} s")
 
 

@@ -184,8 +184,11 @@ def make_inputs(spec, rng):
     return (q, k, v, kc, vc, slots.astype(spec.slot_dtype), pos.astype(spec.pos_dtype), cos, sin)
 
 
-def run_emulation(spec, args, k_scale, v_scale, tmp_dir, layer=0, num_sms=cuda.DEFAULT_SMS):
+def run_emulation(spec, args, k_scale, v_scale, tmp_dir, layer=0, num_sms=cuda.DEFAULT_SMS, defines=None):
     cfg = cuda.kernel_config(spec, num_sms)
+    if defines:  # another variant of the same kernel (tokens per block, unroll, ...)
+        d = dict(cfg.defines, **defines)
+        cfg = cuda.KernelConfig(defines=tuple(d.items()), tokens_per_block=d["RC_TPB"], threads=d["RC_NT"])
     lib = _build_emulation(cfg, tmp_dir)
     q, k, v, kc, vc, slots, pos, cos, sin = (np.ascontiguousarray(a) for a in args)
     ks = np.array(k_scale if k_scale is not None else 1.0, np.float32)
@@ -265,12 +268,15 @@ def _run_slots(rng, t, spec):
     return slots.astype(spec.slot_dtype)
 
 
+@pytest.mark.parametrize("variant", [{}, {"RC_TPB": 32, "RC_UNROLL": 2}, {"RC_TPB": 64, "RC_PIPE": 1}],
+                         ids=["default", "tpb32-unroll2", "tpb64-pipe"])
 @pytest.mark.parametrize("layout", _spec.LAYOUTS)
 @pytest.mark.parametrize("combo", [(BF16, BF16), (F16, FN), (F32, F32)], ids=lambda c: f"{c[0].name}-{c[1].name}")
-def test_host_emulation_slot_runs(layout, combo, emu_dir):
+def test_host_emulation_slot_runs(layout, combo, variant, emu_dir):
     """Slot runs (prefill): the x-packed V writer stores an aligned run of X slots as one piece and
     every other group element by element; both bit-exact, nothing else written. A small SM count
-    keeps the tokens per block >= X (the configuration of a large call)."""
+    keeps the tokens per block >= X (the configuration of a large call); the variants run several
+    units per thread, the position prefetch and (tokens per block >= 2X) paired V lanes."""
     dt, cdt = combo
     spec = make_spec(T=203, QH=4, KH=2, D=64, layout=layout, dt=dt, cdt=cdt, NB=64, max_pos=50)
     cfg = cuda.kernel_config(spec, num_sms=1)
@@ -283,7 +289,7 @@ def test_host_emulation_slot_runs(layout, combo, emu_dir):
     if spec.fp8:
         ks, vs = np.float32(0.37), np.float32(1.9)
     want = reference.rope_and_cache(*args, layout=layout, k_scale=ks, v_scale=vs)
-    got = run_emulation(spec, args, ks, vs, emu_dir, num_sms=1)
+    got = run_emulation(spec, args, ks, vs, emu_dir, num_sms=1, defines=variant)
     for name, g, w in zip(("q_out", "k_out", "key_cache", "value_cache"), got, want):
         assert np.array_equal(g.view(np.uint8), np.asarray(w).view(np.uint8)), name
 
