@@ -356,11 +356,11 @@ def main():
                     run_ours(f"old_{prec}", src_old, d, tpb, nt, prec)
                 d, tpb, nt = new_kernel_config(spec)
                 run_ours(f"new_{prec}", src_new, d, tpb, nt, prec)
-                if prec == "fp32" and T >= 8192:
+                if T >= 8192:
                     for vname, ov in variants:
                         d2, tpb2, nt2 = new_kernel_config(spec, ov)
                         run_ours(f"{vname}_{prec}", src_new, d2, tpb2, nt2, prec)
-                    for aname, asrc in alts:
+                    for aname, asrc in (alts if prec == "fp32" else []):
                         for suffix, ov in (("", []), ("t2", [("RC_TPB", "*", 2)])):
                             d2, tpb2, nt2 = new_kernel_config(spec, ov)
                             run_ours(f"{aname}{suffix}_{prec}", asrc, d2, tpb2, nt2, prec)
@@ -445,12 +445,15 @@ def main():
         if r.get("kind") == "case" and r["layout"] == "xpacked" and r["T"] >= 8192:
             log(f"xp floors {r['config']} T={r['T']} {r['slots']}: V write-only d-fastest {r.get('floor_v_xp_d_us')} "
                 f"t-fastest {r.get('floor_v_xp_t_us')} K write-only {r.get('floor_k_xp_us')} op {r.get('floor_op_us')}")
-        extra = {k[:-8]: v for k, v in r.items() if k.endswith("_fp32_us") and k.split("_")[0] not in
-                 ("aiter", "old", "new", "floor")}
-        if extra:
-            best = min(extra, key=extra.get)
-            log(f"variants {r['config']} T={r['T']} {r['layout']} {r['slots']}: new {r.get('new_fp32_us')} "
-                f"aiter {r.get('aiter_us')} | " + " ".join(f"{k}={v}" for k, v in extra.items()) + f" | best {best}")
+        for prec in ("fp32", "native"):
+            sfx = f"_{prec}_us"
+            extra = {k[:-len(sfx)]: v for k, v in r.items() if k.endswith(sfx) and k.split("_")[0] not in
+                     ("aiter", "old", "new", "floor")}
+            if extra:
+                best = min(extra, key=extra.get)
+                log(f"variants {prec} {r['config']} T={r['T']} {r['layout']} {r['slots']}: new {r.get('new' + sfx)} "
+                    f"aiter {r.get('aiter_us')} | " + " ".join(f"{k}={v}" for k, v in extra.items()) +
+                    f" | best {best} x/A {r.get('aiter_us', 0) / extra[best]:.2f}")
     log(f"total {time.time() - t_start:.0f} s")
 
 

@@ -119,7 +119,6 @@ def kernel_config(spec: _spec.OpSpec, num_sms: int = DEFAULT_SMS) -> KernelConfi
     units = tpb * units_tok + ((tpb // vg) * kh * d if xp else tpb * kh * (d // w))
     nt = min(MAX_THREADS, max(32, -(-units // 32) * 32))
     minb = max(1, 768 // nt)  # register budget: at least 85 per thread (no spills in the CI matrix)
-    unroll = 1
     defines = (
         ("RC_QH", qh), ("RC_KH", kh), ("RC_D", d), ("RC_R", r), ("RC_BS", spec.block_size),
         ("RC_LAYOUT", _ffi.LAYOUT_CODES[spec.layout]), ("RC_NEOX", int(spec.is_neox)),
@@ -131,7 +130,7 @@ def kernel_config(spec: _spec.OpSpec, num_sms: int = DEFAULT_SMS) -> KernelConfi
         ("RC_SLOT64", int(np.dtype(spec.slot_dtype).itemsize == 8)),
         ("RC_POS64", int(np.dtype(spec.pos_dtype).itemsize == 8)),
         ("RC_LAYER_BLOCKS", spec.num_blocks if spec.num_layers is not None else 0),
-        ("RC_WCH", w), ("RC_TPB", tpb), ("RC_NT", nt), ("RC_MINB", minb), ("RC_UNROLL", unroll),
+        ("RC_WCH", w), ("RC_TPB", tpb), ("RC_NT", nt), ("RC_MINB", minb), ("RC_VPAIRS", 1),
     )
     return KernelConfig(defines=defines, tokens_per_block=tpb, threads=nt)
 

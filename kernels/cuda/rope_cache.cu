@@ -17,10 +17,8 @@
 //   RC_NT                        threads per block (launch bound)
 //   RC_MINB                      blocks per multiprocessor the register budget must allow
 //                                (__launch_bounds__ second argument)
-//   RC_UNROLL                    units of one kind a thread has in flight (loads of all issued
-//                                before the first one's arithmetic)
-//   RC_PIPE                      1: a thread's rotation rounds load the next round's positions
-//                                (one memory round trip per round instead of two)
+//   RC_VPAIRS                    1 (default): x-packed V lanes paired so a warp store fills whole
+//                                sectors of a slot run (see v_unit_xpacked)
 //
 // Kernel ABI (what kernels/ffi/gpu_launcher.cc passes; the launcher is generic and knows nothing of
 // this op): one kernel parameter, a struct by value holding
@@ -73,11 +71,8 @@
 #ifndef RC_MINB
 #define RC_MINB 1
 #endif
-#ifndef RC_UNROLL
-#define RC_UNROLL 1
-#endif
-#ifndef RC_PIPE
-#define RC_PIPE 0
+#ifndef RC_VPAIRS
+#define RC_VPAIRS 1
 #endif
 
 namespace rc {
@@ -390,91 +385,23 @@ __device__ __forceinline__ i64 load_index_after(const void* base, i64 i, bool is
 }
 
 // ---- the units --------------------------------------------------------------------------------
-// Each kind of unit is split into a load step (every load of the unit issued, nothing waited for)
-// and a finish step (arithmetic and stores), so that a thread can have RC_UNROLL units in flight.
-
-// `v`, as a value that depends on `dep` (adds `dep >> 63`, i.e. 0: device addresses are < 2^63):
-// keeps ptxas from computing with a value still in flight before it has issued the loads at `dep`.
-__device__ __forceinline__ i64 after(i64 v, const void* dep) {
-#ifdef __CUDA_ARCH__
-  asm("{\n\t.reg .u64 t;\n\tshr.u64 t, %2, 63;\n\tadd.u64 %0, %1, t;\n\t}" : "=l"(v) : "l"(v), "l"(dep));
-#else
-  (void)dep;
-#endif
-  return v;
-}
-
+// One function per kind of unit, each doing its unit from its first load to its last store.
 constexpr int NTV = NEOX ? W : (FULL ? W : W / 2);  // table values per table per rotation unit
-constexpr int NTV2 = NEOX && FULL ? W : 1;          // NeoX full table: the second half's values
-constexpr int UB = RC_UNROLL;  // units of one kind a thread has in flight
-constexpr bool PIPE = RC_PIPE != 0;  // rotation rounds: positions loaded one round ahead
 
-// N table values as raw vectors (converted where they are used).
-template <int N>
-union TabRaw {
-  typename VecOf<tab_vec(N, N) * S_TAB>::T v[N / tab_vec(N, N)];
-  raw_tab e[N];
-  unsigned int w[(N * S_TAB) / 4 > 0 ? (N * S_TAB) / 4 : 1];
-};
-
-struct RotIn {
-  bool on;
-  bool is_k;
-  int h, j;
-  i64 row;  // element offset of the head row in q or k
-  Chunk a, b;
-  TabRaw<NTV> c, s;
-  TabRaw<NTV2> c2, s2;
-  i64 slot;  // raw slot (checked in the finish step)
-};
-
-template <int N>
-__device__ __forceinline__ void load_tab_raw(const void* base, i64 idx, TabRaw<N>& out) {
-  constexpr int V = tab_vec(N, N);
-  typedef typename VecOf<V * S_TAB>::T Vec;
+// out[0..N) = table[idx .. idx + N), idx a multiple of A, as f32 (native: rounded to the input dtype).
+template <int N, int A>
+__device__ __forceinline__ void load_tab(const void* base, i64 idx, float* out) {
+  constexpr int V = tab_vec(N, A);
+  union {
+    typename VecOf<V * S_TAB>::T v;
+    raw_tab e[V];
+  } u;
 #pragma unroll
-  for (int k = 0; k < N / V; ++k)
-    out.v[k] = *reinterpret_cast<const Vec*>(static_cast<const char*>(base) + (idx + k * V) * S_TAB);
-}
-
-// Token of rotation unit g, or -1 past the block's units or past T.
-__device__ __forceinline__ i64 rot_token(i64 T, i64 t0, int g) {
-  const i64 t = t0 + g / U_ROT;
-  return (g < N_ROT && t < T) ? t : -1;
-}
-
-// Position (raw) of rotation unit g's token, loaded after what computes `dep`; 0 if none.
-__device__ __forceinline__ i64 rot_pos(const Params& p, i64 T, i64 t0, int g, const void* dep) {
-  const i64 t = rot_token(T, t0, g);
-  return t >= 0 ? load_index_after(p.pos, t, RC_POS64 != 0, dep) : 0;
-}
-
-// Load step of rotation unit g; `pos`: its token's position, loaded earlier (rot_pos).
-__device__ __forceinline__ RotIn rot_load(const Params& p, i64 T, i64 max_pos, i64 t0, int g, i64 pos) {
-  RotIn in;
-  const i64 t = rot_token(T, t0, g);
-  in.on = t >= 0;
-  if (!in.on) return in;
-  const int r = g % U_ROT;
-  in.h = r / P;
-  in.j = r % P;
-  in.is_k = in.h >= QH;
-  in.row = row_of(t, in.h);
-  const char* src = static_cast<const char*>(in.is_k ? p.k : p.q) + (in.row + in.j * W) * S_IN;
-  in.a = load_chunk(src, 0);
-  if (NEOX) in.b = load_chunk(src, HALF);
-  in.slot = load_index_after(p.slots, t, RC_SLOT64 != 0, src);  // q heads too: no branch
-  i64 prow = PIPE ? after(pos, src) : load_index_after(p.pos, t, RC_POS64 != 0, src);
-  prow = prow < 0 ? 0 : (prow >= max_pos ? max_pos - 1 : prow);
-  const i64 trow = prow * TW;
-  const int c0 = NEOX ? in.j * W : (FULL ? in.j * W : in.j * W / 2);
-  load_tab_raw<NTV>(p.cos, trow + c0, in.c);
-  load_tab_raw<NTV>(p.sin, trow + c0, in.s);
-  if (NEOX && FULL) {
-    load_tab_raw<NTV2>(p.cos, trow + HALF + in.j * W, in.c2);
-    load_tab_raw<NTV2>(p.sin, trow + HALF + in.j * W, in.s2);
+  for (int k = 0; k < N; k += V) {
+    u.v = *reinterpret_cast<const typename VecOf<V * S_TAB>::T*>(static_cast<const char*>(base) + (idx + k) * S_TAB);
+#pragma unroll
+    for (int e = 0; e < V; ++e) out[k + e] = tab_value(u.e[e]);
   }
-  return in;
 }
 
 // ---- native precision with packed multiplies (CUDA: bf16 on sm_90+, f16 on sm_53+) -------------
@@ -482,7 +409,7 @@ __device__ __forceinline__ RotIn rot_load(const Params& p, i64 T, i64 max_pos, i
 // mul.rn.{bf16,f16}x2, two per instruction: a product of two bf16 (f16) values is exact in f32,
 // so the packed multiply's one rounding equals rc_round_to(rc_mul(a, c)) (checked for all 2^32
 // operand pairs on the H200); the sum is an f32 operation and one final rounding, as in
-// rc_rotate_pair. Elsewhere (host emulation, other archs, other dtypes) the scalar path below.
+// rc_rotate_pair. Elsewhere (host emulation, other archs, other dtypes) the scalar path.
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900 || (RC_DT == 2 /* RC_F16 */ && __CUDA_ARCH__ >= 530))
 #define RC_PACKED_NATIVE 1
 #endif
@@ -492,6 +419,19 @@ constexpr bool PACKED_NATIVE =
 #else
     false;
 #endif
+
+// W table values of one table as packed words (PACKED_NATIVE: 16-bit values, W even).
+constexpr int TWB = (S_TAB == 2 && W * S_TAB >= 4) ? W * S_TAB : 4;  // bytes (4: unused placeholder)
+union TabWords {
+  VecOf<TWB>::T v;
+  unsigned int w[TWB / 4];
+};
+
+__device__ __forceinline__ TabWords load_words(const void* base, i64 idx) {
+  TabWords t;
+  t.v = *reinterpret_cast<const VecOf<TWB>::T*>(static_cast<const char*>(base) + idx * S_TAB);
+  return t;
+}
 
 __device__ __forceinline__ unsigned int mul2(unsigned int x, unsigned int y) {
   unsigned int r = 0;
@@ -512,119 +452,123 @@ __device__ __forceinline__ float hi_f32(unsigned int x) {
   return to_f32<DT>(x >> 16);
 }
 
-__device__ __forceinline__ void rot_native_packed(const RotIn& in, Chunk& oa, Chunk& ob) {
+__device__ __forceinline__ void rot_native_packed(const Chunk& a, const Chunk& b, const TabWords& c,
+                                                  const TabWords& s, const TabWords& c2, const TabWords& s2,
+                                                  Chunk& oa, Chunk& ob) {
 #pragma unroll
-  for (int k = 0; k < W / 2; ++k) {
-    const unsigned int cb = FULL ? in.c2.w[k % ((NTV2 * S_TAB) / 4 > 0 ? (NTV2 * S_TAB) / 4 : 1)] : in.c.w[k];
-    const unsigned int sb = FULL ? in.s2.w[k % ((NTV2 * S_TAB) / 4 > 0 ? (NTV2 * S_TAB) / 4 : 1)] : in.s.w[k];
-    const unsigned int ac = mul2(in.a.w[k], in.c.w[k]), bs = mul2(in.b.w[k], in.s.w[k]);
-    const unsigned int bc = mul2(in.b.w[k], cb), as = mul2(in.a.w[k], sb);
+  for (int k = 0; k < W / 2 && k < TWB / 4; ++k) {
+    const unsigned int cb = FULL ? c2.w[k] : c.w[k], sb = FULL ? s2.w[k] : s.w[k];
+    const unsigned int ac = mul2(a.w[k], c.w[k]), bs = mul2(b.w[k], s.w[k]);
+    const unsigned int bc = mul2(b.w[k], cb), as = mul2(a.w[k], sb);
     oa.w[k] = pack_out2(rc_sub(lo_f32(ac), lo_f32(bs)), rc_sub(hi_f32(ac), hi_f32(bs)));
     ob.w[k] = pack_out2(rc_add(lo_f32(bc), lo_f32(as)), rc_add(hi_f32(bc), hi_f32(as)));
   }
 }
 // ---- end of native precision with packed multiplies ---------------------------------------------
 
-__device__ __forceinline__ void rot_finish(const Params& p, const RotIn& in, SlotRange sr, float inv_k) {
-  if (!in.on) return;
+__device__ __forceinline__ void rot_unit(const Params& p, i64 T, i64 max_pos, i64 t0, int u, SlotRange sr,
+                                         float inv_k) {
+  const int tt = u / U_ROT, r = u % U_ROT, h = r / P, j = r % P;
+  const i64 t = t0 + tt;
+  if (t >= T) return;
+  const bool is_k = h >= QH;
+  const i64 row = row_of(t, h);
+  const char* src = static_cast<const char*>(is_k ? p.k : p.q) + (row + j * W) * S_IN;
+  // Independent loads first: the inputs, then the position and the slot (issued after them).
+  Chunk a = load_chunk(src, 0);
+  Chunk b;
+  if (NEOX) b = load_chunk(src, HALF);
+  i64 prow = load_index_after(p.pos, t, RC_POS64 != 0, src);
+  prow = prow < 0 ? 0 : (prow >= max_pos ? max_pos - 1 : prow);
+  const i64 trow = prow * TW;
+  const i64 s_raw = load_index_after(p.slots, t, RC_SLOT64 != 0, src);  // q heads too: no branch
+  const i64 s_any = (s_raw >= 0 && s_raw < sr.n) ? sr.base + s_raw : -1;
+  // The table values of this chunk (the one dependent load), then the arithmetic.
+  const int c0 = NEOX ? j * W : (FULL ? j * W : j * W / 2);
   const int native_dt = NATIVE ? DT : -1;
-  const int j = in.j;
   Chunk oa, ob;
   if (PACKED_NATIVE) {
-    rot_native_packed(in, oa, ob);
-  } else if (NEOX) {
-    float ya[W], yb[W];
-#pragma unroll
-    for (int e = 0; e < W; ++e) {  // pair (i, i + R/2), i = j*W + e
-      const float ca = tab_value(in.c.e[e]), sa = tab_value(in.s.e[e]);
-      const float cb = FULL ? tab_value(in.c2.e[e % NTV2]) : ca, sb = FULL ? tab_value(in.s2.e[e % NTV2]) : sa;
-      rc_rotate_pair(to_f32<DT>(in.a.e[e]), to_f32<DT>(in.b.e[e]), ca, sa, cb, sb, native_dt, &ya[e], &yb[e]);
+    const TabWords c = load_words(p.cos, trow + c0), sn = load_words(p.sin, trow + c0);
+    TabWords c2 = c, s2 = sn;
+    if (FULL) {
+      c2 = load_words(p.cos, trow + HALF + j * W);
+      s2 = load_words(p.sin, trow + HALF + j * W);
     }
-    oa = chunk_from(ya);
-    ob = chunk_from(yb);
+    rot_native_packed(a, b, c, sn, c2, s2, oa, ob);
   } else {
-    float y[W];
-#pragma unroll
-    for (int e = 0; e < W; e += 2) {  // pair (2m, 2m + 1), m = (j*W + e) / 2
-      const float ca = tab_value(in.c.e[FULL ? e : e / 2]), sa = tab_value(in.s.e[FULL ? e : e / 2]);
-      const float cb = FULL ? tab_value(in.c.e[(e + 1) % NTV]) : ca;
-      const float sb = FULL ? tab_value(in.s.e[(e + 1) % NTV]) : sa;
-      rc_rotate_pair(to_f32<DT>(in.a.e[e]), to_f32<DT>(in.a.e[e + 1]), ca, sa, cb, sb, native_dt, &y[e], &y[e + 1]);
+    float tc[NTV], ts[NTV], tc2[NEOX && FULL ? W : 1], ts2[NEOX && FULL ? W : 1];
+    load_tab<NTV, NTV>(p.cos, trow + c0, tc);
+    load_tab<NTV, NTV>(p.sin, trow + c0, ts);
+    if (NEOX && FULL) {
+      load_tab<W, W>(p.cos, trow + HALF + j * W, tc2);
+      load_tab<W, W>(p.sin, trow + HALF + j * W, ts2);
     }
-    oa = chunk_from(y);
+    if (NEOX) {
+      float ya[W], yb[W];
+#pragma unroll
+      for (int e = 0; e < W; ++e) {  // pair (i, i + R/2), i = j*W + e
+        const float cb = FULL ? tc2[e] : tc[e], sb = FULL ? ts2[e] : ts[e];
+        rc_rotate_pair(to_f32<DT>(a.e[e]), to_f32<DT>(b.e[e]), tc[e], ts[e], cb, sb, native_dt, &ya[e], &yb[e]);
+      }
+      oa = chunk_from(ya);
+      ob = chunk_from(yb);
+    } else {
+      float y[W];
+#pragma unroll
+      for (int e = 0; e < W; e += 2) {  // pair (2m, 2m + 1), m = (j*W + e) / 2
+        const float ca = FULL ? tc[e] : tc[e / 2], sa = FULL ? ts[e] : ts[e / 2];
+        const float cb = FULL ? tc[e + 1] : ca, sb = FULL ? ts[e + 1] : sa;
+        rc_rotate_pair(to_f32<DT>(a.e[e]), to_f32<DT>(a.e[e + 1]), ca, sa, cb, sb, native_dt, &y[e], &y[e + 1]);
+      }
+      oa = chunk_from(y);
+    }
   }
-  void* dst = in.is_k ? p.k_out : p.q_out;
-  store_chunk(dst, in.row + j * W, oa);
-  if (NEOX) store_chunk(dst, in.row + HALF + j * W, ob);
-  if (in.is_k && in.slot >= 0 && in.slot < sr.n) {
-    const i64 s = sr.base + in.slot;
+  void* dst = is_k ? p.k_out : p.q_out;
+  store_chunk(dst, row + j * W, oa);
+  if (NEOX) store_chunk(dst, row + HALF + j * W, ob);
+  const i64 s = is_k ? s_any : -1;
+  if (s >= 0) {
     const i64 blk = s / BS, off = s % BS;
-    const int kh = in.h - QH;
+    const int kh = h - QH;
     store_cache_chunk(p.kc, key_index(blk, off, kh, j * W), oa, inv_k);
     if (NEOX) store_cache_chunk(p.kc, key_index(blk, off, kh, HALF + j * W), ob, inv_k);
   }
 }
 
-// Pass-through unit (channels >= R) and flash V unit: one chunk copied to an output and/or a cache.
-struct CopyIn {
-  bool on;
-  bool is_k;  // pass units: a k head (also goes to the key cache)
-  int h, c;
-  i64 row;
-  Chunk x;
-  i64 slot;
-};
-
-__device__ __forceinline__ CopyIn pass_load(const Params& p, i64 T, i64 t0, int u) {
+// Channels >= R of one q/k head: copied to q_out/k_out (and the key cache).
+__device__ __forceinline__ void pass_unit(const Params& p, i64 T, i64 t0, int u, SlotRange sr, float inv_k) {
   constexpr int CP = CPASS > 0 ? CPASS : 1;
-  CopyIn in;
   const i64 t = t0 + u / (RH * CP);
-  in.on = t < T;
-  if (!in.on) return in;
-  const int r = u % (RH * CP);
-  in.h = r / CP;
-  in.c = PASS0 + r % CP;
-  in.is_k = in.h >= QH;
-  in.row = row_of(t, in.h);
-  const char* src = static_cast<const char*>(in.is_k ? p.k : p.q) + (in.row + in.c * W) * S_IN;
-  in.x = load_chunk_now(src, 0);
-  in.slot = load_index_after(p.slots, t, RC_SLOT64 != 0, src);
-  return in;
+  if (t >= T) return;
+  const int r = u % (RH * CP), h = r / CP, c = PASS0 + r % CP;
+  const bool is_k = h >= QH;
+  const i64 row = row_of(t, h);
+  const char* src = static_cast<const char*>(is_k ? p.k : p.q) + (row + c * W) * S_IN;
+  const Chunk x = load_chunk_now(src, 0);
+  const i64 s_raw = load_index_after(p.slots, t, RC_SLOT64 != 0, src);
+  const bool ok = is_k && s_raw >= 0 && s_raw < sr.n;
+  const i64 s = ok ? sr.base + s_raw : 0;
+  store_chunk(is_k ? p.k_out : p.q_out, row + c * W, x);
+  store_cache_chunk_if(ok, p.kc, key_index(s / BS, s % BS, is_k ? h - QH : 0, c * W), x, inv_k);
 }
 
-__device__ __forceinline__ void pass_finish(const Params& p, const CopyIn& in, SlotRange sr, float inv_k) {
-  if (!in.on) return;
-  const bool ok = in.is_k && in.slot >= 0 && in.slot < sr.n;
-  const i64 s = ok ? sr.base + in.slot : 0;
-  store_chunk(in.is_k ? p.k_out : p.q_out, in.row + in.c * W, in.x);
-  store_cache_chunk_if(ok, p.kc, key_index(s / BS, s % BS, in.is_k ? in.h - QH : 0, in.c * W), in.x, inv_k);
-}
-
-__device__ __forceinline__ CopyIn v_load_flash(const Params& p, i64 T, i64 t0, int u) {
-  CopyIn in;
+// Flash V: one chunk of v into the value cache.
+__device__ __forceinline__ void v_unit_flash(const Params& p, i64 T, i64 t0, int u, SlotRange sr, float inv_v) {
   const i64 t = t0 + u / (KH * CH);
-  in.on = t < T;
-  if (!in.on) return in;
-  const int r = u % (KH * CH);
-  in.h = r / CH;
-  in.c = r % CH;
-  const char* src = static_cast<const char*>(p.v) + ((t * KH + in.h) * (i64)D + in.c * W) * S_IN;
-  in.x = load_chunk_now(src, 0);  // in bounds whatever the slot
-  in.slot = load_index_after(p.slots, t, RC_SLOT64 != 0, src);
-  return in;
+  if (t >= T) return;
+  const int r = u % (KH * CH), h = r / CH, c = r % CH;
+  const char* src = static_cast<const char*>(p.v) + ((t * KH + h) * (i64)D + c * W) * S_IN;
+  const Chunk x = load_chunk_now(src, 0);  // in bounds whatever the slot
+  const i64 s_raw = load_index_after(p.slots, t, RC_SLOT64 != 0, src);
+  const bool ok = s_raw >= 0 && s_raw < sr.n;
+  const i64 s = ok ? sr.base + s_raw : 0;
+  store_cache_chunk_if(ok, p.vc, value_index(s / BS, s % BS, h, c * W), x, inv_v);
 }
 
-__device__ __forceinline__ void v_finish_flash(const Params& p, const CopyIn& in, SlotRange sr, float inv_v) {
-  if (!in.on) return;
-  const bool ok = in.slot >= 0 && in.slot < sr.n;
-  const i64 s = ok ? sr.base + in.slot : 0;
-  store_cache_chunk_if(ok, p.vc, value_index(s / BS, s % BS, in.h, in.c * W), in.x, inv_v);
-}
-
-// x-packed V: channel d of kv head h for the VG tokens of group g. XPACKED with two or more
-// pieces per value row: lanes pair up (group 2k, 2k + 1: offsets 0..X-1 and X..2X-1 of a block
-// in a run), so one warp store fills whole 32-byte sectors.
-constexpr bool V_PAIRS = V_RUNS && LAYOUT == RC_XPACKED && BS / X >= 2 && (TPB / VG) % 2 == 0;
+// x-packed V: channel d of kv head h for the VG tokens of group g. With RC_VPAIRS (XPACKED, two or
+// more pieces per value row), lanes pair up (groups 2k, 2k + 1: offsets 0..X-1 and X..2X-1 of a
+// block in a run), so that one warp store fills whole 32-byte sectors.
+constexpr bool V_PAIRS = RC_VPAIRS && V_RUNS && LAYOUT == RC_XPACKED && BS / X >= 2 && (TPB / VG) % 2 == 0;
 
 __device__ __forceinline__ void v_unit_xpacked(const Params& p, i64 T, i64 t0, int u, SlotRange sr, float inv_v) {
   int g, h, d;
@@ -667,18 +611,10 @@ __device__ __forceinline__ void v_unit_xpacked(const Params& p, i64 T, i64 t0, i
   }
 }
 
-
-
-// This thread's first unit index >= lo (unit g belongs to thread g % NT).
-__device__ __forceinline__ int first_unit(int tid, int lo) {
-  return lo + ((tid - lo % NT) + NT) % NT;
-}
-
 }  // namespace rc
 
 extern "C" __global__ void __launch_bounds__(RC_NT, RC_MINB) rope_cache_kernel(const rc::Params p) {
   using namespace rc;
-  const int tid = threadIdx.x;
   const i64 T = p.dim0[0], max_pos = p.dim0[7];
   const i64 t0 = (i64)blockIdx.x * TPB;
   SlotRange sr{p.dim0[3] * BS, 0};
@@ -688,63 +624,17 @@ extern "C" __global__ void __launch_bounds__(RC_NT, RC_MINB) rope_cache_kernel(c
   }
   const float inv_k = FP8 ? __frcp_rn(*p.k_scale) : 1.0f;
   const float inv_v = FP8 ? __frcp_rn(*p.v_scale) : 1.0f;
-
-  // 1. Rotation units g = tid, tid + NT, ...: UB per round; the positions of a round's tokens were
-  //    loaded during the previous round, so a round costs one memory round trip.
-  if (tid < N_ROT) {
-    i64 pos[UB];
-    if (PIPE) {
-#pragma unroll
-      for (int k = 0; k < UB; ++k) pos[k] = rot_pos(p, T, t0, tid + k * NT, p.pos);
-    }
+  // Units tid, tid + NT, ...: rotation units first, then pass-through, then V.
 #pragma unroll 1
-    for (int g = tid; g < N_ROT; g += UB * NT) {
-      RotIn in[UB];
-#pragma unroll
-      for (int k = 0; k < UB; ++k) in[k] = rot_load(p, T, max_pos, t0, g + k * NT, PIPE ? pos[k] : -1);
-      if (PIPE) {
-#pragma unroll
-        for (int k = 0; k < UB; ++k) {  // next round's positions, issued after this round's loads
-          const char* dep = static_cast<const char*>(in[k].is_k ? p.k : p.q) + in[k].row * S_IN;
-          pos[k] = rot_pos(p, T, t0, g + (k + UB) * NT, in[k].on ? dep : p.pos);
-        }
-      }
-#pragma unroll
-      for (int k = 0; k < UB; ++k) rot_finish(p, in[k], sr, inv_k);
-    }
-  }
-  // 2. Pass-through units.
-  if (N_PASS > 0) {
-#pragma unroll 1
-    for (int g = first_unit(tid, N_ROT); g < N_ROT + N_PASS; g += UB * NT) {
-      CopyIn in[UB];
-#pragma unroll
-      for (int k = 0; k < UB; ++k) {
-        const int u = g + k * NT - N_ROT;
-        in[k].on = false;
-        if (u < N_PASS) in[k] = pass_load(p, T, t0, u);
-      }
-#pragma unroll
-      for (int k = 0; k < UB; ++k) pass_finish(p, in[k], sr, inv_k);
-    }
-  }
-  // 3. V units.
-  constexpr int V0 = N_ROT + N_PASS;
-  if (XP) {
-#pragma unroll 1
-    for (int g = first_unit(tid, V0); g < N_UNITS; g += NT) v_unit_xpacked(p, T, t0, g - V0, sr, inv_v);
-  } else {
-#pragma unroll 1
-    for (int g = first_unit(tid, V0); g < N_UNITS; g += UB * NT) {
-      CopyIn in[UB];
-#pragma unroll
-      for (int k = 0; k < UB; ++k) {
-        const int u = g + k * NT - V0;
-        in[k].on = false;
-        if (u < N_V) in[k] = v_load_flash(p, T, t0, u);
-      }
-#pragma unroll
-      for (int k = 0; k < UB; ++k) v_finish_flash(p, in[k], sr, inv_v);
+  for (int u = threadIdx.x; u < N_UNITS; u += NT) {
+    if (u < N_ROT) {
+      rot_unit(p, T, max_pos, t0, u, sr, inv_k);
+    } else if (u < N_ROT + N_PASS) {
+      pass_unit(p, T, t0, u - N_ROT, sr, inv_k);
+    } else if (XP) {
+      v_unit_xpacked(p, T, t0, u - N_ROT - N_PASS, sr, inv_v);
+    } else {
+      v_unit_flash(p, T, t0, u - N_ROT - N_PASS, sr, inv_v);
     }
   }
 }
