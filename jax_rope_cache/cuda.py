@@ -94,30 +94,41 @@ def _pow2_floor(n: int) -> int:
 
 
 MAX_THREADS = 512  # threads per block (a block's units beyond this loop)
+UNITS_PER_BLOCK = 2048  # flash: a block's units (~4-6 per thread), measured best on the H200
+UNITS_PER_BLOCK_XP = 8192  # x-packed (up to 32 tokens: two whole runs of 16 slots per block)
 
 
 def kernel_config(spec: _spec.OpSpec, num_sms: int = DEFAULT_SMS) -> KernelConfig:
-    """One thread per unit of work (kernels/cuda/rope_cache.cu: rotation, pass-through and V units):
-    a block owns RC_TPB tokens, sized so its units fill up to MAX_THREADS threads; small calls get
-    fewer tokens per block so the grid still spreads over the SMs (latency, not bandwidth)."""
+    """One thread per unit of work (kernels/cuda/rope_cache.cu: rotation, pass-through and V units).
+    A block owns RC_TPB tokens; a large call gives each thread several units in turn (fewer, longer
+    blocks: 8-15% faster than one unit per thread on the H200, benchmarks/gpu_speed.py). A small
+    call (decode) gets one token per block, so the grid spreads over the SMs and every thread does
+    one unit: latency, not bandwidth."""
     w = chunk_width(spec)
     d, r, qh, kh = spec.head_dim, spec.rotary_dim, spec.q_heads, spec.kv_heads
     rh = qh + kh
     x = spec.x
     xp = spec.layout != "flash"
     units_tok = rh * ((r // 2) // w if spec.is_neox else r // w) + rh * ((d - r) // w)
-    v_tok = kh * d / x if xp else kh * (d // w)  # x-packed: one unit per channel per X tokens
-    per_token = units_tok + v_tok
-    tpb = max(1, min(64, _pow2_floor(int(MAX_THREADS // max(1.0, per_token)))))
+
+    def units(tpb):  # units of a block of tpb tokens (x-packed V: one per channel per group)
+        vg = (x if tpb % x == 0 else tpb) if xp else 1
+        return tpb * units_tok + ((tpb // vg) * kh * d if xp else tpb * kh * (d // w))
+
+    per_token = max(1.0, units_tok + (kh * d / x if xp else kh * (d // w)))
+    # Threads: a block of one unit per thread (up to MAX_THREADS; x-packed: at least X tokens).
+    base = max(1, min(64, _pow2_floor(int(MAX_THREADS // per_token))))
     if xp:
-        tpb = max(tpb, x)  # x-packed: the X tokens of an aligned run are stored by one thread
-    # Small T: spread the tokens over at least 2 blocks per SM.
+        base = max(base, x)
+    nt = min(MAX_THREADS, max(32, -(-units(base) // 32) * 32))
+    # Tokens per block: several units per thread for large calls.
+    target = UNITS_PER_BLOCK_XP if xp else UNITS_PER_BLOCK
+    tpb = max(base, min(32, _pow2_floor(int(target // per_token))))
+    # Small T: keep at least one block per SM (down to one token per block, one unit per thread).
     t = spec.num_tokens
-    while tpb > 1 and -(-t // tpb) < 2 * num_sms:
+    while tpb > 1 and -(-t // tpb) < num_sms:
         tpb //= 2
-    vg = (x if tpb % x == 0 else tpb) if xp else 1
-    units = tpb * units_tok + ((tpb // vg) * kh * d if xp else tpb * kh * (d // w))
-    nt = min(MAX_THREADS, max(32, -(-units // 32) * 32))
+    nt = min(nt, max(32, -(-units(tpb) // 32) * 32))
     minb = max(1, 768 // nt)  # register budget: at least 85 per thread (no spills in the CI matrix)
     defines = (
         ("RC_QH", qh), ("RC_KH", kh), ("RC_D", d), ("RC_R", r), ("RC_BS", spec.block_size),

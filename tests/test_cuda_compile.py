@@ -268,8 +268,8 @@ def _run_slots(rng, t, spec):
     return slots.astype(spec.slot_dtype)
 
 
-@pytest.mark.parametrize("variant", [{}, {"RC_TPB": 32}, {"RC_TPB": 64, "RC_VPAIRS": 0}],
-                         ids=["default", "tpb32", "tpb64-nopairs"])
+@pytest.mark.parametrize("variant", [{}, {"RC_TPB": 8}, {"RC_TPB": 64, "RC_VPAIRS": 0}],
+                         ids=["default", "tpb8", "tpb64-nopairs"])
 @pytest.mark.parametrize("layout", _spec.LAYOUTS)
 @pytest.mark.parametrize("combo", [(BF16, BF16), (F16, FN), (F32, F32)], ids=lambda c: f"{c[0].name}-{c[1].name}")
 def test_host_emulation_slot_runs(layout, combo, variant, emu_dir):
