@@ -12,6 +12,9 @@
 #   stacked   benchmarks/diagnostics/stacked_layers.py
 #   tp        benchmarks/tp_decode.py over every GPU (2 or more)
 #   soak      benchmarks/soak.py --platform cuda (SOAK_STEPS=1000000, SOAK_LIMIT=140 seconds)
+#   kernel_speed  benchmarks/diagnostics/kernel_speed.py: the kernel launched directly, next to AITER
+#             (PEERS=.peers with AITER's source, see ../shared/peers/README.md), floors (KS_ARGS)
+#   peers     ../shared/peers/bench_peers.py copied into $PEERS (BP_ARGS, e.g. --tokens 8192 --slot-pattern prefill)
 #   model     the model client (issue 19): tiny Llama-3.1 / Qwen3 vs transformers' recorded tokens,
 #             tiny Llama bf16 decode at batch 64: kernel vs XLA path vs "off" (no RoPE / cache write:
 #             the op's share of a step)
@@ -52,4 +55,8 @@ has model && TAIL=20 run model 240 "$PY" -P -m jax_rope_cache generate --referen
     --batch 64 --dtype bfloat16 --impls kernel,xla,off
 has model_8b && TAIL=9 run model_8b 420 "$PY" -P -m jax_rope_cache generate --model llama-3.1-8b --dtype bfloat16 \
     --batch 64 --prompt-len 128 --steps 64 --impls kernel,xla,off --check none
+has kernel_speed && TAIL=45 run kernel_speed 400 bash -c "cd '$ROOT' && '$PY' benchmarks/diagnostics/kernel_speed.py \
+    '$OUT' ${PEERS:+--peers '$PEERS'} ${KS_ARGS:-}"
+has peers && TAIL=60 run peers 500 env PYTHONPATH="${PEERS:-$ROOT/.peers}/aiter_src${PYTHONPATH:+:$PYTHONPATH}" \
+    "$PY" "${PEERS:-$ROOT/.peers}/bench_peers.py" ${BP_ARGS:-}
 summary_print

@@ -184,8 +184,11 @@ def make_inputs(spec, rng):
     return (q, k, v, kc, vc, slots.astype(spec.slot_dtype), pos.astype(spec.pos_dtype), cos, sin)
 
 
-def run_emulation(spec, args, k_scale, v_scale, tmp_dir, layer=0):
-    cfg = cuda.kernel_config(spec)
+def run_emulation(spec, args, k_scale, v_scale, tmp_dir, layer=0, num_sms=cuda.DEFAULT_SMS, defines=None):
+    cfg = cuda.kernel_config(spec, num_sms)
+    if defines:  # another variant of the same kernel (tokens per block, unroll, ...)
+        d = dict(cfg.defines, **defines)
+        cfg = cuda.KernelConfig(defines=tuple(d.items()), tokens_per_block=d["RC_TPB"], threads=d["RC_NT"])
     lib = _build_emulation(cfg, tmp_dir)
     q, k, v, kc, vc, slots, pos, cos, sin = (np.ascontiguousarray(a) for a in args)
     ks = np.array(k_scale if k_scale is not None else 1.0, np.float32)
@@ -241,6 +244,54 @@ def test_host_emulation_matches_reference_bitwise(kw, emu_dir):
         if not np.array_equal(gb, wb):
             bad = np.argwhere(g.view(f"u{g.dtype.itemsize}") != np.asarray(w).view(f"u{g.dtype.itemsize}"))
             pytest.fail(f"{name}: {len(bad)} elements differ, first at {bad[:3].tolist()}")
+
+
+def _run_slots(rng, t, spec):
+    """Prefill-like slots: sequences filling random blocks in order; in the first half of the tokens
+    whole blocks from offset 0 (aligned runs), then sequences of any length starting at any offset
+    (misaligned runs); a few invalid slots break runs."""
+    bs, nb = spec.block_size, spec.num_blocks
+    blocks = rng.permutation(nb)
+    slots, bi = [], 0
+    while len(slots) < t:
+        aligned = len(slots) < t // 2
+        off = 0 if aligned else int(rng.integers(0, bs))
+        for _ in range(bs * int(rng.integers(1, 3)) if aligned else int(rng.integers(1, 3 * bs))):
+            if off == bs:
+                bi, off = bi + 1, 0
+            slots.append(int(blocks[bi]) * bs + off)
+            off += 1
+        bi += 1
+    slots = np.array(slots[:t], np.int64)
+    bad = rng.random(t) < 0.03
+    slots[bad] = rng.choice([-1, spec.num_slots, spec.num_slots + 5], bad.sum())
+    return slots.astype(spec.slot_dtype)
+
+
+@pytest.mark.parametrize("variant", [{}, {"RC_TPB": 8}, {"RC_TPB": 64, "RC_VPAIRS": 0}],
+                         ids=["default", "tpb8", "tpb64-nopairs"])
+@pytest.mark.parametrize("layout", contract.LAYOUTS)
+@pytest.mark.parametrize("combo", [(BF16, BF16), (F16, FN), (F32, F32)], ids=lambda c: f"{c[0].name}-{c[1].name}")
+def test_host_emulation_slot_runs(layout, combo, variant, emu_dir):
+    """Slot runs (prefill): the x-packed V writer stores an aligned run of X slots as one piece and
+    every other group element by element; both bit-exact, nothing else written. A small SM count
+    keeps the tokens per block >= X (the configuration of a large call); the variants run several
+    units per thread, with and without paired V lanes (tokens per block >= 2X)."""
+    dt, cdt = combo
+    spec = make_spec(T=203, QH=4, KH=2, D=64, layout=layout, dt=dt, cdt=cdt, NB=64, max_pos=50)
+    cfg = cuda.kernel_config(spec, num_sms=1)
+    assert layout == "flash" or cfg.tokens_per_block % spec.x == 0, cfg
+    rng = np.random.default_rng(5)
+    q, k, v, kc, vc, _, pos, cos, sin = make_inputs(spec, rng)
+    slots = _run_slots(rng, spec.num_tokens, spec)
+    args = (q, k, v, kc, vc, slots, pos, cos, sin)
+    ks = vs = None
+    if spec.fp8:
+        ks, vs = np.float32(0.37), np.float32(1.9)
+    want = reference.rope_and_cache(*args, layout=layout, k_scale=ks, v_scale=vs)
+    got = run_emulation(spec, args, ks, vs, emu_dir, num_sms=1, defines=variant)
+    for name, g, w in zip(("q_out", "k_out", "key_cache", "value_cache"), got, want):
+        assert np.array_equal(g.view(np.uint8), np.asarray(w).view(np.uint8)), name
 
 
 @pytest.mark.parametrize("layout", contract.LAYOUTS)

@@ -27,7 +27,6 @@ NAME = "CUDA"
 KERNEL_NAME = "rope_cache_kernel"
 DEFAULT_ARCH = 90
 DEFAULT_SMS = 132
-UNROLL = 4  # units per thread per round (kernels/cuda/rope_cache.cu: RC_UNROLL)
 
 
 
@@ -77,34 +76,46 @@ def _pow2_floor(n: int) -> int:
     return 1 << (max(1, n).bit_length() - 1)
 
 
+MAX_THREADS = 512  # threads per block (a block's units beyond this loop)
+UNITS_PER_BLOCK = 2048  # flash: a block's units (~4-6 per thread), measured best on the H200
+UNITS_PER_BLOCK_XP = 8192  # x-packed (up to 32 tokens: two whole runs of 16 slots per block)
+
+
 def kernel_config(spec: contract.OpSpec, num_sms: int = DEFAULT_SMS) -> KernelConfig:
+    """One thread per unit of work (kernels/cuda/rope_cache.cu: rotation, pass-through and V units).
+    A block owns RC_TPB tokens; a large call gives each thread several units in turn (fewer, longer
+    blocks: 8-15% faster than one unit per thread on the H200, benchmarks/gpu_speed.py). A small
+    call (decode) gets one token per block, so the grid spreads over the SMs and every thread does
+    one unit: latency, not bandwidth."""
     w = chunk_width(spec)
     d, r, qh, kh = spec.head_dim, spec.rotary_dim, spec.q_heads, spec.kv_heads
     rh = qh + kh
-    units_rot = rh * ((r // 2) // w if spec.is_neox else r // w)
-    units = units_rot + rh * ((d - r) // w) + kh * (d // w)
-    table_w = r if spec.table_full else r // 2
-    nt = 256
-    tpb = max(1, min(64, _pow2_floor(2048 // max(1, units))))
-    if spec.layout != "flash":
-        tpb = max(tpb, 16)  # value rows of 16 consecutive slots are written together
-    # Limits: shared table <= 32 KiB and <= 16 staged values per thread.
-    while tpb > 1 and (tpb * 2 * table_w * 4 > 32768 or tpb * 2 * table_w > 16 * nt):
-        tpb //= 2
-    # Small T: spread the tokens over at least 2 blocks per SM.
+    x = spec.x
+    xp = spec.layout != "flash"
+    units_tok = rh * ((r // 2) // w if spec.is_neox else r // w) + rh * ((d - r) // w)
+
+    def units(tpb):  # units of a block of tpb tokens (x-packed V: one per channel per group)
+        vg = (x if tpb % x == 0 else tpb) if xp else 1
+        return tpb * units_tok + ((tpb // vg) * kh * d if xp else tpb * kh * (d // w))
+
+    per_token = max(1.0, units_tok + (kh * d / x if xp else kh * (d // w)))
+    # Threads: a block of one unit per thread (up to MAX_THREADS; x-packed: at least X tokens).
+    base = max(1, min(64, _pow2_floor(int(MAX_THREADS // per_token))))
+    if xp:
+        base = max(base, x)
+    nt = min(MAX_THREADS, max(32, -(-units(base) // 32) * 32))
+    # Tokens per block: several units per thread for large calls.
+    target = UNITS_PER_BLOCK_XP if xp else UNITS_PER_BLOCK
+    tpb = max(base, min(32, _pow2_floor(int(target // per_token))))
+    # Small T: keep at least one block per SM (down to one token per block, one unit per thread).
     t = spec.num_tokens
-    while tpb > 1 and -(-t // tpb) < 2 * num_sms:
+    while tpb > 1 and -(-t // tpb) < num_sms:
         tpb //= 2
-    work = units * tpb
-    if -(-t // tpb) < num_sms:  # latency-bound: one pass of threads over the units if possible
-        nt = min(512, max(64, -(-work // 32) * 32))
-    else:
-        nt = min(256, max(64, -(-work // 32) * 32))
-    while tpb * 2 * table_w > 16 * nt and tpb > 1:
-        tpb //= 2
+    nt = min(nt, max(32, -(-units(tpb) // 32) * 32))
+    minb = max(1, 768 // nt)  # register budget: at least 85 per thread (no spills in the CI matrix)
     c = contract.kernel_codes(spec)
     defines = tuple((f"RC_{name}", int(getattr(c, field))) for name, field in _DEFINES) + (
-        ("RC_WCH", w), ("RC_TPB", tpb), ("RC_NT", nt), ("RC_UNROLL", UNROLL))
+        ("RC_WCH", w), ("RC_TPB", tpb), ("RC_NT", nt), ("RC_MINB", minb), ("RC_VPAIRS", 1))
     return KernelConfig(defines=defines, tokens_per_block=tpb, threads=nt)
 
 

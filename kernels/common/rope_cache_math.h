@@ -68,10 +68,16 @@ RC_FN float rc_bf16_to_f32(rc_u16 h) { return rc_bits_f32((rc_u32)h << 16); }
 
 // Branch-free (a select) so that host compilers vectorise loops around it.
 RC_FN rc_u16 rc_f32_to_bf16(float f) {
+#ifdef RC_HW_CVT  // CUDA sm_80+ (rope_cache.cu): the same bits for every non-NaN f; NaN -> 0x7FFF
+  rc_u16 h;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  return h;
+#else
   const rc_u32 u = rc_f32_bits(f);
   const rc_u32 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
   const rc_u32 quiet_nan = (u >> 16) | 0x0040u;
   return (rc_u16)((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
+#endif
 }
 
 // ---- float16 --------------------------------------------------------------------------------
@@ -97,6 +103,11 @@ RC_FN rc_u32 rc_shift_rne(rc_u32 m, rc_u32 shift) {
 }
 
 RC_FN rc_u16 rc_f32_to_f16(float f) {
+#ifdef RC_HW_CVT  // CUDA sm_80+ (rope_cache.cu): the same bits for every non-NaN f; NaN -> 0x7FFF
+  rc_u16 h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  return h;
+#else
   rc_u32 x = rc_f32_bits(f);
   rc_u16 sign = (rc_u16)((x >> 16) & 0x8000u);
   x &= 0x7fffffffu;
@@ -109,6 +120,7 @@ RC_FN rc_u16 rc_f32_to_f16(float f) {
   rc_u32 e = x >> 23;                 // subnormal half: k * 2^-24
   rc_u32 m = (x & 0x7fffffu) | 0x800000u;
   return (rc_u16)(sign | rc_shift_rne(m, 126u - e));
+#endif
 }
 
 // ---- float8 e4m3 (fn: bias 7, max 448, NaN 0x7f/0xff; fnuz: bias 8, max 240, NaN 0x80) --------

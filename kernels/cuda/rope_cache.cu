@@ -1,7 +1,7 @@
 // rope_and_cache as ONE CUDA kernel, compiled at lowering time by NVRTC (jax_rope_cache/_nvrtc.py).
 //
 // Static configuration (one compiled variant per call-site shape, all required, set with -D by
-// jax_rope_cache/cuda.py):
+// jax_rope_cache/cuda.py: kernel_config):
 //   RC_QH, RC_KH, RC_D, RC_R     query heads, kv heads, head_dim, rotary_dim
 //   RC_BS                        cache block size
 //   RC_LAYOUT                    RcLayout (0 flash, 1 xpacked, 2 xpacked_shuffled)
@@ -13,9 +13,12 @@
 //                                layer to write read from the `layer` operand (a device scalar)
 //   RC_WCH                       elements per chunk: 16 bytes of q/k/v where the shape allows
 //                                (power of two; divides D and R, and R/2 for NeoX; even for GPT-J)
-//   RC_TPB                       tokens per thread block
+//   RC_TPB                       tokens per thread block (a power of two)
 //   RC_NT                        threads per block (launch bound)
-//   RC_UNROLL                    units per thread per round (memory-level parallelism)
+//   RC_MINB                      blocks per multiprocessor the register budget must allow
+//                                (__launch_bounds__ second argument)
+//   RC_VPAIRS                    1 (default): x-packed V lanes paired so a warp store fills whole
+//                                sectors of a slot run (see v_unit_xpacked)
 //
 // Kernel ABI (what kernels/ffi/gpu_launcher.cc passes; the launcher is generic and knows nothing of
 // this op): one kernel parameter, a struct by value holding
@@ -23,38 +26,53 @@
 //                    q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, k_scale,
 //                    v_scale, layer (int32) | q_out, k_out, key_cache_out, value_cache_out
 //   int64  dim0[12]  the leading dimension of each operand (rank-0 operands: 1)
-// Grid: (ceil(T / RC_TPB), 1, 1) blocks of RC_NT threads, T = dim0[0]; no dynamic shared memory.
+// Grid: (ceil(T / RC_TPB), 1, 1) blocks of RC_NT threads, T = dim0[0]; no shared memory.
 // Runtime values: T = dim0[0], NB = dim0[3] (stacked: L = dim0[3]), max_pos = dim0[7]; every index
-// (slots, positions, layer) comes from device
-// buffers, so a captured CUDA graph replays correctly whatever the slots and positions hold.
+// (slots, positions, layer) comes from device buffers, so a captured CUDA graph replays correctly
+// whatever the slots and positions hold.
 //
-// Work decomposition. A block owns RC_TPB consecutive tokens. Units of work (each one chunk of
-// RC_WCH channels, loaded and stored with one vector access):
-//   * V units     (token, kv head, chunk): copy v into the value cache;
-//   * pass units  (token, q/k head, chunk >= R): copy channels >= R to q_out/k_out (and K cache);
-//   * rot units   (token, q/k head, pair-chunk): rotate; NeoX loads chunk j and chunk j + R/2,
-//                 GPT-J one chunk holding whole pairs; k heads also go to the key cache.
-// The cos/sin rows of the block's tokens are read once per token into shared memory (as f32,
-// already rounded to the input dtype in native precision) and shared by all heads. V and pass
-// units need no table, so they run while the table loads are in flight; each thread also
-// prefetches its first round of rotation units before the barrier. Each thread works in rounds of
-// RC_UNROLL units and issues all loads of a round before its first store, to keep enough bytes in
-// flight for the memory system.
-// For the x-packed layouts the V units are ordered token-fastest, so a warp writing a run of
-// consecutive slots (prefill) stores consecutive offsets of one value row together.
+// Work decomposition: no shared memory and no barrier. A block owns RC_TPB consecutive tokens and
+// a list of independent units, each done by one thread from its first load to its last store
+// (threads take units tid, tid + NT, ...; the configuration makes NT >= the unit count where it
+// can, so most threads do exactly one):
+//   * rot units   (token, q/k head, pair-chunk j), j fastest: NeoX loads chunk j and chunk j + R/2,
+//                 GPT-J one chunk of whole pairs; k heads also go to the key cache. The thread
+//                 issues its q/k loads, its slot and its position first; the cos/sin values of its
+//                 chunk are the one dependent load (row = position). Heads of one token share the
+//                 table values through L1 (lanes of one warp read the same addresses).
+//   * pass units  (token, q/k head, chunk >= R): copy channels >= R to q_out/k_out (and K cache).
+//   * V units     flash: (token, kv head, chunk): one 16-byte copy into the value cache.
+//                 x-packed: (group of VG tokens, kv head, channel d), d fastest: the thread loads
+//                 channel d of its VG tokens. When the group's slots are one aligned run (VG = X
+//                 consecutive slots starting at a multiple of X: prefill), it writes them as ONE
+//                 16-byte store (a whole X-offset piece of a value row, whole 32-byte sectors
+//                 with its neighbour); otherwise one element per token, and the lanes of a warp
+//                 (consecutive d of one token) write neighbouring sectors of one block (random
+//                 slots: the fewest L2 requests for that pattern).
 //
 // Bounds: positions are clamped to [0, max_pos-1]; a slot writes only if 0 <= slot < NB*BS (and,
-// stacked, 0 <= layer < L);
-// all offsets are 64-bit. q_out/k_out are written for every token.
+// stacked, 0 <= layer < L); all offsets are 64-bit. q_out/k_out are written for every token.
 // Arithmetic: kernels/common/rope_cache_math.h (rc_mul/rc_add/rc_sub are the _rn intrinsics, and
-// NVRTC runs with --fmad=false), bit-exact to jax_rope_cache.reference in both precisions.
+// NVRTC runs with --fmad=false), bit-exact to jax_rope_cache.reference in both precisions. On
+// sm_80+ the f32 -> bf16/f16 roundings are the cvt.rn instructions (RC_HW_CVT below and the
+// block "hardware conversions"): the same bits as the integer code for every non-NaN value
+// (checked over all 2^32 inputs on the H200); a NaN becomes the canonical quiet NaN 0x7FFF.
 #ifdef RC_EMULATE
 #include "host_emulation.h"  // CPU build for tests: one thread per block (RC_NT=1)
+#endif
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define RC_HW_CVT 1  // rope_cache_math.h: rc_f32_to_bf16 / rc_f32_to_f16 by cvt.rn
 #endif
 #include "rope_cache_math.h"
 
 #ifndef RC_QH
 #error "rope_cache.cu needs its -D configuration (see the header comment)"
+#endif
+#ifndef RC_MINB
+#define RC_MINB 1
+#endif
+#ifndef RC_VPAIRS
+#define RC_VPAIRS 1
 #endif
 
 namespace rc {
@@ -68,7 +86,9 @@ constexpr bool NEOX = RC_NEOX != 0, FULL = RC_FULL_TABLE != 0, NATIVE = RC_NATIV
 constexpr int DT = RC_DT, TAB_DT = RC_TAB_DT, CDT = RC_CACHE_DT, LAYOUT = RC_LAYOUT;
 constexpr bool FP8 = CDT == RC_FP8_E4M3FN || CDT == RC_FP8_E4M3FNUZ;
 constexpr bool FNUZ = CDT == RC_FP8_E4M3FNUZ;
+constexpr bool XP = LAYOUT != RC_FLASH;
 constexpr int S_IN = DT == RC_F32 ? 4 : 2;
+constexpr int S_TAB = TAB_DT == RC_F32 ? 4 : 2;
 constexpr int S_CACHE = FP8 ? 1 : S_IN;
 constexpr int X = 16 / S_CACHE;          // x-packed group width
 constexpr int HALF = R / 2;
@@ -77,6 +97,16 @@ constexpr int CH = D / W;                // chunks per head row
 constexpr int P = NEOX ? HALF / W : R / W;  // rotation units per head
 constexpr int CPASS = (D - R) / W;       // pass-through chunks per head
 constexpr int PASS0 = R / W;             // first pass-through chunk
+
+// Units of one block, in this order: rotation, pass-through, V.
+constexpr int U_ROT = RH * P;                            // per token
+constexpr int U_PASS = RH * CPASS;                       // per token
+constexpr int VG = !XP ? 1 : (TPB % X == 0 ? X : TPB);   // tokens per x-packed V unit
+constexpr bool V_RUNS = XP && VG == X && BS % X == 0;    // aligned runs can be stored whole
+constexpr int N_ROT = TPB * U_ROT;
+constexpr int N_PASS = TPB * U_PASS;
+constexpr int N_V = XP ? (TPB / VG) * KH * D : TPB * KH * CH;
+constexpr int N_UNITS = N_ROT + N_PASS + N_V;
 
 static_assert(W >= 1 && (W & (W - 1)) == 0 && W * S_IN <= 16, "RC_WCH: power of two, at most 16 bytes");
 static_assert(D % W == 0 && R % W == 0 && R % 2 == 0 && R <= D, "RC_WCH must divide D and R");
@@ -87,6 +117,8 @@ static_assert(LAYOUT == RC_FLASH || (D % X == 0), "x-packed layouts need D % X =
 static_assert(LAYOUT != RC_XPACKED_SHUFFLED || BS % X == 0, "xpacked_shuffled needs BS % X == 0");
 static_assert(DT == RC_F32 || DT == RC_BF16 || DT == RC_F16, "RC_DT");
 static_assert(FP8 || CDT == DT, "cache dtype: q's dtype or fp8");
+static_assert(TPB >= 1 && (TPB & (TPB - 1)) == 0, "RC_TPB: a power of two");
+static_assert(RC_F16 == 2, "RC_PACKED_NATIVE's #if spells RC_F16 as 2");
 #ifndef RC_EMULATE
 static_assert(NT % 32 == 0 && NT >= 32 && NT <= 1024, "RC_NT");
 #endif
@@ -108,16 +140,23 @@ template <> struct RawOf<1> { typedef unsigned char T; };
 
 typedef RawOf<S_IN>::T raw_in;
 typedef RawOf<S_CACHE>::T raw_cache;
+typedef RawOf<S_TAB>::T raw_tab;
 
 // W input elements moved as one access.
 union Chunk {
   VecOf<W * S_IN>::T v;
   raw_in e[W];
+  unsigned int w[(W * S_IN) / 4 > 0 ? (W * S_IN) / 4 : 1];
 };
 // W cache elements moved as one access (same bytes as Chunk unless the cache is fp8).
 union CacheChunk {
   VecOf<W * S_CACHE>::T v;
   raw_cache e[W];
+};
+// X cache elements: one 16-byte piece of an x-packed row.
+union CachePiece {
+  uint4 v;
+  raw_cache e[X];
 };
 
 template <int dt>
@@ -133,9 +172,71 @@ __device__ __forceinline__ raw_in from_f32(float f) {
   return (raw_in)__float_as_uint(f);
 }
 
+// ---- hardware conversions (CUDA sm_80+; the host emulation and older archs use the integer code) --
+// Two outputs rounded to the input dtype by ONE packed instruction (cvt.rn.{bf16x2,f16x2}.f32,
+// low half = `lo`). Bit-identical to from_f32 for every non-NaN value; NaN -> 0x7FFF (canonical).
+__device__ __forceinline__ unsigned int pack_out2(float lo, float hi) {
+#ifdef RC_HW_CVT
+  unsigned int r;
+  if constexpr (DT == RC_BF16) {
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  } else {
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  }
+  return r;
+#else
+  return (unsigned int)from_f32(lo) | ((unsigned int)from_f32(hi) << 16);
+#endif
+}
+// ---- end of hardware conversions ------------------------------------------------------------
+
+// Chunk of W outputs from W f32 values (rounded once to the input dtype).
+__device__ __forceinline__ Chunk chunk_from(const float* y) {
+  Chunk c;
+  if constexpr (S_IN == 2 && W % 2 == 0) {
+#pragma unroll
+    for (int e = 0; e < W; e += 2) c.w[e / 2] = pack_out2(y[e], y[e + 1]);
+  } else {
+#pragma unroll
+    for (int e = 0; e < W; ++e) c.e[e] = from_f32(y[e]);
+  }
+  return c;
+}
+
 __device__ __forceinline__ Chunk load_chunk(const void* base, i64 elem) {
   Chunk c;
   c.v = *reinterpret_cast<const VecOf<W * S_IN>::T*>(static_cast<const char*>(base) + elem * S_IN);
+  return c;
+}
+
+// The same loads, issued where they are written: the compiler may not sink them into the branch
+// that uses them (it would, behind the slot check, making the slot and the data two round trips).
+template <class V>
+__device__ __forceinline__ V load_now(const void* addr) {
+#ifdef __CUDA_ARCH__
+  V r;
+  if constexpr (sizeof(V) == 16) {
+    asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(addr));
+  } else if constexpr (sizeof(V) == 8) {
+    asm volatile("ld.global.v2.u32 {%0, %1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(addr));
+  } else if constexpr (sizeof(V) == 4) {
+    asm volatile("ld.global.u32 %0, [%1];" : "=r"(r) : "l"(addr));
+  } else if constexpr (sizeof(V) == 2) {
+    asm volatile("ld.global.u16 %0, [%1];" : "=h"(r) : "l"(addr));
+  } else {
+    unsigned short h;
+    asm volatile("ld.global.u8 %0, [%1];" : "=h"(h) : "l"(addr));
+    r = (V)h;
+  }
+  return r;
+#else
+  return *static_cast<const V*>(addr);
+#endif
+}
+
+__device__ __forceinline__ Chunk load_chunk_now(const void* base, i64 elem) {
+  Chunk c;
+  c.v = load_now<VecOf<W * S_IN>::T>(static_cast<const char*>(base) + elem * S_IN);
   return c;
 }
 
@@ -155,8 +256,42 @@ __device__ __forceinline__ void store_cache_chunk(void* base, i64 elem, const Ch
   *reinterpret_cast<VecOf<W * S_CACHE>::T*>(static_cast<char*>(base) + elem * S_CACHE) = o.v;
 }
 
-__device__ __forceinline__ void store_cache_elem(void* base, i64 elem, raw_in x, float inv_scale) {
-  static_cast<raw_cache*>(base)[elem] = to_cache(x, inv_scale);
+// *addr = v if `pred`, as one predicated store (no branch: the loads feeding it stay ahead of the
+// slot check instead of being moved behind it).
+template <class V>
+__device__ __forceinline__ void store_if(bool pred, void* addr, V v) {
+#ifdef __CUDA_ARCH__
+  const int on = pred;
+  if constexpr (sizeof(V) == 16) {
+    asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.s32 p, %0, 0;\n\t@p st.global.v4.u32 [%1], {%2, %3, %4, %5};\n\t}"
+                 :: "r"(on), "l"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+  } else if constexpr (sizeof(V) == 8) {
+    asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.s32 p, %0, 0;\n\t@p st.global.v2.u32 [%1], {%2, %3};\n\t}"
+                 :: "r"(on), "l"(addr), "r"(v.x), "r"(v.y) : "memory");
+  } else if constexpr (sizeof(V) == 4) {
+    asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.s32 p, %0, 0;\n\t@p st.global.u32 [%1], %2;\n\t}"
+                 :: "r"(on), "l"(addr), "r"(v) : "memory");
+  } else if constexpr (sizeof(V) == 2) {
+    asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.s32 p, %0, 0;\n\t@p st.global.u16 [%1], %2;\n\t}"
+                 :: "r"(on), "l"(addr), "h"(v) : "memory");
+  } else {
+    asm volatile("{\n\t.reg .pred p;\n\tsetp.ne.s32 p, %0, 0;\n\t@p st.global.u8 [%1], %2;\n\t}"
+                 :: "r"(on), "l"(addr), "h"((unsigned short)v) : "memory");
+  }
+#else
+  if (pred) *static_cast<V*>(addr) = v;
+#endif
+}
+
+__device__ __forceinline__ void store_cache_chunk_if(bool pred, void* base, i64 elem, const Chunk& c, float inv_scale) {
+  CacheChunk o;
+#pragma unroll
+  for (int e = 0; e < W; ++e) o.e[e] = to_cache(c.e[e], inv_scale);
+  store_if(pred, static_cast<char*>(base) + elem * S_CACHE, o.v);
+}
+
+__device__ __forceinline__ raw_in load_elem_now(const void* base, i64 elem) {
+  return load_now<raw_in>(static_cast<const raw_in*>(base) + elem);
 }
 
 __device__ __forceinline__ i64 load_index(const void* base, i64 i, bool is64) {
@@ -211,207 +346,295 @@ __device__ __forceinline__ i64 valid_slot(const Params& p, i64 t, SlotRange r) {
   return (s >= 0 && s < r.n) ? r.base + s : -1;
 }
 
-// Loaded inputs of one rotation unit.
-struct RotIn {
-  Chunk a, b;  // NeoX: chunk j and chunk j + R/2; GPT-J: a only
+// ---- cos/sin values ---------------------------------------------------------------------------
+// Widest vector (elements) for N table values starting at a multiple of A inside a row.
+constexpr int tab_vec(int n, int a) {
+  int v = 16 / S_TAB;
+  while (v > 1 && (n % v != 0 || a % v != 0 || TW % v != 0)) v /= 2;
+  return v;
+}
+
+__device__ __forceinline__ float tab_value(raw_tab raw) {
+  const float f = to_f32<TAB_DT>(raw);
+  // native precision: table values rounded to the input dtype first (a no-op when they already are)
+  return (NATIVE && TAB_DT != DT) ? rc_round_to(f, DT) : f;
+}
+
+// Index i of an int32/int64 buffer, read by a load that ptxas issues only after what computes the
+// address `dep` (the load's address gets `dep >> 63` added: 0, device addresses are < 2^63). Used
+// to keep the independent q/k loads ahead of the position load: left alone, ptxas schedules the
+// position's consumers first and the q/k loads then wait for the position (two memory round
+// trips in a row instead of one).
+__device__ __forceinline__ i64 load_index_after(const void* base, i64 i, bool is64, const void* dep) {
+#ifdef __CUDA_ARCH__
+  i64 r;
+  if (is64) {
+    asm("{\n\t.reg .u64 t, a;\n\tshr.u64 t, %2, 63;\n\tadd.u64 a, %1, t;\n\tld.global.s64 %0, [a];\n\t}"
+        : "=l"(r) : "l"(static_cast<const i64*>(base) + i), "l"(dep));
+  } else {
+    int v;
+    asm("{\n\t.reg .u64 t, a;\n\tshr.u64 t, %2, 63;\n\tadd.u64 a, %1, t;\n\tld.global.s32 %0, [a];\n\t}"
+        : "=r"(v) : "l"(static_cast<const int*>(base) + i), "l"(dep));
+    r = v;
+  }
+  return r;
+#else
+  (void)dep;
+  return load_index(base, i, is64);
+#endif
+}
+
+// ---- the units --------------------------------------------------------------------------------
+// One function per kind of unit, each doing its unit from its first load to its last store.
+constexpr int NTV = NEOX ? W : (FULL ? W : W / 2);  // table values per table per rotation unit
+
+// out[0..N) = table[idx .. idx + N), idx a multiple of A, as f32 (native: rounded to the input dtype).
+template <int N, int A>
+__device__ __forceinline__ void load_tab(const void* base, i64 idx, float* out) {
+  constexpr int V = tab_vec(N, A);
+  union {
+    typename VecOf<V * S_TAB>::T v;
+    raw_tab e[V];
+  } u;
+#pragma unroll
+  for (int k = 0; k < N; k += V) {
+    u.v = *reinterpret_cast<const typename VecOf<V * S_TAB>::T*>(static_cast<const char*>(base) + (idx + k) * S_TAB);
+#pragma unroll
+    for (int e = 0; e < V; ++e) out[k + e] = tab_value(u.e[e]);
+  }
+}
+
+// ---- native precision with packed multiplies (CUDA: bf16 on sm_90+, f16 on sm_53+) -------------
+// NeoX, table dtype == input dtype: r(r(a*c) - r(b*s)), r(r(b*c) + r(a*s)) with the products done by
+// mul.rn.{bf16,f16}x2, two per instruction: a product of two bf16 (f16) values is exact in f32,
+// so the packed multiply's one rounding equals rc_round_to(rc_mul(a, c)) (checked for all 2^32
+// operand pairs on the H200); the sum is an f32 operation and one final rounding, as in
+// rc_rotate_pair. Elsewhere (host emulation, other archs, other dtypes) the scalar path.
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900 || (RC_DT == 2 /* RC_F16 */ && __CUDA_ARCH__ >= 530))
+#define RC_PACKED_NATIVE 1
+#endif
+constexpr bool PACKED_NATIVE =
+#ifdef RC_PACKED_NATIVE
+    NATIVE && NEOX && TAB_DT == DT && S_IN == 2 && W % 2 == 0;
+#else
+    false;
+#endif
+
+// W table values of one table as packed words (PACKED_NATIVE: 16-bit values, W even).
+constexpr int TWB = (S_TAB == 2 && W * S_TAB >= 4) ? W * S_TAB : 4;  // bytes (4: unused placeholder)
+union TabWords {
+  VecOf<TWB>::T v;
+  unsigned int w[TWB / 4];
 };
 
-__device__ __forceinline__ void rot_decode(int u, int* tt, int* h, int* j) {
-  *j = u % P;
-  const int r = u / P;
-  *h = r % RH;
-  *tt = r / RH;
+__device__ __forceinline__ TabWords load_words(const void* base, i64 idx) {
+  TabWords t;
+  t.v = *reinterpret_cast<const VecOf<TWB>::T*>(static_cast<const char*>(base) + idx * S_TAB);
+  return t;
 }
 
-__device__ __forceinline__ RotIn rot_load(const Params& p, i64 t0, int u) {
-  int tt, h, j;
-  rot_decode(u, &tt, &h, &j);
-  const i64 row = row_of(t0 + tt, h);
-  const void* src = h < QH ? p.q : p.k;
-  RotIn in;
-  in.a = load_chunk(src, row + j * W);
-  if (NEOX) in.b = load_chunk(src, row + HALF + j * W);
-  return in;
+__device__ __forceinline__ unsigned int mul2(unsigned int x, unsigned int y) {
+  unsigned int r = 0;
+#ifdef RC_PACKED_NATIVE
+  if constexpr (DT == RC_BF16) {
+    asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(x), "r"(y));
+  } else {
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(x), "r"(y));
+  }
+#endif
+  return r;
 }
 
-__device__ __forceinline__ void rot_compute_store(const Params& p, i64 t0, int u, RotIn in, const float* tab,
-                                                  SlotRange slot_range, float inv_k) {
-  int tt, h, j;
-  rot_decode(u, &tt, &h, &j);
-  const i64 t = t0 + tt;
-  const float* cs = tab + tt * 2 * TW;  // [cos row | sin row] of this token
-  const float* sn = cs + TW;
-  const int native_dt = NATIVE ? DT : -1;
-  if (NEOX) {
+// The two halves of a packed pair as f32 (exact).
+__device__ __forceinline__ float lo_f32(unsigned int x) { return to_f32<DT>(x & 0xffffu); }
+__device__ __forceinline__ float hi_f32(unsigned int x) {
+  if (DT == RC_BF16) return __uint_as_float(x & 0xffff0000u);
+  return to_f32<DT>(x >> 16);
+}
+
+__device__ __forceinline__ void rot_native_packed(const Chunk& a, const Chunk& b, const TabWords& c,
+                                                  const TabWords& s, const TabWords& c2, const TabWords& s2,
+                                                  Chunk& oa, Chunk& ob) {
 #pragma unroll
-    for (int e = 0; e < W; ++e) {
-      const int i = j * W + e;  // pair index, channels (i, i + R/2)
-      const float ca = cs[i], sa = sn[i];
-      const float cb = FULL ? cs[i + HALF] : ca, sb = FULL ? sn[i + HALF] : sa;
-      float ya, yb;
-      rc_rotate_pair(to_f32<DT>(in.a.e[e]), to_f32<DT>(in.b.e[e]), ca, sa, cb, sb, native_dt, &ya, &yb);
-      in.a.e[e] = from_f32(ya);
-      in.b.e[e] = from_f32(yb);
+  for (int k = 0; k < W / 2 && k < TWB / 4; ++k) {
+    const unsigned int cb = FULL ? c2.w[k] : c.w[k], sb = FULL ? s2.w[k] : s.w[k];
+    const unsigned int ac = mul2(a.w[k], c.w[k]), bs = mul2(b.w[k], s.w[k]);
+    const unsigned int bc = mul2(b.w[k], cb), as = mul2(a.w[k], sb);
+    oa.w[k] = pack_out2(rc_sub(lo_f32(ac), lo_f32(bs)), rc_sub(hi_f32(ac), hi_f32(bs)));
+    ob.w[k] = pack_out2(rc_add(lo_f32(bc), lo_f32(as)), rc_add(hi_f32(bc), hi_f32(as)));
+  }
+}
+// ---- end of native precision with packed multiplies ---------------------------------------------
+
+__device__ __forceinline__ void rot_unit(const Params& p, i64 T, i64 max_pos, i64 t0, int u, SlotRange sr,
+                                         float inv_k) {
+  const int tt = u / U_ROT, r = u % U_ROT, h = r / P, j = r % P;
+  const i64 t = t0 + tt;
+  if (t >= T) return;
+  const bool is_k = h >= QH;
+  const i64 row = row_of(t, h);
+  const char* src = static_cast<const char*>(is_k ? p.k : p.q) + (row + j * W) * S_IN;
+  // Independent loads first: the inputs, then the position and the slot (issued after them).
+  Chunk a = load_chunk(src, 0);
+  Chunk b;
+  if (NEOX) b = load_chunk(src, HALF);
+  i64 prow = load_index_after(p.pos, t, RC_POS64 != 0, src);
+  prow = prow < 0 ? 0 : (prow >= max_pos ? max_pos - 1 : prow);
+  const i64 trow = prow * TW;
+  const i64 s_raw = load_index_after(p.slots, t, RC_SLOT64 != 0, src);  // q heads too: no branch
+  const i64 s_any = (s_raw >= 0 && s_raw < sr.n) ? sr.base + s_raw : -1;
+  // The table values of this chunk (the one dependent load), then the arithmetic.
+  const int c0 = NEOX ? j * W : (FULL ? j * W : j * W / 2);
+  const int native_dt = NATIVE ? DT : -1;
+  Chunk oa, ob;
+  if (PACKED_NATIVE) {
+    const TabWords c = load_words(p.cos, trow + c0), sn = load_words(p.sin, trow + c0);
+    TabWords c2 = c, s2 = sn;
+    if (FULL) {
+      c2 = load_words(p.cos, trow + HALF + j * W);
+      s2 = load_words(p.sin, trow + HALF + j * W);
     }
+    rot_native_packed(a, b, c, sn, c2, s2, oa, ob);
+  } else {
+    float tc[NTV], ts[NTV], tc2[NEOX && FULL ? W : 1], ts2[NEOX && FULL ? W : 1];
+    load_tab<NTV, NTV>(p.cos, trow + c0, tc);
+    load_tab<NTV, NTV>(p.sin, trow + c0, ts);
+    if (NEOX && FULL) {
+      load_tab<W, W>(p.cos, trow + HALF + j * W, tc2);
+      load_tab<W, W>(p.sin, trow + HALF + j * W, ts2);
+    }
+    if (NEOX) {
+      float ya[W], yb[W];
+#pragma unroll
+      for (int e = 0; e < W; ++e) {  // pair (i, i + R/2), i = j*W + e
+        const float cb = FULL ? tc2[e] : tc[e], sb = FULL ? ts2[e] : ts[e];
+        rc_rotate_pair(to_f32<DT>(a.e[e]), to_f32<DT>(b.e[e]), tc[e], ts[e], cb, sb, native_dt, &ya[e], &yb[e]);
+      }
+      oa = chunk_from(ya);
+      ob = chunk_from(yb);
+    } else {
+      float y[W];
+#pragma unroll
+      for (int e = 0; e < W; e += 2) {  // pair (2m, 2m + 1), m = (j*W + e) / 2
+        const float ca = FULL ? tc[e] : tc[e / 2], sa = FULL ? ts[e] : ts[e / 2];
+        const float cb = FULL ? tc[e + 1] : ca, sb = FULL ? ts[e + 1] : sa;
+        rc_rotate_pair(to_f32<DT>(a.e[e]), to_f32<DT>(a.e[e + 1]), ca, sa, cb, sb, native_dt, &y[e], &y[e + 1]);
+      }
+      oa = chunk_from(y);
+    }
+  }
+  void* dst = is_k ? p.k_out : p.q_out;
+  store_chunk(dst, row + j * W, oa);
+  if (NEOX) store_chunk(dst, row + HALF + j * W, ob);
+  const i64 s = is_k ? s_any : -1;
+  if (s >= 0) {
+    const i64 blk = s / BS, off = s % BS;
+    const int kh = h - QH;
+    store_cache_chunk(p.kc, key_index(blk, off, kh, j * W), oa, inv_k);
+    if (NEOX) store_cache_chunk(p.kc, key_index(blk, off, kh, HALF + j * W), ob, inv_k);
+  }
+}
+
+// Channels >= R of one q/k head: copied to q_out/k_out (and the key cache).
+__device__ __forceinline__ void pass_unit(const Params& p, i64 T, i64 t0, int u, SlotRange sr, float inv_k) {
+  constexpr int CP = CPASS > 0 ? CPASS : 1;
+  const i64 t = t0 + u / (RH * CP);
+  if (t >= T) return;
+  const int r = u % (RH * CP), h = r / CP, c = PASS0 + r % CP;
+  const bool is_k = h >= QH;
+  const i64 row = row_of(t, h);
+  const char* src = static_cast<const char*>(is_k ? p.k : p.q) + (row + c * W) * S_IN;
+  const Chunk x = load_chunk_now(src, 0);
+  const i64 s_raw = load_index_after(p.slots, t, RC_SLOT64 != 0, src);
+  const bool ok = is_k && s_raw >= 0 && s_raw < sr.n;
+  const i64 s = ok ? sr.base + s_raw : 0;
+  store_chunk(is_k ? p.k_out : p.q_out, row + c * W, x);
+  store_cache_chunk_if(ok, p.kc, key_index(s / BS, s % BS, is_k ? h - QH : 0, c * W), x, inv_k);
+}
+
+// Flash V: one chunk of v into the value cache.
+__device__ __forceinline__ void v_unit_flash(const Params& p, i64 T, i64 t0, int u, SlotRange sr, float inv_v) {
+  const i64 t = t0 + u / (KH * CH);
+  if (t >= T) return;
+  const int r = u % (KH * CH), h = r / CH, c = r % CH;
+  const char* src = static_cast<const char*>(p.v) + ((t * KH + h) * (i64)D + c * W) * S_IN;
+  const Chunk x = load_chunk_now(src, 0);  // in bounds whatever the slot
+  const i64 s_raw = load_index_after(p.slots, t, RC_SLOT64 != 0, src);
+  const bool ok = s_raw >= 0 && s_raw < sr.n;
+  const i64 s = ok ? sr.base + s_raw : 0;
+  store_cache_chunk_if(ok, p.vc, value_index(s / BS, s % BS, h, c * W), x, inv_v);
+}
+
+// x-packed V: channel d of kv head h for the VG tokens of group g. With RC_VPAIRS (XPACKED, two or
+// more pieces per value row), lanes pair up (groups 2k, 2k + 1: offsets 0..X-1 and X..2X-1 of a
+// block in a run), so that one warp store fills whole 32-byte sectors.
+constexpr bool V_PAIRS = RC_VPAIRS && V_RUNS && LAYOUT == RC_XPACKED && BS / X >= 2 && (TPB / VG) % 2 == 0;
+
+__device__ __forceinline__ void v_unit_xpacked(const Params& p, i64 T, i64 t0, int u, SlotRange sr, float inv_v) {
+  int g, h, d;
+  if (V_PAIRS) {
+    const int half = u % 2, r = u / 2;
+    d = r % D;
+    h = (r / D) % KH;
+    g = (r / (D * KH)) * 2 + half;
+  } else {
+    g = u / (KH * D);
+    const int r = u % (KH * D);
+    h = r / D;
+    d = r % D;
+  }
+  const i64 tg = t0 + (i64)g * VG;
+  if (tg >= T) return;
+  raw_in x[VG];
+  // The group is a run if its slots are s0, s0 + 1, ... (s0 valid, a multiple of X); only s0 and a
+  // flag stay live (registers), the other path reads its slots again (L1 hits).
+  const i64 s0 = valid_slot(p, tg, sr);
+  bool run = V_RUNS && s0 >= 0 && s0 % X == 0 && tg + VG <= T;
+#pragma unroll
+  for (int i = 0; i < VG; ++i) {
+    const bool in = tg + i < T;
+    x[i] = in ? load_elem_now(p.v, ((tg + i) * KH + h) * (i64)D + d) : (raw_in)0;
+    if (i > 0) run = run && in && valid_slot(p, tg + i, sr) == s0 + i;
+  }
+  if (run) {  // one aligned piece of X consecutive offsets of one value row
+    CachePiece o;
+#pragma unroll
+    for (int i = 0; i < X; ++i) o.e[i] = to_cache(x[i % VG], inv_v);
+    *reinterpret_cast<uint4*>(static_cast<raw_cache*>(p.vc) + value_index(s0 / BS, s0 % BS, h, d)) = o.v;
   } else {
 #pragma unroll
-    for (int e = 0; e < W; e += 2) {
-      const int m = (j * W + e) / 2;  // pair index, channels (2m, 2m + 1)
-      const float ca = FULL ? cs[2 * m] : cs[m], sa = FULL ? sn[2 * m] : sn[m];
-      const float cb = FULL ? cs[2 * m + 1] : ca, sb = FULL ? sn[2 * m + 1] : sa;
-      float ya, yb;
-      rc_rotate_pair(to_f32<DT>(in.a.e[e]), to_f32<DT>(in.a.e[e + 1]), ca, sa, cb, sb, native_dt, &ya, &yb);
-      in.a.e[e] = from_f32(ya);
-      in.a.e[e + 1] = from_f32(yb);
-    }
-  }
-  const i64 row = row_of(t, h);
-  void* dst = h < QH ? p.q_out : p.k_out;
-  store_chunk(dst, row + j * W, in.a);
-  if (NEOX) store_chunk(dst, row + HALF + j * W, in.b);
-  if (h >= QH) {
-    const i64 s = valid_slot(p, t, slot_range);
-    if (s >= 0) {
-      const i64 blk = s / BS, off = s % BS;
-      const int kh = h - QH;
-      if (NEOX) {
-        store_cache_chunk(p.kc, key_index(blk, off, kh, j * W), in.a, inv_k);
-        store_cache_chunk(p.kc, key_index(blk, off, kh, HALF + j * W), in.b, inv_k);
-      } else {
-        store_cache_chunk(p.kc, key_index(blk, off, kh, j * W), in.a, inv_k);
-      }
+    for (int i = 0; i < VG; ++i) {
+      const i64 si = tg + i < T ? valid_slot(p, tg + i, sr) : -1;
+      const i64 sc = si >= 0 ? si : 0;
+      store_if(si >= 0, static_cast<raw_cache*>(p.vc) + value_index(sc / BS, sc % BS, h, d), to_cache(x[i], inv_v));
     }
   }
 }
-
-// Table element e of the block's staging area: token tt = e / (2*TW), cos (first TW) or sin.
-__device__ __forceinline__ float table_load(const Params& p, i64 t0, i64 T, i64 max_pos, int e) {
-  const int tt = e / (2 * TW);
-  const int r = e % (2 * TW);
-  const i64 t = t0 + tt;
-  if (t >= T) return 0.0f;
-  i64 row = load_index(p.pos, t, RC_POS64 != 0);
-  row = row < 0 ? 0 : (row >= max_pos ? max_pos - 1 : row);
-  const void* tab = r < TW ? p.cos : p.sin;
-  const i64 idx = row * TW + (r < TW ? r : r - TW);
-  float f;
-  if (TAB_DT == RC_F32) f = static_cast<const float*>(tab)[idx];
-  else f = to_f32<TAB_DT>(static_cast<const unsigned short*>(tab)[idx]);
-  return NATIVE ? rc_round_to(f, DT) : f;
-}
-
-constexpr int TAB_ELEMS = TPB * 2 * TW;
-// Units each thread keeps in flight per round (loads of all of them issued before any store).
-constexpr int UB = RC_UNROLL;
-constexpr int TAB_PER_THREAD = (TAB_ELEMS + NT - 1) / NT;
 
 }  // namespace rc
 
-extern "C" __global__ void __launch_bounds__(RC_NT, 1) rope_cache_kernel(const rc::Params p) {
+extern "C" __global__ void __launch_bounds__(RC_NT, RC_MINB) rope_cache_kernel(const rc::Params p) {
   using namespace rc;
-  __shared__ float tab[TAB_ELEMS];
-  const int tid = threadIdx.x;
   const i64 T = p.dim0[0], max_pos = p.dim0[7];
   const i64 t0 = (i64)blockIdx.x * TPB;
-  const int ntok = (int)((T - t0) < TPB ? (T - t0) : TPB);  // tokens of this block (>= 1)
-  SlotRange slot_range{p.dim0[3] * BS, 0};
+  SlotRange sr{p.dim0[3] * BS, 0};
   if (LAYER_BLOCKS > 0) {  // stacked [L, NB, ...]: a layer outside [0, L) writes nothing
     const i64 layer = *p.layer, per_layer = (i64)LAYER_BLOCKS * BS;
-    slot_range = (layer >= 0 && layer < p.dim0[3]) ? SlotRange{per_layer, layer * per_layer} : SlotRange{0, 0};
+    sr = (layer >= 0 && layer < p.dim0[3]) ? SlotRange{per_layer, layer * per_layer} : SlotRange{0, 0};
   }
   const float inv_k = FP8 ? __frcp_rn(*p.k_scale) : 1.0f;
   const float inv_v = FP8 ? __frcp_rn(*p.v_scale) : 1.0f;
-
-  // 1. Issue the table loads and the first rotation unit's loads; the values land later.
-  float tv[TAB_PER_THREAD];
-#pragma unroll
-  for (int i = 0; i < TAB_PER_THREAD; ++i) {
-    const int e = tid + i * NT;
-    tv[i] = e < TAB_ELEMS ? table_load(p, t0, T, max_pos, e) : 0.0f;
-  }
-  const int n_rot = ntok * RH * P;
-  RotIn rin[UB];
-#pragma unroll
-  for (int j = 0; j < UB; ++j) {
-    const int u = tid + j * NT;
-    if (u < n_rot) rin[j] = rot_load(p, t0, u);
-  }
-
-  // 2. Units that need no table: V into the value cache, channels >= R to q_out/k_out/key cache.
-  //    UB units per thread per round, all loads issued before the first store.
-  const int n_v = (LAYOUT == RC_FLASH ? ntok : TPB) * KH * CH;
-  for (int base = tid; base < n_v; base += NT * UB) {
-    Chunk xs[UB];
-    i64 dst[UB];
-#pragma unroll
-    for (int j = 0; j < UB; ++j) {
-      const int u = base + j * NT;
-      dst[j] = -1;
-      if (u >= n_v) continue;
-      int tt, h, c;
-      if (LAYOUT == RC_FLASH) {  // token-major: a warp writes contiguous rows
-        c = u % CH;
-        h = (u / CH) % KH;
-        tt = u / (CH * KH);
-      } else {  // token-fastest: consecutive slots of one value row are written together
-        tt = u % TPB;
-        c = (u / TPB) % CH;
-        h = u / (TPB * CH);
-        if (tt >= ntok) continue;
-      }
-      const i64 t = t0 + tt;
-      const i64 s = valid_slot(p, t, slot_range);
-      xs[j] = load_chunk(p.v, (t * KH + h) * (i64)D + c * W);  // in bounds whatever the slot
-      if (s >= 0) dst[j] = value_index(s / BS, s % BS, h, c * W);
-    }
-#pragma unroll
-    for (int j = 0; j < UB; ++j) {
-      if (dst[j] < 0) continue;
-      if (LAYOUT == RC_FLASH) {
-        store_cache_chunk(p.vc, dst[j], xs[j], inv_v);
-      } else {  // consecutive channels are BS (xpacked) or X (shuffled) elements apart
-        constexpr int STEP = LAYOUT == RC_XPACKED ? BS : X;
-#pragma unroll
-        for (int e = 0; e < W; ++e) store_cache_elem(p.vc, dst[j] + (i64)e * STEP, xs[j].e[e], inv_v);
-      }
-    }
-  }
-  if (CPASS > 0) {
-    const int n_pass = ntok * RH * (CPASS > 0 ? CPASS : 1);
-    for (int u = tid; u < n_pass; u += NT) {
-      const int c = PASS0 + u % (CPASS > 0 ? CPASS : 1);
-      const int h = (u / (CPASS > 0 ? CPASS : 1)) % RH;
-      const int tt = u / ((CPASS > 0 ? CPASS : 1) * RH);
-      const i64 t = t0 + tt;
-      const i64 row = row_of(t, h);
-      const Chunk x = load_chunk(h < QH ? p.q : p.k, row + c * W);
-      store_chunk(h < QH ? p.q_out : p.k_out, row + c * W, x);
-      if (h >= QH) {
-        const i64 s = valid_slot(p, t, slot_range);
-        if (s >= 0) store_cache_chunk(p.kc, key_index(s / BS, s % BS, h - QH, c * W), x, inv_k);
-      }
-    }
-  }
-
-  // 3. Publish the table rows, then rotate.
-#pragma unroll
-  for (int i = 0; i < TAB_PER_THREAD; ++i) {
-    const int e = tid + i * NT;
-    if (e < TAB_ELEMS) tab[e] = tv[i];
-  }
-  __syncthreads();
-  for (int base = tid; base < n_rot; base += NT * UB) {
-    if (base != tid) {
-#pragma unroll
-      for (int j = 0; j < UB; ++j) {
-        const int u = base + j * NT;
-        if (u < n_rot) rin[j] = rot_load(p, t0, u);
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < UB; ++j) {
-      const int u = base + j * NT;
-      if (u < n_rot) rot_compute_store(p, t0, u, rin[j], tab, slot_range, inv_k);
+  // Units tid, tid + NT, ...: rotation units first, then pass-through, then V.
+#pragma unroll 1
+  for (int u = threadIdx.x; u < N_UNITS; u += NT) {
+    if (u < N_ROT) {
+      rot_unit(p, T, max_pos, t0, u, sr, inv_k);
+    } else if (u < N_ROT + N_PASS) {
+      pass_unit(p, T, t0, u - N_ROT, sr, inv_k);
+    } else if (XP) {
+      v_unit_xpacked(p, T, t0, u - N_ROT - N_PASS, sr, inv_v);
+    } else {
+      v_unit_flash(p, T, t0, u - N_ROT - N_PASS, sr, inv_v);
     }
   }
 }
