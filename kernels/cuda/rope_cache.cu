@@ -6,7 +6,8 @@
 //   RC_BS                        cache block size
 //   RC_LAYOUT                    RcLayout (0 flash, 1 xpacked, 2 xpacked_shuffled)
 //   RC_NEOX, RC_FULL_TABLE       1/0
-//   RC_NATIVE                    1: "native" precision (round every product and the sum), 0: "fp32"
+//   RC_NATIVE                    1: "native" precision (rc_arith picks "rounded" or "fused" arithmetic
+//                                from RC_DT and RC_TAB_DT), 0: "fp32"
 //   RC_DT, RC_TAB_DT, RC_CACHE_DT  RcDtype codes of q/k/v (and outputs), cos/sin, the caches
 //   RC_SLOT64, RC_POS64          1: int64 slot_mapping / positions, 0: int32
 //   RC_LAYER_BLOCKS              0: one cache [NB, ...]; NB > 0: stacked caches [L, NB, ...], the
@@ -35,7 +36,7 @@
 //   * rot units   (token, q/k head, pair-chunk): rotate; NeoX loads chunk j and chunk j + R/2,
 //                 GPT-J one chunk holding whole pairs; k heads also go to the key cache.
 // The cos/sin rows of the block's tokens are read once per token into shared memory (as f32,
-// already rounded to the input dtype in native precision) and shared by all heads. V and pass
+// exactly: tables are never rounded) and shared by all heads. V and pass
 // units need no table, so they run while the table loads are in flight; each thread also
 // prefetches its first round of rotation units before the barrier. Each thread works in rounds of
 // RC_UNROLL units and issues all loads of a round before its first store, to keep enough bytes in
@@ -46,8 +47,10 @@
 // Bounds: positions are clamped to [0, max_pos-1]; a slot writes only if 0 <= slot < NB*BS (and,
 // stacked, 0 <= layer < L);
 // all offsets are 64-bit. q_out/k_out are written for every token.
-// Arithmetic: kernels/common/rope_cache_math.h (rc_mul/rc_add/rc_sub are the _rn intrinsics, and
-// NVRTC runs with --fmad=false), bit-exact to jax_rope_cache.reference in both precisions.
+// Arithmetic: kernels/common/rope_cache_math.h (rc_mul/rc_add/rc_sub/rc_fma are the _rn intrinsics,
+// and NVRTC runs with --fmad=false, so the only FMA is rc_fma of "fused" native arithmetic),
+// bit-exact to jax_rope_cache.reference in both precisions; subnormals kept (no --ftz); every NaN
+// the kernel computes is the canonical one (rope_cache_math.h), copies keep their bits.
 #ifdef RC_EMULATE
 #include "host_emulation.h"  // CPU build for tests: one thread per block (RC_NT=1)
 #endif
@@ -66,7 +69,10 @@ constexpr int W = RC_WCH;
 constexpr int TPB = RC_TPB, NT = RC_NT;
 constexpr bool NEOX = RC_NEOX != 0, FULL = RC_FULL_TABLE != 0, NATIVE = RC_NATIVE != 0;
 constexpr int DT = RC_DT, TAB_DT = RC_TAB_DT, CDT = RC_CACHE_DT, LAYOUT = RC_LAYOUT;
+constexpr int ARITH = rc_arith(NATIVE, DT, TAB_DT);  // RC_ARITH_FP32, "rounded" (DT) or RC_ARITH_FUSED
 constexpr bool FP8 = CDT == RC_FP8_E4M3FN || CDT == RC_FP8_E4M3FNUZ;
+// An fp8 key cache in "fused" arithmetic quantizes the rotated f32 values, not the rounded k_out.
+constexpr bool WIDE_K = FP8 && ARITH == RC_ARITH_FUSED;
 constexpr bool FNUZ = CDT == RC_FP8_E4M3FNUZ;
 constexpr int S_IN = DT == RC_F32 ? 4 : 2;
 constexpr int S_CACHE = FP8 ? 1 : S_IN;
@@ -130,7 +136,7 @@ __device__ __forceinline__ float to_f32(unsigned int raw) {
 __device__ __forceinline__ raw_in from_f32(float f) {
   if (DT == RC_BF16) return (raw_in)rc_f32_to_bf16(f);
   if (DT == RC_F16) return (raw_in)rc_f32_to_f16(f);
-  return (raw_in)__float_as_uint(f);
+  return (raw_in)__float_as_uint(rc_canonical_f32(f));
 }
 
 __device__ __forceinline__ Chunk load_chunk(const void* base, i64 elem) {
@@ -152,6 +158,14 @@ __device__ __forceinline__ void store_cache_chunk(void* base, i64 elem, const Ch
   CacheChunk o;
 #pragma unroll
   for (int e = 0; e < W; ++e) o.e[e] = to_cache(c.e[e], inv_scale);
+  *reinterpret_cast<VecOf<W * S_CACHE>::T*>(static_cast<char*>(base) + elem * S_CACHE) = o.v;
+}
+
+// W f32 values quantized into an fp8 cache as one access (WIDE_K only).
+__device__ __forceinline__ void store_cache_chunk_f32(void* base, i64 elem, const float* x, float inv_scale) {
+  CacheChunk o;
+#pragma unroll
+  for (int e = 0; e < W; ++e) o.e[e] = (raw_cache)rc_quantize_fp8(x[e], inv_scale, FNUZ);
   *reinterpret_cast<VecOf<W * S_CACHE>::T*>(static_cast<char*>(base) + elem * S_CACHE) = o.v;
 }
 
@@ -241,7 +255,8 @@ __device__ __forceinline__ void rot_compute_store(const Params& p, i64 t0, int u
   const i64 t = t0 + tt;
   const float* cs = tab + tt * 2 * TW;  // [cos row | sin row] of this token
   const float* sn = cs + TW;
-  const int native_dt = NATIVE ? DT : -1;
+  float wa[W], wb[NEOX ? W : 1];  // WIDE_K: the f32 values of chunk a (and b), before rounding
+  (void)wa, (void)wb;
   if (NEOX) {
 #pragma unroll
     for (int e = 0; e < W; ++e) {
@@ -249,9 +264,10 @@ __device__ __forceinline__ void rot_compute_store(const Params& p, i64 t0, int u
       const float ca = cs[i], sa = sn[i];
       const float cb = FULL ? cs[i + HALF] : ca, sb = FULL ? sn[i + HALF] : sa;
       float ya, yb;
-      rc_rotate_pair(to_f32<DT>(in.a.e[e]), to_f32<DT>(in.b.e[e]), ca, sa, cb, sb, native_dt, &ya, &yb);
+      rc_rotate_pair(to_f32<DT>(in.a.e[e]), to_f32<DT>(in.b.e[e]), ca, sa, cb, sb, ARITH, &ya, &yb);
       in.a.e[e] = from_f32(ya);
       in.b.e[e] = from_f32(yb);
+      if (WIDE_K) wa[e] = ya, wb[NEOX ? e : 0] = yb;
     }
   } else {
 #pragma unroll
@@ -260,9 +276,10 @@ __device__ __forceinline__ void rot_compute_store(const Params& p, i64 t0, int u
       const float ca = FULL ? cs[2 * m] : cs[m], sa = FULL ? sn[2 * m] : sn[m];
       const float cb = FULL ? cs[2 * m + 1] : ca, sb = FULL ? sn[2 * m + 1] : sa;
       float ya, yb;
-      rc_rotate_pair(to_f32<DT>(in.a.e[e]), to_f32<DT>(in.a.e[e + 1]), ca, sa, cb, sb, native_dt, &ya, &yb);
+      rc_rotate_pair(to_f32<DT>(in.a.e[e]), to_f32<DT>(in.a.e[e + 1]), ca, sa, cb, sb, ARITH, &ya, &yb);
       in.a.e[e] = from_f32(ya);
       in.a.e[e + 1] = from_f32(yb);
+      if (WIDE_K) wa[e] = ya, wa[e + 1] = yb;
     }
   }
   const i64 row = row_of(t, h);
@@ -274,7 +291,10 @@ __device__ __forceinline__ void rot_compute_store(const Params& p, i64 t0, int u
     if (s >= 0) {
       const i64 blk = s / BS, off = s % BS;
       const int kh = h - QH;
-      if (NEOX) {
+      if (WIDE_K) {
+        store_cache_chunk_f32(p.kc, key_index(blk, off, kh, j * W), wa, inv_k);
+        if (NEOX) store_cache_chunk_f32(p.kc, key_index(blk, off, kh, HALF + j * W), wb, inv_k);
+      } else if (NEOX) {
         store_cache_chunk(p.kc, key_index(blk, off, kh, j * W), in.a, inv_k);
         store_cache_chunk(p.kc, key_index(blk, off, kh, HALF + j * W), in.b, inv_k);
       } else {
@@ -297,7 +317,7 @@ __device__ __forceinline__ float table_load(const Params& p, i64 t0, i64 T, i64 
   float f;
   if (TAB_DT == RC_F32) f = static_cast<const float*>(tab)[idx];
   else f = to_f32<TAB_DT>(static_cast<const unsigned short*>(tab)[idx]);
-  return NATIVE ? rc_round_to(f, DT) : f;
+  return f;  // exact; never rounded to the input dtype (rope_cache_math.h: the rotation)
 }
 
 constexpr int TAB_ELEMS = TPB * 2 * TW;
@@ -319,8 +339,8 @@ extern "C" __global__ void __launch_bounds__(RC_NT, 1) rope_cache_kernel(const r
     const i64 layer = *p.layer, per_layer = (i64)LAYER_BLOCKS * BS;
     slot_range = (layer >= 0 && layer < p.dim0[3]) ? SlotRange{per_layer, layer * per_layer} : SlotRange{0, 0};
   }
-  const float inv_k = FP8 ? __frcp_rn(*p.k_scale) : 1.0f;
-  const float inv_v = FP8 ? __frcp_rn(*p.v_scale) : 1.0f;
+  const float inv_k = FP8 ? rc_inv_scale(*p.k_scale) : 1.0f;
+  const float inv_v = FP8 ? rc_inv_scale(*p.v_scale) : 1.0f;
 
   // 1. Issue the table loads and the first rotation unit's loads; the values land later.
   float tv[TAB_PER_THREAD];
