@@ -501,3 +501,24 @@ def test_fused_fp8_quantizes_the_unrounded_value():
     got = _run_cpu(args, opts)
     for name, g, w in zip(("q_out", "k_out", "key_cache", "value_cache"), got, want):
         assert np.array_equal(g.view(np.uint8), w.view(np.uint8)), name
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16])
+def test_rounded_products_equal_one_rounding(dtype):
+    """r(r32(x*c)) == r(x*c) for x, c of a 16-bit dtype: the float32 product is exact except in
+    float32's subnormal range, and rounding it there first never changes the result (every pair
+    of significands at every exponent from far below the dtype's subnormals to its normal range).
+    With the sum property above, "rounded" native arithmetic equals the dtype's own hardware
+    arithmetic (bf16x2/f16x2 multiply and add, round to nearest, subnormals kept, no FMA)."""
+    p = 8 if dtype == BF16 else 11
+    m = np.arange(2 ** (p - 1), 2**p, dtype=np.float64)
+    m2 = m if dtype == BF16 else m[::3]
+    prod = (m[:, None] * m2[None, :]).ravel()  # exact: <= 2p bits
+    lo, hi = (-170, -110) if dtype == BF16 else (-62, -28)
+    bad = 0
+    for e in range(lo, hi):
+        x = prod * 2.0**e
+        twice = x.astype(np.float32).astype(dtype)
+        once = round_sum_once(x, np.zeros_like(x), dtype)
+        bad += int((twice.view(np.uint16) != once.view(np.uint16)).sum())
+    assert bad == 0
