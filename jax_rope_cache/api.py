@@ -48,9 +48,10 @@ def rope_and_cache(q: ArrayLike, k: ArrayLike, v: ArrayLike, key_cache: Cache, v
         with X = 16 // cache itemsize.
       is_neox: True rotates pairs (i, i + R/2); False (GPT-J) pairs (2i, 2i + 1).
       rotary_dim: R, even, <= D (default D); channels >= R pass through.
-      k_scale, v_scale: float32 scalars for float8 caches (stored = fp8(sat(x / scale))); None otherwise.
-      precision: "fp32" (rotate in float32, round once) or "native" (round every product and
-        the sum to the input dtype, bit-compatible with AITER/FlyDSL kernels).
+      k_scale, v_scale: float32 scalars for float8 caches (stored = fp8(sat(x * (1/scale)))); None otherwise.
+      precision: "fp32" (rotate in float32, round once) or "native" (AITER's arithmetic on ROCm:
+        tables in the input dtype round every product and the sum; other tables promote to
+        float32 with the first product fused). jax_rope_cache.reference states every rule.
       impl: None (native kernel where the platform has one, else XLA), "kernel", or "xla".
       layer: None, or the layer (int or traced integer scalar) of stacked [L, ...] caches to
         write: one stacked cache carried through `lax.scan`/`fori_loop` over layers is updated in

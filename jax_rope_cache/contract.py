@@ -348,7 +348,7 @@ class KernelCodes:
     layout: int          # CacheLayout.code
     neox: bool
     full_table: bool
-    native: bool         # native rounding (never for float32 inputs: nothing to round)
+    native: bool         # "native" precision; the kernels pick "rounded" or "fused" arithmetic from dt, tab_dt
     dt: int              # DTYPE_CODES of q/k/v, cos/sin, the caches
     tab_dt: int
     cache_dt: int
@@ -361,7 +361,7 @@ def kernel_codes(spec: OpSpec) -> KernelCodes:
     return KernelCodes(
         qh=spec.q_heads, kh=spec.kv_heads, d=spec.head_dim, r=spec.rotary_dim, bs=spec.block_size,
         layout=LAYOUT_TABLE[spec.layout].code, neox=bool(spec.is_neox), full_table=bool(spec.table_full),
-        native=spec.precision == "native" and np.dtype(spec.dtype) != np.float32,
+        native=spec.precision == "native",  # float32 inputs too: "fused" arithmetic (reference.arithmetic)
         dt=DTYPE_CODES[np.dtype(spec.dtype)], tab_dt=DTYPE_CODES[np.dtype(spec.table_dtype)],
         cache_dt=DTYPE_CODES[np.dtype(spec.cache_dtype)], slot64=np.dtype(spec.slot_dtype).itemsize == 8,
         pos64=np.dtype(spec.pos_dtype).itemsize == 8,

@@ -1,36 +1,105 @@
 """The oracle: rope_and_cache in numpy (+ ml_dtypes), importable without jax.
 
 Same signature as `jax_rope_cache.rope_and_cache`; returns new arrays and never modifies its
-inputs. It defines the arithmetic every implementation must reproduce:
+inputs. It defines the arithmetic every implementation must reproduce bit for bit:
 
 * positions are clamped to [0, max_pos - 1]; a slot s writes the caches only if 0 <= s < NB*BS
   (block s // BS, offset s % BS);
 * rotary pair (a, b) is (i, i + R/2) for NeoX and (2i, 2i+1) for GPT-J, i < R/2; channels >= R are
-  copied unchanged. A "half" table gives both channels of pair i the value cos[p, i]; a "full"
-  table gives channel c the value cos[p, c];
-  a' = a*cos_a - b*sin_a,  b' = b*cos_b + a*sin_b;
-* precision "fp32": inputs and table values in float32, each product and the difference/sum a
-  separate float32 operation (no FMA), one rounding to the input dtype at the end;
-* precision "native": the table values are first rounded to the input dtype, and each product and
-  the sum is rounded to the input dtype (float32 operation, then round to nearest even);
-* the cache stores k_out/v as they are (cache dtype == input dtype), or for float8 caches
-  fp8(clamp(float32(x) * (1/scale), -max, max)) with 1/scale computed in float32 and
-  round-to-nearest-even; NaN stays NaN.
+  copied unchanged (their bits, NaN payloads included). A "half" table gives both channels of
+  pair i the value cos[p, i]; a "full" table gives channel c the value cos[p, c];
+  a' = a*cos_a - b*sin_a,  b' = b*cos_b + a*sin_b.
+  Below r() rounds float32 to the input dtype (nearest even), r32() is a float32 operation.
+* precision "fp32": inputs and table values widened to float32 (exactly), each product and the
+  difference/sum a separate float32 operation (no FMA), one rounding r() at the end.
+* precision "native": what AITER's Triton kernel computes on ROCm (../shared/notes/numerics.md),
+  chosen by the dtypes (`arithmetic(spec)`):
+  - "rounded": the table dtype IS the input dtype (bf16/bf16 or f16/f16). Each product is rounded
+    to the input dtype, the sum is taken in float32 and rounded again:
+    a' = r(r32(r(a*cos_a) - r(b*sin_a))),  b' = r(r32(r(b*cos_b) + r(a*sin_b))).
+    (This double rounding of the sum never differs from rounding the exact sum once: float32 has
+    24 >= 2p + 2 bits for p = 8 (bf16) and 11 (f16); tests/test_numerics.py checks it.)
+  - "fused": any other pair (float32 tables with bf16/f16 inputs, float32 inputs, or mixed
+    bf16/f16, which AITER does not run). Promoted to float32 with the first product fused into a
+    correctly rounded float32 FMA, one rounding r() at the end:
+    a' = r(fma32(a, cos_a, -r32(b*sin_a))),  b' = r(fma32(b, cos_b, r32(a*sin_b))).
+  Tables are never rounded to the input dtype.
+* the cache stores v and k as they are when its dtype is the input dtype. fp8 caches store
+  fp8(clamp(float32(x) * inv, -max, max)) (round to nearest even, saturating), where
+  inv = r32(1 / scale), and an inv that overflows to +-inf (|scale| < 2^-128: zero and tiny
+  subnormal scales) is the largest finite float32 of its sign instead: 0 stays 0, other finite
+  values saturate, and a finite input never becomes NaN. The k value quantized is the rounded
+  k_out, except in "fused" native arithmetic, where it is the float32 value before the final
+  rounding (what AITER quantizes with float32 tables).
+* NaN: every NaN the op computes (rotated channels, fp8 conversions) is the canonical quiet NaN,
+  positive, all mantissa bits set: bf16/f16 0x7FFF, float32 0x7FFFFFFF, e4m3fn 0x7F, e4m3fnuz
+  0x80 (what Triton's bf16 conversion and NVIDIA's cvt write). Copies keep their bits.
+* subnormals are kept everywhere (inputs, table values, products, sums, results).
 """
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 
 from jax_rope_cache import contract
 
-__all__ = ["rope_and_cache", "read_kv", "rotate", "quantize", "write_tokens", "read_tokens"]
+__all__ = ["rope_and_cache", "read_kv", "rotate", "rotate_values", "quantize", "write_tokens", "read_tokens",
+           "arithmetic", "fma32", "to_dtype", "inverse_scale", "CANONICAL_NAN"]
 
 _F32 = np.float32
+# Bits of the one NaN every implementation writes, by dtype (see the module docstring).
+CANONICAL_NAN = {
+    np.dtype(ml_dtypes.bfloat16): 0x7FFF,
+    np.dtype(np.float16): 0x7FFF,
+    np.dtype(np.float32): 0x7FFFFFFF,
+    np.dtype(ml_dtypes.float8_e4m3fn): 0x7F,
+    np.dtype(ml_dtypes.float8_e4m3fnuz): 0x80,
+}
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32}
+_F32_MAX = np.finfo(np.float32).max
+
+
+def to_dtype(y: np.ndarray, dtype) -> np.ndarray:
+    """float32 values rounded to `dtype` (nearest even), every NaN the canonical one."""
+    dtype = np.dtype(dtype)
+    with np.errstate(over="ignore", invalid="ignore"):
+        out = np.asarray(y, _F32).astype(dtype)
+    nan = np.isnan(np.asarray(y, _F32))
+    if nan.any():
+        bits = out.view(_UINT[dtype.itemsize])
+        bits[nan] = CANONICAL_NAN[dtype]
+    return out
 
 
 def _round(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    return x.astype(dtype).astype(_F32)
+    return to_dtype(x, dtype).astype(_F32)
+
+
+def arithmetic(spec: contract.OpSpec) -> str:
+    """How the rotation is computed: "fp32", or native "rounded" / "fused" (module docstring)."""
+    if spec.precision != "native":
+        return "fp32"
+    dt, tdt = np.dtype(spec.dtype), np.dtype(spec.table_dtype)
+    return "rounded" if dt == tdt and dt != np.dtype(np.float32) else "fused"
+
+
+def fma32(a, b, c) -> np.ndarray:
+    """Correctly rounded float32 a*b + c (one rounding), for float32 arrays.
+
+    a*b is exact in float64 (24 + 24 bits); the sum is made exact with TwoSum, rounded to odd in
+    float64 (53 >= 24 + 2 bits, so the final rounding to float32 is correct, subnormals included)."""
+    a, b, c = (np.asarray(t, _F32).astype(np.float64) for t in (a, b, c))
+    with np.errstate(invalid="ignore", over="ignore"):
+        p = a * b
+        s = p + c
+        bb = s - p
+        e = (p - (s - bb)) + (c - bb)
+        bits = s.view(np.uint64)
+        odd = np.isfinite(s) & (e != 0) & ((bits & np.uint64(1)) == 0)
+        toward = np.where(np.signbit(e) == np.signbit(s), bits + np.uint64(1), bits - np.uint64(1))
+        s = np.where(odd, toward, bits).view(np.float64)
+        return s.astype(_F32)
 
 
 def pair_channels(rotary_dim: int, is_neox: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -39,14 +108,14 @@ def pair_channels(rotary_dim: int, is_neox: bool) -> tuple[np.ndarray, np.ndarra
     return (i, i + rotary_dim // 2) if is_neox else (2 * i, 2 * i + 1)
 
 
-def rotate(x: np.ndarray, cos_rows: np.ndarray, sin_rows: np.ndarray, spec: contract.OpSpec) -> np.ndarray:
-    """Rotates x [T, H, D] with the already gathered table rows [T, W]; returns x's dtype."""
+def rotate_values(x: np.ndarray, cos_rows: np.ndarray, sin_rows: np.ndarray, spec: contract.OpSpec):
+    """Rotates x [T, H, D] with the already gathered table rows [T, W].
+
+    Returns (out in x's dtype, the float32 values before the final rounding: what an fp8 cache
+    quantizes in "fused" native arithmetic; channels >= R hold x widened)."""
     a, b = pair_channels(spec.rotary_dim, spec.is_neox)
     c = cos_rows.astype(_F32)
     s = sin_rows.astype(_F32)
-    native = spec.precision == "native"
-    if native:
-        c, s = _round(c, spec.dtype), _round(s, spec.dtype)
     if spec.table_full:
         ca, cb, sa, sb = c[:, a], c[:, b], s[:, a], s[:, b]
     else:
@@ -55,17 +124,36 @@ def rotate(x: np.ndarray, cos_rows: np.ndarray, sin_rows: np.ndarray, spec: cont
     ca, cb, sa, sb = (t[:, None, :] for t in (ca, cb, sa, sb))
     xf = x.astype(_F32)
     xa, xb = xf[..., a], xf[..., b]
-    if native:
-        r = lambda y: _round(y, spec.dtype)  # noqa: E731
-        ya = r(r(xa * ca) - r(xb * sa))
-        yb = r(r(xb * cb) + r(xa * sb))
-    else:
-        ya = xa * ca - xb * sa
-        yb = xb * cb + xa * sb
+    mode = arithmetic(spec)
+    with np.errstate(invalid="ignore", over="ignore"):
+        if mode == "rounded":
+            r = lambda y: _round(y, spec.dtype)  # noqa: E731
+            ya = r(r(xa * ca) - r(xb * sa))
+            yb = r(r(xb * cb) + r(xa * sb))
+        elif mode == "fused":
+            ya = fma32(xa, ca, -(xb * sa))
+            yb = fma32(xb, cb, xa * sb)
+        else:
+            ya = xa * ca - xb * sa
+            yb = xb * cb + xa * sb
     out = x.copy()
-    out[..., a] = ya.astype(spec.dtype)
-    out[..., b] = yb.astype(spec.dtype)
-    return out
+    out[..., a] = to_dtype(ya, spec.dtype)
+    out[..., b] = to_dtype(yb, spec.dtype)
+    wide = xf.copy()
+    wide[..., a], wide[..., b] = ya, yb
+    return out, wide
+
+
+def rotate(x: np.ndarray, cos_rows: np.ndarray, sin_rows: np.ndarray, spec: contract.OpSpec) -> np.ndarray:
+    """Rotates x [T, H, D] with the already gathered table rows [T, W]; returns x's dtype."""
+    return rotate_values(x, cos_rows, sin_rows, spec)[0]
+
+
+def inverse_scale(scale) -> np.float32:
+    """r32(1 / scale), an overflow to +-inf replaced by the largest finite float32 of that sign."""
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        inv = _F32(1.0) / _F32(np.asarray(scale, dtype=_F32).reshape(()))
+    return _F32(np.clip(inv, -_F32_MAX, _F32_MAX))
 
 
 def quantize(x: np.ndarray, cache_dtype, scale) -> np.ndarray:
@@ -73,11 +161,11 @@ def quantize(x: np.ndarray, cache_dtype, scale) -> np.ndarray:
     cache_dtype = np.dtype(cache_dtype)
     if cache_dtype not in contract.FP8_DTYPES:
         return x.astype(cache_dtype)
-    inv = _F32(1.0) / _F32(np.asarray(scale, dtype=_F32).reshape(()))
+    inv = inverse_scale(scale)
     m = contract.FP8_MAX[cache_dtype]
     with np.errstate(invalid="ignore", over="ignore"):
         y = np.clip(x.astype(_F32) * inv, -m, m)
-    return y.astype(cache_dtype)
+    return to_dtype(y, cache_dtype)
 
 
 def write_tokens(cache: np.ndarray, which: str, layout: str, blk, off, values: np.ndarray) -> None:
@@ -116,7 +204,9 @@ def rope_and_cache(q, k, v, key_cache, value_cache, slot_mapping, positions, cos
     pos = np.clip(positions.astype(np.int64), 0, spec.max_pos - 1)
     cos_rows, sin_rows = cos[pos], sin[pos]
     q_out = rotate(q, cos_rows, sin_rows, spec)
-    k_out = rotate(k, cos_rows, sin_rows, spec)
+    k_out, k_wide = rotate_values(k, cos_rows, sin_rows, spec)
+    # what the cache stores: k_out, but an fp8 cache in "fused" arithmetic quantizes the f32 values
+    k_stored = k_wide if spec.fp8 and arithmetic(spec) == "fused" else k_out
 
     kc, vc = key_cache.copy(), value_cache.copy()
     if spec.num_layers is not None:
@@ -128,7 +218,7 @@ def rope_and_cache(q, k, v, key_cache, value_cache, slot_mapping, positions, cos
     valid = _valid_slots(slot_mapping, spec.num_slots)
     slots = slot_mapping.astype(np.int64)[valid]
     blk, off = slots // spec.block_size, slots % spec.block_size
-    write_tokens(kc, "key", layout, blk, off, quantize(k_out[valid], spec.cache_dtype, k_scale))
+    write_tokens(kc, "key", layout, blk, off, quantize(k_stored[valid], spec.cache_dtype, k_scale))
     write_tokens(vc, "value", layout, blk, off, quantize(v[valid], spec.cache_dtype, v_scale))
     if spec.num_layers is not None:
         return q_out, k_out, kc_all, vc_all

@@ -178,3 +178,63 @@ def assert_fma_close(got, want, bound, what: str):
 
 
 reference_op = reference.rope_and_cache
+
+
+# ---- special values (NaN with payloads and signs, infinities, zeros, subnormals, extremes) ----------
+_NAN_BITS = {  # quiet, negative with a payload, signalling: none of them the canonical pattern
+    np.dtype(ml_dtypes.bfloat16): (0x7FC0, 0xFFC1, 0x7F81),
+    np.dtype(np.float16): (0x7E00, 0xFE01, 0x7C01),
+    np.dtype(np.float32): (0x7FC00000, 0xFFC00001, 0x7F800001),
+}
+_UINT_OF = {2: np.uint16, 4: np.uint32}
+
+
+def special_values(dtype, extremes: bool = True) -> np.ndarray:
+    """Values of `dtype` covering every class: three non-canonical NaNs, +-inf, +-0, the smallest
+    subnormal and normal, ordinary values, and (extremes) +-max, whose products overflow."""
+    dtype = np.dtype(dtype)
+    fi = ml_dtypes.finfo(dtype)
+    nans = np.array(_NAN_BITS[dtype], _UINT_OF[dtype.itemsize]).view(dtype)
+    vals = [np.inf, -np.inf, 0.0, -0.0, float(fi.smallest_subnormal), -float(fi.smallest_normal), 1.0, -1.5, 0.7]
+    if extremes:
+        vals += [float(fi.max), -float(fi.max)]
+    return np.concatenate([nans, np.array(vals, np.float64).astype(dtype)])
+
+
+def special_problem(dtype, table_dtype, cache_dtype=None, precision="native", extremes=True, seed=0):
+    """A call whose rotary pairs take every combination of special values in x, its partner, cos
+    and sin: token t uses table row t = (cos, sin) combination t, head h holds (x_a, x_b)
+    combination h in channels 0, 1 (NeoX and GPT-J pair them alike at R = 2), and channels 2, 3
+    carry specials through unrotated. v = k. Returns (args, opts) as make_problem does."""
+    dt, tdt = np.dtype(dtype), np.dtype(table_dtype)
+    cdt = dt if cache_dtype is None else np.dtype(cache_dtype)
+    xs, ts = special_values(dt, extremes), special_values(tdt, extremes)
+    n, m = len(xs), len(ts)
+    xa, xb = np.meshgrid(np.arange(n), np.arange(n), indexing="ij")
+    ca, sa = np.meshgrid(np.arange(m), np.arange(m), indexing="ij")
+    T, H = m * m, n * n
+    q = np.empty((T, H, 4), dt)
+    q[:, :, 0], q[:, :, 1] = xs[xa.ravel()][None, :], xs[xb.ravel()][None, :]
+    rng = np.random.default_rng(seed)
+    q[:, :, 2:] = xs[rng.integers(0, n, (T, H, 2))]
+    k = q[:, ::-1].copy()  # other (x_a, x_b) combinations per token than q's heads
+    cos, sin = ts[ca.ravel()][:, None], ts[sa.ravel()][:, None]
+    bs = 16
+    nb = -(-T // bs)
+    kshape, vshape = contract.cache_shapes("flash", nb, bs, H, 4, cdt)
+    kc = rng.standard_normal(kshape).astype(np.float32).astype(cdt)
+    vc = rng.standard_normal(vshape).astype(np.float32).astype(cdt)
+    slots = rng.permutation(nb * bs)[:T].astype(np.int32)
+    pos = np.arange(T, dtype=np.int32)
+    opts = dict(layout="flash", is_neox=True, rotary_dim=2, precision=precision)
+    if cdt in contract.FP8_DTYPES:
+        opts.update(k_scale=np.float32(0.37), v_scale=np.float32(1.9))
+    return (q, k, k.copy(), kc, vc, slots, pos, cos, sin), opts
+
+
+def canonical_nan_violations(a) -> int:
+    """How many NaNs of `a` are not the canonical pattern (reference.CANONICAL_NAN)."""
+    a = np.asarray(a)
+    nan = np.isnan(a.astype(np.float32))
+    bits = a.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
+    return int((bits[nan] != reference.CANONICAL_NAN[a.dtype]).sum())

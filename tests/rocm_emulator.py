@@ -6,7 +6,9 @@ calls on numpy arrays holding one value per lane of a workgroup, so the *same em
 that FlyDSL compiles runs on the CPU: every workgroup of a launch is executed lane-parallel
 against byte arrays standing in for device memory, and the results are compared with the
 numpy reference. Semantics follow the AMDGPU/MLIR ops used: wrapping integer arithmetic,
-IEEE f32 operations with one rounding each, buffer loads returning 0 and buffer stores dropped
+IEEE f32 operations with one rounding each (llvm.intr.fma: one rounding of a*b + c; subnormals
+kept, as the kernel's f32 denormal mode does; NaN results are some NaN, the kernel's conversions
+write the canonical patterns), buffer loads returning 0 and buffer stores dropped
 past the descriptor's num_records, scf.if as an execution mask. A masked-in global store outside
 every buffer raises (an out-of-bounds write on the GPU). Needs no flydsl.
 """
@@ -17,6 +19,8 @@ import contextlib
 import dataclasses
 
 import numpy as np
+
+from jax_rope_cache.reference import fma32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,6 +266,10 @@ class arith:  # noqa: N801
         return Val(F32, (a.a - b.a).astype(np.float32))
 
     @staticmethod
+    def negf(a):  # flips the sign bit (NaN included), as v_xor of the sign does
+        return Val(F32, (a.a.view(np.uint32) ^ np.uint32(0x80000000)).view(np.float32))
+
+    @staticmethod
     def divf(a, b):
         with np.errstate(divide="ignore", invalid="ignore"):
             return Val(F32, (a.a / b.a).astype(np.float32))
@@ -291,6 +299,10 @@ class gpu:  # noqa: N801
 
 
 class llvm:  # noqa: N801
+    @staticmethod
+    def intr_fma(a, b, c):
+        return Val(F32, fma32(a.a, b.a, c.a))
+
     @staticmethod
     def inttoptr(ty, v):
         return Val(PTR, v.a.astype(np.uint64))

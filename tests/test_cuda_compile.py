@@ -27,7 +27,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from conftest import make_spec
+from conftest import make_spec, special_problem
 from jax_rope_cache import contract, reference
 
 nvrtc = pytest.importorskip("jax_rope_cache.compilers.nvrtc")
@@ -64,6 +64,12 @@ def compile_matrix():
         t = (1, 8192, 128)[i % 3]
         out.append(dict(T=t, QH=heads[0], KH=heads[1], D=d, R=r, layout=layout, neox=neox, dt=dt, cdt=cdt, tdt=tdt,
                         prec=prec, full=bool(i % 2), slot64=bool(i % 4 == 1), pos64=bool(i % 4 == 2)))
+    # "fused" native arithmetic (rc_fma; an fp8 key cache quantizes the f32 values)
+    for i, (layout, neox, dt, cdt, tdt) in enumerate([("flash", True, BF16, FN, F32), ("xpacked", False, F16, FNUZ, F32),
+                                                       ("xpacked_shuffled", True, F32, F32, F32),
+                                                       ("flash", False, BF16, BF16, F16)]):
+        out.append(dict(T=(1, 8192, 128, 7)[i], QH=32, KH=8, D=128, R=128 if i % 2 else 64, layout=layout, neox=neox,
+                        dt=dt, cdt=cdt, tdt=tdt, prec="native", full=bool(i % 2), slot64=False, pos64=True))
     return out
 
 
@@ -219,6 +225,13 @@ def emulation_matrix():
                           pos64=bool(i % 3 == 0), max_pos=50))
     cases.append(dict(T=9, QH=2, KH=1, D=64, R=6, neox=True, dt=F16))  # odd R/2: scalar chunks
     cases.append(dict(T=9, QH=2, KH=1, D=80, R=20, neox=False, dt=F32, full=True, prec="native"))
+    # "fused" native arithmetic (f32 tables, f32 inputs, mixed 16-bit), fp8 caches quantizing f32 values
+    for i, (layout, neox, dt, cdt, tdt) in enumerate([("flash", True, BF16, FN, F32), ("xpacked", False, BF16, FNUZ, F32),
+                                                       ("xpacked_shuffled", True, F16, FN, F32),
+                                                       ("flash", False, F16, F16, F32), ("xpacked", True, F32, F32, F32),
+                                                       ("flash", True, BF16, BF16, F16), ("flash", False, F32, FN, BF16)]):
+        cases.append(dict(T=(37, 5, 130)[i % 3], QH=4, KH=2, D=128, R=(128, 64)[i % 2], layout=layout, neox=neox, dt=dt,
+                          cdt=cdt, tdt=tdt, prec="native", full=bool(i % 2), slot64=False, pos64=True, max_pos=50))
     return cases
 
 
@@ -290,6 +303,49 @@ def test_host_emulation_slot_runs(layout, combo, variant, emu_dir):
         ks, vs = np.float32(0.37), np.float32(1.9)
     want = reference.rope_and_cache(*args, layout=layout, k_scale=ks, v_scale=vs)
     got = run_emulation(spec, args, ks, vs, emu_dir, num_sms=1, defines=variant)
+    for name, g, w in zip(("q_out", "k_out", "key_cache", "value_cache"), got, want):
+        assert np.array_equal(g.view(np.uint8), np.asarray(w).view(np.uint8)), name
+
+
+SPECIAL_COMBOS = [(BF16, BF16, None, "native"), (F16, F16, FNUZ, "native"), (BF16, F32, FN, "native"),
+                  (F16, F32, None, "native"), (F32, F32, None, "native"), (F32, BF16, FN, "native"),
+                  (BF16, F16, None, "native"), (BF16, F32, None, "fp32"), (F16, F16, FN, "fp32"),
+                  (F32, F32, FNUZ, "fp32")]
+
+
+@pytest.mark.parametrize("dt,tdt,cdt,prec", SPECIAL_COMBOS, ids=lambda v: getattr(v, "name", str(v)))
+def test_host_emulation_special_values_bitwise(dt, tdt, cdt, prec, emu_dir):
+    """NaN (payloads, signs, signalling), +-inf, +-0, subnormals and +-max as x, partner, cos and
+    sin in every combination (conftest.special_problem), every precision and arithmetic: the
+    kernel's source built for the host equals the reference bit for bit, NaN bits included."""
+    args, opts = special_problem(dt, tdt, cdt, prec)
+    spec = contract.check_op(*args, **opts)
+    ks, vs = opts.get("k_scale"), opts.get("v_scale")
+    with np.errstate(invalid="ignore", over="ignore"):
+        want = reference.rope_and_cache(*args, **opts)
+    got = run_emulation(spec, args, ks, vs, emu_dir)
+    for name, g, w in zip(("q_out", "k_out", "key_cache", "value_cache"), got, want):
+        gb, wb = g.view(np.uint8), np.asarray(w).view(np.uint8)
+        assert np.array_equal(gb, wb), f"{name}: {int((gb != wb).sum())} bytes differ"
+
+
+@pytest.mark.parametrize("dt,tdt,cdt,prec", [(BF16, F32, FN, "native"), (BF16, BF16, None, "native"),
+                                             (F32, F32, FNUZ, "native"), (BF16, F32, None, "fp32")],
+                         ids=lambda v: getattr(v, "name", str(v)))
+@pytest.mark.parametrize("scale", [1e-38, 1e-40, 0.0])
+def test_host_emulation_subnormals_and_tiny_scales(dt, tdt, cdt, prec, scale, emu_dir):
+    """Inputs, table values, products and results spread over the subnormal range, and fp8 scales
+    whose reciprocal is huge or overflows (clamped to FLT_MAX): bit-exact to the reference."""
+    rng = np.random.default_rng(17)
+    spec = make_spec(T=24, QH=4, KH=2, D=64, dt=dt, cdt=cdt, tdt=tdt, prec=prec, max_pos=24, pos64=False)
+    q, k, v, kc, vc, slots, pos, cos, sin = make_inputs(spec, rng)
+    mag = lambda a: (a.astype(np.float32) * np.exp2(rng.integers(-140, 2, a.shape))).astype(a.dtype)  # noqa: E731
+    q, k, v, cos, sin = (mag(a) for a in (q, k, v, cos, sin))
+    args = (q, k, v, kc, vc, slots, pos, cos, sin)
+    ks = vs = np.float32(scale) if spec.fp8 else None
+    want = reference.rope_and_cache(*args, rotary_dim=spec.rotary_dim, k_scale=ks, v_scale=vs, precision=prec)
+    assert (np.abs(want[0].astype(np.float32)) < 2.0**-126).sum() > 20
+    got = run_emulation(spec, args, ks, vs, emu_dir)
     for name, g, w in zip(("q_out", "k_out", "key_cache", "value_cache"), got, want):
         assert np.array_equal(g.view(np.uint8), np.asarray(w).view(np.uint8)), name
 

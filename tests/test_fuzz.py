@@ -9,7 +9,7 @@ drawn over the whole index range too (clamped by the op). Some cases inject NaN 
 q/k/v and the tables. About one case in eight breaks one argument instead and must raise the same
 documented error type (ValueError/TypeError) from the op and from the reference.
 
-Checks: the native kernels are bit-exact to the reference; the XLA path within the tolerance of
+Checks: the native kernels are bit-exact to the reference, NaN bits included; the XLA path within the tolerance of
 tests/test_op.py (1 ulp, or 2 f32 ulps of the row's largest finite input: FMA). With NaN/Inf: the
 same NaN positions, the same infinities, the finite values by the rules above. Cache entries the
 reference leaves alone keep their bits.
@@ -210,8 +210,8 @@ def compare(got, want, name, exact, bound, desc):
     assert (gn == wn).all(), f"{name}: NaN positions differ ({int((gn != wn).sum())} elements) [{desc}]"
     keep = ~wn
     ulps = ulp_diff(got, want)
-    if exact:
-        bad = keep & (ulps != 0)
+    if exact:  # every bit, NaN payloads included (computed NaNs are canonical, copies keep theirs)
+        bad = ulps != 0
     else:
         with np.errstate(invalid="ignore"):
             err = np.abs(got.astype(np.float64) - want.astype(np.float64))

@@ -8,8 +8,9 @@ Coverage (each value of each axis appears; JRC_FULL_SWEEP=1 runs many more combi
   shapes       D 64, 80, 128, 256; (QH, KH) (8,1), (32,8), (64,8); BS 16, 32; T 1, 7, 256
   precision    fp32, native
 Tolerances: the native kernels are bit-exact to the reference in both precision modes (same
-arithmetic, no FMA). The XLA path: every element within 1 ulp of the output (or cache) dtype, OR
-within 2 f32 ulps of the row's largest input in absolute terms. XLA fuses a product and the
+arithmetic: no FMA, except the one of "fused" native arithmetic). The XLA path: every element
+within 1 ulp of the output (or cache) dtype, OR within 2 f32 ulps of the row's largest input in
+absolute terms. XLA fuses a product and the
 difference into an FMA, which moves the f32 result by up to one f32 ulp of the larger product;
 when the two products nearly cancel, that is many ulps of the small result in any dtype, so a pure
 ulp bound cannot hold for FMA code (seen: 1 element of 1M off by 12880 bf16 ulps near zero).

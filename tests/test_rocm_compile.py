@@ -8,7 +8,9 @@
    dim0, 8 bytes each at offsets 0..216, 224 bytes, no hidden arguments), no scratch, no spills,
    required workgroup size == the launch block of the lowering, wave64.
 3. The ISA of representative variants has no fused multiply-add (the arithmetic must round each
-   product and sum separately) and uses 16-byte global memory instructions.
+   product and sum separately) and uses 16-byte global memory instructions; "fused" native
+   arithmetic (f32 tables) has its FMAs; every kernel keeps f32/f16 denormals (its descriptor's
+   FLOAT_DENORM_MODE is "flush none", as the reference and the lane emulator assume).
 4. `jax.export` of a jitted decode step for platform "rocm" works on this CPU machine; the
    deserialized program's custom call carries a code-object table with valid gfx942 and gfx950
    code objects whose kernel symbol is the one the call names.
@@ -164,6 +166,23 @@ def test_isa_no_fma_and_wide_memory(p, arch):
     ops = set(GMEM.findall(isa))
     assert any(o.endswith("dwordx4") for o in ops if o.startswith("buffer_load")), ops
     assert "scratch_" not in isa
+    assert_keeps_denormals(isa)
+
+
+def assert_keeps_denormals(isa: str):
+    modes = dict(re.findall(r"^\s*\.amdhsa_(float_denorm_mode_32|float_denorm_mode_16_64)\s+(\d+)", isa, re.M))
+    assert modes == {"float_denorm_mode_32": "3", "float_denorm_mode_16_64": "3"}, modes  # 3: flush none
+
+
+@needs_flydsl
+@pytest.mark.parametrize("arch", ARCHS)
+def test_isa_fused_arithmetic_has_its_fma(arch):
+    """Native arithmetic with f32 tables is "fused" (reference.arithmetic): its first product is
+    an llvm.intr.fma, which must reach the ISA as an FMA instruction (one rounding)."""
+    spec = make_spec(layout="flash", neox=True, dt=BF16, cdt=FN, tdt=F32, prec="native", D=128)
+    isa = flydsl.isa(rocm.kernel_config(spec), arch)
+    assert fma_outside_division(isa), "no FMA instruction in a fused-arithmetic kernel"
+    assert_keeps_denormals(isa)
 
 
 # ---- export ------------------------------------------------------------------------------------

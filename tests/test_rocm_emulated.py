@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import rocm_emulator
-from conftest import Case, assert_bits_equal, make_problem, reference_op
+from conftest import Case, assert_bits_equal, make_problem, reference_op, special_problem
 from jax_rope_cache import contract
 from jax_rope_cache.compilers import flydsl
 
@@ -47,7 +47,8 @@ CASES = [
 # a covering sweep: every layout x style x (dtype, cache, table, precision) combo, rotating the rest
 _COMBOS = [("bfloat16", None, "float32", "fp32"), ("float16", "float8_e4m3fn", "float16", "native"),
            ("float32", None, "bfloat16", "fp32"), ("bfloat16", "float8_e4m3fnuz", "bfloat16", "native"),
-           ("float16", None, "float32", "native")]
+           ("float16", None, "float32", "native"), ("bfloat16", "float8_e4m3fn", "float32", "native"),
+           ("float32", "float8_e4m3fnuz", "float32", "native")]
 _i = 0
 for _layout in contract.LAYOUTS:
     for _neox in (True, False):
@@ -117,3 +118,58 @@ def test_emulated_kernel_writes_one_layer_of_stacked_caches(layout):
         want = reference_op(*args, **opts, layer=np.array(layer, np.int32))
         for name, g, w in zip(("q_out", "k_out", "key_cache", "value_cache"), got, want):
             assert_bits_equal(g, w, f"{name} (layer {layer})")
+
+
+_SPECIAL = [("bfloat16", "bfloat16", None, "native"), ("bfloat16", "float32", "float8_e4m3fn", "native"),
+            ("float16", "float32", "float8_e4m3fnuz", "native"), ("float32", "float32", None, "native"),
+            ("float16", "float16", "float8_e4m3fn", "fp32")]
+
+
+def _dt(name):
+    import ml_dtypes
+
+    return None if name is None else np.dtype(getattr(ml_dtypes, name, None) or name)
+
+
+@pytest.mark.parametrize("dt,tdt,cdt,prec", _SPECIAL, ids=lambda v: str(v))
+def test_emulated_kernel_special_values_bitwise(dt, tdt, cdt, prec):
+    """NaN (payloads, signs, signalling), +-inf, +-0, subnormals and +-max as x, partner, cos and
+    sin in every combination: bit for bit with the reference, NaN bits included (the canonical
+    NaN of every conversion, llvm.intr.fma in "fused" arithmetic)."""
+    from jax_rope_cache.backends import rocm
+
+    args, opts = special_problem(_dt(dt), _dt(tdt), _dt(cdt), prec)
+    cfg = rocm.kernel_config(contract.check_op(*args, **opts), K)
+    with np.errstate(all="ignore"):
+        got = rocm_emulator.run(K, cfg, custom_call_operands(args, opts))
+        want = reference_op(*args, **opts)
+    for name, g, w in zip(("q_out", "k_out", "key_cache", "value_cache"), got, want):
+        assert np.array_equal(g.view(np.uint8), w.view(np.uint8)), f"{name}: {int((g.view(np.uint8) != w.view(np.uint8)).sum())} bytes differ"
+
+
+@pytest.mark.parametrize("dt,tdt,cdt,prec", [("bfloat16", "float32", "float8_e4m3fn", "native"),
+                                             ("bfloat16", "bfloat16", None, "native"),
+                                             ("float32", "float32", None, "fp32")], ids=lambda v: str(v))
+@pytest.mark.parametrize("scale", [1e-40, 0.0])
+def test_emulated_kernel_subnormals_and_tiny_scales(dt, tdt, cdt, prec, scale):
+    """Values, products and results over the subnormal range; fp8 scales whose reciprocal
+    overflows (clamped to FLT_MAX, 0 stays 0): bit-exact to the reference."""
+    from jax_rope_cache.backends import rocm
+
+    case = Case(T=9, QH=4, KH=2, D=64, dtype=dt, table_dtype=tdt, cache_dtype=cdt, precision=prec)
+    args, opts = make_problem(case, seed=11)
+    rng = np.random.default_rng(11)
+    args = list(args)
+    for i in (0, 1, 2, 7, 8):
+        a = args[i]
+        args[i] = (a.astype(np.float32) * np.exp2(rng.integers(-140, 2, a.shape))).astype(a.dtype)
+    if "k_scale" in opts:
+        opts.update(k_scale=np.float32(scale), v_scale=np.float32(scale))
+    cfg = rocm.kernel_config(contract.check_op(*args, **opts), K)
+    with np.errstate(all="ignore"):
+        got = rocm_emulator.run(K, cfg, custom_call_operands(args, opts))
+        want = reference_op(*args, **opts)
+    assert (np.abs(want[0].astype(np.float32)) < 2.0**-126).sum() > 20
+    for name, g, w in zip(("q_out", "k_out", "key_cache", "value_cache"), got, want):
+        assert_bits_equal(g, w, name)
+        assert np.array_equal(g.view(np.uint8), w.view(np.uint8)), name

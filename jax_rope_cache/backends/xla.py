@@ -3,6 +3,16 @@
 One gather of the cos/sin rows, the rotation as slices, and one windowed scatter per cache with
 mode="drop" (invalid slots are mapped past the last block, never wrapped like negative indices)
 and unique_indices=True (callers pass unique slots, as the contract says).
+
+Numerics: the reference's formulas (jax_rope_cache/reference.py), with two documented limits:
+* XLA may contract a product and a sum into an FMA (it does on GPU), and "fused" native
+  arithmetic is written as a multiply and an add that XLA may or may not fuse; both move a result
+  by at most one float32 ulp of the larger product (the bound of tests/test_op.py);
+* XLA's CPU runtime computes with flush-to-zero and denormals-are-zero: float32 subnormals
+  (|x| < 2^-126: bf16 subnormals, subnormal table values or products, a scale below 2^-126) are
+  read and written as zero there, which moves an output by at most a few 2^-126 in absolute
+  terms (tests/test_numerics.py: 2^-123). XLA on GPU keeps subnormals.
+NaN outputs are the canonical ones, as in every implementation.
 """
 
 from __future__ import annotations
@@ -11,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_rope_cache import contract
+from jax_rope_cache import contract, reference
 
 _F32 = jnp.float32
 
@@ -48,12 +58,21 @@ def round_to(y, dtype):
     return y
 
 
+def to_dtype(y, dtype):
+    """f32 values converted to `dtype` (nearest even), every NaN the canonical one
+    (reference.CANONICAL_NAN)."""
+    dtype = np.dtype(dtype)
+    out = y.astype(dtype)
+    uint = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[dtype.itemsize]
+    nan = jax.lax.bitcast_convert_type(jnp.asarray(reference.CANONICAL_NAN[dtype], uint), dtype)
+    return jnp.where(jnp.isnan(y), nan, out)
+
+
 def table_rows(cos, sin, positions, spec: contract.OpSpec):
-    """(cos_a, cos_b, sin_a, sin_b) as f32 [T, 1, R/2], gathered once per token."""
+    """(cos_a, cos_b, sin_a, sin_b) as f32 [T, 1, R/2], gathered once per token (exactly:
+    tables are never rounded)."""
     pos = jnp.clip(positions, 0, spec.max_pos - 1)
     cs = jnp.take(jnp.stack([cos, sin]), pos, axis=1, mode="clip").astype(_F32)  # [2, T, W]
-    if spec.precision == "native":
-        cs = round_to(cs, spec.dtype)
     c, s = cs[0][:, None, :], cs[1][:, None, :]
     if spec.table_full:
         (ca, cb), (sa, sb) = _pairs(c, spec), _pairs(s, spec)
@@ -61,26 +80,39 @@ def table_rows(cos, sin, positions, spec: contract.OpSpec):
     return c, c, s, s
 
 
-def rotate(x, rows, spec: contract.OpSpec):
+def rotate_values(x, rows, spec: contract.OpSpec):
+    """(x rotated in its dtype, the f32 values before the final rounding: what an fp8 cache
+    quantizes in "fused" native arithmetic)."""
     ca, cb, sa, sb = rows
     xa, xb = (t.astype(_F32) for t in _pairs(x, spec))
-    if spec.precision == "native":
+    mode = reference.arithmetic(spec)
+    if mode == "rounded":
         r = lambda y: round_to(y, spec.dtype)  # noqa: E731
         ya = r(r(xa * ca) - r(xb * sa))
         yb = r(r(xb * cb) + r(xa * sb))
+    elif mode == "fused":  # fma(a, c, -(b*s)): XLA may fuse either product (documented bound)
+        ya = xa * ca + (-(xb * sa))
+        yb = xb * cb + xa * sb
     else:
         ya = xa * ca - xb * sa
         yb = xb * cb + xa * sb
-    return _unpair(ya.astype(x.dtype), yb.astype(x.dtype), x[..., spec.rotary_dim :], spec)
+    tail = x[..., spec.rotary_dim :]
+    out = _unpair(to_dtype(ya, x.dtype), to_dtype(yb, x.dtype), tail, spec)
+    return out, _unpair(ya, yb, tail.astype(_F32), spec)
+
+
+def rotate(x, rows, spec: contract.OpSpec):
+    return rotate_values(x, rows, spec)[0]
 
 
 def quantize(x, cache_dtype, scale):
     cache_dtype = np.dtype(cache_dtype)
     if cache_dtype not in contract.FP8_DTYPES:
         return x.astype(cache_dtype)
-    inv = _F32(1.0) / jnp.asarray(scale, _F32).reshape(())
+    big = np.finfo(np.float32).max
+    inv = jnp.clip(_F32(1.0) / jnp.asarray(scale, _F32).reshape(()), -big, big)  # reference.inverse_scale
     m = contract.FP8_MAX[cache_dtype]
-    return jnp.clip(x.astype(_F32) * inv, -m, m).astype(cache_dtype)
+    return to_dtype(jnp.clip(x.astype(_F32) * inv, -m, m), cache_dtype)
 
 
 def slot_coords(slot_mapping, spec: contract.OpSpec, layer=None):
@@ -117,9 +149,11 @@ def scatter_kv(key_cache, value_cache, kq, vq, blk, off, spec: contract.OpSpec, 
 def rope_and_cache(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
                    k_scale, v_scale, layer, spec: contract.OpSpec):
     rows = table_rows(cos, sin, positions, spec)
-    q_out, k_out = rotate(q, rows, spec), rotate(k, rows, spec)
+    q_out = rotate(q, rows, spec)
+    k_out, k_wide = rotate_values(k, rows, spec)
     blk, off = slot_coords(slot_mapping, spec, layer)
-    kq = quantize(k_out, spec.cache_dtype, k_scale)
+    fused = spec.fp8 and reference.arithmetic(spec) == "fused"  # fp8 quantizes the f32 values there
+    kq = quantize(k_wide if fused else k_out, spec.cache_dtype, k_scale)
     vq = quantize(v, spec.cache_dtype, v_scale)
     key_cache, value_cache = scatter_kv(key_cache, value_cache, kq, vq, blk, off, spec, layer)
     return q_out, k_out, key_cache, value_cache

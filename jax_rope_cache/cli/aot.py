@@ -43,7 +43,7 @@ def configs_for(*, q_heads, kv_heads, head_dim, rotary_dim=None, block_sizes=(16
                 continue
             codes = contract.KernelCodes(
                 qh=q_heads, kh=kv_heads, d=head_dim, r=r, bs=bs, layout=contract.cache_layout(layout).code,
-                neox=nx, full_table=table == "full", native=prec == "native" and dt != "float32", dt=_code(dt),
+                neox=nx, full_table=table == "full", native=prec == "native", dt=_code(dt),
                 tab_dt=_code(tdt), cache_dt=_code(cdt), slot64=idx == "int64", pos64=idx == "int64")
             out.append(rocm.kernel_config(codes))
     return out

@@ -1,11 +1,14 @@
 // Scalar arithmetic of the op, shared by the CPU handler (g++) and the CUDA kernel (NVRTC).
 //
 // Every rounding here is defined bit for bit so that all implementations and the numpy
-// reference (jax_rope_cache/reference.py) agree exactly:
-//   * conversions f32 -> bf16 / f16 / fp8 round to nearest, ties to even;
-//   * fp8 stores saturate to the largest finite value (never NaN from overflow), NaN stays NaN;
+// reference (jax_rope_cache/reference.py, whose docstring is the contract) agree exactly:
+//   * conversions f32 -> bf16 / f16 / fp8 round to nearest, ties to even; subnormals are kept;
+//   * every NaN a conversion writes is the canonical quiet NaN (positive, all mantissa bits set):
+//     bf16/f16 0x7fff, f32 0x7fffffff (rc_canonical_f32), e4m3fn 0x7f, e4m3fnuz 0x80;
+//   * fp8 stores saturate to the largest finite value (never NaN from overflow);
 //   * products and sums are separate f32 operations (no FMA contraction: the CPU build uses
-//     -ffp-contract=off, the CUDA kernel calls the _rn intrinsics through rc_mul/rc_add/rc_sub).
+//     -ffp-contract=off, the CUDA kernel calls the _rn intrinsics through rc_mul/rc_add/rc_sub);
+//     the one fused operation is rc_fma, used by the "fused" native arithmetic only.
 // No standard headers: NVRTC compiles this file as is.
 #pragma once
 
@@ -57,16 +60,28 @@ RC_FN float rc_bits_f32(rc_u32 u) {
 RC_FN float rc_mul(float a, float b) { return __fmul_rn(a, b); }
 RC_FN float rc_add(float a, float b) { return __fadd_rn(a, b); }
 RC_FN float rc_sub(float a, float b) { return __fsub_rn(a, b); }
+RC_FN float rc_fma(float a, float b, float c) { return __fmaf_rn(a, b, c); }
+RC_FN float rc_recip(float a) { return __frcp_rn(a); }
 #else
 RC_FN float rc_mul(float a, float b) { return a * b; }
 RC_FN float rc_add(float a, float b) { return a + b; }
 RC_FN float rc_sub(float a, float b) { return a - b; }
+// One rounding: the FMA instruction where the target has it, else libm's correctly rounded fmaf.
+RC_FN float rc_fma(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
+RC_FN float rc_recip(float a) { return 1.0f / a; }
 #endif
+
+RC_FN bool rc_is_nan(float f) { return (rc_f32_bits(f) & 0x7fffffffu) > 0x7f800000u; }
+
+// f32 results as stored: NaN becomes the canonical 0x7fffffff (x86 would keep payloads and write
+// 0xffc00000 for 0 * inf; NVIDIA's f32 arithmetic already gives 0x7fffffff).
+RC_FN float rc_canonical_f32(float f) { return rc_is_nan(f) ? rc_bits_f32(0x7fffffffu) : f; }
 
 // ---- bfloat16 -------------------------------------------------------------------------------
 RC_FN float rc_bf16_to_f32(rc_u16 h) { return rc_bits_f32((rc_u32)h << 16); }
 
-// Branch-free (a select) so that host compilers vectorise loops around it.
+// Branch-free (a select) so that host compilers vectorise loops around it. NaN -> 0x7fff, the
+// pattern of cvt.rn.bf16.f32 on NVIDIA and of Triton's conversion.
 RC_FN rc_u16 rc_f32_to_bf16(float f) {
 #ifdef RC_HW_CVT  // CUDA sm_80+ (rope_cache.cu): the same bits for every non-NaN f; NaN -> 0x7FFF
   rc_u16 h;
@@ -75,8 +90,7 @@ RC_FN rc_u16 rc_f32_to_bf16(float f) {
 #else
   const rc_u32 u = rc_f32_bits(f);
   const rc_u32 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-  const rc_u32 quiet_nan = (u >> 16) | 0x0040u;
-  return (rc_u16)((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
+  return (rc_u16)((u & 0x7fffffffu) > 0x7f800000u ? 0x7fffu : rounded);
 #endif
 }
 
@@ -111,7 +125,7 @@ RC_FN rc_u16 rc_f32_to_f16(float f) {
   rc_u32 x = rc_f32_bits(f);
   rc_u16 sign = (rc_u16)((x >> 16) & 0x8000u);
   x &= 0x7fffffffu;
-  if (x > 0x7f800000u) return (rc_u16)(sign | 0x7e00u | ((x >> 13) & 0x3ffu));  // NaN
+  if (x > 0x7f800000u) return (rc_u16)0x7fffu;  // NaN: the canonical pattern
   if (x >= 0x477ff000u) return (rc_u16)(sign | 0x7c00u);  // >= 65520 rounds to inf
   if (x >= 0x38800000u) {  // normal half: rebias exponent 127 -> 15, keep 10 mantissa bits
     return (rc_u16)(sign | rc_shift_rne(x - 0x38000000u, 13));
@@ -143,7 +157,7 @@ RC_FN rc_u8 rc_f32_to_fp8(float f, bool fnuz) {
   rc_u32 x = rc_f32_bits(f);
   rc_u8 sign = (rc_u8)((x >> 24) & 0x80u);
   x &= 0x7fffffffu;
-  if (x > 0x7f800000u) return fnuz ? (rc_u8)0x80u : (rc_u8)(sign | 0x7fu);
+  if (x > 0x7f800000u) return fnuz ? (rc_u8)0x80u : (rc_u8)0x7fu;  // NaN: the canonical pattern
   rc_u32 bias = fnuz ? 8u : 7u;
   rc_u32 max_code = fnuz ? 0x7fu : 0x7eu;
   rc_u32 code;
@@ -165,9 +179,22 @@ RC_FN float rc_fp8_max(bool fnuz) { return fnuz ? 240.0f : 448.0f; }
 // ---- the rotation ---------------------------------------------------------------------------
 // One rotary pair (a, b) with the table values of each channel:
 //   a' = a*cos_a - b*sin_a,   b' = b*cos_b + a*sin_b
-// fp32 precision: f32 products and sums, one rounding to the output dtype afterwards (by the caller).
-// native precision: every product and the sum rounded to the input dtype `dt` (the caller passes
-// inputs and table values already representable in `dt`).
+// computed by one of three arithmetics (`arith`, from rc_arith; jax_rope_cache/reference.py):
+//   RC_ARITH_FP32 (-1): f32 products and sums, no FMA; the caller rounds once to the output dtype.
+//   RC_BF16 / RC_F16 ("rounded", native with tables in the input dtype): every product rounded to
+//     that dtype, the sum taken in f32 and rounded again: r(r(a*c) - r(b*s)). The results are
+//     values of that dtype (rounding them again is exact).
+//   RC_ARITH_FUSED ("fused", native with any other table dtype, or f32 inputs): f32 with the first
+//     product fused, fma(a, cos_a, -(b*sin_a)) and fma(b, cos_b, a*sin_b); the caller rounds once
+//     (and an fp8 cache quantizes these f32 values, not the rounded ones).
+// Tables are never rounded to the input dtype (in "rounded" arithmetic they already are in it).
+#define RC_ARITH_FP32 (-1)
+#define RC_ARITH_FUSED 16
+
+RC_FN constexpr int rc_arith(bool native, int dt, int tab_dt) {
+  return !native ? RC_ARITH_FP32 : ((dt == tab_dt && (dt == RC_BF16 || dt == RC_F16)) ? dt : RC_ARITH_FUSED);
+}
+
 RC_FN float rc_round_to(float v, int dt) {
   if (dt == RC_BF16) return rc_bf16_to_f32(rc_f32_to_bf16(v));
   if (dt == RC_F16) return rc_f16_to_f32(rc_f32_to_f16(v));
@@ -175,18 +202,29 @@ RC_FN float rc_round_to(float v, int dt) {
 }
 
 RC_FN void rc_rotate_pair(float a, float b, float cos_a, float sin_a, float cos_b, float sin_b,
-                          int native_dt, float* out_a, float* out_b) {
-  if (native_dt < 0) {
+                          int arith, float* out_a, float* out_b) {
+  if (arith == RC_ARITH_FP32) {
     *out_a = rc_sub(rc_mul(a, cos_a), rc_mul(b, sin_a));
     *out_b = rc_add(rc_mul(b, cos_b), rc_mul(a, sin_b));
+  } else if (arith == RC_ARITH_FUSED) {
+    *out_a = rc_fma(a, cos_a, -rc_mul(b, sin_a));
+    *out_b = rc_fma(b, cos_b, rc_mul(a, sin_b));
   } else {
-    const int dt = native_dt;
+    const int dt = arith;
     *out_a = rc_round_to(rc_sub(rc_round_to(rc_mul(a, cos_a), dt), rc_round_to(rc_mul(b, sin_a), dt)), dt);
     *out_b = rc_round_to(rc_add(rc_round_to(rc_mul(b, cos_b), dt), rc_round_to(rc_mul(a, sin_b), dt)), dt);
   }
 }
 
-// Quantises one value for an fp8 cache: saturate(x * inv_scale).
+// 1/scale for an fp8 cache: r32(1 / scale); an overflow to +-inf (|scale| < 2^-128, zero
+// included) becomes the largest finite f32 of that sign, so 0 stays 0 and a finite input never
+// turns into NaN (inf * 0); NaN stays NaN.
+RC_FN float rc_inv_scale(float scale) {
+  const rc_u32 u = rc_f32_bits(rc_recip(scale));
+  return (u & 0x7fffffffu) == 0x7f800000u ? rc_bits_f32((u & 0x80000000u) | 0x7f7fffffu) : rc_bits_f32(u);
+}
+
+// Quantises one value for an fp8 cache: saturate(x * inv_scale), inv_scale from rc_inv_scale.
 RC_FN rc_u8 rc_quantize_fp8(float x, float inv_scale, bool fnuz) {
   return rc_f32_to_fp8(rc_mul(x, inv_scale), fnuz);
 }

@@ -6,7 +6,8 @@
 //   RC_BS                        cache block size
 //   RC_LAYOUT                    RcLayout (0 flash, 1 xpacked, 2 xpacked_shuffled)
 //   RC_NEOX, RC_FULL_TABLE       1/0
-//   RC_NATIVE                    1: "native" precision (round every product and the sum), 0: "fp32"
+//   RC_NATIVE                    1: "native" precision (rc_arith picks "rounded" or "fused" arithmetic
+//                                from RC_DT and RC_TAB_DT), 0: "fp32"
 //   RC_DT, RC_TAB_DT, RC_CACHE_DT  RcDtype codes of q/k/v (and outputs), cos/sin, the caches
 //   RC_SLOT64, RC_POS64          1: int64 slot_mapping / positions, 0: int32
 //   RC_LAYER_BLOCKS              0: one cache [NB, ...]; NB > 0: stacked caches [L, NB, ...], the
@@ -52,8 +53,10 @@
 //
 // Bounds: positions are clamped to [0, max_pos-1]; a slot writes only if 0 <= slot < NB*BS (and,
 // stacked, 0 <= layer < L); all offsets are 64-bit. q_out/k_out are written for every token.
-// Arithmetic: kernels/common/rope_cache_math.h (rc_mul/rc_add/rc_sub are the _rn intrinsics, and
-// NVRTC runs with --fmad=false), bit-exact to jax_rope_cache.reference in both precisions. On
+// Arithmetic: kernels/common/rope_cache_math.h (rc_mul/rc_add/rc_sub/rc_fma are the _rn intrinsics,
+// and NVRTC runs with --fmad=false, so the only FMA is rc_fma of "fused" native arithmetic),
+// bit-exact to jax_rope_cache.reference in both precisions; subnormals kept (no --ftz); every NaN
+// the kernel computes is the canonical one (rope_cache_math.h), copies keep their bits. On
 // sm_80+ the f32 -> bf16/f16 roundings are the cvt.rn instructions (RC_HW_CVT below and the
 // block "hardware conversions"): the same bits as the integer code for every non-NaN value
 // (checked over all 2^32 inputs on the H200); a NaN becomes the canonical quiet NaN 0x7FFF.
@@ -85,6 +88,9 @@ constexpr int TPB = RC_TPB, NT = RC_NT;
 constexpr bool NEOX = RC_NEOX != 0, FULL = RC_FULL_TABLE != 0, NATIVE = RC_NATIVE != 0;
 constexpr int DT = RC_DT, TAB_DT = RC_TAB_DT, CDT = RC_CACHE_DT, LAYOUT = RC_LAYOUT;
 constexpr bool FP8 = CDT == RC_FP8_E4M3FN || CDT == RC_FP8_E4M3FNUZ;
+constexpr int ARITH = rc_arith(NATIVE, DT, TAB_DT);  // RC_ARITH_FP32, "rounded" (DT) or RC_ARITH_FUSED
+// An fp8 key cache in "fused" arithmetic quantizes the rotated f32 values, not the rounded k_out.
+constexpr bool WIDE_K = FP8 && ARITH == RC_ARITH_FUSED;
 constexpr bool FNUZ = CDT == RC_FP8_E4M3FNUZ;
 constexpr bool XP = LAYOUT != RC_FLASH;
 constexpr int S_IN = DT == RC_F32 ? 4 : 2;
@@ -169,7 +175,7 @@ __device__ __forceinline__ float to_f32(unsigned int raw) {
 __device__ __forceinline__ raw_in from_f32(float f) {
   if (DT == RC_BF16) return (raw_in)rc_f32_to_bf16(f);
   if (DT == RC_F16) return (raw_in)rc_f32_to_f16(f);
-  return (raw_in)__float_as_uint(f);
+  return (raw_in)__float_as_uint(rc_canonical_f32(f));
 }
 
 // ---- hardware conversions (CUDA sm_80+; the host emulation and older archs use the integer code) --
@@ -253,6 +259,14 @@ __device__ __forceinline__ void store_cache_chunk(void* base, i64 elem, const Ch
   CacheChunk o;
 #pragma unroll
   for (int e = 0; e < W; ++e) o.e[e] = to_cache(c.e[e], inv_scale);
+  *reinterpret_cast<VecOf<W * S_CACHE>::T*>(static_cast<char*>(base) + elem * S_CACHE) = o.v;
+}
+
+// W f32 values quantized into an fp8 cache as one access (WIDE_K only).
+__device__ __forceinline__ void store_cache_chunk_f32(void* base, i64 elem, const float* x, float inv_scale) {
+  CacheChunk o;
+#pragma unroll
+  for (int e = 0; e < W; ++e) o.e[e] = (raw_cache)rc_quantize_fp8(x[e], inv_scale, FNUZ);
   *reinterpret_cast<VecOf<W * S_CACHE>::T*>(static_cast<char*>(base) + elem * S_CACHE) = o.v;
 }
 
@@ -355,9 +369,7 @@ constexpr int tab_vec(int n, int a) {
 }
 
 __device__ __forceinline__ float tab_value(raw_tab raw) {
-  const float f = to_f32<TAB_DT>(raw);
-  // native precision: table values rounded to the input dtype first (a no-op when they already are)
-  return (NATIVE && TAB_DT != DT) ? rc_round_to(f, DT) : f;
+  return to_f32<TAB_DT>(raw);  // exact: tables are never rounded to the input dtype
 }
 
 // Index i of an int32/int64 buffer, read by a load that ptxas issues only after what computes the
@@ -415,7 +427,7 @@ __device__ __forceinline__ void load_tab(const void* base, i64 idx, float* out) 
 #endif
 constexpr bool PACKED_NATIVE =
 #ifdef RC_PACKED_NATIVE
-    NATIVE && NEOX && TAB_DT == DT && S_IN == 2 && W % 2 == 0;
+    ARITH == DT && NEOX && S_IN == 2 && W % 2 == 0;  // "rounded" arithmetic
 #else
     false;
 #endif
@@ -485,8 +497,9 @@ __device__ __forceinline__ void rot_unit(const Params& p, i64 T, i64 max_pos, i6
   const i64 s_any = (s_raw >= 0 && s_raw < sr.n) ? sr.base + s_raw : -1;
   // The table values of this chunk (the one dependent load), then the arithmetic.
   const int c0 = NEOX ? j * W : (FULL ? j * W : j * W / 2);
-  const int native_dt = NATIVE ? DT : -1;
   Chunk oa, ob;
+  float ya[W], yb[NEOX ? W : 1];  // the rotated f32 values (WIDE_K: quantized from these)
+  (void)yb;
   if (PACKED_NATIVE) {
     const TabWords c = load_words(p.cos, trow + c0), sn = load_words(p.sin, trow + c0);
     TabWords c2 = c, s2 = sn;
@@ -504,21 +517,20 @@ __device__ __forceinline__ void rot_unit(const Params& p, i64 T, i64 max_pos, i6
       load_tab<W, W>(p.sin, trow + HALF + j * W, ts2);
     }
     if (NEOX) {
-      float ya[W], yb[W];
 #pragma unroll
       for (int e = 0; e < W; ++e) {  // pair (i, i + R/2), i = j*W + e
         const float cb = FULL ? tc2[e] : tc[e], sb = FULL ? ts2[e] : ts[e];
-        rc_rotate_pair(to_f32<DT>(a.e[e]), to_f32<DT>(b.e[e]), tc[e], ts[e], cb, sb, native_dt, &ya[e], &yb[e]);
+        rc_rotate_pair(to_f32<DT>(a.e[e]), to_f32<DT>(b.e[e]), tc[e], ts[e], cb, sb, ARITH, &ya[e], &yb[e]);
       }
       oa = chunk_from(ya);
       ob = chunk_from(yb);
     } else {
-      float y[W];
+      float* y = ya;
 #pragma unroll
       for (int e = 0; e < W; e += 2) {  // pair (2m, 2m + 1), m = (j*W + e) / 2
         const float ca = FULL ? tc[e] : tc[e / 2], sa = FULL ? ts[e] : ts[e / 2];
         const float cb = FULL ? tc[e + 1] : ca, sb = FULL ? ts[e + 1] : sa;
-        rc_rotate_pair(to_f32<DT>(a.e[e]), to_f32<DT>(a.e[e + 1]), ca, sa, cb, sb, native_dt, &y[e], &y[e + 1]);
+        rc_rotate_pair(to_f32<DT>(a.e[e]), to_f32<DT>(a.e[e + 1]), ca, sa, cb, sb, ARITH, &y[e], &y[e + 1]);
       }
       oa = chunk_from(y);
     }
@@ -530,8 +542,13 @@ __device__ __forceinline__ void rot_unit(const Params& p, i64 T, i64 max_pos, i6
   if (s >= 0) {
     const i64 blk = s / BS, off = s % BS;
     const int kh = h - QH;
-    store_cache_chunk(p.kc, key_index(blk, off, kh, j * W), oa, inv_k);
-    if (NEOX) store_cache_chunk(p.kc, key_index(blk, off, kh, HALF + j * W), ob, inv_k);
+    if (WIDE_K) {  // never PACKED_NATIVE ("rounded"), so ya/yb hold the values
+      store_cache_chunk_f32(p.kc, key_index(blk, off, kh, j * W), ya, inv_k);
+      if (NEOX) store_cache_chunk_f32(p.kc, key_index(blk, off, kh, HALF + j * W), yb, inv_k);
+    } else {
+      store_cache_chunk(p.kc, key_index(blk, off, kh, j * W), oa, inv_k);
+      if (NEOX) store_cache_chunk(p.kc, key_index(blk, off, kh, HALF + j * W), ob, inv_k);
+    }
   }
 }
 
@@ -622,8 +639,8 @@ extern "C" __global__ void __launch_bounds__(RC_NT, RC_MINB) rope_cache_kernel(c
     const i64 layer = *p.layer, per_layer = (i64)LAYER_BLOCKS * BS;
     sr = (layer >= 0 && layer < p.dim0[3]) ? SlotRange{per_layer, layer * per_layer} : SlotRange{0, 0};
   }
-  const float inv_k = FP8 ? __frcp_rn(*p.k_scale) : 1.0f;
-  const float inv_v = FP8 ? __frcp_rn(*p.v_scale) : 1.0f;
+  const float inv_k = FP8 ? rc_inv_scale(*p.k_scale) : 1.0f;
+  const float inv_v = FP8 ? rc_inv_scale(*p.v_scale) : 1.0f;
   // Units tid, tid + NT, ...: rotation units first, then pass-through, then V.
 #pragma unroll 1
   for (int u = threadIdx.x; u < N_UNITS; u += NT) {

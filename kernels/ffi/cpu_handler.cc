@@ -3,6 +3,11 @@
 //
 // Bounds safety: positions are clamped to the table, a slot writes only if 0 <= slot < NB*BS,
 // and every other index is derived from buffer dimensions checked at the top of the handler.
+//
+// Numerics: kernels/common/rope_cache_math.h, bit-exact to jax_rope_cache/reference.py. The
+// handler runs on XLA's threads, which compute with flush-to-zero and denormals-are-zero set;
+// every thread doing the op's arithmetic switches both off for its work and restores the
+// caller's mode afterwards (ScopedIeeeDenormals), so subnormals are kept as the reference keeps them.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -13,6 +18,9 @@
 
 #if defined(__linux__)
 #include <sys/mman.h>
+#endif
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
 #endif
 
 #include "kernels/common/rope_cache_math.h"
@@ -35,12 +43,45 @@ int DtypeCode(ffi::DataType t) {
   }
 }
 
+// IEEE subnormals for the scope of one thread's work: saves the floating-point control register,
+// clears flush-to-zero and denormals-are-zero (x86 MXCSR FTZ/DAZ; aarch64 FPCR FZ/FZ16), and
+// restores the saved value on exit. Rounding mode and exception masks are left as they are.
+class ScopedIeeeDenormals {
+ public:
+  ScopedIeeeDenormals() {
+#if defined(__x86_64__) || defined(__i386__)
+    saved_ = _mm_getcsr();
+    _mm_setcsr(saved_ & ~(kFtz | kDaz));
+#elif defined(__aarch64__)
+    uint64_t fpcr;
+    __asm__ __volatile__("mrs %0, fpcr" : "=r"(fpcr));
+    saved_ = fpcr;
+    fpcr &= ~(kFz | kFz16);
+    __asm__ __volatile__("msr fpcr, %0" : : "r"(fpcr) : "memory");
+#endif
+  }
+  ~ScopedIeeeDenormals() {
+#if defined(__x86_64__) || defined(__i386__)
+    _mm_setcsr(static_cast<unsigned>(saved_));
+#elif defined(__aarch64__)
+    __asm__ __volatile__("msr fpcr, %0" : : "r"(saved_) : "memory");
+#endif
+  }
+  ScopedIeeeDenormals(const ScopedIeeeDenormals&) = delete;
+  ScopedIeeeDenormals& operator=(const ScopedIeeeDenormals&) = delete;
+
+ private:
+  static constexpr unsigned kFtz = 1u << 15, kDaz = 1u << 6;         // MXCSR
+  static constexpr uint64_t kFz = uint64_t{1} << 24, kFz16 = uint64_t{1} << 19;  // FPCR
+  uint64_t saved_ = 0;
+};
+
 int64_t LoadIndex(const void* base, int64_t i, bool is64) {
   return is64 ? static_cast<const int64_t*>(base)[i] : static_cast<const int32_t*>(base)[i];
 }
 
-// Converts n table values starting at `start` to float32 (rounded to `round_dt` in native mode).
-void LoadRow(const void* base, int64_t start, int64_t n, int dt, int round_dt, float* out) {
+// Converts n table values starting at `start` to float32 (exactly: tables are never rounded).
+void LoadRow(const void* base, int64_t start, int64_t n, int dt, float* out) {
   switch (dt) {
     case RC_BF16: {
       const uint16_t* p = static_cast<const uint16_t*>(base) + start;
@@ -54,8 +95,6 @@ void LoadRow(const void* base, int64_t start, int64_t n, int dt, int round_dt, f
     }
     default: std::memcpy(out, static_cast<const float*>(base) + start, n * sizeof(float));
   }
-  if (round_dt != RC_F32)
-    for (int64_t i = 0; i < n; ++i) out[i] = rc_round_to(out[i], round_dt);
 }
 
 // Element access by dtype code, resolved at compile time so the inner loops inline and vectorise.
@@ -63,7 +102,7 @@ template <int DT> struct Elem;
 template <> struct Elem<RC_F32> {
   using T = float;
   static float Load(T v) { return v; }
-  static T Store(float v) { return v; }
+  static T Store(float v) { return rc_canonical_f32(v); }
 };
 template <> struct Elem<RC_BF16> {
   using T = uint16_t;
@@ -80,8 +119,8 @@ struct Problem {
   const void *q, *k, *v, *slots, *pos, *cos, *sin;
   void *q_out, *k_out, *kc, *vc;
   int64_t T, QH, KH, D, R, NB, BS, max_pos, width, X;
-  int dt, table_dt, cache_dt, layout;
-  bool neox, native, slots64, pos64, full_table;
+  int dt, table_dt, cache_dt, layout, arith;  // arith: rc_arith(native, dt, table_dt)
+  bool neox, slots64, pos64, full_table;
   float inv_k_scale, inv_v_scale;
 };
 
@@ -106,26 +145,33 @@ CacheRow Locate(const Problem& p, int64_t blk, int64_t off, int64_t h) {
   }
 }
 
-template <int DT, bool kNative, bool kNeox>
+// Rotates one head row x into out. With `wide` (the fp8 cache in "fused" arithmetic), also
+// writes the row's f32 values before the final rounding there (channels >= R: x widened).
+template <int DT, int ARITH, bool kNeox, bool kWide>
 void RotateRow(const Problem& p, const typename Elem<DT>::T* __restrict x, typename Elem<DT>::T* __restrict out,
                const float* __restrict ca, const float* __restrict cb, const float* __restrict sa,
-               const float* __restrict sb) {
+               const float* __restrict sb, float* __restrict wide) {
   using E = Elem<DT>;
   const int64_t half = p.R / 2;
   const int64_t step = kNeox ? 1 : 2, b_off = kNeox ? half : 1;
   for (int64_t i = 0; i < half; ++i) {
     const int64_t ia = i * step, ib = ia + b_off;
     float ya, yb;
-    rc_rotate_pair(E::Load(x[ia]), E::Load(x[ib]), ca[i], sa[i], cb[i], sb[i], kNative ? DT : -1, &ya, &yb);
+    rc_rotate_pair(E::Load(x[ia]), E::Load(x[ib]), ca[i], sa[i], cb[i], sb[i], ARITH, &ya, &yb);
     out[ia] = E::Store(ya);
     out[ib] = E::Store(yb);
+    if constexpr (kWide) wide[ia] = ya, wide[ib] = yb;
   }
   std::memcpy(out + p.R, x + p.R, (p.D - p.R) * sizeof(*x));
+  if constexpr (kWide)
+    for (int64_t d = p.R; d < p.D; ++d) wide[d] = E::Load(x[d]);
 }
 
-// Writes one head's K (already rotated, in the input dtype) and V into the caches.
+// Writes one head's K (already rotated, in the input dtype) and V into the caches. An fp8 cache
+// quantizes `k_wide` instead of k where given (the f32 values of "fused" arithmetic).
 template <int DT, int CDT>
-void WriteRow(const Problem& p, const CacheRow& at, const typename Elem<DT>::T* k, const typename Elem<DT>::T* v) {
+void WriteRow(const Problem& p, const CacheRow& at, const typename Elem<DT>::T* k, const typename Elem<DT>::T* v,
+              const float* k_wide) {
   using E = Elem<DT>;
   if constexpr (CDT == DT) {
     auto* kc = static_cast<typename E::T*>(p.kc);
@@ -139,32 +185,40 @@ void WriteRow(const Problem& p, const CacheRow& at, const typename Elem<DT>::T* 
     auto* vc = static_cast<uint8_t*>(p.vc);
     for (int64_t d0 = 0; d0 < p.D; d0 += at.k_group) {
       uint8_t* dst = kc + at.k_base + (d0 / at.k_group) * at.k_group_stride;
-      for (int64_t j = 0; j < at.k_group; ++j) dst[j] = rc_quantize_fp8(E::Load(k[d0 + j]), p.inv_k_scale, fnuz);
+      if (k_wide) {
+        for (int64_t j = 0; j < at.k_group; ++j) dst[j] = rc_quantize_fp8(k_wide[d0 + j], p.inv_k_scale, fnuz);
+      } else {
+        for (int64_t j = 0; j < at.k_group; ++j) dst[j] = rc_quantize_fp8(E::Load(k[d0 + j]), p.inv_k_scale, fnuz);
+      }
     }
     for (int64_t d = 0; d < p.D; ++d) vc[at.v_base + d * at.v_stride] = rc_quantize_fp8(E::Load(v[d]), p.inv_v_scale, fnuz);
   }
 }
 
-// x86-64: an AVX2 clone next to the baseline one, chosen at load time (ifunc); everything the
-// loop calls is inlined into each clone (flatten). Measured: ~1.5x on the rotation loops.
+// x86-64: an x86-64-v3 clone (AVX2 + FMA) next to the baseline one, chosen at load time (ifunc);
+// everything the loop calls is inlined into each clone (flatten). Measured: ~1.5x on the rotation
+// loops. FMA is only ever used where the source asks for it (rc_fma; -ffp-contract=off); the
+// baseline clone calls libm's correctly rounded fmaf there instead.
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define JRC_CPU_CLONES __attribute__((target_clones("avx2", "default"), flatten, noinline))
+#define JRC_CPU_CLONES __attribute__((target_clones("arch=x86-64-v3", "default"), flatten, noinline))
 #else
 #define JRC_CPU_CLONES
 #endif
 
-template <int DT, int CDT, bool kNative, bool kNeox>
+template <int DT, int CDT, int ARITH, bool kNeox>
 JRC_CPU_CLONES void RunTokensT(const Problem& p, int64_t t0, int64_t t1) {
   using T = typename Elem<DT>::T;
+  // fp8 cache in "fused" arithmetic: quantize the f32 values, kept per k head (D floats each).
+  constexpr bool kWide = ARITH == RC_ARITH_FUSED && CDT != DT;
   const int64_t half = p.R / 2;
   // Per token: the cos and sin rows as float32, then the per-pair views ca/cb/sa/sb into them.
   std::unique_ptr<float[]> table(new float[2 * p.width + 4 * half]);
+  std::unique_ptr<float[]> k_wide(kWide ? new float[p.KH * p.D] : nullptr);
   float *cos_row = table.get(), *sin_row = cos_row + p.width;
   float *ca = cos_row, *cb = cos_row, *sa = sin_row, *sb = sin_row;  // "half" table: both channels share
   if (p.full_table && kNeox) cb = cos_row + half, sb = sin_row + half;
   float* split = sin_row + p.width;  // GPT-J full table: de-interleave even/odd channels
   if (p.full_table && !kNeox) ca = split, cb = split + half, sa = split + 2 * half, sb = split + 3 * half;
-  const int round_dt = kNative ? DT : RC_F32;
   const T* q = static_cast<const T*>(p.q);
   const T* k = static_cast<const T*>(p.k);
   const T* v = static_cast<const T*>(p.v);
@@ -172,8 +226,8 @@ JRC_CPU_CLONES void RunTokensT(const Problem& p, int64_t t0, int64_t t1) {
   T* k_out = static_cast<T*>(p.k_out);
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t row = std::clamp<int64_t>(LoadIndex(p.pos, t, p.pos64), 0, p.max_pos - 1) * p.width;
-    LoadRow(p.cos, row, p.width, p.table_dt, round_dt, cos_row);
-    LoadRow(p.sin, row, p.width, p.table_dt, round_dt, sin_row);
+    LoadRow(p.cos, row, p.width, p.table_dt, cos_row);
+    LoadRow(p.sin, row, p.width, p.table_dt, sin_row);
     if (p.full_table && !kNeox) {
       for (int64_t i = 0; i < half; ++i) {
         ca[i] = cos_row[2 * i], cb[i] = cos_row[2 * i + 1], sa[i] = sin_row[2 * i], sb[i] = sin_row[2 * i + 1];
@@ -181,30 +235,35 @@ JRC_CPU_CLONES void RunTokensT(const Problem& p, int64_t t0, int64_t t1) {
     }
     for (int64_t h = 0; h < p.QH; ++h) {
       const int64_t o = (t * p.QH + h) * p.D;
-      RotateRow<DT, kNative, kNeox>(p, q + o, q_out + o, ca, cb, sa, sb);
+      RotateRow<DT, ARITH, kNeox, false>(p, q + o, q_out + o, ca, cb, sa, sb, nullptr);
     }
     for (int64_t h = 0; h < p.KH; ++h) {
       const int64_t o = (t * p.KH + h) * p.D;
-      RotateRow<DT, kNative, kNeox>(p, k + o, k_out + o, ca, cb, sa, sb);
+      RotateRow<DT, ARITH, kNeox, kWide>(p, k + o, k_out + o, ca, cb, sa, sb, kWide ? k_wide.get() + h * p.D : nullptr);
     }
     const int64_t slot = LoadIndex(p.slots, t, p.slots64);
     if (slot < 0 || slot >= p.NB * p.BS) continue;
     for (int64_t h = 0; h < p.KH; ++h) {
       const int64_t o = (t * p.KH + h) * p.D;
-      WriteRow<DT, CDT>(p, Locate(p, slot / p.BS, slot % p.BS, h), k_out + o, v + o);
+      WriteRow<DT, CDT>(p, Locate(p, slot / p.BS, slot % p.BS, h), k_out + o, v + o,
+                        kWide ? k_wide.get() + h * p.D : nullptr);
     }
   }
 }
 
+template <int DT, int CDT, int ARITH>
+void RunTokensStyle(const Problem& p, int64_t t0, int64_t t1) {
+  if (p.neox) RunTokensT<DT, CDT, ARITH, true>(p, t0, t1);
+  else RunTokensT<DT, CDT, ARITH, false>(p, t0, t1);
+}
+
 template <int DT, int CDT>
 void RunTokensNative(const Problem& p, int64_t t0, int64_t t1) {
-  if (p.native) {
-    if (p.neox) RunTokensT<DT, CDT, true, true>(p, t0, t1);
-    else RunTokensT<DT, CDT, true, false>(p, t0, t1);
-  } else {
-    if (p.neox) RunTokensT<DT, CDT, false, true>(p, t0, t1);
-    else RunTokensT<DT, CDT, false, false>(p, t0, t1);
+  if (p.arith == RC_ARITH_FUSED) return RunTokensStyle<DT, CDT, RC_ARITH_FUSED>(p, t0, t1);
+  if constexpr (DT != RC_F32) {
+    if (p.arith == DT) return RunTokensStyle<DT, CDT, DT>(p, t0, t1);  // "rounded"
   }
+  RunTokensStyle<DT, CDT, RC_ARITH_FP32>(p, t0, t1);
 }
 
 template <int DT>
@@ -216,7 +275,9 @@ void RunTokensCache(const Problem& p, int64_t t0, int64_t t1) {
   }
 }
 
+// The work of one thread (the handler's own or a worker), with IEEE subnormals.
 void RunTokens(const Problem& p, int64_t t0, int64_t t1) {
+  ScopedIeeeDenormals ieee;
   switch (p.dt) {
     case RC_BF16: return RunTokensCache<RC_BF16>(p, t0, t1);
     case RC_F16: return RunTokensCache<RC_F16>(p, t0, t1);
@@ -261,9 +322,11 @@ ffi::Error CheckSame(const char* what, int64_t got, int64_t want) {
                                      std::to_string(want) + ", got " + std::to_string(got));
 }
 
-float InverseScale(ffi::AnyBuffer scale) {
+// rc_inv_scale of the scale operand (1 where unused). Not inlined: it must run inside the
+// caller's ScopedIeeeDenormals, which the compiler does not order floating-point code against.
+__attribute__((noinline)) float InverseScale(ffi::AnyBuffer scale) {
   if (scale.element_count() < 1 || scale.element_type() != ffi::DataType::F32) return 1.0f;
-  return 1.0f / *static_cast<const float*>(scale.untyped_data());
+  return rc_inv_scale(*static_cast<const float*>(scale.untyped_data()));
 }
 
 ffi::Error CpuRopeAndCache(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
@@ -319,7 +382,7 @@ ffi::Error CpuRopeAndCache(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
     return ffi::Error::InvalidArgument("rope_and_cache cpu: x-packed layout needs D and BS divisible by X");
 
   p.full_table = p.width == p.R;
-  p.neox = is_neox, p.native = native && p.dt != RC_F32;
+  p.neox = is_neox, p.arith = rc_arith(native, p.dt, p.table_dt);
   p.slots64 = slots.element_type() == ffi::DataType::S64;
   p.pos64 = positions.element_type() == ffi::DataType::S64;
   p.q = q.untyped_data(), p.k = k.untyped_data(), p.v = v.untyped_data();
@@ -327,7 +390,10 @@ ffi::Error CpuRopeAndCache(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
   p.cos = cos.untyped_data(), p.sin = sin.untyped_data();
   p.q_out = q_out->untyped_data(), p.k_out = k_out->untyped_data();
   p.kc = key_cache_out->untyped_data(), p.vc = value_cache_out->untyped_data();
-  p.inv_k_scale = InverseScale(k_scale), p.inv_v_scale = InverseScale(v_scale);
+  {
+    ScopedIeeeDenormals ieee;  // a subnormal scale is a scale, not zero
+    p.inv_k_scale = InverseScale(k_scale), p.inv_v_scale = InverseScale(v_scale);
+  }
   const int64_t layer_index = stacked ? *static_cast<const int32_t*>(layer.untyped_data()) : 0;
   // Outputs alias the caches; should XLA ever hand separate buffers, start from the inputs' bits.
   if (p.kc != key_cache.untyped_data()) std::memcpy(p.kc, key_cache.untyped_data(), key_cache.size_bytes());

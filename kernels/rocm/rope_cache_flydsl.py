@@ -35,10 +35,15 @@ Bounds: positions clamped to [0, max_pos - 1] (in 64-bit); a cache row is writte
 token exists (t < T) and 0 <= slot < NB*BS (64-bit compare; stacked: and 0 <= layer < L, the row
 then lands in layer `layer`). Offsets into the caches are 64-bit.
 Arithmetic (bit-exact with jax_rope_cache.reference and kernels/common/rope_cache_math.h):
-separate f32 multiply / add / subtract (no contraction: no fast-math flags are set, and the
-compile-only test checks the ISA has no FMA/MAD), bf16 and fp8 rounding in integer arithmetic
-(round to nearest even, NaN stays NaN, fp8 saturates), f16 by the hardware conversion (RNE)
-with the NaN bit pattern of rope_cache_math.h, 1/scale by a correctly rounded f32 division.
+`arith_mode` picks "fp32", native "rounded" (tables in the input dtype) or native "fused" (any
+other table dtype, or f32 inputs). fp32 and "rounded" use separate f32 multiply / add / subtract
+(no contraction: no fast-math flags are set, and the compile-only test checks their ISA has no
+FMA/MAD); "fused" makes its first product an llvm.intr.fma (v_fma_f32, one rounding) and an fp8
+key cache then quantizes the f32 values before the final rounding. bf16 and fp8 rounding in
+integer arithmetic (round to nearest even, fp8 saturates), f16 by the hardware conversion (RNE);
+every NaN written is the canonical one of rope_cache_math.h (bf16/f16 0x7FFF, f32 0x7FFFFFFF,
+e4m3fn 0x7F, e4m3fnuz 0x80). 1/scale by a correctly rounded f32 division, an overflow to +-inf
+replaced by +-FLT_MAX (rc_inv_scale). Tables are never rounded.
 """
 
 import dataclasses
@@ -63,7 +68,7 @@ class RocmKernelConfig:
     layout: int        # 0 flash, 1 xpacked, 2 xpacked_shuffled
     neox: bool
     full_table: bool
-    native: bool       # "native" precision with a 16-bit input dtype
+    native: bool       # "native" precision (arith_mode: "rounded" or "fused")
     dt: int            # q/k/v dtype code
     tab_dt: int        # cos/sin dtype code
     cache_dt: int      # cache dtype code
@@ -83,6 +88,14 @@ class RocmKernelConfig:
     def key(self) -> str:
         f = dataclasses.astuple(self)
         return "_".join(str(int(v)) for v in f)
+
+
+def arith_mode(cfg: RocmKernelConfig) -> str:
+    """"fp32", or native "rounded" (tables in the 16-bit input dtype) / "fused" (anything else):
+    rc_arith of rope_cache_math.h, reference.arithmetic."""
+    if not cfg.native:
+        return "fp32"
+    return "rounded" if cfg.dt == cfg.tab_dt and cfg.dt in (BF16, F16) else "fused"
 
 
 def _pow2_width(max_elems: int, *divides: int) -> int:
@@ -311,21 +324,30 @@ class _Emitter:
         assert len(vals) == n, (len(vals), n)
         return vals
 
+    def is_nan_bits(self, u):
+        return self.cmp("ugt", self.band(u, self.i32c(0x7FFFFFFF)), self.i32c(0x7F800000))
+
     def f32_to_bf16_bits(self, f):
         u = self.bitcast(self.i32, f)
         r = self.lshr(self.add(self.add(u, self.i32c(0x7FFF)), self.band(self.lshr(u, self.i32c(16)), self.i32c(1))),
                       self.i32c(16))
-        qn = self.bor(self.lshr(u, self.i32c(16)), self.i32c(0x40))
-        isnan = self.cmp("ugt", self.band(u, self.i32c(0x7FFFFFFF)), self.i32c(0x7F800000))
-        return self.sel(isnan, qn, r)
+        return self.sel(self.is_nan_bits(u), self.i32c(0x7FFF), r)  # canonical NaN
 
     def f32_to_f16_bits(self, f):
         u = self.bitcast(self.i32, f)
         h = self.arith.extui(self.i32, self.bitcast(self.i16, self.arith.truncf(self.f16, f)))
-        sign = self.band(self.lshr(u, self.i32c(16)), self.i32c(0x8000))
-        qn = self.bor(self.bor(sign, self.i32c(0x7E00)), self.band(self.lshr(u, self.i32c(13)), self.i32c(0x3FF)))
-        isnan = self.cmp("ugt", self.band(u, self.i32c(0x7FFFFFFF)), self.i32c(0x7F800000))
-        return self.sel(isnan, qn, h)
+        return self.sel(self.is_nan_bits(u), self.i32c(0x7FFF), h)  # canonical NaN
+
+    def canonical_f32_bits(self, f):
+        u = self.bitcast(self.i32, f)
+        return self.sel(self.is_nan_bits(u), self.i32c(0x7FFFFFFF), u)
+
+    def inv_scale(self, scale):
+        """rc_inv_scale: r32(1 / scale), +-inf replaced by +-FLT_MAX."""
+        u = self.bitcast(self.i32, self.arith.divf(self.c(1, self.f32), scale))
+        sign = self.band(u, self.i32c(0x80000000))
+        is_inf = self.cmp("eq", self.band(u, self.i32c(0x7FFFFFFF)), self.i32c(0x7F800000))
+        return self.bitcast(self.f32, self.sel(is_inf, self.bor(sign, self.i32c(0x7F7FFFFF)), u))
 
     def round_to(self, f, code: int):
         """f32 value rounded to dtype `code` and back (native precision)."""
@@ -370,9 +392,7 @@ class _Emitter:
         out = self.bor(sign, code)
         if fnuz:
             out = self.sel(self.cmp("eq", code, c(0)), c(0), out)
-            nan = c(0x80)
-        else:
-            nan = self.bor(sign, c(0x7F))
+        nan = c(0x80 if fnuz else 0x7F)  # canonical NaN
         return self.sel(self.cmp("ugt", x, c(0x7F800000)), nan, out)
 
     def pack_bits(self, bits: list, elem_bytes: int) -> list:
@@ -395,7 +415,7 @@ class _Emitter:
 
     def to_bits(self, f, code: int, inv_scale=None):
         if code == F32:
-            return self.bitcast(self.i32, f)
+            return self.canonical_f32_bits(f)
         if code == BF16:
             return self.f32_to_bf16_bits(f)
         if code == F16:
@@ -433,7 +453,8 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
     RH = QH + KH
     TPB = cfg.tpb
     tw = R if cfg.full_table else R // 2
-    native_dt = cfg.dt if cfg.native else None
+    mode = arith_mode(cfg)
+    native_dt = cfg.dt if mode == "rounded" else None
 
     tid = E.tid()
     bid = E.bid()
@@ -467,8 +488,8 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
         one = E.c(1, E.f32)
         ks = E.bitcast(E.f32, E.rocdl.raw_ptr_buffer_load(E.i32, E.rsrc(p_ks, c64(4)), c32(0), c32(0)))
         vs = E.bitcast(E.f32, E.rocdl.raw_ptr_buffer_load(E.i32, E.rsrc(p_vs, c64(4)), c32(0), c32(0)))
-        inv_k = E.arith.divf(one, ks)
-        inv_v = E.arith.divf(one, vs)
+        inv_k = E.inv_scale(ks)
+        inv_v = E.inv_scale(vs)
 
     def load_index(rs, tl, is64):
         """int64 value of an index array at local token tl (i32)."""
@@ -590,10 +611,7 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
 
         def tab(rs, first_elem, n):
             off = E.add(row, E.add(E.mul(c, c32(n * s_tab)), c32(first_elem * s_tab)))
-            v = E.elems_from_pieces(E.buf_load_words(rs, off, n * s_tab), cfg.tab_dt, n)
-            if native_dt is not None:
-                v = [E.round_to(x, native_dt) for x in v]
-            return v
+            return E.elems_from_pieces(E.buf_load_words(rs, off, n * s_tab), cfg.tab_dt, n)  # exact
 
         if cfg.neox:
             ca = tab(rs_cos, 0, npairs)
@@ -656,7 +674,11 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
                 xa, xb = xx[0::2], xx[1::2]
             ya, yb = [], []
             for i in range(npairs):
-                if native_dt is None:
+                if mode == "fused":  # fma(a, cos_a, -(b*sin_a)), fma(b, cos_b, a*sin_b)
+                    neg = E.arith.negf(E.arith.mulf(xb[i], sa[i]))
+                    ya.append(E.llvm.intr_fma(xa[i], ca[i], neg))
+                    yb.append(E.llvm.intr_fma(xb[i], cb[i], E.arith.mulf(xa[i], sb[i])))
+                elif native_dt is None:
                     ya.append(E.arith.subf(E.arith.mulf(xa[i], ca[i]), E.arith.mulf(xb[i], sa[i])))
                     yb.append(E.arith.addf(E.arith.mulf(xb[i], cb[i]), E.arith.mulf(xa[i], sb[i])))
                 else:
@@ -683,14 +705,16 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
                 wr = E.and1(s_ok, E.arith.xori(is_q, E.c(1, E.i1)))
                 if hvalid is not None:
                     wr = E.and1(wr, hvalid)
-                # the cache stores k_out (rounded to the input dtype), converted to the cache dtype
+                # the cache stores k_out (rounded to the input dtype), converted to the cache dtype;
+                # an fp8 cache in "fused" arithmetic quantizes the f32 values before that rounding
                 for (d_extra, vals), pieces in zip(outs, out_pieces):
                     d0 = E.add(E.ext64(E.mul(c, c32(W))), c64(d_extra // s_in))
                     if cfg.cache_dt == cfg.dt:
                         guarded(wr, lambda pieces=pieces, d0=d0: E.global_store_pieces(
                             pieces, k_cache_addr(s, hk, None, dvar=d0)))
                     else:
-                        kvals = [E.round_to(v, cfg.dt) for v in vals] if cfg.dt != F32 else vals
+                        keep_f32 = cfg.dt == F32 or mode == "fused"
+                        kvals = vals if keep_f32 else [E.round_to(v, cfg.dt) for v in vals]
                         store_k_cache(wr, s, hk, d0, kvals)
 
     run_phase(cpx_rot, RH, rot_token)
