@@ -277,7 +277,19 @@ def make_kv_cache(num_blocks, block_size, kv_heads, head_dim, dtype=jnp.bfloat16
     fill: "zeros", or "random" (standard normal values; useful for tests that must see which
     slots a kernel touched).
     """
-    dtype = np.dtype(dtype)
+    for name, value in (("num_blocks", num_blocks), ("block_size", block_size), ("kv_heads", kv_heads),
+                        ("head_dim", head_dim), ("num_layers", num_layers)):
+        if value is None and name == "num_layers":
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise ValueError(f"{name}: expected an integer >= 1, got {contract.describe(value)}")
+    if head_dim % 2:
+        raise ValueError(f"head_dim: expected an even integer (RoPE rotates pairs), got {head_dim}")
+    try:
+        dtype = np.dtype(dtype)
+    except TypeError:
+        raise TypeError(f"dtype: expected one of ({contract.dtype_names(contract.INPUT_DTYPES + contract.FP8_DTYPES)}), "
+                        f"got {contract.describe(dtype)}") from None
     if dtype not in contract.INPUT_DTYPES + contract.FP8_DTYPES:
         raise TypeError(f"dtype: expected one of "
                         f"({contract.dtype_names(contract.INPUT_DTYPES + contract.FP8_DTYPES)}), got {dtype.name}")

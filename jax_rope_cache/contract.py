@@ -248,8 +248,8 @@ def is_float_dtype(dtype) -> bool:
 
 
 def check_scale(arg: str, scale, fp8: bool, cache_dtype) -> None:
-    """A scale is a real number or a float scalar array of any float dtype (shape () or (1,)):
-    every implementation uses it as float32."""
+    """A scale is a Python int/float or a scalar of any float dtype (numpy, ml_dtypes or jax; shape
+    () or (1,)): every implementation uses it as float32. Integer, bool and complex arrays are not."""
     if not fp8:
         if scale is not None:
             raise ValueError(f"{arg}: scales apply to float8 caches only; expected None for a "
@@ -258,8 +258,8 @@ def check_scale(arg: str, scale, fp8: bool, cache_dtype) -> None:
     if scale is None:
         raise ValueError(f"{arg}: a {np.dtype(cache_dtype).name} cache needs a scale; expected a "
                          f"float scalar (used as float32), got None")
-    if isinstance(scale, numbers.Real) and not isinstance(scale, (bool, np.bool_)):
-        return
+    if isinstance(scale, (int, float)) and not isinstance(scale, bool) and not hasattr(scale, "dtype"):
+        return  # a Python number; numpy and jax scalars go by their dtype below
     if isinstance(scale, (bool, np.bool_)) or not hasattr(scale, "dtype") or not hasattr(scale, "shape"):
         raise TypeError(f"{arg}: expected a float scalar (used as float32), got {type(scale).__name__}")
     if not is_float_dtype(scale.dtype) or tuple(scale.shape) not in ((), (1,)):
