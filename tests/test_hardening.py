@@ -1023,9 +1023,10 @@ CLI_BAD = [
     ("bench", "--calls 0"), ("bench", "--tokens -5"), ("bench", "--tokens 4 0"), ("bench", "--tp 3"),
     ("bench", "--preset nope"), ("bench", "--repeats 0"), ("bench", "--repeats -1"), ("bench", "--layout bad"),
     ("bench", "--slots nope"), ("bench", "--out /nonexistent/dir/x"), ("bench", "--tp 2.5"),
-    ("compile", "--tp 0"), ("compile", "--preset nope"), ("compile", "--arch gfx900"), ("compile", "--layout bad"),
-    ("compile", "--block-size 0"), ("compile", "--heads 8,3,64"), ("compile", "--heads 8,2"),
-    ("compile", "--dtype int8"), ("compile", "--index-dtype int16"), ("compile", "--preset llama-3.1-8b --tp 3"),
+    ("compile", "--preset tiny --tp 0"), ("compile", "--preset nope"), ("compile", "--preset tiny --arch gfx900"),
+    ("compile", "--preset tiny --layout bad"), ("compile", "--preset tiny --block-size 0"),
+    ("compile", "--heads 8,3,64"), ("compile", "--heads 8,2"), ("compile", "--preset tiny --dtype int8"),
+    ("compile", "--preset tiny --index-dtype int16"), ("compile", "--preset llama-3.1-8b --tp 3"),
     ("info", "--bogus"),
 ]
 
