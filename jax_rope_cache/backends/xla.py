@@ -86,7 +86,7 @@ def quantize(x, cache_dtype, scale):
 _I32_MAX = 2**31 - 1
 
 
-def slot_validity(s, num_slots: int, num_blocks: int, arg: str = "key_cache"):
+def slot_validity(s, num_slots: int, num_blocks: int, hint: str = ", or use the kernel (impl='kernel')"):
     """(slots, valid) with `s < num_slots` computed in a width that holds num_slots: int32 slots on a
     cache of >= 2**31 slots are widened to int64 (jax_enable_x64 on), or, without 64-bit integers,
     compared by sign alone (every int32 value is below num_slots); a cache whose block index itself
@@ -97,8 +97,8 @@ def slot_validity(s, num_slots: int, num_blocks: int, arg: str = "key_cache"):
         s = s.astype(jnp.int64)
         return s, (s >= 0) & (s < num_slots)
     if num_blocks > _I32_MAX:
-        raise ValueError(f"{arg}: {num_blocks} blocks cannot be indexed by the XLA path with int32 indices; "
-                         "enable jax_enable_x64, or use the kernel (impl='kernel')")
+        raise ValueError(f"key_cache: {num_blocks} blocks cannot be indexed by the XLA path with int32 indices; "
+                         f"enable jax_enable_x64{hint}")
     return s, s >= 0
 
 
@@ -144,7 +144,7 @@ def read_kv(key_cache, value_cache, slot_mapping, *, layout="flash"):
     x = contract.pack_width(key_cache.dtype)
     nb, bs = lay.block_geometry(key_cache.shape, x)
     kh, d = key_cache.shape[lay.key_axes.index("KH")], value_cache.shape[lay.value_axes.index("D")]
-    s, valid = slot_validity(jnp.asarray(slot_mapping), nb * bs, nb)
+    s, valid = slot_validity(jnp.asarray(slot_mapping), nb * bs, nb, hint="")
     safe = jnp.where(valid, s, 0)
     blk, off = safe // bs, safe % bs
     keep = valid[:, None, None]
