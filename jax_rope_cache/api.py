@@ -288,8 +288,8 @@ def make_kv_cache(num_blocks, block_size, kv_heads, head_dim, dtype=jnp.bfloat16
     try:
         dtype = np.dtype(dtype)
     except TypeError:
-        raise TypeError(f"dtype: expected one of ({contract.dtype_names(contract.INPUT_DTYPES + contract.FP8_DTYPES)}), "
-                        f"got {contract.describe(dtype)}") from None
+        names = contract.dtype_names(contract.INPUT_DTYPES + contract.FP8_DTYPES)
+        raise TypeError(f"dtype: expected one of ({names}), got {contract.describe(dtype)}") from None
     if dtype not in contract.INPUT_DTYPES + contract.FP8_DTYPES:
         raise TypeError(f"dtype: expected one of "
                         f"({contract.dtype_names(contract.INPUT_DTYPES + contract.FP8_DTYPES)}), got {dtype.name}")
@@ -318,7 +318,8 @@ def read_kv(key_cache, value_cache, slot_mapping, *, layout="flash"):
     is outside the cache, whatever its width: numpy int64 slots with jax_enable_x64 off are
     mapped before JAX narrows them)."""
     nb, bs = contract.check_read_kv(key_cache, value_cache, slot_mapping, layout)
-    _check_concrete((("key_cache", key_cache), ("value_cache", value_cache), ("slot_mapping", slot_mapping)), distinct=False)
+    _check_concrete((("key_cache", key_cache), ("value_cache", value_cache), ("slot_mapping", slot_mapping)),
+                    distinct=False)
     if _is_host(slot_mapping) and jax.dtypes.canonicalize_dtype(slot_mapping.dtype) != slot_mapping.dtype:
         slot_mapping = contract.narrow_slots(slot_mapping, nb * bs)
     return _read_kv_jit(key_cache, value_cache, slot_mapping, layout=layout)

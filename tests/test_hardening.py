@@ -648,7 +648,8 @@ def test_cuda_lowering_carries_the_buffer_signature():
         pytest.skip("NVRTC not installed")
     ops, _ = _raw_problem()
     args = [S(np.shape(ops[n]), np.asarray(ops[n]).dtype) for n in contract.OPERANDS[:9]]
-    checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in (launcher.GPU_TARGET, launcher.GPU_TARGET_NO_GRAPH)]
+    checks = [jax.export.DisabledSafetyCheck.custom_call(t)
+              for t in (launcher.GPU_TARGET, launcher.GPU_TARGET_NO_GRAPH)]
     exp = jax.export.export(jax.jit(lambda *a: jrc.rope_and_cache(*a, impl="kernel")), platforms=["cuda"],
                             disabled_checks=checks)(*args)
     text = exp.mlir_module()
@@ -670,7 +671,8 @@ def test_disable_jit_runs_eagerly_through_the_same_implementation(platform, impl
         _compare(impl, jrc.rope_and_cache(*args, **opts, impl=impl), want, args, opts, "[disable_jit]")
         _compare(impl, jrc.rope_and_cache_donated(*_device_args(args, platform), **opts, impl=impl), want, args, opts,
                  "[disable_jit donated]")
-        _compare(impl, jrc.rope_and_cache(*sargs, **opts, impl=impl, layer=1), swant, sargs, opts, "[disable_jit layer]")
+        _compare(impl, jrc.rope_and_cache(*sargs, **opts, impl=impl, layer=1), swant, sargs, opts,
+                 "[disable_jit layer]")
         _compare(impl, jrc.rope_and_cache(*sargs, **opts, impl=impl, layer=jnp.int32(1)), swant, sargs, opts,
                  "[disable_jit traced-style layer]")
         kr, vr = jax.new_ref(jnp.asarray(args[3])), jax.new_ref(jnp.asarray(args[4]))
@@ -775,8 +777,9 @@ def test_any_float_scalar_is_a_scale(platform, impl, kind, make):
         jax.jit(lambda s, t, *a: jrc.rope_and_cache(*a, k_scale=s, v_scale=t, impl=impl))(ks, vs, *args)
 
 
-@pytest.mark.parametrize("bad", [np.int32(1), np.asarray(1, np.int8), jnp.asarray(2), np.asarray([1.0, 2.0], np.float32),
-                                 np.complex64(1), True, "0.5", np.ones((1, 1), np.float32)],
+@pytest.mark.parametrize("bad", [np.int32(1), np.asarray(1, np.int8), jnp.asarray(2),
+                                 np.asarray([1.0, 2.0], np.float32), np.complex64(1), True, "0.5",
+                                 np.ones((1, 1), np.float32)],
                          ids=["int32", "int8", "jax-int", "two-values", "complex", "bool", "str", "rank2"])
 def test_non_float_scales_are_rejected_the_same_everywhere(bad):
     """Item 9 (api): integer, bool, complex, string and non-scalar scales raise TypeError from the
@@ -835,7 +838,8 @@ MESSAGE_CASES = [
     ("layer-float-tracer", lambda a, o: jax.jit(lambda l: jrc.rope_and_cache(*a, **o, layer=l))(1.0),  # noqa: E741
      TypeError, "layer: expected None, an int or an integer scalar array, got a float32[] array"),
     ("k_scale-tracer-non-fp8", lambda a, o: jax.jit(lambda s: jrc.rope_and_cache(*a, **o, k_scale=s))(1.0),
-     ValueError, "k_scale: scales apply to float8 caches only; expected None for a bfloat16 cache, got a float32[] array"),
+     ValueError, "k_scale: scales apply to float8 caches only; expected None for a bfloat16 cache, "
+                 "got a float32[] array"),
     ("layer-bool", lambda a, o: jrc.rope_and_cache(*a, **o, layer=True), TypeError,
      "layer: expected None, an int or an integer scalar array, got bool"),
     ("layer-list", lambda a, o: jrc.rope_and_cache(*a, **o, layer=[1]), TypeError,

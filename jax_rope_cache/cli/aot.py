@@ -85,17 +85,20 @@ def main(argv=None) -> None:
         flydsl.SUPPORTED_ARCHS, "arch"), "list of archs"), help="comma-separated: gfx942,gfx950")
     p.add_argument("--preset", action="append", default=[], type=_args.preset_name,
                    help=f"model shape (repeatable); one of: {', '.join(sorted(MODELS))}")
-    p.add_argument("--tp", type=_args.positive_int, default=1, help="tensor-parallel degree dividing the preset's heads")
+    p.add_argument("--tp", type=_args.positive_int, default=1,
+                   help="tensor-parallel degree dividing the preset's heads")
     p.add_argument("--heads", type=_args.csv_of(_args.positive_int, "QH,KH,D[,R]"),
                    help="explicit shape instead of a preset: QH,KH,D[,R]")
     csv = lambda choices, what: _args.csv_of(_args.one_of(choices, what), f"list of {what}s")  # noqa: E731
     p.add_argument("--block-size", type=_args.csv_of(_args.positive_int, "list of block sizes"), default=(16,))
-    p.add_argument("--layout", type=csv(contract.LAYOUTS, "layout"), default=("flash",), help=",".join(contract.LAYOUTS))
+    p.add_argument("--layout", type=csv(contract.LAYOUTS, "layout"), default=("flash",),
+                   help=",".join(contract.LAYOUTS))
     p.add_argument("--dtype", type=csv(inputs, "dtype"), default=("bfloat16",), help="q/k/v dtypes")
     p.add_argument("--cache-dtype", type=csv(tuple(_DTYPES), "cache dtype"), default=None,
                    help="default: same as --dtype; or float8_e4m3fn,...")
     p.add_argument("--table-dtype", type=csv(inputs, "table dtype"), default=("float32",))
-    p.add_argument("--style", type=csv(("neox", "gptj"), "style"), default=None, help="neox,gptj (default: the preset's)")
+    p.add_argument("--style", type=csv(("neox", "gptj"), "style"), default=None,
+                   help="neox,gptj (default: the preset's)")
     p.add_argument("--table", type=csv(("half", "full"), "table"), default=("half",), help="half,full")
     p.add_argument("--precision", type=csv(contract.PRECISIONS, "precision"), default=("fp32",),
                    help=",".join(contract.PRECISIONS))

@@ -175,7 +175,8 @@ def main(argv=None):
     p.add_argument("--steps", type=_args.positive_int, default=256)
     p.add_argument("--layers", type=_args.positive_int, default=32)
     p.add_argument("--block-size", type=_args.positive_int, default=16)
-    p.add_argument("--check-layers", type=_args.positive_int, default=None, help="compare only this many layers (default all)")
+    p.add_argument("--check-layers", type=_args.positive_int, default=None,
+                   help="compare only this many layers (default all)")
     p.add_argument("--no-unroll", action="store_true",
                    help="keep the layer scan rolled (a while loop: on GPUs one host round trip per layer)")
     a = _args.parse_args(p, argv)
