@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import numbers
 from collections.abc import Callable, Sequence
 
 import jax
@@ -23,6 +25,135 @@ def _scale_operand(scale):
     return jnp.asarray(scale, jnp.float32).reshape(())
 
 
+# ---- validation shared by every entry point (rope_and_cache, rope_and_cache_donated) ----------
+def _is_host(a) -> bool:
+    """A numpy array or scalar: its values are visible here, before JAX converts it."""
+    return isinstance(a, (np.ndarray, np.generic))
+
+
+def _is_concrete(a) -> bool:
+    """A jax.Array with a buffer (not a tracer)."""
+    return isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer)
+
+
+def _check_refs(key_cache, value_cache) -> bool:
+    """True when the caches are jax.Refs (both or neither, never the same one)."""
+    refs = [isinstance(c, jax.Ref) for c in (key_cache, value_cache)]
+    if any(refs) and not all(refs):
+        raise TypeError(f"value_cache: expected {'a jax.Ref' if refs[0] else 'an array'} like key_cache, "
+                        f"got {type(value_cache).__name__}")
+    contract.check_distinct_caches(key_cache, value_cache)
+    return refs[0]
+
+
+def _first_buffer(a):
+    try:
+        return a.addressable_shards[0].data.unsafe_buffer_pointer()
+    except Exception:  # noqa: BLE001 - no single buffer to compare (deleted, sharded oddly, ...)
+        return None
+
+
+def _devices(ds) -> str:
+    return ", ".join(sorted(f"{d.platform}:{d.id}" for d in ds))
+
+
+def _check_concrete(named, distinct: bool = True) -> None:
+    """Checks of concrete jax.Arrays that XLA would report without naming the argument: deleted
+    (donated) arrays, one buffer passed as both caches, committed arrays on different devices."""
+    concrete = [(n, a) for n, a in named if _is_concrete(a)]
+    for name, a in concrete:
+        if a.is_deleted():
+            raise ValueError(f"{name}: expected a live array, got one that was deleted (donated to an earlier "
+                             "call, e.g. of rope_and_cache_donated, which consumes the caches); use the arrays "
+                             "that call returned")
+    arrays = dict(concrete)
+    kc, vc = arrays.get("key_cache"), arrays.get("value_cache")
+    if distinct and kc is not None and vc is not None and kc.nbytes and _first_buffer(kc) is not None \
+            and _first_buffer(kc) == _first_buffer(vc):
+        raise ValueError("value_cache: expected a different buffer from key_cache, got an array sharing "
+                         "key_cache's buffer (the V writes would overwrite the K writes)")
+    first = None
+    for name, a in concrete:
+        if not a.committed:
+            continue
+        ds = a.sharding.device_set
+        if first is None:
+            first = (name, ds)
+        elif ds != first[1]:
+            raise ValueError(f"{name}: expected an array on the same device(s) as {first[0]} "
+                             f"({_devices(first[1])}), got one on {_devices(ds)}; move it with jax.device_put")
+
+
+def _narrow_indices(slot_mapping, positions, spec: contract.OpSpec):
+    """Host int64 indices JAX would narrow to int32 (jax_enable_x64 off) are given their meaning
+    first (contract.narrow_slots / narrow_positions); returns them and the matching spec."""
+    changes = {}
+    if _is_host(slot_mapping) and jax.dtypes.canonicalize_dtype(slot_mapping.dtype) != slot_mapping.dtype:
+        slot_mapping = contract.narrow_slots(slot_mapping, spec.num_slots)
+        changes["slot_dtype"] = slot_mapping.dtype
+    if _is_host(positions) and jax.dtypes.canonicalize_dtype(positions.dtype) != positions.dtype:
+        positions = contract.narrow_positions(positions, spec.max_pos)
+        changes["pos_dtype"] = positions.dtype
+    return slot_mapping, positions, dataclasses.replace(spec, **changes) if changes else spec
+
+
+def _host_layer(layer, spec: contract.OpSpec):
+    """A numpy scalar-array layer (concrete, any integer width) as an int32 array with -1 where it
+    is outside [0, L); Python ints (already range-checked) and jax values are left as they are."""
+    if layer is None or isinstance(layer, numbers.Integral) or not _is_host(layer):
+        return layer
+    value = int(np.asarray(layer).reshape(()))
+    return np.asarray(value if 0 <= value < spec.num_layers else -1, np.int32)
+
+
+def _layer_operand(layer, spec: contract.OpSpec):
+    """The int32 `layer` operand. A wider (or unsigned) traced layer is compared with [0, L) in its
+    own width first, so layer 2**32 never wraps into layer 0: outside, it becomes -1 (no write)."""
+    if layer is None:
+        return jnp.zeros((), jnp.int32)
+    if isinstance(layer, numbers.Integral):
+        return jnp.asarray(int(layer), jnp.int32)  # check_op checked 0 <= layer < L
+    layer = jnp.reshape(jnp.asarray(layer), ())
+    dt = np.dtype(layer.dtype)
+    if dt == np.int32 or dt.itemsize < 4:  # every value of int8/int16/uint8/uint16 fits int32
+        return layer.astype(jnp.int32)
+    inside = layer >= 0 if dt.kind == "i" else jnp.ones((), bool)
+    if spec.num_layers <= np.iinfo(dt).max:
+        inside = inside & (layer < spec.num_layers)
+    return jnp.where(inside, layer.astype(jnp.int32), jnp.int32(-1))
+
+
+def _prepare(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, *, layout, is_neox,
+             rotary_dim, k_scale, v_scale, precision, impl, layer):
+    """Every check of a call, in the same order for every entry point; returns the spec and the
+    index arguments as they may be handed to JAX (host int64 indices given their meaning)."""
+    _check_refs(key_cache, value_cache)
+    spec = contract.check_op(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
+                             layout=layout, is_neox=is_neox, rotary_dim=rotary_dim, k_scale=k_scale,
+                             v_scale=v_scale, precision=precision, layer=layer)
+    if impl not in IMPLS:
+        raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
+    _check_concrete(zip(contract.OPERANDS, (q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
+                                            k_scale, v_scale, layer)))
+    slot_mapping, positions, spec = _narrow_indices(slot_mapping, positions, spec)
+    return spec, slot_mapping, positions, _host_layer(layer, spec)
+
+
+def _xla_not_differentiable(spec, primals, tangents):
+    del spec, primals, tangents
+    raise TypeError(primitive.NOT_DIFFERENTIABLE)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(12,))
+def _xla_impl(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, k_scale, v_scale, layer, spec):
+    """impl="xla" under the op's one differentiation rule (none: jax.grad raises, as for the kernel)."""
+    return xla.rope_and_cache(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, k_scale,
+                              v_scale, layer, spec=spec)
+
+
+_xla_impl.defjvp(_xla_not_differentiable)
+
+
 def rope_and_cache(q: ArrayLike, k: ArrayLike, v: ArrayLike, key_cache: Cache, value_cache: Cache,
                    slot_mapping: ArrayLike, positions: ArrayLike, cos: ArrayLike, sin: ArrayLike, *,
                    layout: str = "flash", is_neox: bool = True, rotary_dim: int | None = None,
@@ -35,11 +166,12 @@ def rope_and_cache(q: ArrayLike, k: ArrayLike, v: ArrayLike, key_cache: Cache, v
       q: [T, QH, D] bfloat16, float16 or float32 queries.
       k, v: [T, KH, D] new keys and values, q's dtype; QH % KH == 0.
       key_cache, value_cache: the caches in `layout` (see below), q's dtype or float8_e4m3fn /
-        float8_e4m3fnuz. Updated in place when the caller's jit donates them (or use
-        `rope_and_cache_donated`), or when they are `jax.Ref`s (then nothing needs donating:
+        float8_e4m3fnuz; two different arrays. Updated in place when the caller's jit donates them
+        (or use `rope_and_cache_donated`), or when they are `jax.Ref`s (then nothing needs donating:
         the refs are written and also returned). With `layer`, stacked as [L, ...].
       slot_mapping: [T] int32/int64. Slot s is block s // BS, offset s % BS; slots outside
-        [0, NB*BS) (e.g. -1 for padding) write nothing.
+        [0, NB*BS) (e.g. -1 for padding) write nothing, whatever their width (numpy int64 slots
+        with jax_enable_x64 off are mapped before JAX narrows them; see README "Errors").
       positions: [T] int32/int64 rows of cos/sin, clamped to [0, max_pos - 1].
       cos, sin: [max_pos, R/2] ("half") or [max_pos, R] ("full") tables, bf16/f16/f32.
       layout: "flash"            K, V: [NB, BS, KH, D]
@@ -48,23 +180,23 @@ def rope_and_cache(q: ArrayLike, k: ArrayLike, v: ArrayLike, key_cache: Cache, v
         with X = 16 // cache itemsize.
       is_neox: True rotates pairs (i, i + R/2); False (GPT-J) pairs (2i, 2i + 1).
       rotary_dim: R, even, <= D (default D); channels >= R pass through.
-      k_scale, v_scale: float32 scalars for float8 caches (stored = fp8(sat(x * (1/scale)))); None otherwise.
+      k_scale, v_scale: float scalars (any float dtype, used as float32) for float8 caches
+        (stored = fp8(sat(x * (1/scale)))); None otherwise.
       precision: "fp32" (rotate in float32, round once) or "native" (AITER's arithmetic on ROCm:
         tables in the input dtype round every product and the sum; other tables promote to
         float32 with the first product fused). jax_rope_cache.reference states every rule.
       impl: None (native kernel where the platform has one, else XLA), "kernel", or "xla".
       layer: None, or the layer (int or traced integer scalar) of stacked [L, ...] caches to
         write: one stacked cache carried through `lax.scan`/`fori_loop` over layers is updated in
-        place, never sliced. A traced layer outside [0, L) writes nothing.
+        place, never sliced. A traced layer outside [0, L) writes nothing (compared in its own
+        integer width: a 64-bit layer 2**32 is outside, never layer 0).
 
     Returns:
       (q_out [T, QH, D], k_out [T, KH, D], key_cache, value_cache).
+
+    Not differentiable (every impl): jax.grad through it raises a TypeError.
     """
-    refs = [isinstance(c, jax.Ref) for c in (key_cache, value_cache)]
-    if any(refs):
-        if not all(refs):
-            raise TypeError(f"value_cache: expected {'a jax.Ref' if refs[0] else 'an array'} like key_cache, "
-                            f"got {type(value_cache).__name__}")
+    if _check_refs(key_cache, value_cache):
         key_ref, value_ref = key_cache, value_cache
         q_out, k_out, kc, vc = rope_and_cache(
             q, k, v, key_ref[...], value_ref[...], slot_mapping, positions, cos, sin, layout=layout,
@@ -72,31 +204,77 @@ def rope_and_cache(q: ArrayLike, k: ArrayLike, v: ArrayLike, key_cache: Cache, v
             impl=impl, layer=layer)
         key_ref[...], value_ref[...] = kc, vc
         return q_out, k_out, key_ref, value_ref
-    spec = contract.check_op(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
-                          layout=layout, is_neox=is_neox, rotary_dim=rotary_dim, k_scale=k_scale,
-                          v_scale=v_scale, precision=precision, layer=layer)
-    if impl not in IMPLS:
-        raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
+    spec, slot_mapping, positions, layer = _prepare(
+        q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, layout=layout, is_neox=is_neox,
+        rotary_dim=rotary_dim, k_scale=k_scale, v_scale=v_scale, precision=precision, impl=impl, layer=layer)
     args = tuple(jnp.asarray(a) for a in (q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin))
-    args += (_scale_operand(k_scale), _scale_operand(v_scale),
-             jnp.asarray(0 if layer is None else layer, jnp.int32).reshape(()))
+    args += (_scale_operand(k_scale), _scale_operand(v_scale), _layer_operand(layer, spec))
     if spec.num_tokens == 0:
         return args[:2] + args[3:5]
     if impl == "xla":
-        return xla.rope_and_cache(*args, spec=spec)
+        return tuple(_xla_impl(*args, spec))
     return tuple(primitive.bind(*args, spec=spec, impl=impl))
 
 
 _STATIC = ("layout", "is_neox", "rotary_dim", "precision", "impl")
 
-rope_and_cache_donated = jax.jit(rope_and_cache, static_argnames=_STATIC,
-                                 donate_argnames=("key_cache", "value_cache"))
-rope_and_cache_donated.__doc__ = """`rope_and_cache` under `jax.jit` with both caches donated.
+_donating_jit = jax.jit(rope_and_cache, static_argnames=_STATIC, donate_argnames=("key_cache", "value_cache"))
 
-The caches passed in are consumed (updated in place, then deleted on the caller's side): use the
-returned ones. Inside your own jit, call `rope_and_cache` and donate the caches at the outermost
-jit instead.
-"""
+
+def _rope_and_cache_refs(q, k, v, key_cache, value_cache, *args, **options):
+    """With jax.Ref caches: writes the refs in place and returns (q_out, k_out); a jit may not return refs."""
+    return rope_and_cache(q, k, v, key_cache, value_cache, *args, **options)[:2]
+
+
+_refs_jit = jax.jit(_rope_and_cache_refs, static_argnames=_STATIC)  # jax.Refs: nothing to donate
+# XLA's words when a donated buffer is gone by the time the executable runs (another thread's call
+# donated it first): reported as the caches' error, naming them.
+_DONATED_RUNTIME_ERRORS = ("Invalid buffer passed to Execute", "Buffer has been deleted or donated",
+                           "Array has been deleted")
+
+
+def _donated_call(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, *, layout="flash",
+                  is_neox=True, rotary_dim=None, k_scale=None, v_scale=None, precision="fp32", impl=None,
+                  layer=None):
+    """(jitted function, args, kwargs) of a rope_and_cache_donated call, validated as rope_and_cache does."""
+    refs = _check_refs(key_cache, value_cache)
+    _, slot_mapping, positions, layer = _prepare(
+        q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, layout=layout, is_neox=is_neox,
+        rotary_dim=rotary_dim, k_scale=k_scale, v_scale=v_scale, precision=precision, impl=impl, layer=layer)
+    kwargs = dict(layout=layout, is_neox=is_neox, rotary_dim=rotary_dim, k_scale=k_scale, v_scale=v_scale,
+                  precision=precision, impl=impl, layer=layer)
+    return (_refs_jit if refs else _donating_jit), (q, k, v, key_cache, value_cache, slot_mapping, positions,
+                                                     cos, sin), kwargs
+
+
+def rope_and_cache_donated(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, **options):
+    """`rope_and_cache` under `jax.jit` with both caches donated (same arguments, same errors).
+
+    The caches passed in are consumed (updated in place, then deleted on the caller's side): use the
+    returned ones. `jax.Ref` caches are written in place and not donated. Inside your own jit, call
+    `rope_and_cache` and donate the caches at the outermost jit instead. `.lower(...)` lowers the
+    same jitted call.
+    """
+    fn, args, kwargs = _donated_call(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, **options)
+    try:
+        if fn is _refs_jit:
+            return tuple(fn(*args, **kwargs)) + (key_cache, value_cache)
+        return fn(*args, **kwargs)
+    except (jax.errors.JaxRuntimeError, ValueError, RuntimeError) as e:  # XLA's INVALID_ARGUMENT is a ValueError
+        if any(m in str(e) for m in _DONATED_RUNTIME_ERRORS):
+            raise ValueError("key_cache/value_cache: expected live caches, got caches that another call donated "
+                             "(deleted) while this one started, e.g. two threads passing the same caches to "
+                             "rope_and_cache_donated; each call consumes its caches: pass the ones the previous "
+                             "call returned") from e
+        raise
+
+
+def _lower_donated(*args, **options):
+    fn, args, kwargs = _donated_call(*args, **options)
+    return fn.lower(*args, **kwargs)
+
+
+rope_and_cache_donated.lower = _lower_donated
 
 
 def make_kv_cache(num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype=jnp.bfloat16, *,
@@ -107,7 +285,19 @@ def make_kv_cache(num_blocks: int, block_size: int, kv_heads: int, head_dim: int
     fill: "zeros", or "random" (standard normal values; useful for tests that must see which
     slots a kernel touched).
     """
-    dtype = np.dtype(dtype)
+    for name, value in (("num_blocks", num_blocks), ("block_size", block_size), ("kv_heads", kv_heads),
+                        ("head_dim", head_dim), ("num_layers", num_layers)):
+        if value is None and name == "num_layers":
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise ValueError(f"{name}: expected an integer >= 1, got {contract.describe(value)}")
+    if head_dim % 2:
+        raise ValueError(f"head_dim: expected an even integer (RoPE rotates pairs), got {head_dim}")
+    try:
+        dtype = np.dtype(dtype)
+    except TypeError:
+        names = contract.dtype_names(contract.INPUT_DTYPES + contract.FP8_DTYPES)
+        raise TypeError(f"dtype: expected one of ({names}), got {contract.describe(dtype)}") from None
     if dtype not in contract.INPUT_DTYPES + contract.FP8_DTYPES:
         raise TypeError(f"dtype: expected one of "
                         f"({contract.dtype_names(contract.INPUT_DTYPES + contract.FP8_DTYPES)}), got {dtype.name}")
@@ -128,12 +318,20 @@ def make_kv_cache(num_blocks: int, block_size: int, kv_heads: int, head_dim: int
     return make(shapes[0], 0), make(shapes[1], 1)
 
 
-@functools.partial(jax.jit, static_argnames=("layout",))
+_read_kv_jit = jax.jit(xla.read_kv, static_argnames=("layout",))
+
+
 def read_kv(key_cache: jax.Array, value_cache: jax.Array, slot_mapping: ArrayLike, *,
             layout: str = "flash") -> tuple[jax.Array, jax.Array]:
     """Gathers cached K and V for each slot as [T, KH, D] in the cache dtype (zeros where the slot
-    is outside the cache)."""
-    return xla.read_kv(key_cache, value_cache, slot_mapping, layout=layout)
+    is outside the cache, whatever its width: numpy int64 slots with jax_enable_x64 off are
+    mapped before JAX narrows them)."""
+    nb, bs = contract.check_read_kv(key_cache, value_cache, slot_mapping, layout)
+    _check_concrete((("key_cache", key_cache), ("value_cache", value_cache), ("slot_mapping", slot_mapping)),
+                    distinct=False)
+    if _is_host(slot_mapping) and jax.dtypes.canonicalize_dtype(slot_mapping.dtype) != slot_mapping.dtype:
+        slot_mapping = contract.narrow_slots(slot_mapping, nb * bs)
+    return _read_kv_jit(key_cache, value_cache, slot_mapping, layout=layout)
 
 
 # jax.export refuses custom calls it does not know; these are every target the op lowers to (the

@@ -129,6 +129,34 @@ def check_layout_divisibility(layout: str, head_dim: int, block_size: int, cache
         raise ValueError(f"{block_arg}: layout {layout!r} with {name} needs a multiple of X={x}, got {block_size}")
 
 
+# ---- host index arrays on a device without 64-bit integers -----------------------------------
+# With jax_enable_x64 off JAX narrows int64 host arrays to int32, which would wrap slot 2**32 + 1
+# into slot 1 and position 2**32 + 3 into row 3. The library's entry points see the host values and
+# give each its meaning in the contract first (any slot outside [0, num_slots) -> -1, no write;
+# positions clamped to the table), then narrow. Inside a user's jit JAX has narrowed already.
+INT32_MAX = 2**31 - 1
+
+
+def narrow_slots(slot_mapping, num_slots: int, arg: str = "slot_mapping") -> np.ndarray:
+    """int32 slots with the same meaning as the (wider) host slots `slot_mapping`."""
+    s = np.asarray(slot_mapping)
+    out = np.where((s >= 0) & (s < num_slots), s, -1)
+    if out.size and out.max() > INT32_MAX:
+        raise ValueError(f"{arg}: slot {int(out.max())} is valid for a cache of {num_slots} slots but does "
+                         "not fit the int32 indices JAX uses with jax_enable_x64 off; enable it "
+                         "(jax.config.update('jax_enable_x64', True)) to address slots >= 2**31")
+    return out.astype(np.int32)
+
+
+def narrow_positions(positions, max_pos: int, arg: str = "positions") -> np.ndarray:
+    """int32 positions with the same meaning (clamped to [0, max_pos - 1]) as the host positions."""
+    p = np.clip(np.asarray(positions), 0, max_pos - 1)
+    if p.size and p.max() > INT32_MAX:
+        raise ValueError(f"{arg}: position {int(p.max())} is a valid row of a table of {max_pos} rows but "
+                         "does not fit the int32 indices JAX uses with jax_enable_x64 off; enable it")
+    return p.astype(np.int32)
+
+
 # Operand order of the primitive and every native handler; the caches are updated in place.
 OPERANDS = ("q", "k", "v", "key_cache", "value_cache", "slot_mapping", "positions", "cos", "sin",
             "k_scale", "v_scale", "layer")
@@ -191,22 +219,60 @@ def _check_shape(arg: str, a, expected: tuple[int, ...], dims: str) -> None:
         raise ValueError(f"{arg}: expected shape {dims} = {list(expected)}, got {list(a.shape)}")
 
 
+def describe(value) -> str:
+    """What a value is, for error messages: an array (or a tracer of one) by dtype and shape, a
+    number by its repr, anything else by its type name; never a tracer's own repr."""
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        try:
+            name = np.dtype(value.dtype).name
+        except TypeError:
+            name = str(value.dtype)
+        return f"{'an' if name[:1] in 'aeiou' else 'a'} {name}{list(value.shape)} array"
+    if isinstance(value, (numbers.Number, str)) and not isinstance(value, bool):
+        return repr(value)
+    return type(value).__name__
+
+
+def is_float_dtype(dtype) -> bool:
+    """A real floating dtype: numpy's (float16/32/64) and ml_dtypes' (bfloat16, the float8s)."""
+    dt = np.dtype(dtype)
+    if dt.kind == "f":
+        return True
+    if dt.kind != "V":
+        return False
+    try:
+        ml_dtypes.finfo(dt)
+    except (ValueError, TypeError):
+        return False
+    return True
+
+
 def check_scale(arg: str, scale, fp8: bool, cache_dtype) -> None:
+    """A scale is a Python int/float or a scalar of any float dtype (numpy, ml_dtypes or jax; shape
+    () or (1,)): every implementation uses it as float32. Integer, bool and complex arrays are not."""
     if not fp8:
         if scale is not None:
             raise ValueError(f"{arg}: scales apply to float8 caches only; expected None for a "
-                             f"{np.dtype(cache_dtype).name} cache, got {scale!r}")
+                             f"{np.dtype(cache_dtype).name} cache, got {describe(scale)}")
         return
     if scale is None:
         raise ValueError(f"{arg}: a {np.dtype(cache_dtype).name} cache needs a scale; expected a "
-                         f"float32 scalar, got None")
-    if isinstance(scale, numbers.Real) and not isinstance(scale, bool):
-        return
-    if isinstance(scale, bool) or not hasattr(scale, "dtype"):
-        raise TypeError(f"{arg}: expected a float32 scalar, got {type(scale).__name__}")
-    if not np.issubdtype(np.dtype(scale.dtype), np.floating) or tuple(scale.shape) not in ((), (1,)):
-        raise TypeError(f"{arg}: expected a float32 scalar (shape () or (1,)), got "
-                        f"{np.dtype(scale.dtype).name}{list(scale.shape)}")
+                         f"float scalar (used as float32), got None")
+    if isinstance(scale, (int, float)) and not isinstance(scale, bool) and not hasattr(scale, "dtype"):
+        return  # a Python number; numpy and jax scalars go by their dtype below
+    if isinstance(scale, (bool, np.bool_)) or not hasattr(scale, "dtype") or not hasattr(scale, "shape"):
+        raise TypeError(f"{arg}: expected a float scalar (used as float32), got {type(scale).__name__}")
+    if not is_float_dtype(scale.dtype) or tuple(scale.shape) not in ((), (1,)):
+        raise TypeError(f"{arg}: expected a float scalar (any float dtype, shape () or (1,); used as "
+                        f"float32), got {describe(scale)}")
+
+
+def check_distinct_caches(key_cache, value_cache) -> None:
+    """The same array (or jax.Ref) as both caches would make the V writes overwrite the K writes."""
+    if key_cache is value_cache:
+        raise ValueError("value_cache: expected a different array from key_cache, got the same "
+                         f"{type(value_cache).__name__} for both (the V writes would overwrite the K writes); "
+                         "allocate one cache per K and V, e.g. with make_kv_cache")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,13 +289,12 @@ def check_layer(layer, key_cache, value_cache, layout: str):
         return key_cache, value_cache, None
     if isinstance(layer, bool) or not (isinstance(layer, numbers.Integral) or (
             hasattr(layer, "dtype") and np.issubdtype(np.dtype(layer.dtype), np.integer) and tuple(layer.shape) == ())):
-        raise TypeError(f"layer: expected None, an int or an integer scalar array, got "
-                        f"{type(layer).__name__}{list(getattr(layer, 'shape', []))}")
+        raise TypeError(f"layer: expected None, an int or an integer scalar array, got {describe(layer)}")
     lay = cache_layout(layout)
     for name, a, which in (("key_cache", key_cache, "key"), ("value_cache", value_cache, "value")):
         rank, dims = len(lay.axes(which)), lay.dims(which)
         _dtype(name, a)
-        _check_rank(name, a, rank + 1, f"[L, {dims[1:]} (stacked layers, layer={layer!r}) for layout {layout!r}")
+        _check_rank(name, a, rank + 1, f"[L, {dims[1:]} (stacked layers, as layer is given) for layout {layout!r}")
     if value_cache.shape[0] != key_cache.shape[0]:
         raise ValueError(f"value_cache: expected {key_cache.shape[0]} layers (as key_cache), "
                          f"got shape {list(value_cache.shape)}")
@@ -248,6 +313,7 @@ def check_op(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
     With `layer` given, the caches are stacked per layer ([L, ...]) and only layer `layer` is
     written; every shape rule below applies to one layer."""
     cache_layout(layout)
+    check_distinct_caches(key_cache, value_cache)
     key_cache, value_cache, num_layers = check_layer(layer, key_cache, value_cache, layout)
     if precision not in PRECISIONS:
         raise ValueError(f"precision: expected one of {PRECISIONS}, got {precision!r}")
@@ -333,6 +399,36 @@ def check_op(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
         table_full=(width == r), precision=precision, dtype=dtype,
         table_dtype=table_dtype, cache_dtype=cache_dtype,
         slot_dtype=np.dtype(slot_mapping.dtype), pos_dtype=np.dtype(positions.dtype), num_layers=num_layers)
+
+
+def check_read_kv(key_cache, value_cache, slot_mapping, layout="flash") -> tuple[int, int]:
+    """Validates a read_kv call (one layer of caches in `layout`, [T] integer slots); returns (NB, BS)."""
+    lay = cache_layout(layout)
+    cdt = _dtype("key_cache", key_cache)
+    if cdt not in INPUT_DTYPES + FP8_DTYPES:
+        raise TypeError(f"key_cache: expected dtype one of ({dtype_names(INPUT_DTYPES + FP8_DTYPES)}), got {cdt.name}")
+    if _dtype("value_cache", value_cache) != cdt:
+        raise TypeError(f"value_cache: expected dtype {cdt.name} (same as key_cache), "
+                        f"got {np.dtype(value_cache.dtype).name}")
+    kdims, vdims = lay.dims("key"), lay.dims("value")
+    kshape = _check_rank("key_cache", key_cache, len(lay.key_axes), f"{kdims} for layout {layout!r}")
+    x = pack_width(cdt)
+    if "D%X" in lay.key_axes and kshape[lay.key_axes.index("D%X")] != x:
+        raise ValueError(f"key_cache: expected X = 16 // itemsize = {x} for {cdt.name} in the last "
+                         f"dim of {kdims}, got shape {list(kshape)}")
+    nb, bs = lay.block_geometry(kshape, x)
+    kh = kshape[lay.key_axes.index("KH")]
+    d = kshape[lay.key_axes.index("D")] if "D" in lay.key_axes else kshape[lay.key_axes.index("D//X")] * x
+    if lay.needs_bs_multiple_of_x and bs % x:
+        raise ValueError(f"value_cache: layout {layout!r} needs the block size divisible by X={x}, got BS={bs}")
+    kexp, vexp = cache_shapes(layout, nb, bs, kh, d, cdt)
+    _check_shape("key_cache", key_cache, kexp, f"{kdims} for layout {layout!r}")
+    _check_shape("value_cache", value_cache, vexp, f"{vdims} for layout {layout!r}")
+    idt = _dtype("slot_mapping", slot_mapping)
+    if idt not in INDEX_DTYPES:
+        raise TypeError(f"slot_mapping: expected dtype int32 or int64, got {idt.name}")
+    _check_rank("slot_mapping", slot_mapping, 1, "[T]")
+    return nb, bs
 
 
 @dataclasses.dataclass(frozen=True)

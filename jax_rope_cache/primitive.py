@@ -21,6 +21,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
@@ -32,8 +33,26 @@ rope_cache_p.multiple_results = True
 kernel_platforms = backends.kernel_platforms
 
 
+def _check_operands(avals, spec: contract.OpSpec) -> None:
+    """The operands must be what `spec` describes: the GPU kernels are compiled from the spec (index
+    widths included) and read the buffers XLA hands them, so a mismatch is a bug caught here."""
+    want = {"q": spec.dtype, "k": spec.dtype, "v": spec.dtype, "key_cache": spec.cache_dtype,
+            "value_cache": spec.cache_dtype, "slot_mapping": spec.slot_dtype, "positions": spec.pos_dtype,
+            "cos": spec.table_dtype, "sin": spec.table_dtype, "k_scale": np.float32, "v_scale": np.float32,
+            "layer": np.int32}
+    for name, aval in zip(contract.OPERANDS, avals):
+        if np.dtype(aval.dtype) != np.dtype(want[name]):
+            raise TypeError(f"rope_and_cache (internal): operand {name} is {np.dtype(aval.dtype).name}, but the "
+                            f"call was specialised for {np.dtype(want[name]).name}")
+    if tuple(avals[0].shape) != (spec.num_tokens, spec.q_heads, spec.head_dim) or \
+            tuple(avals[5].shape) != (spec.num_tokens,) or tuple(avals[6].shape) != (spec.num_tokens,):
+        raise ValueError(f"rope_and_cache (internal): operand shapes {[list(a.shape) for a in avals[:7]]} do not "
+                         "match the call's specialisation")
+
+
 def _abstract_eval(q, k, v, key_cache, value_cache, *rest, spec, impl):
-    del v, rest, spec, impl
+    del impl
+    _check_operands((q, k, v, key_cache, value_cache) + tuple(rest), spec)
     return [q.update(), k.update(), key_cache.update(), value_cache.update()]
 
 
@@ -118,17 +137,35 @@ def _kernel_lowering(backend):
     return lower
 
 
+@functools.lru_cache(maxsize=256)
+def _eager_callable(spec: contract.OpSpec, impl):
+    """The one-op jitted computation an eager call runs, compiled once per (spec, impl)."""
+    def rope_and_cache(*args):
+        return rope_cache_p.bind(*args, spec=spec, impl=impl)
+    return jax.jit(rope_and_cache)
+
+
+def _eager_impl(*args, spec, impl):
+    """Outside jit, and under jax.disable_jit() too, the primitive runs as its own small jitted
+    computation: the same lowering (kernel or XLA path) as inside a jit, never a Python loop. Under
+    disable_jit a plain jax.jit would call bind again, which would call this again, forever."""
+    with jax.disable_jit(False):
+        return _eager_callable(spec, impl)(*args)
+
+
 rope_cache_p.def_abstract_eval(_abstract_eval)
-# Outside jit the primitive runs as its own small jitted computation.
-rope_cache_p.def_impl(lambda *args, **params: jax.jit(functools.partial(rope_cache_p.bind, **params))(*args))
+rope_cache_p.def_impl(_eager_impl)
 mlir.register_lowering(rope_cache_p, _lower_fallback)
 for _backend in backends.KERNEL_BACKENDS.values():
     mlir.register_lowering(rope_cache_p, _kernel_lowering(_backend), platform=_backend.PLATFORM)
 
 
+NOT_DIFFERENTIABLE = ("rope_and_cache is not differentiable: it writes a KV cache for inference. Apply "
+                      "jax.lax.stop_gradient to its inputs, or differentiate a pure-jnp RoPE instead")
+
+
 def _not_differentiable(primals, tangents, **params):
-    raise TypeError("rope_and_cache is not differentiable: it writes a KV cache for inference. Apply "
-                    "jax.lax.stop_gradient to its inputs, or differentiate a pure-jnp RoPE instead")
+    raise TypeError(NOT_DIFFERENTIABLE)
 
 
 def _batch(args, dims, *, spec, impl):

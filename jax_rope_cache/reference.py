@@ -196,6 +196,7 @@ def rope_and_cache(q, k, v, key_cache, value_cache, slot_mapping, positions, cos
     With `layer`, the caches are stacked [L, ...] and only layer `layer` is written (a layer
     outside [0, L) writes nothing, as an invalid slot)."""
     del impl
+    contract.check_distinct_caches(key_cache, value_cache)
     q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin = (
         np.asarray(a) for a in (q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin))
     spec = contract.check_op(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
@@ -228,6 +229,7 @@ def rope_and_cache(q, k, v, key_cache, value_cache, slot_mapping, positions, cos
 def read_kv(key_cache, value_cache, slot_mapping, *, layout="flash"):
     """Gathers the cached K and V of each slot as [T, KH, D] in the cache dtype (zeros for
     slots outside [0, NB*BS))."""
+    contract.check_read_kv(key_cache, value_cache, slot_mapping, layout)
     key_cache, value_cache = np.asarray(key_cache), np.asarray(value_cache)
     lay = contract.cache_layout(layout)
     x = contract.pack_width(key_cache.dtype)

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Memory-safety check of the CPU handler: builds the extension with AddressSanitizer + UBSan
 # (CMake option JRC_SANITIZE=ON) into a separate folder, then runs the fuzz set, test_op's
-# native-kernel cases and tests/test_concurrency.py against that build with libasan preloaded. Fails on any sanitizer report.
+# native-kernel cases, tests/test_concurrency.py and tests/test_hardening.py's direct ffi_call cases
+# (raw_ffi: every operand, result and attribute of the CPU handler and the GPU launcher's buffer
+# check broken in turn) and its hostile-index kernel cases against that build with libasan
+# preloaded. Fails on any sanitizer report.
 #
 # Python: $JRC_PY, else the venv of run_tests.sh ($JRC_VENV or .venv; made by scripts/_venv.sh
 # when missing). Build and install folders: $JRC_ASAN_DIR (default /tmp/jrc_asan), never the
@@ -63,13 +66,18 @@ import sys, jax_rope_cache._native as n
 assert n.__file__.startswith('$SITE'), n.__file__
 print('# asan_check: importing', n.__file__)"
 
-echo "# asan_check: fuzz set ($JRC_FUZZ_CASES cases per impl), test_op kernel cases and the concurrency tests under ASan/UBSan"
+echo "# asan_check: fuzz set ($JRC_FUZZ_CASES cases per impl), test_op kernel cases, the concurrency tests and the hardening tests under ASan/UBSan"
 t0=$(date +%s)
 set +e
 LD_PRELOAD="$PRELOAD" "$PY" -P -m pytest -q -p no:cacheprovider \
   "$ROOT/tests/test_fuzz.py" "$ROOT/tests/test_op.py" "$ROOT/tests/test_concurrency.py" \
   -k "kernel or case_mix or test_concurrency" "$@" 2>&1 | tee "$LOG"
 rc=${PIPESTATUS[0]}
+echo "# asan_check: direct ffi_call cases and hostile indices (tests/test_hardening.py)"
+LD_PRELOAD="$PRELOAD" "$PY" -P -m pytest -q -p no:cacheprovider "$ROOT/tests/test_hardening.py" \
+  -k "raw_ffi or (kernel and (indices or layer))" "$@" 2>&1 | tee -a "$LOG"
+rc2=${PIPESTATUS[0]}
+[ "$rc" -eq 0 ] && rc=$rc2
 set -e
 echo "# asan_check: pytest exit $rc after $(( $(date +%s) - t0 )) s"
 if grep -Eq "ERROR: AddressSanitizer|AddressSanitizer: CHECK failed|runtime error:|SUMMARY: (Address|UndefinedBehavior)Sanitizer" "$LOG"; then

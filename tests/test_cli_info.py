@@ -25,4 +25,4 @@ def test_info_json_reports_version_and_kernels_of_present_platforms():
 
 
 def test_info_help():
-    assert _info("--help").startswith("usage: python -m jax_rope_cache info")
+    assert _info("--help").startswith("usage: python -m jax_rope_cache info")  # argparse help, exit 0

@@ -71,7 +71,7 @@ BAD = [
      dict(v_scale=1.0), ValueError, ["k_scale", "needs a scale", "None"]),
     ("scale-non-fp8", {}, dict(k_scale=0.5), ValueError, ["k_scale", "float8 caches only", "0.5"]),
     ("scale-shape", dict(key_cache=np.ones((NB, BS, KH, D), FP8), value_cache=np.ones((NB, BS, KH, D), FP8)),
-     dict(k_scale=np.ones(3, np.float32), v_scale=1.0), TypeError, ["k_scale", "float32 scalar", "float32[3]"]),
+     dict(k_scale=np.ones(3, np.float32), v_scale=1.0), TypeError, ["k_scale", "float scalar", "float32[3]"]),
     ("unknown-layout", {}, dict(layout="paged"), ValueError, ["layout", "flash", "'paged'"]),
     ("unknown-precision", {}, dict(precision="bf16"), ValueError, ["precision", "fp32", "'bf16'"]),
     ("is-neox-str", {}, dict(is_neox="yes"), TypeError, ["is_neox", "bool", "str"]),

@@ -264,14 +264,25 @@ def test_command_buffer_switch(value, target):
     assert "EQUAL True" in r.stdout, r.stdout
 
 
-def _launch_raw(table: bytes, code_hash: int):
-    """Runs the launcher directly on a hand-made code-object table (no op, 4 floats)."""
+def _launch_raw(table: bytes, code_hash: int, declared=(4,)):
+    """Runs the launcher directly on a hand-made code-object table (no op, 4 floats); `declared`:
+    the dims its signature attribute declares for the operand and the result."""
     x = jnp.ones((4,), jnp.float32)
     call = jax.ffi.ffi_call(launcher.GPU_TARGET_NO_GRAPH, jax.ShapeDtypeStruct((4,), jnp.float32))
     launcher.register_gpu_targets(native.native_module())
+    spec = jax.ShapeDtypeStruct(declared, jnp.float32)
     fn = jax.jit(lambda a: call(a, code=table, code_hash=np.int64(code_hash), kernel="rope_cache_kernel",
-                                grid_div=np.int64(1), block=np.int64(32), smem=np.int64(0)))
+                                grid_div=np.int64(1), block=np.int64(32), smem=np.int64(0),
+                                signature=launcher.buffer_signature([spec], [spec]), buffer_names="x,out"))
     jax.block_until_ready(fn(x))
+
+
+def test_initialize_checks_every_buffer_against_the_signature():
+    """Issue 16 item 4: buffers other than the signature's are rejected at the initialize stage,
+    naming the buffer, before any module is loaded (the table here would not even load)."""
+    table = launcher.pack_code_table([(launcher.KIND_CUBIN, "sm_10", b"\x7fELF-not-a-real-cubin")])
+    with pytest.raises(Exception, match=r"gpu launcher: x: expected element type 11 dims \[8\]"):
+        _launch_raw(table, 777, declared=(8,))
 
 
 def test_wrong_arch_code_object_is_a_clear_error():

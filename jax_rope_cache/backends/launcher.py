@@ -18,6 +18,7 @@ import os
 import struct
 
 import jax
+import ml_dtypes
 import numpy as np
 
 from jax_rope_cache import contract
@@ -89,8 +90,30 @@ def register_gpu_targets(module) -> str:
     return GPU_TARGET if command_buffers_enabled() else GPU_TARGET_NO_GRAPH
 
 
+# XLA element type numbers (xla::PrimitiveType, = ffi::DataType) of the dtypes the op's buffers use.
+XLA_TYPES = {
+    np.dtype(np.float32): 11, np.dtype(ml_dtypes.bfloat16): 16, np.dtype(np.float16): 10,
+    np.dtype(ml_dtypes.float8_e4m3fn): 20, np.dtype(ml_dtypes.float8_e4m3fnuz): 25,
+    np.dtype(np.int32): 4, np.dtype(np.int64): 5,
+}
+
+
+def buffer_signature(avals_in, avals_out) -> np.ndarray:
+    """The launcher's `signature` attribute: {n_args, n_rets, then per buffer: xla type, rank,
+    dims...}. The initialize stage checks every buffer XLA hands the call against it."""
+    words = [len(avals_in), len(avals_out)]
+    for a in list(avals_in) + list(avals_out):
+        words += [XLA_TYPES[np.dtype(a.dtype)], len(a.shape), *a.shape]
+    return np.asarray(words, np.int64)
+
+
+BUFFER_NAMES = ",".join(contract.OPERANDS + tuple(f"{r} result" if r in contract.OPERANDS else r
+                                                  for r in contract.RESULTS))
+
+
 def lower_launch(ctx, args, *, table: bytes, kernel: str, grid_div: int, block: int):
     """The launcher's custom call running `kernel` of the code-object `table` (caches in place)."""
     rule = jax.ffi.ffi_lowering(register_gpu_targets(launcher_module()), operand_output_aliases=contract.CACHE_ALIASES)
     return rule(ctx, *args, code=table, code_hash=np.int64(code_hash(table)), kernel=kernel,
-                grid_div=np.int64(grid_div), block=np.int64(block), smem=np.int64(0))
+                grid_div=np.int64(grid_div), block=np.int64(block), smem=np.int64(0),
+                signature=buffer_signature(ctx.avals_in, ctx.avals_out), buffer_names=BUFFER_NAMES)

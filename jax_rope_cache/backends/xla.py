@@ -115,11 +115,29 @@ def quantize(x, cache_dtype, scale):
     return to_dtype(jnp.clip(x.astype(_F32) * inv, -m, m), cache_dtype)
 
 
+_I32_MAX = 2**31 - 1
+
+
+def slot_validity(s, num_slots: int, num_blocks: int, hint: str = ", or use the kernel (impl='kernel')"):
+    """(slots, valid) with `s < num_slots` computed in a width that holds num_slots: int32 slots on a
+    cache of >= 2**31 slots are widened to int64 (jax_enable_x64 on), or, without 64-bit integers,
+    compared by sign alone (every int32 value is below num_slots); a cache whose block index itself
+    exceeds int32 cannot be addressed without x64 and raises, naming the cache."""
+    if num_slots <= _I32_MAX or np.dtype(s.dtype).itemsize == 8:
+        return s, (s >= 0) & (s < num_slots)
+    if jax.config.jax_enable_x64:
+        s = s.astype(jnp.int64)
+        return s, (s >= 0) & (s < num_slots)
+    if num_blocks > _I32_MAX:
+        raise ValueError(f"key_cache: {num_blocks} blocks cannot be indexed by the XLA path with int32 indices; "
+                         f"enable jax_enable_x64{hint}")
+    return s, s >= 0
+
+
 def slot_coords(slot_mapping, spec: contract.OpSpec, layer=None):
     """(block, offset) per token; invalid slots (and all slots of a layer outside [0, L)) get
     block NB, which mode="drop" skips."""
-    s = slot_mapping
-    valid = (s >= 0) & (s < spec.num_slots)
+    s, valid = slot_validity(slot_mapping, spec.num_slots, spec.num_blocks)
     if spec.num_layers is not None:
         valid = valid & (layer >= 0) & (layer < spec.num_layers)
     blk = jnp.where(valid, s // spec.block_size, spec.num_blocks)
@@ -165,8 +183,7 @@ def read_kv(key_cache, value_cache, slot_mapping, *, layout="flash"):
     x = contract.pack_width(key_cache.dtype)
     nb, bs = lay.block_geometry(key_cache.shape, x)
     kh, d = key_cache.shape[lay.key_axes.index("KH")], value_cache.shape[lay.value_axes.index("D")]
-    s = jnp.asarray(slot_mapping)
-    valid = (s >= 0) & (s < nb * bs)
+    s, valid = slot_validity(jnp.asarray(slot_mapping), nb * bs, nb, hint="")
     safe = jnp.where(valid, s, 0)
     blk, off = safe // bs, safe % bs
     keep = valid[:, None, None]

@@ -30,9 +30,11 @@ def _backend_platforms() -> list[str]:
 
 
 def info(argv) -> None:
-    if argv and argv[0] in ("-h", "--help"):
-        print("usage: python -m jax_rope_cache info [--json]\n\n  " + COMMANDS["info"])
-        return
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m jax_rope_cache info", description=COMMANDS["info"])
+    parser.add_argument("--json", action="store_true", help="print the facts as JSON")
+    args = parser.parse_args(argv)
     import jax
 
     import jax_rope_cache
@@ -52,7 +54,7 @@ def info(argv) -> None:
         devices=[f"{d.platform}:{d.device_kind}" for d in devices], arch=arch[0] if arch else None,
         kernels=kernels, code_object_cache=cache_dir() or "off (JAX_ROPE_CACHE_DIR='')",
         presets=sorted(presets.MODELS), tp_degrees=list(presets.TP_DEGREES))
-    if "--json" in argv:
+    if args.json:
         print(json.dumps(data, indent=1))
         return
     for key, value in data.items():
@@ -67,10 +69,13 @@ def compile_presets(argv) -> None:
     aot.main(argv)
 
 
+USAGE = "usage: python -m jax_rope_cache {" + ",".join(COMMANDS) + "} [options]"
+
+
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: python -m jax_rope_cache {" + ",".join(COMMANDS) + "} [options]\n")
+        print(USAGE + "\n")
         for name, text in COMMANDS.items():
             print(f"  {name:<9}{text}")
         return
@@ -91,8 +96,10 @@ def main(argv=None) -> None:
         bench.main(rest)
     elif command == "compile":
         compile_presets(rest)
-    else:
-        raise SystemExit(f"unknown command {command!r}; expected one of {', '.join(COMMANDS)}")
+    else:  # as argparse reports a bad choice: usage and one error line on stderr, exit status 2
+        print(f"{USAGE}\npython -m jax_rope_cache: error: unknown command {command!r}; expected one of "
+              f"{', '.join(COMMANDS)}", file=sys.stderr)
+        raise SystemExit(2)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import numpy as np
 
 from jax_rope_cache import contract
 from jax_rope_cache.backends import rocm
+from jax_rope_cache.cli import _args
 from jax_rope_cache.compilers import cache, flydsl
 from jax_rope_cache.models.presets import MODELS, model_shape
 
@@ -79,30 +80,45 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m jax_rope_cache compile",
                                 description="Precompile the ROCm kernel into the disk cache "
                                             f"({cache.cache_dir()}) for deployment hosts.")
-    p.add_argument("--arch", default=",".join(rocm.DEFAULT_ARCHS), help="comma-separated: gfx942,gfx950")
-    p.add_argument("--preset", action="append", default=[],
+    inputs = ("bfloat16", "float16", "float32")
+    p.add_argument("--arch", default=",".join(rocm.DEFAULT_ARCHS), type=_args.csv_of(_args.one_of(
+        flydsl.SUPPORTED_ARCHS, "arch"), "list of archs"), help="comma-separated: gfx942,gfx950")
+    p.add_argument("--preset", action="append", default=[], type=_args.preset_name,
                    help=f"model shape (repeatable); one of: {', '.join(sorted(MODELS))}")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree dividing the preset's heads")
-    p.add_argument("--heads", help="explicit shape instead of a preset: QH,KH,D[,R]")
-    csv = lambda s: tuple(x for x in s.split(",") if x)  # noqa: E731
-    p.add_argument("--block-size", type=lambda s: tuple(int(x) for x in s.split(",")), default=(16,))
-    p.add_argument("--layout", type=csv, default=("flash",), help=",".join(contract.LAYOUTS))
-    p.add_argument("--dtype", type=csv, default=("bfloat16",), help="q/k/v dtypes")
-    p.add_argument("--cache-dtype", type=csv, default=None, help="default: same as --dtype; or float8_e4m3fn,...")
-    p.add_argument("--table-dtype", type=csv, default=("float32",))
-    p.add_argument("--style", type=csv, default=None, help="neox,gptj (default: the preset's)")
-    p.add_argument("--table", type=csv, default=("half",), help="half,full")
-    p.add_argument("--precision", type=csv, default=("fp32",), help=",".join(contract.PRECISIONS))
-    p.add_argument("--index-dtype", type=csv, default=("int32",), help="int32,int64")
-    a = p.parse_args(argv)
-    archs = csv(a.arch)
+    p.add_argument("--tp", type=_args.positive_int, default=1,
+                   help="tensor-parallel degree dividing the preset's heads")
+    p.add_argument("--heads", type=_args.csv_of(_args.positive_int, "QH,KH,D[,R]"),
+                   help="explicit shape instead of a preset: QH,KH,D[,R]")
+    csv = lambda choices, what: _args.csv_of(_args.one_of(choices, what), f"list of {what}s")  # noqa: E731
+    p.add_argument("--block-size", type=_args.csv_of(_args.positive_int, "list of block sizes"), default=(16,))
+    p.add_argument("--layout", type=csv(contract.LAYOUTS, "layout"), default=("flash",),
+                   help=",".join(contract.LAYOUTS))
+    p.add_argument("--dtype", type=csv(inputs, "dtype"), default=("bfloat16",), help="q/k/v dtypes")
+    p.add_argument("--cache-dtype", type=csv(tuple(_DTYPES), "cache dtype"), default=None,
+                   help="default: same as --dtype; or float8_e4m3fn,...")
+    p.add_argument("--table-dtype", type=csv(inputs, "table dtype"), default=("float32",))
+    p.add_argument("--style", type=csv(("neox", "gptj"), "style"), default=None,
+                   help="neox,gptj (default: the preset's)")
+    p.add_argument("--table", type=csv(("half", "full"), "table"), default=("half",), help="half,full")
+    p.add_argument("--precision", type=csv(contract.PRECISIONS, "precision"), default=("fp32",),
+                   help=",".join(contract.PRECISIONS))
+    p.add_argument("--index-dtype", type=csv(("int32", "int64"), "index dtype"), default=("int32",),
+                   help="int32,int64")
+    a = _args.parse_args(p, argv)
+    if a.heads is not None and len(a.heads) not in (3, 4):
+        p.error(f"argument --heads: expected QH,KH,D[,R], got {len(a.heads)} numbers")
+    if a.heads is not None:
+        qh, kh, d, r = (tuple(a.heads) + (a.heads[2],))[:4]
+        if qh % kh or d % 2 or r % 2 or r > d:
+            p.error(f"argument --heads: expected QH a multiple of KH, an even D and an even R <= D, got {a.heads}")
+    archs = a.arch
     opts = dict(block_sizes=a.block_size, layouts=a.layout, dtypes=a.dtype, cache_dtypes=a.cache_dtype,
                 table_dtypes=a.table_dtype, tables=a.table, precisions=a.precision, index_dtypes=a.index_dtype)
     if a.style:
         opts["neox"] = tuple(s == "neox" for s in a.style)
     configs = []
     if a.heads:
-        vals = [int(x) for x in a.heads.split(",")]
+        vals = list(a.heads)
         qh, kh, d = vals[:3]
         configs = configs_for(q_heads=qh, kv_heads=kh, head_dim=d, rotary_dim=vals[3] if len(vals) > 3 else None,
                               **opts)

@@ -19,6 +19,7 @@ import numpy as np
 
 import jax_rope_cache as jrc
 from jax_rope_cache import reference
+from jax_rope_cache.cli import _args
 from jax_rope_cache.models import presets, tables
 
 POOL = 4  # distinct decode input sets, cycled over steps
@@ -168,16 +169,17 @@ def run(preset="llama-3.1-8b", tp=8, batch=64, prefill=128, steps=256, layers=32
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m jax_rope_cache demo", description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="llama-3.1-8b", choices=sorted(presets.MODELS))
-    p.add_argument("--tp", type=int, default=8, help="tensor-parallel degree: the heads of one shard")
-    p.add_argument("--batch", type=int, default=64)
-    p.add_argument("--prefill", type=int, default=128, help="prefill tokens per sequence")
-    p.add_argument("--steps", type=int, default=256)
-    p.add_argument("--layers", type=int, default=32)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--check-layers", type=int, default=None, help="compare only this many layers (default all)")
+    p.add_argument("--tp", type=_args.positive_int, default=8, help="tensor-parallel degree: the heads of one shard")
+    p.add_argument("--batch", type=_args.positive_int, default=64)
+    p.add_argument("--prefill", type=_args.nonnegative_int, default=128, help="prefill tokens per sequence")
+    p.add_argument("--steps", type=_args.positive_int, default=256)
+    p.add_argument("--layers", type=_args.positive_int, default=32)
+    p.add_argument("--block-size", type=_args.positive_int, default=16)
+    p.add_argument("--check-layers", type=_args.positive_int, default=None,
+                   help="compare only this many layers (default all)")
     p.add_argument("--no-unroll", action="store_true",
                    help="keep the layer scan rolled (a while loop: on GPUs one host round trip per layer)")
-    a = p.parse_args(argv)
+    a = _args.parse_args(p, argv)
     ok = run(a.preset, a.tp, a.batch, a.prefill, a.steps, a.layers, a.block_size, check_layers=a.check_layers,
              unroll=not a.no_unroll)
     raise SystemExit(0 if ok else 1)

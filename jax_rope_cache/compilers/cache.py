@@ -16,6 +16,10 @@ One entry is one file, `<dir>/<key><suffix>`:
   the same key both succeed; the last rename wins and either version is complete.
 * Reads check the magic, the header and the payload's length and sha256. A truncated or corrupt
   entry is reported with a RuntimeWarning, removed, and the caller compiles again (and rewrites).
+* Only a regular file (a symlink to one is followed) of at most MAX_ENTRY bytes is read, opened
+  non-blocking: a FIFO, a device (/dev/zero), a socket or a directory in an entry's place, an
+  oversized file, a header nested too deeply for the JSON parser, or one without the keys the
+  caller needs (`required`) is a corrupt entry like any other (warning, removed, rebuilt).
 * A cache folder that cannot be created, read or written (read-only, a file in the way, a full
   disk) gives one RuntimeWarning per folder; the code objects then live in memory only.
 """
@@ -26,6 +30,7 @@ import contextlib
 import hashlib
 import json
 import os
+import stat
 import struct
 import tempfile
 import threading
@@ -35,6 +40,7 @@ MAGIC = b"JRCDISK1\n"
 _PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../jax_rope_cache
 _HEADER_LEN = struct.Struct("<Q")
 _MAX_HEADER = 1 << 24
+MAX_ENTRY = 1 << 28  # 256 MiB: far above any code object (a few MiB at most)
 
 _warned: set[tuple[str, str]] = set()
 _warn_lock = threading.Lock()
@@ -76,8 +82,9 @@ def encode(payload: bytes, meta: dict) -> bytes:
     return MAGIC + _HEADER_LEN.pack(len(h)) + h + payload
 
 
-def decode(blob: bytes) -> tuple[dict, bytes]:
-    """(header, payload) of an entry; ValueError saying what is wrong when it is not intact."""
+def decode(blob: bytes, required: dict | None = None) -> tuple[dict, bytes]:
+    """(header, payload) of an entry; ValueError saying what is wrong when it is not intact.
+    `required` maps header keys the caller reads to their type: a missing or mistyped one is damage."""
     if not blob.startswith(MAGIC):
         raise ValueError("bad magic (not a cache entry, or a different format version)")
     at = len(MAGIC)
@@ -89,39 +96,93 @@ def decode(blob: bytes) -> tuple[dict, bytes]:
         raise ValueError("truncated header")
     try:
         header = json.loads(blob[at: at + n])
+    except RecursionError:
+        raise ValueError("unreadable header (nested too deeply)") from None
     except ValueError as e:
         raise ValueError(f"unreadable header ({e})") from None
     if not isinstance(header, dict) or "sha256" not in header or "size" not in header:
         raise ValueError("header without checksum")
+    if not isinstance(header["sha256"], str) or not isinstance(header["size"], int) or isinstance(header["size"], bool):
+        raise ValueError("header with a checksum or size of the wrong type")
     payload = blob[at + n:]
     if len(payload) != header["size"]:
         raise ValueError(f"payload of {len(payload)} bytes, expected {header['size']} (truncated?)")
     if hashlib.sha256(payload).hexdigest() != header["sha256"]:
         raise ValueError("payload checksum mismatch")
+    for key, kind in (required or {}).items():
+        if key not in header:
+            raise ValueError(f"header without {key!r}")
+        if not isinstance(header[key], kind):
+            raise ValueError(f"header {key!r} is a {type(header[key]).__name__}, expected a {kind.__name__}")
     return header, payload
 
 
-def read(folder: str | None, name: str) -> tuple[dict, bytes] | None:
-    """The intact entry `name` of `folder`, or None (absent, unreadable or corrupt: then warned)."""
+def _file_kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def read_regular(path: str, limit: int = MAX_ENTRY) -> bytes:
+    """The bytes of `path` when it is a regular file (a symlink to one is followed) of at most
+    `limit` bytes; ValueError saying what it is otherwise. Never blocks on a FIFO or reads an
+    endless device; OSError when it cannot be opened."""
+    st = os.stat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError(f"{_file_kind(st.st_mode)}, not a regular file")
+    if st.st_size > limit:
+        raise ValueError(f"{st.st_size} bytes, more than an entry may hold ({limit})")
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        st = os.fstat(fd)  # what was opened (the path may have been swapped since the stat)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{_file_kind(st.st_mode)}, not a regular file")
+        chunks, total = [], 0
+        while True:
+            chunk = os.read(fd, min(1 << 20, limit + 1 - total))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+            if total > limit:
+                raise ValueError(f"more than an entry may hold ({limit} bytes)")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def discard(folder: str, name: str, why: str) -> None:
+    """Reports entry `name` of `folder` as corrupt (CacheWarning) and removes it."""
+    path = os.path.join(folder, name)
+    warnings.warn(f"rope_and_cache: corrupt code-object cache entry {path!r} ({why}); removing it and "
+                  "compiling again", CacheWarning, stacklevel=3)
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+
+
+def read(folder: str | None, name: str, required: dict | None = None) -> tuple[dict, bytes] | None:
+    """The intact entry `name` of `folder`, or None (absent, unreadable or corrupt: then warned).
+    `required`: header keys (-> type) the caller reads; an entry without them is corrupt."""
     if not folder:
         return None
     path = os.path.join(folder, name)
     try:
-        with open(path, "rb") as f:
-            blob = f.read()
+        blob = read_regular(path)
     except (FileNotFoundError, NotADirectoryError):  # absent (a folder that cannot exist warns on write)
+        return None
+    except ValueError as e:
+        discard(folder, name, str(e))
         return None
     except OSError as e:
         _warn_once("read", folder, f"rope_and_cache: cannot read the code-object cache {folder!r} "
                                    f"({type(e).__name__}: {e}); compiling again, keeping results in memory")
         return None
     try:
-        return decode(blob)
+        return decode(blob, required)
     except ValueError as e:
-        warnings.warn(f"rope_and_cache: corrupt code-object cache entry {path!r} ({e}); removing it and "
-                      "compiling again", CacheWarning, stacklevel=2)
-        with contextlib.suppress(OSError):
-            os.unlink(path)
+        discard(folder, name, str(e))
         return None
 
 

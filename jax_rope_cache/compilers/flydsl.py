@@ -248,11 +248,16 @@ def _compile_now(cfg, arch: str, dump_dir: str | None = None) -> bytes:
 
 def _disk_read(key: str) -> CodeObject | None:
     d = cache.cache_dir()
-    entry = cache.read(os.path.join(d, "rocm") if d else None, key + ".hsaco.jrc")
+    folder = os.path.join(d, "rocm") if d else None
+    entry = cache.read(folder, key + ".hsaco.jrc", required={"arch": str})
     if entry is None:
         return None
     meta, code = entry
-    info = amdgpu_elf.kernel_info(code)
+    try:
+        info = amdgpu_elf.kernel_info(code)
+    except amdgpu_elf.CodeObjectError as e:  # checksummed, but not a code object the launcher can use
+        cache.discard(folder, key + ".hsaco.jrc", f"payload is not a usable code object: {e}")
+        return None
     return CodeObject(arch=meta["arch"], code=code, symbol=info["name"], info=info, key=key, from_disk=True)
 
 

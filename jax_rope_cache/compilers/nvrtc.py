@@ -185,11 +185,12 @@ def _key(source: str, headers: dict[str, str], options: list[str], arch: str) ->
 
 
 def _disk_read(key: str) -> Compiled | None:
-    entry = cache.read(cache.cache_dir(), key + ".cubin.jrc")
+    entry = cache.read(cache.cache_dir(), key + ".cubin.jrc", required={"arch": str})
     if entry is None:
         return None
     meta, code = entry
-    return Compiled(arch=meta["arch"], code=code, log=meta.get("log", ""), key=key, from_disk=True)
+    log = meta.get("log", "")
+    return Compiled(arch=meta["arch"], code=code, log=log if isinstance(log, str) else "", key=key, from_disk=True)
 
 
 def _disk_write(c: Compiled) -> None:

@@ -329,6 +329,190 @@ __attribute__((noinline)) float InverseScale(ffi::AnyBuffer scale) {
   return rc_inv_scale(*static_cast<const float*>(scale.untyped_data()));
 }
 
+// ---- operand and attribute validation --------------------------------------------------------
+// The handler trusts nothing it is called with (a direct jax.ffi.ffi_call can pass anything):
+// ValidateCall checks every operand's and result's dtype and dimensions against q's, the key
+// cache's and the attributes before a byte is read, and names the offending buffer. Everything
+// the loops index with follows from what it checked.
+const char* TypeName(ffi::DataType t) {
+  switch (t) {
+    case ffi::DataType::F32: return "float32";
+    case ffi::DataType::BF16: return "bfloat16";
+    case ffi::DataType::F16: return "float16";
+    case ffi::DataType::F64: return "float64";
+    case ffi::DataType::F8E4M3FN: return "float8_e4m3fn";
+    case ffi::DataType::F8E4M3FNUZ: return "float8_e4m3fnuz";
+    case ffi::DataType::S8: return "int8";
+    case ffi::DataType::S16: return "int16";
+    case ffi::DataType::S32: return "int32";
+    case ffi::DataType::S64: return "int64";
+    case ffi::DataType::U8: return "uint8";
+    case ffi::DataType::U32: return "uint32";
+    case ffi::DataType::PRED: return "bool";
+    default: return "an unsupported type";
+  }
+}
+
+std::string DimsString(ffi::Span<const int64_t> d) {
+  std::string s = "[";
+  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+  return s + "]";
+}
+
+std::string DimsString(const std::vector<int64_t>& d) {
+  return DimsString(ffi::Span<const int64_t>(d.data(), d.size()));
+}
+
+ffi::Error Invalid(const std::string& what) {
+  return ffi::Error::InvalidArgument("rope_and_cache cpu: " + what);
+}
+
+bool IsInputType(ffi::DataType t) {
+  return t == ffi::DataType::F32 || t == ffi::DataType::BF16 || t == ffi::DataType::F16;
+}
+
+bool IsFp8(ffi::DataType t) { return t == ffi::DataType::F8E4M3FN || t == ffi::DataType::F8E4M3FNUZ; }
+
+// `name` must have dtype `want` (`as` says why, e.g. "as q").
+ffi::Error ExpectType(const char* name, const ffi::AnyBuffer& b, ffi::DataType want, const char* as) {
+  if (b.element_type() == want) return ffi::Error::Success();
+  return Invalid(std::string(name) + ": expected dtype " + TypeName(want) + " (" + as + "), got " +
+                 TypeName(b.element_type()));
+}
+
+// `name` must have exactly the dimensions `want` (`dims` names them, e.g. "[T, KH, D]").
+ffi::Error ExpectDims(const char* name, const ffi::AnyBuffer& b, const std::vector<int64_t>& want,
+                      const std::string& dims) {
+  auto got = b.dimensions();
+  bool same = got.size() == want.size();
+  for (size_t i = 0; same && i < want.size(); ++i) same = got[i] == want[i];
+  if (same) return ffi::Error::Success();
+  return Invalid(std::string(name) + ": expected dims " + dims + " = " + DimsString(want) + ", got " +
+                 DimsString(got));
+}
+
+ffi::Error ExpectScalar(const char* name, const ffi::AnyBuffer& b, ffi::DataType want) {
+  auto d = b.dimensions();
+  if (b.element_type() != want || d.size() > 1 || b.element_count() != 1)
+    return Invalid(std::string(name) + ": expected a " + TypeName(want) + " scalar (dims [] or [1]), got " +
+                   TypeName(b.element_type()) + DimsString(d));
+  return ffi::Error::Success();
+}
+
+#define JRC_CHECK(expr)                   \
+  do {                                    \
+    if (auto e = (expr); e.failure()) return e; \
+  } while (0)
+
+ffi::Error ValidateCall(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
+                        const ffi::AnyBuffer& key_cache, const ffi::AnyBuffer& value_cache,
+                        const ffi::AnyBuffer& slots, const ffi::AnyBuffer& positions, const ffi::AnyBuffer& cos,
+                        const ffi::AnyBuffer& sin, const ffi::AnyBuffer& k_scale, const ffi::AnyBuffer& v_scale,
+                        const ffi::AnyBuffer& layer, const ffi::AnyBuffer& q_out, const ffi::AnyBuffer& k_out,
+                        const ffi::AnyBuffer& key_cache_out, const ffi::AnyBuffer& value_cache_out,
+                        int64_t layout, int64_t rotary_dim) {
+  if (layout < RC_FLASH || layout > RC_XPACKED_SHUFFLED)
+    return Invalid("attribute layout: expected 0 (flash), 1 (xpacked) or 2 (xpacked_shuffled), got " +
+                   std::to_string(layout));
+  // q fixes T, QH, D and the input dtype.
+  const auto qd = q.dimensions();
+  if (!IsInputType(q.element_type()))
+    return Invalid(std::string("q: expected dtype float32, bfloat16 or float16, got ") + TypeName(q.element_type()));
+  if (qd.size() != 3) return Invalid("q: expected rank 3 [T, QH, D], got dims " + DimsString(qd));
+  const int64_t T = qd[0], QH = qd[1], D = qd[2];
+  if (D < 2 || D % 2) return Invalid("q: expected an even head_dim D >= 2, got D=" + std::to_string(D));
+  if (rotary_dim < 2 || rotary_dim % 2 || rotary_dim > D)
+    return Invalid("attribute rotary_dim: expected an even value in [2, D=" + std::to_string(D) + "], got " +
+                   std::to_string(rotary_dim));
+  const ffi::DataType dt = q.element_type();
+  JRC_CHECK(ExpectType("k", k, dt, "as q"));
+  const auto kd = k.dimensions();
+  if (kd.size() != 3) return Invalid("k: expected rank 3 [T, KH, D], got dims " + DimsString(kd));
+  const int64_t KH = kd[1];
+  if (KH < 1 || QH % KH)
+    return Invalid("k: expected KH >= 1 dividing QH=" + std::to_string(QH) + ", got dims " + DimsString(kd));
+  JRC_CHECK(ExpectDims("k", k, {T, KH, D}, "[T, KH, D]"));
+  JRC_CHECK(ExpectType("v", v, dt, "as q"));
+  JRC_CHECK(ExpectDims("v", v, {T, KH, D}, "[T, KH, D]"));
+
+  // The key cache fixes the cache dtype, L (stacked), NB and BS; the value cache must agree.
+  const ffi::DataType cdt = key_cache.element_type();
+  if (cdt != dt && !IsFp8(cdt))
+    return Invalid(std::string("key_cache: expected dtype ") + TypeName(dt) +
+                   " (as q), float8_e4m3fn or float8_e4m3fnuz, got " + TypeName(cdt));
+  JRC_CHECK(ExpectType("value_cache", value_cache, cdt, "as key_cache"));
+  const size_t rank = layout == RC_FLASH ? 4 : 5;
+  auto kcd = key_cache.dimensions();
+  if (kcd.size() != rank && kcd.size() != rank + 1)
+    return Invalid("key_cache: expected rank " + std::to_string(rank) + " (or " + std::to_string(rank + 1) +
+                   " with stacked layers) for layout " + std::to_string(layout) + ", got dims " + DimsString(kcd));
+  const bool stacked = kcd.size() == rank + 1;
+  std::vector<int64_t> lead;
+  if (stacked) lead.push_back(kcd[0]);
+  const size_t o = stacked ? 1 : 0;
+  const int64_t X = 16 / static_cast<int64_t>(ffi::ByteWidth(cdt));
+  const int64_t NB = kcd[o], BS = layout == RC_FLASH ? kcd[o + 1] : kcd[o + 3];
+  if (BS < 1) return Invalid("key_cache: expected a block size >= 1, got dims " + DimsString(kcd));
+  if (layout != RC_FLASH && D % X)
+    return Invalid("key_cache: an x-packed layout needs D divisible by X=" + std::to_string(X) + ", got D=" +
+                   std::to_string(D));
+  if (layout == RC_XPACKED_SHUFFLED && BS % X)
+    return Invalid("value_cache: layout xpacked_shuffled needs the block size divisible by X=" + std::to_string(X) +
+                   ", got BS=" + std::to_string(BS));
+  auto with_lead = [&](std::vector<int64_t> d) {
+    d.insert(d.begin(), lead.begin(), lead.end());
+    return d;
+  };
+  const std::string l = stacked ? "L, " : "";
+  if (layout == RC_FLASH) {
+    JRC_CHECK(ExpectDims("key_cache", key_cache, with_lead({NB, BS, KH, D}), "[" + l + "NB, BS, KH, D]"));
+    JRC_CHECK(ExpectDims("value_cache", value_cache, with_lead({NB, BS, KH, D}), "[" + l + "NB, BS, KH, D]"));
+  } else {
+    JRC_CHECK(ExpectDims("key_cache", key_cache, with_lead({NB, KH, D / X, BS, X}), "[" + l + "NB, KH, D//X, BS, X]"));
+    if (layout == RC_XPACKED)
+      JRC_CHECK(ExpectDims("value_cache", value_cache, with_lead({NB, KH, D, BS}), "[" + l + "NB, KH, D, BS]"));
+    else
+      JRC_CHECK(ExpectDims("value_cache", value_cache, with_lead({NB, KH, BS / X, D, X}),
+                           "[" + l + "NB, KH, BS//X, D, X]"));
+  }
+
+  for (auto [name, b] : {std::pair<const char*, const ffi::AnyBuffer*>{"slot_mapping", &slots},
+                         std::pair<const char*, const ffi::AnyBuffer*>{"positions", &positions}}) {
+    if (b->element_type() != ffi::DataType::S32 && b->element_type() != ffi::DataType::S64)
+      return Invalid(std::string(name) + ": expected dtype int32 or int64, got " + TypeName(b->element_type()));
+    JRC_CHECK(ExpectDims(name, *b, {T}, "[T]"));
+  }
+  if (!IsInputType(cos.element_type()))
+    return Invalid(std::string("cos: expected dtype float32, bfloat16 or float16, got ") +
+                   TypeName(cos.element_type()));
+  JRC_CHECK(ExpectType("sin", sin, cos.element_type(), "as cos"));
+  const auto cd = cos.dimensions();
+  if (cd.size() != 2 || cd[0] < 1 || (cd[1] != rotary_dim && cd[1] != rotary_dim / 2))
+    return Invalid("cos: expected dims [max_pos >= 1, R/2=" + std::to_string(rotary_dim / 2) + " or R=" +
+                   std::to_string(rotary_dim) + "], got " + DimsString(cd));
+  JRC_CHECK(ExpectDims("sin", sin, {cd[0], cd[1]}, "as cos"));
+  JRC_CHECK(ExpectScalar("k_scale", k_scale, ffi::DataType::F32));
+  JRC_CHECK(ExpectScalar("v_scale", v_scale, ffi::DataType::F32));
+  JRC_CHECK(ExpectScalar("layer", layer, ffi::DataType::S32));
+
+  // Results: the same dtype and dims as what they are computed from (the caches: as the operands
+  // they alias; without the alias the handler copies the operand's bytes into the result first).
+  const std::pair<const char*, const ffi::AnyBuffer*> like[] = {
+      {"q", &q}, {"k", &k}, {"key_cache", &key_cache}, {"value_cache", &value_cache}};
+  const char* names[] = {"q_out", "k_out", "key_cache result", "value_cache result"};
+  const ffi::AnyBuffer* outs[] = {&q_out, &k_out, &key_cache_out, &value_cache_out};
+  for (int i = 0; i < 4; ++i) {
+    const auto& [src_name, src] = like[i];
+    const std::string as = std::string("as ") + src_name;
+    JRC_CHECK(ExpectType(names[i], *outs[i], src->element_type(), as.c_str()));
+    auto sd = src->dimensions();
+    JRC_CHECK(ExpectDims(names[i], *outs[i], std::vector<int64_t>(sd.begin(), sd.end()), as));
+  }
+  return ffi::Error::Success();
+}
+
+#undef JRC_CHECK
+
 ffi::Error CpuRopeAndCache(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                            ffi::AnyBuffer key_cache, ffi::AnyBuffer value_cache, ffi::AnyBuffer slots,
                            ffi::AnyBuffer positions, ffi::AnyBuffer cos, ffi::AnyBuffer sin,
@@ -337,6 +521,10 @@ ffi::Error CpuRopeAndCache(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                            ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> key_cache_out,
                            ffi::Result<ffi::AnyBuffer> value_cache_out, int64_t layout, bool is_neox,
                            int64_t rotary_dim, bool native) {
+  if (auto e = ValidateCall(q, k, v, key_cache, value_cache, slots, positions, cos, sin, k_scale, v_scale, layer,
+                            *q_out, *k_out, *key_cache_out, *value_cache_out, layout, rotary_dim);
+      e.failure())
+    return e;
   Problem p{};
   auto qd = q.dimensions(), kd = k.dimensions(), cd = cos.dimensions();
   if (qd.size() != 3 || kd.size() != 3 || cd.size() != 2 || key_cache.dimensions().size() < 4)

@@ -12,6 +12,10 @@
 //   grid_div   int64  grid.x = ceil(dim0(operand 0) / grid_div); grid.y = grid.z = 1
 //   block      int64  threads per block (x)
 //   smem       int64  dynamic shared memory bytes
+//   signature  int64[] the dtype and dims of every buffer the kernel was compiled for:
+//                     {n_args, n_rets, then per buffer (args, then rets): xla_type, rank, dims...}
+//                     with xla_type the XLA element type number (ffi::DataType)
+//   buffer_names string the buffers' names, comma-separated, in the same order (for messages)
 //
 // Code-object table (little-endian):
 //   char magic[8] = "JRCCODE1"; uint32 count; uint32 reserved;
@@ -31,7 +35,9 @@
 // (HIP_LAUNCH_PARAM_BUFFER_POINTER), so a kernel may declare the words as one struct or as
 // separate 8-byte arguments.
 //
-// Stages: instantiate parses and checks the table; initialize (has the stream) loads the module
+// Stages: instantiate parses and checks the table and the signature; initialize checks every
+// buffer's dtype and dims against the signature (a direct ffi_call with other buffers gets an error
+// naming the buffer, never a kernel reading past one) and (has the stream) loads the module
 // for this device into a process-wide cache keyed by (code_hash, device ordinal) and resolves the
 // function; execute looks the function up lock-free (atomic open-addressing table), packs the
 // parameter struct on the stack and launches on XLA's stream. No allocation, no host sync, no lock
@@ -211,6 +217,93 @@ std::string TableArchs(const Table& t) {
   return s;
 }
 
+// ---- the buffer signature ----------------------------------------------------------------------
+constexpr int kMaxSignatureBuffers = 32;
+constexpr int64_t kMaxRank = 8;
+
+struct Signature {
+  int n_args = 0, n_rets = 0;
+  int64_t type[kMaxSignatureBuffers];
+  int64_t rank[kMaxSignatureBuffers];
+  const int64_t* dims[kMaxSignatureBuffers];
+  std::string_view name[kMaxSignatureBuffers];
+};
+
+ffi::Error ParseSignature(ffi::Span<const int64_t> sig, std::string_view names, Signature* s) {
+  auto bad = [](const std::string& why) {
+    return ffi::Error::InvalidArgument("gpu launcher: attribute 'signature' " + why);
+  };
+  if (sig.size() < 2) return bad("is shorter than its header {n_args, n_rets}");
+  if (sig[0] < 1 || sig[1] < 0 || sig[0] + sig[1] > kMaxSignatureBuffers)
+    return bad("declares " + std::to_string(sig[0]) + " operands and " + std::to_string(sig[1]) +
+               " results (1..32 buffers in all)");
+  s->n_args = static_cast<int>(sig[0]), s->n_rets = static_cast<int>(sig[1]);
+  size_t at = 2;
+  for (int i = 0; i < s->n_args + s->n_rets; ++i) {
+    if (at + 2 > sig.size()) return bad("ends inside buffer " + std::to_string(i));
+    s->type[i] = sig[at], s->rank[i] = sig[at + 1];
+    if (s->rank[i] < 0 || s->rank[i] > kMaxRank || at + 2 + s->rank[i] > sig.size())
+      return bad("has a bad rank for buffer " + std::to_string(i));
+    s->dims[i] = sig.begin() + at + 2;
+    for (int64_t j = 0; j < s->rank[i]; ++j)
+      if (s->dims[i][j] < 0) return bad("has a negative dimension for buffer " + std::to_string(i));
+    at += 2 + s->rank[i];
+  }
+  if (at != sig.size()) return bad("is longer than its buffers");
+  for (int i = 0; i < s->n_args + s->n_rets; ++i) {
+    const size_t comma = names.find(',');
+    s->name[i] = names.substr(0, comma);
+    if (s->name[i].empty())
+      return ffi::Error::InvalidArgument("gpu launcher: attribute 'buffer_names' names fewer buffers than the signature");
+    names = comma == std::string_view::npos ? std::string_view() : names.substr(comma + 1);
+  }
+  if (!names.empty())
+    return ffi::Error::InvalidArgument("gpu launcher: attribute 'buffer_names' names more buffers than the signature");
+  return ffi::Error::Success();
+}
+
+std::string DimsText(const int64_t* d, int64_t n) {
+  std::string t = "[";
+  for (int64_t i = 0; i < n; ++i) t += (i ? ", " : "") + std::to_string(d[i]);
+  return t + "]";
+}
+
+ffi::Error CheckOneBuffer(const Signature& s, int i, const ffi::AnyBuffer& b) {
+  auto d = b.dimensions();
+  const int64_t type = static_cast<int64_t>(b.element_type());
+  bool same = type == s.type[i] && static_cast<int64_t>(d.size()) == s.rank[i];
+  for (int64_t j = 0; same && j < s.rank[i]; ++j) same = d[j] == s.dims[i][j];
+  if (same) return ffi::Error::Success();
+  return ffi::Error::InvalidArgument(
+      "gpu launcher: " + std::string(s.name[i]) + ": expected element type " + std::to_string(s.type[i]) + " dims " +
+      DimsText(s.dims[i], s.rank[i]) + " (what the kernel was compiled for), got element type " +
+      std::to_string(type) + " dims " + DimsText(d.begin(), static_cast<int64_t>(d.size())));
+}
+
+// Every buffer XLA hands the call against the signature: count, element type, dims.
+ffi::Error CheckBuffers(ffi::Span<const int64_t> sig, std::string_view names, ffi::RemainingArgs args,
+                        ffi::RemainingRets rets) {
+  Signature s;
+  if (auto e = ParseSignature(sig, names, &s); e.failure()) return e;
+  if (static_cast<int>(args.size()) != s.n_args || static_cast<int>(rets.size()) != s.n_rets)
+    return ffi::Error::InvalidArgument("gpu launcher: expected " + std::to_string(s.n_args) + " operands and " +
+                                       std::to_string(s.n_rets) + " results, got " + std::to_string(args.size()) +
+                                       " and " + std::to_string(rets.size()));
+  for (int i = 0; i < s.n_args; ++i) {
+    auto b = args.get<ffi::AnyBuffer>(i);
+    if (!b.has_value())
+      return ffi::Error::InvalidArgument("gpu launcher: " + std::string(s.name[i]) + ": not a buffer");
+    if (auto e = CheckOneBuffer(s, i, *b); e.failure()) return e;
+  }
+  for (int i = 0; i < s.n_rets; ++i) {
+    auto b = rets.get<ffi::AnyBuffer>(i);
+    if (!b.has_value())
+      return ffi::Error::InvalidArgument("gpu launcher: " + std::string(s.name[s.n_args + i]) + ": not a buffer");
+    if (auto e = CheckOneBuffer(s, s.n_args + i, **b); e.failure()) return e;
+  }
+  return ffi::Error::Success();
+}
+
 // ---- the process-wide function cache ----------------------------------------------------------
 // Open addressing, insert-only: written under a mutex (initialize), read lock-free (execute).
 struct Slot {
@@ -335,30 +428,44 @@ ffi::Error EnsureLoaded(std::string_view code, int64_t code_hash, std::string_vi
 
 // ---- stages ------------------------------------------------------------------------------------
 ffi::Error Instantiate(std::string_view code, int64_t code_hash, std::string_view kernel, int64_t grid_div,
-                       int64_t block, int64_t smem) {
+                       int64_t block, int64_t smem, ffi::Span<const int64_t> signature,
+                       std::string_view buffer_names) {
   (void)code_hash;
   Table t;
   if (auto e = ParseTable(code, &t); e.failure()) return e;
+  Signature sig;
+  if (auto e = ParseSignature(signature, buffer_names, &sig); e.failure()) return e;
   if (kernel.empty()) return ffi::Error::InvalidArgument("gpu launcher: empty kernel name");
   if (grid_div < 1 || block < 1 || block > 1024 || smem < 0)
     return ffi::Error::InvalidArgument("gpu launcher: bad launch attributes");
   return ffi::Error::Success();
 }
 
-ffi::Error Initialize(int32_t device, std::string_view code, int64_t code_hash, std::string_view kernel,
-                      int64_t grid_div, int64_t block, int64_t smem) {
+ffi::Error Initialize(int32_t device, ffi::RemainingArgs args, ffi::RemainingRets rets, std::string_view code,
+                      int64_t code_hash, std::string_view kernel, int64_t grid_div, int64_t block, int64_t smem,
+                      ffi::Span<const int64_t> signature, std::string_view buffer_names) {
   (void)grid_div, (void)block, (void)smem;
+  if (auto e = CheckBuffers(signature, buffer_names, args, rets); e.failure()) return e;
   return EnsureLoaded(code, code_hash, kernel, device);
+}
+
+// A CPU-runnable stage with the initialize stage's buffer check alone (registered by the tests for
+// platform "cpu", where the launcher's own stages cannot run): the same CheckBuffers on real FFI
+// buffers, so a raw ffi_call exercises it under ASan without a GPU.
+ffi::Error CheckBuffersOnly(ffi::RemainingArgs args, ffi::RemainingRets rets, ffi::Span<const int64_t> signature,
+                            std::string_view buffer_names) {
+  return CheckBuffers(signature, buffer_names, args, rets);
 }
 
 constexpr int kMaxBuffers = 32;
 
 ffi::Error Execute(void* stream, int32_t device, ffi::RemainingArgs args, ffi::RemainingRets rets,
                    std::string_view code, int64_t code_hash, std::string_view kernel, int64_t grid_div,
-                   int64_t block, int64_t smem) {
+                   int64_t block, int64_t smem, ffi::Span<const int64_t> signature, std::string_view buffer_names) {
   const Driver& d = GetDriver();
   const Slot* slot = Lookup(CacheKey(code_hash, device));
   if (XLA_FFI_PREDICT_FALSE(slot == nullptr)) {  // initialize did not run for this device
+    if (auto e = CheckBuffers(signature, buffer_names, args, rets); e.failure()) return e;
     if (auto e = EnsureLoaded(code, code_hash, kernel, device); e.failure()) return e;
     slot = Lookup(CacheKey(code_hash, device));
     if (!slot) return ffi::Error::Internal("gpu launcher: module cache lookup failed");
@@ -430,13 +537,22 @@ auto WithLaunchAttrs(Binding b) {
       .template Attr<std::string_view>("kernel")
       .template Attr<int64_t>("grid_div")
       .template Attr<int64_t>("block")
-      .template Attr<int64_t>("smem");
+      .template Attr<int64_t>("smem")
+      .template Attr<ffi::Span<const int64_t>>("signature")
+      .template Attr<std::string_view>("buffer_names");
 }
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kGpuRopeCacheInstantiate, Instantiate, WithLaunchAttrs(ffi::Ffi::BindInstantiate()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kGpuRopeCacheInitialize, Initialize,
-                              WithLaunchAttrs(ffi::Ffi::BindInitialize().Ctx<ffi::DeviceOrdinal>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    kGpuRopeCacheInitialize, Initialize,
+    WithLaunchAttrs(ffi::Ffi::BindInitialize().Ctx<ffi::DeviceOrdinal>().RemainingArgs().RemainingRets()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kGpuCheckBuffers, CheckBuffersOnly,
+                              ffi::Ffi::Bind()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<ffi::Span<const int64_t>>("signature")
+                                  .Attr<std::string_view>("buffer_names"));
 
 #define JRC_EXECUTE_BINDING                                                                              \
   WithLaunchAttrs(                                                                                      \

@@ -15,6 +15,9 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(kGpuRopeCacheInstantiate);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kGpuRopeCacheInitialize);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kGpuRopeCacheExecute);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kGpuRopeCacheExecuteNoGraph);
+// The initialize stage's buffer-signature check alone, as a plain handler any platform can run
+// (tests drive it through jax.ffi.ffi_call on CPU, where the GPU stages cannot run).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kGpuCheckBuffers);
 // Kernels launched by the GPU launcher in this process (execute calls that launched; with XLA
 // command buffers a replayed launch does not call the handler and is not counted).
 uint64_t GpuLaunchCount();

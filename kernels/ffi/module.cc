@@ -69,6 +69,7 @@ NB_MODULE(_native, m) {
     d["execute"] = HandlerCapsule(jax_rope_cache::kGpuRopeCacheExecuteNoGraph);
     return d;
   });
+  m.def("gpu_check_buffers_handler", [] { return HandlerCapsule(jax_rope_cache::kGpuCheckBuffers); });
   m.def("gpu_launch_count", [] { return jax_rope_cache::GpuLaunchCount(); });
   m.def("gpu_module_count", [] { return jax_rope_cache::GpuModuleCount(); });
   m.def("round_f32", &RoundF32, nb::arg("src"), nb::arg("bits"), nb::arg("dt"));
