@@ -101,14 +101,14 @@ def test_stacked_caches_are_one_kernel_with_the_layer_read_on_the_device():
     entry = hlo[hlo.index("ENTRY"):]
     assert len(re.findall(r"custom_call_target=", hlo)) == 1, hlo
     assert not re.findall(r"= [^ ]+ (fusion|copy|scatter|gather|select|add|multiply|convert)\(", entry), entry
-    native = native.native_module()
+    ext = native.native_module()
     host = [np.asarray(a) for a in (q, k, v, kc, vc, slots, pos, cos, sin)]
     for layer in (2, 0, 3, 7, -1):
         want = reference.rope_and_cache(*host, layer=np.array(layer, np.int32))
-        before = native.gpu_launch_count()
+        before = ext.gpu_launch_count()
         out = f(q, k, v, kc, vc, slots, pos, cos, sin, jnp.int32(layer))
         jax.block_until_ready(out)
-        assert native.gpu_launch_count() - before == 1
+        assert ext.gpu_launch_count() - before == 1
         kc, vc = out[2], out[3]
         for name, g, w in zip(("q_out", "k_out", "key_cache", "value_cache"), out, want):
             assert np.array_equal(np.asarray(g).view(np.uint16), np.asarray(w).view(np.uint16)), (layer, name)
@@ -116,17 +116,17 @@ def test_stacked_caches_are_one_kernel_with_the_layer_read_on_the_device():
 
 
 def test_launcher_launches_exactly_one_kernel_per_call():
-    native = native.native_module()
+    ext = native.native_module()
     f = _jitted()
     args = _problem(1)
     q_out, k_out, kc, vc = f(*args)  # compile + first run
     jax.block_until_ready(vc)
-    before = native.gpu_launch_count()
+    before = ext.gpu_launch_count()
     n = 5
     for _ in range(n):
         q_out, k_out, kc, vc = f(args[0], args[1], args[2], kc, vc, *args[5:])
     jax.block_until_ready(vc)
-    assert native.gpu_launch_count() - before == n
+    assert ext.gpu_launch_count() - before == n
 
 
 _MODULES_SCRIPT = textwrap.dedent("""

@@ -528,8 +528,10 @@ def _signature_call(ops, signature, names=None, results=None):
     names = launcher.BUFFER_NAMES if names is None else names
     res = results or _results_like(ops)
     fn = jax.ffi.ffi_call(_gpu_check_target(), res, input_output_aliases=dict(contract.CACHE_ALIASES))
-    return jax.block_until_ready(fn(*[ops[n] for n in contract.OPERANDS], signature=np.asarray(signature, np.int64),
-                                    buffer_names=names))
+    cpu = jax.devices("cpu")[0]  # the check target is registered for the CPU (a GPU host's default is not)
+    with jax.default_device(cpu):
+        args = [jax.device_put(ops[n], cpu) for n in contract.OPERANDS]
+        return jax.block_until_ready(fn(*args, signature=np.asarray(signature, np.int64), buffer_names=names))
 
 
 def _signature_of(ops):
@@ -613,10 +615,13 @@ def test_raw_ffi_gpu_launcher_instantiate_checks_the_signature():
 
     def call(signature):
         fn = jax.ffi.ffi_call(name, _results_like(ops), input_output_aliases=dict(contract.CACHE_ALIASES))
-        return jax.block_until_ready(fn(*[ops[n] for n in contract.OPERANDS], code=table, code_hash=np.int64(1),
-                                        kernel="k", grid_div=np.int64(1), block=np.int64(32), smem=np.int64(0),
-                                        signature=np.asarray(signature, np.int64),
-                                        buffer_names=launcher.BUFFER_NAMES))
+        cpu = jax.devices("cpu")[0]  # registered for the CPU: run there also on a GPU host
+        with jax.default_device(cpu):
+            return jax.block_until_ready(fn(*[jax.device_put(ops[n], cpu) for n in contract.OPERANDS], code=table,
+                                            code_hash=np.int64(1), kernel="k", grid_div=np.int64(1),
+                                            block=np.int64(32), smem=np.int64(0),
+                                            signature=np.asarray(signature, np.int64),
+                                            buffer_names=launcher.BUFFER_NAMES))
 
     with pytest.raises(jax.errors.JaxRuntimeError, match="attribute 'signature'"):
         call(_signature_of(ops)[:-1])
