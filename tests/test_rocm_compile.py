@@ -264,10 +264,13 @@ def make_spec_from_decode(layout, cdt):
     return contract.check_op(*a, layout=layout, k_scale=0.5 if fp8 else None, v_scale=0.25 if fp8 else None)
 
 
-def test_without_flydsl_kernel_raises_and_default_falls_back(monkeypatch):
+def test_without_flydsl_kernel_raises_and_default_falls_back(monkeypatch, tmp_path):
+    monkeypatch.setenv("JAX_ROPE_CACHE_DIR", str(tmp_path))  # nothing precompiled either
+    monkeypatch.delenv("JAX_ROPE_CACHE_ROCM_BUNDLE", raising=False)
+    monkeypatch.setattr(flydsl, "_mem", {})
     monkeypatch.setattr(flydsl, "available", lambda: False)
     monkeypatch.setattr(flydsl, "unavailable_reason", lambda: "the Python package 'flydsl' is not installed")
-    with pytest.raises(Exception, match=r"pip install 'flydsl"):
+    with pytest.raises(RuntimeError, match=r"pip install .flydsl.*precompile"):
         export_rocm(impl="kernel")
     with pytest.warns(RuntimeWarning, match="falling back to the XLA implementation on ROCm"):
         exp = export_rocm(impl=None)

@@ -131,9 +131,9 @@ def unavailable_reason() -> str:
 
 
 def require() -> None:
-    ok, why = _probe()
-    if not ok:
-        raise FlyDSLUnavailable(f"compiling the ROCm kernel needs FlyDSL ({why}); install it with: {INSTALL_HINT}")
+    if not available():
+        raise FlyDSLUnavailable(f"compiling the ROCm kernel needs FlyDSL ({unavailable_reason()}); install it with: "
+                                f"{INSTALL_HINT}")
 
 
 def flydsl_version() -> str:
@@ -512,13 +512,14 @@ def compile_config(cfg, arch: str) -> CodeObject:
     key = _key(cfg, arch)
     try:
         require()
-    except FlyDSLUnavailable as e:
+    except FlyDSLUnavailable:
         d = cache.cache_dir()
         where = [f"the bundles {bundle_paths()}" if bundle_paths() else "no bundle (JAX_ROPE_CACHE_ROCM_BUNDLE unset)",
                  f"the cache {os.path.join(d, 'rocm')}" if d else "no disk cache (JAX_ROPE_CACHE_DIR='')"]
         raise FlyDSLUnavailable(
-            f"{e}. No precompiled code object matches this configuration for {arch} (key {key[:16]}; looked in "
-            f"{' and '.join(where)}): {PRECOMPILE_HINT}") from None
+            f"compiling the ROCm kernel needs FlyDSL ({unavailable_reason()}), and no precompiled code object matches "
+            f"this configuration for {arch} (key {key[:16]}; looked in {' and '.join(where)}); install FlyDSL with: "
+            f"{INSTALL_HINT}; {PRECOMPILE_HINT}") from None
     with _lock:
         co = _mem.get(key)
         if co is not None:
