@@ -367,8 +367,10 @@ std::mutex g_insert_mutex;
 std::atomic<uint64_t> g_launches{0};
 std::atomic<uint64_t> g_modules{0};  // modules loaded: one per (code object, device), ever
 
-uint64_t CacheKey(int64_t code_hash, int device) {
-  uint64_t k = static_cast<uint64_t>(code_hash) ^ (0x9e3779b97f4a7c15ull * static_cast<uint64_t>(device + 1));
+// Keyed by vendor too: a module loaded through one driver is no function of the other.
+uint64_t CacheKey(int64_t code_hash, int device, Vendor vendor) {
+  const uint64_t dev = static_cast<uint64_t>(device + 1) + (vendor == Vendor::kHip ? (1ull << 32) : 0);
+  uint64_t k = static_cast<uint64_t>(code_hash) ^ (0x9e3779b97f4a7c15ull * dev);
   k ^= k >> 29;
   return k ? k : 1;
 }
@@ -469,7 +471,7 @@ ffi::Error EnsureLoaded(Vendor vendor, std::string_view code, int64_t code_hash,
   const Driver& d = GetDriver(vendor);
   if (!d.lib) return ffi::Error::Internal("gpu launcher: " + d.error);
   if (!d.error.empty()) return ffi::Error::Internal("gpu launcher: " + d.error);
-  const uint64_t key = CacheKey(code_hash, device);
+  const uint64_t key = CacheKey(code_hash, device, vendor);
   if (Lookup(key)) return ffi::Error::Success();
   Table t;
   if (auto e = ParseTable(code, &t); e.failure()) return e;
@@ -527,11 +529,11 @@ ffi::Error Execute(Vendor vendor, void* stream, int32_t device, ffi::RemainingAr
                    std::string_view code, int64_t code_hash, std::string_view kernel, int64_t grid_div,
                    int64_t block, int64_t smem, ffi::Span<const int64_t> signature, std::string_view buffer_names) {
   const Driver& d = GetDriver(vendor);
-  const Slot* slot = Lookup(CacheKey(code_hash, device));
+  const Slot* slot = Lookup(CacheKey(code_hash, device, vendor));
   if (XLA_FFI_PREDICT_FALSE(slot == nullptr)) {  // initialize did not run for this device
     if (auto e = CheckBuffers(signature, buffer_names, args, rets); e.failure()) return e;
     if (auto e = EnsureLoaded(vendor, code, code_hash, kernel, device); e.failure()) return e;
-    slot = Lookup(CacheKey(code_hash, device));
+    slot = Lookup(CacheKey(code_hash, device, vendor));
     if (!slot) return ffi::Error::Internal("gpu launcher: module cache lookup failed");
   }
   const size_t na = args.size(), nr = rets.size();
@@ -643,16 +645,23 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kGpuRopeCacheExecuteNoGraphHip, kExecuteOn<Vendor:
 }  // namespace jax_rope_cache
 
 #ifdef JRC_LAUNCHER_TEST
-// CPU-side harness for the HIP path (tests/test_hip_launcher.py builds this file with
-// -DJRC_LAUNCHER_TEST and runs it against a stub libamdhip64.so.7): the HIP execute stage exactly as
-// above, except that the stream is the constant kTestStream (a CPU backend has no GPU stream to
-// hand over). Instantiate and initialize are the production symbols.
+// CPU-side harness for the driver paths (tests/test_hip_launcher.py builds this file with
+// -DJRC_LAUNCHER_TEST and runs it against stub libamdhip64.so.7 / libcuda.so.1): the execute
+// stages exactly as above, except that the stream is the constant kTestStream (a CPU backend has
+// no GPU stream to hand over). Instantiate and initialize are the production symbols.
 namespace jax_rope_cache {
 constexpr uintptr_t kTestStream = 0x5157;
-constexpr auto kExecuteHipOnTestStream = [](auto&&... a) {
-  return Execute(Vendor::kHip, reinterpret_cast<void*>(kTestStream), std::forward<decltype(a)>(a)...);
+template <Vendor V>
+constexpr auto kExecuteOnTestStream = [](auto&&... a) {
+  return Execute(V, reinterpret_cast<void*>(kTestStream), std::forward<decltype(a)>(a)...);
 };
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kGpuRopeCacheExecuteHipTest, kExecuteHipOnTestStream,
-                              WithLaunchAttrs(ffi::Ffi::Bind().Ctx<ffi::DeviceOrdinal>().RemainingArgs().RemainingRets()));
+#define JRC_TEST_BINDING \
+  WithLaunchAttrs(ffi::Ffi::Bind().Ctx<ffi::DeviceOrdinal>().RemainingArgs().RemainingRets())
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kGpuRopeCacheExecuteHipTest, kExecuteOnTestStream<Vendor::kHip>, JRC_TEST_BINDING,
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kGpuRopeCacheExecuteNoGraphHipTest, kExecuteOnTestStream<Vendor::kHip>,
+                              JRC_TEST_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kGpuRopeCacheExecuteCudaTest, kExecuteOnTestStream<Vendor::kCuda>, JRC_TEST_BINDING);
+#undef JRC_TEST_BINDING
 }  // namespace jax_rope_cache
 #endif  // JRC_LAUNCHER_TEST

@@ -18,6 +18,9 @@
  *   HIP_STUB_DEVICES     number of devices (default 8); hipSetDevice beyond it fails
  *   HIP_STUB_INIT_ERROR  hipInit returns this error code
  *   HIP_STUB_LAUNCH_ERROR hipModuleLaunchKernel returns this error code
+ *   HIP_STUB_PEEK_WORDS  for the first N 8-byte kernarg words, also log the first 4 bytes at the
+ *                        address the word holds (CI runs on a CPU backend, where buffers are host
+ *                        memory: the test checks each pointer reaches the right operand)
  * hipDeviceProp_tR0600 facts used: 1472 bytes, char name[256] at 0, char gcnArchName[256] at 1160
  * (the ROCm 6.x / 7.x headers; see BUILD_NOTES.md, "The launcher's HIP launch").
  */
@@ -178,14 +181,28 @@ hipError_t hipModuleLaunchKernel(void* function, unsigned gx, unsigned gy, unsig
   char* hex = (char*)malloc(2 * size + 1);
   for (size_t i = 0; i < size && buf; ++i) sprintf(hex + 2 * i, "%02x", buf[i]);
   hex[buf ? 2 * size : 0] = 0;
+  int peek = env_int("HIP_STUB_PEEK_WORDS", 0);
+  char* peeks = (char*)calloc(16 * (size_t)(peek > 0 ? peek : 1) + 2, 1);
+  char* q = peeks;
+  *q++ = '[';
+  for (int w = 0; buf && w < peek && (size_t)(8 * w + 8) <= size; ++w) {
+    const unsigned char* at = (const unsigned char*)(uintptr_t)rd(buf + 8 * w, 8);
+    if (w) *q++ = ',';
+    if ((uintptr_t)at >= 0x10000) q += sprintf(q, "\"%02x%02x%02x%02x\"", at[0], at[1], at[2], at[3]);
+    else q += sprintf(q, "null"); /* not a pointer: never dereferenced */
+  }
+  *q++ = ']';
+  *q = 0;
   hipError_t r = env_int("HIP_STUB_LAUNCH_ERROR", 0);
   log_line("{\"call\": \"hipModuleLaunchKernel\", \"name\": \"%s\", \"module_fnv1a64\": \"%016llx\", "
            "\"module_device\": %d, \"device\": %d, \"grid\": [%u, %u, %u], \"block\": [%u, %u, %u], \"shmem\": %u, "
            "\"stream\": %llu, \"kernel_params\": %s, \"extra_ended\": %s, \"kernarg_size\": %zu, "
-           "\"kernarg\": \"%s\", \"result\": %d}",
+           "\"kernarg\": \"%s\", \"peek\": %s, \"result\": %d}",
            f->name, (unsigned long long)f->module->hash, f->module->device, g_device, gx, gy, gz, bx, by, bz, shmem,
-           (unsigned long long)(uintptr_t)stream, params ? "true" : "false", ended ? "true" : "false", size, hex, r);
+           (unsigned long long)(uintptr_t)stream, params ? "true" : "false", ended ? "true" : "false", size, hex, peeks,
+           r);
   free(hex);
+  free(peeks);
   return r;
 }
 
