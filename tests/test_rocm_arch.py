@@ -175,3 +175,23 @@ def test_no_warning_on_a_supported_device(monkeypatch, fake_compiler):
         warnings.simplefilter("error")
         _lower_rocm(None)
     assert np.all(np.array(fake_compiler) == "gfx942")
+
+
+def test_the_suite_refuses_a_rocm_host_whose_kernel_cannot_be_built(monkeypatch):
+    """tests/conftest.py stops the run (unless JRC_ALLOW_NO_GPU_KERNEL=1) when jax has a ROCm
+    backend but the kernel cannot be built or the GPU has no kernel: otherwise the ("rocm",
+    "kernel") cases would silently not be generated and the suite would pass on the XLA path."""
+    import conftest
+
+    real = jax.devices
+    arch = ["gfx942"]
+    monkeypatch.setattr(jax, "devices", lambda name=None: [FakeDevice(arch[0])] if name == "rocm" else real(name))
+    monkeypatch.setattr(rocm, "_rocm_devices", lambda: [FakeDevice(arch[0])])
+    monkeypatch.setattr(rocm, "missing", lambda: None)
+    assert conftest._gpu_kernels_missing() == []
+    monkeypatch.setattr(rocm, "missing", lambda: "FlyDSL to compile the kernel (not installed)")
+    assert conftest._gpu_kernels_missing() == ["rocm: needs FlyDSL to compile the kernel (not installed)"]
+    monkeypatch.setattr(rocm, "missing", lambda: None)
+    arch[0] = "gfx1100"
+    (msg,) = conftest._gpu_kernels_missing()
+    assert msg.startswith("rocm: needs a gfx942 or gfx950 GPU") and "is gfx1100" in msg
