@@ -93,7 +93,7 @@ def built(tmp_path_factory):
     bundle = root / "rope.jrcbundle"
     env_before = os.environ.get("JAX_ROPE_CACHE_DIR")
     os.environ["JAX_ROPE_CACHE_DIR"] = str(root / "cache")
-    try:
+    try:  # even with these code objects already in this process's memory, the cache gets them
         out = aot.precompile(("gfx942", "gfx950"), aot.configs_for(q_heads=8, kv_heads=1, head_dim=64,
                                                                    layouts=("flash",)), bundle=str(bundle))
     finally:
@@ -101,6 +101,7 @@ def built(tmp_path_factory):
             os.environ.pop("JAX_ROPE_CACHE_DIR")
         else:
             os.environ["JAX_ROPE_CACHE_DIR"] = env_before
+    assert len(list((root / "cache" / "rocm").glob("*.hsaco.jrc"))) == 2
     return dict(root=root, bundle=bundle, cache=root / "cache", codes=sorted(co.code.hex() for _, co in out))
 
 

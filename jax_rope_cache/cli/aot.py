@@ -79,6 +79,7 @@ def precompile(archs=rocm.DEFAULT_ARCHS, configs=None, *, presets=(), tp: int = 
         for arch in archs:
             t = time.perf_counter()
             co = flydsl.compile_config(cfg, arch)
+            flydsl.ensure_on_disk(co, cfg)
             if verbose:
                 i = co.info
                 print(f"{arch} {cfg.key()}: {len(co.code)} B, {i['vgpr_count']} VGPR, {i['sgpr_count']} SGPR, "

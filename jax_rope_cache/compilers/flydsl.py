@@ -491,6 +491,14 @@ def _disk_write(co: CodeObject, cfg, version: str | None = None) -> None:
     cache.write(os.path.join(d, "rocm") if d else None, co.key + ".hsaco.jrc", co.code, meta)
 
 
+def ensure_on_disk(co: CodeObject, cfg) -> None:
+    """Writes `co` to the disk cache unless its entry is there (for `compile`, whose job is to fill
+    the cache even with code objects this process already held in memory or read from a bundle)."""
+    d = cache.cache_dir()
+    if d and not os.path.exists(os.path.join(d, "rocm", co.key + ".hsaco.jrc")):
+        _disk_write(co, cfg)
+
+
 def lookup(cfg, arch: str) -> CodeObject | None:
     """The code object of `cfg` for `arch` if one is precompiled or cached (never compiles)."""
     key = _key(cfg, arch)

@@ -15,7 +15,7 @@ Protocol: one JSON object per line on stdin, one JSON reply per line on the orig
 (anything FlyDSL prints goes to stderr). First reply: {"ready": true, "flydsl": version,
 "torch": "stub" | version}. Requests:
   {"op": "compile", "kernel": path, "config": {...RocmKernelConfig fields}, "arch": "gfx942",
-   "rocm_path": folder with llvm/bin/ld.lld, "isa": false}
+   "rocm_path": folder with llvm/bin/ld.lld, "isa": false, "hints": {"waves_per_eu": 8} (optional)}
 -> {"ok": true, "code": base64 code object, "isa": text or null}
    {"ok": false, "error": "Type: message", "traceback": text}
 EOF on stdin ends the process.
@@ -101,6 +101,18 @@ def binary_from_artifact(artifact) -> bytes:
     raise RuntimeError("FlyDSL produced no gpu.binary")
 
 
+def _compile_hints(hints: dict):
+    """FlyDSL compile hints for this compile (e.g. {"waves_per_eu": 8}: the AMDGPU backend then keeps
+    the kernel to the registers of 8 waves per SIMD, amdgpu-waves-per-eu)."""
+    import contextlib
+
+    if not hints:
+        return contextlib.nullcontext()
+    from flydsl.compiler.kernel_function import CompilationContext
+
+    return CompilationContext.compile_hints(hints)
+
+
 def compile_one(req: dict) -> dict:
     import flydsl.expr as fx
 
@@ -117,7 +129,8 @@ def compile_one(req: dict) -> dict:
             if req.get("isa"):
                 os.environ["FLYDSL_DEBUG_DUMP_ASM"] = "1"
                 os.environ["FLYDSL_DUMP_DIR"] = dump
-            with warnings.catch_warnings():
+            hints = dict(req.get("hints") or {})
+            with warnings.catch_warnings(), _compile_hints(hints):
                 warnings.simplefilter("ignore")
                 launch = K.build_launcher(cfg)
                 launch._compile_only(*[fx.Int64(0)] * K.NUM_ARGS)
