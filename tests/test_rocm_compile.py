@@ -6,7 +6,8 @@
 2. Each code object's AMDGPU metadata (parsed in pure Python) matches what the launcher does:
    the kernarg segment is exactly the launcher's parameter block (16 pointers then 12 int64
    dim0, 8 bytes each at offsets 0..216, 224 bytes, no hidden arguments), no scratch, no spills,
-   required workgroup size == the launch block of the lowering, wave64.
+   at most 64 VGPRs (8 waves per SIMD), required workgroup size == the launch block of the
+   lowering, wave64.
 3. The ISA of representative variants has no fused multiply-add (the arithmetic must round each
    product and sum separately) and uses 16-byte global memory instructions; "fused" native
    arithmetic (f32 tables) has its FMAs; every kernel keeps f32/f16 denormals (its descriptor's
@@ -42,6 +43,7 @@ BF16, F16, F32 = np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16), np.dtype(np
 FN, FNUZ = np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e4m3fnuz)
 ARCHS = ("gfx942", "gfx950")
 NUM_OPERANDS, NUM_RESULTS = 12, 4  # the custom call: 12 operands (layer last), 4 results
+MAX_VGPRS = 64
 
 needs_flydsl = pytest.mark.skipif(not flydsl.available(),
                                   reason=f"the ROCm kernel cannot be compiled here: {flydsl.unavailable_reason()}; "
@@ -103,6 +105,8 @@ def check_code_object(code: bytes, arch: str, cfg, symbol: str | None = None):
     assert info["kernarg_size"] == size
     assert info["private_segment_size"] == 0, "scratch memory used"
     assert info["vgpr_spill_count"] == 0 and info["sgpr_spill_count"] == 0
+    # <= 64 VGPRs: 8 waves per SIMD on CDNA3/CDNA4 (512 VGPRs per lane / 64), the occupancy cap
+    assert info["vgpr_count"] <= MAX_VGPRS, f"{info['vgpr_count']} VGPRs (> {MAX_VGPRS}: fewer than 8 waves per SIMD)"
     assert info["group_segment_size"] == 0  # the launcher passes smem=0
     assert list(info["reqd_workgroup_size"]) == [cfg.nt, 1, 1]
     assert info["max_flat_workgroup_size"] >= cfg.nt

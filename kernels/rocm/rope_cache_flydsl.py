@@ -119,6 +119,11 @@ def make_config(*, qh, kh, d, r, bs, layout, neox, full_table, native, dt, tab_d
     w_rot = _pow2_width(vmax, r // 2) if neox else _pow2_width(vmax, r)
     if not neox and w_rot < 2:
         w_rot = 2
+    if neox and dt == BF16 and cache_dt in (FP8_FN, FP8_FNUZ):
+        # Occupancy: with 8-element chunks these variants need 66-84 VGPRs (5-7 waves per SIMD)
+        # and a waves_per_eu=8 hint makes the compiler spill; 4-element chunks (8-byte accesses)
+        # need 40-61 with no scratch, so 8 waves per SIMD (BUILD_NOTES, "Register pressure").
+        w_rot = min(w_rot, 4)
     w_pass = _pow2_width(vmax, r, d) if r < d else 1
     w_v = _pow2_width(vmax, d)
     cpx_rot = (r // 2) // w_rot if neox else r // w_rot
