@@ -75,6 +75,7 @@ _CHILD = textwrap.dedent("""
     for lib in spec.get("preload", []):
         ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
     import numpy as np, jax, jax.numpy as jnp
+    from jax_rope_cache.backends.launcher import buffer_signature
     lib = ctypes.CDLL(spec["harness"])
     cap = lambda n: jax.ffi.pycapsule(getattr(lib, n))
     for name, execute, init in (("jrc_test_hip", "kGpuRopeCacheExecuteHipTest", "kGpuRopeCacheInitializeHip"),
@@ -97,7 +98,8 @@ _CHILD = textwrap.dedent("""
         fn = jax.ffi.ffi_call(call["target"], results, input_output_aliases=aliases)
         a = call["attrs"]
         attrs = dict(code=bytes.fromhex(a["code"]), code_hash=np.int64(a["code_hash"]), kernel=a["kernel"],
-                     grid_div=np.int64(a["grid_div"]), block=np.int64(a["block"]), smem=np.int64(a["smem"]))
+                     grid_div=np.int64(a["grid_div"]), block=np.int64(a["block"]), smem=np.int64(a["smem"]),
+                     signature=buffer_signature(ops, results), buffer_names=call["buffer_names"])
         dev = jax.devices()[call.get("device", 0)]
         try:
             res = jax.jit(lambda *x: fn(*x, **attrs))(*jax.device_put(ops, dev))
@@ -118,7 +120,8 @@ def run_harness(stubs, tmp_path, calls, preload=(), env=None):
     spec.write_text(json.dumps(dict(harness=str(stubs / "launcher_test.so"), calls=calls,
                                     preload=[str(stubs / p) for p in preload])))
     e = dict(os.environ, HIP_STUB_LOG=str(log), LD_LIBRARY_PATH=str(stubs), HIP_STUB_PEEK_WORDS="0",
-             XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+             XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+             JAX_ENABLE_X64="1")  # int64 slot_mapping / positions stay int64
     e.update(env or {})
     r = subprocess.run([sys.executable, "-P", "-c", _CHILD, str(spec)], env=e, capture_output=True, text=True,
                        timeout=300, cwd="/")
@@ -149,6 +152,7 @@ def fake_code_object(arch: str, symbol: str = "jrc_rope_cache_0") -> bytes:
 
 def simple_call(table: bytes, target="jrc_test_hip", device=0, kernel="jrc_rope_cache_0", env=None):
     return dict(target=target, device=device, env=env or {}, operands=[[[4], "float32"]], results=[0],
+                buffer_names="x,out",
                 attrs=dict(code=table.hex(), code_hash=launcher.code_hash(table), kernel=kernel, grid_div=1, block=64,
                            smem=0))
 
@@ -269,7 +273,7 @@ def test_kernarg_buffer_matches_the_code_object_metadata(stubs, tmp_path):
                      block=cfg.nt, smem=0)
         for target, device in (("jrc_test_hip", 0), ("jrc_test_hip_nograph", 0), ("jrc_test_hip", 2)):
             calls.append(dict(target=target, device=device, operands=operands, results=[0, 1, 3, 4],
-                              aliases={"3": 2, "4": 3}, attrs=attrs))
+                              aliases={"3": 2, "4": 3}, attrs=attrs, buffer_names=launcher.BUFFER_NAMES))
             expect.append((v, operands, cfg, symbol, {o.arch: o for o in objs}))
     for arch in ("gfx942", "gfx950"):
         out, rec = run_harness(stubs, tmp_path, calls, env={"HIP_STUB_ARCH": f"{arch}:sramecc+:xnack-",

@@ -41,12 +41,13 @@ def _fake_code(arch: str) -> bytes:
 def fake_compiler(monkeypatch):
     compiled = []
 
-    def compile_config(cfg, arch):
+    def compile_config(cfg, arch, hints=None):
         compiled.append(arch)
         return flydsl.CodeObject(arch=arch, code=_fake_code(arch), symbol="jrc_rope_cache_0", info={},
                                  key=flydsl.key_for(cfg, arch))
 
     monkeypatch.setattr(flydsl, "compile_config", compile_config)
+    monkeypatch.setattr(flydsl, "available", lambda: True)
     monkeypatch.delenv("JAX_ROPE_CACHE_ROCM_ARCHS", raising=False)
     return compiled
 

@@ -128,7 +128,8 @@ def test_variant_compiles_for_both_archs(p):
     table, symbol, objs = rocm.build_code_table(cfg, ARCHS)
     assert [o.arch for o in objs] == list(ARCHS)
     for o in objs:
-        check_code_object(o.code, o.arch, cfg, symbol)
+        check_code_object(o.code, o.arch, o.config, symbol)  # the occupancy candidate that was built
+    assert len({o.config for o in objs}) == 1  # one configuration (one launch geometry) for both archs
     assert launcher.unpack_code_table(table) == [(3, a, o.code) for a, o in zip(ARCHS, objs)]
 
 
@@ -255,7 +256,7 @@ def test_export_rocm_on_cpu_carries_both_archs(layout, cdt):
     entries = launcher.unpack_code_table(attrs["code"])
     assert [(k, a) for k, a, _ in entries] == [(3, "gfx942"), (3, "gfx950")]
     symbol = attrs["kernel"].decode()
-    spec_cfg = rocm.kernel_config(make_spec_from_decode(layout, cdt))
+    spec_cfg = rocm.build_code_table(rocm.kernel_config(make_spec_from_decode(layout, cdt)), ARCHS)[2][0].config
     assert attrs["block"] == spec_cfg.nt and attrs["grid_div"] == spec_cfg.tpb and attrs["smem"] == 0
     for _, arch, code in entries:
         check_code_object(code, arch, spec_cfg, symbol)
@@ -285,7 +286,7 @@ def test_without_flydsl_kernel_raises_and_default_falls_back(monkeypatch, tmp_pa
 def test_compile_failure_falls_back_for_default_impl(monkeypatch):
     monkeypatch.setattr(flydsl, "available", lambda: True)
 
-    def broken(cfg, arch):
+    def broken(cfg, arch, hints=None):
         raise RuntimeError("DSLCompileError: lld invocation failed")
 
     monkeypatch.setattr(flydsl, "compile_config", broken)

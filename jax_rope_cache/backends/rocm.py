@@ -107,9 +107,42 @@ def kernel_config(spec_or_codes, module=None):
     return (module or flydsl.kernel_module()).make_config(**dataclasses.asdict(codes))
 
 
+MAX_VGPRS = 64  # 8 waves per SIMD on CDNA3/CDNA4 (512 VGPRs per lane / 64): the occupancy cap
+WAVES_PER_EU = {"waves_per_eu": 8}
+_CODE_FIELDS = tuple(f.name for f in dataclasses.fields(contract.KernelCodes))
+
+
+def fits(info: dict) -> bool:
+    """A code object that runs at full occupancy: <= 64 VGPRs, no spills, no scratch (metadata a
+    stand-in code object lacks counts as fitting)."""
+    return (info.get("vgpr_count", 0) <= MAX_VGPRS and info.get("vgpr_spill_count", 0) == 0
+            and info.get("sgpr_spill_count", 0) == 0 and info.get("private_segment_size", 0) == 0)
+
+
+def occupancy_candidates(cfg, module=None) -> list:
+    """[(config, compile hints)] to try in order for `cfg` (build_code_table takes the first whose
+    code objects fit): as configured; with waves_per_eu=8 (the compiler keeps to 64 VGPRs, but may
+    spill); rotation chunks of half the width (fewer values in flight per lane, 8-byte instead of
+    16-byte accesses), without and with the hint; every chunk kind at half width. Only the chunk
+    widths and hints differ, never the arithmetic (the lane emulator checks every width)."""
+    K = module or flydsl.kernel_module()
+    codes = {f: getattr(cfg, f) for f in _CODE_FIELDS}
+    out = [(cfg, None), (cfg, WAVES_PER_EU)]
+    narrow = K.make_config(**codes, rot_cap=max(1, cfg.w_rot // 2))
+    if narrow != cfg:
+        out += [(narrow, None), (narrow, WAVES_PER_EU)]
+    narrower = K.make_config(**codes, rot_cap=max(1, cfg.w_rot // 2), width_cap=max(1, max(cfg.w_pass, cfg.w_v) // 2))
+    if narrower not in (cfg, narrow):
+        out.append((narrower, None))
+    return out
+
+
 def build_code_table(cfg, archs=None) -> tuple[bytes, str, list]:
-    """(code-object table, kernel symbol, [CodeObject]) for `cfg` and each arch."""
-    objs = [flydsl.compile_config(cfg, a) for a in (archs or target_archs())]
+    """(code-object table, kernel symbol, [CodeObject]) for `cfg` and each arch: the first occupancy
+    candidate of `cfg` whose code objects fit on every arch (CodeObject.config is the configuration
+    actually built: launch with its tpb and nt)."""
+    archs = tuple(archs or target_archs())
+    objs = flydsl.choose(occupancy_candidates(cfg), archs, fits)
     symbols = {o.symbol for o in objs}
     if len(symbols) != 1:
         raise RuntimeError(f"rope_and_cache: the ROCm code objects disagree on the kernel symbol: {symbols}")
@@ -147,7 +180,8 @@ def lower(ctx, args, spec: contract.OpSpec):
         raise native.KernelUnavailable(f"a gfx942 or gfx950 GPU ({e})") from e
     try:
         cfg = kernel_config(spec)
-        table, symbol, _ = build_code_table(cfg, archs)
+        table, symbol, objs = build_code_table(cfg, archs)
+        cfg = objs[0].config or cfg
     except flydsl.FlyDSLUnavailable as e:
         raise native.KernelUnavailable(str(e).replace("compiling the ROCm kernel needs ", "", 1)) from e
     except Exception as e:  # noqa: BLE001 - a broken toolchain must not break impl=None users

@@ -76,13 +76,17 @@ def precompile(archs=rocm.DEFAULT_ARCHS, configs=None, *, presets=(), tp: int = 
                             **({"neox": (m.is_neox,)} | options))
     out = []
     for cfg in cfgs:
-        for arch in archs:
-            t = time.perf_counter()
-            co = flydsl.compile_config(cfg, arch)
-            flydsl.ensure_on_disk(co, cfg)
+        t = time.perf_counter()
+        _, _, objs = rocm.build_code_table(cfg, archs)  # the occupancy candidate that fits on every arch
+        for co in objs:
+            flydsl.ensure_on_disk(co, co.config or cfg)
             if verbose:
                 i = co.info
-                print(f"{arch} {cfg.key()}: {len(co.code)} B, {i['vgpr_count']} VGPR, {i['sgpr_count']} SGPR, "
+                built = co.config or cfg
+                how = "" if built == cfg and not co.hints else (
+                    f" (occupancy: w_rot={built.w_rot} w_pass={built.w_pass} w_v={built.w_v}"
+                    f"{' ' + str(co.hints) if co.hints else ''})")
+                print(f"{co.arch} {cfg.key()}: {len(co.code)} B, {i['vgpr_count']} VGPR, {i['sgpr_count']} SGPR{how}, "
                       f"{co.origin if co.from_disk else f'compiled in {time.perf_counter() - t:.2f} s'}")
             out.append((cfg, co))
     if bundle:

@@ -85,6 +85,8 @@ class CodeObject:
     key: str
     from_disk: bool = False
     origin: str = "compiled"  # "compiled", "disk" or "bundle:<path>"
+    config: object = None     # the RocmKernelConfig it was compiled from
+    hints: dict | None = None  # FlyDSL compile hints it was compiled with (e.g. {"waves_per_eu": 8})
 
 
 @functools.cache
@@ -330,10 +332,10 @@ def worker_pid() -> int | None:
     return _worker.proc.pid if _worker is not None and _worker.alive() else None
 
 
-def _run_compile(cfg, arch: str, isa: bool = False) -> dict:
+def _run_compile(cfg, arch: str, isa: bool = False, hints: dict | None = None) -> dict:
     require()
     req = dict(op="compile", kernel=kernel_source_path(), config=dataclasses.asdict(cfg), arch=arch,
-               rocm_path=toolkit_root(), isa=bool(isa))
+               rocm_path=toolkit_root(), isa=bool(isa), hints=dict(hints or {}))
     with _lock:
         w = _get_worker()
         r = w.request(req)
@@ -344,10 +346,10 @@ def _run_compile(cfg, arch: str, isa: bool = False) -> dict:
     return r
 
 
-def _compile_now(cfg, arch: str, dump_dir: str | None = None) -> bytes:
+def _compile_now(cfg, arch: str, dump_dir: str | None = None, hints: dict | None = None) -> bytes:
     """Compiles `cfg` for `arch` in the child process (no cache)."""
     del dump_dir
-    return base64.b64decode(_run_compile(cfg, arch)["code"])
+    return base64.b64decode(_run_compile(cfg, arch, hints=hints)["code"])
 
 
 # ---- keys, bundles, disk ------------------------------------------------------------------------------
@@ -362,16 +364,17 @@ def _source_hash() -> str:
     return hashlib.sha256((_file_sha(kernel_source_path()) + _file_sha(worker_path())).encode()).hexdigest()
 
 
-def _key(cfg, arch: str) -> str:
+def _key(cfg, arch: str, hints: dict | None = None) -> str:
     h = hashlib.sha256()
-    for part in (KEY_TAG, _source_hash(), cfg.key(), arch):
+    parts = [KEY_TAG, _source_hash(), cfg.key(), arch] + ([json.dumps(hints, sort_keys=True)] if hints else [])
+    for part in parts:
         h.update(part.encode() + b"\0\1")
     return h.hexdigest()
 
 
-def key_for(cfg, arch: str) -> str:
+def key_for(cfg, arch: str, hints: dict | None = None) -> str:
     """The cache / bundle key of `cfg` for `arch` (computable without FlyDSL)."""
-    return _key(cfg, arch)
+    return _key(cfg, arch, hints)
 
 
 def bundle_paths() -> list[str]:
@@ -499,25 +502,27 @@ def ensure_on_disk(co: CodeObject, cfg) -> None:
         _disk_write(co, cfg)
 
 
-def lookup(cfg, arch: str) -> CodeObject | None:
+def lookup(cfg, arch: str, hints: dict | None = None) -> CodeObject | None:
     """The code object of `cfg` for `arch` if one is precompiled or cached (never compiles)."""
-    key = _key(cfg, arch)
+    key = _key(cfg, arch, hints)
     co = _mem.get(key)
     if co is None:
         co = _bundle_read(key) or _disk_read(key)
         if co is not None:
+            co = dataclasses.replace(co, config=cfg, hints=hints or None)
             _mem[key] = co
     return co
 
 
-def compile_config(cfg, arch: str) -> CodeObject:
-    """The code object of `cfg` for `arch` ("gfx942" / "gfx950"): memory, bundles, disk, else compiled."""
+def compile_config(cfg, arch: str, hints: dict | None = None) -> CodeObject:
+    """The code object of `cfg` for `arch` ("gfx942" / "gfx950"), compiled with FlyDSL compile
+    `hints` (None: none): memory, bundles, disk, else compiled."""
     if arch not in SUPPORTED_ARCHS:
         raise ValueError(f"arch: expected one of {SUPPORTED_ARCHS}, got {arch!r}")
-    co = lookup(cfg, arch)
+    co = lookup(cfg, arch, hints)
     if co is not None:
         return co
-    key = _key(cfg, arch)
+    key = _key(cfg, arch, hints)
     try:
         require()
     except FlyDSLUnavailable:
@@ -532,14 +537,42 @@ def compile_config(cfg, arch: str) -> CodeObject:
         co = _mem.get(key)
         if co is not None:
             return co
-        code = _compile_now(cfg, arch)
+        code = _compile_now(cfg, arch, hints=hints) if hints else _compile_now(cfg, arch)
         info = amdgpu_elf.kernel_info(code)
-        co = CodeObject(arch=arch, code=code, symbol=info["name"], info=info, key=key)
+        co = CodeObject(arch=arch, code=code, symbol=info["name"], info=info, key=key, config=cfg,
+                        hints=hints or None)
         _disk_write(co, cfg, _worker.flydsl if _worker is not None else None)
         _mem[key] = co
     return co
 
 
-def isa(cfg, arch: str) -> str:
+def isa(cfg, arch: str, hints: dict | None = None) -> str:
     """The final ISA text of `cfg` for `arch` (compiles again; for build notes and tests)."""
-    return _run_compile(cfg, arch, isa=True)["isa"] or ""
+    return _run_compile(cfg, arch, isa=True, hints=hints)["isa"] or ""
+
+
+def choose(candidates, archs, fits) -> list[CodeObject]:
+    """The code objects (one per arch) of the first candidate (cfg, hints) whose code objects all
+    satisfy `fits(info)`; if none does, those of the first candidate.
+
+    With FlyDSL here, candidates are compiled in order (through the caches) until one fits. Without
+    it, only what is precompiled is looked at: candidates whose code objects are not all there are
+    skipped, and the first complete one that fits (else the first complete one) is taken. A build
+    machine's bundle holds the chosen candidate only, so a deployment host picks the same one."""
+    compiling = available()
+    first = None
+    for cfg, hints in candidates:
+        if compiling:
+            objs = [compile_config(cfg, a, hints) for a in archs]
+        else:
+            objs = [lookup(cfg, a, hints) for a in archs]
+            if any(o is None for o in objs):
+                continue
+        if first is None:
+            first = objs
+        if all(fits(o.info) for o in objs):
+            return objs
+    if first is not None:
+        return first
+    cfg, hints = candidates[0]
+    return [compile_config(cfg, a, hints) for a in archs]  # raises FlyDSLUnavailable, naming what is missing
