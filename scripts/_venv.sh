@@ -40,10 +40,12 @@ when_changed() {
   echo "$key" >"$stamp"
 }
 
-# JRC_JAX_EXTRA=cuda13 installs jax[cuda13] (NVIDIA GPUs); the default is the CPU build.
+# JRC_JAX_EXTRA=cuda13 installs jax[cuda13] (NVIDIA GPUs); JRC_JAX_EXTRA=rocm7-local installs jax with its
+# ROCm 7 plugin (AMD GPUs; the host's ROCm 7 install provides the libraries, as jax documents); the
+# default is the CPU build.
 JAX_REQ="jax${JRC_JAX_EXTRA:+[$JRC_JAX_EXTRA]}>=0.11"
-DEPS=("$JAX_REQ" "jaxlib>=0.11" numpy "ml_dtypes>=0.5" "pytest>=8" "scikit-build-core>=0.11" "nanobind>=2.4"
-      nvidia-cuda-nvrtc)
+DEPS=("$JAX_REQ" "jaxlib>=0.11" numpy "ml_dtypes>=0.5" "pytest>=8" "scikit-build-core>=0.11" "nanobind>=2.4")
+case "${JRC_JAX_EXTRA:-}" in rocm*) ;; *) DEPS+=(nvidia-cuda-nvrtc) ;; esac  # NVRTC: the CUDA kernel's compiler
 install_deps() {
   echo "# installing dependencies into $VENV: ${DEPS[*]}"
   pip_install "${DEPS[@]}"

@@ -45,6 +45,18 @@ VARIANTS = [  # (label, options for configs_for)
 ]
 
 
+def occupancy(base, co) -> str:
+    """' (w_rot 4, waves_per_eu 8)' when the occupancy search built another candidate than `base`."""
+    c, parts = co.config, []
+    if c.w_rot != base.w_rot:
+        parts.append(f"w_rot {c.w_rot}")
+    if (c.w_pass, c.w_v) != (base.w_pass, base.w_v):
+        parts.append(f"w_pass/w_v {c.w_pass}/{c.w_v}")
+    if co.hints:
+        parts += [f"{k} {v}" for k, v in co.hints.items()]
+    return f" ({', '.join(parts)})" if parts else ""
+
+
 def ours():
     print("| model (per shard) | variant | arch | VGPR | SGPR | NT x TPB | global memory instructions (width) |")
     print("|---|---|---|---|---|---|---|")
@@ -54,20 +66,18 @@ def ours():
         for label, opts in VARIANTS:
             cfg = aot.configs_for(q_heads=m.q_heads, kv_heads=m.kv_heads, head_dim=m.head_dim,
                                    rotary_dim=m.rotary_dim, **opts)[0]
-            for arch in ("gfx942", "gfx950"):
-                co = flydsl.compile_config(cfg, arch)
-                i = co.info
-                isa = flydsl.isa(cfg, arch)
-                print(f"| {mname} ({m.q_heads}x{m.kv_heads}x{m.head_dim}) | {label} | {arch} | {i['vgpr_count']} | "
-                      f"{i['sgpr_count']} | {cfg.nt} x {cfg.tpb} | {summarize(isa)} |")
+            for co in rocm.build_code_table(cfg, ("gfx942", "gfx950"))[2]:  # the occupancy candidate built
+                i, c = co.info, co.config
+                isa = flydsl.isa(c, co.arch, co.hints)
+                print(f"| {mname} ({m.q_heads}x{m.kv_heads}x{m.head_dim}) | {label} | {co.arch} | {i['vgpr_count']} | "
+                      f"{i['sgpr_count']} | {c.nt} x {c.tpb}{occupancy(cfg, co)} | {summarize(isa)} |")
     m = presets.MODELS["llama-3.1-8b"]
     cfg = aot.configs_for(q_heads=m.q_heads, kv_heads=m.kv_heads, head_dim=128, rotary_dim=64,
                            layouts=("flash",))[0]
-    for arch in ("gfx942", "gfx950"):
-        co = flydsl.compile_config(cfg, arch)
-        i = co.info
-        print(f"| llama-3.1-8b, partial R=64 | flash bf16 NeoX fp32 | {arch} | {i['vgpr_count']} | {i['sgpr_count']} | "
-              f"{cfg.nt} x {cfg.tpb} | {summarize(flydsl.isa(cfg, arch))} |")
+    for co in rocm.build_code_table(cfg, ("gfx942", "gfx950"))[2]:
+        i, c = co.info, co.config
+        print(f"| llama-3.1-8b, partial R=64 | flash bf16 NeoX fp32 | {co.arch} | {i['vgpr_count']} | {i['sgpr_count']} | "
+              f"{c.nt} x {c.tpb}{occupancy(cfg, co)} | {summarize(flydsl.isa(c, co.arch, co.hints))} |")
 
 
 def upstream(root):

@@ -29,6 +29,36 @@ if native.native_module() is None and os.environ.get("JRC_ALLOW_NO_NATIVE") != "
                        "(scripts/run_tests.sh), or set JRC_ALLOW_NO_NATIVE=1 to test the XLA path alone")
 
 
+
+def _gpu_kernels_missing() -> list[str]:
+    """GPU platforms jax has here whose native kernel cannot be built (the suite would run their
+    numerics on the XLA path only, and pass)."""
+    out = []
+    for name in ("cuda", "rocm"):
+        try:
+            present = bool(jax.devices(name))
+        except RuntimeError:
+            present = False
+        problem = backends.KERNEL_BACKENDS[name].missing() if present else None
+        if present and problem is None and name == "rocm":
+            from jax_rope_cache.backends import rocm
+
+            try:
+                rocm.lowering_archs()  # the devices' gfx archs: one without a kernel (gfx90a, gfx1100...)
+            except rocm.UnsupportedArch as e:
+                problem = f"a gfx942 or gfx950 GPU ({e})"
+        if problem is not None:
+            out.append(f"{name}: needs {problem}")
+    return out
+
+
+# On a GPU host, a kernel that cannot be built must fail the run, not shrink it.
+if (_missing := _gpu_kernels_missing()) and os.environ.get("JRC_ALLOW_NO_GPU_KERNEL") != "1":
+    raise RuntimeError("jax has a GPU backend here but its jax_rope_cache kernel cannot be built ("
+                       + "; ".join(_missing) + "); install what is missing, or set JRC_ALLOW_NO_GPU_KERNEL=1 to test "
+                       "the XLA path alone on it")
+
+
 @pytest.fixture(autouse=True)
 def _fresh_warn_once():
     """The library warns once per process and message; each test sees its own first warning."""

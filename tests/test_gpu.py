@@ -1,15 +1,17 @@
-"""Structural tests of the CUDA path (skipped unless jax has a CUDA backend and the kernel path is
-usable). Correctness against the reference over the option matrix lives in the platform-agnostic
-test files, which parametrise over impl="kernel" on CUDA too.
+"""Structural tests of the GPU paths, CUDA and ROCm alike: every test runs once per GPU platform jax
+has here whose kernel path is usable (skipped where there is none). Correctness against the
+reference over the option matrix lives in the platform-agnostic test files, which parametrise over
+impl="kernel" on CUDA and ROCm too.
 
 What "one kernel per call" means here, measured two ways:
   * the compiled HLO of a jitted call holds exactly one custom call and no fusion or other
     kernel-launching instruction (so XLA itself launches nothing else), and
   * the launcher's own counter (jax_rope_cache._native.gpu_launch_count, incremented after each
-    successful cuLaunchKernel in the execute stage) grows by exactly one per executed call. A
-    single-op executable is below XLA's command-buffer size threshold, so its handler runs on
-    every call; inside a captured CUDA graph the launch is replayed without calling the handler
-    and is not counted (that case is checked for correctness, not counted).
+    successful cuLaunchKernel / hipModuleLaunchKernel in the execute stage) grows by exactly one
+    per executed call. A single-op executable is below XLA's command-buffer size threshold, so its
+    handler runs on every call; inside a captured CUDA/HIP graph the launch is replayed without
+    calling the handler and is not counted (that case is checked for correctness, not counted).
+Not yet run on an AMD GPU: the ROCm parametrisation is what a ROCm host runs.
 """
 
 from __future__ import annotations
@@ -27,24 +29,38 @@ import numpy as np
 import pytest
 
 import jax_rope_cache as jrc
-from jax_rope_cache import reference
-from jax_rope_cache.backends import cuda, launcher, native
+from jax_rope_cache import backends, reference
+from jax_rope_cache.backends import cuda, launcher, native, rocm
 
-try:
-    _HAS_CUDA = bool(jax.devices("cuda"))
-except RuntimeError:
-    _HAS_CUDA = False
 
-pytestmark = [
-    pytest.mark.skipif(not _HAS_CUDA, reason="jax has no CUDA backend here"),
-    pytest.mark.skipif(_HAS_CUDA and not (cuda.missing() is None),
-                       reason="CUDA kernel path unavailable (extension or NVRTC missing)"),
-]
+def _gpu_platforms() -> tuple[list[str], str]:
+    usable, why = [], []
+    for p in ("cuda", "rocm"):
+        try:
+            present = bool(jax.devices(p))
+        except RuntimeError:
+            present = False
+        problem = backends.KERNEL_BACKENDS[p].missing() if present else f"jax has no {p} backend here"
+        (usable.append(p) if problem is None else why.append(f"{p}: {problem}"))
+    return usable, "; ".join(why)
+
+
+GPU_PLATFORMS, _WHY_NOT = _gpu_platforms()
+pytestmark = pytest.mark.skipif(not GPU_PLATFORMS, reason=f"no usable GPU kernel path ({_WHY_NOT})")
+
+
+@pytest.fixture(params=GPU_PLATFORMS or ["none"])
+def platform(request):
+    return request.param
+
+
+def _dev(platform):
+    return jax.devices(platform)[0]
 
 T, QH, KH, D, BS, NB = 37, 8, 2, 128, 16, 16
 
 
-def _problem(seed=0, layout="flash", t=T):
+def _problem(seed=0, layout="flash", t=T, platform=None):
     rng = np.random.default_rng(seed)
     bf16 = jnp.bfloat16
     q = rng.standard_normal((t, QH, D)).astype(np.float32)
@@ -58,7 +74,7 @@ def _problem(seed=0, layout="flash", t=T):
     args = [jnp.asarray(a, bf16) for a in (q, k, v)] + [kc, vc] + [jnp.asarray(slots), jnp.asarray(pos),
                                                                     jnp.asarray(np.cos(ang), jnp.float32),
                                                                     jnp.asarray(np.sin(ang), jnp.float32)]
-    return args
+    return jax.device_put(args, _dev(platform)) if platform else args
 
 
 def _check(got, args, layout="flash"):
@@ -75,8 +91,8 @@ def _jitted(layout="flash"):
     return jax.jit(f, donate_argnums=(3, 4))
 
 
-def test_compiled_hlo_has_one_custom_call_and_nothing_else_launches():
-    args = _problem()
+def test_compiled_hlo_has_one_custom_call_and_nothing_else_launches(platform):
+    args = _problem(platform=platform)
     compiled = _jitted().lower(*args).compile()
     hlo = compiled.as_text()
     calls = re.findall(r'custom_call_target="([^"]+)"', hlo)
@@ -87,13 +103,14 @@ def test_compiled_hlo_has_one_custom_call_and_nothing_else_launches():
     assert not kernels, f"other kernel-launching instructions in the entry computation: {kernels}"
 
 
-def test_stacked_caches_are_one_kernel_with_the_layer_read_on_the_device():
+def test_stacked_caches_are_one_kernel_with_the_layer_read_on_the_device(platform):
     """Stacked caches [L, ...] and a traced layer: still one custom call and nothing else in the
     entry computation, one launch per call; the layer comes from device memory (one executable
     serves every layer), an out-of-range layer writes nothing."""
     layers = 4
-    q, k, v, _, _, slots, pos, cos, sin = _problem(3)
-    kc, vc = jrc.make_kv_cache(NB, BS, KH, D, jnp.bfloat16, fill="random", num_layers=layers, seed=3)
+    q, k, v, _, _, slots, pos, cos, sin = _problem(3, platform=platform)
+    kc, vc = jax.device_put(jrc.make_kv_cache(NB, BS, KH, D, jnp.bfloat16, fill="random", num_layers=layers, seed=3),
+                            _dev(platform))
     f = jax.jit(lambda q, k, v, kc, vc, s, p, c, sn, layer: jrc.rope_and_cache(
         q, k, v, kc, vc, s, p, c, sn, layer=layer, impl="kernel"), donate_argnums=(3, 4))
     layer0 = jnp.int32(0)
@@ -106,7 +123,7 @@ def test_stacked_caches_are_one_kernel_with_the_layer_read_on_the_device():
     for layer in (2, 0, 3, 7, -1):
         want = reference.rope_and_cache(*host, layer=np.array(layer, np.int32))
         before = ext.gpu_launch_count()
-        out = f(q, k, v, kc, vc, slots, pos, cos, sin, jnp.int32(layer))
+        out = f(q, k, v, kc, vc, slots, pos, cos, sin, jax.device_put(jnp.int32(layer), _dev(platform)))
         jax.block_until_ready(out)
         assert ext.gpu_launch_count() - before == 1
         kc, vc = out[2], out[3]
@@ -115,10 +132,10 @@ def test_stacked_caches_are_one_kernel_with_the_layer_read_on_the_device():
         host[3], host[4] = np.asarray(kc), np.asarray(vc)
 
 
-def test_launcher_launches_exactly_one_kernel_per_call():
+def test_launcher_launches_exactly_one_kernel_per_call(platform):
     ext = native.native_module()
     f = _jitted()
-    args = _problem(1)
+    args = _problem(1, platform=platform)
     q_out, k_out, kc, vc = f(*args)  # compile + first run
     jax.block_until_ready(vc)
     before = ext.gpu_launch_count()
@@ -130,11 +147,13 @@ def test_launcher_launches_exactly_one_kernel_per_call():
 
 
 _MODULES_SCRIPT = textwrap.dedent("""
+    import sys
     import numpy as np, jax, jax.numpy as jnp
     import jax_rope_cache as jrc
     from jax_rope_cache import reference
     from jax_rope_cache.backends import native
     native = native.native_module()
+    PLATFORM = sys.argv[1]
     rng = np.random.default_rng(0)
 
     def problem(d):
@@ -156,7 +175,7 @@ _MODULES_SCRIPT = textwrap.dedent("""
 
     print("MODULES_AT_START", native.gpu_module_count())
     f = jax.jit(layers)
-    for i, dev in enumerate(jax.devices("cuda")[:2]):
+    for i, dev in enumerate(jax.devices(PLATFORM)[:2]):
         a, b = problem(64), problem(128)
         want = a
         for _ in range(32):
@@ -172,11 +191,11 @@ _MODULES_SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_modules_load_once_per_code_object_and_device():
+def test_modules_load_once_per_code_object_and_device(platform):
     """In a fresh process, per device (up to two): 64 call sites of two configurations (two code
     objects) executed four times, then one eager call: exactly 2 modules per device, results exact."""
-    r = subprocess.run([sys.executable, "-P", "-c", _MODULES_SCRIPT], capture_output=True, text=True, timeout=300,
-                       cwd="/")
+    r = subprocess.run([sys.executable, "-P", "-c", _MODULES_SCRIPT, platform], capture_output=True, text=True,
+                       timeout=300, cwd="/")
     assert r.returncode == 0, r.stderr[-3000:]
     lines = [line.split() for line in r.stdout.splitlines()]
     assert ["MODULES_AT_START", "0"] in lines, r.stdout
@@ -188,8 +207,8 @@ def test_modules_load_once_per_code_object_and_device():
         assert line[7] == "True", r.stdout
 
 
-def test_caches_are_aliased_in_the_compiled_hlo_on_gpu():
-    args = _problem()
+def test_caches_are_aliased_in_the_compiled_hlo_on_gpu(platform):
+    args = _problem(platform=platform)
     compiled = _jitted().lower(*args).compile()
     hlo = compiled.as_text()
     assert "input_output_alias=" in hlo
@@ -200,7 +219,7 @@ def test_caches_are_aliased_in_the_compiled_hlo_on_gpu():
 
 
 @pytest.mark.parametrize("layout", ["flash", "xpacked", "xpacked_shuffled"])
-def test_graph_replay_reads_indices_from_device(layout):
+def test_graph_replay_reads_indices_from_device(layout, platform):
     """Unrolled calls in one jit (XLA captures them into a command buffer / CUDA graph); the same
     executable run twice with different slots and positions must follow the device data."""
     n = 6
@@ -216,26 +235,27 @@ def test_graph_replay_reads_indices_from_device(layout):
 
     for seed in (3, 4):
         rng = np.random.default_rng(seed)
-        base = _problem(seed, layout, t=8)
+        base = _problem(seed, layout, t=8, platform=platform)
         kc0, vc0 = np.asarray(base[3]), np.asarray(base[4])
         q = rng.standard_normal((n, 8, QH, D)).astype(jnp.bfloat16)
         k = rng.standard_normal((n, 8, KH, D)).astype(jnp.bfloat16)
         v = rng.standard_normal((n, 8, KH, D)).astype(jnp.bfloat16)
         slots = rng.permutation(NB * BS)[: n * 8].reshape(n, 8).astype(np.int32)
         pos = rng.integers(0, 64, (n, 8)).astype(np.int32)
+        q, k, v, slots, pos = jax.device_put((q, k, v, slots, pos), _dev(platform))
         outs, kc, vc = step(q, k, v, base[3], base[4], slots, pos, base[7], base[8])
         kw, vw = kc0, vc0
         cos, sin = np.asarray(base[7]), np.asarray(base[8])
         for i in range(n):
-            qw, _, kw, vw = reference.rope_and_cache(q[i], k[i], v[i], kw, vw, slots[i], pos[i], cos, sin,
-                                                     layout=layout)
+            qw, _, kw, vw = reference.rope_and_cache(*(np.asarray(a[i]) for a in (q, k, v)), kw, vw,
+                                                     np.asarray(slots[i]), np.asarray(pos[i]), cos, sin, layout=layout)
             assert np.array_equal(np.asarray(outs[i]).view(np.uint16), qw.view(np.uint16))
         assert np.array_equal(np.asarray(kc).view(np.uint16), kw.view(np.uint16))
         assert np.array_equal(np.asarray(vc).view(np.uint16), vw.view(np.uint16))
 
 
 _SWITCH_SCRIPT = textwrap.dedent("""
-    import re, numpy as np, jax, jax.numpy as jnp
+    import re, sys, numpy as np, jax, jax.numpy as jnp
     import jax_rope_cache as jrc
     from jax_rope_cache import reference
     rng = np.random.default_rng(0)
@@ -244,7 +264,7 @@ _SWITCH_SCRIPT = textwrap.dedent("""
     kc, vc = jrc.make_kv_cache(4, 16, 1, 64, fill="random")
     s = jnp.arange(4, dtype=jnp.int32); p = jnp.arange(4, dtype=jnp.int32)
     c = jnp.asarray(rng.standard_normal((8, 32)), jnp.float32)
-    args = (q, k, k, kc, vc, s, p, c, c)
+    args = jax.device_put((q, k, k, kc, vc, s, p, c, c), jax.devices(sys.argv[1])[0])
     host = [np.asarray(a) for a in args]
     f = jax.jit(lambda *a: jrc.rope_and_cache(*a, impl="kernel"))
     print("TARGETS", re.findall(r'custom_call_target="([^"]+)"', f.lower(*args).compile().as_text()))
@@ -255,19 +275,19 @@ _SWITCH_SCRIPT = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("value,target", [("0", launcher.GPU_TARGET_NO_GRAPH), ("1", launcher.GPU_TARGET)])
-def test_command_buffer_switch(value, target):
+def test_command_buffer_switch(value, target, platform):
     env = dict(os.environ, JAX_ROPE_CACHE_COMMAND_BUFFERS=value)
-    r = subprocess.run([sys.executable, "-P", "-c", _SWITCH_SCRIPT], env=env, capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-P", "-c", _SWITCH_SCRIPT, platform], env=env, capture_output=True, text=True,
                        timeout=300, cwd="/")
     assert r.returncode == 0, r.stderr[-3000:]
     assert f"TARGETS ['{target}']" in r.stdout, r.stdout
     assert "EQUAL True" in r.stdout, r.stdout
 
 
-def _launch_raw(table: bytes, code_hash: int, declared=(4,)):
+def _launch_raw(table: bytes, code_hash: int, platform: str, declared=(4,)):
     """Runs the launcher directly on a hand-made code-object table (no op, 4 floats); `declared`:
     the dims its signature attribute declares for the operand and the result."""
-    x = jnp.ones((4,), jnp.float32)
+    x = jax.device_put(jnp.ones((4,), jnp.float32), _dev(platform))
     call = jax.ffi.ffi_call(launcher.GPU_TARGET_NO_GRAPH, jax.ShapeDtypeStruct((4,), jnp.float32))
     launcher.register_gpu_targets(native.native_module())
     spec = jax.ShapeDtypeStruct(declared, jnp.float32)
@@ -277,24 +297,40 @@ def _launch_raw(table: bytes, code_hash: int, declared=(4,)):
     jax.block_until_ready(fn(x))
 
 
-def test_initialize_checks_every_buffer_against_the_signature():
+def test_initialize_checks_every_buffer_against_the_signature(platform):
     """Issue 16 item 4: buffers other than the signature's are rejected at the initialize stage,
     naming the buffer, before any module is loaded (the table here would not even load)."""
     table = launcher.pack_code_table([(launcher.KIND_CUBIN, "sm_10", b"\x7fELF-not-a-real-cubin")])
     with pytest.raises(Exception, match=r"gpu launcher: x: expected element type 11 dims \[8\]"):
-        _launch_raw(table, 777, declared=(8,))
+        _launch_raw(table, 777, platform, declared=(8,))
 
 
-def test_wrong_arch_code_object_is_a_clear_error():
+def _device_arch(platform) -> str | None:
+    if platform == "cuda":
+        cc, _ = cuda._local_cuda_arch()
+        return f"sm_{cc}"
+    return rocm.device_arch(_dev(platform))
+
+
+def test_wrong_arch_code_object_is_a_clear_error(platform):
     """A code-object table with no entry for this GPU fails with the device's arch in the message."""
-    table = launcher.pack_code_table([(launcher.KIND_CUBIN, "sm_10", b"\x7fELF-not-a-real-cubin")])
-    with pytest.raises(Exception, match=r"no code object for this GPU \(sm_\d+\).*sm_10"):
-        _launch_raw(table, 12345)
+    if platform == "cuda":
+        table = launcher.pack_code_table([(launcher.KIND_CUBIN, "sm_10", b"\x7fELF-not-a-real-cubin")])
+        match = r"no code object for this GPU \(sm_\d+\).*sm_10"
+    else:  # the launcher reads the device's gcnArchName: an entry for another gfx is never loaded
+        table = launcher.pack_code_table([(launcher.KIND_AMDGPU, "gfx000", b"\x7fELF" + b"\0" * 60)])
+        arch = _device_arch(platform)
+        match = rf"no code object for this GPU \({arch}\).*gfx000" if arch else r"no code object loads on HIP device.*gfx000"
+    with pytest.raises(Exception, match=match):
+        _launch_raw(table, 12345, platform)
 
 
-def test_driver_error_message_surfaces():
-    """A corrupt cubin for the right arch: cuModuleLoadData's own message comes back."""
-    cc, _ = cuda._local_cuda_arch()
-    table = launcher.pack_code_table([(launcher.KIND_CUBIN, f"sm_{cc}", b"\x7fELF" + b"\0" * 60)])
-    with pytest.raises(Exception, match=r"cuModuleLoadData"):
-        _launch_raw(table, 54321)
+def test_driver_error_message_surfaces(platform):
+    """A corrupt code object for the right arch: the driver's own load error comes back."""
+    arch = _device_arch(platform)
+    if platform == "rocm" and arch is None:
+        pytest.skip("the ROCm device does not report its gfx arch")
+    kind = launcher.KIND_CUBIN if platform == "cuda" else launcher.KIND_AMDGPU
+    table = launcher.pack_code_table([(kind, arch, b"\x7fELF" + b"\0" * 60)])
+    with pytest.raises(Exception, match=r"cuModuleLoadData" if platform == "cuda" else r"hipModuleLoadData"):
+        _launch_raw(table, 54321, platform)

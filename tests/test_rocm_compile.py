@@ -6,7 +6,8 @@
 2. Each code object's AMDGPU metadata (parsed in pure Python) matches what the launcher does:
    the kernarg segment is exactly the launcher's parameter block (16 pointers then 12 int64
    dim0, 8 bytes each at offsets 0..216, 224 bytes, no hidden arguments), no scratch, no spills,
-   required workgroup size == the launch block of the lowering, wave64.
+   at most 64 VGPRs (8 waves per SIMD), required workgroup size == the launch block of the
+   lowering, wave64.
 3. The ISA of representative variants has no fused multiply-add (the arithmetic must round each
    product and sum separately) and uses 16-byte global memory instructions; "fused" native
    arithmetic (f32 tables) has its FMAs; every kernel keeps f32/f16 denormals (its descriptor's
@@ -42,6 +43,7 @@ BF16, F16, F32 = np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16), np.dtype(np
 FN, FNUZ = np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e4m3fnuz)
 ARCHS = ("gfx942", "gfx950")
 NUM_OPERANDS, NUM_RESULTS = 12, 4  # the custom call: 12 operands (layer last), 4 results
+MAX_VGPRS = 64
 
 needs_flydsl = pytest.mark.skipif(not flydsl.available(),
                                   reason=f"the ROCm kernel cannot be compiled here: {flydsl.unavailable_reason()}; "
@@ -103,6 +105,8 @@ def check_code_object(code: bytes, arch: str, cfg, symbol: str | None = None):
     assert info["kernarg_size"] == size
     assert info["private_segment_size"] == 0, "scratch memory used"
     assert info["vgpr_spill_count"] == 0 and info["sgpr_spill_count"] == 0
+    # <= 64 VGPRs: 8 waves per SIMD on CDNA3/CDNA4 (512 VGPRs per lane / 64), the occupancy cap
+    assert info["vgpr_count"] <= MAX_VGPRS, f"{info['vgpr_count']} VGPRs (> {MAX_VGPRS}: fewer than 8 waves per SIMD)"
     assert info["group_segment_size"] == 0  # the launcher passes smem=0
     assert list(info["reqd_workgroup_size"]) == [cfg.nt, 1, 1]
     assert info["max_flat_workgroup_size"] >= cfg.nt
@@ -124,7 +128,8 @@ def test_variant_compiles_for_both_archs(p):
     table, symbol, objs = rocm.build_code_table(cfg, ARCHS)
     assert [o.arch for o in objs] == list(ARCHS)
     for o in objs:
-        check_code_object(o.code, o.arch, cfg, symbol)
+        check_code_object(o.code, o.arch, o.config, symbol)  # the occupancy candidate that was built
+    assert len({o.config for o in objs}) == 1  # one configuration (one launch geometry) for both archs
     assert launcher.unpack_code_table(table) == [(3, a, o.code) for a, o in zip(ARCHS, objs)]
 
 
@@ -251,7 +256,7 @@ def test_export_rocm_on_cpu_carries_both_archs(layout, cdt):
     entries = launcher.unpack_code_table(attrs["code"])
     assert [(k, a) for k, a, _ in entries] == [(3, "gfx942"), (3, "gfx950")]
     symbol = attrs["kernel"].decode()
-    spec_cfg = rocm.kernel_config(make_spec_from_decode(layout, cdt))
+    spec_cfg = rocm.build_code_table(rocm.kernel_config(make_spec_from_decode(layout, cdt)), ARCHS)[2][0].config
     assert attrs["block"] == spec_cfg.nt and attrs["grid_div"] == spec_cfg.tpb and attrs["smem"] == 0
     for _, arch, code in entries:
         check_code_object(code, arch, spec_cfg, symbol)
@@ -264,10 +269,13 @@ def make_spec_from_decode(layout, cdt):
     return contract.check_op(*a, layout=layout, k_scale=0.5 if fp8 else None, v_scale=0.25 if fp8 else None)
 
 
-def test_without_flydsl_kernel_raises_and_default_falls_back(monkeypatch):
+def test_without_flydsl_kernel_raises_and_default_falls_back(monkeypatch, tmp_path):
+    monkeypatch.setenv("JAX_ROPE_CACHE_DIR", str(tmp_path))  # nothing precompiled either
+    monkeypatch.delenv("JAX_ROPE_CACHE_ROCM_BUNDLE", raising=False)
+    monkeypatch.setattr(flydsl, "_mem", {})
     monkeypatch.setattr(flydsl, "available", lambda: False)
     monkeypatch.setattr(flydsl, "unavailable_reason", lambda: "the Python package 'flydsl' is not installed")
-    with pytest.raises(Exception, match=r"pip install 'flydsl"):
+    with pytest.raises(RuntimeError, match=r"pip install .flydsl.*precompile"):
         export_rocm(impl="kernel")
     with pytest.warns(RuntimeWarning, match="falling back to the XLA implementation on ROCm"):
         exp = export_rocm(impl=None)
@@ -278,7 +286,7 @@ def test_without_flydsl_kernel_raises_and_default_falls_back(monkeypatch):
 def test_compile_failure_falls_back_for_default_impl(monkeypatch):
     monkeypatch.setattr(flydsl, "available", lambda: True)
 
-    def broken(cfg, arch):
+    def broken(cfg, arch, hints=None):
         raise RuntimeError("DSLCompileError: lld invocation failed")
 
     monkeypatch.setattr(flydsl, "compile_config", broken)

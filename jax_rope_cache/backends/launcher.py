@@ -2,8 +2,10 @@
 (registered for both platforms), and the custom call that launches a kernel of a table.
 
 The launcher (kernels/ffi/gpu_launcher.cc) is generic: it loads the entry of the table that fits
-the device (cubin / PTX / AMDGPU ELF), once per device and table hash, and launches the named
-kernel on XLA's stream with the operand pointers and leading dimensions (see rope_cache.cu's ABI).
+the device (cubin / PTX / AMDGPU ELF for the device's gcnArchName), once per device and table
+hash, and launches the named kernel on XLA's stream with the operand pointers and leading
+dimensions (see rope_cache.cu's ABI). The driver it binds follows the platform the target was
+registered for (CUDA -> libcuda.so.1, ROCM -> libamdhip64.so.7/.6).
 
 Environment:
   JAX_ROPE_CACHE_COMMAND_BUFFERS=0   use the launcher target WITHOUT the command-buffer trait (XLA
@@ -13,6 +15,7 @@ Environment:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import struct
@@ -82,11 +85,22 @@ def code_hash(table: bytes) -> int:
 
 
 # ---- registration and the custom call ----------------------------------------------------------
+GPU_PLATFORMS = ("CUDA", "ROCM")  # XLA's platform names; the handlers of each bind that vendor's driver
+
+
+def handler_capsules(module, platform: str, command_buffers: bool):
+    """The stage capsules of the launcher for `platform` ("CUDA": libcuda, "ROCM": libamdhip64)."""
+    return module.gpu_handler(platform, command_buffers)
+
+
 def register_gpu_targets(module) -> str:
-    """Registers both launcher targets for CUDA and ROCM; returns the one to use."""
-    for platform in ("CUDA", "ROCM"):
-        native.register_target(GPU_TARGET, module.gpu_handler, platform, command_buffers=True)
-        native.register_target(GPU_TARGET_NO_GRAPH, module.gpu_handler_no_graph, platform)
+    """Registers both launcher targets for CUDA and ROCM (each platform gets the handlers that bind
+    its own driver); returns the target to use."""
+    for platform in GPU_PLATFORMS:
+        native.register_target(GPU_TARGET, functools.partial(handler_capsules, module, platform, True), platform,
+                               command_buffers=True)
+        native.register_target(GPU_TARGET_NO_GRAPH, functools.partial(handler_capsules, module, platform, False),
+                               platform)
     return GPU_TARGET if command_buffers_enabled() else GPU_TARGET_NO_GRAPH
 
 

@@ -1,23 +1,34 @@
 """impl="kernel" on AMD GPUs: OpSpec -> FlyDSL kernel config -> code objects -> the launcher's custom call.
 
-At lowering time, on any machine (no GPU needed), the FlyDSL kernel
-(kernels/rocm/rope_cacheflydsl.py) is compiled for gfx942 (MI300) AND gfx950 (MI350/MI355);
-both code objects travel in the executable as the `code` attribute of the custom call, and the
-generic GPU launcher (backends/launcher.py, platform "ROCM") loads the one that fits the device.
-Code objects are cached in memory and on disk (compilers/flydsl.py), and
-`python -m jax_rope_cache compile ...` (cli/aot.py) fills the disk cache ahead of time.
+Which archs a lowering embeds (`lowering_archs`):
+  * lowering for this process's ROCm devices: the devices' gfx archs, read from the PJRT device
+    attribute `compute_capability` (on ROCm it is the gfx name, e.g. "gfx942", possibly with
+    feature suffixes ":sramecc+:xnack-"). An arch without a kernel (MI250X gfx90a, RDNA
+    gfx1100/gfx1201, ...) makes the backend unusable for that lowering: impl=None warns and
+    lowers the XLA path, impl="kernel" raises an error naming the arch.
+  * `jax.export`, or lowering for "rocm" where this process has no ROCm device (a build machine):
+    every target arch (JAX_ROPE_CACHE_ROCM_ARCHS, default gfx942 and gfx950), so the program runs
+    on MI300 and MI350 alike.
+The code objects travel in the executable as the `code` attribute of the custom call; the GPU
+launcher (backends/launcher.py, registered for platform "ROCM", HIP driver) loads the one whose
+arch matches the device's gcnArchName.
 
-Without FlyDSL: impl="kernel" raises an error saying what to install; impl=None warns and lowers
-to the XLA implementation.
+Code objects come from compilers/flydsl.py: memory, a bundle, the disk cache, else FlyDSL in a
+child process (never in this process). Without FlyDSL and without a precompiled entry:
+impl="kernel" raises an error saying what to install or how to precompile; impl=None warns and
+lowers to the XLA implementation. `python -m jax_rope_cache compile ...` (cli/aot.py) precompiles.
 
-Environment: JAX_ROPE_CACHE_ROCM_ARCHS, comma-separated targets to embed (default "gfx942,gfx950");
-JAX_ROPE_CACHE_DIR (compilers/cache.py); JAX_ROPE_CACHE_COMMAND_BUFFERS (backends/launcher.py).
+Environment: JAX_ROPE_CACHE_ROCM_ARCHS, comma-separated targets for exports and device-less
+lowerings (default "gfx942,gfx950"); JAX_ROPE_CACHE_DIR (compilers/cache.py);
+JAX_ROPE_CACHE_ROCM_BUNDLE (compilers/flydsl.py); JAX_ROPE_CACHE_COMMAND_BUFFERS (backends/launcher.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+
+import jax
 
 from jax_rope_cache import contract
 from jax_rope_cache.backends import launcher, native
@@ -26,6 +37,11 @@ from jax_rope_cache.compilers import flydsl
 PLATFORM = "rocm"
 NAME = "ROCm"
 DEFAULT_ARCHS = ("gfx942", "gfx950")
+ARCH_NAMES = {"gfx942": "MI300", "gfx950": "MI350/MI355"}
+
+
+class UnsupportedArch(RuntimeError):
+    """The ROCm device's arch has no kernel (impl="kernel" raises it at lowering)."""
 
 
 def target_archs() -> tuple[str, ...]:
@@ -39,6 +55,50 @@ def target_archs() -> tuple[str, ...]:
     return archs
 
 
+def _rocm_devices() -> list:
+    """This process's ROCm devices (none without a ROCm backend). Tests replace this to mock archs."""
+    try:
+        return list(jax.devices("rocm"))
+    except RuntimeError:
+        return []
+
+
+def device_arch(device) -> str | None:
+    """The gfx arch of a ROCm device ("gfx942"), from its `compute_capability` attribute (XLA sets
+    it to the gfx version on ROCm); None when the attribute is absent or not a gfx name."""
+    cc = getattr(device, "compute_capability", None)
+    name = str(cc or "").strip().split(":")[0]
+    return name if name.startswith("gfx") else None
+
+
+def lowering_archs(ctx=None) -> tuple[str, ...]:
+    """The archs whose code objects a lowering embeds; UnsupportedArch when a device has no kernel."""
+    params = getattr(getattr(ctx, "module_context", None), "lowering_parameters", None)
+    if getattr(params, "for_export", False):
+        return target_archs()
+    devices = _rocm_devices()
+    if not devices:
+        return target_archs()
+    archs, unknown = {}, False
+    for d in devices:
+        a = device_arch(d)
+        if a is None:
+            unknown = True
+        else:
+            archs.setdefault(a, d)
+    bad = {a: d for a, d in archs.items() if a not in flydsl.SUPPORTED_ARCHS}
+    if bad:
+        a, d = next(iter(sorted(bad.items())))
+        kinds = ", ".join(f"{k} ({v})" for k, v in ARCH_NAMES.items())
+        raise UnsupportedArch(
+            f"rope_and_cache: the ROCm kernel is built for {kinds} only; this process's ROCm device "
+            f"{getattr(d, 'id', '?')} ({getattr(d, 'device_kind', 'unknown kind')}) is {a}. Use impl=None (the XLA "
+            "implementation on this GPU) or impl='xla'")
+    if unknown or not archs:  # a device that does not say: embed every target, the launcher picks
+        return tuple(sorted(set(target_archs()) | set(archs)))
+    return tuple(sorted(archs))
+
+
 def kernel_config(spec_or_codes, module=None):
     """The static kernel configuration (kernels/rocm/rope_cache_flydsl.py) of an OpSpec or KernelCodes."""
     codes = spec_or_codes
@@ -47,9 +107,42 @@ def kernel_config(spec_or_codes, module=None):
     return (module or flydsl.kernel_module()).make_config(**dataclasses.asdict(codes))
 
 
+MAX_VGPRS = 64  # 8 waves per SIMD on CDNA3/CDNA4 (512 VGPRs per lane / 64): the occupancy cap
+WAVES_PER_EU = {"waves_per_eu": 8}
+_CODE_FIELDS = tuple(f.name for f in dataclasses.fields(contract.KernelCodes))
+
+
+def fits(info: dict) -> bool:
+    """A code object that runs at full occupancy: <= 64 VGPRs, no spills, no scratch (metadata a
+    stand-in code object lacks counts as fitting)."""
+    return (info.get("vgpr_count", 0) <= MAX_VGPRS and info.get("vgpr_spill_count", 0) == 0
+            and info.get("sgpr_spill_count", 0) == 0 and info.get("private_segment_size", 0) == 0)
+
+
+def occupancy_candidates(cfg, module=None) -> list:
+    """[(config, compile hints)] to try in order for `cfg` (build_code_table takes the first whose
+    code objects fit): as configured; with waves_per_eu=8 (the compiler keeps to 64 VGPRs, but may
+    spill); rotation chunks of half the width (fewer values in flight per lane, 8-byte instead of
+    16-byte accesses), without and with the hint; every chunk kind at half width. Only the chunk
+    widths and hints differ, never the arithmetic (the lane emulator checks every width)."""
+    K = module or flydsl.kernel_module()
+    codes = {f: getattr(cfg, f) for f in _CODE_FIELDS}
+    out = [(cfg, None), (cfg, WAVES_PER_EU)]
+    narrow = K.make_config(**codes, rot_cap=max(1, cfg.w_rot // 2))
+    if narrow != cfg:
+        out += [(narrow, None), (narrow, WAVES_PER_EU)]
+    narrower = K.make_config(**codes, rot_cap=max(1, cfg.w_rot // 2), width_cap=max(1, max(cfg.w_pass, cfg.w_v) // 2))
+    if narrower not in (cfg, narrow):
+        out.append((narrower, None))
+    return out
+
+
 def build_code_table(cfg, archs=None) -> tuple[bytes, str, list]:
-    """(code-object table, kernel symbol, [CodeObject]) for `cfg` and each arch."""
-    objs = [flydsl.compile_config(cfg, a) for a in (archs or target_archs())]
+    """(code-object table, kernel symbol, [CodeObject]) for `cfg` and each arch: the first occupancy
+    candidate of `cfg` whose code objects fit on every arch (CodeObject.config is the configuration
+    actually built: launch with its tpb and nt)."""
+    archs = tuple(archs or target_archs())
+    objs = flydsl.choose(occupancy_candidates(cfg), archs, fits)
     symbols = {o.symbol for o in objs}
     if len(symbols) != 1:
         raise RuntimeError(f"rope_and_cache: the ROCm code objects disagree on the kernel symbol: {symbols}")
@@ -59,19 +152,38 @@ def build_code_table(cfg, archs=None) -> tuple[bytes, str, list]:
 
 # ---- the backend interface (backends/__init__.py) ------------------------------------------
 def missing() -> str | None:
-    """What the kernel needs that this process lacks, or None when it can lower."""
+    """What the kernel needs that this process lacks, or None when it can lower. Needs neither
+    FlyDSL nor torch imported: a process without FlyDSL still lowers configurations that are
+    precompiled (a miss then falls back / raises at lowering, saying so)."""
     if launcher.launcher_module() is None:
         return launcher.MISSING
-    if not flydsl.available():
-        return (f"FlyDSL to compile the kernel ({flydsl.unavailable_reason()}); install it with: "
-                f"{flydsl.INSTALL_HINT}")
+    if not flydsl.available() and not flydsl.bundle_paths() and not _has_disk_entries():
+        return (f"FlyDSL to compile the kernel ({flydsl.unavailable_reason()}), or precompiled code objects (none "
+                f"found); install it with: {flydsl.INSTALL_HINT}; {flydsl.PRECOMPILE_HINT}")
     return None
+
+
+def _has_disk_entries() -> bool:
+    from jax_rope_cache.compilers import cache
+
+    d = cache.cache_dir()
+    try:
+        return bool(d) and any(n.endswith(".hsaco.jrc") for n in os.listdir(os.path.join(d, "rocm")))
+    except OSError:
+        return False
 
 
 def lower(ctx, args, spec: contract.OpSpec):
     try:
+        archs = lowering_archs(ctx)
+    except UnsupportedArch as e:
+        raise native.KernelUnavailable(f"a gfx942 or gfx950 GPU ({e})") from e
+    try:
         cfg = kernel_config(spec)
-        table, symbol, _ = build_code_table(cfg)
+        table, symbol, objs = build_code_table(cfg, archs)
+        cfg = objs[0].config or cfg
+    except flydsl.FlyDSLUnavailable as e:
+        raise native.KernelUnavailable(str(e).replace("compiling the ROCm kernel needs ", "", 1)) from e
     except Exception as e:  # noqa: BLE001 - a broken toolchain must not break impl=None users
         raise native.KernelUnavailable(
             f"its kernel, but compiling the kernel failed ({type(e).__name__}: {e})") from e

@@ -1,5 +1,12 @@
-"""`python -m jax_rope_cache compile`: precompile the ROCm kernel into the disk cache, so a deployment
-host lowers without a compiler (`precompile` is the same as a function)."""
+"""`python -m jax_rope_cache compile`: precompile the ROCm kernel into the disk cache and/or ONE
+bundle file, so a deployment host lowers without a compiler (`precompile` is the same as a
+function).
+
+The entries are keyed by what determines their bytes (kernel source, compile driver, kernel
+configuration, arch; compilers/flydsl.py), so a host with the same jax_rope_cache finds them with
+neither FlyDSL nor torch installed: copy the bundle and set JAX_ROPE_CACHE_ROCM_BUNDLE=FILE (or
+drop it into the cache folder's rocm/), or copy the cache folder's rocm/. FlyDSL runs in a child
+process; this process never imports it (or torch)."""
 
 from __future__ import annotations
 
@@ -50,13 +57,18 @@ def configs_for(*, q_heads, kv_heads, head_dim, rotary_dim=None, block_sizes=(16
     return out
 
 
-def precompile(archs=rocm.DEFAULT_ARCHS, configs=None, *, presets=(), tp: int = 1, verbose=False, **options):
+def precompile(archs=rocm.DEFAULT_ARCHS, configs=None, *, presets=(), tp: int = 1, verbose=False, bundle=None,
+               **options):
     """Compiles kernel configurations into the disk cache; returns [(config, CodeObject)].
 
     `configs`: RocmKernelConfig objects; `presets`: names of models.presets.MODELS (a model at tensor
     parallelism `tp` divides its heads by tp), each expanded with `options` (see `configs_for`).
+    `bundle`: also write every code object into this ONE file (compilers/flydsl.write_bundle).
+    Configurations already cached or bundled are not compiled again (and need no FlyDSL).
     """
-    flydsl.require()
+    for a in archs:
+        if a not in flydsl.SUPPORTED_ARCHS:
+            raise ValueError(f"arch: expected one of {flydsl.SUPPORTED_ARCHS}, got {a!r}")
     cfgs = list(configs or [])
     for name in presets:
         m = model_shape(name, tp)
@@ -64,14 +76,21 @@ def precompile(archs=rocm.DEFAULT_ARCHS, configs=None, *, presets=(), tp: int = 
                             **({"neox": (m.is_neox,)} | options))
     out = []
     for cfg in cfgs:
-        for arch in archs:
-            t = time.perf_counter()
-            co = flydsl.compile_config(cfg, arch)
+        t = time.perf_counter()
+        _, _, objs = rocm.build_code_table(cfg, archs)  # the occupancy candidate that fits on every arch
+        for co in objs:
+            flydsl.ensure_on_disk(co, co.config or cfg)
             if verbose:
                 i = co.info
-                print(f"{arch} {cfg.key()}: {len(co.code)} B, {i['vgpr_count']} VGPR, {i['sgpr_count']} SGPR, "
-                      f"{'cached' if co.from_disk else f'{time.perf_counter() - t:.2f} s'}")
+                built = co.config or cfg
+                how = "" if built == cfg and not co.hints else (
+                    f" (occupancy: w_rot={built.w_rot} w_pass={built.w_pass} w_v={built.w_v}"
+                    f"{' ' + str(co.hints) if co.hints else ''})")
+                print(f"{co.arch} {cfg.key()}: {len(co.code)} B, {i['vgpr_count']} VGPR, {i['sgpr_count']} SGPR{how}, "
+                      f"{co.origin if co.from_disk else f'compiled in {time.perf_counter() - t:.2f} s'}")
             out.append((cfg, co))
+    if bundle:
+        flydsl.write_bundle(bundle, [co for _, co in out])
     return out
 
 
@@ -104,6 +123,9 @@ def main(argv=None) -> None:
                    help=",".join(contract.PRECISIONS))
     p.add_argument("--index-dtype", type=csv(("int32", "int64"), "index dtype"), default=("int32",),
                    help="int32,int64")
+    p.add_argument("--bundle", metavar="FILE",
+                   help=f"also write all code objects into ONE file (name it *{flydsl.BUNDLE_SUFFIX}); a deployment "
+                        "host reads it through JAX_ROPE_CACHE_ROCM_BUNDLE=FILE or from the cache folder's rocm/")
     a = _args.parse_args(p, argv)
     if a.heads is not None and len(a.heads) not in (3, 4):
         p.error(f"argument --heads: expected QH,KH,D[,R], got {len(a.heads)} numbers")
@@ -125,6 +147,11 @@ def main(argv=None) -> None:
     if not configs and not a.preset:
         p.error("give --preset NAME (repeatable) or --heads QH,KH,D[,R]")
     t = time.perf_counter()
-    out = precompile(archs, configs, presets=a.preset, tp=a.tp, verbose=True, **opts)
+    try:
+        out = precompile(archs, configs, presets=a.preset, tp=a.tp, verbose=True, bundle=a.bundle, **opts)
+    except (flydsl.FlyDSLUnavailable, ValueError) as e:
+        raise SystemExit(f"compile: {e}") from None
+    where = cache.cache_dir() or "memory only (JAX_ROPE_CACHE_DIR='')"
     print(f"{len(out)} code objects ({len(out) // max(1, len(archs))} configurations x {len(archs)} archs) "
-          f"in {cache.cache_dir()} ({time.perf_counter() - t:.1f} s)", file=sys.stderr)
+          f"in {where}{f' and the bundle {a.bundle}' if a.bundle else ''} ({time.perf_counter() - t:.1f} s)",
+          file=sys.stderr)

@@ -1,7 +1,9 @@
 // One generic GPU launcher for CUDA and HIP: XLA FFI handler that launches a precompiled kernel
 // whose code object travels inside the executable as a bytes attribute. No vendor headers: the
-// driver API is reached through dlopen (libcuda.so.1, or libamdhip64.so.7 / .6), binding first
-// with RTLD_NOLOAD to the copy the PJRT plugin already loaded.
+// driver API is reached through dlopen, binding first with RTLD_NOLOAD to the copy the PJRT plugin
+// already loaded. The driver is chosen by the platform the handler was registered for, never by
+// what happens to be installed: the "CUDA" handlers (kGpuRopeCache*Cuda) bind libcuda.so.1, the
+// "ROCM" handlers (kGpuRopeCache*Hip) bind libamdhip64.so.7 (then .6, then the bare name).
 //
 // Attributes (all read in every stage):
 //   code       bytes  a code-object table (format below) holding one or more code objects
@@ -24,9 +26,11 @@
 //   kind 1: CUDA cubin for arch "sm_XY"; kind 2: CUDA PTX (NUL-terminated) for "compute_XY";
 //   kind 3: AMDGPU code object for "gfxNNN".
 // CUDA picks the cubin whose arch equals the device's sm_XY, else the PTX entry with the highest
-// compute_XY <= the device's (the driver JIT-compiles it); HIP tries the AMDGPU entries whose arch
-// matches the device's gfx name if the runtime reports it, else each in turn. No fit: an error
-// naming the device's arch and the table's.
+// compute_XY <= the device's (the driver JIT-compiles it). HIP picks the AMDGPU entry whose arch
+// equals the device's gfx name (gcnArchName up to the first ':', read with
+// hipGetDevicePropertiesR0600); only if the runtime does not report a gfx name does it try each
+// AMDGPU entry until hipModuleLoadData accepts one. No fit: an error naming the device's arch and
+// the table's.
 //
 // Kernel ABI: a parameter block of 8-byte words: void* of every operand buffer in order, then of
 // every result buffer, then int64 dim0 of every operand (1 for rank-0 operands); at most
@@ -41,10 +45,10 @@
 // for this device into a process-wide cache keyed by (code_hash, device ordinal) and resolves the
 // function; execute looks the function up lock-free (atomic open-addressing table), packs the
 // parameter struct on the stack and launches on XLA's stream. No allocation, no host sync, no lock
-// on that path. kGpuRopeCacheExecute is registered command-buffer compatible (XLA may capture it
-// into a CUDA graph and replay the launch without calling the handler: every index the kernel
-// uses is read from device buffers); kGpuRopeCacheExecuteNoGraph is the same without that trait,
-// selected by jax_rope_cache when JAX_ROPE_CACHE_COMMAND_BUFFERS=0.
+// on that path. kGpuRopeCacheExecute{Cuda,Hip} are registered command-buffer compatible (XLA may
+// capture them into a CUDA/HIP graph and replay the launch without calling the handler: every
+// index the kernel uses is read from device buffers); kGpuRopeCacheExecuteNoGraph{Cuda,Hip} are
+// the same without that trait, selected by jax_rope_cache when JAX_ROPE_CACHE_COMMAND_BUFFERS=0.
 #include <dlfcn.h>
 
 #include <atomic>
@@ -54,6 +58,7 @@
 #include <mutex>
 #include <string>
 #include <string_view>
+#include <utility>
 
 #include "kernels/ffi/handlers.h"
 #include "xla/ffi/api/ffi.h"
@@ -93,6 +98,7 @@ struct Driver {
   Result (*hipModuleLaunchKernel)(Handle, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                                   Handle, void**, void**) = nullptr;
   const char* (*hipGetErrorString)(Result) = nullptr;
+  Result (*hipGetDevicePropertiesR0600)(void*, int) = nullptr;  // optional (ROCm >= 6)
 
   std::string ErrorString(Result r) const {
     const char* s = nullptr;
@@ -130,36 +136,80 @@ bool BindHip(Driver& d, void* lib) {
          Sym(lib, "hipSetDevice", &d.hipSetDevice) && Sym(lib, "hipModuleLoadData", &d.hipModuleLoadData) &&
          Sym(lib, "hipModuleGetFunction", &d.hipModuleGetFunction) &&
          Sym(lib, "hipModuleLaunchKernel", &d.hipModuleLaunchKernel) &&
-         Sym(lib, "hipGetErrorString", &d.hipGetErrorString);
+         Sym(lib, "hipGetErrorString", &d.hipGetErrorString) &&
+         (Sym(lib, "hipGetDevicePropertiesR0600", &d.hipGetDevicePropertiesR0600), true);
 }
 
-// The driver matching the platform XLA runs on. A process runs one GPU platform; if both runtimes
-// are loaded, the one already loaded (RTLD_NOLOAD) wins, CUDA first.
-const Driver& GetDriver() {
-  static const Driver* driver = [] {
-    auto* d = new Driver();
-    const char* cuda_names[] = {"libcuda.so.1", "libcuda.so"};
-    const char* hip_names[] = {"libamdhip64.so.7", "libamdhip64.so.6", "libamdhip64.so"};
-    for (int pass = 0; pass < 2; ++pass) {  // pass 0: only libraries already loaded
-      const int flags = RTLD_NOW | RTLD_LOCAL | (pass == 0 ? RTLD_NOLOAD : 0);
-      for (const char* n : cuda_names) {
-        if (void* h = dlopen(n, flags); h && BindCuda(*d, h)) {
-          if (Result r = d->cuInit(0); r != 0) d->error = std::string("cuInit: ") + d->ErrorString(r);
-          return d;
+// The vendor a handler was registered for ("CUDA" -> kCuda, "ROCM" -> kHip).
+enum class Vendor { kCuda, kHip };
+
+// The driver of `vendor`, bound once per process: first a copy already loaded (RTLD_NOLOAD, the
+// one the PJRT plugin uses), else loaded by name.
+const Driver* MakeDriver(Vendor vendor) {
+  auto* d = new Driver();
+  const bool hip = vendor == Vendor::kHip;
+  static const char* cuda_names[] = {"libcuda.so.1", "libcuda.so", nullptr};
+  static const char* hip_names[] = {"libamdhip64.so.7", "libamdhip64.so.6", "libamdhip64.so", nullptr};
+  const char* const* names = hip ? hip_names : cuda_names;
+  std::string why;
+  for (int pass = 0; pass < 2; ++pass) {  // pass 0: only libraries already loaded
+    const int flags = RTLD_NOW | RTLD_LOCAL | (pass == 0 ? RTLD_NOLOAD : 0);
+    for (int i = 0; names[i]; ++i) {
+      void* h = dlopen(names[i], flags);
+      if (!h) {
+        if (pass == 1) {
+          const char* e = dlerror();
+          why += std::string(why.empty() ? "" : "; ") + (e ? e : names[i]);
         }
+        continue;
       }
-      for (const char* n : hip_names) {
-        if (void* h = dlopen(n, flags); h && BindHip(*d, h)) {
-          if (Result r = d->hipInit(0); r != 0) d->error = std::string("hipInit: ") + d->ErrorString(r);
-          return d;
-        }
+      if (hip ? BindHip(*d, h) : BindCuda(*d, h)) {
+        const Result r = hip ? d->hipInit(0) : d->cuInit(0);
+        if (r != 0) d->error = std::string(hip ? "hipInit: " : "cuInit: ") + d->ErrorString(r);
+        return d;
       }
+      why += std::string(why.empty() ? "" : "; ") + names[i] + " lacks a driver API symbol";
     }
-    d->lib = nullptr;
-    d->error = "found neither libcuda.so.1 nor libamdhip64.so (" + std::string(dlerror() ? dlerror() : "") + ")";
-    return d;
-  }();
-  return *driver;
+  }
+  d->lib = nullptr;
+  d->hip = hip;
+  d->error = std::string(hip ? "the HIP runtime (libamdhip64.so.7 or .6) could not be loaded: "
+                             : "the CUDA driver (libcuda.so.1) could not be loaded: ") + why;
+  return d;
+}
+
+const Driver& GetDriver(Vendor vendor) {
+  static const Driver* cuda = nullptr;
+  static const Driver* hip = nullptr;
+  static std::once_flag cuda_once, hip_once;
+  if (vendor == Vendor::kHip) {
+    std::call_once(hip_once, [] { hip = MakeDriver(Vendor::kHip); });
+    return *hip;
+  }
+  std::call_once(cuda_once, [] { cuda = MakeDriver(Vendor::kCuda); });
+  return *cuda;
+}
+
+// The gfx arch of HIP device `device` ("gfx942"), or "" when the runtime does not say. Read from
+// hipDeviceProp_tR0600::gcnArchName ("gfx942:sramecc+:xnack-"), char[256] at byte offset 1160 of
+// the 1472-byte struct (LP64; the same layout in the ROCm 6.0-6.4 and 7.x headers, which keep
+// R0600 as the current ABI). The versioned symbol matters: the unversioned
+// hipGetDeviceProperties export fills the older R0000 layout. The buffer is larger than the
+// struct so a later, longer layout cannot overrun it, and anything but a NUL-terminated "gfx..."
+// name at that offset is treated as unknown.
+constexpr size_t kHipPropGcnArchNameOffset = 1160;
+constexpr size_t kHipPropBufferBytes = 8192;
+
+std::string HipDeviceArch(const Driver& d, int device) {
+  if (!d.hipGetDevicePropertiesR0600) return "";
+  alignas(16) unsigned char props[kHipPropBufferBytes];
+  std::memset(props, 0, sizeof(props));
+  if (d.hipGetDevicePropertiesR0600(props, device) != 0) return "";
+  const char* name = reinterpret_cast<const char*>(props + kHipPropGcnArchNameOffset);
+  const size_t n = strnlen(name, 256);
+  if (n == 256 || n < 4 || std::strncmp(name, "gfx", 3) != 0) return "";
+  std::string arch(name, n);
+  return arch.substr(0, arch.find(':'));
 }
 
 // ---- the code-object table --------------------------------------------------------------------
@@ -317,8 +367,10 @@ std::mutex g_insert_mutex;
 std::atomic<uint64_t> g_launches{0};
 std::atomic<uint64_t> g_modules{0};  // modules loaded: one per (code object, device), ever
 
-uint64_t CacheKey(int64_t code_hash, int device) {
-  uint64_t k = static_cast<uint64_t>(code_hash) ^ (0x9e3779b97f4a7c15ull * static_cast<uint64_t>(device + 1));
+// Keyed by vendor too: a module loaded through one driver is no function of the other.
+uint64_t CacheKey(int64_t code_hash, int device, Vendor vendor) {
+  const uint64_t dev = static_cast<uint64_t>(device + 1) + (vendor == Vendor::kHip ? (1ull << 32) : 0);
+  uint64_t k = static_cast<uint64_t>(code_hash) ^ (0x9e3779b97f4a7c15ull * dev);
   k ^= k >> 29;
   return k ? k : 1;
 }
@@ -379,10 +431,14 @@ ffi::Error LoadFunction(const Driver& d, const Table& t, std::string_view kernel
   int prev = 0;
   d.hipGetDevice(&prev);
   if (Result r = d.hipSetDevice(device); r) return DriverError(d, "hipSetDevice", r);
+  const std::string arch = HipDeviceArch(d, device);
   std::string tried;
   Result last = 0;
+  bool any = false;
   for (int i = 0; i < t.n; ++i) {
     if (t.e[i].kind != kAmdgpu) continue;
+    any = true;
+    if (!arch.empty() && t.e[i].arch != arch) continue;  // a known arch loads only its own entry
     Handle module = nullptr;
     last = d.hipModuleLoadData(&module, t.e[i].data);
     if (last == 0) {
@@ -392,20 +448,30 @@ ffi::Error LoadFunction(const Driver& d, const Table& t, std::string_view kernel
       *context = nullptr;
       return ffi::Error::Success();
     }
+    if (!arch.empty()) {
+      d.hipSetDevice(prev);
+      return DriverError(d, ("hipModuleLoadData (" + arch + ")").c_str(), last);
+    }
     tried += (tried.empty() ? "" : ", ") + t.e[i].arch;
   }
   d.hipSetDevice(prev);
+  if (!arch.empty() || !any)
+    return ffi::Error::InvalidArgument("gpu launcher: no code object for this GPU (" +
+                                       (arch.empty() ? std::string("HIP device ") + std::to_string(device) : arch) +
+                                       "); the executable holds: " + TableArchs(t) +
+                                       ". Lower the computation on (or for) this GPU's architecture");
   return ffi::Error::InvalidArgument("gpu launcher: no code object loads on HIP device " + std::to_string(device) +
-                                     " (tried: " + (tried.empty() ? std::string("none") : tried) +
+                                     " (its arch is not reported; tried: " + tried +
                                      "; last error: " + d.ErrorString(last) + "); the executable holds: " +
                                      TableArchs(t));
 }
 
-ffi::Error EnsureLoaded(std::string_view code, int64_t code_hash, std::string_view kernel, int device) {
-  const Driver& d = GetDriver();
+ffi::Error EnsureLoaded(Vendor vendor, std::string_view code, int64_t code_hash, std::string_view kernel,
+                        int device) {
+  const Driver& d = GetDriver(vendor);
   if (!d.lib) return ffi::Error::Internal("gpu launcher: " + d.error);
   if (!d.error.empty()) return ffi::Error::Internal("gpu launcher: " + d.error);
-  const uint64_t key = CacheKey(code_hash, device);
+  const uint64_t key = CacheKey(code_hash, device, vendor);
   if (Lookup(key)) return ffi::Error::Success();
   Table t;
   if (auto e = ParseTable(code, &t); e.failure()) return e;
@@ -441,12 +507,12 @@ ffi::Error Instantiate(std::string_view code, int64_t code_hash, std::string_vie
   return ffi::Error::Success();
 }
 
-ffi::Error Initialize(int32_t device, ffi::RemainingArgs args, ffi::RemainingRets rets, std::string_view code,
-                      int64_t code_hash, std::string_view kernel, int64_t grid_div, int64_t block, int64_t smem,
-                      ffi::Span<const int64_t> signature, std::string_view buffer_names) {
+ffi::Error Initialize(Vendor vendor, int32_t device, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                      std::string_view code, int64_t code_hash, std::string_view kernel, int64_t grid_div,
+                      int64_t block, int64_t smem, ffi::Span<const int64_t> signature, std::string_view buffer_names) {
   (void)grid_div, (void)block, (void)smem;
   if (auto e = CheckBuffers(signature, buffer_names, args, rets); e.failure()) return e;
-  return EnsureLoaded(code, code_hash, kernel, device);
+  return EnsureLoaded(vendor, code, code_hash, kernel, device);
 }
 
 // A CPU-runnable stage with the initialize stage's buffer check alone (registered by the tests for
@@ -459,15 +525,15 @@ ffi::Error CheckBuffersOnly(ffi::RemainingArgs args, ffi::RemainingRets rets, ff
 
 constexpr int kMaxBuffers = 32;
 
-ffi::Error Execute(void* stream, int32_t device, ffi::RemainingArgs args, ffi::RemainingRets rets,
+ffi::Error Execute(Vendor vendor, void* stream, int32_t device, ffi::RemainingArgs args, ffi::RemainingRets rets,
                    std::string_view code, int64_t code_hash, std::string_view kernel, int64_t grid_div,
                    int64_t block, int64_t smem, ffi::Span<const int64_t> signature, std::string_view buffer_names) {
-  const Driver& d = GetDriver();
-  const Slot* slot = Lookup(CacheKey(code_hash, device));
+  const Driver& d = GetDriver(vendor);
+  const Slot* slot = Lookup(CacheKey(code_hash, device, vendor));
   if (XLA_FFI_PREDICT_FALSE(slot == nullptr)) {  // initialize did not run for this device
     if (auto e = CheckBuffers(signature, buffer_names, args, rets); e.failure()) return e;
-    if (auto e = EnsureLoaded(code, code_hash, kernel, device); e.failure()) return e;
-    slot = Lookup(CacheKey(code_hash, device));
+    if (auto e = EnsureLoaded(vendor, code, code_hash, kernel, device); e.failure()) return e;
+    slot = Lookup(CacheKey(code_hash, device, vendor));
     if (!slot) return ffi::Error::Internal("gpu launcher: module cache lookup failed");
   }
   const size_t na = args.size(), nr = rets.size();
@@ -543,10 +609,6 @@ auto WithLaunchAttrs(Binding b) {
 }
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kGpuRopeCacheInstantiate, Instantiate, WithLaunchAttrs(ffi::Ffi::BindInstantiate()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    kGpuRopeCacheInitialize, Initialize,
-    WithLaunchAttrs(ffi::Ffi::BindInitialize().Ctx<ffi::DeviceOrdinal>().RemainingArgs().RemainingRets()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kGpuCheckBuffers, CheckBuffersOnly,
                               ffi::Ffi::Bind()
                                   .RemainingArgs()
@@ -554,14 +616,52 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kGpuCheckBuffers, CheckBuffersOnly,
                                   .Attr<ffi::Span<const int64_t>>("signature")
                                   .Attr<std::string_view>("buffer_names"));
 
+// The stages of one vendor: the registered platform fixes the driver.
+template <Vendor V>
+constexpr auto kInitializeOn = [](auto&&... a) { return Initialize(V, std::forward<decltype(a)>(a)...); };
+template <Vendor V>
+constexpr auto kExecuteOn = [](auto&&... a) { return Execute(V, std::forward<decltype(a)>(a)...); };
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kGpuRopeCacheInstantiate, Instantiate, WithLaunchAttrs(ffi::Ffi::BindInstantiate()));
+
+#define JRC_INITIALIZE_BINDING \
+  WithLaunchAttrs(ffi::Ffi::BindInitialize().Ctx<ffi::DeviceOrdinal>().RemainingArgs().RemainingRets())
 #define JRC_EXECUTE_BINDING                                                                              \
   WithLaunchAttrs(                                                                                      \
       ffi::Ffi::Bind().Ctx<ffi::PlatformStream<void*>>().Ctx<ffi::DeviceOrdinal>().RemainingArgs().RemainingRets())
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kGpuRopeCacheExecute, Execute, JRC_EXECUTE_BINDING,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kGpuRopeCacheInitializeCuda, kInitializeOn<Vendor::kCuda>, JRC_INITIALIZE_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kGpuRopeCacheInitializeHip, kInitializeOn<Vendor::kHip>, JRC_INITIALIZE_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kGpuRopeCacheExecuteCuda, kExecuteOn<Vendor::kCuda>, JRC_EXECUTE_BINDING,
                               {ffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kGpuRopeCacheExecuteNoGraph, Execute, JRC_EXECUTE_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kGpuRopeCacheExecuteNoGraphCuda, kExecuteOn<Vendor::kCuda>, JRC_EXECUTE_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kGpuRopeCacheExecuteHip, kExecuteOn<Vendor::kHip>, JRC_EXECUTE_BINDING,
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kGpuRopeCacheExecuteNoGraphHip, kExecuteOn<Vendor::kHip>, JRC_EXECUTE_BINDING);
 
+#undef JRC_INITIALIZE_BINDING
 #undef JRC_EXECUTE_BINDING
 
 }  // namespace jax_rope_cache
+
+#ifdef JRC_LAUNCHER_TEST
+// CPU-side harness for the driver paths (tests/test_hip_launcher.py builds this file with
+// -DJRC_LAUNCHER_TEST and runs it against stub libamdhip64.so.7 / libcuda.so.1): the execute
+// stages exactly as above, except that the stream is the constant kTestStream (a CPU backend has
+// no GPU stream to hand over). Instantiate and initialize are the production symbols.
+namespace jax_rope_cache {
+constexpr uintptr_t kTestStream = 0x5157;
+template <Vendor V>
+constexpr auto kExecuteOnTestStream = [](auto&&... a) {
+  return Execute(V, reinterpret_cast<void*>(kTestStream), std::forward<decltype(a)>(a)...);
+};
+#define JRC_TEST_BINDING \
+  WithLaunchAttrs(ffi::Ffi::Bind().Ctx<ffi::DeviceOrdinal>().RemainingArgs().RemainingRets())
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kGpuRopeCacheExecuteHipTest, kExecuteOnTestStream<Vendor::kHip>, JRC_TEST_BINDING,
+                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kGpuRopeCacheExecuteNoGraphHipTest, kExecuteOnTestStream<Vendor::kHip>,
+                              JRC_TEST_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kGpuRopeCacheExecuteCudaTest, kExecuteOnTestStream<Vendor::kCuda>, JRC_TEST_BINDING);
+#undef JRC_TEST_BINDING
+}  // namespace jax_rope_cache
+#endif  // JRC_LAUNCHER_TEST

@@ -9,12 +9,16 @@ namespace jax_rope_cache {
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kCpuRopeAndCache);
 
 // Platforms "CUDA" and "ROCM": the generic code-object launcher (kernels/ffi/gpu_launcher.cc).
-// Stages instantiate / initialize / execute; the execute stage comes command-buffer compatible
-// (kGpuRopeCacheExecute) or not (kGpuRopeCacheExecuteNoGraph).
+// Stages instantiate / initialize / execute; initialize and execute exist once per driver (*Cuda
+// binds libcuda, *Hip binds libamdhip64: registered for "CUDA" and "ROCM" respectively); the
+// execute stage comes command-buffer compatible (kGpuRopeCacheExecute*) or not (*NoGraph*).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kGpuRopeCacheInstantiate);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(kGpuRopeCacheInitialize);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(kGpuRopeCacheExecute);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(kGpuRopeCacheExecuteNoGraph);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kGpuRopeCacheInitializeCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kGpuRopeCacheInitializeHip);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kGpuRopeCacheExecuteCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kGpuRopeCacheExecuteNoGraphCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kGpuRopeCacheExecuteHip);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kGpuRopeCacheExecuteNoGraphHip);
 // The initialize stage's buffer-signature check alone, as a plain handler any platform can run
 // (tests drive it through jax.ffi.ffi_call on CPU, where the GPU stages cannot run).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kGpuCheckBuffers);

@@ -4,6 +4,9 @@
 
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+
+#include <string>
 
 #include "kernels/common/rope_cache_math.h"
 #include "kernels/ffi/handlers.h"
@@ -54,21 +57,27 @@ void WidenToF32(nb::ndarray<const uint32_t, nb::ndim<1>, nb::c_contig, nb::devic
 
 NB_MODULE(_native, m) {
   m.def("cpu_handler", [] { return HandlerCapsule(jax_rope_cache::kCpuRopeAndCache); });
-  // GPU launcher: dicts of stage capsules, as jax.ffi.register_ffi_target takes them.
-  m.def("gpu_handler", [] {
-    nb::dict d;
-    d["instantiate"] = HandlerCapsule(jax_rope_cache::kGpuRopeCacheInstantiate);
-    d["initialize"] = HandlerCapsule(jax_rope_cache::kGpuRopeCacheInitialize);
-    d["execute"] = HandlerCapsule(jax_rope_cache::kGpuRopeCacheExecute);
-    return d;
-  });
-  m.def("gpu_handler_no_graph", [] {
-    nb::dict d;
-    d["instantiate"] = HandlerCapsule(jax_rope_cache::kGpuRopeCacheInstantiate);
-    d["initialize"] = HandlerCapsule(jax_rope_cache::kGpuRopeCacheInitialize);
-    d["execute"] = HandlerCapsule(jax_rope_cache::kGpuRopeCacheExecuteNoGraph);
-    return d;
-  });
+  // GPU launcher: dicts of stage capsules, as jax.ffi.register_ffi_target takes them, for the
+  // platform they are registered for ("CUDA" binds libcuda, "ROCM" binds libamdhip64).
+  m.def(
+      "gpu_handler",
+      [](const std::string& platform, bool command_buffers) {
+        const bool hip = platform == "ROCM" || platform == "rocm";
+        if (!hip && platform != "CUDA" && platform != "cuda")
+          throw nb::value_error("gpu_handler: platform must be 'CUDA' or 'ROCM'");
+        nb::dict d;
+        d["instantiate"] = HandlerCapsule(jax_rope_cache::kGpuRopeCacheInstantiate);
+        d["initialize"] = hip ? HandlerCapsule(jax_rope_cache::kGpuRopeCacheInitializeHip)
+                              : HandlerCapsule(jax_rope_cache::kGpuRopeCacheInitializeCuda);
+        if (hip)
+          d["execute"] = command_buffers ? HandlerCapsule(jax_rope_cache::kGpuRopeCacheExecuteHip)
+                                         : HandlerCapsule(jax_rope_cache::kGpuRopeCacheExecuteNoGraphHip);
+        else
+          d["execute"] = command_buffers ? HandlerCapsule(jax_rope_cache::kGpuRopeCacheExecuteCuda)
+                                         : HandlerCapsule(jax_rope_cache::kGpuRopeCacheExecuteNoGraphCuda);
+        return d;
+      },
+      nb::arg("platform"), nb::arg("command_buffers") = true);
   m.def("gpu_check_buffers_handler", [] { return HandlerCapsule(jax_rope_cache::kGpuCheckBuffers); });
   m.def("gpu_launch_count", [] { return jax_rope_cache::GpuLaunchCount(); });
   m.def("gpu_module_count", [] { return jax_rope_cache::GpuModuleCount(); });

@@ -113,14 +113,19 @@ def phase_geometry(cpx: int, nh: int, nt: int) -> tuple[int, int]:
 
 
 def make_config(*, qh, kh, d, r, bs, layout, neox, full_table, native, dt, tab_dt, cache_dt, slot64,
-                pos64, layer_blocks: int = 0, nt: int = 256) -> RocmKernelConfig:
+                pos64, layer_blocks: int = 0, nt: int = 256, rot_cap: int | None = None,
+                width_cap: int | None = None) -> RocmKernelConfig:
+    """`rot_cap` / `width_cap`: at most that many elements per rotation chunk / per pass-through and
+    V chunk (narrower accesses, fewer values in flight per lane: the occupancy candidates of
+    jax_rope_cache/backends/rocm.py; None = as wide as 16 bytes and the shape allow)."""
     s = ITEMSIZE[dt]
     vmax = 16 // s
-    w_rot = _pow2_width(vmax, r // 2) if neox else _pow2_width(vmax, r)
+    w_rot = _pow2_width(min(vmax, rot_cap or vmax), r // 2) if neox else _pow2_width(min(vmax, rot_cap or vmax), r)
     if not neox and w_rot < 2:
         w_rot = 2
-    w_pass = _pow2_width(vmax, r, d) if r < d else 1
-    w_v = _pow2_width(vmax, d)
+    wmax = min(vmax, width_cap or vmax)
+    w_pass = _pow2_width(wmax, r, d) if r < d else 1
+    w_v = _pow2_width(wmax, d)
     cpx_rot = (r // 2) // w_rot if neox else r // w_rot
     nt = max(64, min(nt, 1024))
     while nt > 64 and cpx_rot * (qh + kh) <= nt // 2 and cpx_rot * (qh + kh) * 4 < 64:
