@@ -609,7 +609,7 @@ def test_raw_ffi_gpu_launcher_instantiate_checks_the_signature():
     there) rejects a malformed signature; a well-formed one passes instantiate and reaches execute,
     which cannot run without a GPU stream (the expected error)."""
     name = "jax_rope_cache_gpu_stages_on_cpu_test"
-    native.register_target(name, native.native_module().gpu_handler, "cpu")
+    native.register_target(name, lambda: native.native_module().gpu_handler("CUDA", False), "cpu")
     ops, _ = _raw_problem()
     table = launcher.pack_code_table([(launcher.KIND_CUBIN, "sm_90", b"\x7fELF-not-loaded")])
 
