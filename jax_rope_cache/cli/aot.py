@@ -21,6 +21,7 @@ import numpy as np
 from jax_rope_cache import contract
 from jax_rope_cache.backends import rocm
 from jax_rope_cache.cli import _args
+from jax_rope_cache.cli._fmt import plural
 from jax_rope_cache.compilers import cache, flydsl
 from jax_rope_cache.models.presets import MODELS, model_shape
 
@@ -152,6 +153,7 @@ def main(argv=None) -> None:
     except (flydsl.FlyDSLUnavailable, ValueError) as e:
         raise SystemExit(f"compile: {e}") from None
     where = cache.cache_dir() or "memory only (JAX_ROPE_CACHE_DIR='')"
-    print(f"{len(out)} code objects ({len(out) // max(1, len(archs))} configurations x {len(archs)} archs) "
+    print(f"{plural(len(out), 'code object')} ({plural(len(out) // max(1, len(archs)), 'configuration')} x "
+          f"{plural(len(archs), 'arch')}) "
           f"in {where}{f' and the bundle {a.bundle}' if a.bundle else ''} ({time.perf_counter() - t:.1f} s)",
           file=sys.stderr)

@@ -20,6 +20,7 @@ import numpy as np
 import jax_rope_cache as jrc
 from jax_rope_cache import reference
 from jax_rope_cache.cli import _args
+from jax_rope_cache.cli._fmt import relative_speed
 from jax_rope_cache.models import presets, tables
 
 POOL = 4  # distinct decode input sets, cycled over steps
@@ -162,7 +163,7 @@ def run(preset="llama-3.1-8b", tp=8, batch=64, prefill=128, steps=256, layers=32
         print(f"{impl:<8}{tp_ * 1e3:>10.1f}ms{td / steps * 1e6:>12.0f}us{td / steps / layers * 1e6:>8.1f}us"
               f"{batch * steps / td:>15,.0f}")
     k, x = timing["kernel"], timing["xla"]
-    print(f"kernel vs xla: decode step {x[1] / k[1]:.2f}x faster, prefill {x[0] / k[0]:.2f}x faster")
+    print(f"kernel vs xla: decode step {relative_speed(x[1], k[1])}, prefill {relative_speed(x[0], k[0])}")
     return ok
 
 

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_rope_cache.cli import decoder
+from jax_rope_cache.cli._fmt import relative_speed
 
 MODELS = {**decoder.TINY_CONFIGS, "llama-3.1-8b": decoder.LLAMA_31_8B_CONFIG}
 FIXTURE_NAME = os.path.join("tests", "data", "hf_greedy.npz")
@@ -142,7 +143,7 @@ def timing(model: str, impls, layout: str, batch: int, prompt_len: int, steps: i
         print(f"{impl:<8}{tp * 1e3:>9.2f}ms{td * 1e6:>12.0f}us{batch / td:>15,.0f}")
     if "kernel" in rows and "xla" in rows:
         k, x = rows["kernel"], rows["xla"]
-        print(f"kernel vs xla: decode step {x[1] / k[1]:.2f}x faster, prefill {x[0] / k[0]:.2f}x faster")
+        print(f"kernel vs xla: decode step {relative_speed(x[1], k[1])}, prefill {relative_speed(x[0], k[0])}")
     if "off" in rows:
         off = rows["off"][1]
         for impl in ("kernel", "xla"):
