@@ -128,10 +128,38 @@ def upstream(root):
                       f"{s and s.group(1)} | {summarize(isa)} |")
 
 
+OCCUPANCY_VARIANTS = VARIANTS + [
+    ("flash bf16, bf16 table, NeoX, native (upstream's config)", dict(layouts=("flash",), table_dtypes=("bfloat16",),
+                                                                     precisions=("native",))),
+    ("xpacked bf16, bf16 table, NeoX, native (upstream's config)", dict(layouts=("xpacked",),
+                                                                       table_dtypes=("bfloat16",),
+                                                                       precisions=("native",))),
+]
+
+
+def occupancy_table():
+    """Per variant and arch: the configuration as made (VGPRs, spills) and the occupancy candidate
+    the lowering builds (backends/rocm.occupancy_candidates)."""
+    print("\n| model (per shard) | variant | arch | VGPR as made (spill, scratch B) | built | VGPR built |")
+    print("|---|---|---|---|---|---|")
+    for name, tp in (("llama-3.1-8b", 1), ("llama-3.1-70b", 8), ("gpt-oss-120b", 8), ("gpt-oss-120b", 1)):
+        m = presets.model_shape(name, tp)
+        for label, opts in OCCUPANCY_VARIANTS:
+            cfg = aot.configs_for(q_heads=m.q_heads, kv_heads=m.kv_heads, head_dim=m.head_dim,
+                                  rotary_dim=m.rotary_dim, **opts)[0]
+            for co in rocm.build_code_table(cfg, ("gfx942", "gfx950"))[2]:
+                base = flydsl.compile_config(cfg, co.arch).info
+                i = co.info
+                print(f"| {m.name} ({m.q_heads}x{m.kv_heads}x{m.head_dim}) | {label} | {co.arch} | "
+                      f"{base['vgpr_count']} ({base['vgpr_spill_count']}, {base['private_segment_size']}) | "
+                      f"{occupancy(cfg, co).strip(' ()') or 'as made'} | {i['vgpr_count']} |")
+
+
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--upstream")
     a = p.parse_args()
     ours()
+    occupancy_table()
     if a.upstream:
         upstream(a.upstream)
