@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_rope_cache as jrc
+from jax_rope_cache import contract
 from jax_rope_cache.cli import _args
 from jax_rope_cache.models import presets
 
@@ -182,15 +183,19 @@ def plot(result, path: str) -> bool:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m jax_rope_cache bench", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m jax_rope_cache bench", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--preset", nargs="+", default=["llama-3.1-8b"], type=_args.preset_name,
                    help="model presets (see `info`)")
     p.add_argument("--tp", type=_args.positive_int, default=1, help="tensor-parallel degree: heads per shard")
-    p.add_argument("--tokens", type=_args.positive_int, nargs="+", default=None)
-    p.add_argument("--layout", nargs="+", default=["flash"], choices=["flash", "xpacked", "xpacked_shuffled"])
-    p.add_argument("--slots", nargs="+", default=["random"], choices=SLOT_PATTERNS)
-    p.add_argument("--calls", type=_args.positive_int, default=8)
-    p.add_argument("--repeats", type=_args.positive_int, default=10)
+    p.add_argument("--tokens", type=_args.positive_int, nargs="+", default=None,
+                   help="tokens per call (default: 1 8 64 128 512 2048 8192 32768 on a GPU, 1 8 64 256 1024 4096 "
+                        "on CPU)")
+    p.add_argument("--layout", nargs="+", default=["flash"], choices=list(contract.LAYOUTS), help="cache layouts")
+    p.add_argument("--slots", nargs="+", default=["random"], choices=SLOT_PATTERNS,
+                   help="slot patterns: random unique, prefill runs, decode (one token per sequence)")
+    p.add_argument("--calls", type=_args.positive_int, default=8, help="calls unrolled in one timed executable")
+    p.add_argument("--repeats", type=_args.positive_int, default=10, help="timed repetitions (the median is kept)")
     p.add_argument("--out", default=None, type=_args.output_prefix, help="write <out>.json, <out>.csv and <out>.png")
     p.add_argument("--json", action="store_true", help="print the result as JSON instead of a table")
     a = _args.parse_args(p, argv)

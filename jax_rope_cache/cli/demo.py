@@ -1,4 +1,4 @@
-"""The main job: one prefill and a jitted decode loop of a model preset on the default device,
+"""The op alone in an inference loop: one prefill and a jitted decode loop of a model preset,
 with ONE stacked [L, ...] cache per K and V updated in place by `lax.scan` over the layers
 (unrolled by default, so a GPU step is straight-line code XLA can capture in one graph); the
 final caches are checked against the numpy reference and the kernel is timed against the XLA path.
@@ -168,14 +168,18 @@ def run(preset="llama-3.1-8b", tp=8, batch=64, prefill=128, steps=256, layers=32
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m jax_rope_cache demo", description=__doc__.splitlines()[0])
-    p.add_argument("--preset", default="llama-3.1-8b", choices=sorted(presets.MODELS))
+    p = argparse.ArgumentParser(
+        prog="python -m jax_rope_cache demo", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="The op alone in an inference loop: one prefill and a jitted decode loop over a model "
+                    "preset's shapes on the default device, the final caches checked against the numpy "
+                    "reference, the kernel and the XLA path timed side by side.")
+    p.add_argument("--preset", default="llama-3.1-8b", choices=sorted(presets.MODELS), help="model shape")
     p.add_argument("--tp", type=_args.positive_int, default=8, help="tensor-parallel degree: the heads of one shard")
-    p.add_argument("--batch", type=_args.positive_int, default=64)
+    p.add_argument("--batch", type=_args.positive_int, default=64, help="sequences (one token each per decode step)")
     p.add_argument("--prefill", type=_args.nonnegative_int, default=128, help="prefill tokens per sequence")
-    p.add_argument("--steps", type=_args.positive_int, default=256)
-    p.add_argument("--layers", type=_args.positive_int, default=32)
-    p.add_argument("--block-size", type=_args.positive_int, default=16)
+    p.add_argument("--steps", type=_args.positive_int, default=256, help="decode steps")
+    p.add_argument("--layers", type=_args.positive_int, default=32, help="layers of the stacked caches")
+    p.add_argument("--block-size", type=_args.positive_int, default=16, help="cache block size (slots per block)")
     p.add_argument("--check-layers", type=_args.positive_int, default=None,
                    help="compare only this many layers (default all)")
     p.add_argument("--no-unroll", action="store_true",
