@@ -305,6 +305,17 @@ def check_layer(layer, key_cache, value_cache, layout: str):
             _LayerView(tuple(value_cache.shape[1:]), np.dtype(value_cache.dtype)), num_layers)
 
 
+def _key_cache_geometry(key_cache, lay: CacheLayout, cache_dtype) -> tuple[tuple[int, ...], int, int, int]:
+    """(key_cache shape, X, NB, BS) of a key cache of layout `lay` (rank and X checked)."""
+    kdims = lay.dims("key")
+    kshape = _check_rank("key_cache", key_cache, len(lay.key_axes), f"{kdims} for layout {lay.name!r}")
+    x = pack_width(cache_dtype)
+    if "D%X" in lay.key_axes and kshape[lay.key_axes.index("D%X")] != x:
+        raise ValueError(f"key_cache: expected X = 16 // itemsize = {x} for {np.dtype(cache_dtype).name} in the "
+                         f"last dim of {kdims}, got shape {list(kshape)}")
+    return (kshape, x) + lay.block_geometry(kshape, x)
+
+
 def check_op(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, *,
              layout="flash", is_neox=True, rotary_dim=None, k_scale=None, v_scale=None,
              precision="fp32", layer=None) -> OpSpec:
@@ -370,12 +381,7 @@ def check_op(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
                         f"got {np.dtype(value_cache.dtype).name}")
     lay = cache_layout(layout)
     kdims, vdims = lay.dims("key"), lay.dims("value")
-    kshape = _check_rank("key_cache", key_cache, len(lay.key_axes), f"{kdims} for layout {layout!r}")
-    x = pack_width(cache_dtype)
-    if "D%X" in lay.key_axes and kshape[lay.key_axes.index("D%X")] != x:
-        raise ValueError(f"key_cache: expected X = 16 // itemsize = {x} for {cache_dtype.name} in the last "
-                         f"dim of {kdims}, got shape {list(kshape)}")
-    nb, bs = lay.block_geometry(kshape, x)
+    kshape, x, nb, bs = _key_cache_geometry(key_cache, lay, cache_dtype)
     if lay.needs_d_multiple_of_x and d % x:
         raise ValueError(f"key_cache: layout {layout!r} needs D divisible by X={x}, got D={d}")
     if lay.needs_bs_multiple_of_x and bs % x:
@@ -411,12 +417,7 @@ def check_read_kv(key_cache, value_cache, slot_mapping, layout="flash") -> tuple
         raise TypeError(f"value_cache: expected dtype {cdt.name} (same as key_cache), "
                         f"got {np.dtype(value_cache.dtype).name}")
     kdims, vdims = lay.dims("key"), lay.dims("value")
-    kshape = _check_rank("key_cache", key_cache, len(lay.key_axes), f"{kdims} for layout {layout!r}")
-    x = pack_width(cdt)
-    if "D%X" in lay.key_axes and kshape[lay.key_axes.index("D%X")] != x:
-        raise ValueError(f"key_cache: expected X = 16 // itemsize = {x} for {cdt.name} in the last "
-                         f"dim of {kdims}, got shape {list(kshape)}")
-    nb, bs = lay.block_geometry(kshape, x)
+    kshape, x, nb, bs = _key_cache_geometry(key_cache, lay, cdt)
     kh = kshape[lay.key_axes.index("KH")]
     d = kshape[lay.key_axes.index("D")] if "D" in lay.key_axes else kshape[lay.key_axes.index("D//X")] * x
     if lay.needs_bs_multiple_of_x and bs % x:
