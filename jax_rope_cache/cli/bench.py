@@ -24,21 +24,10 @@ import numpy as np
 import jax_rope_cache as jrc
 from jax_rope_cache import contract
 from jax_rope_cache.cli import _args
+from jax_rope_cache.cli._fmt import progress
 from jax_rope_cache.models import presets
 
 SLOT_PATTERNS = ("random", "prefill", "decode")
-
-
-def progress(i: int, n: int, label: str) -> None:
-    """A one-line progress bar on stderr (only when it is a terminal or forced by the caller)."""
-    if not sys.stderr.isatty():
-        return
-    width = 30
-    done = int(width * i / max(1, n))
-    sys.stderr.write(f"\r[{'#' * done}{'.' * (width - done)}] {i}/{n} {label:<40}")
-    if i == n:
-        sys.stderr.write("\n")
-    sys.stderr.flush()
 
 
 def _median_time(fn, *args, repeats: int) -> float:

@@ -20,7 +20,7 @@ import numpy as np
 import jax_rope_cache as jrc
 from jax_rope_cache import reference
 from jax_rope_cache.cli import _args
-from jax_rope_cache.cli._fmt import relative_speed
+from jax_rope_cache.cli._fmt import progress, relative_speed
 from jax_rope_cache.models import presets, tables
 
 POOL = 4  # distinct decode input sets, cycled over steps
@@ -128,11 +128,15 @@ def run(preset="llama-3.1-8b", tp=8, batch=64, prefill=128, steps=256, layers=32
           f"({caches[0].nbytes * 2 / 2**20:.0f} MiB), batch {batch}, prefill {prefill}/seq, {steps} decode steps")
     ddata = jax.device_put(data, dev)
     check = checked_layers(layers, check_layers)
+    phases, phase = 1 + 2 * (1 + repeats), 0
+    progress(phase, phases, "numpy reference")
     want_k, want_v = reference_caches(data, caches, check, steps)
     want_k, want_v = want_k[check], want_v[check]
     timing, exact = {}, {}
     for impl in ("kernel", "xla"):
         prefill_fn, decode_fn = make_programs(layers, steps, impl, unroll)
+        phase += 1
+        progress(phase, phases, f"{impl}: compile + first run")
         kc, vc, _ = prefill_fn(ddata, *jax.device_put(caches, dev))
         kc, vc, _ = decode_fn(ddata, kc, vc)  # compiles both; first full run
         got_k, got_v = np.asarray(kc)[check], np.asarray(vc)[check]
@@ -141,7 +145,9 @@ def run(preset="llama-3.1-8b", tp=8, batch=64, prefill=128, steps=256, layers=32
         close = np.allclose(got_k.astype(np.float32), want_k.astype(np.float32), rtol=2**-7, atol=2**-7)
         exact[impl] += (close,)
         t_pre, t_dec = [], []
-        for _ in range(repeats):
+        for r in range(repeats):
+            phase += 1
+            progress(phase, phases, f"{impl}: timed run {r + 1}/{repeats}")
             kc, vc = jax.device_put(caches, dev)
             jax.block_until_ready((kc, vc))
             t0 = time.perf_counter()
@@ -155,6 +161,7 @@ def run(preset="llama-3.1-8b", tp=8, batch=64, prefill=128, steps=256, layers=32
         timing[impl] = (float(np.median(t_pre)), float(np.median(t_dec)))
         del kc, vc
 
+    progress(phases, phases, "done")
     ok = all(exact["kernel"][:2]) and exact["xla"][2] and exact["xla"][1]
     describe = lambda e: "bit-exact" if all(e[:2]) else "within bf16 rounding" if e[2] and e[1] else "MISMATCH"  # noqa
     print(f"final caches ({len(check)} of {layers} layers) vs numpy reference: kernel {describe(exact['kernel'])}, xla {describe(exact['xla'])}")

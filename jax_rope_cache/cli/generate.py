@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_rope_cache.cli import decoder
-from jax_rope_cache.cli._fmt import relative_speed
+from jax_rope_cache.cli._fmt import progress, relative_speed
 
 MODELS = {**decoder.TINY_CONFIGS, "llama-3.1-8b": decoder.LLAMA_31_8B_CONFIG}
 FIXTURE_NAME = os.path.join("tests", "data", "hf_greedy.npz")
@@ -126,6 +126,8 @@ def timing(model: str, impls, layout: str, batch: int, prompt_len: int, steps: i
         bt = m.allocator.block_table(seqs, m.blocks_per_seq)
         t_pre, t_dec = [], []
         for r in range(repeats + 1):  # the first round compiles
+            progress(impls.index(impl) * (repeats + 1) + r, len(impls) * (repeats + 1),
+                     f"{impl}: {'compile + first run' if r == 0 else f'timed run {r}/{repeats}'}")
             t1 = time.perf_counter()
             first, _, lens = m.prefill(prompts, bt)
             jax.block_until_ready(first)
@@ -137,6 +139,8 @@ def timing(model: str, impls, layout: str, batch: int, prompt_len: int, steps: i
                 t_pre.append(t2 - t1)
                 t_dec.append(t3 - t2)
         rows[impl] = (float(np.median(t_pre)), float(np.median(t_dec)) / steps)
+        if impl == impls[-1]:
+            progress(len(impls) * (repeats + 1), len(impls) * (repeats + 1), "done")
         del m
     print(f"{'impl':<8}{'prefill':>11}{'decode step':>14}{'decode tok/s':>15}")
     for impl, (tp, td) in rows.items():
