@@ -207,6 +207,29 @@ def assert_fma_close(got, want, bound, what: str):
     assert ok.all(), f"{what}: {int((~ok).sum())} elements beyond 1 ulp and the FMA bound, max {ulps.max()} ulp"
 
 
+def flydsl_kernel_module():
+    """The FlyDSL kernel builder (importable without flydsl): the installed source, else the repo's."""
+    from jax_rope_cache.compilers import flydsl
+
+    try:
+        return flydsl.kernel_module()
+    except FileNotFoundError:
+        return flydsl.kernel_module(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "kernels",
+                                                 "rocm", "rope_cache_flydsl.py"))
+
+
+def xla_bound(name, args, opts):
+    """The XLA path's FMA tolerance per output: 2 f32 ulps of the largest input the element came
+    from (tables are bounded by 1); caches of fp8 scaled by 1/k_scale."""
+    eps = 2.0**-22
+    if name == "q_out":
+        return eps * np.abs(args[0].astype(np.float32)).max(axis=-1, keepdims=True)
+    if name == "k_out":
+        return eps * np.abs(args[1].astype(np.float32)).max(axis=-1, keepdims=True)
+    inv = 1.0 / float(opts.get("k_scale", 1.0))
+    return eps * inv * float(np.abs(args[1].astype(np.float32)).max(initial=0))
+
+
 reference_op = reference.rope_and_cache
 
 

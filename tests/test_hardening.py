@@ -33,7 +33,7 @@ from jax_rope_cache import contract, reference
 from jax_rope_cache.backends import cpu as cpu_backend
 from jax_rope_cache.backends import launcher, native, xla
 from jax_rope_cache.compilers import cache as diskcache
-from conftest import Case, assert_bits_equal, assert_fma_close, impl_params, make_problem, ulp_diff
+from conftest import Case, assert_bits_equal, assert_fma_close, impl_params, make_problem, ulp_diff, xla_bound
 
 BF16, F16, F32 = np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16), np.dtype(np.float32)
 FP8, FP8Z = np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e4m3fnuz)
@@ -42,15 +42,6 @@ NAMES = ("q_out", "k_out", "key_cache", "value_cache")
 S = jax.ShapeDtypeStruct
 
 
-def _bound(name, args, opts):
-    """FMA tolerance of the XLA path (as tests/test_op.py): 2 f32 ulps of the largest input."""
-    eps = 2.0**-22
-    if name == "q_out":
-        return eps * np.abs(args[0].astype(np.float32)).max(axis=-1, keepdims=True)
-    if name == "k_out":
-        return eps * np.abs(args[1].astype(np.float32)).max(axis=-1, keepdims=True)
-    inv = 1.0 / float(opts.get("k_scale", 1.0))
-    return eps * inv * float(np.abs(args[1].astype(np.float32)).max(initial=0))
 
 
 def _compare(impl, got, want, args, opts, what=""):
@@ -59,7 +50,7 @@ def _compare(impl, got, want, args, opts, what=""):
         if impl == "kernel":
             assert_bits_equal(g, w, f"{name} {what}")
         else:
-            assert_fma_close(g, w, _bound(name, args, opts), f"{name} {what}")
+            assert_fma_close(g, w, xla_bound(name, args, opts), f"{name} {what}")
     for name, g, before, w in zip(NAMES[2:], got[2:], args[3:5], want[2:]):
         untouched = ulp_diff(w, before) == 0
         assert (ulp_diff(np.asarray(g), before)[untouched] == 0).all(), f"{name} {what}: an unwritten entry changed"

@@ -27,7 +27,7 @@ import pytest
 import jax_rope_cache as jrc
 from jax_rope_cache import reference
 from conftest import (FULL_SWEEP, Case, assert_bits_equal, assert_fma_close, assert_within_ulp, impl_params, ulp_diff,
-                      make_problem, reference_op)
+                      make_problem, reference_op, xla_bound)
 
 AXES = {
     "layout": ["flash", "xpacked", "xpacked_shuffled"],
@@ -92,15 +92,6 @@ def _run_on(platform: str, impl: str, args, opts):
     return [np.asarray(o) for o in fn(*dargs, **scales)]
 
 
-def _fma_bound(name, args, opts):
-    """2 f32 ulps of the largest input the element came from (tables are bounded by 1)."""
-    eps = 2.0**-22
-    if name == "q_out":
-        return eps * np.abs(args[0].astype(np.float32)).max(axis=-1, keepdims=True)
-    if name == "k_out":
-        return eps * np.abs(args[1].astype(np.float32)).max(axis=-1, keepdims=True)
-    inv = 1.0 / float(opts.get("k_scale", 1.0))
-    return eps * inv * float(np.abs(args[1].astype(np.float32)).max(initial=0))
 
 
 def check_against_reference(platform, impl, case, seed):
@@ -112,7 +103,7 @@ def check_against_reference(platform, impl, case, seed):
         if impl == "kernel":
             assert_bits_equal(g, w, f"{name} [{case.id}]")
         else:
-            assert_fma_close(g, w, _fma_bound(name, args, opts), f"{name} [{case.id}]")
+            assert_fma_close(g, w, xla_bound(name, args, opts), f"{name} [{case.id}]")
     # Unwritten cache entries keep their bits whatever the implementation.
     for name, g, before, w in zip(names[2:], got[2:], args[3:5], want[2:]):
         untouched = ulp_diff(w, before) == 0

@@ -33,7 +33,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from conftest import make_spec
+from conftest import make_spec, flydsl_kernel_module
 from jax_rope_cache import backends, contract
 from jax_rope_cache.backends import launcher, rocm
 from jax_rope_cache.cli import aot
@@ -298,15 +298,7 @@ def test_compile_failure_falls_back_for_default_impl(monkeypatch):
     assert not [c for c in custom_calls(exp) if c[0].startswith("jax_rope_cache")]
 
 
-def _repo_kernel():
-    try:
-        return flydsl.kernel_module()
-    except FileNotFoundError:
-        return flydsl.kernel_module(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "kernels",
-                                                  "rocm", "rope_cache_flydsl.py"))
-
-
-_REPO_KERNEL = _repo_kernel()
+_REPO_KERNEL = flydsl_kernel_module()
 
 
 @needs_flydsl

@@ -18,18 +18,12 @@ import numpy as np
 import pytest
 
 import rocm_emulator
-from conftest import Case, assert_bits_equal, make_problem, reference_op, special_problem
+from conftest import Case, assert_bits_equal, make_problem, reference_op, special_problem, flydsl_kernel_module
 from jax_rope_cache import contract
 from jax_rope_cache.compilers import flydsl
 
-import os  # noqa: E402
 
-# The source under test: the installed copy, else the repository's (the emulator needs no build).
-try:
-    _SRC = flydsl.kernel_source_path()
-except FileNotFoundError:
-    _SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "kernels", "rocm", "rope_cache_flydsl.py")
-K = flydsl.kernel_module(_SRC)
+K = flydsl_kernel_module()  # the installed source, else the repository's (the emulator needs no build)
 
 CASES = [
     Case(),

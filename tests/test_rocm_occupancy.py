@@ -16,22 +16,17 @@ only, never in the arithmetic:
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import numpy as np
 import pytest
 
 import rocm_emulator
-from conftest import Case, assert_bits_equal, make_problem, reference_op
+from conftest import Case, assert_bits_equal, make_problem, reference_op, flydsl_kernel_module
 from jax_rope_cache import contract
 from jax_rope_cache.backends import rocm
 from jax_rope_cache.compilers import flydsl
 
-try:
-    _SRC = flydsl.kernel_source_path()
-except FileNotFoundError:
-    _SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "kernels", "rocm", "rope_cache_flydsl.py")
-K = flydsl.kernel_module(_SRC)
+K = flydsl_kernel_module()  # the installed source, else the repository's (the emulator needs no build)
 
 CASES = [
     Case(T=5, QH=4, KH=2, D=64, layout="flash", dtype="bfloat16", cache_dtype="float8_e4m3fnuz",

@@ -2,7 +2,7 @@
 the kernel's own device time (no launch or dispatch cost):
 
     ncu --clock-control none -k regex:rope_cache --metrics gpu__time_duration.sum \
-        python benchmarks/kernel_time_small.py
+        python benchmarks/diagnostics/kernel_time_small.py
 
 Llama-3.1-8B (32/8/128) and GPT-OSS-120B at TP8 (8/1/64), flash and x-packed, bf16, random unique
 slots in a 4096-block cache, random positions in a 131072-row table. Each configuration runs

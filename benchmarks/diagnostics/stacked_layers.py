@@ -1,6 +1,6 @@
 """Per-op time with one stacked [L, ...] cache written at a traced layer index does not grow with L.
 
-    python benchmarks/bench_stacked_layers.py [--layers 8 64] [--preset llama-3.1-8b --tp 8]
+    python benchmarks/diagnostics/stacked_layers.py [--layers 8 64] [--preset llama-3.1-8b --tp 8]
 
 A jitted `lax.scan` over L layers (one decode step, batch 64 tokens) writes layer i of the stacked
 caches (donated). If any layer's write copied or sliced the stack, the time per op would grow

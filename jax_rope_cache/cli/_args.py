@@ -13,26 +13,24 @@ import argparse
 from jax_rope_cache.models import presets
 
 
-def positive_int(text: str) -> int:
-    """An integer >= 1 (token counts, steps, layers, block sizes, repeats, TP degrees)."""
-    try:
-        value = int(text, 10)
-    except (TypeError, ValueError):
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
-    return value
+def _int_at_least(minimum: int, what: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text, 10)
+        except (TypeError, ValueError):
+            value = None
+        if value is None or value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}")
+        return value
+
+    parse.__name__ = parse.__qualname__ = what
+    parse.__doc__ = f"An integer >= {minimum}."
+    return parse
 
 
-def nonnegative_int(text: str) -> int:
-    """An integer >= 0 (e.g. prefill tokens: 0 means decode only)."""
-    try:
-        value = int(text, 10)
-    except (TypeError, ValueError):
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
-    return value
+# token counts, steps, layers, block sizes, repeats, TP degrees; prefill tokens (0: decode only)
+positive_int = _int_at_least(1, "positive_int")
+nonnegative_int = _int_at_least(0, "nonnegative_int")
 
 
 def output_prefix(text: str) -> str:

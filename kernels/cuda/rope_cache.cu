@@ -1,7 +1,7 @@
 // rope_and_cache as ONE CUDA kernel, compiled at lowering time by NVRTC (jax_rope_cache/_nvrtc.py).
 //
 // Static configuration (one compiled variant per call-site shape, all required, set with -D by
-// jax_rope_cache/cuda.py: kernel_config):
+// jax_rope_cache/backends/cuda.py: kernel_config):
 //   RC_QH, RC_KH, RC_D, RC_R     query heads, kv heads, head_dim, rotary_dim
 //   RC_BS                        cache block size
 //   RC_LAYOUT                    RcLayout (0 flash, 1 xpacked, 2 xpacked_shuffled)
