@@ -505,6 +505,14 @@ class _Emitter:
             words.append((4, w))
         return words
 
+    def bits_to_f32(self, bits, code: int):
+        """The f32 value of an element's bits (i32, low bits used) of dtype `code` (exact)."""
+        if code == F32:
+            return self.bitcast(self.f32, bits)
+        if code == BF16:
+            return self.bitcast(self.f32, self.shl(bits, self.i32c(16)))
+        return self.arith.extf(self.f32, self.bitcast(self.f16, self.arith.trunci(self.i16, bits)))
+
     def to_bits(self, f, code: int, inv_scale=None):
         if code == F32:
             return self.canonical_f32_bits(f)
@@ -739,10 +747,15 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
             return inv_k1
         return head_inv(rs_ks, qk_head(h)[2], None)
 
-    def ld_qk(tl, h, hk, is_q, hvalid, ch_bytes, nbytes):
-        """(pieces, q offset, k offset) of nbytes at channel byte offset ch_bytes of head h's row."""
-        oq = head_offset(tl, h, QH, ch_bytes)
-        ok = head_offset(tl, hk, KH, ch_bytes)
+    def ld_qk(tl, h, hk, is_q, hvalid, chunk, nbytes=None):
+        """(pieces, q offset, k offset) of chunk (first channel = base (i32) + extra (static), n
+        channels) of head h's row; the static part stays an immediate offset of the access."""
+        base, extra, n = chunk
+        oq = head_offset(tl, h, QH, E.mul(base, c32(s_in)))
+        ok = head_offset(tl, hk, KH, E.mul(base, c32(s_in)))
+        if extra:
+            oq, ok = E.add(oq, c32(extra * s_in)), E.add(ok, c32(extra * s_in))
+        nbytes = nbytes or n * s_in
         if hvalid is not None:
             big = c32(0x7FFFFFF0)  # past the descriptor: the hardware returns 0, drops stores
             oq = E.sel(hvalid, oq, big)
@@ -757,8 +770,9 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
         def load(rs, code, convert):
             sw = ITEMSIZE[code]
             out = []
-            for ch0, n in chunks:
-                pieces = E.buf_load_words(rs, E.mul(ch0, c32(sw)), n * sw)
+            for base, extra, n in chunks:
+                off = E.mul(base, c32(sw))
+                pieces = E.buf_load_words(rs, E.add(off, c32(extra * sw)) if extra else off, n * sw)
                 out.append(E.elems_from_pieces(pieces, code, n) if convert else pieces)
             return out
 
@@ -767,17 +781,17 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
             return load(rs, code, True)
         same = cfg.q_norm == cfg.k_norm  # same dtype: select raw words, convert once
         if same:
-            sizes = [[p for p in E._pieces(n * ITEMSIZE[cfg.q_norm])] for _, n in chunks]
+            sizes = [[p for p in E._pieces(n * ITEMSIZE[cfg.q_norm])] for _, _, n in chunks]
             types = [E._raw_type(p) for sz in sizes for p in sz]
         else:
-            types = [E.f32] * sum(n for _, n in chunks)
+            types = [E.f32] * sum(n for _, _, n in chunks)
         op = E.scf.IfOp(is_q, types, has_else=True)
         for block, rs, code in ((op.then_block, rs_wq, cfg.q_norm), (op.else_block, rs_wk, cfg.k_norm)):
             with ir.InsertionPoint(block):
                 got = load(rs, code, not same)
                 E.scf.YieldOp([v for g in got for v in ([x for _, x in g] if same else g)])
         res, out, i = list(op.results), [], 0
-        for (_, n), sz in zip(chunks, sizes if same else [None] * len(chunks)):
+        for (_, _, n), sz in zip(chunks, sizes if same else [None] * len(chunks)):
             if same:
                 pieces = list(zip(sz, res[i:i + len(sz)]))
                 i += len(sz)
@@ -789,7 +803,7 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
 
     def row_sum_sq(tl, h, hk, is_q, hvalid):
         """S of the whole row, loaded again by this lane (a layout the butterfly does not fit)."""
-        pieces, _, _ = ld_qk(tl, h, hk, is_q, hvalid, c32(0), D * s_in)
+        pieces, _, _ = ld_qk(tl, h, hk, is_q, hvalid, (c32(0), 0, D))
         xs = E.elems_from_pieces(pieces, cfg.dt, D)
         return tree_sum([E.arith.mulf(x, x) for x in xs], E.arith.addf)
 
@@ -824,24 +838,43 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
             return None
         return is_q if QN else E.arith.xori(is_q, E.c(1, E.i1))
 
-    def apply_norm(xs, ws, inv, is_q):
-        """n_i = r(r32(w_i * r(r32(x_i * inv)))) for normalised heads, x_i for the others."""
-        out = []
-        normed = head_normed(is_q)
-        for x, w in zip(xs, ws):
-            y = E.round_to(E.arith.mulf(x, inv), cfg.dt)
-            n = E.round_to(E.arith.mulf(w, y), cfg.dt)
-            out.append(n if normed is None else E.sel(normed, n, x))
-        return out
+    def normalized(raw, chunks, S, is_q, merge_from):
+        """(pieces, f32 values) per chunk of raw loaded pieces: n_i = r(r32(w_i * r(r32(x_i * inv))))
+        for a normalised head (its bits, canonical NaN), x_i (the input's bits) for the others. One
+        kind only: a branch on the kind yielding packed words (not selects, not f32 values: the
+        other kind's lanes skip the norm and the merge costs the packed registers only).
+        S: the row's sum, or None: from the chunks (the plan's families: chunks before merge_from,
+        then the rest as one)."""
+        ns = [ch[2] for ch in chunks]
 
-    def out_pieces(vals, raw, is_q):
-        """Pieces stored for channels copied through: the norm's values (canonical NaN) for normalised
-        heads, the input's bits for the others."""
-        new = E.store_elems_pieces(vals, cfg.dt)
+        def compute():
+            fam_x = [E.elems_from_pieces(p, cfg.dt, n) for p, n in zip(raw, ns)]
+            if S is None:
+                fam = fam_x if merge_from is None else (
+                    fam_x[:merge_from] + [[v for xs in fam_x[merge_from:] for v in xs]])
+                inv = norm_inv(plan_sum_sq(fam))
+            else:
+                inv = norm_inv(S)
+            ws = norm_weights(chunks, is_q)  # after the sum: the weights are not live across it
+            bits = [[E.to_bits(E.arith.mulf(w, E.round_to(E.arith.mulf(x, inv), cfg.dt)), cfg.dt)
+                     for x, w in zip(xs, wl)] for xs, wl in zip(fam_x, ws)]
+            return bits, [E.words_to_pieces(E.pack_bits(b, s_in)) for b in bits]
+
         normed = head_normed(is_q)
         if normed is None:
-            return new
-        return [(p, E.sel(normed, a, b)) for (p, a), (_, b) in zip(new, raw)]
+            bits, pieces = compute()
+            return pieces, [[E.bits_to_f32(v, cfg.dt) for v in b] for b in bits]
+        sizes = [[p for p, _ in pc] for pc in raw]
+        op = E.scf.IfOp(normed, [E._raw_type(p) for sz in sizes for p in sz], has_else=True)
+        with ir.InsertionPoint(op.then_block):
+            E.scf.YieldOp([v for pc in compute()[1] for _, v in pc])
+        with ir.InsertionPoint(op.else_block):
+            E.scf.YieldOp([v for pc in raw for _, v in pc])
+        res, pieces = list(op.results), []
+        for sz in sizes:
+            pieces.append(list(zip(sz, res[:len(sz)])))
+            res = res[len(sz):]
+        return pieces, [E.elems_from_pieces(p, cfg.dt, n) for p, n in zip(pieces, ns)]
 
     # ------------------------------ rotation phase ------------------------------
     W = cfg.w_rot
@@ -850,17 +883,20 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
     npairs = W if cfg.neox else W // 2
 
     def rot_chunks(c):
-        """[(first channel (i32), n)] of this lane's families: rotation chunks, then the merged
-        pass-through sub-chunks."""
+        """[(first channel: base (i32) + extra (static), n)] of this lane's families: rotation
+        chunks, then the merged pass-through sub-chunks."""
         cw = E.mul(c, c32(W))
-        out = [(cw, W)]
+        out = [(cw, 0, W)]
         if cfg.neox:
-            out.append((E.add(cw, c32(R // 2)), W))
+            out.append((cw, R // 2, W))
         if merged:
-            base = E.add(E.mul(c, c32(NL.w_pseg)), c32(R))
-            out += [(E.add(base, c32(i * NL.w_psub)) if i else base, NL.w_psub)
-                    for i in range(NL.w_pseg // NL.w_psub)]
+            base = E.mul(c, c32(NL.w_pseg))
+            out += [(base, R + i * NL.w_psub, NL.w_psub) for i in range(NL.w_pseg // NL.w_psub)]
         return out
+
+    def chunk_d0(chunk):
+        base, extra, _ = chunk
+        return E.add(E.ext64(base), c64(extra)) if extra else E.ext64(base)
 
     def rot_token(tl, tvalid, c, heads, chunks):
         n_rot = 2 if cfg.neox else 1
@@ -868,28 +904,34 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
         pos = E.arith.maxsi(E.arith.minsi(pos, E.sub(MAXPOS, c64(1))), c64(0))
         row = E.mul(E.trunc32(pos), c32(tw * s_tab))
 
-        def tab(rs, first_elem, n):
-            off = E.add(row, E.add(E.mul(c, c32(n * s_tab)), c32(first_elem * s_tab)))
-            return E.elems_from_pieces(E.buf_load_words(rs, off, n * s_tab), cfg.tab_dt, n)  # exact
+        def tables():
+            """(cos_a, sin_a, cos_b, sin_b) of this lane's pairs (f32, exact)."""
+            def tab(rs, first_elem, n):
+                off = E.add(row, E.add(E.mul(c, c32(n * s_tab)), c32(first_elem * s_tab)))
+                return E.elems_from_pieces(E.buf_load_words(rs, off, n * s_tab), cfg.tab_dt, n)  # exact
 
-        if cfg.neox:
-            ca = tab(rs_cos, 0, npairs)
-            sa = tab(rs_sin, 0, npairs)
-            if cfg.full_table:
-                cb = tab(rs_cos, R // 2, npairs)
-                sb = tab(rs_sin, R // 2, npairs)
-            else:
-                cb, sb = ca, sa
-        else:
-            if cfg.full_table:
-                cf = tab(rs_cos, 0, W)
-                sf = tab(rs_sin, 0, W)
-                ca, cb = cf[0::2], cf[1::2]
-                sa, sb = sf[0::2], sf[1::2]
-            else:
+            if cfg.neox:
                 ca = tab(rs_cos, 0, npairs)
                 sa = tab(rs_sin, 0, npairs)
-                cb, sb = ca, sa
+                if cfg.full_table:
+                    cb = tab(rs_cos, R // 2, npairs)
+                    sb = tab(rs_sin, R // 2, npairs)
+                else:
+                    cb, sb = ca, sa
+            else:
+                if cfg.full_table:
+                    cf = tab(rs_cos, 0, W)
+                    sf = tab(rs_sin, 0, W)
+                    ca, cb = cf[0::2], cf[1::2]
+                    sa, sb = sf[0::2], sf[1::2]
+                else:
+                    ca = tab(rs_cos, 0, npairs)
+                    sa = tab(rs_sin, 0, npairs)
+                    cb, sb = ca, sa
+            return ca, sa, cb, sb
+
+        # without a norm the tables load first; with one after it (not live across the reduction)
+        tabs = None if cfg.norm else tables()
 
         kslot = token_slot(tl, tvalid) if KH > 0 else None
 
@@ -897,17 +939,19 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
         loaded = []
         for h, hvalid, inv_k in heads:
             is_q, hk, _ = qk_head(h)
-            got = [ld_qk(tl, h, hk, is_q, hvalid, E.mul(ch0, c32(s_in)), n * s_in) for ch0, n in chunks]
+            got = [ld_qk(tl, h, hk, is_q, hvalid, ch) for ch in chunks]
             S = row_sum_sq(tl, h, hk, is_q, hvalid) if cfg.norm and NL.plan is None else None
-            ws = norm_weights(chunks, is_q) if cfg.norm else None
-            loaded.append((h, hvalid, inv_k, is_q, hk, got, S, ws))
+            loaded.append((h, hvalid, inv_k, is_q, hk, got, S))
 
-        for h, hvalid, inv_k, is_q, hk, got, S, ws in loaded:
-            fam_x = [E.elems_from_pieces(g[0], cfg.dt, n) for g, (_, n) in zip(got, chunks)]
+        normed = []
+        for h, hvalid, inv_k, is_q, hk, got, S in loaded:
             if cfg.norm:
-                fam = fam_x[:n_rot] + ([[v for fx in fam_x[n_rot:] for v in fx]] if merged else [])
-                inv = norm_inv(S if S is not None else plan_sum_sq(fam))
-                fam_x = [apply_norm(xs, w, inv, is_q) for xs, w in zip(fam_x, ws)]
+                normed.append(normalized([g[0] for g in got], chunks, S, is_q, n_rot if merged else None))
+            else:
+                normed.append((None, [E.elems_from_pieces(g[0], cfg.dt, ch[2]) for g, ch in zip(got, chunks)]))
+        ca, sa, cb, sb = tabs or tables()
+
+        for (h, hvalid, inv_k, is_q, hk, got, S), (new_pieces, fam_x) in zip(loaded, normed):
             if cfg.neox:
                 xa, xb = fam_x[0], fam_x[1]
             else:
@@ -939,30 +983,26 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
                 wr = E.and1(s_ok, E.arith.xori(is_q, E.c(1, E.i1)))
                 if hvalid is not None:
                     wr = E.and1(wr, hvalid)
-            for j, (vals, src, (ch0, _)) in enumerate(zip(outs, got, chunks)):
-                pieces = E.store_elems_pieces(vals, cfg.dt)
-                # q_out / k_out: the same offsets as the loads (out-of-range ones are dropped)
-                store_qk(is_q, pieces, src[1], src[2])
-                if KH == 0:
-                    continue
-                # the cache stores k_out (rounded to the input dtype), converted to the cache dtype;
-                # an fp8 cache in "fused" arithmetic quantizes the f32 values before that rounding
-                d0 = E.ext64(ch0)
-                if cfg.cache_dt == cfg.dt:
-                    guarded(wr, lambda pieces=pieces, d0=d0: E.global_store_pieces(
-                        pieces, k_cache_addr(s, hk, None, dvar=d0)))
+            # q_out / k_out first (the same offsets as the loads; out-of-range ones are dropped),
+            # then the key cache. Channels >= R held by this lane (norm on) are copied, normalised
+            # where the head is.
+            stores = []  # (pieces, values for another cache dtype, chunk)
+            for j, (src, ch) in enumerate(zip(got, chunks)):
+                if j < n_rot:
+                    vals = outs[j]
+                    pieces = E.store_elems_pieces(vals, cfg.dt)
+                    # the cache stores k_out (rounded to the input dtype), converted to the cache dtype;
+                    # an fp8 cache in "fused" arithmetic quantizes the f32 values before that rounding
+                    if cfg.cache_dt != cfg.dt and not (cfg.dt == F32 or mode == "fused"):
+                        vals = [E.round_to(v, cfg.dt) for v in vals]
                 else:
-                    keep_f32 = cfg.dt == F32 or mode == "fused"
-                    kvals = vals if keep_f32 else [E.round_to(v, cfg.dt) for v in vals]
-                    store_k_cache(wr, s, hk, d0, kvals, inv_k)
-            # channels >= R held by this lane (norm on): copied, normalised where the head is
-            for j in range(n_rot, len(chunks)):
-                vals, src, (ch0, _) = fam_x[j], got[j], chunks[j]
-                pieces = out_pieces(vals, src[0], is_q)
+                    vals, pieces = fam_x[j], new_pieces[j]
                 store_qk(is_q, pieces, src[1], src[2])
-                if KH == 0:
-                    continue
-                d0 = E.ext64(ch0)
+                stores.append((pieces, vals, ch))
+            if KH == 0:
+                continue
+            for pieces, vals, ch in stores:
+                d0 = chunk_d0(ch)
                 if cfg.cache_dt == cfg.dt:
                     guarded(wr, lambda pieces=pieces, d0=d0: E.global_store_pieces(
                         pieces, k_cache_addr(s, hk, None, dvar=d0)))
@@ -977,29 +1017,26 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
         cpx_p = (D - R) // WP
 
         def pass_setup(c):
-            return E.add(E.mul(c, c32(WP)), c32(R))
+            return (E.mul(c, c32(WP)), R, WP)
 
-        def pass_token(tl, tvalid, c, heads, ch0):
+        def pass_token(tl, tvalid, c, heads, ch):
             kslot = token_slot(tl, tvalid)
             loaded = []
             for h, hvalid, inv_k in heads:
                 is_q, hk, _ = qk_head(h)
-                got = ld_qk(tl, h, hk, is_q, hvalid, E.mul(ch0, c32(s_in)), WP * s_in)
+                got = ld_qk(tl, h, hk, is_q, hvalid, ch)
                 S = row_sum_sq(tl, h, hk, is_q, hvalid) if cfg.norm else None
-                ws = norm_weights([(ch0, WP)], is_q) if cfg.norm else None
-                loaded.append((h, hvalid, inv_k, is_q, hk, got, S, ws))
-            for h, hvalid, inv_k, is_q, hk, (pieces, oq, ok), S, ws in loaded:
+                loaded.append((h, hvalid, inv_k, is_q, hk, got, S))
+            for h, hvalid, inv_k, is_q, hk, (pieces, oq, ok), S in loaded:
                 vals = None
                 if cfg.norm:
-                    xs = E.elems_from_pieces(pieces, cfg.dt, WP)
-                    vals = apply_norm(xs, ws[0], norm_inv(S), is_q)
-                    pieces = out_pieces(vals, pieces, is_q)
+                    (pieces,), (vals,) = normalized([pieces], [ch], S, is_q, None)
                 store_qk(is_q, pieces, oq, ok)
                 s_ok, s = kslot
                 wr = E.and1(s_ok, E.arith.xori(is_q, E.c(1, E.i1)))
                 if hvalid is not None:
                     wr = E.and1(wr, hvalid)
-                d0 = E.ext64(ch0)
+                d0 = chunk_d0(ch)
                 if cfg.cache_dt == cfg.dt:
                     guarded(wr, lambda pieces=pieces, d0=d0: E.global_store_pieces(
                         pieces, k_cache_addr(s, hk, None, dvar=d0)))
