@@ -8,12 +8,13 @@ archs: the conversion is integer arithmetic, not the hardware's fp8 instructions
 k/v scales, "fp32" and "native" precision, int32/int64 slot_mapping and positions, one cache or
 stacked per-layer caches [L, NB, ...] (`layer_blocks` = NB) with the layer read on the device.
 
-Kernel ABI (what kernels/ffi/gpu_launcher.cc packs): 28 kernel arguments of 8 bytes each, at
-byte offsets 0, 8, ..., 216 (kernarg segment 224 bytes, no hidden arguments):
-  0..11   device addresses of the operands  q, k, v, key_cache, value_cache, slot_mapping,
-          positions, cos, sin, k_scale, v_scale, layer (int32 scalar)
-  12..15  device addresses of the results   q_out, k_out, key_cache_out, value_cache_out
-  16..27  int64 dim0 of each operand (T = dim0[0], NB = dim0[3] (stacked: L), max_pos = dim0[7])
+Kernel ABI (what kernels/ffi/gpu_launcher.cc packs): 32 kernel arguments of 8 bytes each, at
+byte offsets 0, 8, ..., 248 (kernarg segment 256 bytes, no hidden arguments):
+  0..13   device addresses of the operands  q, k, v, key_cache, value_cache, slot_mapping,
+          positions, cos, sin, k_scale, v_scale (f32 [] or [KH]), layer (int32 scalar),
+          q_norm_weight, k_norm_weight ([D], or an f32[1] placeholder when absent)
+  14..17  device addresses of the results   q_out, k_out, key_cache_out, value_cache_out
+  18..31  int64 dim0 of each operand (T = dim0[0], NB = dim0[3] (stacked: L), max_pos = dim0[7])
 Grid: (ceil(T / TPB), 1, 1) workgroups of NT threads (NT is the required workgroup size).
 
 Work decomposition. A workgroup owns TPB consecutive tokens. Three phases run one after the other
@@ -50,8 +51,9 @@ import dataclasses
 import struct
 
 KERNEL_BASENAME = "jrc_rope_cache"
-NUM_ADDRS = 18  # 14 operands then 4 results
-NUM_ARGS = 32   # NUM_ADDRS addresses then the 14 operands' dim0
+NUM_OPERANDS = 14  # the custom call's operands
+NUM_ADDRS = NUM_OPERANDS + 4  # then its 4 results
+NUM_ARGS = NUM_ADDRS + NUM_OPERANDS  # then each operand's dim0
 ARG_BYTES = 8
 
 # dtype codes: jax_rope_cache/_spec.py DTYPE_CODES
