@@ -472,6 +472,19 @@ class vector:  # noqa: N801
 DIALECTS = (ir, arith, gpu, llvm, rocdl, scf, vector)
 
 
+def custom_call_operands(args, opts, layer=0) -> list[np.ndarray]:
+    """The custom call's 14 operands of a call (args, opts as for the reference): scales as f32 []
+    or [KH] (1 without an fp8 cache), layer, absent norm weights as an f32[1] placeholder."""
+    fp8 = np.dtype(args[3].dtype).itemsize == 1
+    scales = []
+    for name in ("k_scale", "v_scale"):
+        s = np.asarray(opts.get(name, 1.0) if fp8 else 1.0, np.float32)
+        scales.append(s.reshape(()) if s.size == 1 else s.reshape(-1))
+    none = np.zeros(1, np.float32)
+    weights = [none if opts.get(n) is None else np.asarray(opts[n]) for n in ("q_norm_weight", "k_norm_weight")]
+    return [np.asarray(a) for a in args] + scales + [np.asarray(layer, np.int32).reshape(())] + weights
+
+
 def run(kernel_module, cfg, operands: list[np.ndarray]) -> list[np.ndarray]:
     """Launches the kernel on numpy operands (the custom call's 14, in order); returns the 4
     results (q_out, k_out, key_cache, value_cache), caches updated in place semantics."""

@@ -57,12 +57,7 @@ for _layout in contract.LAYOUTS:
                               precision=_prec, index_dtype="int64" if _i % 3 == 1 else "int32"))
 
 
-def custom_call_operands(args, opts, layer=0):
-    fp8 = np.dtype(args[3].dtype) in contract.FP8_DTYPES
-    ks = np.asarray(opts.get("k_scale", 1.0) if fp8 else 1.0, np.float32).reshape(())
-    vs = np.asarray(opts.get("v_scale", 1.0) if fp8 else 1.0, np.float32).reshape(())
-    no_norm = np.zeros(1, np.float32)  # q_norm_weight / k_norm_weight placeholders
-    return [np.asarray(a) for a in args] + [ks, vs, np.asarray(layer, np.int32).reshape(()), no_norm, no_norm]
+custom_call_operands = rocm_emulator.custom_call_operands
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
@@ -232,18 +227,6 @@ def norm_problem(case, seed, q_norm, k_norm, wdtype="same", heads=None, eps=1e-6
     return args, opts
 
 
-def norm_operands(args, opts, layer=0):
-    """The custom call's 14 operands: scales as f32 [] or [KH], absent weights as an f32[1] placeholder."""
-    fp8 = np.dtype(args[3].dtype) in contract.FP8_DTYPES
-    scales = []
-    for name in ("k_scale", "v_scale"):
-        s = np.asarray(opts.get(name, 1.0) if fp8 else 1.0, np.float32)
-        scales.append(s.reshape(()) if s.size == 1 else s.reshape(-1))
-    ph = np.zeros(1, np.float32)
-    weights = [np.asarray(opts[n]) if opts.get(n) is not None else ph for n in ("q_norm_weight", "k_norm_weight")]
-    return [np.asarray(a) for a in args] + scales + [np.asarray(layer, np.int32).reshape(())] + weights
-
-
 def norm_config(args, opts, cap=None):
     from jax_rope_cache.backends import rocm
 
@@ -255,7 +238,7 @@ def norm_config(args, opts, cap=None):
 
 def run_and_compare(cfg, args, opts, what=""):
     with np.errstate(all="ignore"):
-        got = rocm_emulator.run(K, cfg, norm_operands(args, opts))
+        got = rocm_emulator.run(K, cfg, custom_call_operands(args, opts))
         want = reference_op(*args, **opts)
     for name, g, w in zip(("q_out", "k_out", "key_cache", "value_cache"), got, want):
         assert np.array_equal(g.view(np.uint8), w.view(np.uint8)), (

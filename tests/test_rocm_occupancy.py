@@ -44,11 +44,7 @@ CASES = [
 ]
 
 
-def _operands(args, opts):
-    fp8 = np.dtype(args[3].dtype) in contract.FP8_DTYPES
-    ks = np.asarray(opts.get("k_scale", 1.0) if fp8 else 1.0, np.float32).reshape(())
-    vs = np.asarray(opts.get("v_scale", 1.0) if fp8 else 1.0, np.float32).reshape(())
-    return [np.asarray(a) for a in args] + [ks, vs, np.zeros((), np.int32)]
+_operands = rocm_emulator.custom_call_operands
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])

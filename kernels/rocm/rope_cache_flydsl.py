@@ -136,7 +136,13 @@ def make_config(*, qh, kh, d, r, bs, layout, neox, full_table, native, dt, tab_d
     jax_rope_cache/backends/rocm.py; None = as wide as 16 bytes and the shape allow)."""
     s = ITEMSIZE[dt]
     vmax = 16 // s
-    w_rot = _pow2_width(min(vmax, rot_cap or vmax), r // 2) if neox else _pow2_width(min(vmax, rot_cap or vmax), r)
+    cap = min(vmax, rot_cap or vmax)
+    if (q_norm >= 0 or k_norm >= 0) and r < d:
+        # the norm's lanes also hold the channels >= R: narrower rotation chunks keep a lane's
+        # share of the row at 2 x 16 bytes (more lanes per head, one butterfly step more)
+        share = max(1, (vmax * r // d) * (1 if neox else 2))
+        cap = min(cap, max(1 if neox else 2, 1 << (share.bit_length() - 1)))  # a power of two
+    w_rot = _pow2_width(cap, r // 2) if neox else _pow2_width(cap, r)
     if not neox and w_rot < 2:
         w_rot = 2
     wmax = min(vmax, width_cap or vmax)
@@ -175,18 +181,24 @@ class NormLayout:
     """How the rotation phase's lanes hold a head row when a norm is on.
 
     lanes: lanes per (token, head) (the rotation phase's chunks per head). Lane c holds, for each
-    family (first channel, width), channels [first + c*width, first + (c+1)*width). merged: the
-    channels >= R are a family of the rotation phase (else a separate pass-through phase copies
-    them). plan: how S is formed from the families: ("local",) one lane holds the row; ("fam", j)
-    family j reduced by the tree in each lane, then an xor butterfly over the lanes (the lanes'
-    chunks are that node's descendants, so this IS the tree); ("add", a, b) the node's two halves.
-    None: the families do not line up with the tree; every lane then reloads its whole row."""
+    family (first channel, width), channels [first + c*width, first + (c+1)*width): the rotation
+    chunks (n_rot families), then, when `merged`, the channels >= R (else a separate pass-through
+    phase copies them), in sub-chunks of w_psub channels. plan: how S is formed from the families:
+    ("local",) one lane holds the row; ("fam", j) family j reduced by the tree in each lane, then an
+    xor butterfly over the lanes (their chunks are that node's descendants, so this IS the tree);
+    ("add", a, b) the node's two halves. None: the families do not line up with the tree; every
+    lane then reloads its whole row."""
     lanes: int
     families: tuple
+    n_rot: int
     merged: bool
-    w_pseg: int        # channels >= R per lane when merged
-    w_psub: int        # ... handled in sub-chunks of this width (loads, stores, cache rows)
+    w_psub: int
     plan: tuple | None
+
+    @property
+    def groups(self) -> list:
+        """Chunks per family, in chunk order."""
+        return [1] * self.n_rot + [w // self.w_psub for _, w in self.families[self.n_rot:]]
 
 
 def _butterfly_plan(d: int, families, lanes: int):
@@ -206,17 +218,37 @@ def _butterfly_plan(d: int, families, lanes: int):
     return node(0, d)
 
 
+def _pass_families(d: int, r: int, lanes: int):
+    """Channels [r, d) as the tree's nodes, each spread evenly over the lanes (so the butterfly
+    reduces it), or None."""
+    out = []
+
+    def node(lo, n):
+        if lo + n <= r:
+            return True
+        if lo >= r and n % lanes == 0:
+            out.append((lo, n // lanes))
+            return True
+        if n % 2 or lo >= r:
+            return False
+        return node(lo, n // 2) and node(lo + n // 2, n // 2)
+
+    return out if node(0, d) else None
+
+
 def norm_layout(cfg: RocmKernelConfig) -> NormLayout:
     D, R, W = cfg.d, cfg.r, cfg.w_rot
     lanes = (R // 2) // W if cfg.neox else R // W
     fams = [(0, W), (R // 2, W)] if cfg.neox else [(0, W)]
-    merged, w_pseg, w_psub = False, 0, 0
-    if cfg.norm and R < D and (D - R) % lanes == 0:
-        merged = True
-        w_pseg = (D - R) // lanes
-        w_psub = _pow2_width(cfg.w_pass, w_pseg)  # w_pass divides R and D: aligned accesses, one X-group
-    if merged:
-        fams.append((R, w_pseg))
+    n_rot = len(fams)
+    pfams = []
+    if cfg.norm and R < D:
+        if lanes == 1:  # the lane holds the row: one segment
+            pfams = [(R, D - R)]
+        else:
+            pfams = _pass_families(D, R, lanes) or ([(R, (D - R) // lanes)] if (D - R) % lanes == 0 else [])
+    w_psub = _pow2_width(cfg.w_pass, *[v for f in pfams for v in f]) if pfams else 0  # aligned, one X-group
+    fams += pfams
     covered = sorted(ch for off, w in fams for ch in range(off, off + w * lanes))
     if covered != list(range(D)):
         plan = None
@@ -224,7 +256,7 @@ def norm_layout(cfg: RocmKernelConfig) -> NormLayout:
         plan = ("local",)
     else:
         plan = _butterfly_plan(D, fams, lanes)
-    return NormLayout(lanes=lanes, families=tuple(fams), merged=merged, w_pseg=w_pseg, w_psub=w_psub, plan=plan)
+    return NormLayout(lanes=lanes, families=tuple(fams), n_rot=n_rot, merged=bool(pfams), w_psub=w_psub, plan=plan)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -528,6 +560,12 @@ class _Emitter:
         bits = [self.to_bits(v, code, inv_scale) for v in vals]
         return self.words_to_pieces(self.pack_bits(bits, ITEMSIZE[code]))
 
+    def zero_raw(self, nbytes: int):
+        """A zero piece of the type buf_load_words gives nbytes."""
+        if nbytes <= 4:
+            return self.c(0, self._raw_type(nbytes))
+        return self.vector.from_elements(self._raw_type(nbytes), [self.i32c(0)] * (nbytes // 4))
+
     # ---- cross-lane (wave64) ----
     def lane_xor(self, v, mask: int, tid):
         """f32 v of lane (lane ^ mask), as the xor butterfly of tree_sum uses it: masks 1, 2, 4, ...
@@ -803,11 +841,40 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
                 i += n
         return out
 
+    always = E.cmp("sgt", T, c64(0))  # true whenever the kernel runs; the compiler cannot know
+
     def row_sum_sq(tl, h, hk, is_q, hvalid):
-        """S of the whole row, loaded again by this lane (a layout the butterfly does not fit)."""
-        pieces, _, _ = ld_qk(tl, h, hk, is_q, hvalid, (c32(0), 0, D))
-        xs = E.elems_from_pieces(pieces, cfg.dt, D)
-        return tree_sum([E.arith.mulf(x, x) for x in xs], E.arith.addf)
+        """S of the whole row, loaded again by this lane (a layout the butterfly does not fit). The
+        row's 16-byte pieces load one by one as the tree reaches them, each in its own (uniform)
+        branch: only one piece is live next to the partial sums, not the whole row."""
+        starts, e = [], 0
+        for p in E._pieces(D * s_in):
+            starts.append((e, p))
+            e += p // s_in
+        got = {}
+
+        def elem_sq(i):
+            k = max(j for j, (e0, _) in enumerate(starts) if e0 <= i)
+            if k not in got:
+                e0, p = starts[k]
+                op = E.scf.IfOp(always, [E._raw_type(p)], has_else=True)
+                with ir.InsertionPoint(op.then_block):
+                    (_, v), = ld_qk(tl, h, hk, is_q, hvalid, (c32(0), e0, p // s_in))[0]
+                    E.scf.YieldOp([v])
+                with ir.InsertionPoint(op.else_block):
+                    E.scf.YieldOp([E.zero_raw(p)])
+                xs = E.elems_from_pieces([(p, op.results[0])], cfg.dt, p // s_in)
+                got[k] = [E.arith.mulf(x, x) for x in xs]
+            return got[k][i - starts[k][0]]
+
+        def node(lo, n):
+            if n == 1:
+                return elem_sq(lo)
+            if n % 2 == 0:
+                return E.arith.addf(node(lo, n // 2), node(lo + n // 2, n // 2))
+            return E.arith.addf(node(lo, n - 1), elem_sq(lo + n - 1))
+
+        return node(0, D)
 
     def plan_sum_sq(fam_vals):
         sq = [[E.arith.mulf(x, x) for x in fv] for fv in fam_vals]
@@ -840,20 +907,21 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
             return None
         return is_q if QN else E.arith.xori(is_q, E.c(1, E.i1))
 
-    def normalized(raw, chunks, S, is_q, merge_from):
+    def normalized(raw, chunks, S, is_q, groups):
         """(pieces, f32 values) per chunk of raw loaded pieces: n_i = r(r32(w_i * r(r32(x_i * inv))))
         for a normalised head (its bits, canonical NaN), x_i (the input's bits) for the others. One
         kind only: a branch on the kind yielding packed words (not selects, not f32 values: the
         other kind's lanes skip the norm and the merge costs the packed registers only).
-        S: the row's sum, or None: from the chunks (the plan's families: chunks before merge_from,
-        then the rest as one)."""
+        S: the row's sum, or None: from the chunks (groups: chunks per family of the plan)."""
         ns = [ch[2] for ch in chunks]
 
         def compute():
             fam_x = [E.elems_from_pieces(p, cfg.dt, n) for p, n in zip(raw, ns)]
             if S is None:
-                fam = fam_x if merge_from is None else (
-                    fam_x[:merge_from] + [[v for xs in fam_x[merge_from:] for v in xs]])
+                fam, i = [], 0
+                for g in groups:
+                    fam.append([v for xs in fam_x[i:i + g] for v in xs])
+                    i += g
                 inv = norm_inv(plan_sum_sq(fam))
             else:
                 inv = norm_inv(S)
@@ -891,9 +959,9 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
         out = [(cw, 0, W)]
         if cfg.neox:
             out.append((cw, R // 2, W))
-        if merged:
-            base = E.mul(c, c32(NL.w_pseg))
-            out += [(base, R + i * NL.w_psub, NL.w_psub) for i in range(NL.w_pseg // NL.w_psub)]
+        for off, w in (NL.families[NL.n_rot:] if merged else ()):
+            base = E.mul(c, c32(w))
+            out += [(base, off + i * NL.w_psub, NL.w_psub) for i in range(w // NL.w_psub)]
         return out
 
     def chunk_d0(chunk):
@@ -948,7 +1016,7 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
         normed = []
         for h, hvalid, inv_k, is_q, hk, got, S in loaded:
             if cfg.norm:
-                normed.append(normalized([g[0] for g in got], chunks, S, is_q, n_rot if merged else None))
+                normed.append(normalized([g[0] for g in got], chunks, S, is_q, NL.groups))
             else:
                 normed.append((None, [E.elems_from_pieces(g[0], cfg.dt, ch[2]) for g, ch in zip(got, chunks)]))
         ca, sa, cb, sb = tabs or tables()
@@ -1032,7 +1100,7 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
             for h, hvalid, inv_k, is_q, hk, (pieces, oq, ok), S in loaded:
                 vals = None
                 if cfg.norm:
-                    (pieces,), (vals,) = normalized([pieces], [ch], S, is_q, None)
+                    (pieces,), (vals,) = normalized([pieces], [ch], S, is_q, [1])
                 store_qk(is_q, pieces, oq, ok)
                 s_ok, s = kslot
                 wr = E.and1(s_ok, E.arith.xori(is_q, E.c(1, E.i1)))
