@@ -443,3 +443,17 @@ def test_gpu_backends_refuse_what_their_kernel_lacks(platform):
         warnings.simplefilter("ignore")
         text = export(None).mlir_module()
     assert "jax_rope_cache_gpu" not in text and "sqrt" in text
+
+
+# ---- presets and the demo ------------------------------------------------------------------------
+def test_qwen3_presets_carry_the_norm_and_the_demo_runs_it(capsys):
+    from jax_rope_cache.cli import demo
+    from jax_rope_cache.models import presets
+
+    assert presets.preset_qk_norm_eps("qwen3-32b") == presets.preset_qk_norm_eps("qwen3-235b-a22b") == 1e-6
+    assert presets.preset_qk_norm_eps("llama-3.1-8b") is None and presets.preset_qk_norm_eps("tiny") is None
+    data, _ = demo.build(presets.model_shape("qwen3-32b", 8), 2, 4, 2, 2, 16, 0, "qwen3-32b")
+    assert data["q_norm_w"].shape == data["k_norm_w"].shape == (2, 128)
+    assert demo.run("qwen3-32b", tp=8, batch=2, prefill=4, steps=2, layers=2, repeats=1)
+    out = capsys.readouterr().out
+    assert "QK-RMSNorm fused (eps 1e-06" in out and "kernel bit-exact" in out
