@@ -44,7 +44,23 @@ key cache then quantizes the f32 values before the final rounding. bf16 and fp8 
 integer arithmetic (round to nearest even, fp8 saturates), f16 by the hardware conversion (RNE);
 every NaN written is the canonical one of rope_cache_math.h (bf16/f16 0x7FFF, f32 0x7FFFFFFF,
 e4m3fn 0x7F, e4m3fnuz 0x80). 1/scale by a correctly rounded f32 division, an overflow to +-inf
-replaced by +-FLT_MAX (rc_inv_scale). Tables are never rounded.
+replaced by +-FLT_MAX (rc_inv_scale). Tables are never rounded. Per-head scales ([KH]): each
+lane computes 1/scale[h] once per head it visits (before the token loop).
+
+QK-RMSNorm (q_norm / k_norm: weight dtype codes; issue 18, reference.rms_norm). The rotation
+phase's lanes of a (token, head) hold its whole row (`norm_layout`): the rotation chunks and, when
+R < D, the channels >= R as the tree's nodes spread evenly over the same lanes (the pass-through
+phase then has nothing left to do). S follows the reference's halving tree exactly: each lane
+reduces each of its chunks by the tree (a chunk is a node), then an xor butterfly over the head's
+lanes (a power of two, one wave, aligned) adds sibling nodes: lane_xor 1/2 DPP quad_perm, 4/8 DPP
+row_half_mirror/row_mirror (equal to xor 4/8 on values already equal per 4/8 lanes), 16
+ds_swizzle, 32 ds_bpermute; families are combined by the tree above them (NeoX R = D: the two
+halves, added last). inv = 1/sqrt(ms + eps) as llvm.sqrt (the backend's correctly rounded
+expansion) and an IEEE division; S/D as a multiplication by 2^-k for D a power of two (the same
+rounding). y and n rounded as the reference; the other kind's heads (one norm only) skip it in a
+branch yielding the packed words, so their channels keep their bits. Where the chunks do not line up
+with the tree (D = 80, R = 3D/4, ...) every lane reloads its row piece by piece (correct; more
+registers). The weights load after the sum and the tables after the norm (not live across it).
 """
 
 import dataclasses
