@@ -286,6 +286,24 @@ def test_xla_tree_sum_is_the_reference_tree(n):
     assert_bits_equal(got, reference.tree_sum(a), f"n={n}")
 
 
+@pytest.mark.parametrize("platform", sorted({p.values[0] for p in impl_params()}))
+@pytest.mark.parametrize("d", [2, 6, 40, 64, 80, 96, 128, 192, 256])
+@pytest.mark.parametrize("dt", [BF16, F16, F32], ids=lambda d: d.name)
+def test_xla_norm_is_the_reference_norm(platform, d, dt):
+    """backends/xla.rms_norm bit for bit (random normal rows: no subnormals for XLA's CPU FTZ), for
+    head dims that are powers of two and not: XLA must not replace / D by * (1/D), 1/sqrt by its
+    rsqrt, or contract the squares into the sum (each was measured to move bits)."""
+    rng = np.random.default_rng(d)
+    x = (rng.standard_normal((64, 4, d)) * np.exp2(rng.integers(-6, 6, (64, 4, 1)))).astype(dt)
+    for wdt in {dt, F32}:
+        w = (rng.standard_normal(d) * 1.5).astype(wdt)
+        spec = contract.check_op(*make_problem(Case(T=1, QH=4, KH=2, D=d, dtype=dt.name), 0)[0],
+                                 q_norm_weight=w, norm_eps=1e-5)
+        dev = jax.devices(platform)[0]
+        got = jax.jit(lambda a, b: xla.rms_norm(a, b, spec))(jax.device_put(x, dev), jax.device_put(w, dev))
+        assert_bits_equal(np.asarray(got), reference.rms_norm(x, w, np.float32(1e-5)), f"D={d} w={wdt.name}")
+
+
 # ---- special values -----------------------------------------------------------------------------
 @pytest.mark.parametrize("platform,impl", [p for p in impl_params() if p.values[1] == "kernel"])
 @pytest.mark.parametrize("dt", [BF16, F16, F32], ids=lambda d: d.name)
