@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Memory-safety check of the CPU handler: builds the extension with AddressSanitizer + UBSan
-# (CMake option JRC_SANITIZE=ON) into a separate folder, then runs the fuzz set, test_op's
-# native-kernel cases, tests/test_concurrency.py and tests/test_hardening.py's direct ffi_call cases
+# (CMake option JRC_SANITIZE=ON) into a separate folder, then runs the fuzz set, test_op's and
+# test_qk_norm's native-kernel cases, tests/test_concurrency.py and tests/test_hardening.py's direct ffi_call cases
 # (raw_ffi: every operand, result and attribute of the CPU handler and the GPU launcher's buffer
 # check broken in turn) and its hostile-index kernel cases against that build with libasan
 # preloaded. Fails on any sanitizer report.
@@ -70,7 +70,7 @@ echo "# asan_check: fuzz set ($JRC_FUZZ_CASES cases per impl), test_op kernel ca
 t0=$(date +%s)
 set +e
 LD_PRELOAD="$PRELOAD" "$PY" -P -m pytest -q -p no:cacheprovider \
-  "$ROOT/tests/test_fuzz.py" "$ROOT/tests/test_op.py" "$ROOT/tests/test_concurrency.py" \
+  "$ROOT/tests/test_fuzz.py" "$ROOT/tests/test_op.py" "$ROOT/tests/test_concurrency.py" "$ROOT/tests/test_qk_norm.py" \
   -k "kernel or case_mix or test_concurrency" "$@" 2>&1 | tee "$LOG"
 rc=${PIPESTATUS[0]}
 echo "# asan_check: direct ffi_call cases and hostile indices (tests/test_hardening.py)"

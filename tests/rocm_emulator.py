@@ -231,7 +231,8 @@ class arith:  # noqa: N801
 
     @staticmethod
     def select(c, a, b):
-        return Val(a.ty, np.where(c.a, a.a, b.a))
+        cond = c.a.reshape(c.a.shape + (1,) * (a.a.ndim - c.a.ndim))  # an i1 picking whole vectors
+        return Val(a.ty, np.where(cond, a.a, b.a))
 
     @staticmethod
     def extui(ty, v):
@@ -304,6 +305,11 @@ class llvm:  # noqa: N801
         return Val(F32, fma32(a.a, b.a, c.a))
 
     @staticmethod
+    def intr_sqrt(a):  # IEEE: correctly rounded (what the backend's expansion of llvm.sqrt.f32 computes)
+        with np.errstate(invalid="ignore"):
+            return Val(F32, np.sqrt(a.a).astype(np.float32))
+
+    @staticmethod
     def inttoptr(ty, v):
         return Val(PTR, v.a.astype(np.uint64))
 
@@ -342,7 +348,52 @@ def _from_bytes(ty, raw: list[bytes]):
     return Val(ty, arr.copy())
 
 
+def _cross_lane(src, from_lane, what):
+    """src's value of lane from_lane[i] for each lane i (within its wave of 64). A lane that is on
+    may only read a lane that is on: what an off lane holds is not the program's value."""
+    from_lane = np.asarray(from_lane, np.int64)
+    on = M.mask[-1]
+    assert (from_lane // 64 == np.arange(M.nt) // 64).all(), f"{what}: a lane read across waves"
+    bad = on & ~on[from_lane]
+    assert not bad.any(), f"{what}: lanes {np.nonzero(bad)[0][:8]} read lanes that are off"
+    return Val(src.ty, src.a[from_lane].copy())
+
+
+def _dpp_source(ctrl: int, lane: np.ndarray) -> np.ndarray:
+    """Source lane of each lane for a GFX9 DPP control (quad_perm, row_mirror, row_half_mirror)."""
+    if ctrl <= 0xFF:  # quad_perm: lane 4q + i reads 4q + sel[i]
+        sel = (ctrl >> (2 * (lane & 3))) & 3
+        return (lane & ~3) | sel
+    if ctrl == 0x140:  # row_mirror: reversed within each row of 16
+        return (lane & ~15) | (15 - (lane & 15))
+    if ctrl == 0x141:  # row_half_mirror: reversed within each half row of 8
+        return (lane & ~7) | (7 - (lane & 7))
+    raise NotImplementedError(f"DPP control 0x{ctrl:x}")
+
+
 class rocdl:  # noqa: N801
+    @staticmethod
+    def update_dpp(ty, old, src, dpp_ctrl, row_mask, bank_mask, bound_ctrl):
+        assert (row_mask, bank_mask) == (0xF, 0xF), "partial DPP masks are not modelled"
+        lane = np.arange(M.nt, dtype=np.int64)
+        return _cross_lane(src, _dpp_source(int(dpp_ctrl), lane), f"DPP 0x{int(dpp_ctrl):x}")
+
+    @staticmethod
+    def ds_swizzle(ty, src, offset):
+        off = np.unique(offset.a)
+        assert len(off) == 1, "ds_swizzle offset is an immediate"
+        off = int(off[0])
+        assert off < 0x8000, "only the bitmask mode is modelled"
+        and_m, or_m, xor_m = off & 0x1F, (off >> 5) & 0x1F, (off >> 10) & 0x1F
+        lane = np.arange(M.nt, dtype=np.int64)
+        j = lane & 31  # within each group of 32 lanes
+        return _cross_lane(src, (lane & ~31) | (((j & and_m) | or_m) ^ xor_m), f"ds_swizzle 0x{off:x}")
+
+    @staticmethod
+    def ds_bpermute(ty, index, src):
+        lane = np.arange(M.nt, dtype=np.int64)
+        return _cross_lane(src, (lane & ~63) | ((index.a.astype(np.int64) >> 2) & 63), "ds_bpermute")
+
     @staticmethod
     def make_buffer_rsrc(ty, base, stride, nrec, flags):
         b, n = np.unique(base.a), np.unique(nrec.a)
@@ -421,8 +472,21 @@ class vector:  # noqa: N801
 DIALECTS = (ir, arith, gpu, llvm, rocdl, scf, vector)
 
 
+def custom_call_operands(args, opts, layer=0) -> list[np.ndarray]:
+    """The custom call's 14 operands of a call (args, opts as for the reference): scales as f32 []
+    or [KH] (1 without an fp8 cache), layer, absent norm weights as an f32[1] placeholder."""
+    fp8 = np.dtype(args[3].dtype).itemsize == 1
+    scales = []
+    for name in ("k_scale", "v_scale"):
+        s = np.asarray(opts.get(name, 1.0) if fp8 else 1.0, np.float32)
+        scales.append(s.reshape(()) if s.size == 1 else s.reshape(-1))
+    none = np.zeros(1, np.float32)
+    weights = [none if opts.get(n) is None else np.asarray(opts[n]) for n in ("q_norm_weight", "k_norm_weight")]
+    return [np.asarray(a) for a in args] + scales + [np.asarray(layer, np.int32).reshape(())] + weights
+
+
 def run(kernel_module, cfg, operands: list[np.ndarray]) -> list[np.ndarray]:
-    """Launches the kernel on numpy operands (the custom call's 12, in order); returns the 4
+    """Launches the kernel on numpy operands (the custom call's 14, in order); returns the 4
     results (q_out, k_out, key_cache, value_cache), caches updated in place semantics."""
     global M
     q, k, v, kc, vc = operands[:5]

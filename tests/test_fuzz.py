@@ -7,7 +7,10 @@ included), dtypes of inputs, tables and caches (fp8 included), index dtypes (int
 invalid ones over the whole index range (int min/max, -1, NB*BS, NB*BS +- small); positions are
 drawn over the whole index range too (clamped by the op). Some cases inject NaN and +-Inf into
 q/k/v and the tables. About one case in eight breaks one argument instead and must raise the same
-documented error type (ValueError/TypeError) from the op and from the reference.
+documented error type (ValueError/TypeError) from the op and from the reference. Issue 18's
+options come from a stream of their own (so the other draws of a case stay as they were): the
+QK-RMSNorm on q, k or both (weights in q's dtype or float32, several eps) and per-head fp8 scales.
+A kernel whose backend does not implement a drawn option (its SUPPORTS) must refuse it.
 
 Checks: the native kernels are bit-exact to the reference, NaN bits included; the XLA path within the tolerance of
 tests/test_op.py (1 ulp, or 2 f32 ulps of the row's largest finite input: FMA). With NaN/Inf: the
@@ -27,7 +30,7 @@ import numpy as np
 import pytest
 
 import jax_rope_cache as jrc
-from jax_rope_cache import contract
+from jax_rope_cache import backends, contract, reference
 from conftest import impl_params, reference_op, ulp_diff
 
 N_CASES = int(os.environ.get("JRC_FUZZ_CASES", "150"))
@@ -135,10 +138,28 @@ def make_case(i: int):
     broken = None
     if rng.random() < 0.125:
         broken = _break(rng, args, opts, s)
+    norm = _draw_issue18(np.random.default_rng([SEED0, i, 18]), opts, s) if broken is None else ""
     desc = (f"case {i}: T={t} QH={s['QH']} KH={s['KH']} D={d} R={r} NB={s['NB']} BS={s['BS']} {s['layout']} "
             f"{'neox' if s['neox'] else 'gptj'} {s['table']} {s['dt'].name}/{s['tdt'].name}/{s['cdt'].name} "
-            f"{s['idt'].name} {s['precision']} layers={s['layers']} nonfinite={s['nonfinite']} broken={broken}")
+            f"{s['idt'].name} {s['precision']} layers={s['layers']} nonfinite={s['nonfinite']} broken={broken}{norm}")
     return tuple(args), opts, layer, desc, broken
+
+
+def _draw_issue18(rng, opts, s) -> str:
+    """Adds the norm weights / eps and per-head scales to opts (in place); returns a description."""
+    out = ""
+    if rng.random() < 0.4:
+        which = _choice(rng, ["q", "k", "qk"])
+        wdt = _choice(rng, [s["dt"], np.dtype(np.float32)])
+        for w in which:
+            opts[f"{w}_norm_weight"] = (rng.standard_normal(s["D"]) * 1.5).astype(wdt)
+        opts["norm_eps"] = float(_choice(rng, [1e-6, 1e-5, 0.25]))
+        out += f" norm={which}/{np.dtype(wdt).name}/eps={opts['norm_eps']:g}"
+    for name in ("k_scale", "v_scale"):
+        if name in opts and s["KH"] > 1 and rng.random() < 0.5:
+            opts[name] = rng.uniform(0.01, 2, s["KH"]).astype(np.float32)
+            out += f" {name}=[KH]"
+    return out
 
 
 def _break(rng, args, opts, s) -> str:
@@ -179,7 +200,8 @@ def _run(platform, impl, args, opts, layer):
     with jax.enable_x64(use64):
         dev = jax.devices(platform)[0]
         dargs = jax.device_put(args, dev)
-        scales = {n: jax.device_put(opts[n], dev) for n in ("k_scale", "v_scale") if n in opts}
+        scales = {n: jax.device_put(opts[n], dev) for n in ("k_scale", "v_scale", "q_norm_weight", "k_norm_weight")
+                  if n in opts}
         static = {n: v for n, v in opts.items() if n not in scales}
         fn = jax.jit(lambda *a, **sc: jrc.rope_and_cache(*a, **sc, **static, impl=impl, layer=layer))
         return [np.asarray(o) for o in fn(*dargs, **scales)]
@@ -195,12 +217,25 @@ def _finite_max(a, axis=None, keepdims=False):
     return f.max(axis=axis, keepdims=keepdims, initial=0)
 
 
+def _rotation_inputs(args, opts):
+    """q and k as the rotation sees them: normalised where a norm weight is given."""
+    q, k = args[0], args[1]
+    eps = np.float32(opts.get("norm_eps", 1e-6))
+    with np.errstate(invalid="ignore", over="ignore"):
+        if "q_norm_weight" in opts:
+            q = reference.rms_norm(q, opts["q_norm_weight"], eps)
+        if "k_norm_weight" in opts:
+            k = reference.rms_norm(k, opts["k_norm_weight"], eps)
+    return q, k
+
+
 def _bound(name, args, opts):
     eps = 2.0**-22
+    q, k = _rotation_inputs(args, opts)
     if name in ("q_out", "k_out"):
-        return eps * _finite_max(args[0 if name == "q_out" else 1], axis=-1, keepdims=True)
-    inv = 1.0 / float(opts.get("k_scale", 1.0))
-    return eps * inv * float(_finite_max(args[1]))
+        return eps * _finite_max(q if name == "q_out" else k, axis=-1, keepdims=True)
+    inv = 1.0 / float(np.min(opts.get("k_scale", 1.0)))
+    return eps * inv * float(_finite_max(k))
 
 
 def compare(got, want, name, exact, bound, desc):
@@ -238,6 +273,11 @@ def check_case(platform, impl, i):
         # the message names the argument first, as the reference's does
         assert str(err.value).split(":")[0] == str(ref_exc).split(":")[0], (str(err.value), str(ref_exc), desc)
         return "error"
+    used = contract.features(contract.check_op(*args, **opts, layer=layer))
+    if impl == "kernel" and not used <= backends.KERNEL_BACKENDS[platform].SUPPORTS:
+        with pytest.raises(NotImplementedError, match="does not implement"):
+            _run(platform, impl, args, opts, layer)
+        return "refused"
     got = _run(platform, impl, args, opts, layer)
     names = ("q_out", "k_out", "key_cache", "value_cache")
     for name, g, w in zip(names, got, want):
@@ -250,7 +290,7 @@ def check_case(platform, impl, i):
 
 def test_case_mix():
     """The generator covers what the brief asks for (counted over the CI case set)."""
-    seen = dict(t0=0, one_block=0, fp8=0, int64=0, nonfinite=0, broken=0, layers=0)
+    seen = dict(t0=0, one_block=0, fp8=0, int64=0, nonfinite=0, broken=0, layers=0, norm=0, per_head_scale=0)
     for i in range(N_CASES):
         args, opts, layer, desc, broken = make_case(i)
         seen["t0"] += args[0].shape[0] == 0
@@ -260,6 +300,8 @@ def test_case_mix():
         seen["nonfinite"] += "nonfinite=True" in desc
         seen["broken"] += broken is not None
         seen["layers"] += layer is not None
+        seen["norm"] += "norm=" in desc
+        seen["per_head_scale"] += "_scale=[KH]" in desc
     print(f"fuzz case mix over {N_CASES} cases: {seen}")
     if N_CASES >= 100:
         assert all(v > 0 for v in seen.values()), seen
@@ -267,14 +309,15 @@ def test_case_mix():
 
 def run_cases(platform, impl, n, on_case=None) -> str:
     """Checks cases 0..n-1; returns the summary line. on_case(i, outcome) follows progress."""
-    outcomes = {"match": 0, "error": 0}
+    outcomes = {"match": 0, "error": 0, "refused": 0}
     for i in range(n):
         outcome = check_case(platform, impl, i)
         outcomes[outcome] += 1
         if on_case is not None:
             on_case(i, outcome)
     return (f"fuzz {platform}-{impl}: {n} cases, {outcomes['match']} matched the reference, "
-            f"{outcomes['error']} raised the documented error")
+            f"{outcomes['error']} raised the documented error"
+            + (f", {outcomes['refused']} refused an option the kernel lacks" if outcomes["refused"] else ""))
 
 
 @pytest.mark.parametrize("platform,impl", impl_params())

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 
+import ml_dtypes
 import numpy as np
 import pytest
 
 import rocm_emulator
-from conftest import Case, assert_bits_equal, make_problem, reference_op, special_problem, flydsl_kernel_module
+from conftest import (Case, assert_bits_equal, make_problem, reference_op, special_problem, flydsl_kernel_module,
+                      ulp_diff)
 from jax_rope_cache import contract
 from jax_rope_cache.compilers import flydsl
 
@@ -55,11 +57,7 @@ for _layout in contract.LAYOUTS:
                               precision=_prec, index_dtype="int64" if _i % 3 == 1 else "int32"))
 
 
-def custom_call_operands(args, opts, layer=0):
-    fp8 = np.dtype(args[3].dtype) in contract.FP8_DTYPES
-    ks = np.asarray(opts.get("k_scale", 1.0) if fp8 else 1.0, np.float32).reshape(())
-    vs = np.asarray(opts.get("v_scale", 1.0) if fp8 else 1.0, np.float32).reshape(())
-    return [np.asarray(a) for a in args] + [ks, vs, np.asarray(layer, np.int32).reshape(())]
+custom_call_operands = rocm_emulator.custom_call_operands
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
@@ -167,3 +165,178 @@ def test_emulated_kernel_subnormals_and_tiny_scales(dt, tdt, cdt, prec, scale):
     for name, g, w in zip(("q_out", "k_out", "key_cache", "value_cache"), got, want):
         assert_bits_equal(g, w, name)
         assert np.array_equal(g.view(np.uint8), w.view(np.uint8)), name
+
+
+# ---- issue 18: QK-RMSNorm before the rotation, per-head fp8 scales ------------------------------
+# Bitwise equality of bf16/f16 outputs barely depends on the last bits of the f32 sum (a 1-ulp change
+# of inv flips a 16-bit rounding rarely), so float32 inputs carry the checks of the reduction order:
+# their outputs hold inv's bits. Cases cover each way a lane gets its row's sum (NormLayout.plan):
+# an xor butterfly reaching each cross-lane primitive (DPP 1/2/4/8, ds_swizzle 16, ds_bpermute 32),
+# one lane holding the row, a reload of the row (chunks not aligned with the tree: D = 80, 96, R = 3D/4),
+# the pass-through channels merged into the rotation phase or in their own phase.
+NORM_CASES = [  # (case, q norm, k norm, weight dtype: "same" as q or "float32", per-head k/v scales, rot_cap)
+    (Case(T=5, QH=8, KH=1, D=128, dtype="float32", table_dtype="float32"), True, True, "same", None, None),
+    (Case(T=6, QH=8, KH=1, D=128), True, True, "same", None, None),  # Qwen3-32B TP8
+    (Case(T=4, QH=16, KH=2, D=128, layout="xpacked", dtype="bfloat16", table_dtype="bfloat16", precision="native",
+          cache_dtype="float8_e4m3fn"), True, True, "float32", (True, True), None),
+    (Case(T=5, QH=4, KH=2, D=256, dtype="float32", table_dtype="float32", layout="xpacked_shuffled",
+          cache_dtype="float8_e4m3fnuz"), True, False, "same", (True, False), None),  # 32 lanes: ds_swizzle
+    (Case(T=3, QH=2, KH=2, D=256, dtype="float32", table_dtype="float32", precision="native"), False, True,
+     "same", None, 2),  # 64 lanes: ds_bpermute
+    (Case(T=7, QH=6, KH=3, D=64, R=32, is_neox=False, dtype="float32", table_dtype="bfloat16",
+          cache_dtype="float8_e4m3fn"), True, True, "same", (False, True), None),  # merged pass-through
+    (Case(T=5, QH=4, KH=2, D=128, R=64, layout="xpacked", dtype="float16", table_dtype="float16",
+          precision="native", table="full"), True, True, "float32", None, None),
+    (Case(T=4, QH=4, KH=1, D=64, R=2, dtype="float32", table_dtype="float32", table="full",
+          layout="xpacked_shuffled"), True, True, "same", None, None),  # one lane per head
+    (Case(T=5, QH=4, KH=2, D=80, dtype="float32", table_dtype="float32", cache_dtype="float8_e4m3fn"),
+     True, True, "same", (True, True), None),  # reload: 5 lanes per head
+    (Case(T=6, QH=6, KH=2, D=96, R=48, is_neox=False, dtype="float32", table_dtype="float32",
+          layout="xpacked"), True, False, "same", None, None),  # reload, merged pass-through
+    (Case(T=5, QH=4, KH=4, D=128, R=96, dtype="float32", table_dtype="float32", index_dtype="int64"),
+     False, True, "same", None, None),  # reload, separate pass-through phase
+    (Case(T=9, QH=2, KH=1, D=64, dtype="bfloat16", table_dtype="bfloat16", precision="native", table="full",
+          cache_dtype="float8_e4m3fnuz", layout="xpacked"), False, True, "float32", (True, True), None),
+    (Case(T=4, QH=8, KH=4, D=128, is_neox=False, dtype="float16", table_dtype="float32", precision="native",
+          cache_dtype="float8_e4m3fn", layout="xpacked_shuffled"), True, True, "same", (True, True), 4),
+    (Case(T=5, QH=4, KH=2, D=128, dtype="float32", table_dtype="float32", cache_dtype="float8_e4m3fn",
+          precision="native"), False, False, "same", (True, True), None),  # per-head scales alone
+]
+
+
+def _nid(p):
+    case, qn, kn, wd, heads, cap = p
+    return (f"{case.id}-{'q' if qn else ''}{'k' if kn else ''}norm-{wd}"
+            f"{'-ks' if heads and heads[0] else ''}{'-vs' if heads and heads[1] else ''}{f'-cap{cap}' if cap else ''}")
+
+
+def norm_problem(case, seed, q_norm, k_norm, wdtype="same", heads=None, eps=1e-6):
+    """make_problem plus fresh random norm weights and (fp8) per-head scales."""
+    args, opts = make_problem(case, seed)
+    rng = np.random.default_rng(seed + 1000)
+    dt = np.dtype(args[0].dtype)
+    wd = dt if wdtype == "same" else np.dtype(np.float32)
+    for name, on in (("q_norm_weight", q_norm), ("k_norm_weight", k_norm)):
+        if on:
+            opts[name] = rng.uniform(0.25, 2.0, case.D).astype(np.float32).astype(wd)
+    if q_norm or k_norm:
+        opts["norm_eps"] = float(eps)
+    for name, on in zip(("k_scale", "v_scale"), heads or (False, False)):
+        if on and name in opts:
+            opts[name] = rng.uniform(0.05, 0.5, case.KH).astype(np.float32)
+    return args, opts
+
+
+def norm_config(args, opts, cap=None):
+    from jax_rope_cache.backends import rocm
+
+    cfg = rocm.kernel_config(contract.check_op(*args, **opts), K)
+    if cap:
+        cfg = K.make_config(**rocm.config_codes(cfg, K), rot_cap=cap)
+    return cfg
+
+
+def run_and_compare(cfg, args, opts, what=""):
+    with np.errstate(all="ignore"):
+        got = rocm_emulator.run(K, cfg, custom_call_operands(args, opts))
+        want = reference_op(*args, **opts)
+    for name, g, w in zip(("q_out", "k_out", "key_cache", "value_cache"), got, want):
+        assert np.array_equal(g.view(np.uint8), w.view(np.uint8)), (
+            f"{name}{what}: {int((ulp_diff(g, w) != 0).sum())} elements differ (max {ulp_diff(g, w).max()} ulp)")
+    return got
+
+
+@pytest.mark.parametrize("p", NORM_CASES, ids=[_nid(p) for p in NORM_CASES])
+def test_emulated_norm_and_per_head_scales_match_reference(p):
+    case, qn, kn, wd, heads, cap = p
+    args, opts = norm_problem(case, 21, qn, kn, wd, heads)
+    cfg = norm_config(args, opts, cap)
+    assert (cfg.q_norm >= 0, cfg.k_norm >= 0) == (qn, kn)
+    run_and_compare(cfg, args, opts)
+
+
+def test_norm_cases_cover_every_path():
+    """The cases above reach every way of forming the sum and every cross-lane primitive."""
+    seen = set()
+    for case, qn, kn, wd, heads, cap in NORM_CASES:
+        args, opts = norm_problem(case, 0, qn, kn, wd, heads)
+        cfg = norm_config(args, opts, cap)
+        if not cfg.norm:
+            continue
+        nl = K.norm_layout(cfg)
+        plan = "reload" if nl.plan is None else nl.plan[0]
+        seen.add(plan)
+        if plan != "local" and nl.plan is not None:
+            seen |= {f"xor{m}" for m in (1, 2, 4, 8, 16, 32) if m < nl.lanes}
+        seen.add("merged" if nl.merged else ("pass phase" if cfg.r < cfg.d else "full rotary"))
+        seen.add({(True, True): "both", (True, False): "q only", (False, True): "k only"}[(qn, kn)])
+        seen.add(f"weight {wd}")
+    want = {"reload", "local", "add", "fam", "merged", "pass phase", "full rotary", "both", "q only", "k only",
+            "weight same", "weight float32"} | {f"xor{m}" for m in (1, 2, 4, 8, 16, 32)}
+    assert want <= seen, want - seen
+
+
+def _plant_specials(x, rng):
+    """Rows (token, head) of x made hostile: zeros, a NaN, an inf, subnormals, the dtype's max (its
+    square overflows), a mix of huge and tiny values."""
+    x = x.copy()
+    fi = ml_dtypes.finfo(x.dtype)
+    T, H, D = x.shape
+    rows = [(t, h) for t in range(T) for h in range(H)]
+    rng.shuffle(rows)
+    specials = [np.zeros(D), None, None, np.full(D, float(fi.smallest_subnormal)),
+                np.full(D, float(fi.max)), None, np.full(D, -float(fi.smallest_normal))]
+    for i, (t, h) in enumerate(rows[: len(specials)]):
+        s = specials[i]
+        if i == 1:
+            x[t, h, rng.integers(D)] = np.nan
+        elif i == 2:
+            x[t, h, rng.integers(D)] = -np.inf
+        elif i == 5:
+            x[t, h, ::2] = float(fi.max) / 4
+        else:
+            x[t, h] = s.astype(x.dtype)
+    return x
+
+
+@pytest.mark.parametrize("dt,eps", [("float32", 1e-6), ("bfloat16", 1e-5), ("float16", 1e-45), ("float32", 3.0)])
+def test_emulated_norm_special_rows_bitwise(dt, eps):
+    """Zero rows (inv = 1/sqrt(eps)), NaN and inf entries, subnormal rows, overflowing squares, a
+    subnormal eps and a large one: every bit as the reference, NaNs canonical."""
+    case = Case(T=6, QH=8, KH=2, D=64, dtype=dt, table_dtype="float32", cache_dtype="float8_e4m3fn",
+                precision="native")
+    args, opts = norm_problem(case, 5, True, True, "same", (True, True), eps=eps)
+    rng = np.random.default_rng(5)
+    args = list(args)
+    args[0], args[1] = _plant_specials(args[0], rng), _plant_specials(args[1], rng)
+    run_and_compare(norm_config(args, opts), args, opts)
+
+
+def _sequential(vals, add):
+    out = vals[0]
+    for v in vals[1:]:
+        out = add(out, v)
+    return out
+
+
+@pytest.mark.parametrize("mutant", ["sequential chunk sums", "DPP row_mirror for xor 4", "1-ulp sqrt"])
+def test_emulated_norm_catches_a_wrong_reduction(monkeypatch, mutant):
+    """The checks are sharp: the same case passes as written and fails with a plausible mistake (the
+    chunks summed in order, a DPP pattern that is not the xor partner, a sqrt off by one ulp, as the
+    bare v_sqrt_f32 can be)."""
+    case = Case(T=8, QH=8, KH=2, D=128, dtype="float32", table_dtype="float32")
+    args, opts = norm_problem(case, 33, True, True)
+    cfg = norm_config(args, opts)
+    assert K.norm_layout(cfg).lanes >= 8
+    run_and_compare(cfg, args, opts)
+    if mutant == "sequential chunk sums":
+        monkeypatch.setattr(K, "tree_sum", _sequential)
+    elif mutant == "DPP row_mirror for xor 4":
+        real = K._Emitter.lane_xor
+        monkeypatch.setattr(K._Emitter, "lane_xor", lambda self, v, m, tid: real(self, v, 8 if m == 4 else m, tid))
+    else:
+        real_sqrt = K._Emitter.sqrt
+        monkeypatch.setattr(K._Emitter, "sqrt", lambda self, f: self.bitcast(
+            self.f32, self.add(self.bitcast(self.i32, real_sqrt(self, f)), self.i32c(1))))
+    with pytest.raises(AssertionError, match="differ"):
+        run_and_compare(cfg, args, opts)

@@ -44,11 +44,7 @@ CASES = [
 ]
 
 
-def _operands(args, opts):
-    fp8 = np.dtype(args[3].dtype) in contract.FP8_DTYPES
-    ks = np.asarray(opts.get("k_scale", 1.0) if fp8 else 1.0, np.float32).reshape(())
-    vs = np.asarray(opts.get("v_scale", 1.0) if fp8 else 1.0, np.float32).reshape(())
-    return [np.asarray(a) for a in args] + [ks, vs, np.zeros((), np.int32)]
+_operands = rocm_emulator.custom_call_operands
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
@@ -137,3 +133,26 @@ def test_the_built_candidate_fits_on_both_archs(case):
     assert len({o.config for o in objs}) == 1
     for o in objs:
         assert rocm.fits(o.info), (o.arch, o.info["vgpr_count"], o.info["private_segment_size"])
+
+
+NORM_CASES = [  # (case, q norm, k norm): float32 data, whose outputs carry the sum's last bits
+    (Case(T=5, QH=8, KH=1, D=128, dtype="float32", table_dtype="float32"), True, True),
+    (Case(T=4, QH=4, KH=2, D=256, R=64, layout="xpacked", dtype="float32", table_dtype="float32",
+          cache_dtype="float8_e4m3fn"), True, False),
+    (Case(T=5, QH=4, KH=4, D=80, dtype="float32", table_dtype="float32"), False, True),
+]
+
+
+@pytest.mark.parametrize("p", NORM_CASES, ids=[f"{c.id}-{int(q)}{int(k)}" for c, q, k in NORM_CASES])
+def test_every_norm_candidate_is_bit_exact(p):
+    """Narrower candidates change the lanes per head, hence the butterfly's steps and how the
+    channels >= R spread: each is bit-exact."""
+    from test_rocm_emulated import norm_problem, run_and_compare
+
+    case, qn, kn = p
+    args, opts = norm_problem(case, 13, qn, kn, heads=(True, True))
+    cfg = rocm.kernel_config(contract.check_op(*args, **opts), K)
+    configs = list(dict.fromkeys(c for c, _ in rocm.occupancy_candidates(cfg, K)))
+    assert len(configs) >= 2 and all(c.norm for c in configs)
+    for c in configs:
+        run_and_compare(c, args, opts, f" (w_rot {c.w_rot}, {K.norm_layout(c).lanes} lanes per head)")

@@ -22,8 +22,8 @@ folder, which the wheel does not install) lets `python -m jax_rope_cache generat
 Attention reads the caches with its own block gather, written from the layout table in the README
 (not from the library's index helpers), so a layout bug in the op shows as a wrong token.
 
-Qwen3's q_norm / k_norm run here as a separate jnp RMSNorm before the op (what a JAX user does
-today); issue 18 fuses them into the op, and this decoder can then pass the weights instead.
+Qwen3's q_norm / k_norm are the op's own fused QK-RMSNorm (q_norm_weight / k_norm_weight with the
+config's rms_norm_eps): no separate pass over q and k. impl="off" skips them with the rest of the op.
 """
 
 from __future__ import annotations
@@ -438,13 +438,12 @@ class Decoder:
             q = self._mm(h, w["wq"]).reshape(B * P, cfg.q_heads, cfg.head_dim)
             k = self._mm(h, w["wk"]).reshape(B * P, cfg.kv_heads, cfg.head_dim)
             v = self._mm(h, w["wv"]).reshape(B * P, cfg.kv_heads, cfg.head_dim)
-            if cfg.qk_norm:
-                q = rms_norm(q, w["q_norm"], cfg.rms_norm_eps)
-                k = rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
             if self.impl != "off":
+                norm = dict(q_norm_weight=w["q_norm"], k_norm_weight=w["k_norm"],
+                            norm_eps=cfg.rms_norm_eps) if cfg.qk_norm else {}
                 q, k, kc, vc = jrc.rope_and_cache(q, k, v, kc, vc, slots, flat_pos, cos, sin, layout=self.layout,
                                                   is_neox=self.is_neox, rotary_dim=self.rotary_dim,
-                                                  impl=self.impl, layer=i)
+                                                  impl=self.impl, layer=i, **norm)
             keys, values = gather_blocks(kc, vc, i, block_table, self.layout)
             o = self._attend(q.reshape(B, P, cfg.q_heads, cfg.head_dim), keys, values, q_pos)
             x = x + self._mm(o, w["wo"])

@@ -5,7 +5,8 @@ final caches are checked against the numpy reference and the kernel is timed aga
 
 The inputs of layer l at step s are a pool entry scaled by a power of two (exact in bf16), so the
 reference can rebuild them; slots never repeat, so the reference applies each layer's prefill and
-decode tokens in one call.
+decode tokens in one call. Presets of models with a QK-RMSNorm (Qwen3) run the op's fused norm
+with random per-layer weights and the config's rms_norm_eps.
 """
 
 from __future__ import annotations
@@ -57,11 +58,21 @@ def build(model: presets.ModelShape, batch: int, prefill: int, steps: int, layer
         dec_q=x(POOL, batch, qh, d), dec_k=x(POOL, batch, kh, d), dec_v=x(POOL, batch, kh, d),
         dec_slots=seq_slots[:, prefill:].T.copy(), dec_pos=seq_pos[:, prefill:].T.copy(),  # [steps, batch]
         cos=cos, sin=sin)
+    if presets.preset_qk_norm_eps(preset) is not None:  # per-layer norm weights around 1, both signs
+        data["q_norm_w"] = rng.normal(1.0, 0.5, (layers, d)).astype(jnp.bfloat16)
+        data["k_norm_w"] = rng.normal(1.0, 0.5, (layers, d)).astype(jnp.bfloat16)
     caches = jrc.make_kv_cache(nb, block_size, kh, d, jnp.bfloat16, num_layers=layers, fill="random", seed=seed)
     return data, tuple(np.asarray(c) for c in caches)
 
 
-def make_programs(layers: int, steps: int, impl: str, unroll: bool = True):
+def norm_options(d, i, eps):
+    """The op's QK-RMSNorm keywords for layer i (none for a model without the norm)."""
+    if eps is None:
+        return {}
+    return dict(q_norm_weight=d["q_norm_w"][i], k_norm_weight=d["k_norm_w"][i], norm_eps=eps)
+
+
+def make_programs(layers: int, steps: int, impl: str, unroll: bool = True, norm_eps=None):
     scales = jnp.asarray([layer_scale(i) for i in range(layers)], jnp.bfloat16)
 
     def prefill(d, kc, vc):
@@ -70,7 +81,7 @@ def make_programs(layers: int, steps: int, impl: str, unroll: bool = True):
             s = scales[i]
             q_out, _, kc, vc = jrc.rope_and_cache(d["pre_q"] * s, d["pre_k"] * s, d["pre_v"] * s, kc, vc,
                                                   d["pre_slots"], d["pre_pos"], d["cos"], d["sin"], impl=impl,
-                                                  layer=i)
+                                                  layer=i, **norm_options(d, i, norm_eps))
             return (kc, vc, acc + jnp.sum(q_out, dtype=jnp.float32)), None
         (kc, vc, acc), _ = jax.lax.scan(layer_fn, (kc, vc, jnp.float32(0)), jnp.arange(layers), unroll=unroll)
         return kc, vc, acc
@@ -82,7 +93,7 @@ def make_programs(layers: int, steps: int, impl: str, unroll: bool = True):
                 s, j = scales[i], n % POOL
                 q_out, _, kc, vc = jrc.rope_and_cache(
                     d["dec_q"][j] * s, d["dec_k"][j] * s, d["dec_v"][j] * s, kc, vc, d["dec_slots"][n],
-                    d["dec_pos"][n], d["cos"], d["sin"], impl=impl, layer=i)
+                    d["dec_pos"][n], d["cos"], d["sin"], impl=impl, layer=i, **norm_options(d, i, norm_eps))
                 # Consume all of q_out (as attention would), so XLA cannot skip part of the rotation.
                 return (kc, vc, acc + jnp.sum(q_out, dtype=jnp.float32)), None
             carry, _ = jax.lax.scan(layer_fn, carry, jnp.arange(layers), unroll=unroll)
@@ -99,7 +110,7 @@ def checked_layers(layers: int, check: int | None) -> list[int]:
     return sorted({int(round(i * (layers - 1) / max(1, check - 1))) for i in range(check)})
 
 
-def reference_caches(data, caches, layers: list[int], steps: int):
+def reference_caches(data, caches, layers: list[int], steps: int, norm_eps=None):
     """What the caches must hold afterwards in `layers`, from the numpy reference."""
     kc, vc = caches
     out_k, out_v = kc.copy(), vc.copy()
@@ -114,27 +125,30 @@ def reference_caches(data, caches, layers: list[int], steps: int):
         slots = np.concatenate([data["pre_slots"], data["dec_slots"].reshape(-1)])
         pos = np.concatenate([data["pre_pos"], data["dec_pos"].reshape(-1)])
         _, _, out_k[layer], out_v[layer] = reference.rope_and_cache(q, k, v, kc[layer], vc[layer], slots, pos,
-                                                                    data["cos"], data["sin"])
+                                                                    data["cos"], data["sin"],
+                                                                    **norm_options(data, layer, norm_eps))
     return out_k, out_v
 
 
 def run(preset="llama-3.1-8b", tp=8, batch=64, prefill=128, steps=256, layers=32, block_size=16, repeats=3, seed=0,
         check_layers=None, unroll=True):
     model = presets.model_shape(preset, tp)
+    norm_eps = presets.preset_qk_norm_eps(preset)
     data, caches = build(model, batch, prefill, steps, layers, block_size, seed, preset)
     dev = jax.devices()[0]
+    fused = "" if norm_eps is None else f", QK-RMSNorm fused (eps {norm_eps:g}, random weights)"
     print(f"device {dev.platform} ({dev.device_kind}); {model.name}: heads {model.q_heads}/{model.kv_heads}, "
-          f"D={model.head_dim}; {layers} layers in one stacked cache per K/V "
+          f"D={model.head_dim}{fused}; {layers} layers in one stacked cache per K/V "
           f"({caches[0].nbytes * 2 / 2**20:.0f} MiB), batch {batch}, prefill {prefill}/seq, {steps} decode steps")
     ddata = jax.device_put(data, dev)
     check = checked_layers(layers, check_layers)
     phases, phase = 1 + 2 * (1 + repeats), 0
     progress(phase, phases, "numpy reference")
-    want_k, want_v = reference_caches(data, caches, check, steps)
+    want_k, want_v = reference_caches(data, caches, check, steps, norm_eps)
     want_k, want_v = want_k[check], want_v[check]
     timing, exact = {}, {}
     for impl in ("kernel", "xla"):
-        prefill_fn, decode_fn = make_programs(layers, steps, impl, unroll)
+        prefill_fn, decode_fn = make_programs(layers, steps, impl, unroll, norm_eps)
         phase += 1
         progress(phase, phases, f"{impl}: compile + first run")
         kc, vc, _ = prefill_fn(ddata, *jax.device_put(caches, dev))

@@ -8,12 +8,13 @@ archs: the conversion is integer arithmetic, not the hardware's fp8 instructions
 k/v scales, "fp32" and "native" precision, int32/int64 slot_mapping and positions, one cache or
 stacked per-layer caches [L, NB, ...] (`layer_blocks` = NB) with the layer read on the device.
 
-Kernel ABI (what kernels/ffi/gpu_launcher.cc packs): 28 kernel arguments of 8 bytes each, at
-byte offsets 0, 8, ..., 216 (kernarg segment 224 bytes, no hidden arguments):
-  0..11   device addresses of the operands  q, k, v, key_cache, value_cache, slot_mapping,
-          positions, cos, sin, k_scale, v_scale, layer (int32 scalar)
-  12..15  device addresses of the results   q_out, k_out, key_cache_out, value_cache_out
-  16..27  int64 dim0 of each operand (T = dim0[0], NB = dim0[3] (stacked: L), max_pos = dim0[7])
+Kernel ABI (what kernels/ffi/gpu_launcher.cc packs): 32 kernel arguments of 8 bytes each, at
+byte offsets 0, 8, ..., 248 (kernarg segment 256 bytes, no hidden arguments):
+  0..13   device addresses of the operands  q, k, v, key_cache, value_cache, slot_mapping,
+          positions, cos, sin, k_scale, v_scale (f32 [] or [KH]), layer (int32 scalar),
+          q_norm_weight, k_norm_weight ([D], or an f32[1] placeholder when absent)
+  14..17  device addresses of the results   q_out, k_out, key_cache_out, value_cache_out
+  18..31  int64 dim0 of each operand (T = dim0[0], NB = dim0[3] (stacked: L), max_pos = dim0[7])
 Grid: (ceil(T / TPB), 1, 1) workgroups of NT threads (NT is the required workgroup size).
 
 Work decomposition. A workgroup owns TPB consecutive tokens. Three phases run one after the other
@@ -43,13 +44,32 @@ key cache then quantizes the f32 values before the final rounding. bf16 and fp8 
 integer arithmetic (round to nearest even, fp8 saturates), f16 by the hardware conversion (RNE);
 every NaN written is the canonical one of rope_cache_math.h (bf16/f16 0x7FFF, f32 0x7FFFFFFF,
 e4m3fn 0x7F, e4m3fnuz 0x80). 1/scale by a correctly rounded f32 division, an overflow to +-inf
-replaced by +-FLT_MAX (rc_inv_scale). Tables are never rounded.
+replaced by +-FLT_MAX (rc_inv_scale). Tables are never rounded. Per-head scales ([KH]): each
+lane computes 1/scale[h] once per head it visits (before the token loop).
+
+QK-RMSNorm (q_norm / k_norm: weight dtype codes; issue 18, reference.rms_norm). The rotation
+phase's lanes of a (token, head) hold its whole row (`norm_layout`): the rotation chunks and, when
+R < D, the channels >= R as the tree's nodes spread evenly over the same lanes (the pass-through
+phase then has nothing left to do). S follows the reference's halving tree exactly: each lane
+reduces each of its chunks by the tree (a chunk is a node), then an xor butterfly over the head's
+lanes (a power of two, one wave, aligned) adds sibling nodes: lane_xor 1/2 DPP quad_perm, 4/8 DPP
+row_half_mirror/row_mirror (equal to xor 4/8 on values already equal per 4/8 lanes), 16
+ds_swizzle, 32 ds_bpermute; families are combined by the tree above them (NeoX R = D: the two
+halves, added last). inv = 1/sqrt(ms + eps) as llvm.sqrt (the backend's correctly rounded
+expansion) and an IEEE division; S/D as a multiplication by 2^-k for D a power of two (the same
+rounding). y and n rounded as the reference; the other kind's heads (one norm only) skip it in a
+branch yielding the packed words, so their channels keep their bits. Where the chunks do not line up
+with the tree (D = 80, R = 3D/4, ...) every lane reloads its row piece by piece (correct; more
+registers). The weights load after the sum and the tables after the norm (not live across it).
 """
 
 import dataclasses
+import struct
 
 KERNEL_BASENAME = "jrc_rope_cache"
-NUM_ARGS = 28
+NUM_OPERANDS = 14  # the custom call's operands
+NUM_ADDRS = NUM_OPERANDS + 4  # then its 4 results
+NUM_ARGS = NUM_ADDRS + NUM_OPERANDS  # then each operand's dim0
 ARG_BYTES = 8
 
 # dtype codes: jax_rope_cache/_spec.py DTYPE_CODES
@@ -80,14 +100,25 @@ class RocmKernelConfig:
     tpb: int           # tokens per workgroup
     nt: int            # threads per workgroup
     layer_blocks: int = 0  # 0: one cache [NB, ...]; NB: stacked caches [L, NB, ...]
+    q_norm: int = -1       # -1: no q RMSNorm, else the dtype code of q_norm_weight
+    k_norm: int = -1       # same for k_norm_weight
+    norm_eps: float = 0.0  # float32 eps (exact in f32); 0.0 without a norm
+    k_scale_heads: bool = False  # k_scale is [KH] (else one scale)
+    v_scale_heads: bool = False
 
     @property
     def x(self) -> int:
         return 16 // ITEMSIZE[self.cache_dt]
 
+    @property
+    def norm(self) -> bool:
+        return self.q_norm >= 0 or self.k_norm >= 0
+
     def key(self) -> str:
-        f = dataclasses.astuple(self)
-        return "_".join(str(int(v)) for v in f)
+        out = []
+        for v in dataclasses.astuple(self):  # floats by their f32 bits: eps values must not collide
+            out.append(struct.pack("<f", v).hex() if isinstance(v, float) else str(int(v)))
+        return "_".join(out)
 
 
 def arith_mode(cfg: RocmKernelConfig) -> str:
@@ -113,14 +144,21 @@ def phase_geometry(cpx: int, nh: int, nt: int) -> tuple[int, int]:
 
 
 def make_config(*, qh, kh, d, r, bs, layout, neox, full_table, native, dt, tab_dt, cache_dt, slot64,
-                pos64, layer_blocks: int = 0, nt: int = 256, rot_cap: int | None = None,
-                width_cap: int | None = None) -> RocmKernelConfig:
+                pos64, layer_blocks: int = 0, q_norm: int = -1, k_norm: int = -1, norm_eps: float = 0.0,
+                k_scale_heads: bool = False, v_scale_heads: bool = False, nt: int = 256,
+                rot_cap: int | None = None, width_cap: int | None = None) -> RocmKernelConfig:
     """`rot_cap` / `width_cap`: at most that many elements per rotation chunk / per pass-through and
     V chunk (narrower accesses, fewer values in flight per lane: the occupancy candidates of
     jax_rope_cache/backends/rocm.py; None = as wide as 16 bytes and the shape allow)."""
     s = ITEMSIZE[dt]
     vmax = 16 // s
-    w_rot = _pow2_width(min(vmax, rot_cap or vmax), r // 2) if neox else _pow2_width(min(vmax, rot_cap or vmax), r)
+    cap = min(vmax, rot_cap or vmax)
+    if (q_norm >= 0 or k_norm >= 0) and r < d:
+        # the norm's lanes also hold the channels >= R: narrower rotation chunks keep a lane's
+        # share of the row at 2 x 16 bytes (more lanes per head, one butterfly step more)
+        share = max(1, (vmax * r // d) * (1 if neox else 2))
+        cap = min(cap, max(1 if neox else 2, 1 << (share.bit_length() - 1)))  # a power of two
+    w_rot = _pow2_width(cap, r // 2) if neox else _pow2_width(cap, r)
     if not neox and w_rot < 2:
         w_rot = 2
     wmax = min(vmax, width_cap or vmax)
@@ -135,7 +173,106 @@ def make_config(*, qh, kh, d, r, bs, layout, neox, full_table, native, dt, tab_d
     return RocmKernelConfig(qh=qh, kh=kh, d=d, r=r, bs=bs, layout=layout, neox=bool(neox),
                             full_table=bool(full_table), native=bool(native), dt=dt, tab_dt=tab_dt,
                             cache_dt=cache_dt, slot64=bool(slot64), pos64=bool(pos64), w_rot=w_rot,
-                            w_pass=w_pass, w_v=w_v, tpb=tpb, nt=nt, layer_blocks=int(layer_blocks))
+                            w_pass=w_pass, w_v=w_v, tpb=tpb, nt=nt, layer_blocks=int(layer_blocks),
+                            q_norm=int(q_norm), k_norm=int(k_norm),
+                            norm_eps=float(norm_eps) if q_norm >= 0 or k_norm >= 0 else 0.0,
+                            k_scale_heads=bool(k_scale_heads), v_scale_heads=bool(v_scale_heads))
+
+
+# ------------------------------------------------------------------------------------------------
+# QK-RMSNorm: the sum of squares of a (token, head) row in the reference's halving tree
+# ------------------------------------------------------------------------------------------------
+def tree_sum(vals: list, add):
+    """The reference's pairwise halving tree (reference.tree_sum) over vals in channel order."""
+    n = len(vals)
+    if n == 1:
+        return vals[0]
+    if n % 2 == 0:
+        return add(tree_sum(vals[: n // 2], add), tree_sum(vals[n // 2:], add))
+    return add(tree_sum(vals[:-1], add), vals[-1])
+
+
+@dataclasses.dataclass(frozen=True)
+class NormLayout:
+    """How the rotation phase's lanes hold a head row when a norm is on.
+
+    lanes: lanes per (token, head) (the rotation phase's chunks per head). Lane c holds, for each
+    family (first channel, width), channels [first + c*width, first + (c+1)*width): the rotation
+    chunks (n_rot families), then, when `merged`, the channels >= R (else a separate pass-through
+    phase copies them), in sub-chunks of w_psub channels. plan: how S is formed from the families:
+    ("local",) one lane holds the row; ("fam", j) family j reduced by the tree in each lane, then an
+    xor butterfly over the lanes (their chunks are that node's descendants, so this IS the tree);
+    ("add", a, b) the node's two halves. None: the families do not line up with the tree; every
+    lane then reloads its whole row."""
+    lanes: int
+    families: tuple
+    n_rot: int
+    merged: bool
+    w_psub: int
+    plan: tuple | None
+
+    @property
+    def groups(self) -> list:
+        """Chunks per family, in chunk order."""
+        return [1] * self.n_rot + [w // self.w_psub for _, w in self.families[self.n_rot:]]
+
+
+def _butterfly_plan(d: int, families, lanes: int):
+    if lanes & (lanes - 1) or lanes > 64:  # the xor butterfly needs a power-of-two group in one wave
+        return None
+
+    def node(lo, n):
+        for j, (off, w) in enumerate(families):
+            if off == lo and w * lanes == n:
+                return ("fam", j)
+        if n >= 2 and n % 2 == 0:
+            a, b = node(lo, n // 2), node(lo + n // 2, n // 2)
+            if a is not None and b is not None:
+                return ("add", a, b)
+        return None
+
+    return node(0, d)
+
+
+def _pass_families(d: int, r: int, lanes: int):
+    """Channels [r, d) as the tree's nodes, each spread evenly over the lanes (so the butterfly
+    reduces it), or None."""
+    out = []
+
+    def node(lo, n):
+        if lo + n <= r:
+            return True
+        if lo >= r and n % lanes == 0:
+            out.append((lo, n // lanes))
+            return True
+        if n % 2 or lo >= r:
+            return False
+        return node(lo, n // 2) and node(lo + n // 2, n // 2)
+
+    return out if node(0, d) else None
+
+
+def norm_layout(cfg: RocmKernelConfig) -> NormLayout:
+    D, R, W = cfg.d, cfg.r, cfg.w_rot
+    lanes = (R // 2) // W if cfg.neox else R // W
+    fams = [(0, W), (R // 2, W)] if cfg.neox else [(0, W)]
+    n_rot = len(fams)
+    pfams = []
+    if cfg.norm and R < D:
+        if lanes == 1:  # the lane holds the row: one segment
+            pfams = [(R, D - R)]
+        else:
+            pfams = _pass_families(D, R, lanes) or ([(R, (D - R) // lanes)] if (D - R) % lanes == 0 else [])
+    w_psub = _pow2_width(cfg.w_pass, *[v for f in pfams for v in f]) if pfams else 0  # aligned, one X-group
+    fams += pfams
+    covered = sorted(ch for off, w in fams for ch in range(off, off + w * lanes))
+    if covered != list(range(D)):
+        plan = None
+    elif lanes == 1:
+        plan = ("local",)
+    else:
+        plan = _butterfly_plan(D, fams, lanes)
+    return NormLayout(lanes=lanes, families=tuple(fams), n_rot=n_rot, merged=bool(pfams), w_psub=w_psub, plan=plan)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -418,6 +555,14 @@ class _Emitter:
             words.append((4, w))
         return words
 
+    def bits_to_f32(self, bits, code: int):
+        """The f32 value of an element's bits (i32, low bits used) of dtype `code` (exact)."""
+        if code == F32:
+            return self.bitcast(self.f32, bits)
+        if code == BF16:
+            return self.bitcast(self.f32, self.shl(bits, self.i32c(16)))
+        return self.arith.extf(self.f32, self.bitcast(self.f16, self.arith.trunci(self.i16, bits)))
+
     def to_bits(self, f, code: int, inv_scale=None):
         if code == F32:
             return self.canonical_f32_bits(f)
@@ -431,6 +576,36 @@ class _Emitter:
         bits = [self.to_bits(v, code, inv_scale) for v in vals]
         return self.words_to_pieces(self.pack_bits(bits, ITEMSIZE[code]))
 
+    def zero_raw(self, nbytes: int):
+        """A zero piece of the type buf_load_words gives nbytes."""
+        if nbytes <= 4:
+            return self.c(0, self._raw_type(nbytes))
+        return self.vector.from_elements(self._raw_type(nbytes), [self.i32c(0)] * (nbytes // 4))
+
+    # ---- cross-lane (wave64) ----
+    def lane_xor(self, v, mask: int, tid):
+        """f32 v of lane (lane ^ mask), as the xor butterfly of tree_sum uses it: masks 1, 2, 4, ...
+        in that order, so a value is already equal across aligned groups of `mask` lanes. Masks 1, 2:
+        DPP quad_perm; 4, 8: DPP row_half_mirror / row_mirror (lane 7-i / 15-i: the same value as
+        lane i^4 / i^8 given that equality); 16: ds_swizzle (bitmask mode, xor 16 within 32 lanes);
+        32: ds_bpermute."""
+        i = self.bitcast(self.i32, v)
+        if mask in (1, 2, 4, 8):
+            ctrl = {1: 0xB1, 2: 0x4E, 4: 0x141, 8: 0x140}[mask]
+            r = self.rocdl.update_dpp(self.i32, self.i32c(0), i, ctrl, 0xF, 0xF, True)
+        elif mask == 16:
+            r = self.rocdl.ds_swizzle(self.i32, i, self.i32c(0x1F | (0x10 << 10)))
+        else:
+            assert mask == 32, mask
+            addr = self.shl(self.band(self.arith.xori(tid, self.i32c(32)), self.i32c(63)), self.i32c(2))
+            r = self.rocdl.ds_bpermute(self.i32, addr, i)
+        return self.bitcast(self.f32, r)
+
+    def sqrt(self, f):
+        """Correctly rounded f32 sqrt (llvm.sqrt without fast-math flags: the AMDGPU backend expands
+        it to v_sqrt_f32 plus a correction step, not the 1-ulp instruction alone)."""
+        return self.llvm.intr_sqrt(f)
+
     # ---- thread / block ----
     def tid(self):
         return self.arith.index_cast(self.i32, self.gpu.thread_id(self.gpu.Dimension.x))
@@ -440,14 +615,14 @@ class _Emitter:
 
 
 def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
-    """Emits the kernel body. `args`: the 28 i64 kernel arguments as MLIR values.
+    """Emits the kernel body. `args`: the NUM_ARGS i64 kernel arguments as MLIR values.
     `dialects`: (ir, arith, gpu, llvm, rocdl, scf, vector) modules to emit with (default FlyDSL's)."""
     E = _Emitter(cfg, dialects)
     ir = E.ir
     c32, c64 = E.i32c, E.i64c
-    (p_q, p_k, p_v, _p_kc, _p_vc, p_slot, p_pos, p_cos, p_sin, p_ks, p_vs, p_layer,
-     p_qo, p_ko, p_kco, p_vco) = args[:16]
-    dims = args[16:28]
+    (p_q, p_k, p_v, _p_kc, _p_vc, p_slot, p_pos, p_cos, p_sin, p_ks, p_vs, p_layer, p_wq, p_wk,
+     p_qo, p_ko, p_kco, p_vco) = args[:NUM_ADDRS]
+    dims = args[NUM_ADDRS:NUM_ARGS]
     T, NB, MAXPOS = dims[0], dims[3], dims[7]
 
     s_in = ITEMSIZE[cfg.dt]
@@ -460,6 +635,8 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
     tw = R if cfg.full_table else R // 2
     mode = arith_mode(cfg)
     native_dt = cfg.dt if mode == "rounded" else None
+    QN, KN = cfg.q_norm >= 0, cfg.k_norm >= 0
+    NL = norm_layout(cfg) if cfg.norm else None
 
     tid = E.tid()
     bid = E.bid()
@@ -480,6 +657,8 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
     tab_bytes = E.mul(MAXPOS, c64(tw * s_tab))
     rs_cos = E.rsrc(p_cos, tab_bytes)
     rs_sin = E.rsrc(p_sin, tab_bytes)
+    rs_wq = E.rsrc(p_wq, c64(D * ITEMSIZE[cfg.q_norm])) if QN else None
+    rs_wk = E.rsrc(p_wk, c64(D * ITEMSIZE[cfg.k_norm])) if KN else None
     num_slots, slot_base = E.mul(NB, c64(BS)), c64(0)
     if cfg.layer_blocks:  # stacked [L, NB, ...]: NB is static, L = dims[3]; a layer outside [0, L) writes nothing
         layer = E.sext64(E.rocdl.raw_ptr_buffer_load(E.i32, E.rsrc(p_layer, c64(4)), c32(0), c32(0)))
@@ -488,13 +667,21 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
         num_slots = E.sel(layer_ok, per_layer, c64(0))
         slot_base = E.sel(layer_ok, E.mul(layer, per_layer), c64(0))
 
-    inv_k = inv_v = None
+    # fp8 scales: one inverse per kernel, or per kv head (the head's lanes compute it once per phase)
+    rs_ks = rs_vs = inv_k1 = inv_v1 = None
     if fp8:
-        one = E.c(1, E.f32)
-        ks = E.bitcast(E.f32, E.rocdl.raw_ptr_buffer_load(E.i32, E.rsrc(p_ks, c64(4)), c32(0), c32(0)))
-        vs = E.bitcast(E.f32, E.rocdl.raw_ptr_buffer_load(E.i32, E.rsrc(p_vs, c64(4)), c32(0), c32(0)))
-        inv_k = E.inv_scale(ks)
-        inv_v = E.inv_scale(vs)
+        rs_ks = E.rsrc(p_ks, c64(4 * KH if cfg.k_scale_heads else 4))
+        rs_vs = E.rsrc(p_vs, c64(4 * KH if cfg.v_scale_heads else 4))
+        if not cfg.k_scale_heads:
+            inv_k1 = E.inv_scale(E.bitcast(E.f32, E.rocdl.raw_ptr_buffer_load(E.i32, rs_ks, c32(0), c32(0))))
+        if not cfg.v_scale_heads:
+            inv_v1 = E.inv_scale(E.bitcast(E.f32, E.rocdl.raw_ptr_buffer_load(E.i32, rs_vs, c32(0), c32(0))))
+
+    def head_inv(rs, hh, one):
+        """1/scale of kv head hh (i32, in [0, KH)), or the one scale."""
+        if one is not None or not fp8:
+            return one
+        return E.inv_scale(E.bitcast(E.f32, E.rocdl.raw_ptr_buffer_load(E.i32, rs, E.mul(hh, c32(4)), c32(0))))
 
     def load_index(rs, tl, is64):
         """int64 value of an index array at local token tl (i32)."""
@@ -548,7 +735,7 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
             fn()
             E.scf.YieldOp([])
 
-    def store_k_cache(s_ok, s, h_k, d0, vals):
+    def store_k_cache(s_ok, s, h_k, d0, vals, inv_k):
         """vals: f32 values of channels [d0, d0+len) of K head h_k (static d0 offset, var head)."""
         def body():
             pieces = E.store_elems_pieces(vals, cfg.cache_dt, inv_k)
@@ -563,22 +750,24 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
         active_all = cpx * hp * ts >= cfg.nt
         return hp, ts, c, hs, tsl, active_all
 
-    def run_phase(cpx, nh, per_token):
-        """Calls per_token(tl, tvalid, c, head_list) for each token iteration."""
+    def run_phase(cpx, nh, per_token, head_setup=None, setup=None):
+        """Calls per_token(tl, tvalid, c, heads, ctx) for each token iteration; heads: [(h, hvalid,
+        head_setup(h, hvalid))], ctx = setup(c): per-lane values made once, before the tokens."""
         hp, ts, c, hs, tsl, active_all = lanes(cpx, nh)
+        ctx = setup(c) if setup else None
+        heads = []
+        for j in range(-(-nh // hp)):
+            h = E.add(hs, c32(j * hp)) if j else hs
+            hvalid = None if (j + 1) * hp <= nh else E.cmp("slt", h, c32(nh))
+            heads.append((h, hvalid, head_setup(h, hvalid) if head_setup else None))
         for it in range(-(-TPB // ts)):
             tl = E.add(tsl, c32(it * ts)) if it else tsl
             tvalid = E.cmp("slt", E.ext64(tl), rows)
-            heads = []
-            for j in range(-(-nh // hp)):
-                h = E.add(hs, c32(j * hp)) if j else hs
-                hvalid = None if (j + 1) * hp <= nh else E.cmp("slt", h, c32(nh))
-                heads.append((h, hvalid))
             lane_ok = None if active_all and (it + 1) * ts <= TPB else E.cmp("slt", tsl, c32(min(ts, TPB - it * ts)))
             if lane_ok is None:
-                per_token(tl, tvalid, c, heads)
+                per_token(tl, tvalid, c, heads, ctx)
             else:
-                guarded(lane_ok, lambda: per_token(tl, tvalid, c, heads))
+                guarded(lane_ok, lambda: per_token(tl, tvalid, c, heads, ctx))
 
     def load_qk(is_q, oq, ok, nbytes):
         """nbytes of q (Q heads) or k (K heads): one load per lane, branch on the head kind (uniform
@@ -603,80 +792,256 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
     def head_offset(tl, h, nheads, ch0_bytes_i32):
         return E.add(E.mul(E.add(E.mul(tl, c32(nheads)), h), c32(D * s_in)), ch0_bytes_i32)
 
+    def qk_head(h):
+        """(is a Q head, kv head index (garbage for Q heads), kv head made safe for indexing)."""
+        is_q = E.cmp("slt", h, c32(QH))
+        hk = E.sub(h, c32(QH))
+        return is_q, hk, E.sel(is_q, c32(0), hk)
+
+    def qk_head_setup(h, hvalid):
+        if not fp8 or not cfg.k_scale_heads:
+            return inv_k1
+        return head_inv(rs_ks, qk_head(h)[2], None)
+
+    def ld_qk(tl, h, hk, is_q, hvalid, chunk, nbytes=None):
+        """(pieces, q offset, k offset) of chunk (first channel = base (i32) + extra (static), n
+        channels) of head h's row; the static part stays an immediate offset of the access."""
+        base, extra, n = chunk
+        oq = head_offset(tl, h, QH, E.mul(base, c32(s_in)))
+        ok = head_offset(tl, hk, KH, E.mul(base, c32(s_in)))
+        if extra:
+            oq, ok = E.add(oq, c32(extra * s_in)), E.add(ok, c32(extra * s_in))
+        nbytes = nbytes or n * s_in
+        if hvalid is not None:
+            big = c32(0x7FFFFFF0)  # past the descriptor: the hardware returns 0, drops stores
+            oq = E.sel(hvalid, oq, big)
+            ok = E.sel(hvalid, ok, big)
+        return load_qk(is_q, oq, ok, nbytes), oq, ok
+
+    # ---- QK-RMSNorm pieces ----
+    def norm_weights(chunks, is_q):
+        """The head's weights (q's or k's, by its kind) of `chunks` [(first channel (i32), n)]: a
+        list of f32 lists. With both norms, one load per chunk picks the kind's weight (half the
+        registers of holding both)."""
+        def load(rs, code, convert):
+            sw = ITEMSIZE[code]
+            out = []
+            for base, extra, n in chunks:
+                off = E.mul(base, c32(sw))
+                pieces = E.buf_load_words(rs, E.add(off, c32(extra * sw)) if extra else off, n * sw)
+                out.append(E.elems_from_pieces(pieces, code, n) if convert else pieces)
+            return out
+
+        if not (QN and KN):
+            rs, code = (rs_wq, cfg.q_norm) if QN else (rs_wk, cfg.k_norm)
+            return load(rs, code, True)
+        same = cfg.q_norm == cfg.k_norm  # same dtype: select raw words, convert once
+        if same:
+            sizes = [[p for p in E._pieces(n * ITEMSIZE[cfg.q_norm])] for _, _, n in chunks]
+            types = [E._raw_type(p) for sz in sizes for p in sz]
+        else:
+            types = [E.f32] * sum(n for _, _, n in chunks)
+        op = E.scf.IfOp(is_q, types, has_else=True)
+        for block, rs, code in ((op.then_block, rs_wq, cfg.q_norm), (op.else_block, rs_wk, cfg.k_norm)):
+            with ir.InsertionPoint(block):
+                got = load(rs, code, not same)
+                E.scf.YieldOp([v for g in got for v in ([x for _, x in g] if same else g)])
+        res, out, i = list(op.results), [], 0
+        for (_, _, n), sz in zip(chunks, sizes if same else [None] * len(chunks)):
+            if same:
+                pieces = list(zip(sz, res[i:i + len(sz)]))
+                i += len(sz)
+                out.append(E.elems_from_pieces(pieces, cfg.q_norm, n))
+            else:
+                out.append(res[i:i + n])
+                i += n
+        return out
+
+    always = E.cmp("sgt", T, c64(0))  # true whenever the kernel runs; the compiler cannot know
+
+    def row_sum_sq(tl, h, hk, is_q, hvalid):
+        """S of the whole row, loaded again by this lane (a layout the butterfly does not fit). The
+        row's 16-byte pieces load one by one as the tree reaches them, each in its own (uniform)
+        branch: only one piece is live next to the partial sums, not the whole row."""
+        starts, e = [], 0
+        for p in E._pieces(D * s_in):
+            starts.append((e, p))
+            e += p // s_in
+        got = {}
+
+        def elem_sq(i):
+            k = max(j for j, (e0, _) in enumerate(starts) if e0 <= i)
+            if k not in got:
+                e0, p = starts[k]
+                op = E.scf.IfOp(always, [E._raw_type(p)], has_else=True)
+                with ir.InsertionPoint(op.then_block):
+                    (_, v), = ld_qk(tl, h, hk, is_q, hvalid, (c32(0), e0, p // s_in))[0]
+                    E.scf.YieldOp([v])
+                with ir.InsertionPoint(op.else_block):
+                    E.scf.YieldOp([E.zero_raw(p)])
+                xs = E.elems_from_pieces([(p, op.results[0])], cfg.dt, p // s_in)
+                got[k] = [E.arith.mulf(x, x) for x in xs]
+            return got[k][i - starts[k][0]]
+
+        def node(lo, n):
+            if n == 1:
+                return elem_sq(lo)
+            if n % 2 == 0:
+                return E.arith.addf(node(lo, n // 2), node(lo + n // 2, n // 2))
+            return E.arith.addf(node(lo, n - 1), elem_sq(lo + n - 1))
+
+        return node(0, D)
+
+    def plan_sum_sq(fam_vals):
+        sq = [[E.arith.mulf(x, x) for x in fv] for fv in fam_vals]
+        if NL.plan == ("local",):
+            return tree_sum([v for fv in sq for v in fv], E.arith.addf)
+
+        def ev(node):
+            if node[0] == "add":
+                return E.arith.addf(ev(node[1]), ev(node[2]))
+            v = tree_sum(sq[node[1]], E.arith.addf)
+            m = 1
+            while m < NL.lanes:  # lanes c and c^m hold sibling nodes: their sum is the parent
+                v = E.arith.addf(v, E.lane_xor(v, m, tid))
+                m *= 2
+            return v
+        return ev(NL.plan)
+
+    def norm_inv(S):
+        """r32(1 / r32(sqrt(r32(r32(S / D) + eps))))."""
+        if D & (D - 1) == 0:  # S * 2^-k rounds the same exact value as S / 2^k
+            ms = E.arith.mulf(S, E.c(2.0 ** -(D.bit_length() - 1), E.f32))
+        else:
+            ms = E.arith.divf(S, E.c(float(D), E.f32))
+        root = E.sqrt(E.arith.addf(ms, E.c(cfg.norm_eps, E.f32)))
+        return E.arith.divf(E.c(1, E.f32), root)
+
+    def head_normed(is_q):
+        """i1 'this head is normalised', or None when every head is."""
+        if QN and KN:
+            return None
+        return is_q if QN else E.arith.xori(is_q, E.c(1, E.i1))
+
+    def normalized(raw, chunks, S, is_q, groups):
+        """(pieces, f32 values) per chunk of raw loaded pieces: n_i = r(r32(w_i * r(r32(x_i * inv))))
+        for a normalised head (its bits, canonical NaN), x_i (the input's bits) for the others. One
+        kind only: a branch on the kind yielding packed words (not selects, not f32 values: the
+        other kind's lanes skip the norm and the merge costs the packed registers only).
+        S: the row's sum, or None: from the chunks (groups: chunks per family of the plan)."""
+        ns = [ch[2] for ch in chunks]
+
+        def compute():
+            fam_x = [E.elems_from_pieces(p, cfg.dt, n) for p, n in zip(raw, ns)]
+            if S is None:
+                fam, i = [], 0
+                for g in groups:
+                    fam.append([v for xs in fam_x[i:i + g] for v in xs])
+                    i += g
+                inv = norm_inv(plan_sum_sq(fam))
+            else:
+                inv = norm_inv(S)
+            ws = norm_weights(chunks, is_q)  # after the sum: the weights are not live across it
+            bits = [[E.to_bits(E.arith.mulf(w, E.round_to(E.arith.mulf(x, inv), cfg.dt)), cfg.dt)
+                     for x, w in zip(xs, wl)] for xs, wl in zip(fam_x, ws)]
+            return bits, [E.words_to_pieces(E.pack_bits(b, s_in)) for b in bits]
+
+        normed = head_normed(is_q)
+        if normed is None:
+            bits, pieces = compute()
+            return pieces, [[E.bits_to_f32(v, cfg.dt) for v in b] for b in bits]
+        sizes = [[p for p, _ in pc] for pc in raw]
+        op = E.scf.IfOp(normed, [E._raw_type(p) for sz in sizes for p in sz], has_else=True)
+        with ir.InsertionPoint(op.then_block):
+            E.scf.YieldOp([v for pc in compute()[1] for _, v in pc])
+        with ir.InsertionPoint(op.else_block):
+            E.scf.YieldOp([v for pc in raw for _, v in pc])
+        res, pieces = list(op.results), []
+        for sz in sizes:
+            pieces.append(list(zip(sz, res[:len(sz)])))
+            res = res[len(sz):]
+        return pieces, [E.elems_from_pieces(p, cfg.dt, n) for p, n in zip(pieces, ns)]
+
     # ------------------------------ rotation phase ------------------------------
     W = cfg.w_rot
     cpx_rot = (R // 2) // W if cfg.neox else R // W
+    merged = NL is not None and NL.merged
+    npairs = W if cfg.neox else W // 2
 
-    def rot_token(tl, tvalid, c, heads):
+    def rot_chunks(c):
+        """[(first channel: base (i32) + extra (static), n)] of this lane's families: rotation
+        chunks, then the merged pass-through sub-chunks."""
+        cw = E.mul(c, c32(W))
+        out = [(cw, 0, W)]
+        if cfg.neox:
+            out.append((cw, R // 2, W))
+        for off, w in (NL.families[NL.n_rot:] if merged else ()):
+            base = E.mul(c, c32(w))
+            out += [(base, off + i * NL.w_psub, NL.w_psub) for i in range(w // NL.w_psub)]
+        return out
+
+    def chunk_d0(chunk):
+        base, extra, _ = chunk
+        return E.add(E.ext64(base), c64(extra)) if extra else E.ext64(base)
+
+    def rot_token(tl, tvalid, c, heads, chunks):
+        n_rot = 2 if cfg.neox else 1
         pos = load_index(rs_pos, tl, cfg.pos64)
         pos = E.arith.maxsi(E.arith.minsi(pos, E.sub(MAXPOS, c64(1))), c64(0))
         row = E.mul(E.trunc32(pos), c32(tw * s_tab))
-        # table values for this lane's chunk: lists ca, sa, cb, sb (f32, per pair in the chunk)
-        npairs = W if cfg.neox else W // 2
 
-        def tab(rs, first_elem, n):
-            off = E.add(row, E.add(E.mul(c, c32(n * s_tab)), c32(first_elem * s_tab)))
-            return E.elems_from_pieces(E.buf_load_words(rs, off, n * s_tab), cfg.tab_dt, n)  # exact
+        def tables():
+            """(cos_a, sin_a, cos_b, sin_b) of this lane's pairs (f32, exact)."""
+            def tab(rs, first_elem, n):
+                off = E.add(row, E.add(E.mul(c, c32(n * s_tab)), c32(first_elem * s_tab)))
+                return E.elems_from_pieces(E.buf_load_words(rs, off, n * s_tab), cfg.tab_dt, n)  # exact
 
-        if cfg.neox:
-            ca = tab(rs_cos, 0, npairs)
-            sa = tab(rs_sin, 0, npairs)
-            if cfg.full_table:
-                cb = tab(rs_cos, R // 2, npairs)
-                sb = tab(rs_sin, R // 2, npairs)
-            else:
-                cb, sb = ca, sa
-        else:
-            if cfg.full_table:
-                cf = tab(rs_cos, 0, W)
-                sf = tab(rs_sin, 0, W)
-                ca, cb = cf[0::2], cf[1::2]
-                sa, sb = sf[0::2], sf[1::2]
-            else:
+            if cfg.neox:
                 ca = tab(rs_cos, 0, npairs)
                 sa = tab(rs_sin, 0, npairs)
-                cb, sb = ca, sa
+                if cfg.full_table:
+                    cb = tab(rs_cos, R // 2, npairs)
+                    sb = tab(rs_sin, R // 2, npairs)
+                else:
+                    cb, sb = ca, sa
+            else:
+                if cfg.full_table:
+                    cf = tab(rs_cos, 0, W)
+                    sf = tab(rs_sin, 0, W)
+                    ca, cb = cf[0::2], cf[1::2]
+                    sa, sb = sf[0::2], sf[1::2]
+                else:
+                    ca = tab(rs_cos, 0, npairs)
+                    sa = tab(rs_sin, 0, npairs)
+                    cb, sb = ca, sa
+            return ca, sa, cb, sb
 
-        kslot = None
-        if KH > 0:
-            kslot = token_slot(tl, tvalid)
+        # without a norm the tables load first; with one after it (not live across the reduction)
+        tabs = None if cfg.norm else tables()
 
-        # loads first
+        kslot = token_slot(tl, tvalid) if KH > 0 else None
+
+        # loads first: every chunk of every head (and the whole row where the butterfly does not fit)
         loaded = []
-        for h, hvalid in heads:
-            is_q = E.cmp("slt", h, c32(QH))
-            hk = E.sub(h, c32(QH))
-            # offsets for q and k rows; select by head kind (both descriptors are uniform)
-            cw = E.mul(c, c32(W * s_in))
-            off_q = head_offset(tl, h, QH, cw)
-            off_k = head_offset(tl, hk, KH, cw)
-            loaded.append((h, hvalid, is_q, hk, off_q, off_k))
+        for h, hvalid, inv_k in heads:
+            is_q, hk, _ = qk_head(h)
+            got = [ld_qk(tl, h, hk, is_q, hvalid, ch) for ch in chunks]
+            S = row_sum_sq(tl, h, hk, is_q, hvalid) if cfg.norm and NL.plan is None else None
+            loaded.append((h, hvalid, inv_k, is_q, hk, got, S))
 
-        results = []
-        for h, hvalid, is_q, hk, off_q, off_k in loaded:
-            def ld(extra_bytes):
-                oq = E.add(off_q, c32(extra_bytes)) if extra_bytes else off_q
-                ok = E.add(off_k, c32(extra_bytes)) if extra_bytes else off_k
-                if hvalid is not None:
-                    big = c32(0x7FFFFFF0)  # past the descriptor: the hardware returns 0, drops stores
-                    oq = E.sel(hvalid, oq, big)
-                    ok = E.sel(hvalid, ok, big)
-                return load_qk(is_q, oq, ok, W * s_in), oq, ok
-            if cfg.neox:
-                a = ld(0)
-                b = ld((R // 2) * s_in)
-                results.append((h, hvalid, is_q, hk, a, b))
+        normed = []
+        for h, hvalid, inv_k, is_q, hk, got, S in loaded:
+            if cfg.norm:
+                normed.append(normalized([g[0] for g in got], chunks, S, is_q, NL.groups))
             else:
-                a = ld(0)
-                results.append((h, hvalid, is_q, hk, a, None))
+                normed.append((None, [E.elems_from_pieces(g[0], cfg.dt, ch[2]) for g, ch in zip(got, chunks)]))
+        ca, sa, cb, sb = tabs or tables()
 
-        for h, hvalid, is_q, hk, a, b in results:
+        for (h, hvalid, inv_k, is_q, hk, got, S), (new_pieces, fam_x) in zip(loaded, normed):
             if cfg.neox:
-                xa = E.elems_from_pieces(a[0], cfg.dt, W)
-                xb = E.elems_from_pieces(b[0], cfg.dt, W)
+                xa, xb = fam_x[0], fam_x[1]
             else:
-                xx = E.elems_from_pieces(a[0], cfg.dt, W)
-                xa, xb = xx[0::2], xx[1::2]
+                xa, xb = fam_x[0][0::2], fam_x[0][1::2]
             ya, yb = [], []
             for i in range(npairs):
                 if mode == "fused":  # fma(a, cos_a, -(b*sin_a)), fma(b, cos_b, a*sin_b)
@@ -692,78 +1057,94 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
                     yb.append(r(E.arith.addf(r(E.arith.mulf(xb[i], cb[i])), r(E.arith.mulf(xa[i], sb[i])))))
             # output values (rounded to the input dtype once)
             if cfg.neox:
-                outs = [(0, ya), ((R // 2) * s_in, yb)]
+                outs = [ya, yb]
             else:
                 inter = []
                 for i in range(npairs):
                     inter += [ya[i], yb[i]]
-                outs = [(0, inter)]
-            out_pieces = []
-            for (extra, vals), src in zip(outs, [a, b] if cfg.neox else [a]):
-                pieces = E.store_elems_pieces(vals, cfg.dt)
-                out_pieces.append(pieces)
-                # q_out / k_out: the same offsets as the loads (out-of-range ones are dropped)
-                store_qk(is_q, pieces, src[1], src[2])
-            # key cache: K heads only
+                outs = [inter]
+            wr = None
             if KH > 0:
                 s_ok, s = kslot
                 wr = E.and1(s_ok, E.arith.xori(is_q, E.c(1, E.i1)))
                 if hvalid is not None:
                     wr = E.and1(wr, hvalid)
-                # the cache stores k_out (rounded to the input dtype), converted to the cache dtype;
-                # an fp8 cache in "fused" arithmetic quantizes the f32 values before that rounding
-                for (d_extra, vals), pieces in zip(outs, out_pieces):
-                    d0 = E.add(E.ext64(E.mul(c, c32(W))), c64(d_extra // s_in))
-                    if cfg.cache_dt == cfg.dt:
-                        guarded(wr, lambda pieces=pieces, d0=d0: E.global_store_pieces(
-                            pieces, k_cache_addr(s, hk, None, dvar=d0)))
-                    else:
-                        keep_f32 = cfg.dt == F32 or mode == "fused"
-                        kvals = vals if keep_f32 else [E.round_to(v, cfg.dt) for v in vals]
-                        store_k_cache(wr, s, hk, d0, kvals)
+            # q_out / k_out first (the same offsets as the loads; out-of-range ones are dropped),
+            # then the key cache. Channels >= R held by this lane (norm on) are copied, normalised
+            # where the head is.
+            stores = []  # (pieces, values for another cache dtype, chunk)
+            for j, (src, ch) in enumerate(zip(got, chunks)):
+                if j < n_rot:
+                    vals = outs[j]
+                    pieces = E.store_elems_pieces(vals, cfg.dt)
+                    # the cache stores k_out (rounded to the input dtype), converted to the cache dtype;
+                    # an fp8 cache in "fused" arithmetic quantizes the f32 values before that rounding
+                    if cfg.cache_dt != cfg.dt and not (cfg.dt == F32 or mode == "fused"):
+                        vals = [E.round_to(v, cfg.dt) for v in vals]
+                else:
+                    vals, pieces = fam_x[j], new_pieces[j]
+                store_qk(is_q, pieces, src[1], src[2])
+                stores.append((pieces, vals, ch))
+            if KH == 0:
+                continue
+            for pieces, vals, ch in stores:
+                d0 = chunk_d0(ch)
+                if cfg.cache_dt == cfg.dt:
+                    guarded(wr, lambda pieces=pieces, d0=d0: E.global_store_pieces(
+                        pieces, k_cache_addr(s, hk, None, dvar=d0)))
+                else:
+                    store_k_cache(wr, s, hk, d0, vals, inv_k)
 
-    run_phase(cpx_rot, RH, rot_token)
+    run_phase(cpx_rot, RH, rot_token, head_setup=qk_head_setup, setup=rot_chunks)
 
     # ------------------------------ pass-through phase ------------------------------
-    if R < D:
+    if R < D and not merged:
         WP = cfg.w_pass
         cpx_p = (D - R) // WP
 
-        def pass_token(tl, tvalid, c, heads):
+        def pass_setup(c):
+            return (E.mul(c, c32(WP)), R, WP)
+
+        def pass_token(tl, tvalid, c, heads, ch):
             kslot = token_slot(tl, tvalid)
-            for h, hvalid in heads:
-                is_q = E.cmp("slt", h, c32(QH))
-                hk = E.sub(h, c32(QH))
-                cw = E.add(E.mul(c, c32(WP * s_in)), c32(R * s_in))
-                big = c32(0x7FFFFFF0)
-                oq = head_offset(tl, h, QH, cw)
-                ok = head_offset(tl, hk, KH, cw)
-                if hvalid is not None:
-                    oq = E.sel(hvalid, oq, big)
-                    ok = E.sel(hvalid, ok, big)
-                pieces = load_qk(is_q, oq, ok, WP * s_in)
-                words = E.piece_words(pieces)
+            loaded = []
+            for h, hvalid, inv_k in heads:
+                is_q, hk, _ = qk_head(h)
+                got = ld_qk(tl, h, hk, is_q, hvalid, ch)
+                S = row_sum_sq(tl, h, hk, is_q, hvalid) if cfg.norm else None
+                loaded.append((h, hvalid, inv_k, is_q, hk, got, S))
+            for h, hvalid, inv_k, is_q, hk, (pieces, oq, ok), S in loaded:
+                vals = None
+                if cfg.norm:
+                    (pieces,), (vals,) = normalized([pieces], [ch], S, is_q, [1])
                 store_qk(is_q, pieces, oq, ok)
                 s_ok, s = kslot
                 wr = E.and1(s_ok, E.arith.xori(is_q, E.c(1, E.i1)))
                 if hvalid is not None:
                     wr = E.and1(wr, hvalid)
-                d0 = E.add(E.ext64(E.mul(c, c32(WP))), c64(R))
+                d0 = chunk_d0(ch)
                 if cfg.cache_dt == cfg.dt:
-                    guarded(wr, lambda: E.global_store_pieces(pieces, k_cache_addr(s, hk, None, dvar=d0)))
+                    guarded(wr, lambda pieces=pieces, d0=d0: E.global_store_pieces(
+                        pieces, k_cache_addr(s, hk, None, dvar=d0)))
                 else:
-                    vals = E.elems_from_pieces(words, cfg.dt, WP)
-                    store_k_cache(wr, s, hk, d0, vals)
+                    if vals is None:
+                        vals = E.elems_from_pieces(pieces, cfg.dt, WP)
+                    store_k_cache(wr, s, hk, d0, vals, inv_k)
 
-        run_phase(cpx_p, RH, pass_token)
+        run_phase(cpx_p, RH, pass_token, head_setup=qk_head_setup, setup=pass_setup)
 
     # ------------------------------ V phase ------------------------------
     WV = cfg.w_v
     cpx_v = D // WV
 
-    def v_token(tl, tvalid, c, heads):
+    def v_head_setup(h, hvalid):
+        if not fp8 or not cfg.v_scale_heads:
+            return inv_v1
+        return head_inv(rs_vs, h if hvalid is None else E.sel(hvalid, h, c32(0)), None)
+
+    def v_token(tl, tvalid, c, heads, ctx):
         s_ok, s = token_slot(tl, tvalid)
-        for h, hvalid in heads:
+        for h, hvalid, inv_v in heads:
             cw = E.mul(c, c32(WV * s_in))
             off = head_offset(tl, h, KH, cw)
             if hvalid is not None:
@@ -773,7 +1154,7 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
             d0 = E.ext64(E.mul(c, c32(WV)))
             hh = E.ext64(h)
 
-            def body(pv=pv, d0=d0, hh=hh):
+            def body(pv=pv, d0=d0, hh=hh, inv_v=inv_v):
                 if cfg.layout == FLASH:
                     if cfg.cache_dt == cfg.dt:
                         pieces = pv
@@ -789,7 +1170,7 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
                         E.global_store_pieces(E.words_to_pieces(words), v_cache_addr(s, hh, E.add(d0, c64(i))))
             guarded(wr, body)
 
-    run_phase(cpx_v, KH, v_token)
+    run_phase(cpx_v, KH, v_token, head_setup=v_head_setup)
 
 
 def build_launcher(cfg: RocmKernelConfig):
@@ -805,18 +1186,21 @@ def build_launcher(cfg: RocmKernelConfig):
                        a6: fx.Int64, a7: fx.Int64, a8: fx.Int64, a9: fx.Int64, a10: fx.Int64, a11: fx.Int64,
                        a12: fx.Int64, a13: fx.Int64, a14: fx.Int64, a15: fx.Int64, a16: fx.Int64, a17: fx.Int64,
                        a18: fx.Int64, a19: fx.Int64, a20: fx.Int64, a21: fx.Int64, a22: fx.Int64, a23: fx.Int64,
-                       a24: fx.Int64, a25: fx.Int64, a26: fx.Int64, a27: fx.Int64):
+                       a24: fx.Int64, a25: fx.Int64, a26: fx.Int64, a27: fx.Int64, a28: fx.Int64, a29: fx.Int64,
+                       a30: fx.Int64, a31: fx.Int64):
         emit_kernel_body(cfg, [_raw(a) for a in (a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13,
-                                                 a14, a15, a16, a17, a18, a19, a20, a21, a22, a23, a24, a25,
-                                                 a26, a27)])
+                                                 a14, a15, a16, a17, a18, a19, a20, a21, a22, a23, a24, a25, a26, a27,
+                                                 a28, a29, a30, a31)])
 
     @flyc.jit
     def jrc_launch(a0: fx.Int64, a1: fx.Int64, a2: fx.Int64, a3: fx.Int64, a4: fx.Int64, a5: fx.Int64,
                    a6: fx.Int64, a7: fx.Int64, a8: fx.Int64, a9: fx.Int64, a10: fx.Int64, a11: fx.Int64,
                    a12: fx.Int64, a13: fx.Int64, a14: fx.Int64, a15: fx.Int64, a16: fx.Int64, a17: fx.Int64,
                    a18: fx.Int64, a19: fx.Int64, a20: fx.Int64, a21: fx.Int64, a22: fx.Int64, a23: fx.Int64,
-                   a24: fx.Int64, a25: fx.Int64, a26: fx.Int64, a27: fx.Int64):
-        jrc_rope_cache(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, a16, a17, a18,
-                       a19, a20, a21, a22, a23, a24, a25, a26, a27).launch(grid=(1, 1, 1), block=(cfg.nt, 1, 1))
+                   a24: fx.Int64, a25: fx.Int64, a26: fx.Int64, a27: fx.Int64, a28: fx.Int64, a29: fx.Int64,
+                   a30: fx.Int64, a31: fx.Int64):
+        jrc_rope_cache(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13,
+                       a14, a15, a16, a17, a18, a19, a20, a21, a22, a23, a24, a25, a26, a27,
+                       a28, a29, a30, a31).launch(grid=(1, 1, 1), block=(cfg.nt, 1, 1))
 
     return jrc_launch
