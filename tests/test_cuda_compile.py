@@ -146,7 +146,7 @@ def _kernel_dir():
 
 
 class _Params(ctypes.Structure):
-    _fields_ = [("ptr", ctypes.c_void_p * 16), ("dim0", ctypes.c_int64 * 12)]
+    _fields_ = [("ptr", ctypes.c_void_p * 18), ("dim0", ctypes.c_int64 * 14)]
 
 
 def _build_emulation(cfg, tmp_dir):
@@ -154,7 +154,7 @@ def _build_emulation(cfg, tmp_dir):
     if cxx is None:
         pytest.skip("no C++ compiler for the host emulation")
     kd = _kernel_dir()
-    defs = [f"-D{k}={1 if k == 'RC_NT' else v}" for k, v in cfg.defines]
+    defs = cuda.define_flags((k, 1 if k == "RC_NT" else v) for k, v in cfg.defines)
     tag = hashlib.sha256(" ".join(defs).encode()).hexdigest()[:16]
     so = os.path.join(tmp_dir, f"emu_{tag}.so")
     if not os.path.exists(so):
@@ -164,6 +164,7 @@ def _build_emulation(cfg, tmp_dir):
         subprocess.run(cmd, check=True, capture_output=True, text=True)
     lib = ctypes.CDLL(so)
     lib.rc_emulate.argtypes = [ctypes.POINTER(_Params), ctypes.c_longlong]
+    lib.rc_emulate.restype = ctypes.c_int  # failed checks of the emulated shuffles (rope_cache.cu)
     return lib
 
 
@@ -190,25 +191,28 @@ def make_inputs(spec, rng):
     return (q, k, v, kc, vc, slots.astype(spec.slot_dtype), pos.astype(spec.pos_dtype), cos, sin)
 
 
-def run_emulation(spec, args, k_scale, v_scale, tmp_dir, layer=0, num_sms=cuda.DEFAULT_SMS, defines=None):
+def run_emulation(spec, args, k_scale, v_scale, tmp_dir, layer=0, num_sms=cuda.DEFAULT_SMS, defines=None,
+                  q_norm_weight=None, k_norm_weight=None):
     cfg = cuda.kernel_config(spec, num_sms)
     if defines:  # another variant of the same kernel (tokens per block, unroll, ...)
         d = dict(cfg.defines, **defines)
         cfg = cuda.KernelConfig(defines=tuple(d.items()), tokens_per_block=d["RC_TPB"], threads=d["RC_NT"])
     lib = _build_emulation(cfg, tmp_dir)
     q, k, v, kc, vc, slots, pos, cos, sin = (np.ascontiguousarray(a) for a in args)
-    ks = np.array(k_scale if k_scale is not None else 1.0, np.float32)
-    vs = np.array(v_scale if v_scale is not None else 1.0, np.float32)
+    ks = np.ascontiguousarray(k_scale if k_scale is not None else 1.0, np.float32)
+    vs = np.ascontiguousarray(v_scale if v_scale is not None else 1.0, np.float32)
+    absent = np.full(1, np.nan, np.float32)  # an absent weight's placeholder (never read)
+    wq, wk = (absent if w is None else np.ascontiguousarray(w) for w in (q_norm_weight, k_norm_weight))
     q_out, k_out = np.full_like(q, 7), np.full_like(k, 7)
     kc_out, vc_out = kc.copy(), vc.copy()
-    ops = [q, k, v, kc_out, vc_out, slots, pos, cos, sin, ks, vs, np.array(layer, np.int32)]
+    ops = [q, k, v, kc_out, vc_out, slots, pos, cos, sin, ks, vs, np.array(layer, np.int32), wq, wk]
     p = _Params()
     for i, a in enumerate(ops + [q_out, k_out, kc_out, vc_out]):
         p.ptr[i] = a.ctypes.data
     for i, a in enumerate(ops):
         p.dim0[i] = a.shape[0] if a.ndim else 1
     grid = -(-spec.num_tokens // cfg.tokens_per_block)
-    lib.rc_emulate(ctypes.byref(p), grid)
+    assert lib.rc_emulate(ctypes.byref(p), grid) == 0, "emulated shuffle groups: wrong lanes or sums"
     return q_out, k_out, kc_out, vc_out
 
 
