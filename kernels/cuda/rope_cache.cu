@@ -567,8 +567,8 @@ struct RotIdx {
   int tt, h, j;
 };
 __device__ __forceinline__ RotIdx rot_idx(int u) {
-  const int r = u % U_ROT;
-  return RotIdx{u / U_ROT, r / P, r % P};
+  const int tt = u / U_ROT, r = u % U_ROT;
+  return RotIdx{tt, r / P, r % P};
 }
 __device__ __forceinline__ const char* rot_src(const Params& p, i64 t, int h, int j) {
   return static_cast<const char*>(h >= QH ? p.k : p.q) + (row_of(t, h) + j * W) * S_IN;
