@@ -20,6 +20,13 @@
 //                                (__launch_bounds__ second argument)
 //   RC_VPAIRS                    1 (default): x-packed V lanes paired so a warp store fills whole
 //                                sectors of a slot run (see v_unit_xpacked)
+//   RC_Q_NORM, RC_K_NORM         -1 (default): no RMSNorm; else the RcDtype of q_norm_weight /
+//                                k_norm_weight (q's dtype or f32): Qwen3's per-head QK-norm before
+//                                the rotation (block "QK-RMSNorm")
+//   RC_NORM_EPS_BITS             the norm's eps as float32 bits (hex)
+//   RC_KS_HEADS, RC_VS_HEADS     1: k_scale / v_scale are [KH] (kv head h uses scale[h]); 0: one scale
+// Without the norm and per-head scales (all at their defaults) the kernel is the same code as
+// before them (every issue-18 path is behind `if constexpr`).
 //
 // Kernel ABI (what kernels/ffi/gpu_launcher.cc passes; the launcher is generic and knows nothing of
 // this op): one kernel parameter, a struct by value holding
@@ -43,6 +50,13 @@
 //                 chunk are the one dependent load (row = position). Heads of one token share the
 //                 table values through L1 (lanes of one warp read the same addresses).
 //   * pass units  (token, q/k head, chunk >= R): copy channels >= R to q_out/k_out (and K cache).
+//   With a norm, a rot unit normalises its chunk(s) before rotating them. R == D, D a power of
+//   two and P <= 32 units per head (NORM_LANES: Qwen3): the P units of one (token, head) are P
+//   consecutive, P-aligned lanes of one warp (U_ROT is a multiple of P, NT of 32); each lane sums
+//   the squares of its chunk(s) by the spec's tree, an xor butterfly (shuffles 1..P/2, per-head
+//   mask) completes the tree in every lane with the same bits (NeoX: the halves [0, D/2) and
+//   [D/2, D) separately, added last). Otherwise (R < D, D not a power of two, P > 32) every rot
+//   and pass unit sums its whole row itself (the other chunks are L1 hits): slower, same bits.
 //   * V units     flash: (token, kv head, chunk): one 16-byte copy into the value cache.
 //                 x-packed: (group of VG tokens, kv head, channel d), d fastest: the thread loads
 //                 channel d of its VG tokens. When the group's slots are one aligned run (VG = X
