@@ -72,6 +72,32 @@ BAD = [
     ("scale-non-fp8", {}, dict(k_scale=0.5), ValueError, ["k_scale", "float8 caches only", "0.5"]),
     ("scale-shape", dict(key_cache=np.ones((NB, BS, KH, D), FP8), value_cache=np.ones((NB, BS, KH, D), FP8)),
      dict(k_scale=np.ones(3, np.float32), v_scale=1.0), TypeError, ["k_scale", "float scalar", "float32[3]"]),
+    ("scale-per-head-rank2", dict(key_cache=np.ones((NB, BS, KH, D), FP8), value_cache=np.ones((NB, BS, KH, D), FP8)),
+     dict(k_scale=1.0, v_scale=np.ones((KH, 1), np.float32)), TypeError, ["v_scale", "[KH] = (2,)", "float32[2, 1]"]),
+    ("scale-per-head-non-fp8", {}, dict(k_scale=np.ones(KH, np.float32)), ValueError,
+     ["k_scale", "float8 caches only", "float32[2]"]),
+    # issue 18: the QK-RMSNorm weights and eps
+    ("q-norm-weight-rotary-width", {}, dict(q_norm_weight=np.ones(D // 2, BF16)), ValueError,
+     ["q_norm_weight", "[D] = [64]", "[32]"]),
+    ("q-norm-weight-per-head", {}, dict(q_norm_weight=np.ones((QH, D), BF16)), ValueError,
+     ["q_norm_weight", "[D] = [64]", "[8, 64]"]),
+    ("k-norm-weight-f16", {}, dict(k_norm_weight=np.ones(D, np.float16)), TypeError,
+     ["k_norm_weight", "bfloat16 or float32", "float16"]),
+    ("k-norm-weight-f64", {}, dict(k_norm_weight=np.ones(D, np.float64)), TypeError, ["k_norm_weight", "float64"]),
+    ("q-norm-weight-int", {}, dict(q_norm_weight=np.ones(D, np.int32)), TypeError, ["q_norm_weight", "int32"]),
+    ("q-norm-weight-list", {}, dict(q_norm_weight=[1.0] * D), TypeError, ["q_norm_weight", "array", "list"]),
+    ("norm-eps-zero", {}, dict(norm_eps=0.0), ValueError, ["norm_eps", "> 0", "0.0"]),
+    ("norm-eps-negative", {}, dict(norm_eps=-1e-6, q_norm_weight=np.ones(D, BF16)), ValueError,
+     ["norm_eps", "> 0", "-1e-06"]),
+    ("norm-eps-nan", {}, dict(norm_eps=float("nan")), ValueError, ["norm_eps", "finite", "nan"]),
+    ("norm-eps-inf", {}, dict(norm_eps=float("inf")), ValueError, ["norm_eps", "finite", "inf"]),
+    ("norm-eps-f32-underflow", {}, dict(norm_eps=1e-50), ValueError, ["norm_eps", "as float32", "1e-50"]),
+    ("norm-eps-f32-overflow", {}, dict(norm_eps=1e39), ValueError, ["norm_eps", "as float32", "1e+39"]),
+    ("norm-eps-int", {}, dict(norm_eps=1), TypeError, ["norm_eps", "float", "1"]),
+    ("norm-eps-str", {}, dict(norm_eps="1e-6"), TypeError, ["norm_eps", "float", "'1e-6'"]),
+    ("norm-eps-bool", {}, dict(norm_eps=True), TypeError, ["norm_eps", "float", "bool"]),
+    ("norm-eps-vector", {}, dict(norm_eps=np.ones(2, np.float32)), TypeError, ["norm_eps", "float32[2]"]),
+    ("norm-eps-int-array", {}, dict(norm_eps=np.int32(1)), TypeError, ["norm_eps", "int32"]),
     ("unknown-layout", {}, dict(layout="paged"), ValueError, ["layout", "flash", "'paged'"]),
     ("unknown-precision", {}, dict(precision="bf16"), ValueError, ["precision", "fp32", "'bf16'"]),
     ("is-neox-str", {}, dict(is_neox="yes"), TypeError, ["is_neox", "bool", "str"]),
@@ -114,6 +140,12 @@ def test_bad_input_raises_a_clear_error(entry, overrides, options, exc, parts):
     assert msg.split(":")[0] == parts[0], msg  # names the argument first
     for p in parts[1:]:
         assert p in msg, f"{p!r} not in {msg!r}"
+
+
+def test_traced_norm_eps_is_refused():
+    args = _good()
+    with pytest.raises(TypeError, match=r"^norm_eps: expected a static float \(not a traced value\), got a float32\[\] "):
+        jax.jit(lambda e: jrc.rope_and_cache(*args.values(), q_norm_weight=np.ones(D, BF16), norm_eps=e))(1e-6)
 
 
 @pytest.mark.parametrize("bad", ["gpu", "triton", ""])

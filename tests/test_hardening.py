@@ -307,7 +307,8 @@ def test_arrays_on_different_devices_are_named():
 
 # ==== raw_ffi: the native handlers trust nothing (item 4) ======================================
 def _raw_problem(layout="flash", dt=BF16, cdt=None, layers=None, T=5, QH=4, KH=2, D=16, BS=16, NB=3, full=False,
-                 seed=0, idx64=False):
+                 seed=0, idx64=False, norm="", weight_dt=None, per_head=False):
+    """`norm`: "q", "k" or "qk" (weights in `weight_dt`, default q's dtype); `per_head`: fp8 scales [KH]."""
     rng = np.random.default_rng(seed)
     cdt = np.dtype(cdt or dt)
     n = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
@@ -325,10 +326,14 @@ def _raw_problem(layout="flash", dt=BF16, cdt=None, layers=None, T=5, QH=4, KH=2
                k_scale=np.float32(0.25 if fp8 else 1.0), v_scale=np.float32(0.5 if fp8 else 1.0),
                layer=np.int32(1 if layers else 0),
                q_norm_weight=np.zeros(1, np.float32), k_norm_weight=np.zeros(1, np.float32))  # norms off
+    for which in norm:
+        ops[f"{which}_norm_weight"] = n(D).astype(weight_dt or dt)
+    if per_head and fp8:
+        ops["k_scale"], ops["v_scale"] = rng.uniform(0.1, 1, KH).astype(np.float32), rng.uniform(0.1, 1, KH).astype(np.float32)
     if T:
         ops["slot_mapping"][0] = -1
     attrs = dict(layout=np.int64(contract.LAYOUT_TABLE[layout].code), is_neox=True, rotary_dim=np.int64(D),
-                 native=False, q_norm=False, k_norm=False, norm_eps=np.float32(1e-6))
+                 native=False, q_norm="q" in norm, k_norm="k" in norm, norm_eps=np.float32(1e-6))
     return ops, attrs
 
 
@@ -351,12 +356,18 @@ def _reference_of(ops, attrs, layers=None):
         *[ops[n] for n in contract.OPERANDS[:9]], layout=layout, is_neox=attrs["is_neox"],
         rotary_dim=int(attrs["rotary_dim"]), precision="native" if attrs["native"] else "fp32",
         k_scale=ops["k_scale"] if fp8 else None, v_scale=ops["v_scale"] if fp8 else None,
-        layer=ops["layer"] if layers else None)
+        layer=ops["layer"] if layers else None, norm_eps=float(attrs["norm_eps"]),
+        q_norm_weight=ops["q_norm_weight"] if attrs["q_norm"] else None,
+        k_norm_weight=ops["k_norm_weight"] if attrs["k_norm"] else None)
 
 
 VALID_RAW = [dict(layout=lay, cdt=cdt, layers=layers) for lay in contract.LAYOUTS for cdt in (None, FP8Z)
              for layers in (None, 3)] + [dict(dt=F32), dict(dt=F16, layout="xpacked"), dict(full=True), dict(T=0),
-                                         dict(idx64=True), dict(idx64=True, layout="xpacked", layers=2)]
+                                         dict(idx64=True), dict(idx64=True, layout="xpacked", layers=2),
+                                         # issue 18: norms, f32 weights, per-head fp8 scales
+                                         dict(norm="qk"), dict(norm="q", dt=F32), dict(norm="k", dt=F16, weight_dt=F32),
+                                         dict(norm="qk", cdt=FP8, per_head=True, layout="xpacked_shuffled"),
+                                         dict(cdt=FP8Z, per_head=True, layers=3)]
 
 
 @pytest.mark.parametrize("aliases", [True, False])
@@ -438,6 +449,24 @@ def _bad_raw_cases():
     add("k_scale-shape", lambda o: _with(o, k_scale=np.ones(3, np.float32)))  # neither 1 nor KH=2
     add("v_scale-empty", lambda o: _with(o, v_scale=np.ones(0, np.float32)))
     add("layer-shape", lambda o: _with(o, layer=np.zeros(3, np.int32)))
+    # issue 18: per-head scales, norm weights (placeholders when off), norm_eps
+    add("v_scale-rank2", lambda o: _with(o, v_scale=np.ones((2, 1), np.float32)))
+    add("k_scale-per-head-f16", lambda o: _with(o, k_scale=np.ones(2, np.float16)))
+    add("q_norm_weight-placeholder-shape", lambda o: _with(o, q_norm_weight=np.zeros(16, np.float32)))
+    add("k_norm_weight-placeholder-dtype", lambda o: _with(o, k_norm_weight=np.zeros(1, BF16)))
+    add("q_norm_weight-on-placeholder", lambda o: _with(o, q_norm_weight=np.zeros(1, np.float32)), problem=dict(norm="q"))
+    add("k_norm_weight-on-short", lambda o: _with(o, k_norm_weight=o["k_norm_weight"][:-2]), problem=dict(norm="qk"))
+    add("k_norm_weight-on-rank2", lambda o: _with(o, k_norm_weight=o["k_norm_weight"][None]), problem=dict(norm="k"))
+    add("q_norm_weight-on-f16", lambda o: _with(o, q_norm_weight=o["q_norm_weight"].astype(np.float16)),
+        problem=dict(norm="q"))
+    add("q_norm_weight-on-int32", lambda o: _with(o, q_norm_weight=o["q_norm_weight"].astype(np.int32)),
+        problem=dict(norm="q"))
+    add("q_norm_weight-on-f64", lambda o: _with(o, q_norm_weight=o["q_norm_weight"].astype(np.float64)),
+        problem=dict(norm="q"))
+    add("q_norm_weight-attr-without-weight", None, attrs=dict(q_norm=True), name="q_norm_weight")
+    for eps in (0.0, -1e-6, np.nan, np.inf):
+        add(f"attribute norm_eps-{eps}", None, attrs=dict(norm_eps=np.float32(eps)), problem=dict(norm="k"),
+            name="attribute norm_eps")
     for lay in contract.LAYOUTS:
         p = dict(layout=lay)
         add(f"key_cache-rank-{lay}", lambda o: _with(o, key_cache=o["key_cache"][0]), problem=p)

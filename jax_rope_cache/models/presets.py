@@ -16,9 +16,13 @@ import numpy as np
 
 from jax_rope_cache.models.config import ModelShape, rope_tables_from_hf_config, shard_shape
 
-__all__ = ["PRESETS", "MODELS", "TP_DEGREES", "preset_config", "preset_shape", "preset_tables", "model_shape"]
+__all__ = ["PRESETS", "MODELS", "TP_DEGREES", "QK_NORM_MODEL_TYPES", "preset_config", "preset_shape",
+           "preset_tables", "preset_qk_norm_eps", "model_shape"]
 
 TP_DEGREES = (1, 2, 4, 8)
+# Model types that normalise q and k per head (RMSNorm over head_dim) before RoPE: the op's
+# q_norm_weight / k_norm_weight, with the config's rms_norm_eps.
+QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
 
 _LLAMA_31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 8192}
@@ -34,12 +38,12 @@ PRESETS: dict[str, dict] = {
     "qwen3-32b": {
         "model_type": "qwen3", "hidden_size": 5120, "num_hidden_layers": 64, "num_attention_heads": 64,
         "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 40960, "rope_theta": 1000000,
-        "rope_scaling": None,
+        "rope_scaling": None, "rms_norm_eps": 1e-6,
     },
     "qwen3-235b-a22b": {
         "model_type": "qwen3_moe", "hidden_size": 4096, "num_hidden_layers": 94, "num_attention_heads": 64,
         "num_key_value_heads": 4, "head_dim": 128, "max_position_embeddings": 40960, "rope_theta": 1000000,
-        "rope_scaling": None,
+        "rope_scaling": None, "rms_norm_eps": 1e-6,
     },
     "llama-3.1-8b": {
         "model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
@@ -70,6 +74,16 @@ def preset_config(name: str) -> dict:
 def preset_shape(name: str, tp: int = 1) -> ModelShape:
     """Per-shard shape of a preset at tp (e.g. preset_shape("llama-3.1-70b", 8): 8 q heads, 1 KV head)."""
     return shard_shape(preset_config(name), tp, name=str(name).lower())
+
+
+def preset_qk_norm_eps(name: str) -> float | None:
+    """The QK-RMSNorm epsilon of a preset (its config's rms_norm_eps), or None for a model without
+    the norm (or the "tiny" shape)."""
+    key = str(name).lower()
+    if key not in PRESETS:
+        return None
+    cfg = PRESETS[key]
+    return float(cfg["rms_norm_eps"]) if cfg.get("model_type") in QK_NORM_MODEL_TYPES else None
 
 
 def preset_tables(name: str, max_pos=None, *, tp: int = 1, dtype=np.float32, form="half"):
