@@ -154,7 +154,7 @@ def _build_emulation(cfg, tmp_dir):
     if cxx is None:
         pytest.skip("no C++ compiler for the host emulation")
     kd = _kernel_dir()
-    defs = [f"-D{k}={1 if k == 'RC_NT' else v}" for k, v in cfg.defines]
+    defs = cuda.define_flags((k, 1 if k == "RC_NT" else v) for k, v in cfg.defines)
     tag = hashlib.sha256(" ".join(defs).encode()).hexdigest()[:16]
     so = os.path.join(tmp_dir, f"emu_{tag}.so")
     if not os.path.exists(so):
@@ -164,6 +164,7 @@ def _build_emulation(cfg, tmp_dir):
         subprocess.run(cmd, check=True, capture_output=True, text=True)
     lib = ctypes.CDLL(so)
     lib.rc_emulate.argtypes = [ctypes.POINTER(_Params), ctypes.c_longlong]
+    lib.rc_emulate.restype = ctypes.c_int  # failed checks of the emulated shuffles (rope_cache.cu)
     return lib
 
 
@@ -190,26 +191,28 @@ def make_inputs(spec, rng):
     return (q, k, v, kc, vc, slots.astype(spec.slot_dtype), pos.astype(spec.pos_dtype), cos, sin)
 
 
-def run_emulation(spec, args, k_scale, v_scale, tmp_dir, layer=0, num_sms=cuda.DEFAULT_SMS, defines=None):
+def run_emulation(spec, args, k_scale, v_scale, tmp_dir, layer=0, num_sms=cuda.DEFAULT_SMS, defines=None,
+                  q_norm_weight=None, k_norm_weight=None):
     cfg = cuda.kernel_config(spec, num_sms)
     if defines:  # another variant of the same kernel (tokens per block, unroll, ...)
         d = dict(cfg.defines, **defines)
         cfg = cuda.KernelConfig(defines=tuple(d.items()), tokens_per_block=d["RC_TPB"], threads=d["RC_NT"])
     lib = _build_emulation(cfg, tmp_dir)
     q, k, v, kc, vc, slots, pos, cos, sin = (np.ascontiguousarray(a) for a in args)
-    ks = np.array(k_scale if k_scale is not None else 1.0, np.float32)
-    vs = np.array(v_scale if v_scale is not None else 1.0, np.float32)
+    ks = np.ascontiguousarray(k_scale if k_scale is not None else 1.0, np.float32)
+    vs = np.ascontiguousarray(v_scale if v_scale is not None else 1.0, np.float32)
+    absent = np.full(1, np.nan, np.float32)  # an absent weight's placeholder (never read)
+    wq, wk = (absent if w is None else np.ascontiguousarray(w) for w in (q_norm_weight, k_norm_weight))
     q_out, k_out = np.full_like(q, 7), np.full_like(k, 7)
     kc_out, vc_out = kc.copy(), vc.copy()
-    no_norm = np.zeros(1, np.float32)  # q_norm_weight / k_norm_weight placeholders
-    ops = [q, k, v, kc_out, vc_out, slots, pos, cos, sin, ks, vs, np.array(layer, np.int32), no_norm, no_norm]
+    ops = [q, k, v, kc_out, vc_out, slots, pos, cos, sin, ks, vs, np.array(layer, np.int32), wq, wk]
     p = _Params()
     for i, a in enumerate(ops + [q_out, k_out, kc_out, vc_out]):
         p.ptr[i] = a.ctypes.data
     for i, a in enumerate(ops):
         p.dim0[i] = a.shape[0] if a.ndim else 1
     grid = -(-spec.num_tokens // cfg.tokens_per_block)
-    lib.rc_emulate(ctypes.byref(p), grid)
+    assert lib.rc_emulate(ctypes.byref(p), grid) == 0, "emulated shuffle groups: wrong lanes or sums"
     return q_out, k_out, kc_out, vc_out
 
 
@@ -369,6 +372,268 @@ def test_host_emulation_writes_one_layer_of_stacked_caches(layout, emu_dir):
             assert np.array_equal(g.view(np.uint8), np.asarray(w).view(np.uint8)), (layer, name)
         if not 0 <= layer < layers:
             assert np.array_equal(got[2].view(np.uint8), kc.view(np.uint8)), layer
+
+
+# ---- issue 18: QK-RMSNorm before the rotation, per-head fp8 scales ----------------------------------
+# Keys of a matrix entry beyond make_spec's: the norm weights' dtypes, eps, per-head scales.
+_EXTRA = ("qn", "kn", "eps", "ksh", "vsh")
+
+
+def spec_of(kw):
+    """The OpSpec of a matrix entry (make_spec, plus the issue-18 options of _EXTRA)."""
+    spec = make_spec(**{k: v for k, v in kw.items() if k not in _EXTRA})
+    qn, kn = kw.get("qn"), kw.get("kn")
+    eps = float(np.float32(kw.get("eps", 1e-6))) if (qn is not None or kn is not None) else 0.0
+    return dataclasses.replace(spec, q_norm_dtype=qn, k_norm_dtype=kn, norm_eps=eps,
+                               k_scale_heads=kw.get("ksh", False), v_scale_heads=kw.get("vsh", False))
+
+
+def norm_compile_matrix():
+    """Norm variants: every layout and style, weights in q's dtype and f32, q only / k only / both,
+    per-head scales; the fast lane path (R == D, a power of two) and the generic one (R < D, D = 80,
+    more than 32 lanes per head)."""
+    out = []
+    for i, (layout, neox, combo) in enumerate(itertools.product(contract.LAYOUTS, (True, False), COMBOS)):
+        dt, cdt, tdt, prec = combo
+        d = (128, 64, 256, 80)[i % 4]
+        if layout != "flash" and d % contract.pack_width(cdt):
+            d = 128
+        r = d if i % 5 else d // 2
+        wdt = (dt, F32)[i % 2]
+        qn, kn = [(wdt, wdt), (wdt, None), (None, wdt), (dt, F32)][i % 4]
+        fp8 = cdt in contract.FP8_DTYPES
+        heads = [(8, 1), (64, 4), (16, 2)][i % 3]
+        out.append(dict(T=(1, 8192, 128)[i % 3], QH=heads[0], KH=heads[1], D=d, R=r, layout=layout, neox=neox, dt=dt,
+                        cdt=cdt, tdt=tdt, prec=prec, full=bool(i % 2), qn=qn, kn=kn, ksh=fp8 and heads[1] > 1,
+                        vsh=fp8 and heads[1] > 1 and i % 2 == 0))
+    # Qwen3-32B TP8 / Qwen3-235B TP4 shapes (8/1/128, 16/1/128), "fused" native with an fp8 cache
+    out.append(dict(T=8192, QH=8, KH=1, D=128, dt=BF16, tdt=F32, qn=BF16, kn=BF16))
+    out.append(dict(T=1, QH=16, KH=1, D=128, dt=BF16, tdt=BF16, prec="native", qn=BF16, kn=BF16))
+    out.append(dict(T=128, QH=8, KH=4, D=128, layout="xpacked_shuffled", dt=BF16, cdt=FNUZ, tdt=F32, prec="native",
+                    qn=F32, kn=F32, ksh=True, vsh=True))
+    return out
+
+
+NORM_MATRIX = norm_compile_matrix()
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_nvrtc_compiles_norm_variants_without_spills(arch):
+    failures = []
+    cfgs = [cuda.kernel_config(spec_of(kw)) for kw in NORM_MATRIX]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
+        compiled = list(pool.map(lambda cfg: cuda.compile_variant(cfg, arch), cfgs))
+    for kw, c in zip(NORM_MATRIX, compiled):
+        assert cuda.KERNEL_NAME.encode() in c.code, f"{_id(kw)}: kernel symbol missing"
+        stores, loads, stack = nvrtc.spill_bytes(c.log)
+        if "spill" not in c.log:
+            failures.append(f"{_id(kw)}: no ptxas -v report in the log")
+        elif stores or loads or stack:
+            failures.append(f"{_id(kw)}: {stores} B spill stores, {loads} B spill loads, {stack} B stack\n{c.log}")
+    assert not failures, "\n".join(failures[:5])
+
+
+def _ptx(kw):
+    return cuda.compile_variant(cuda.kernel_config(spec_of(kw)), "compute_90").code.decode(errors="replace")
+
+
+def test_norm_instructions_in_the_ptx():
+    """The fast path reduces with butterfly shuffles, the generic one without; both take the
+    correctly rounded sqrt and reciprocal (never rsqrt.approx); without a norm none of it is there."""
+    base = dict(T=128, QH=8, KH=1, D=128)
+    plain, lanes = _ptx(base), _ptx(dict(base, qn=BF16, kn=BF16))
+    generic = _ptx(dict(base, R=64, qn=BF16, kn=BF16))
+    for text in (plain, lanes, generic):
+        assert "rsqrt" not in text and "sqrt.approx" not in text and "rcp.approx" not in text
+    assert "shfl.sync" not in plain and "sqrt" not in plain
+    assert "shfl.sync.bfly" in lanes and "sqrt.rn.f32" in lanes and "rcp.rn.f32" in lanes
+    assert "shfl.sync" not in generic and "sqrt.rn.f32" in generic
+
+
+def _weight(rng, d, dtype):
+    return (rng.standard_normal(d) * 0.5 + 1.0).astype(np.float32).astype(dtype)
+
+
+def _scales(rng, kh, heads):
+    return (rng.uniform(0.2, 3.0, kh) if heads else rng.uniform(0.2, 3.0, ())).astype(np.float32)
+
+
+def _norm_problem(kw, rng):
+    """(args, opts) of an entry: make_inputs plus the weights, eps and (per-head) scales it names."""
+    spec0 = make_spec(**{k: v for k, v in kw.items() if k not in _EXTRA})
+    args = make_inputs(spec0, rng)
+    opts = dict(layout=spec0.layout, is_neox=spec0.is_neox, rotary_dim=spec0.rotary_dim, precision=spec0.precision)
+    d = spec0.head_dim
+    if kw.get("qn") is not None:
+        opts["q_norm_weight"] = _weight(rng, d, kw["qn"])
+    if kw.get("kn") is not None:
+        opts["k_norm_weight"] = _weight(rng, d, kw["kn"])
+    if "eps" in kw:
+        opts["norm_eps"] = kw["eps"]
+    if spec0.fp8:
+        opts["k_scale"] = _scales(rng, spec0.kv_heads, kw.get("ksh", False))
+        opts["v_scale"] = _scales(rng, spec0.kv_heads, kw.get("vsh", False))
+    return args, opts
+
+
+def _emulate(args, opts, emu_dir, **kw):
+    spec = contract.check_op(*args, **opts)
+    return run_emulation(spec, args, opts.get("k_scale"), opts.get("v_scale"), emu_dir,
+                         q_norm_weight=opts.get("q_norm_weight"), k_norm_weight=opts.get("k_norm_weight"), **kw)
+
+
+def _assert_bitwise(got, want):
+    for name, g, w in zip(("q_out", "k_out", "key_cache", "value_cache"), got, want):
+        gb, wb = g.view(np.uint8), np.asarray(w).view(np.uint8)
+        assert g.shape == w.shape, name
+        if not np.array_equal(gb, wb):
+            bad = np.argwhere(g.view(f"u{g.dtype.itemsize}") != np.asarray(w).view(f"u{g.dtype.itemsize}"))
+            pytest.fail(f"{name}: {len(bad)} elements differ, first at {bad[:3].tolist()}")
+
+
+def norm_emulation_matrix():
+    m = 50
+    cases = [
+        # fast lane path (R == D, a power of two): Qwen3 shapes and dtypes
+        dict(T=37, QH=8, KH=1, D=128, dt=BF16, tdt=F32, qn=BF16, kn=BF16),
+        dict(T=5, QH=4, KH=2, D=128, dt=BF16, tdt=BF16, prec="native", qn=F32, kn=F32, full=True),
+        dict(T=130, QH=4, KH=2, D=64, layout="xpacked", neox=False, dt=F16, cdt=FN, tdt=F16, prec="native", qn=F16,
+             ksh=True, vsh=True),
+        dict(T=37, QH=4, KH=2, D=128, layout="xpacked_shuffled", dt=BF16, cdt=FNUZ, tdt=F32, prec="native", kn=F32,
+             ksh=True),  # "fused": the fp8 key cache quantizes the rotated f32 values of the normalised k
+        dict(T=9, QH=2, KH=2, D=256, dt=F32, tdt=F32, qn=F32, kn=F32),  # 32 lanes per head: a whole warp
+        dict(T=9, QH=2, KH=1, D=128, neox=False, dt=F32, cdt=FN, tdt=BF16, qn=F32, kn=F32, full=True),  # 32 lanes
+        dict(T=21, QH=4, KH=2, D=64, dt=F16, tdt=F32, prec="native", qn=F16, kn=F32, eps=1e-5),  # two weight dtypes
+        dict(T=21, QH=4, KH=4, D=16, neox=False, dt=BF16, qn=F32, kn=BF16, eps=0.5),  # 2 lanes per head
+        dict(T=11, QH=2, KH=1, D=8, dt=BF16, qn=BF16, kn=BF16),  # NeoX with 1 lane per head: no shuffle
+        # generic path: partial rotary, D not a power of two, more than 32 lanes per head
+        dict(T=37, QH=4, KH=2, D=128, R=64, layout="xpacked", dt=BF16, qn=BF16, kn=BF16),
+        dict(T=37, QH=4, KH=2, D=128, R=32, neox=False, dt=BF16, cdt=FN, qn=F32, kn=BF16, ksh=True, vsh=True),
+        dict(T=13, QH=4, KH=1, D=80, neox=False, dt=BF16, tdt=F32, qn=F32, kn=F32),
+        dict(T=13, QH=4, KH=2, D=80, R=40, dt=F16, cdt=FN, tdt=F16, prec="native", qn=F16, vsh=True),
+        dict(T=9, QH=2, KH=1, D=64, R=6, dt=F16, qn=F16, kn=F16),  # odd R/2: one-element chunks
+        dict(T=9, QH=2, KH=2, D=256, neox=False, dt=F32, qn=F32, kn=F32, eps=1e-30),  # 64 chunks per head
+        dict(T=9, QH=2, KH=1, D=96, dt=BF16, layout="xpacked", qn=BF16, kn=F32),
+        # per-head scales alone (no norm), every layout
+        dict(T=37, QH=4, KH=2, D=128, dt=BF16, cdt=FN, ksh=True, vsh=True),
+        dict(T=130, QH=4, KH=4, D=64, layout="xpacked", dt=F16, cdt=FNUZ, tdt=F16, prec="native", vsh=True),
+        dict(T=37, QH=8, KH=2, D=128, layout="xpacked_shuffled", neox=False, dt=BF16, cdt=FN, tdt=F32, prec="native",
+             ksh=True),
+    ]
+    for c in cases:
+        c.setdefault("max_pos", m)
+    return cases
+
+
+@pytest.mark.parametrize("kw", norm_emulation_matrix(), ids=_id)
+def test_host_emulation_norm_and_head_scales_bitwise(kw, emu_dir):
+    """The kernel with the norm and per-head scales, built for the host, equals the reference bit
+    for bit on fresh random data; the emulated shuffle groups check their lanes (run_emulation)."""
+    rng = np.random.default_rng(abs(hash(_id(kw))) % 2**32)
+    args, opts = _norm_problem(kw, rng)
+    spec = contract.check_op(*args, **opts)
+    assert (spec.q_norm_dtype, spec.k_norm_dtype) == (kw.get("qn"), kw.get("kn"))
+    assert (spec.k_scale_heads, spec.v_scale_heads) == (kw.get("ksh", False), kw.get("vsh", False))
+    want = reference.rope_and_cache(*args, **opts)
+    _assert_bitwise(_emulate(args, opts, emu_dir), want)
+    if "q_norm_weight" in opts:  # the norm changed q: the comparison above saw it
+        plain = reference.rope_and_cache(*args, **{k: v for k, v in opts.items() if k != "q_norm_weight"})
+        assert not np.array_equal(plain[0].view(np.uint8), want[0].view(np.uint8))
+
+
+@pytest.mark.parametrize("variant", [{"RC_TPB": 8}, {"RC_TPB": 32}], ids=["tpb8", "tpb32"])
+@pytest.mark.parametrize("neox", [True, False])
+def test_host_emulation_norm_with_several_units_per_thread(variant, neox, emu_dir):
+    """Blocks of several tokens (the configuration of large calls): units are grouped per head
+    whatever the block size."""
+    kw = dict(T=203, QH=8, KH=2, D=128, neox=neox, dt=BF16, qn=BF16, kn=F32, max_pos=50)
+    args, opts = _norm_problem(kw, np.random.default_rng(3))
+    _assert_bitwise(_emulate(args, opts, emu_dir, num_sms=1, defines=variant), reference.rope_and_cache(*args, **opts))
+
+
+def _special_rows(rng, t, h, d, dtype):
+    """Rows of every magnitude and with specials: normal, tiny (subnormal squares and values),
+    huge (squares overflow to inf: inv = 0), all zeros, one NaN, one inf, +-max."""
+    f = np.finfo(dtype) if dtype != BF16 else ml_dtypes.finfo(ml_dtypes.bfloat16)
+    with np.errstate(over="ignore"):
+        return _special_rows_f32(rng, t, h, d, f).astype(dtype)
+
+
+def _special_rows_f32(rng, t, h, d, f):
+    x = rng.standard_normal((t, h, d)).astype(np.float32)
+    kind = rng.integers(0, 8, (t, h))
+    x[kind == 1] *= np.float32(f.tiny) * 4
+    x[kind == 2] *= np.float32(f.max) / 4
+    x[kind == 3] = 0
+    ti, hi = np.nonzero(kind == 4)
+    x[ti, hi, rng.integers(0, d, len(ti))] = np.nan
+    ti, hi = np.nonzero(kind == 5)
+    x[ti, hi, rng.integers(0, d, len(ti))] = -np.inf
+    ti, hi = np.nonzero(kind == 6)
+    x[ti, hi, rng.integers(0, d, len(ti))] = np.float32(f.max)
+    x[kind == 7] *= np.exp2(rng.integers(-30, 30, (int((kind == 7).sum()), 1))).astype(np.float32)
+    return x
+
+
+@pytest.mark.parametrize("dt,wdt,cdt,R,eps", [(BF16, BF16, None, 128, 1e-6), (BF16, F32, FN, 128, 1e-40),
+                                              (F16, F16, FNUZ, 64, 1e-6), (F32, F32, None, 128, 1e-6),
+                                              (F16, F32, None, 80, 3.0)],
+                         ids=lambda v: getattr(v, "name", str(v)))
+def test_host_emulation_norm_special_rows_bitwise(dt, wdt, cdt, R, eps, emu_dir):
+    """NaN, inf, zero, subnormal and overflowing rows, subnormal and large eps: bit-exact, NaN bits
+    included (every NaN the norm makes is canonical)."""
+    rng = np.random.default_rng(23)
+    d = 80 if R == 80 else 128
+    kw = dict(T=40, QH=4, KH=2, D=d, R=R, dt=dt, cdt=cdt, qn=wdt, kn=wdt, eps=eps, max_pos=50)
+    args, opts = _norm_problem(kw, rng)
+    args = list(args)
+    args[0] = _special_rows(rng, 40, 4, d, dt)
+    args[1] = _special_rows(rng, 40, 2, d, dt)
+    opts["q_norm_weight"][:3] = np.array([np.nan, 0, -np.inf], np.float32).astype(wdt)  # weight specials too
+    with np.errstate(invalid="ignore", over="ignore"):
+        want = reference.rope_and_cache(*args, **opts)
+    assert np.isnan(want[0].astype(np.float32)).any() and (want[0] == 0).any()
+    _assert_bitwise(_emulate(args, opts, emu_dir), want)
+
+
+def _other_norms(x, w, eps):
+    """Plausible wrong RMSNorms of x [T, H, D] (f32): other summation orders, no rounding point 1."""
+    xf = x.astype(np.float32)
+    sq = xf * xf
+    d = x.shape[-1]
+
+    def finish(s, round_y=True):
+        inv = np.float32(1) / np.sqrt(s / np.float32(d) + np.float32(eps))
+        y = xf * inv[..., None]
+        y = reference.to_dtype(y, x.dtype).astype(np.float32) if round_y else y
+        return reference.to_dtype(w.astype(np.float32) * y, x.dtype)
+
+    seq = sq[..., 0].copy()
+    for i in range(1, d):
+        seq = seq + sq[..., i]
+    fold = sq
+    while fold.shape[-1] > 1:  # folded halves: i + D/2 first (the wrong butterfly pairing)
+        fold = fold[..., : fold.shape[-1] // 2] + fold[..., fold.shape[-1] // 2:]
+    tree = reference.tree_sum(sq)
+    return {"sequential sum": finish(seq), "folded halves": finish(fold[..., 0]), "no rounding before the weight":
+            finish(tree, round_y=False)}
+
+
+@pytest.mark.parametrize("dt", [F32, BF16], ids=lambda v: v.name)
+def test_host_emulation_norm_would_catch_a_wrong_order_or_rounding(dt, emu_dir):
+    """The data of the bitwise tests tells the spec's tree from other orders and rounding points:
+    each wrong variant differs from the kernel's outputs (here pass-through channels, R = D/2, show
+    the normalised values unrotated), the spec's RMSNorm equals them."""
+    rng = np.random.default_rng(31)
+    kw = dict(T=64, QH=4, KH=2, D=128, R=64, dt=dt, qn=F32, kn=F32, max_pos=50)
+    args, opts = _norm_problem(kw, rng)
+    got_q = _emulate(args, opts, emu_dir)[0][..., 64:]
+    right = reference.rms_norm(args[0], opts["q_norm_weight"], 1e-6)[..., 64:]
+    assert np.array_equal(got_q.view(np.uint8), right.view(np.uint8))
+    for name, wrong in _other_norms(args[0], opts["q_norm_weight"], 1e-6).items():
+        if (dt == F32) != (name == "no rounding before the weight"):  # r() is the identity for f32
+            n = int((wrong[..., 64:].view(np.uint8) != got_q.view(np.uint8)).sum())
+            assert n > 0, f"{name}: indistinguishable on this data"
 
 
 # ---- lowering for "cuda" on this CPU machine (jax.export): fallback and stacked layers ----------

@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 
 import jax_rope_cache as jrc
-from jax_rope_cache import backends, reference
+from jax_rope_cache import backends, contract, reference
 from jax_rope_cache.backends import cuda, launcher, native, rocm
 
 
@@ -334,3 +334,146 @@ def test_driver_error_message_surfaces(platform):
     table = launcher.pack_code_table([(kind, arch, b"\x7fELF" + b"\0" * 60)])
     with pytest.raises(Exception, match=r"cuModuleLoadData" if platform == "cuda" else r"hipModuleLoadData"):
         _launch_raw(table, 54321, platform)
+
+
+# ---- issue 18: QK-RMSNorm before the rotation, per-head fp8 scales ----------------------------------
+# What only a GPU tests: the shuffle butterfly itself (masks, lanes, convergence; the host emulation
+# rebuilds the other lanes), the packed bf16 multiplies of "native" bf16 tables (sm_90) and the
+# hardware conversions on the normalised values, and several units per thread in large calls.
+_BF16, _F16, _F32 = np.dtype(jnp.bfloat16), np.dtype(np.float16), np.dtype(np.float32)
+_FN, _FNUZ = np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e4m3fnuz)
+
+_NORM_CASES = {
+    # Qwen3-32B TP8 (8/1/128), f32 tables, both norms with bf16 weights: the lane butterfly, 8 lanes per head
+    "qwen3-32b-tp8": dict(QH=8, KH=1, D=128, qn=_BF16, kn=_BF16),
+    # Qwen3-235B TP4 (16/1/128), x-packed shuffled fp8, "native" bf16 tables (packed multiplies on sm_90)
+    "qwen3-235b-tp4-native": dict(QH=16, KH=1, D=128, layout="xpacked_shuffled", cdt=_FN, tdt=_BF16, prec="native",
+                                  qn=_BF16, kn=_BF16),
+    # Qwen3-235B TP1 (64/4/128): "fused" native, f32 weights, per-head k and v scales, x-packed fp8
+    "qwen3-235b-fused-heads": dict(QH=64, KH=4, D=128, layout="xpacked", cdt=_FNUZ, tdt=_F32, prec="native",
+                                   qn=_F32, kn=_F32, ksh=True, vsh=True),
+    # f32, GPT-J: 32 lanes per head (a whole warp); k norm only
+    "f32-gptj-32lanes": dict(QH=8, KH=2, D=128, dt=_F32, neox=False, kn=_F32),
+    # generic paths: partial rotary (R < D), D = 80, two weight dtypes
+    "partial-rotary": dict(QH=8, KH=2, D=128, R=64, qn=_BF16, kn=_F32, cdt=_FN, ksh=True),
+    "d80-gptj-f16": dict(QH=4, KH=2, D=80, dt=_F16, neox=False, tdt=_F16, prec="native", qn=_F16, kn=_F32),
+}
+
+
+def _norm_problem(case, t, seed, special=False):
+    c = dict(dict(layout="flash", dt=_BF16, cdt=None, tdt=_F32, prec="fp32", neox=True, R=None, qn=None, kn=None,
+                  ksh=False, vsh=False), **case)
+    rng = np.random.default_rng(seed)
+    qh, kh, d, dt = c["QH"], c["KH"], c["D"], c["dt"]
+    cdt = c["cdt"] or dt
+    r = c["R"] or d
+    nb = max(8, -(-t // BS) + 4)
+
+    def rows(h):
+        x = rng.standard_normal((t, h, d)).astype(np.float32) * 2
+        if special:  # zero, tiny (subnormal squares), huge (squares overflow), NaN and inf rows
+            kind = rng.integers(0, 6, (t, h))
+            x[kind == 1] = 0
+            x[kind == 2] *= np.float32(2.0 ** -70)
+            with np.errstate(over="ignore"):
+                x[kind == 3] *= np.float32(np.finfo(np.float32).max if dt == _F32 else 2.0 ** 120)
+            x[kind == 4, 3] = np.nan
+            x[kind == 5, d - 1] = np.inf
+        with np.errstate(over="ignore"):
+            return x.astype(dt)
+
+    q, k = rows(qh), rows(kh)
+    v = (rng.standard_normal((t, kh, d)) * (100 if cdt in (_FN, _FNUZ) else 1)).astype(np.float32).astype(dt)
+    kshape, vshape = contract.cache_shapes(c["layout"], nb, BS, kh, d, cdt)
+    kc = rng.standard_normal(kshape).astype(np.float32).astype(cdt)
+    vc = rng.standard_normal(vshape).astype(np.float32).astype(cdt)
+    slots = rng.permutation(nb * BS)[:t].astype(np.int32)
+    slots[::7] = -1
+    pos = rng.integers(-3, 70, t).astype(np.int32)
+    ang = rng.uniform(-np.pi, np.pi, (64, r // 2))
+    cos, sin = np.cos(ang).astype(c["tdt"]), np.sin(ang).astype(c["tdt"])
+    opts = dict(layout=c["layout"], is_neox=c["neox"], rotary_dim=r, precision=c["prec"], norm_eps=1e-6)
+    for name, wdt in (("q_norm_weight", c["qn"]), ("k_norm_weight", c["kn"])):
+        if wdt is not None:
+            opts[name] = (rng.standard_normal(d) * 0.5 + 1).astype(np.float32).astype(wdt)
+    if cdt in (_FN, _FNUZ):
+        opts["k_scale"] = rng.uniform(0.2, 3.0, kh if c["ksh"] else ()).astype(np.float32)
+        opts["v_scale"] = rng.uniform(0.2, 3.0, kh if c["vsh"] else ()).astype(np.float32)
+    return [q, k, v, kc, vc, slots, pos, cos, sin], opts
+
+
+def _norm_supported(platform):
+    want = {"q_norm", "k_norm", "k_scale_heads", "v_scale_heads"}
+    if not want <= set(backends.KERNEL_BACKENDS[platform].SUPPORTS):
+        pytest.skip(f"the {platform} kernel does not implement the norm / per-head scales yet")
+
+
+def _run_norm(host, opts, platform, calls=1):
+    """Runs the op `calls` times (jitted, impl="kernel", caches donated) from the same inputs;
+    returns the last outputs and the launches counted per call."""
+    ext = native.native_module()
+    arrays = {k: v for k, v in opts.items() if isinstance(v, np.ndarray)}
+    static = {k: v for k, v in opts.items() if k not in arrays}
+    f = jax.jit(lambda q, k, v, kc, vc, s, p, c, sn, arr: jrc.rope_and_cache(q, k, v, kc, vc, s, p, c, sn, **arr,
+                                                                            **static, impl="kernel"),
+                donate_argnums=(3, 4))
+    counts, out = [], None
+    for _ in range(calls):
+        args, arr = jax.device_put(([jnp.asarray(a) for a in host], arrays), _dev(platform))
+        jax.block_until_ready(args)
+        before = ext.gpu_launch_count()
+        out = jax.block_until_ready(f(*args, arr))
+        counts.append(ext.gpu_launch_count() - before)
+    return out, counts, f
+
+
+def _bitwise(got, want):
+    for name, g, w in zip(("q_out", "k_out", "key_cache", "value_cache"), got, want):
+        g, w = np.asarray(g), np.asarray(w)
+        assert g.shape == w.shape and g.dtype == w.dtype, name
+        u = f"u{g.dtype.itemsize}"
+        bad = np.argwhere(g.view(u) != w.view(u))
+        assert not len(bad), f"{name}: {len(bad)} elements differ, first at {bad[:3].tolist()}"
+
+
+@pytest.mark.parametrize("t", [1, 37, 2000])
+@pytest.mark.parametrize("case", list(_NORM_CASES), ids=str)
+def test_norm_and_head_scales_bitwise_one_launch(case, t, platform):
+    """The fused norm (and per-head fp8 scales) on the GPU: every output bit for bit equal to the
+    reference, on fresh random data, one kernel launch per call; the norm really changed q/k."""
+    _norm_supported(platform)
+    host, opts = _norm_problem(_NORM_CASES[case], t, seed=t)
+    want = reference.rope_and_cache(*host, **opts)
+    got, counts, _ = _run_norm(host, opts, platform, calls=2)
+    assert counts == [1, 1], counts
+    _bitwise(got, want)
+    plain = reference.rope_and_cache(*host, **{k: v for k, v in opts.items() if not k.endswith("norm_weight")})
+    which = 0 if "q_norm_weight" in opts else 1
+    assert not np.array_equal(np.asarray(plain[which]).view(np.uint8), np.asarray(want[which]).view(np.uint8))
+
+
+@pytest.mark.parametrize("case", ["qwen3-32b-tp8", "qwen3-235b-tp4-native", "f32-gptj-32lanes", "partial-rotary"])
+def test_norm_special_rows_bitwise(case, platform):
+    """Zero, subnormal-square, overflowing, NaN and inf rows: the same bits as the reference
+    (canonical NaNs included)."""
+    _norm_supported(platform)
+    host, opts = _norm_problem(_NORM_CASES[case], 300, seed=9, special=True)
+    with np.errstate(invalid="ignore", over="ignore"):
+        want = reference.rope_and_cache(*host, **opts)
+    got, counts, _ = _run_norm(host, opts, platform)
+    assert counts == [1]
+    _bitwise(got, want)
+
+
+def test_norm_call_is_one_custom_call(platform):
+    """With both norms and per-head scales the compiled call is still one custom call and nothing
+    else (the weights and scales are plain operands, no op on them before the kernel)."""
+    _norm_supported(platform)
+    host, opts = _norm_problem(_NORM_CASES["qwen3-235b-fused-heads"], 37, seed=1)
+    _, _, f = _run_norm(host, opts, platform)
+    arrays = {k: v for k, v in opts.items() if isinstance(v, np.ndarray)}
+    args, arr = jax.device_put(([jnp.asarray(a) for a in host], arrays), _dev(platform))
+    hlo = f.lower(*args, arr).compile().as_text()
+    assert len(re.findall(r"custom_call_target=", hlo)) == 1, hlo
+    entry = hlo[hlo.index("ENTRY"):]
+    assert not re.findall(r"= [^ ]+ (fusion|copy|scatter|gather|select|add|multiply|convert)\(", entry), entry

@@ -28,7 +28,7 @@ KERNEL_NAME = "rope_cache_kernel"
 DEFAULT_ARCH = 90
 DEFAULT_SMS = 132
 # contract.FEATURES the CUDA kernel implements (others: the XLA path, or an error with impl="kernel").
-SUPPORTS: frozenset[str] = frozenset()
+SUPPORTS: frozenset[str] = frozenset({"q_norm", "k_norm", "k_scale_heads", "v_scale_heads"})
 
 
 @functools.cache
@@ -49,14 +49,24 @@ class KernelConfig:
     threads: int
 
     def options(self) -> list[str]:
-        return [f"-D{k}={v}" for k, v in self.defines]
+        return define_flags(self.defines)
+
+
+def define_flags(defines) -> list[str]:
+    """-D options of a configuration (bit patterns in hex)."""
+    return [f"-D{k}={v:#010x}" if k.endswith("_BITS") else f"-D{k}={v}" for k, v in defines]
 
 
 # -D name of each KernelCodes field (the configuration rope_cache.cu's header lists).
 _DEFINES = (("QH", "qh"), ("KH", "kh"), ("D", "d"), ("R", "r"), ("BS", "bs"), ("LAYOUT", "layout"),
             ("NEOX", "neox"), ("FULL_TABLE", "full_table"), ("NATIVE", "native"), ("DT", "dt"),
             ("TAB_DT", "tab_dt"), ("CACHE_DT", "cache_dt"), ("SLOT64", "slot64"), ("POS64", "pos64"),
-            ("LAYER_BLOCKS", "layer_blocks"))
+            ("LAYER_BLOCKS", "layer_blocks"), ("Q_NORM", "q_norm"), ("K_NORM", "k_norm"),
+            ("KS_HEADS", "k_scale_heads"), ("VS_HEADS", "v_scale_heads"))
+
+
+def _f32_bits(x: float) -> int:
+    return int(np.array(x, np.float32).view(np.uint32))
 
 
 def chunk_width(spec: contract.OpSpec) -> int:
@@ -116,7 +126,7 @@ def kernel_config(spec: contract.OpSpec, num_sms: int = DEFAULT_SMS) -> KernelCo
     minb = max(1, 768 // nt)  # register budget: at least 85 per thread (no spills in the CI matrix)
     c = contract.kernel_codes(spec)
     defines = tuple((f"RC_{name}", int(getattr(c, field))) for name, field in _DEFINES) + (
-        ("RC_WCH", w), ("RC_TPB", tpb), ("RC_NT", nt), ("RC_MINB", minb), ("RC_VPAIRS", 1))
+        ("RC_NORM_EPS_BITS", _f32_bits(c.norm_eps)), ("RC_WCH", w), ("RC_TPB", tpb), ("RC_NT", nt), ("RC_MINB", minb), ("RC_VPAIRS", 1))
     return KernelConfig(defines=defines, tokens_per_block=tpb, threads=nt)
 
 

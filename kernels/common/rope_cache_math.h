@@ -62,6 +62,8 @@ RC_FN float rc_add(float a, float b) { return __fadd_rn(a, b); }
 RC_FN float rc_sub(float a, float b) { return __fsub_rn(a, b); }
 RC_FN float rc_fma(float a, float b, float c) { return __fmaf_rn(a, b, c); }
 RC_FN float rc_recip(float a) { return __frcp_rn(a); }
+RC_FN float rc_div(float a, float b) { return __fdiv_rn(a, b); }
+RC_FN float rc_sqrt(float a) { return __fsqrt_rn(a); }
 #else
 RC_FN float rc_mul(float a, float b) { return a * b; }
 RC_FN float rc_add(float a, float b) { return a + b; }
@@ -69,6 +71,8 @@ RC_FN float rc_sub(float a, float b) { return a - b; }
 // One rounding: the FMA instruction where the target has it, else libm's correctly rounded fmaf.
 RC_FN float rc_fma(float a, float b, float c) { return __builtin_fmaf(a, b, c); }
 RC_FN float rc_recip(float a) { return 1.0f / a; }
+RC_FN float rc_div(float a, float b) { return a / b; }
+RC_FN float rc_sqrt(float a) { return __builtin_sqrtf(a); }  // IEEE: correctly rounded
 #endif
 
 RC_FN bool rc_is_nan(float f) { return (rc_f32_bits(f) & 0x7fffffffu) > 0x7f800000u; }
@@ -227,4 +231,29 @@ RC_FN float rc_inv_scale(float scale) {
 // Quantises one value for an fp8 cache: saturate(x * inv_scale), inv_scale from rc_inv_scale.
 RC_FN rc_u8 rc_quantize_fp8(float x, float inv_scale, bool fnuz) {
   return rc_f32_to_fp8(rc_mul(x, inv_scale), fnuz);
+}
+
+// ---- RMSNorm of one (token, head) row (issue 18, Qwen3's q_norm / k_norm) --------------------
+// S = tree(r32(x_i * x_i)) over the row with the pairwise halving tree of the spec
+// (jax_rope_cache/reference.py):
+//   tree(a[lo, lo+n)) = a[lo]                                   n == 1
+//                     = tree(a[lo, lo+n/2)) + tree(a[lo+n/2, lo+n))   n even
+//                     = tree(a[lo, lo+n-1)) + a[lo+n-1]               n odd
+// `leaf(i)` gives a[i]; N and LO are compile-time, so the tree unrolls and its leaves are visited
+// in increasing i (few partial sums live at once).
+template <int LO, int N, class Leaf>
+RC_FN float rc_tree_sum(const Leaf& leaf) {
+  if constexpr (N == 1) {
+    return leaf(LO);
+  } else if constexpr (N % 2 == 0) {
+    return rc_add(rc_tree_sum<LO, N / 2>(leaf), rc_tree_sum<LO + N / 2, N / 2>(leaf));
+  } else {
+    return rc_add(rc_tree_sum<LO, N - 1>(leaf), leaf(LO + N - 1));
+  }
+}
+
+// inv = r32(1 / r32(sqrt(r32(r32(S / d) + eps)))): correctly rounded division, sqrt and
+// reciprocal (never a hardware rsqrt approximation).
+RC_FN float rc_rms_inv(float sum_sq, int d, float eps) {
+  return rc_recip(rc_sqrt(rc_add(rc_div(sum_sq, (float)d), eps)));
 }

@@ -1,7 +1,10 @@
 // Host emulation of the few CUDA features rope_cache.cu uses, so a C++ compiler can build the
 // kernel for the CPU and tests can check its index math and arithmetic against the numpy reference
 // without a GPU (tests/test_cuda_compile.py). Build with -DRC_EMULATE and RC_NT=1: one "thread" per
-// block runs every unit itself, so __syncthreads has nothing to wait for.
+// block runs every unit itself, so __syncthreads has nothing to wait for. There is no
+// __shfl_xor_sync: the norm's butterfly rebuilds the other lanes of a shuffle group from their own
+// chunks (rope_cache.cu: norm_lanes), so it tests the lane -> chunk mapping and the tree order, not
+// the shuffle's masks or convergence (the GPU tests do).
 #pragma once
 #include <cstring>
 

@@ -20,6 +20,13 @@
 //                                (__launch_bounds__ second argument)
 //   RC_VPAIRS                    1 (default): x-packed V lanes paired so a warp store fills whole
 //                                sectors of a slot run (see v_unit_xpacked)
+//   RC_Q_NORM, RC_K_NORM         -1 (default): no RMSNorm; else the RcDtype of q_norm_weight /
+//                                k_norm_weight (q's dtype or f32): Qwen3's per-head QK-norm before
+//                                the rotation (block "QK-RMSNorm")
+//   RC_NORM_EPS_BITS             the norm's eps as float32 bits (hex)
+//   RC_KS_HEADS, RC_VS_HEADS     1: k_scale / v_scale are [KH] (kv head h uses scale[h]); 0: one scale
+// Without the norm and per-head scales (all at their defaults) the kernel is the same code as
+// before them (every issue-18 path is behind `if constexpr`).
 //
 // Kernel ABI (what kernels/ffi/gpu_launcher.cc passes; the launcher is generic and knows nothing of
 // this op): one kernel parameter, a struct by value holding
@@ -43,6 +50,13 @@
 //                 chunk are the one dependent load (row = position). Heads of one token share the
 //                 table values through L1 (lanes of one warp read the same addresses).
 //   * pass units  (token, q/k head, chunk >= R): copy channels >= R to q_out/k_out (and K cache).
+//   With a norm, a rot unit normalises its chunk(s) before rotating them. R == D, D a power of
+//   two and P <= 32 units per head (NORM_LANES: Qwen3): the P units of one (token, head) are P
+//   consecutive, P-aligned lanes of one warp (U_ROT is a multiple of P, NT of 32); each lane sums
+//   the squares of its chunk(s) by the spec's tree, an xor butterfly (shuffles 1..P/2, per-head
+//   mask) completes the tree in every lane with the same bits (NeoX: the halves [0, D/2) and
+//   [D/2, D) separately, added last). Otherwise (R < D, D not a power of two, P > 32) every rot
+//   and pass unit sums its whole row itself (the other chunks are L1 hits): slower, same bits.
 //   * V units     flash: (token, kv head, chunk): one 16-byte copy into the value cache.
 //                 x-packed: (group of VG tokens, kv head, channel d), d fastest: the thread loads
 //                 channel d of its VG tokens. When the group's slots are one aligned run (VG = X
@@ -78,6 +92,21 @@
 #ifndef RC_VPAIRS
 #define RC_VPAIRS 1
 #endif
+#ifndef RC_Q_NORM  // issue 18 options; their defaults are the kernel without them
+#define RC_Q_NORM (-1)
+#endif
+#ifndef RC_K_NORM
+#define RC_K_NORM (-1)
+#endif
+#ifndef RC_NORM_EPS_BITS
+#define RC_NORM_EPS_BITS 0
+#endif
+#ifndef RC_KS_HEADS
+#define RC_KS_HEADS 0
+#endif
+#ifndef RC_VS_HEADS
+#define RC_VS_HEADS 0
+#endif
 
 namespace rc {
 
@@ -104,6 +133,16 @@ constexpr int CH = D / W;                // chunks per head row
 constexpr int P = NEOX ? HALF / W : R / W;  // rotation units per head
 constexpr int CPASS = (D - R) / W;       // pass-through chunks per head
 constexpr int PASS0 = R / W;             // first pass-through chunk
+// QK-RMSNorm (issue 18): -1, or the RcDtype of the weight (q's dtype or f32).
+constexpr int Q_NORM = RC_Q_NORM, K_NORM = RC_K_NORM;
+constexpr bool NORM = Q_NORM >= 0 || K_NORM >= 0;
+constexpr bool KS_HEADS = RC_KS_HEADS != 0, VS_HEADS = RC_VS_HEADS != 0;  // scale[kv head]
+constexpr bool is_pow2(int n) { return n > 0 && (n & (n - 1)) == 0; }
+// The P lanes of a head's rotation units hold whole subtrees of the sum-of-squares tree (R == D,
+// D a power of two; NeoX: chunks j and j + P are subtrees of the two halves of the row): each
+// lane reduces its chunk(s), an xor butterfly over the P lanes finishes the tree. Otherwise
+// every unit computes the whole tree from the row itself (norm_generic).
+constexpr bool NORM_LANES = NORM && R == D && is_pow2(D) && P <= 32;
 
 // Units of one block, in this order: rotation, pass-through, V.
 constexpr int U_ROT = RH * P;                            // per token
@@ -126,6 +165,11 @@ static_assert(DT == RC_F32 || DT == RC_BF16 || DT == RC_F16, "RC_DT");
 static_assert(FP8 || CDT == DT, "cache dtype: q's dtype or fp8");
 static_assert(TPB >= 1 && (TPB & (TPB - 1)) == 0, "RC_TPB: a power of two");
 static_assert(RC_F16 == 2, "RC_PACKED_NATIVE's #if spells RC_F16 as 2");
+static_assert(Q_NORM == -1 || Q_NORM == RC_F32 || Q_NORM == DT, "RC_Q_NORM: -1, f32 or q's dtype");
+static_assert(K_NORM == -1 || K_NORM == RC_F32 || K_NORM == DT, "RC_K_NORM: -1, f32 or q's dtype");
+static_assert(!NORM_LANES || (is_pow2(P) && 32 % P == 0 && U_ROT % P == 0 && CH == (NEOX ? 2 : 1) * P),
+              "a head's rotation units: P aligned lanes of one warp covering the row");
+static_assert(!(KS_HEADS || VS_HEADS) || FP8, "per-head scales: fp8 caches only");
 #ifndef RC_EMULATE
 static_assert(NT % 32 == 0 && NT >= 32 && NT <= 1024, "RC_NT");
 #endif
@@ -338,7 +382,7 @@ struct Params {
   const float* k_scale;
   const float* v_scale;
   const int* layer;
-  const void* q_norm_w;
+  const void* q_norm_w;  // [D] weight of q's dtype or f32 (absent: a placeholder, never read)
   const void* k_norm_w;
   void* q_out;
   void* k_out;
@@ -481,14 +525,187 @@ __device__ __forceinline__ void rot_native_packed(const Chunk& a, const Chunk& b
 }
 // ---- end of native precision with packed multiplies ---------------------------------------------
 
+// ---- QK-RMSNorm (issue 18) -----------------------------------------------------------------------
+// Per (token, head) row x of q (RC_Q_NORM) or k (RC_K_NORM), before the rotation:
+//   S = tree(r32(x_i^2)) (rc_tree_sum: the spec's halving tree), inv = rc_rms_inv(S, D, eps),
+//   n_i = r(r32(w_i * r(r32(x_i * inv))))
+// and n replaces x as the rotation's input (jax_rope_cache/reference.py). NORM_LANES: the lanes of
+// a head hold subtrees of S and finish it with shuffles (norm_lanes); otherwise each unit builds S
+// from the whole row (norm_generic, the row's other chunks are L1 hits).
+__device__ __forceinline__ float norm_eps() { return __uint_as_float((unsigned int)RC_NORM_EPS_BITS); }
+
+__device__ __forceinline__ float sq_of(raw_in x) {
+  const float f = to_f32<DT>(x);
+  return rc_mul(f, f);
+}
+
+// The tree of a chunk's W squares (a subtree of S: chunks start at multiples of W, W a power of two).
+__device__ __forceinline__ float chunk_sq_sum(const Chunk& x) {
+  return rc_tree_sum<0, W>([&](int e) { return sq_of(x.e[e]); });
+}
+
+// S of the row starting at `row` (generic: any D, any R).
+__device__ __forceinline__ float row_sq_sum(const char* row) {
+  return rc_tree_sum<0, D>([&](int i) { return sq_of(load_chunk(row, (i / W) * W).e[i % W]); });
+}
+
+// N weights from w[idx..], as f32 (WDT: the weight's RcDtype), in the widest aligned accesses.
+template <int WDT, int N>
+__device__ __forceinline__ void load_weights(const void* w, int idx, float* out) {
+  constexpr int SW = WDT == RC_F32 ? 4 : 2;
+  constexpr int V = (16 / SW) < N ? 16 / SW : N;  // N and idx are multiples of V (powers of two)
+  union {
+    typename VecOf<V * SW>::T v;
+    typename RawOf<SW>::T e[V];
+  } u;
+#pragma unroll
+  for (int k = 0; k < N; k += V) {
+    u.v = *reinterpret_cast<const typename VecOf<V * SW>::T*>(static_cast<const char*>(w) + (idx + k) * SW);
+#pragma unroll
+    for (int e = 0; e < V; ++e) out[k + e] = to_f32<WDT>(u.e[e]);
+  }
+}
+
+// The chunk of channels c0.. of a row, normalised by `inv` and weighted (rounded to the input dtype).
+template <int WDT>
+__device__ __forceinline__ Chunk norm_chunk(const Chunk& x, const void* w, int c0, float inv) {
+  float wv[W], n[W];
+  load_weights<WDT, W>(w, c0, wv);
+#pragma unroll
+  for (int e = 0; e < W; ++e) n[e] = rc_mul(wv[e], rc_round_to(rc_mul(to_f32<DT>(x.e[e]), inv), DT));
+  return chunk_from(n);
+}
+
+// Rotation unit u -> (token in the block, rotated head, chunk j), and the start of its chunk j.
+struct RotIdx {
+  int tt, h, j;
+};
+__device__ __forceinline__ RotIdx rot_idx(int u) {
+  const int tt = u / U_ROT, r = u % U_ROT;
+  return RotIdx{tt, r / P, r % P};
+}
+__device__ __forceinline__ const char* rot_src(const Params& p, i64 t, int h, int j) {
+  return static_cast<const char*>(h >= QH ? p.k : p.q) + (row_of(t, h) + j * W) * S_IN;
+}
+
+constexpr int NSUB = NEOX ? 2 : 1;  // subtrees per lane: NeoX chunk j (first half) and j + P (second)
+struct LaneSums {
+  float s[NSUB];
+};
+__device__ __forceinline__ LaneSums lane_sums(const Chunk& a, const Chunk& b) {
+  LaneSums r;
+  r.s[0] = chunk_sq_sum(a);
+  if (NEOX) r.s[NSUB - 1] = chunk_sq_sum(b);
+  return r;
+}
+
+#ifdef RC_EMULATE
+// One host thread runs the units one after another, so the butterfly's other lanes are rebuilt:
+// lane i of the group is rotation unit u0 + i (u0 = u rounded down to P: on the GPU, unit u runs
+// on lane u % 32 since NT % 32 == 0); each lane's sums come from its own chunks through the same
+// rot_idx / rot_src / lane_sums, then the same xor levels as the shuffles. Checked: the P units
+// are the P chunks of one (token, head) in order, and lane u's rebuilt sums equal its own.
+static int rc_emu_errors = 0;
+#endif
+
+// S of unit u's (token, head) row: the group's P lanes (one head) exchange their subtree sums by
+// xor shuffles 1, 2, ..P/2 (each level adds two subtrees of the balanced tree: the same bits in
+// every lane); NeoX adds the two halves last (the tree's top split is D/2).
+__device__ __forceinline__ float norm_lanes(const Params& p, i64 t0, int u, const Chunk& a, const Chunk& b) {
+  LaneSums v = lane_sums(a, b);
+#ifdef RC_EMULATE
+  const int u0 = u - u % P;
+  const RotIdx me = rot_idx(u);
+  LaneSums g[P];
+  for (int i = 0; i < P; ++i) {
+    const RotIdx o = rot_idx(u0 + i);
+    if (o.tt != me.tt || o.h != me.h || o.j != i) ++rc_emu_errors;
+    const char* src = rot_src(p, t0 + o.tt, o.h, o.j);
+    Chunk oa = load_chunk(src, 0), ob = oa;
+    if (NEOX) ob = load_chunk(src, HALF);
+    g[i] = lane_sums(oa, ob);
+  }
+  for (int k = 0; k < NSUB; ++k)
+    if (__float_as_uint(g[u - u0].s[k]) != __float_as_uint(v.s[k])) ++rc_emu_errors;
+  for (int off = 1; off < P; off <<= 1) {
+    LaneSums n[P];
+    for (int i = 0; i < P; ++i)
+      for (int k = 0; k < NSUB; ++k) n[i].s[k] = rc_add(g[i].s[k], g[i ^ off].s[k]);
+    for (int i = 0; i < P; ++i) g[i] = n[i];
+  }
+  v = g[u - u0];
+#else
+  (void)p, (void)t0, (void)u;
+  const unsigned int lane = threadIdx.x & 31u;
+  const unsigned int mask = P == 32 ? 0xffffffffu : ((1u << (P & 31)) - 1u) << (lane & ~(unsigned int)(P - 1));
+#pragma unroll
+  for (int off = 1; off < P; off <<= 1) {
+#pragma unroll
+    for (int k = 0; k < NSUB; ++k) v.s[k] = rc_add(v.s[k], __shfl_xor_sync(mask, v.s[k], off));
+  }
+#endif
+  return NEOX ? rc_add(v.s[0], v.s[NSUB - 1]) : v.s[0];
+}
+
+// Rotation unit u's chunks a (channels j*W..) and b (NeoX: HALF + j*W..) replaced by their
+// normalised values, if its tensor has a norm (WDT: that weight's dtype).
+template <int WDT>
+__device__ __forceinline__ void norm_rot(const Params& p, i64 t0, int u, const char* src, int j, const void* w,
+                                         Chunk& a, Chunk& b) {
+  float S;
+  if constexpr (NORM_LANES) {
+    S = norm_lanes(p, t0, u, a, b);
+  } else {
+    S = row_sq_sum(src - j * W * S_IN);
+  }
+  const float inv = rc_rms_inv(S, D, norm_eps());
+  a = norm_chunk<WDT>(a, w, j * W, inv);
+  if (NEOX) b = norm_chunk<WDT>(b, w, HALF + j * W, inv);
+}
+
+__device__ __forceinline__ void norm_rot_unit(const Params& p, i64 t0, int u, bool is_k, const char* src, int j,
+                                              Chunk& a, Chunk& b) {
+  if constexpr (Q_NORM == K_NORM) {  // both (one weight dtype) or neither
+    if constexpr (Q_NORM >= 0) norm_rot<Q_NORM>(p, t0, u, src, j, is_k ? p.k_norm_w : p.q_norm_w, a, b);
+  } else if (is_k) {  // a head's lanes all take the same side (shuffle masks are per head)
+    if constexpr (K_NORM >= 0) norm_rot<K_NORM>(p, t0, u, src, j, p.k_norm_w, a, b);
+  } else {
+    if constexpr (Q_NORM >= 0) norm_rot<Q_NORM>(p, t0, u, src, j, p.q_norm_w, a, b);
+  }
+}
+
+// Pass-through chunk c of a row (R < D: never NORM_LANES), normalised if its tensor has a norm.
+template <int WDT>
+__device__ __forceinline__ Chunk norm_pass(const char* row, int c, const void* w, const Chunk& x) {
+  return norm_chunk<WDT>(x, w, c * W, rc_rms_inv(row_sq_sum(row), D, norm_eps()));
+}
+
+__device__ __forceinline__ Chunk norm_pass_unit(const Params& p, bool is_k, const char* row, int c, const Chunk& x) {
+  if constexpr (Q_NORM == K_NORM) {
+    if constexpr (Q_NORM >= 0) return norm_pass<Q_NORM>(row, c, is_k ? p.k_norm_w : p.q_norm_w, x);
+  } else if (is_k) {
+    if constexpr (K_NORM >= 0) return norm_pass<K_NORM>(row, c, p.k_norm_w, x);
+  } else {
+    if constexpr (Q_NORM >= 0) return norm_pass<Q_NORM>(row, c, p.q_norm_w, x);
+  }
+  return x;
+}
+
+// 1/scale of kv head h: per head (scale[h]) or the block's one value.
+__device__ __forceinline__ float head_inv(const float* scale, int h, float block_inv, bool heads) {
+  return heads ? rc_inv_scale(scale[h]) : block_inv;
+}
+// ---- end of QK-RMSNorm ---------------------------------------------------------------------------
+
 __device__ __forceinline__ void rot_unit(const Params& p, i64 T, i64 max_pos, i64 t0, int u, SlotRange sr,
                                          float inv_k) {
-  const int tt = u / U_ROT, r = u % U_ROT, h = r / P, j = r % P;
-  const i64 t = t0 + tt;
-  if (t >= T) return;
+  const RotIdx ix = rot_idx(u);
+  const int h = ix.h, j = ix.j;
+  const i64 t = t0 + ix.tt;
+  if (t >= T) return;  // the whole head (all P lanes) returns: shuffle groups stay whole
   const bool is_k = h >= QH;
   const i64 row = row_of(t, h);
-  const char* src = static_cast<const char*>(is_k ? p.k : p.q) + (row + j * W) * S_IN;
+  const char* src = rot_src(p, t, h, j);
   // Independent loads first: the inputs, then the position and the slot (issued after them).
   Chunk a = load_chunk(src, 0);
   Chunk b;
@@ -498,6 +715,7 @@ __device__ __forceinline__ void rot_unit(const Params& p, i64 T, i64 max_pos, i6
   const i64 trow = prow * TW;
   const i64 s_raw = load_index_after(p.slots, t, RC_SLOT64 != 0, src);  // q heads too: no branch
   const i64 s_any = (s_raw >= 0 && s_raw < sr.n) ? sr.base + s_raw : -1;
+  if constexpr (KS_HEADS) inv_k = head_inv(p.k_scale, is_k ? h - QH : 0, inv_k, true);
   // The table values of this chunk (the one dependent load), then the arithmetic.
   const int c0 = NEOX ? j * W : (FULL ? j * W : j * W / 2);
   Chunk oa, ob;
@@ -510,6 +728,7 @@ __device__ __forceinline__ void rot_unit(const Params& p, i64 T, i64 max_pos, i6
       c2 = load_words(p.cos, trow + HALF + j * W);
       s2 = load_words(p.sin, trow + HALF + j * W);
     }
+    if constexpr (NORM) norm_rot_unit(p, t0, u, is_k, src, j, a, b);  // while the table row is in flight
     rot_native_packed(a, b, c, sn, c2, s2, oa, ob);
   } else {
     float tc[NTV], ts[NTV], tc2[NEOX && FULL ? W : 1], ts2[NEOX && FULL ? W : 1];
@@ -519,6 +738,7 @@ __device__ __forceinline__ void rot_unit(const Params& p, i64 T, i64 max_pos, i6
       load_tab<W, W>(p.cos, trow + HALF + j * W, tc2);
       load_tab<W, W>(p.sin, trow + HALF + j * W, ts2);
     }
+    if constexpr (NORM) norm_rot_unit(p, t0, u, is_k, src, j, a, b);  // while the table row is in flight
     if (NEOX) {
 #pragma unroll
       for (int e = 0; e < W; ++e) {  // pair (i, i + R/2), i = j*W + e
@@ -564,10 +784,12 @@ __device__ __forceinline__ void pass_unit(const Params& p, i64 T, i64 t0, int u,
   const bool is_k = h >= QH;
   const i64 row = row_of(t, h);
   const char* src = static_cast<const char*>(is_k ? p.k : p.q) + (row + c * W) * S_IN;
-  const Chunk x = load_chunk_now(src, 0);
+  Chunk x = load_chunk_now(src, 0);
   const i64 s_raw = load_index_after(p.slots, t, RC_SLOT64 != 0, src);
   const bool ok = is_k && s_raw >= 0 && s_raw < sr.n;
   const i64 s = ok ? sr.base + s_raw : 0;
+  if constexpr (NORM) x = norm_pass_unit(p, is_k, src - c * W * S_IN, c, x);
+  if constexpr (KS_HEADS) inv_k = head_inv(p.k_scale, is_k ? h - QH : 0, inv_k, true);
   store_chunk(is_k ? p.k_out : p.q_out, row + c * W, x);
   store_cache_chunk_if(ok, p.kc, key_index(s / BS, s % BS, is_k ? h - QH : 0, c * W), x, inv_k);
 }
@@ -581,6 +803,7 @@ __device__ __forceinline__ void v_unit_flash(const Params& p, i64 T, i64 t0, int
   const Chunk x = load_chunk_now(src, 0);  // in bounds whatever the slot
   const i64 s_raw = load_index_after(p.slots, t, RC_SLOT64 != 0, src);
   const bool ok = s_raw >= 0 && s_raw < sr.n;
+  if constexpr (VS_HEADS) inv_v = head_inv(p.v_scale, h, inv_v, true);
   const i64 s = ok ? sr.base + s_raw : 0;
   store_cache_chunk_if(ok, p.vc, value_index(s / BS, s % BS, h, c * W), x, inv_v);
 }
@@ -605,6 +828,7 @@ __device__ __forceinline__ void v_unit_xpacked(const Params& p, i64 T, i64 t0, i
   }
   const i64 tg = t0 + (i64)g * VG;
   if (tg >= T) return;
+  if constexpr (VS_HEADS) inv_v = head_inv(p.v_scale, h, inv_v, true);
   raw_in x[VG];
   // The group is a run if its slots are s0, s0 + 1, ... (s0 valid, a multiple of X); only s0 and a
   // flag stay live (registers), the other path reads its slots again (L1 hits).
@@ -642,8 +866,8 @@ extern "C" __global__ void __launch_bounds__(RC_NT, RC_MINB) rope_cache_kernel(c
     const i64 layer = *p.layer, per_layer = (i64)LAYER_BLOCKS * BS;
     sr = (layer >= 0 && layer < p.dim0[3]) ? SlotRange{per_layer, layer * per_layer} : SlotRange{0, 0};
   }
-  const float inv_k = FP8 ? rc_inv_scale(*p.k_scale) : 1.0f;
-  const float inv_v = FP8 ? rc_inv_scale(*p.v_scale) : 1.0f;
+  const float inv_k = FP8 && !KS_HEADS ? rc_inv_scale(*p.k_scale) : 1.0f;  // per head: in the units
+  const float inv_v = FP8 && !VS_HEADS ? rc_inv_scale(*p.v_scale) : 1.0f;
   // Units tid, tid + NT, ...: rotation units first, then pass-through, then V.
 #pragma unroll 1
   for (int u = threadIdx.x; u < N_UNITS; u += NT) {
@@ -660,12 +884,14 @@ extern "C" __global__ void __launch_bounds__(RC_NT, RC_MINB) rope_cache_kernel(c
 }
 
 #ifdef RC_EMULATE
-// Runs the whole grid on the host, block after block.
-extern "C" void rc_emulate(const rc::Params* p, long long grid) {
+// Runs the whole grid on the host, block after block; returns the emulation's failed checks.
+extern "C" int rc_emulate(const rc::Params* p, long long grid) {
+  rc::rc_emu_errors = 0;
   for (long long b = 0; b < grid; ++b) {
     blockIdx.x = (unsigned)b;
     threadIdx.x = 0;
     rope_cache_kernel(*p);
   }
+  return rc::rc_emu_errors;
 }
 #endif
