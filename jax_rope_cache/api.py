@@ -19,10 +19,20 @@ ArrayLike = jax.typing.ArrayLike
 Cache = jax.Array | jax.Ref
 
 
-def _scale_operand(scale):
+def _scale_operand(scale, per_head: bool):
+    """The f32 scale operand: [] (1 when absent), or [KH] for a per-head scale."""
     if scale is None:
         return jnp.ones((), jnp.float32)
-    return jnp.asarray(scale, jnp.float32).reshape(())
+    s = jnp.asarray(scale, jnp.float32)
+    return s.reshape((-1,)) if per_head else s.reshape(())
+
+
+_NO_WEIGHT = np.zeros(1, np.float32)
+
+
+def _weight_operand(weight):
+    """A norm weight operand: the weight [D], or a float32[1] placeholder the kernels never read."""
+    return jnp.asarray(_NO_WEIGHT) if weight is None else jnp.asarray(weight)  # a constant, not a broadcast
 
 
 # ---- validation shared by every entry point (rope_and_cache, rope_and_cache_donated) ----------
@@ -124,17 +134,18 @@ def _layer_operand(layer, spec: contract.OpSpec):
 
 
 def _prepare(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, *, layout, is_neox,
-             rotary_dim, k_scale, v_scale, precision, impl, layer):
+             rotary_dim, k_scale, v_scale, precision, impl, layer, q_norm_weight, k_norm_weight, norm_eps):
     """Every check of a call, in the same order for every entry point; returns the spec and the
     index arguments as they may be handed to JAX (host int64 indices given their meaning)."""
     _check_refs(key_cache, value_cache)
     spec = contract.check_op(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
                              layout=layout, is_neox=is_neox, rotary_dim=rotary_dim, k_scale=k_scale,
-                             v_scale=v_scale, precision=precision, layer=layer)
+                             v_scale=v_scale, precision=precision, layer=layer, q_norm_weight=q_norm_weight,
+                             k_norm_weight=k_norm_weight, norm_eps=norm_eps)
     if impl not in IMPLS:
         raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
     _check_concrete(zip(contract.OPERANDS, (q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
-                                            k_scale, v_scale, layer)))
+                                            k_scale, v_scale, layer, q_norm_weight, k_norm_weight)))
     slot_mapping, positions, spec = _narrow_indices(slot_mapping, positions, spec)
     return spec, slot_mapping, positions, _host_layer(layer, spec)
 
@@ -144,11 +155,12 @@ def _xla_not_differentiable(spec, primals, tangents):
     raise TypeError(primitive.NOT_DIFFERENTIABLE)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(12,))
-def _xla_impl(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, k_scale, v_scale, layer, spec):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(len(contract.OPERANDS),))
+def _xla_impl(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, k_scale, v_scale, layer,
+              q_norm_weight, k_norm_weight, spec):
     """impl="xla" under the op's one differentiation rule (none: jax.grad raises, as for the kernel)."""
     return xla.rope_and_cache(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, k_scale,
-                              v_scale, layer, spec=spec)
+                              v_scale, layer, q_norm_weight, k_norm_weight, spec=spec)
 
 
 _xla_impl.defjvp(_xla_not_differentiable)
@@ -159,7 +171,9 @@ def rope_and_cache(q: ArrayLike, k: ArrayLike, v: ArrayLike, key_cache: Cache, v
                    layout: str = "flash", is_neox: bool = True, rotary_dim: int | None = None,
                    k_scale: ArrayLike | None = None, v_scale: ArrayLike | None = None,
                    precision: str = "fp32", impl: str | None = None,
-                   layer: int | ArrayLike | None = None) -> tuple[jax.Array, jax.Array, Cache, Cache]:
+                   layer: int | ArrayLike | None = None, q_norm_weight: ArrayLike | None = None,
+                   k_norm_weight: ArrayLike | None = None,
+                   norm_eps: float = 1e-6) -> tuple[jax.Array, jax.Array, Cache, Cache]:
     """Rotates q and k with RoPE and writes k and v into a paged KV cache, in one kernel.
 
     Args:
@@ -180,8 +194,9 @@ def rope_and_cache(q: ArrayLike, k: ArrayLike, v: ArrayLike, key_cache: Cache, v
         with X = 16 // cache itemsize.
       is_neox: True rotates pairs (i, i + R/2); False (GPT-J) pairs (2i, 2i + 1).
       rotary_dim: R, even, <= D (default D); channels >= R pass through.
-      k_scale, v_scale: float scalars (any float dtype, used as float32) for float8 caches
-        (stored = fp8(sat(x * (1/scale)))); None otherwise.
+      k_scale, v_scale: float8 caches only (None otherwise): a float scalar (shape () or (1,)) or
+        one scale per kv head (shape [KH]), any float dtype, used as float32; each may be traced.
+        Stored = fp8(sat(x * (1/scale))), kv head h with scale[h].
       precision: "fp32" (rotate in float32, round once) or "native" (AITER's arithmetic on ROCm:
         tables in the input dtype round every product and the sum; other tables promote to
         float32 with the first product fused). jax_rope_cache.reference states every rule.
@@ -190,6 +205,14 @@ def rope_and_cache(q: ArrayLike, k: ArrayLike, v: ArrayLike, key_cache: Cache, v
         write: one stacked cache carried through `lax.scan`/`fori_loop` over layers is updated in
         place, never sliced. A traced layer outside [0, L) writes nothing (compared in its own
         integer width: a 64-bit layer 2**32 is outside, never layer 0).
+      q_norm_weight, k_norm_weight: None, or an RMSNorm weight [D] (q's dtype or float32; may be
+        traced), each independently: every head of q (k) is normalised over the full head_dim
+        before the rotation (Qwen3's q_norm / k_norm): n = r(w * r(x * rsqrt(mean(x^2) + eps)))
+        with the sum of squares in a fixed pairwise tree and both roundings r() to q's dtype
+        (jax_rope_cache.reference states every step). k_out and the key cache hold the normalised,
+        rotated k; v is untouched.
+      norm_eps: the norm's epsilon, a static float > 0 (used as float32); checked even when no
+        weight is given.
 
     Returns:
       (q_out [T, QH, D], k_out [T, KH, D], key_cache, value_cache).
@@ -201,14 +224,16 @@ def rope_and_cache(q: ArrayLike, k: ArrayLike, v: ArrayLike, key_cache: Cache, v
         q_out, k_out, kc, vc = rope_and_cache(
             q, k, v, key_ref[...], value_ref[...], slot_mapping, positions, cos, sin, layout=layout,
             is_neox=is_neox, rotary_dim=rotary_dim, k_scale=k_scale, v_scale=v_scale, precision=precision,
-            impl=impl, layer=layer)
+            impl=impl, layer=layer, q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, norm_eps=norm_eps)
         key_ref[...], value_ref[...] = kc, vc
         return q_out, k_out, key_ref, value_ref
     spec, slot_mapping, positions, layer = _prepare(
         q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, layout=layout, is_neox=is_neox,
-        rotary_dim=rotary_dim, k_scale=k_scale, v_scale=v_scale, precision=precision, impl=impl, layer=layer)
+        rotary_dim=rotary_dim, k_scale=k_scale, v_scale=v_scale, precision=precision, impl=impl, layer=layer,
+        q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, norm_eps=norm_eps)
     args = tuple(jnp.asarray(a) for a in (q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin))
-    args += (_scale_operand(k_scale), _scale_operand(v_scale), _layer_operand(layer, spec))
+    args += (_scale_operand(k_scale, spec.k_scale_heads), _scale_operand(v_scale, spec.v_scale_heads),
+             _layer_operand(layer, spec), _weight_operand(q_norm_weight), _weight_operand(k_norm_weight))
     if spec.num_tokens == 0:
         return args[:2] + args[3:5]
     if impl == "xla":
@@ -216,7 +241,7 @@ def rope_and_cache(q: ArrayLike, k: ArrayLike, v: ArrayLike, key_cache: Cache, v
     return tuple(primitive.bind(*args, spec=spec, impl=impl))
 
 
-_STATIC = ("layout", "is_neox", "rotary_dim", "precision", "impl")
+_STATIC = ("layout", "is_neox", "rotary_dim", "precision", "impl", "norm_eps")
 
 _donating_jit = jax.jit(rope_and_cache, static_argnames=_STATIC, donate_argnames=("key_cache", "value_cache"))
 
@@ -235,14 +260,17 @@ _DONATED_RUNTIME_ERRORS = ("Invalid buffer passed to Execute", "Buffer has been 
 
 def _donated_call(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, *, layout="flash",
                   is_neox=True, rotary_dim=None, k_scale=None, v_scale=None, precision="fp32", impl=None,
-                  layer=None):
+                  layer=None, q_norm_weight=None, k_norm_weight=None, norm_eps=1e-6):
     """(jitted function, args, kwargs) of a rope_and_cache_donated call, validated as rope_and_cache does."""
     refs = _check_refs(key_cache, value_cache)
     _, slot_mapping, positions, layer = _prepare(
         q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, layout=layout, is_neox=is_neox,
-        rotary_dim=rotary_dim, k_scale=k_scale, v_scale=v_scale, precision=precision, impl=impl, layer=layer)
+        rotary_dim=rotary_dim, k_scale=k_scale, v_scale=v_scale, precision=precision, impl=impl, layer=layer,
+        q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, norm_eps=norm_eps)
+    # norm_eps is static: its float32 value as a Python float (hashable, the same meaning)
     kwargs = dict(layout=layout, is_neox=is_neox, rotary_dim=rotary_dim, k_scale=k_scale, v_scale=v_scale,
-                  precision=precision, impl=impl, layer=layer)
+                  precision=precision, impl=impl, layer=layer, q_norm_weight=q_norm_weight,
+                  k_norm_weight=k_norm_weight, norm_eps=contract.check_norm_eps(norm_eps))
     return (_refs_jit if refs else _donating_jit), (q, k, v, key_cache, value_cache, slot_mapping, positions,
                                                      cos, sin), kwargs
 

@@ -158,8 +158,9 @@ def narrow_positions(positions, max_pos: int, arg: str = "positions") -> np.ndar
 
 
 # Operand order of the primitive and every native handler; the caches are updated in place.
+# An absent norm weight is a float32[1] placeholder (never read); scales are f32 [] (absent: 1), [1] or [KH].
 OPERANDS = ("q", "k", "v", "key_cache", "value_cache", "slot_mapping", "positions", "cos", "sin",
-            "k_scale", "v_scale", "layer")
+            "k_scale", "v_scale", "layer", "q_norm_weight", "k_norm_weight")
 RESULTS = ("q_out", "k_out", "key_cache", "value_cache")
 CACHE_ALIASES = {OPERANDS.index("key_cache"): 2, OPERANDS.index("value_cache"): 3}  # operand -> result
 
@@ -186,6 +187,15 @@ class OpSpec:
     slot_dtype: np.dtype
     pos_dtype: np.dtype
     num_layers: int | None = None  # caches stacked as [L, ...] and indexed by the `layer` operand
+    q_norm_dtype: np.dtype | None = None  # q_norm_weight's dtype (q's or float32); None: no q norm
+    k_norm_dtype: np.dtype | None = None
+    norm_eps: float = 0.0  # float32(norm_eps) as a Python float; 0.0 when neither norm is on
+    k_scale_heads: bool = False  # k_scale has shape [KH] (one scale per kv head), else a scalar
+    v_scale_heads: bool = False
+
+    @property
+    def norm(self) -> bool:
+        return self.q_norm_dtype is not None or self.k_norm_dtype is not None
 
     @property
     def fp8(self) -> bool:
@@ -247,24 +257,68 @@ def is_float_dtype(dtype) -> bool:
     return True
 
 
-def check_scale(arg: str, scale, fp8: bool, cache_dtype) -> None:
-    """A scale is a Python int/float or a scalar of any float dtype (numpy, ml_dtypes or jax; shape
-    () or (1,)): every implementation uses it as float32. Integer, bool and complex arrays are not."""
+def check_scale(arg: str, scale, fp8: bool, cache_dtype, kv_heads: int | None = None) -> bool:
+    """A scale is a Python int/float or an array of any float dtype (numpy, ml_dtypes or jax) of shape
+    () or (1,) (one scale), or [KH] (one per kv head; `kv_heads` given): every implementation uses it
+    as float32. Integer, bool and complex arrays are not. Returns True for a per-head scale."""
     if not fp8:
         if scale is not None:
             raise ValueError(f"{arg}: scales apply to float8 caches only; expected None for a "
                              f"{np.dtype(cache_dtype).name} cache, got {describe(scale)}")
-        return
+        return False
     if scale is None:
         raise ValueError(f"{arg}: a {np.dtype(cache_dtype).name} cache needs a scale; expected a "
                          f"float scalar (used as float32), got None")
     if isinstance(scale, (int, float)) and not isinstance(scale, bool) and not hasattr(scale, "dtype"):
-        return  # a Python number; numpy and jax scalars go by their dtype below
+        return False  # a Python number; numpy and jax scalars go by their dtype below
+    shapes = "shape () or (1,)" + (f" or [KH] = ({kv_heads},)" if kv_heads is not None else "")
     if isinstance(scale, (bool, np.bool_)) or not hasattr(scale, "dtype") or not hasattr(scale, "shape"):
-        raise TypeError(f"{arg}: expected a float scalar (used as float32), got {type(scale).__name__}")
-    if not is_float_dtype(scale.dtype) or tuple(scale.shape) not in ((), (1,)):
-        raise TypeError(f"{arg}: expected a float scalar (any float dtype, shape () or (1,); used as "
-                        f"float32), got {describe(scale)}")
+        raise TypeError(f"{arg}: expected a float scalar or per-head vector ({shapes}; used as float32), "
+                        f"got {type(scale).__name__}")
+    shape = tuple(scale.shape)
+    per_head = kv_heads is not None and kv_heads > 1 and shape == (kv_heads,)
+    if not is_float_dtype(scale.dtype) or (shape not in ((), (1,)) and not per_head):
+        raise TypeError(f"{arg}: expected a float scalar or per-head vector (any float dtype, {shapes}; "
+                        f"used as float32), got {describe(scale)}")
+    return per_head
+
+
+def check_norm_weight(arg: str, weight, head_dim: int, dtype) -> np.dtype | None:
+    """An RMSNorm weight: None, or an array of shape [D] in q's dtype or float32; returns its dtype."""
+    if weight is None:
+        return None
+    dtype = np.dtype(dtype)
+    allowed = (dtype,) if dtype == np.float32 else (dtype, np.dtype(np.float32))
+    if not hasattr(weight, "shape") or not hasattr(weight, "dtype"):
+        raise TypeError(f"{arg}: expected None or an array [D={head_dim}] of dtype {dtype_names(allowed)}, "
+                        f"got {describe(weight)}")
+    if np.dtype(weight.dtype) not in allowed:
+        raise TypeError(f"{arg}: expected dtype {' or '.join(d.name for d in allowed)} (q's dtype or float32), "
+                        f"got {np.dtype(weight.dtype).name}")
+    if tuple(weight.shape) != (head_dim,):
+        raise ValueError(f"{arg}: expected shape [D] = [{head_dim}] (the full head_dim, one weight shared by "
+                         f"every head), got {list(weight.shape)}")
+    return np.dtype(weight.dtype)
+
+
+def check_norm_eps(norm_eps) -> float:
+    """norm_eps: a static float (a Python float, or a numpy / concrete jax scalar of a float dtype),
+    finite and > 0 once rounded to float32; returns float32(norm_eps) as a Python float."""
+    if isinstance(norm_eps, float):  # np.float64 too
+        value = norm_eps
+    elif (hasattr(norm_eps, "dtype") and hasattr(norm_eps, "shape") and is_float_dtype(norm_eps.dtype)
+          and tuple(norm_eps.shape) == ()):
+        try:
+            value = float(np.asarray(norm_eps).astype(np.float64))
+        except Exception:  # noqa: BLE001 - a tracer has no value: norm_eps must be static
+            raise TypeError(f"norm_eps: expected a static float (not a traced value), got {describe(norm_eps)}") from None
+    else:
+        raise TypeError(f"norm_eps: expected a float (used as float32), got {describe(norm_eps)}")
+    with np.errstate(over="ignore"):
+        eps32 = np.float32(value)
+    if not (np.isfinite(eps32) and eps32 > 0):
+        raise ValueError(f"norm_eps: expected a finite value > 0 (as float32), got {value!r}")
+    return float(eps32)
 
 
 def check_distinct_caches(key_cache, value_cache) -> None:
@@ -318,7 +372,7 @@ def _key_cache_geometry(key_cache, lay: CacheLayout, cache_dtype) -> tuple[tuple
 
 def check_op(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, *,
              layout="flash", is_neox=True, rotary_dim=None, k_scale=None, v_scale=None,
-             precision="fp32", layer=None) -> OpSpec:
+             precision="fp32", layer=None, q_norm_weight=None, k_norm_weight=None, norm_eps=1e-6) -> OpSpec:
     """Validates one call of rope_and_cache and returns its static description.
 
     With `layer` given, the caches are stacked per layer ([L, ...]) and only layer `layer` is
@@ -396,15 +450,20 @@ def check_op(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
         raise ValueError(f"key_cache: too many slots ({nb}*{bs})")
 
     fp8 = cache_dtype in FP8_DTYPES
-    check_scale("k_scale", k_scale, fp8, cache_dtype)
-    check_scale("v_scale", v_scale, fp8, cache_dtype)
+    k_heads = check_scale("k_scale", k_scale, fp8, cache_dtype, kh)
+    v_heads = check_scale("v_scale", v_scale, fp8, cache_dtype, kh)
+    q_norm = check_norm_weight("q_norm_weight", q_norm_weight, d, dtype)
+    k_norm = check_norm_weight("k_norm_weight", k_norm_weight, d, dtype)
+    eps32 = check_norm_eps(norm_eps)
 
     return OpSpec(
         num_tokens=t, q_heads=qh, kv_heads=kh, head_dim=d, rotary_dim=r, num_blocks=nb,
         block_size=bs, max_pos=max_pos, layout=layout, is_neox=bool(is_neox),
         table_full=(width == r), precision=precision, dtype=dtype,
         table_dtype=table_dtype, cache_dtype=cache_dtype,
-        slot_dtype=np.dtype(slot_mapping.dtype), pos_dtype=np.dtype(positions.dtype), num_layers=num_layers)
+        slot_dtype=np.dtype(slot_mapping.dtype), pos_dtype=np.dtype(positions.dtype), num_layers=num_layers,
+        q_norm_dtype=q_norm, k_norm_dtype=k_norm, norm_eps=eps32 if (q_norm is not None or k_norm is not None) else 0.0,
+        k_scale_heads=k_heads, v_scale_heads=v_heads)
 
 
 def check_read_kv(key_cache, value_cache, slot_mapping, layout="flash") -> tuple[int, int]:
@@ -452,6 +511,11 @@ class KernelCodes:
     slot64: bool
     pos64: bool
     layer_blocks: int = 0  # blocks per layer of stacked caches [L, NB, ...]; 0: one layer
+    q_norm: int = -1       # -1: no q RMSNorm, else DTYPE_CODES of q_norm_weight
+    k_norm: int = -1       # same for k_norm_weight
+    norm_eps: float = 0.0  # float32 value of eps (exact in f32); 0.0 when no norm
+    k_scale_heads: bool = False  # k_scale has shape [KH] (False: one scale)
+    v_scale_heads: bool = False
 
 
 def kernel_codes(spec: OpSpec) -> KernelCodes:
@@ -462,4 +526,23 @@ def kernel_codes(spec: OpSpec) -> KernelCodes:
         dt=DTYPE_CODES[np.dtype(spec.dtype)], tab_dt=DTYPE_CODES[np.dtype(spec.table_dtype)],
         cache_dt=DTYPE_CODES[np.dtype(spec.cache_dtype)], slot64=np.dtype(spec.slot_dtype).itemsize == 8,
         pos64=np.dtype(spec.pos_dtype).itemsize == 8,
-        layer_blocks=spec.num_blocks if spec.num_layers is not None else 0)
+        layer_blocks=spec.num_blocks if spec.num_layers is not None else 0,
+        q_norm=-1 if spec.q_norm_dtype is None else DTYPE_CODES[np.dtype(spec.q_norm_dtype)],
+        k_norm=-1 if spec.k_norm_dtype is None else DTYPE_CODES[np.dtype(spec.k_norm_dtype)],
+        norm_eps=float(spec.norm_eps), k_scale_heads=bool(spec.k_scale_heads), v_scale_heads=bool(spec.v_scale_heads))
+
+
+# Options a native kernel may not implement (yet): each backend lists the ones it does in SUPPORTS;
+# a call using another falls back to the XLA path (impl=None) or raises (impl="kernel").
+FEATURES = ("q_norm", "k_norm", "k_scale_heads", "v_scale_heads")
+
+
+def features(spec: OpSpec) -> frozenset[str]:
+    """The FEATURES a call uses."""
+    used = {"q_norm": spec.q_norm_dtype is not None, "k_norm": spec.k_norm_dtype is not None,
+            "k_scale_heads": spec.k_scale_heads, "v_scale_heads": spec.v_scale_heads}
+    return frozenset(f for f, on in used.items() if on)
+
+
+FEATURE_NAMES = {"q_norm": "the fused q RMSNorm (q_norm_weight)", "k_norm": "the fused k RMSNorm (k_norm_weight)",
+                 "k_scale_heads": "per-head k_scale ([KH])", "v_scale_heads": "per-head v_scale ([KH])"}

@@ -39,7 +39,10 @@ def _check_operands(avals, spec: contract.OpSpec) -> None:
     want = {"q": spec.dtype, "k": spec.dtype, "v": spec.dtype, "key_cache": spec.cache_dtype,
             "value_cache": spec.cache_dtype, "slot_mapping": spec.slot_dtype, "positions": spec.pos_dtype,
             "cos": spec.table_dtype, "sin": spec.table_dtype, "k_scale": np.float32, "v_scale": np.float32,
-            "layer": np.int32}
+            "layer": np.int32, "q_norm_weight": np.float32 if spec.q_norm_dtype is None else spec.q_norm_dtype,
+            "k_norm_weight": np.float32 if spec.k_norm_dtype is None else spec.k_norm_dtype}
+    if len(avals) != len(contract.OPERANDS):
+        raise TypeError(f"rope_and_cache (internal): expected {len(contract.OPERANDS)} operands, got {len(avals)}")
     for name, aval in zip(contract.OPERANDS, avals):
         if np.dtype(aval.dtype) != np.dtype(want[name]):
             raise TypeError(f"rope_and_cache (internal): operand {name} is {np.dtype(aval.dtype).name}, but the "
@@ -48,6 +51,15 @@ def _check_operands(avals, spec: contract.OpSpec) -> None:
             tuple(avals[5].shape) != (spec.num_tokens,) or tuple(avals[6].shape) != (spec.num_tokens,):
         raise ValueError(f"rope_and_cache (internal): operand shapes {[list(a.shape) for a in avals[:7]]} do not "
                          "match the call's specialisation")
+    # scales [] / [1] or [KH]; weights [D] when the norm is on, the [1] placeholder otherwise
+    per = dict(zip(contract.OPERANDS, avals))
+    for name, heads in (("k_scale", spec.k_scale_heads), ("v_scale", spec.v_scale_heads)):
+        ok = tuple(per[name].shape) == (spec.kv_heads,) if heads else tuple(per[name].shape) in ((), (1,))
+        if not ok:
+            raise ValueError(f"rope_and_cache (internal): operand {name} has shape {list(per[name].shape)}")
+    for name, on in (("q_norm_weight", spec.q_norm_dtype), ("k_norm_weight", spec.k_norm_dtype)):
+        if tuple(per[name].shape) != ((spec.head_dim,) if on is not None else (1,)):
+            raise ValueError(f"rope_and_cache (internal): operand {name} has shape {list(per[name].shape)}")
 
 
 def _abstract_eval(q, k, v, key_cache, value_cache, *rest, spec, impl):
@@ -189,7 +201,7 @@ def _batch(args, dims, *, spec, impl):
         pick = lambda i: args[i][b] if mapped[i] else args[i]  # noqa: E731
         layer = b if layers is None else jnp.where((pick(11) >= 0) & (pick(11) < layers), b * layers + pick(11), -1)
         qo, ko, kc, vc = rope_cache_p.bind(*[pick(i) for i in range(3)], kc, vc, *[pick(i) for i in range(5, 11)],
-                                           jnp.asarray(layer, jnp.int32), spec=inner, impl=impl)
+                                           jnp.asarray(layer, jnp.int32), pick(12), pick(13), spec=inner, impl=impl)
         return q_all.at[b].set(qo), k_all.at[b].set(ko), kc, vc
 
     q0 = jnp.zeros((size,) + args[0].shape[mapped[0]:], args[0].dtype)
@@ -204,7 +216,7 @@ ad.primitive_jvps[rope_cache_p] = _not_differentiable
 batching.primitive_batchers[rope_cache_p] = _batch
 
 
-def bind(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, k_scale, v_scale, layer, *,
-         spec: contract.OpSpec, impl):
+def bind(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, k_scale, v_scale, layer,
+         q_norm_weight, k_norm_weight, *, spec: contract.OpSpec, impl):
     return rope_cache_p.bind(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
-                             k_scale, v_scale, layer, spec=spec, impl=impl)
+                             k_scale, v_scale, layer, q_norm_weight, k_norm_weight, spec=spec, impl=impl)

@@ -1,15 +1,33 @@
 """The oracle: rope_and_cache in numpy (+ ml_dtypes), importable without jax.
 
 Same signature as `jax_rope_cache.rope_and_cache`; returns new arrays and never modifies its
-inputs. It defines the arithmetic every implementation must reproduce bit for bit:
+inputs. It defines the arithmetic every implementation must reproduce bit for bit. Below r()
+rounds float32 to the input dtype (nearest even), r32() is a float32 operation:
 
 * positions are clamped to [0, max_pos - 1]; a slot s writes the caches only if 0 <= s < NB*BS
   (block s // BS, offset s % BS);
+* QK-RMSNorm (q_norm_weight / k_norm_weight given, each independently; Qwen3's q_norm / k_norm):
+  every (token, head) row x[0..D) of q (k) is normalised over the whole head_dim before anything
+  else, with eps32 = float32(norm_eps), w the weight [D] (q's dtype or float32), xf = float32(x):
+    sq_i = r32(xf_i * xf_i)
+    S    = tree(sq[0..D)), the pairwise halving tree (float32 adds):
+             tree(a[lo..lo+n)) = a[lo]                                    n == 1
+                               = tree(a[lo..lo+n/2)) + tree(a[lo+n/2..lo+n))  n even
+                               = tree(a[lo..lo+n-1)) + a[lo+n-1]              n odd
+           (for D a power of two the balanced tree: a GPU lane reduces its aligned chunk, then an
+           xor butterfly across the head's lanes; `tree_sum`)
+    ms   = r32(S / float32(D));  inv = r32(1 / r32(sqrt(r32(ms + eps32))))  (correctly rounded
+           sqrt, then a correctly rounded reciprocal; not an approximate rsqrt)
+    y_i  = r(r32(xf_i * inv))                  rounding point 1: to the input dtype, as HF's
+                                               `(x_f32 * rsqrt(...)).to(input_dtype)`
+    n_i  = r(r32(float32(w_i) * float32(y_i))) rounding point 2: the weight product (exact in
+                                               float32 for a 16-bit weight: HF's 16-bit multiply)
+  n replaces x as the input of everything below (rotation, pass-through channels >= R, k_out,
+  the key cache); v is never normalised. Every NaN the norm computes is the canonical one;
 * rotary pair (a, b) is (i, i + R/2) for NeoX and (2i, 2i+1) for GPT-J, i < R/2; channels >= R are
   copied unchanged (their bits, NaN payloads included). A "half" table gives both channels of
   pair i the value cos[p, i]; a "full" table gives channel c the value cos[p, c];
   a' = a*cos_a - b*sin_a,  b' = b*cos_b + a*sin_b.
-  Below r() rounds float32 to the input dtype (nearest even), r32() is a float32 operation.
 * precision "fp32": inputs and table values widened to float32 (exactly), each product and the
   difference/sum a separate float32 operation (no FMA), one rounding r() at the end.
 * precision "native": what AITER's Triton kernel computes on ROCm (../shared/notes/numerics.md),
@@ -26,8 +44,8 @@ inputs. It defines the arithmetic every implementation must reproduce bit for bi
   Tables are never rounded to the input dtype.
 * the cache stores v and k as they are when its dtype is the input dtype. fp8 caches store
   fp8(clamp(float32(x) * inv, -max, max)) (round to nearest even, saturating), where
-  inv = r32(1 / scale), and an inv that overflows to +-inf (|scale| < 2^-128: zero and tiny
-  subnormal scales) is the largest finite float32 of its sign instead: 0 stays 0, other finite
+  inv = r32(1 / scale) (a scale of shape [KH]: kv head h uses scale[h]), and an inv that
+  overflows to +-inf (|scale| < 2^-128: zero and tiny subnormal scales) is the largest finite float32 of its sign instead: 0 stays 0, other finite
   values saturate, and a finite input never becomes NaN. The k value quantized is the rounded
   k_out, except in "fused" native arithmetic, where it is the float32 value before the final
   rounding (what AITER quantizes with float32 tables).
@@ -45,7 +63,7 @@ import numpy as np
 from jax_rope_cache import contract
 
 __all__ = ["rope_and_cache", "read_kv", "rotate", "rotate_values", "quantize", "write_tokens", "read_tokens",
-           "arithmetic", "fma32", "to_dtype", "inverse_scale", "CANONICAL_NAN"]
+           "arithmetic", "fma32", "to_dtype", "inverse_scale", "tree_sum", "rms_norm", "CANONICAL_NAN"]
 
 _F32 = np.float32
 # Bits of the one NaN every implementation writes, by dtype (see the module docstring).
@@ -102,6 +120,30 @@ def fma32(a, b, c) -> np.ndarray:
         return s.astype(_F32)
 
 
+def tree_sum(a: np.ndarray) -> np.ndarray:
+    """Sum of float32 a[..., 0..n) over the last axis in the pairwise halving tree of the module
+    docstring (n even: the two halves, then one add; n odd: the first n - 1, then the last)."""
+    n = a.shape[-1]
+    if n == 1:
+        return a[..., 0]
+    with np.errstate(over="ignore", invalid="ignore"):
+        if n % 2 == 0:
+            return tree_sum(a[..., : n // 2]) + tree_sum(a[..., n // 2 :])
+        return tree_sum(a[..., : n - 1]) + a[..., n - 1]
+
+
+def rms_norm(x: np.ndarray, weight, norm_eps) -> np.ndarray:
+    """x [..., D] normalised over its last axis with `weight` [D] (module docstring), in x's dtype."""
+    dtype = x.dtype
+    xf = x.astype(_F32)
+    eps32 = _F32(norm_eps)
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        ms = tree_sum(xf * xf) / _F32(x.shape[-1])
+        inv = _F32(1.0) / np.sqrt(ms + eps32)
+        y = _round(xf * inv[..., None], dtype)
+        return to_dtype(np.asarray(weight).astype(_F32) * y, dtype)
+
+
 def pair_channels(rotary_dim: int, is_neox: bool) -> tuple[np.ndarray, np.ndarray]:
     """Channel indices (a, b) of each rotary pair."""
     i = np.arange(rotary_dim // 2)
@@ -149,11 +191,14 @@ def rotate(x: np.ndarray, cos_rows: np.ndarray, sin_rows: np.ndarray, spec: cont
     return rotate_values(x, cos_rows, sin_rows, spec)[0]
 
 
-def inverse_scale(scale) -> np.float32:
-    """r32(1 / scale), an overflow to +-inf replaced by the largest finite float32 of that sign."""
+def inverse_scale(scale):
+    """r32(1 / scale), an overflow to +-inf replaced by the largest finite float32 of that sign: a
+    float32 scalar for one scale, an array [KH, 1] (broadcasting over [T, KH, D]) for per-head scales."""
+    s = np.asarray(scale, dtype=_F32)
+    s = s.reshape(()) if s.size == 1 else s.reshape(-1, 1)
     with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
-        inv = _F32(1.0) / _F32(np.asarray(scale, dtype=_F32).reshape(()))
-    return _F32(np.clip(inv, -_F32_MAX, _F32_MAX))
+        inv = _F32(1.0) / s
+    return np.clip(inv, -_F32_MAX, _F32_MAX).astype(_F32)[()]
 
 
 def quantize(x: np.ndarray, cache_dtype, scale) -> np.ndarray:
@@ -190,7 +235,8 @@ def _valid_slots(slot_mapping: np.ndarray, num_slots: int) -> np.ndarray:
 
 def rope_and_cache(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, *,
                    layout="flash", is_neox=True, rotary_dim=None, k_scale=None, v_scale=None,
-                   precision="fp32", impl=None, layer=None):
+                   precision="fp32", impl=None, layer=None, q_norm_weight=None, k_norm_weight=None,
+                   norm_eps=1e-6):
     """numpy oracle; returns (q_out, k_out, new_key_cache, new_value_cache) as new arrays.
 
     With `layer`, the caches are stacked [L, ...] and only layer `layer` is written (a layer
@@ -201,7 +247,12 @@ def rope_and_cache(q, k, v, key_cache, value_cache, slot_mapping, positions, cos
         np.asarray(a) for a in (q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin))
     spec = contract.check_op(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
                           layout=layout, is_neox=is_neox, rotary_dim=rotary_dim, k_scale=k_scale,
-                          v_scale=v_scale, precision=precision, layer=layer)
+                          v_scale=v_scale, precision=precision, layer=layer, q_norm_weight=q_norm_weight,
+                          k_norm_weight=k_norm_weight, norm_eps=norm_eps)
+    if q_norm_weight is not None:
+        q = rms_norm(q, q_norm_weight, spec.norm_eps)
+    if k_norm_weight is not None:
+        k = rms_norm(k, k_norm_weight, spec.norm_eps)
     pos = np.clip(positions.astype(np.int64), 0, spec.max_pos - 1)
     cos_rows, sin_rows = cos[pos], sin[pos]
     q_out = rotate(q, cos_rows, sin_rows, spec)

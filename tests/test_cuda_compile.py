@@ -146,7 +146,7 @@ def _kernel_dir():
 
 
 class _Params(ctypes.Structure):
-    _fields_ = [("ptr", ctypes.c_void_p * 16), ("dim0", ctypes.c_int64 * 12)]
+    _fields_ = [("ptr", ctypes.c_void_p * 18), ("dim0", ctypes.c_int64 * 14)]
 
 
 def _build_emulation(cfg, tmp_dir):
@@ -201,7 +201,8 @@ def run_emulation(spec, args, k_scale, v_scale, tmp_dir, layer=0, num_sms=cuda.D
     vs = np.array(v_scale if v_scale is not None else 1.0, np.float32)
     q_out, k_out = np.full_like(q, 7), np.full_like(k, 7)
     kc_out, vc_out = kc.copy(), vc.copy()
-    ops = [q, k, v, kc_out, vc_out, slots, pos, cos, sin, ks, vs, np.array(layer, np.int32)]
+    no_norm = np.zeros(1, np.float32)  # q_norm_weight / k_norm_weight placeholders
+    ops = [q, k, v, kc_out, vc_out, slots, pos, cos, sin, ks, vs, np.array(layer, np.int32), no_norm, no_norm]
     p = _Params()
     for i, a in enumerate(ops + [q_out, k_out, kc_out, vc_out]):
         p.ptr[i] = a.ctypes.data
@@ -398,14 +399,15 @@ def test_cuda_lowering_without_nvrtc_falls_back_or_raises(monkeypatch):
 
 
 @pytest.mark.parametrize("layers", [None, 3])
-def test_cuda_lowering_is_one_custom_call_with_twelve_operands(layers):
-    """The CUDA kernel takes all 12 operands, the layer included: stacked caches [L, NB, ...] go to
+def test_cuda_lowering_is_one_custom_call_with_every_operand(layers):
+    """The CUDA kernel takes all 14 operands, the layer and the norm weights' placeholders included:
+    stacked caches [L, NB, ...] go to
     the one custom call as they are (no folding, no op on the slots before it)."""
     text = _export_cuda("kernel", layers).mlir_module()
     calls = [ln for ln in text.splitlines() if "stablehlo.custom_call @jax_rope_cache_gpu" in ln]
     assert len(calls) == 1, calls
     operands = calls[0].split("(", 1)[1].split(")", 1)[0]
-    assert operands.count("%") == 12, calls[0]
+    assert operands.count("%") == len(contract.OPERANDS) == 14, calls[0]
     assert "tensor<24x16x2x64xbf16>" not in text  # never folded to L*NB blocks
     main = text[text.index("func.func public @main"):]
     ops = set(re.findall(r"^\s*%[\w#:]+ = \"?([\w.]+)", main[:main.index("return")], re.M))

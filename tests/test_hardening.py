@@ -323,11 +323,12 @@ def _raw_problem(layout="flash", dt=BF16, cdt=None, layers=None, T=5, QH=4, KH=2
                positions=rng.integers(-3, 12, T).astype(np.int64 if idx64 else np.int32),
                cos=np.cos(ang).astype(np.float32), sin=np.sin(ang).astype(np.float32),
                k_scale=np.float32(0.25 if fp8 else 1.0), v_scale=np.float32(0.5 if fp8 else 1.0),
-               layer=np.int32(1 if layers else 0))
+               layer=np.int32(1 if layers else 0),
+               q_norm_weight=np.zeros(1, np.float32), k_norm_weight=np.zeros(1, np.float32))  # norms off
     if T:
         ops["slot_mapping"][0] = -1
     attrs = dict(layout=np.int64(contract.LAYOUT_TABLE[layout].code), is_neox=True, rotary_dim=np.int64(D),
-                 native=False)
+                 native=False, q_norm=False, k_norm=False, norm_eps=np.float32(1e-6))
     return ops, attrs
 
 
@@ -434,7 +435,7 @@ def _bad_raw_cases():
     add("cos-no-rows", lambda o: _with(o, cos=o["cos"][:0], sin=o["sin"][:0]))
     add("sin-rows", lambda o: _with(o, sin=o["sin"][:-1]))
     add("sin-width", lambda o: _with(o, sin=np.concatenate([o["sin"], o["sin"]], 1)))
-    add("k_scale-shape", lambda o: _with(o, k_scale=np.ones(2, np.float32)))
+    add("k_scale-shape", lambda o: _with(o, k_scale=np.ones(3, np.float32)))  # neither 1 nor KH=2
     add("v_scale-empty", lambda o: _with(o, v_scale=np.ones(0, np.float32)))
     add("layer-shape", lambda o: _with(o, layer=np.zeros(3, np.int32)))
     for lay in contract.LAYOUTS:
@@ -624,20 +625,20 @@ def test_gpu_lowering_declares_the_signature_of_its_buffers():
     """Item 4: the signature lower_launch attaches is the call's buffers, in the launcher's format."""
     ops, _ = _raw_problem(layout="xpacked_shuffled", cdt=FP8)
     sig = _signature_of(ops)
-    assert sig[0] == 12 and sig[1] == 4
+    assert sig[0] == len(contract.OPERANDS) == 14 and sig[1] == 4
     at, seen = 2, []
-    for _ in range(16):
+    for _ in range(18):
         rank = sig[at + 1]
         seen.append((int(sig[at]), tuple(int(x) for x in sig[at + 2: at + 2 + rank])))
         at += 2 + rank
     assert at == len(sig)
     assert seen[3] == (20, ops["key_cache"].shape) and seen[5] == (4, (5,)) and seen[0] == (16, ops["q"].shape)
-    assert len(launcher.BUFFER_NAMES.split(",")) == 16
+    assert len(launcher.BUFFER_NAMES.split(",")) == 18
 
 
 def test_cuda_lowering_carries_the_buffer_signature():
     """Item 4: the CUDA custom call (exported on this CPU machine) carries `signature` and
-    `buffer_names`, and the signature is the call's 16 buffers."""
+    `buffer_names`, and the signature is the call's 18 buffers."""
     from jax_rope_cache.compilers import nvrtc
 
     if not nvrtc.available():

@@ -242,7 +242,7 @@ VARIANTS = [
 
 
 def variant_operands(v):
-    """The 12 operands (shape, dtype) of the custom call for variant `v`, and its OpSpec."""
+    """The 14 operands (shape, dtype) of the custom call for variant `v`, and its OpSpec."""
     T, QH, KH, D, NB, BS = v["T"], v["QH"], v["KH"], v["D"], 6, 16
     R = v.get("R") or D
     w = R if v.get("full") else R // 2
@@ -258,7 +258,7 @@ def variant_operands(v):
                              rotary_dim=R, k_scale=0.5 if fp8 else None, v_scale=0.25 if fp8 else None,
                              precision=v.get("prec", "fp32"),
                              layer=np.zeros((), np.int32) if v.get("layers") else None)
-    shapes += [((), F32), ((), F32), ((), np.dtype(np.int32))]  # k_scale, v_scale, layer
+    shapes += [((), F32), ((), F32), ((), np.dtype(np.int32)), ((1,), F32), ((1,), F32)]  # scales, layer, norm weights
     return [[list(sh), np.dtype(dt).name] for sh, dt in shapes], spec
 
 
@@ -278,7 +278,7 @@ def test_kernarg_buffer_matches_the_code_object_metadata(stubs, tmp_path):
     for arch in ("gfx942", "gfx950"):
         out, rec = run_harness(stubs, tmp_path, calls, env={"HIP_STUB_ARCH": f"{arch}:sramecc+:xnack-",
                                                             "HIP_STUB_ACCEPT_MACH": str(MACH[arch]),
-                                                            "HIP_STUB_PEEK_WORDS": "12"})  # the operand pointers
+                                                            "HIP_STUB_PEEK_WORDS": "14"})  # the operand pointers
         launches = calls_of(rec, "hipModuleLaunchKernel")
         assert [o["error"] for o in out] == [None] * len(calls), out
         assert len(launches) == len(calls)

@@ -4,8 +4,8 @@
    bf16/f16/f32 inputs, f32/bf16/f16 tables, fp8 e4m3fn and e4m3fnuz caches, both precisions,
    int32/int64 indices, D in {64, 128, 256}) compiles for gfx942 AND gfx950.
 2. Each code object's AMDGPU metadata (parsed in pure Python) matches what the launcher does:
-   the kernarg segment is exactly the launcher's parameter block (16 pointers then 12 int64
-   dim0, 8 bytes each at offsets 0..216, 224 bytes, no hidden arguments), no scratch, no spills,
+   the kernarg segment is exactly the launcher's parameter block (18 pointers then 14 int64
+   dim0, 8 bytes each at offsets 0..248, 256 bytes, no hidden arguments), no scratch, no spills,
    at most 64 VGPRs (8 waves per SIMD), required workgroup size == the launch block of the
    lowering, wave64.
 3. The ISA of representative variants has no fused multiply-add (the arithmetic must round each
@@ -42,7 +42,7 @@ from jax_rope_cache.compilers import amdgpu_elf, flydsl
 BF16, F16, F32 = np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16), np.dtype(np.float32)
 FN, FNUZ = np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e4m3fnuz)
 ARCHS = ("gfx942", "gfx950")
-NUM_OPERANDS, NUM_RESULTS = 12, 4  # the custom call: 12 operands (layer last), 4 results
+NUM_OPERANDS, NUM_RESULTS = 14, 4  # the custom call: 14 operands (layer, then the two norm weights), 4 results
 MAX_VGPRS = 64
 
 needs_flydsl = pytest.mark.skipif(not flydsl.available(),

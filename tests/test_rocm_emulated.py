@@ -59,7 +59,8 @@ def custom_call_operands(args, opts, layer=0):
     fp8 = np.dtype(args[3].dtype) in contract.FP8_DTYPES
     ks = np.asarray(opts.get("k_scale", 1.0) if fp8 else 1.0, np.float32).reshape(())
     vs = np.asarray(opts.get("v_scale", 1.0) if fp8 else 1.0, np.float32).reshape(())
-    return [np.asarray(a) for a in args] + [ks, vs, np.asarray(layer, np.int32).reshape(())]
+    no_norm = np.zeros(1, np.float32)  # q_norm_weight / k_norm_weight placeholders
+    return [np.asarray(a) for a in args] + [ks, vs, np.asarray(layer, np.int32).reshape(()), no_norm, no_norm]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])

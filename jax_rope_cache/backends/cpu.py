@@ -12,6 +12,8 @@ from jax_rope_cache.backends import native
 PLATFORM = "cpu"
 NAME = "CPU"
 TARGET = "jax_rope_cache_cpu"
+# contract.FEATURES the C++ handler implements (others: the XLA path, or an error with impl="kernel").
+SUPPORTS: frozenset[str] = frozenset(contract.FEATURES)
 
 
 def missing() -> str | None:
@@ -22,10 +24,13 @@ def missing() -> str | None:
 def kernel_attrs(spec: contract.OpSpec) -> dict:
     """The attributes the CPU handler reads."""
     return dict(layout=np.int64(contract.LAYOUT_TABLE[spec.layout].code), is_neox=bool(spec.is_neox),
-                rotary_dim=np.int64(spec.rotary_dim), native=spec.precision == "native")
+                rotary_dim=np.int64(spec.rotary_dim), native=spec.precision == "native",
+                q_norm=spec.q_norm_dtype is not None, k_norm=spec.k_norm_dtype is not None,
+                norm_eps=np.float32(spec.norm_eps))
 
 
 def lower(ctx, args, spec: contract.OpSpec):
+    native.refuse_unsupported(spec, SUPPORTS, NAME)
     native.register_target(TARGET, native.native_module().cpu_handler, "cpu")
     rule = jax.ffi.ffi_lowering(TARGET, operand_output_aliases=contract.CACHE_ALIASES)
     return rule(ctx, *args, **kernel_attrs(spec))

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from jax_rope_cache import contract
-from jax_rope_cache.backends import launcher
+from jax_rope_cache.backends import launcher, native
 from jax_rope_cache.compilers import cache, nvrtc
 
 PLATFORM = "cuda"
@@ -27,7 +27,8 @@ NAME = "CUDA"
 KERNEL_NAME = "rope_cache_kernel"
 DEFAULT_ARCH = 90
 DEFAULT_SMS = 132
-
+# contract.FEATURES the CUDA kernel implements (others: the XLA path, or an error with impl="kernel").
+SUPPORTS: frozenset[str] = frozenset()
 
 
 @functools.cache
@@ -173,6 +174,7 @@ def missing() -> str | None:
 
 
 def lower(ctx, args, spec: contract.OpSpec):
+    native.refuse_unsupported(spec, SUPPORTS, NAME)
     cc, sms = _local_cuda_arch()
     cfg = kernel_config(spec, sms)
     return launcher.lower_launch(ctx, args, table=build_code_table(cfg, cc), kernel=KERNEL_NAME,

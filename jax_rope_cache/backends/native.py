@@ -9,12 +9,27 @@ import threading
 import jax
 from jaxlib import xla_client
 
+from jax_rope_cache import contract
+
 _registered: set[tuple[str, str]] = set()
 _lock = threading.Lock()
 
 class KernelUnavailable(RuntimeError):
     """Raised by a backend's `lower` when the kernel cannot be built here (the cause is chained):
     impl=None then falls back to the XLA path with a warning, impl="kernel" re-raises the cause."""
+
+
+def refuse_unsupported(spec: contract.OpSpec, supports: frozenset[str], name: str) -> None:
+    """Raises KernelUnavailable when the call uses a contract.FEATURES option that a backend's
+    kernel does not implement (its SUPPORTS set): impl=None then lowers the XLA path with a
+    warning, impl="kernel" raises the chained NotImplementedError."""
+    missing = contract.features(spec) - supports
+    if not missing:
+        return
+    what = ", ".join(contract.FEATURE_NAMES[f] for f in contract.FEATURES if f in missing)
+    raise KernelUnavailable(f"a kernel with {what}, which the {name} kernel does not implement yet") from (
+        NotImplementedError(f"rope_and_cache: impl='kernel' on {name}: the kernel does not implement {what} yet; "
+                            "use impl=None (the XLA implementation then runs) or impl='xla'"))
 
 
 MISSING = ("the compiled extension jax_rope_cache._native, which did not import; reinstall the package")

@@ -26,6 +26,7 @@ JAX_ROPE_CACHE_ROCM_BUNDLE (compilers/flydsl.py); JAX_ROPE_CACHE_COMMAND_BUFFERS
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 
 import jax
@@ -38,6 +39,8 @@ PLATFORM = "rocm"
 NAME = "ROCm"
 DEFAULT_ARCHS = ("gfx942", "gfx950")
 ARCH_NAMES = {"gfx942": "MI300", "gfx950": "MI350/MI355"}
+# contract.FEATURES the FlyDSL kernel implements (others: the XLA path, or an error with impl="kernel").
+SUPPORTS: frozenset[str] = frozenset()
 
 
 class UnsupportedArch(RuntimeError):
@@ -104,12 +107,32 @@ def kernel_config(spec_or_codes, module=None):
     codes = spec_or_codes
     if isinstance(codes, contract.OpSpec):
         codes = contract.kernel_codes(codes)
-    return (module or flydsl.kernel_module()).make_config(**dataclasses.asdict(codes))
+    K = module or flydsl.kernel_module()
+    return K.make_config(**config_codes(codes, K))
+
+
+_CODE_FIELDS = tuple(f.name for f in dataclasses.fields(contract.KernelCodes))
+_CODE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(contract.KernelCodes)
+                  if f.default is not dataclasses.MISSING}
+
+
+def config_codes(codes, module) -> dict:
+    """The KernelCodes fields (of a KernelCodes or RocmKernelConfig) that the kernel module's
+    make_config takes. A field it does not take yet (an option its SUPPORTS lacks) must be at its
+    off value: anything else would be dropped silently, so it raises."""
+    accepted = inspect.signature(module.make_config).parameters
+    out = {}
+    for f in _CODE_FIELDS:
+        value = getattr(codes, f, _CODE_DEFAULTS.get(f))
+        if f in accepted:
+            out[f] = value
+        elif value != _CODE_DEFAULTS.get(f):
+            raise NotImplementedError(f"rope_and_cache: the FlyDSL kernel has no option {f} (asked for {value!r})")
+    return out
 
 
 MAX_VGPRS = 64  # 8 waves per SIMD on CDNA3/CDNA4 (512 VGPRs per lane / 64): the occupancy cap
 WAVES_PER_EU = {"waves_per_eu": 8}
-_CODE_FIELDS = tuple(f.name for f in dataclasses.fields(contract.KernelCodes))
 
 
 def fits(info: dict) -> bool:
@@ -126,7 +149,7 @@ def occupancy_candidates(cfg, module=None) -> list:
     16-byte accesses), without and with the hint; every chunk kind at half width. Only the chunk
     widths and hints differ, never the arithmetic (the lane emulator checks every width)."""
     K = module or flydsl.kernel_module()
-    codes = {f: getattr(cfg, f) for f in _CODE_FIELDS}
+    codes = config_codes(cfg, K)
     out = [(cfg, None), (cfg, WAVES_PER_EU)]
     narrow = K.make_config(**codes, rot_cap=max(1, cfg.w_rot // 2))
     if narrow != cfg:
@@ -174,6 +197,7 @@ def _has_disk_entries() -> bool:
 
 
 def lower(ctx, args, spec: contract.OpSpec):
+    native.refuse_unsupported(spec, SUPPORTS, NAME)
     try:
         archs = lowering_archs(ctx)
     except UnsupportedArch as e:

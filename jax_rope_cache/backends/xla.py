@@ -13,6 +13,11 @@ Numerics: the reference's formulas (jax_rope_cache/reference.py), with two docum
   read and written as zero there, which moves an output by at most a few 2^-126 in absolute
   terms (tests/test_numerics.py: 2^-123). XLA on GPU keeps subnormals.
 NaN outputs are the canonical ones, as in every implementation.
+
+The QK-RMSNorm follows the reference step by step (the same pairwise tree for the sum of squares,
+a correctly rounded sqrt and division). The squares pass an optimization barrier so XLA cannot
+contract them into the tree's adds as FMAs (which would move the sum by an ulp, and the rounded
+y by an ulp of the input dtype); on CPU the norm's subnormals are flushed as above.
 """
 
 from __future__ import annotations
@@ -105,12 +110,46 @@ def rotate(x, rows, spec: contract.OpSpec):
     return rotate_values(x, rows, spec)[0]
 
 
-def quantize(x, cache_dtype, scale):
+def tree_sum(a):
+    """reference.tree_sum: the pairwise halving tree over the last axis. n = 2^k * m (m odd): the
+    2^k contiguous blocks of m reduce first (m odd: the first m - 1, then the last), then the
+    blocks pairwise, neighbours first: the same association as the reference's recursion."""
+    n = a.shape[-1]
+    if n == 1:
+        return a[..., 0]
+    if n % 2:
+        return tree_sum(a[..., : n - 1]) + a[..., n - 1]
+    k = (n & -n)  # the largest power of two dividing n
+    m = n // k
+    b = tree_sum(a.reshape(a.shape[:-1] + (k, m))) if m > 1 else a
+    while b.shape[-1] > 1:
+        b = b[..., 0::2] + b[..., 1::2]
+    return b[..., 0]
+
+
+def rms_norm(x, weight, spec: contract.OpSpec):
+    """reference.rms_norm: x [..., D] normalised with weight [D], in x's dtype."""
+    xf = x.astype(_F32)
+    sq = jax.lax.optimization_barrier(xf * xf)  # no FMA into the tree's adds
+    ms = tree_sum(sq) / _F32(spec.head_dim)
+    inv = _F32(1.0) / jnp.sqrt(ms + _F32(spec.norm_eps))
+    y = round_to(xf * inv[..., None], x.dtype)
+    return to_dtype(weight.astype(_F32) * y, x.dtype)
+
+
+def _inverse_scale(scale, per_head: bool):
+    """reference.inverse_scale: [] or, per head, [KH, 1] (broadcasting over [T, KH, D])."""
+    big = np.finfo(np.float32).max
+    s = jnp.asarray(scale, _F32)
+    s = s.reshape((-1, 1)) if per_head else s.reshape(())
+    return jnp.clip(_F32(1.0) / s, -big, big)
+
+
+def quantize(x, cache_dtype, scale, per_head: bool = False):
     cache_dtype = np.dtype(cache_dtype)
     if cache_dtype not in contract.FP8_DTYPES:
         return x.astype(cache_dtype)
-    big = np.finfo(np.float32).max
-    inv = jnp.clip(_F32(1.0) / jnp.asarray(scale, _F32).reshape(()), -big, big)  # reference.inverse_scale
+    inv = _inverse_scale(scale, per_head)
     m = contract.FP8_MAX[cache_dtype]
     return to_dtype(jnp.clip(x.astype(_F32) * inv, -m, m), cache_dtype)
 
@@ -165,14 +204,18 @@ def scatter_kv(key_cache, value_cache, kq, vq, blk, off, spec: contract.OpSpec, 
 
 
 def rope_and_cache(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
-                   k_scale, v_scale, layer, spec: contract.OpSpec):
+                   k_scale, v_scale, layer, q_norm_weight, k_norm_weight, spec: contract.OpSpec):
+    if spec.q_norm_dtype is not None:
+        q = rms_norm(q, q_norm_weight, spec)
+    if spec.k_norm_dtype is not None:
+        k = rms_norm(k, k_norm_weight, spec)
     rows = table_rows(cos, sin, positions, spec)
     q_out = rotate(q, rows, spec)
     k_out, k_wide = rotate_values(k, rows, spec)
     blk, off = slot_coords(slot_mapping, spec, layer)
     fused = spec.fp8 and reference.arithmetic(spec) == "fused"  # fp8 quantizes the f32 values there
-    kq = quantize(k_wide if fused else k_out, spec.cache_dtype, k_scale)
-    vq = quantize(v, spec.cache_dtype, v_scale)
+    kq = quantize(k_wide if fused else k_out, spec.cache_dtype, k_scale, spec.k_scale_heads)
+    vq = quantize(v, spec.cache_dtype, v_scale, spec.v_scale_heads)
     key_cache, value_cache = scatter_kv(key_cache, value_cache, kq, vq, blk, off, spec, layer)
     return q_out, k_out, key_cache, value_cache
 

@@ -23,10 +23,11 @@
 //
 // Kernel ABI (what kernels/ffi/gpu_launcher.cc passes; the launcher is generic and knows nothing of
 // this op): one kernel parameter, a struct by value holding
-//   void*  ptr[16]   device pointers of the 12 operands, then of the 4 results, in custom-call order:
+//   void*  ptr[18]   device pointers of the 14 operands, then of the 4 results, in custom-call order:
 //                    q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, k_scale,
-//                    v_scale, layer (int32) | q_out, k_out, key_cache_out, value_cache_out
-//   int64  dim0[12]  the leading dimension of each operand (rank-0 operands: 1)
+//                    v_scale (f32 [] or [KH]), layer (int32), q_norm_weight, k_norm_weight ([D], or
+//                    an f32[1] placeholder when absent) | q_out, k_out, key_cache_out, value_cache_out
+//   int64  dim0[14]  the leading dimension of each operand (rank-0 operands: 1)
 // Grid: (ceil(T / RC_TPB), 1, 1) blocks of RC_NT threads, T = dim0[0]; no shared memory.
 // Runtime values: T = dim0[0], NB = dim0[3] (stacked: L = dim0[3]), max_pos = dim0[7]; every index
 // (slots, positions, layer) comes from device buffers, so a captured CUDA graph replays correctly
@@ -337,11 +338,13 @@ struct Params {
   const float* k_scale;
   const float* v_scale;
   const int* layer;
+  const void* q_norm_w;
+  const void* k_norm_w;
   void* q_out;
   void* k_out;
   void* kc;
   void* vc;
-  i64 dim0[12];
+  i64 dim0[14];
 };
 
 // Row of one token's head h (h < QH: q, else k head h - QH) in the rotation inputs.

@@ -4,11 +4,13 @@
 // Bounds safety: positions are clamped to the table, a slot writes only if 0 <= slot < NB*BS,
 // and every other index is derived from buffer dimensions checked at the top of the handler.
 //
-// Numerics: kernels/common/rope_cache_math.h, bit-exact to jax_rope_cache/reference.py. The
+// Numerics: kernels/common/rope_cache_math.h (the QK-RMSNorm: NormRow below), bit-exact to
+// jax_rope_cache/reference.py. The
 // handler runs on XLA's threads, which compute with flush-to-zero and denormals-are-zero set;
 // every thread doing the op's arithmetic switches both off for its work and restores the
 // caller's mode afterwards (ScopedIeeeDenormals), so subnormals are kept as the reference keeps them.
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -121,8 +123,41 @@ struct Problem {
   int64_t T, QH, KH, D, R, NB, BS, max_pos, width, X;
   int dt, table_dt, cache_dt, layout, arith;  // arith: rc_arith(native, dt, table_dt)
   bool neox, slots64, pos64, full_table;
-  float inv_k_scale, inv_v_scale;
+  const float *inv_k_scale, *inv_v_scale;  // per kv head (one scale: KH copies)
+  const float *q_norm_w, *k_norm_w;        // the norm weights widened to f32 [D]; nullptr: no norm
+  float norm_eps;
 };
+
+// Sum of a[0..n) in reference.tree_sum's order (n even: the halves, then one add; n odd: the
+// first n - 1, then the last). A power-of-two n is the same tree done in place, neighbours first.
+// Overwrites a.
+float TreeSum(float* a, int64_t n) {
+  if ((n & (n - 1)) == 0) {
+    for (int64_t w = 1; w < n; w *= 2)
+      for (int64_t i = 0; i + w < n; i += 2 * w) a[i] = a[i] + a[i + w];
+    return a[0];
+  }
+  if (n % 2) return TreeSum(a, n - 1) + a[n - 1];
+  return TreeSum(a, n / 2) + TreeSum(a + n / 2, n / 2);
+}
+
+// The QK-RMSNorm of one head row (reference.rms_norm): out = r(w * r(x * (1 / sqrt(S / D + eps))))
+// with a correctly rounded sqrt and division (no approximate rsqrt). `sq`: D floats of scratch.
+template <int DT>
+void NormRow(const typename Elem<DT>::T* __restrict x, typename Elem<DT>::T* __restrict out, const float* w,
+             int64_t d, float eps, float* __restrict sq) {
+  using E = Elem<DT>;
+  for (int64_t i = 0; i < d; ++i) {
+    const float xf = E::Load(x[i]);
+    sq[i] = xf * xf;
+  }
+  const float ms = TreeSum(sq, d) / static_cast<float>(d);
+  const float inv = 1.0f / std::sqrt(ms + eps);
+  for (int64_t i = 0; i < d; ++i) {
+    const float y = E::Load(E::Store(E::Load(x[i]) * inv));  // rounding point 1: the input dtype
+    out[i] = E::Store(w[i] * y);                               // rounding point 2
+  }
+}
 
 // Where one token's head h lands in each cache: K element d at
 // k_base + (d / k_group) * k_group_stride + d % k_group, V element d at v_base + d * v_stride.
@@ -171,7 +206,7 @@ void RotateRow(const Problem& p, const typename Elem<DT>::T* __restrict x, typen
 // quantizes `k_wide` instead of k where given (the f32 values of "fused" arithmetic).
 template <int DT, int CDT>
 void WriteRow(const Problem& p, const CacheRow& at, const typename Elem<DT>::T* k, const typename Elem<DT>::T* v,
-              const float* k_wide) {
+              const float* k_wide, float inv_k, float inv_v) {
   using E = Elem<DT>;
   if constexpr (CDT == DT) {
     auto* kc = static_cast<typename E::T*>(p.kc);
@@ -186,12 +221,12 @@ void WriteRow(const Problem& p, const CacheRow& at, const typename Elem<DT>::T* 
     for (int64_t d0 = 0; d0 < p.D; d0 += at.k_group) {
       uint8_t* dst = kc + at.k_base + (d0 / at.k_group) * at.k_group_stride;
       if (k_wide) {
-        for (int64_t j = 0; j < at.k_group; ++j) dst[j] = rc_quantize_fp8(k_wide[d0 + j], p.inv_k_scale, fnuz);
+        for (int64_t j = 0; j < at.k_group; ++j) dst[j] = rc_quantize_fp8(k_wide[d0 + j], inv_k, fnuz);
       } else {
-        for (int64_t j = 0; j < at.k_group; ++j) dst[j] = rc_quantize_fp8(E::Load(k[d0 + j]), p.inv_k_scale, fnuz);
+        for (int64_t j = 0; j < at.k_group; ++j) dst[j] = rc_quantize_fp8(E::Load(k[d0 + j]), inv_k, fnuz);
       }
     }
-    for (int64_t d = 0; d < p.D; ++d) vc[at.v_base + d * at.v_stride] = rc_quantize_fp8(E::Load(v[d]), p.inv_v_scale, fnuz);
+    for (int64_t d = 0; d < p.D; ++d) vc[at.v_base + d * at.v_stride] = rc_quantize_fp8(E::Load(v[d]), inv_v, fnuz);
   }
 }
 
@@ -214,6 +249,10 @@ JRC_CPU_CLONES void RunTokensT(const Problem& p, int64_t t0, int64_t t1) {
   // Per token: the cos and sin rows as float32, then the per-pair views ca/cb/sa/sb into them.
   std::unique_ptr<float[]> table(new float[2 * p.width + 4 * half]);
   std::unique_ptr<float[]> k_wide(kWide ? new float[p.KH * p.D] : nullptr);
+  // The normalised row of one head (the rotation's input) and the norm's scratch.
+  const bool norm = p.q_norm_w || p.k_norm_w;
+  std::unique_ptr<T[]> normed(norm ? new T[p.D] : nullptr);
+  std::unique_ptr<float[]> sq(norm ? new float[p.D] : nullptr);
   float *cos_row = table.get(), *sin_row = cos_row + p.width;
   float *ca = cos_row, *cb = cos_row, *sa = sin_row, *sb = sin_row;  // "half" table: both channels share
   if (p.full_table && kNeox) cb = cos_row + half, sb = sin_row + half;
@@ -235,18 +274,22 @@ JRC_CPU_CLONES void RunTokensT(const Problem& p, int64_t t0, int64_t t1) {
     }
     for (int64_t h = 0; h < p.QH; ++h) {
       const int64_t o = (t * p.QH + h) * p.D;
-      RotateRow<DT, ARITH, kNeox, false>(p, q + o, q_out + o, ca, cb, sa, sb, nullptr);
+      const T* x = q + o;
+      if (p.q_norm_w) NormRow<DT>(x, normed.get(), p.q_norm_w, p.D, p.norm_eps, sq.get()), x = normed.get();
+      RotateRow<DT, ARITH, kNeox, false>(p, x, q_out + o, ca, cb, sa, sb, nullptr);
     }
     for (int64_t h = 0; h < p.KH; ++h) {
       const int64_t o = (t * p.KH + h) * p.D;
-      RotateRow<DT, ARITH, kNeox, kWide>(p, k + o, k_out + o, ca, cb, sa, sb, kWide ? k_wide.get() + h * p.D : nullptr);
+      const T* x = k + o;
+      if (p.k_norm_w) NormRow<DT>(x, normed.get(), p.k_norm_w, p.D, p.norm_eps, sq.get()), x = normed.get();
+      RotateRow<DT, ARITH, kNeox, kWide>(p, x, k_out + o, ca, cb, sa, sb, kWide ? k_wide.get() + h * p.D : nullptr);
     }
     const int64_t slot = LoadIndex(p.slots, t, p.slots64);
     if (slot < 0 || slot >= p.NB * p.BS) continue;
     for (int64_t h = 0; h < p.KH; ++h) {
       const int64_t o = (t * p.KH + h) * p.D;
       WriteRow<DT, CDT>(p, Locate(p, slot / p.BS, slot % p.BS, h), k_out + o, v + o,
-                        kWide ? k_wide.get() + h * p.D : nullptr);
+                        kWide ? k_wide.get() + h * p.D : nullptr, p.inv_k_scale[h], p.inv_v_scale[h]);
     }
   }
 }
@@ -322,11 +365,18 @@ ffi::Error CheckSame(const char* what, int64_t got, int64_t want) {
                                      std::to_string(want) + ", got " + std::to_string(got));
 }
 
-// rc_inv_scale of the scale operand (1 where unused). Not inlined: it must run inside the
-// caller's ScopedIeeeDenormals, which the compiler does not order floating-point code against.
-__attribute__((noinline)) float InverseScale(ffi::AnyBuffer scale) {
-  if (scale.element_count() < 1 || scale.element_type() != ffi::DataType::F32) return 1.0f;
-  return rc_inv_scale(*static_cast<const float*>(scale.untyped_data()));
+// rc_inv_scale of the scale operand for each of the `kh` kv heads (a single scale: kh copies; 1
+// where unused). Not inlined: it must run inside the caller's ScopedIeeeDenormals, which the
+// compiler does not order floating-point code against.
+__attribute__((noinline)) void InverseScales(const ffi::AnyBuffer& scale, int64_t kh, float* out) {
+  const int64_t n = scale.element_type() == ffi::DataType::F32 ? scale.element_count() : 0;
+  const float* s = static_cast<const float*>(scale.untyped_data());
+  for (int64_t h = 0; h < kh; ++h) out[h] = n < 1 ? 1.0f : rc_inv_scale(s[n == kh ? h : 0]);
+}
+
+// A norm weight widened to float32 (exactly), under the caller's ScopedIeeeDenormals.
+__attribute__((noinline)) void WidenWeight(const ffi::AnyBuffer& w, float* out) {
+  LoadRow(w.untyped_data(), 0, w.element_count(), DtypeCode(w.element_type()), out);
 }
 
 // ---- operand and attribute validation --------------------------------------------------------
@@ -399,6 +449,31 @@ ffi::Error ExpectScalar(const char* name, const ffi::AnyBuffer& b, ffi::DataType
   return ffi::Error::Success();
 }
 
+// A scale: float32 dims [] or [1] (one scale), or [KH] (one per kv head).
+ffi::Error ExpectScale(const char* name, const ffi::AnyBuffer& b, int64_t kh) {
+  auto d = b.dimensions();
+  const bool one = d.size() == 0 || (d.size() == 1 && d[0] == 1);
+  if (b.element_type() != ffi::DataType::F32 || !(one || (d.size() == 1 && d[0] == kh)))
+    return Invalid(std::string(name) + ": expected float32 dims [], [1] or [KH] = [" + std::to_string(kh) +
+                   "], got " + TypeName(b.element_type()) + DimsString(d));
+  return ffi::Error::Success();
+}
+
+// A norm weight: dims [D] of q's dtype or float32 when its norm is on, else the float32[1] placeholder.
+ffi::Error ExpectNormWeight(const char* name, const ffi::AnyBuffer& b, bool on, ffi::DataType dt, int64_t d) {
+  auto dims = b.dimensions();
+  if (!on) {
+    if (b.element_type() != ffi::DataType::F32 || dims.size() != 1 || dims[0] != 1)
+      return Invalid(std::string(name) + ": expected the float32[1] placeholder (its norm is off), got " +
+                     TypeName(b.element_type()) + DimsString(dims));
+    return ffi::Error::Success();
+  }
+  if (b.element_type() != dt && b.element_type() != ffi::DataType::F32)
+    return Invalid(std::string(name) + ": expected dtype " + TypeName(dt) + " (as q) or float32, got " +
+                   TypeName(b.element_type()));
+  return ExpectDims(name, b, {d}, "[D]");
+}
+
 #define JRC_CHECK(expr)                   \
   do {                                    \
     if (auto e = (expr); e.failure()) return e; \
@@ -408,9 +483,10 @@ ffi::Error ValidateCall(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const 
                         const ffi::AnyBuffer& key_cache, const ffi::AnyBuffer& value_cache,
                         const ffi::AnyBuffer& slots, const ffi::AnyBuffer& positions, const ffi::AnyBuffer& cos,
                         const ffi::AnyBuffer& sin, const ffi::AnyBuffer& k_scale, const ffi::AnyBuffer& v_scale,
-                        const ffi::AnyBuffer& layer, const ffi::AnyBuffer& q_out, const ffi::AnyBuffer& k_out,
+                        const ffi::AnyBuffer& layer, const ffi::AnyBuffer& q_norm_weight,
+                        const ffi::AnyBuffer& k_norm_weight, const ffi::AnyBuffer& q_out, const ffi::AnyBuffer& k_out,
                         const ffi::AnyBuffer& key_cache_out, const ffi::AnyBuffer& value_cache_out,
-                        int64_t layout, int64_t rotary_dim) {
+                        int64_t layout, int64_t rotary_dim, bool q_norm, bool k_norm, float norm_eps) {
   if (layout < RC_FLASH || layout > RC_XPACKED_SHUFFLED)
     return Invalid("attribute layout: expected 0 (flash), 1 (xpacked) or 2 (xpacked_shuffled), got " +
                    std::to_string(layout));
@@ -491,9 +567,13 @@ ffi::Error ValidateCall(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const 
     return Invalid("cos: expected dims [max_pos >= 1, R/2=" + std::to_string(rotary_dim / 2) + " or R=" +
                    std::to_string(rotary_dim) + "], got " + DimsString(cd));
   JRC_CHECK(ExpectDims("sin", sin, {cd[0], cd[1]}, "as cos"));
-  JRC_CHECK(ExpectScalar("k_scale", k_scale, ffi::DataType::F32));
-  JRC_CHECK(ExpectScalar("v_scale", v_scale, ffi::DataType::F32));
+  JRC_CHECK(ExpectScale("k_scale", k_scale, KH));
+  JRC_CHECK(ExpectScale("v_scale", v_scale, KH));
   JRC_CHECK(ExpectScalar("layer", layer, ffi::DataType::S32));
+  JRC_CHECK(ExpectNormWeight("q_norm_weight", q_norm_weight, q_norm, dt, D));
+  JRC_CHECK(ExpectNormWeight("k_norm_weight", k_norm_weight, k_norm, dt, D));
+  if ((q_norm || k_norm) && !(norm_eps > 0.0f && norm_eps <= 3.4028234663852886e38f))
+    return Invalid("attribute norm_eps: expected a finite value > 0, got " + std::to_string(norm_eps));
 
   // Results: the same dtype and dims as what they are computed from (the caches: as the operands
   // they alias; without the alias the handler copies the operand's bytes into the result first).
@@ -517,12 +597,14 @@ ffi::Error CpuRopeAndCache(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                            ffi::AnyBuffer key_cache, ffi::AnyBuffer value_cache, ffi::AnyBuffer slots,
                            ffi::AnyBuffer positions, ffi::AnyBuffer cos, ffi::AnyBuffer sin,
                            ffi::AnyBuffer k_scale, ffi::AnyBuffer v_scale, ffi::AnyBuffer layer,
+                           ffi::AnyBuffer q_norm_weight, ffi::AnyBuffer k_norm_weight,
                            ffi::Result<ffi::AnyBuffer> q_out,
                            ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> key_cache_out,
                            ffi::Result<ffi::AnyBuffer> value_cache_out, int64_t layout, bool is_neox,
-                           int64_t rotary_dim, bool native) {
+                           int64_t rotary_dim, bool native, bool q_norm, bool k_norm, float norm_eps) {
   if (auto e = ValidateCall(q, k, v, key_cache, value_cache, slots, positions, cos, sin, k_scale, v_scale, layer,
-                            *q_out, *k_out, *key_cache_out, *value_cache_out, layout, rotary_dim);
+                            q_norm_weight, k_norm_weight, *q_out, *k_out, *key_cache_out, *value_cache_out, layout,
+                            rotary_dim, q_norm, k_norm, norm_eps);
       e.failure())
     return e;
   Problem p{};
@@ -578,10 +660,25 @@ ffi::Error CpuRopeAndCache(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
   p.cos = cos.untyped_data(), p.sin = sin.untyped_data();
   p.q_out = q_out->untyped_data(), p.k_out = k_out->untyped_data();
   p.kc = key_cache_out->untyped_data(), p.vc = value_cache_out->untyped_data();
+  // Per-call tables: inverse scales per kv head, the norm weights in f32 ([D] each, checked above).
+  for (auto [name, b] : {std::pair<const char*, const ffi::AnyBuffer*>{"k_scale", &k_scale},
+                         std::pair<const char*, const ffi::AnyBuffer*>{"v_scale", &v_scale}})
+    if (b->element_count() != 1 && b->element_count() != p.KH)
+      return ffi::Error::InvalidArgument(std::string("rope_and_cache cpu: ") + name + " must have 1 or KH elements");
+  if ((q_norm && q_norm_weight.element_count() != p.D) || (k_norm && k_norm_weight.element_count() != p.D))
+    return ffi::Error::InvalidArgument("rope_and_cache cpu: a norm weight must have D elements");
+  std::vector<float> inv_scales(2 * p.KH), weights((q_norm + k_norm) * p.D);
   {
-    ScopedIeeeDenormals ieee;  // a subnormal scale is a scale, not zero
-    p.inv_k_scale = InverseScale(k_scale), p.inv_v_scale = InverseScale(v_scale);
+    ScopedIeeeDenormals ieee;  // a subnormal scale is a scale, not zero; subnormal weights stay too
+    InverseScales(k_scale, p.KH, inv_scales.data());
+    InverseScales(v_scale, p.KH, inv_scales.data() + p.KH);
+    if (q_norm) WidenWeight(q_norm_weight, weights.data());
+    if (k_norm) WidenWeight(k_norm_weight, weights.data() + (q_norm ? p.D : 0));
   }
+  p.inv_k_scale = inv_scales.data(), p.inv_v_scale = inv_scales.data() + p.KH;
+  p.q_norm_w = q_norm ? weights.data() : nullptr;
+  p.k_norm_w = k_norm ? weights.data() + (q_norm ? p.D : 0) : nullptr;
+  p.norm_eps = norm_eps;
   const int64_t layer_index = stacked ? *static_cast<const int32_t*>(layer.untyped_data()) : 0;
   // Outputs alias the caches; should XLA ever hand separate buffers, start from the inputs' bits.
   if (p.kc != key_cache.untyped_data()) std::memcpy(p.kc, key_cache.untyped_data(), key_cache.size_bytes());
@@ -608,9 +705,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuRopeAndCache, CpuRopeAndCache,
                                   .Arg<ffi::AnyBuffer>()  // positions
                                   .Arg<ffi::AnyBuffer>()  // cos
                                   .Arg<ffi::AnyBuffer>()  // sin
-                                  .Arg<ffi::AnyBuffer>()  // k_scale (f32[], 1 when unused)
+                                  .Arg<ffi::AnyBuffer>()  // k_scale (f32[] / [1] / [KH], 1 when unused)
                                   .Arg<ffi::AnyBuffer>()  // v_scale
                                   .Arg<ffi::AnyBuffer>()  // layer (i32[], used with stacked caches)
+                                  .Arg<ffi::AnyBuffer>()  // q_norm_weight ([D]; f32[1] when q_norm is off)
+                                  .Arg<ffi::AnyBuffer>()  // k_norm_weight
                                   .Ret<ffi::AnyBuffer>()  // q_out
                                   .Ret<ffi::AnyBuffer>()  // k_out
                                   .Ret<ffi::AnyBuffer>()  // key_cache (aliased)
@@ -618,6 +717,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuRopeAndCache, CpuRopeAndCache,
                                   .Attr<int64_t>("layout")
                                   .Attr<bool>("is_neox")
                                   .Attr<int64_t>("rotary_dim")
-                                  .Attr<bool>("native"));
+                                  .Attr<bool>("native")
+                                  .Attr<bool>("q_norm")
+                                  .Attr<bool>("k_norm")
+                                  .Attr<float>("norm_eps"));
 
 }  // namespace jax_rope_cache

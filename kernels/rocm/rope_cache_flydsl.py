@@ -8,12 +8,13 @@ archs: the conversion is integer arithmetic, not the hardware's fp8 instructions
 k/v scales, "fp32" and "native" precision, int32/int64 slot_mapping and positions, one cache or
 stacked per-layer caches [L, NB, ...] (`layer_blocks` = NB) with the layer read on the device.
 
-Kernel ABI (what kernels/ffi/gpu_launcher.cc packs): 28 kernel arguments of 8 bytes each, at
-byte offsets 0, 8, ..., 216 (kernarg segment 224 bytes, no hidden arguments):
-  0..11   device addresses of the operands  q, k, v, key_cache, value_cache, slot_mapping,
-          positions, cos, sin, k_scale, v_scale, layer (int32 scalar)
-  12..15  device addresses of the results   q_out, k_out, key_cache_out, value_cache_out
-  16..27  int64 dim0 of each operand (T = dim0[0], NB = dim0[3] (stacked: L), max_pos = dim0[7])
+Kernel ABI (what kernels/ffi/gpu_launcher.cc packs): 32 kernel arguments of 8 bytes each, at
+byte offsets 0, 8, ..., 248 (kernarg segment 256 bytes, no hidden arguments):
+  0..13   device addresses of the operands  q, k, v, key_cache, value_cache, slot_mapping,
+          positions, cos, sin, k_scale, v_scale (f32 [] or [KH]), layer (int32 scalar),
+          q_norm_weight, k_norm_weight ([D], or an f32[1] placeholder when absent)
+  14..17  device addresses of the results   q_out, k_out, key_cache_out, value_cache_out
+  18..31  int64 dim0 of each operand (T = dim0[0], NB = dim0[3] (stacked: L), max_pos = dim0[7])
 Grid: (ceil(T / TPB), 1, 1) workgroups of NT threads (NT is the required workgroup size).
 
 Work decomposition. A workgroup owns TPB consecutive tokens. Three phases run one after the other
@@ -49,7 +50,8 @@ replaced by +-FLT_MAX (rc_inv_scale). Tables are never rounded.
 import dataclasses
 
 KERNEL_BASENAME = "jrc_rope_cache"
-NUM_ARGS = 28
+NUM_ARGS = 32
+NUM_OPERANDS = 14
 ARG_BYTES = 8
 
 # dtype codes: jax_rope_cache/_spec.py DTYPE_CODES
@@ -440,14 +442,14 @@ class _Emitter:
 
 
 def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
-    """Emits the kernel body. `args`: the 28 i64 kernel arguments as MLIR values.
+    """Emits the kernel body. `args`: the NUM_ARGS i64 kernel arguments as MLIR values.
     `dialects`: (ir, arith, gpu, llvm, rocdl, scf, vector) modules to emit with (default FlyDSL's)."""
     E = _Emitter(cfg, dialects)
     ir = E.ir
     c32, c64 = E.i32c, E.i64c
-    (p_q, p_k, p_v, _p_kc, _p_vc, p_slot, p_pos, p_cos, p_sin, p_ks, p_vs, p_layer,
-     p_qo, p_ko, p_kco, p_vco) = args[:16]
-    dims = args[16:28]
+    (p_q, p_k, p_v, _p_kc, _p_vc, p_slot, p_pos, p_cos, p_sin, p_ks, p_vs, p_layer, _p_qw, _p_kw,
+     p_qo, p_ko, p_kco, p_vco) = args[:NUM_OPERANDS + 4]
+    dims = args[NUM_OPERANDS + 4:NUM_ARGS]
     T, NB, MAXPOS = dims[0], dims[3], dims[7]
 
     s_in = ITEMSIZE[cfg.dt]
@@ -801,22 +803,25 @@ def build_launcher(cfg: RocmKernelConfig):
         return v.ir_value() if hasattr(v, "ir_value") else v
 
     @flyc.kernel(known_block_size=(cfg.nt, 1, 1))
-    def jrc_rope_cache(a0: fx.Int64, a1: fx.Int64, a2: fx.Int64, a3: fx.Int64, a4: fx.Int64, a5: fx.Int64,
-                       a6: fx.Int64, a7: fx.Int64, a8: fx.Int64, a9: fx.Int64, a10: fx.Int64, a11: fx.Int64,
-                       a12: fx.Int64, a13: fx.Int64, a14: fx.Int64, a15: fx.Int64, a16: fx.Int64, a17: fx.Int64,
-                       a18: fx.Int64, a19: fx.Int64, a20: fx.Int64, a21: fx.Int64, a22: fx.Int64, a23: fx.Int64,
-                       a24: fx.Int64, a25: fx.Int64, a26: fx.Int64, a27: fx.Int64):
-        emit_kernel_body(cfg, [_raw(a) for a in (a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13,
-                                                 a14, a15, a16, a17, a18, a19, a20, a21, a22, a23, a24, a25,
-                                                 a26, a27)])
+    def jrc_rope_cache(
+            a0: fx.Int64, a1: fx.Int64, a2: fx.Int64, a3: fx.Int64, a4: fx.Int64, a5: fx.Int64, a6: fx.Int64,
+            a7: fx.Int64, a8: fx.Int64, a9: fx.Int64, a10: fx.Int64, a11: fx.Int64, a12: fx.Int64, a13: fx.Int64,
+            a14: fx.Int64, a15: fx.Int64, a16: fx.Int64, a17: fx.Int64, a18: fx.Int64, a19: fx.Int64,
+            a20: fx.Int64, a21: fx.Int64, a22: fx.Int64, a23: fx.Int64, a24: fx.Int64, a25: fx.Int64,
+            a26: fx.Int64, a27: fx.Int64, a28: fx.Int64, a29: fx.Int64, a30: fx.Int64, a31: fx.Int64):
+        emit_kernel_body(cfg, [_raw(a) for a in (
+            a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, a16, a17, a18, a19, a20, a21,
+            a22, a23, a24, a25, a26, a27, a28, a29, a30, a31)])
 
     @flyc.jit
-    def jrc_launch(a0: fx.Int64, a1: fx.Int64, a2: fx.Int64, a3: fx.Int64, a4: fx.Int64, a5: fx.Int64,
-                   a6: fx.Int64, a7: fx.Int64, a8: fx.Int64, a9: fx.Int64, a10: fx.Int64, a11: fx.Int64,
-                   a12: fx.Int64, a13: fx.Int64, a14: fx.Int64, a15: fx.Int64, a16: fx.Int64, a17: fx.Int64,
-                   a18: fx.Int64, a19: fx.Int64, a20: fx.Int64, a21: fx.Int64, a22: fx.Int64, a23: fx.Int64,
-                   a24: fx.Int64, a25: fx.Int64, a26: fx.Int64, a27: fx.Int64):
-        jrc_rope_cache(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, a16, a17, a18,
-                       a19, a20, a21, a22, a23, a24, a25, a26, a27).launch(grid=(1, 1, 1), block=(cfg.nt, 1, 1))
+    def jrc_launch(
+            a0: fx.Int64, a1: fx.Int64, a2: fx.Int64, a3: fx.Int64, a4: fx.Int64, a5: fx.Int64, a6: fx.Int64,
+            a7: fx.Int64, a8: fx.Int64, a9: fx.Int64, a10: fx.Int64, a11: fx.Int64, a12: fx.Int64, a13: fx.Int64,
+            a14: fx.Int64, a15: fx.Int64, a16: fx.Int64, a17: fx.Int64, a18: fx.Int64, a19: fx.Int64,
+            a20: fx.Int64, a21: fx.Int64, a22: fx.Int64, a23: fx.Int64, a24: fx.Int64, a25: fx.Int64,
+            a26: fx.Int64, a27: fx.Int64, a28: fx.Int64, a29: fx.Int64, a30: fx.Int64, a31: fx.Int64):
+        jrc_rope_cache(
+            a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, a16, a17, a18, a19, a20, a21,
+            a22, a23, a24, a25, a26, a27, a28, a29, a30, a31).launch(grid=(1, 1, 1), block=(cfg.nt, 1, 1))
 
     return jrc_launch
