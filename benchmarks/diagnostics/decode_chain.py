@@ -56,23 +56,24 @@ def log(*a):
 
 # ---- the trivial kernel through the same launcher path ---------------------------------------------
 # The launcher's ABI: one struct of 8-byte words (operand pointers, result pointers, dim0 of each
-# operand). Thread 0 of block 0 stores one q_out element, so the call has a visible effect.
+# operand). Thread 0 of block 0 stores one element of the first result (q_out), so the call has a
+# visible effect; the counts come from the call's avals (the op's operand list may grow).
 TRIVIAL_NAME = "jrc_trivial_kernel"
 TRIVIAL_SRC = r"""
-struct JrcWords { void* ptr[16]; long long dim0[12]; };
+struct JrcWords { void* ptr[JRC_NIN + JRC_NOUT]; long long dim0[JRC_NIN]; };
 extern "C" __global__ void jrc_trivial_kernel(const JrcWords p) {
-  if (blockIdx.x == 0 && threadIdx.x == 0) *(unsigned short*)p.ptr[12] = 0;
+  if (blockIdx.x == 0 && threadIdx.x == 0) *(unsigned short*)p.ptr[JRC_NIN] = 0;
 }
 """
 
 
 @functools.cache
-def trivial_table(cc):
+def trivial_table(cc, n_in, n_out):
     from jax_rope_cache.backends import launcher
     from jax_rope_cache.compilers import nvrtc
 
     arch = cc if cc is not None else 90
-    opts = ["--std=c++17", "--device-as-default-execution-space"]
+    opts = ["--std=c++17", "--device-as-default-execution-space", f"-DJRC_NIN={n_in}", f"-DJRC_NOUT={n_out}"]
     cub = nvrtc.compile_cuda(TRIVIAL_SRC, arch=f"sm_{arch}", options=opts, headers={}, name="trivial.cu")
     ptx = nvrtc.compile_cuda(TRIVIAL_SRC, arch=f"compute_{arch}", options=opts, headers={}, name="trivial.cu")
     return launcher.pack_code_table([(launcher.KIND_CUBIN, f"sm_{arch}", cub.code),
@@ -90,7 +91,8 @@ def trivial_lowering():
     def lower(ctx, args, spec):
         cc, sms = cuda._local_cuda_arch()
         cfg = cuda.kernel_config(spec, sms)
-        return launcher.lower_launch(ctx, args, table=trivial_table(cc), kernel=TRIVIAL_NAME,
+        table = trivial_table(cc, len(ctx.avals_in), len(ctx.avals_out))
+        return launcher.lower_launch(ctx, args, table=table, kernel=TRIVIAL_NAME,
                                      grid_div=cfg.tokens_per_block, block=cfg.threads)
 
     cuda.lower = lower
