@@ -209,6 +209,32 @@ def run_variant(variant, inp, a, workdir):
     return rec
 
 
+def check_variants(inp, variants):
+    """q_out/k_out of one call per variant vs the fused one (or sep_kernel): max |diff| in f32.
+    The separate versions round q and k to bf16 after the norm, as the fused op's contract does."""
+    import jax
+    import jax.numpy as jnp
+
+    import jax_rope_cache as jrc
+
+    q, k, v, s, p = inp.q[0], inp.k[0], inp.v[0], inp.slots[0], inp.pos[0]
+    out = {}
+    for variant in variants:
+        kc, vc = inp.caches[-1]
+        kc, vc = jnp.copy(kc), jnp.copy(vc)
+        if variant in ("fused", "fused_xla"):
+            r = jrc.rope_and_cache(q, k, v, kc, vc, s, p, inp.cos, inp.sin, layout=inp.layout, q_norm_weight=inp.wq,
+                                   k_norm_weight=inp.wk, norm_eps=EPS, impl="kernel" if variant == "fused" else "xla")
+        elif variant in ("sep_kernel", "sep_xla"):
+            r = jrc.rope_and_cache(rms_norm_hf(q, inp.wq), rms_norm_hf(k, inp.wk), v, kc, vc, s, p, inp.cos, inp.sin,
+                                   layout=inp.layout, impl="kernel" if variant == "sep_kernel" else "xla")
+        else:
+            continue
+        out[variant] = [np.asarray(jax.device_get(x), np.float32) for x in r[:2]]
+    ref = out.get("fused") or out.get("sep_kernel")
+    return {v: float(max(np.max(np.abs(a - b)) for a, b in zip(o, ref))) for v, o in out.items()} if ref else {}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("out_dir")
@@ -223,6 +249,8 @@ def main(argv=None):
     ap.add_argument("--trace-execs", type=int, default=3, help="executions in the profiler trace")
     ap.add_argument("--no-profile", dest="profile", action="store_false", help="wall time only")
     ap.add_argument("--budget-s", type=float, default=165.0, help="stop starting new cases after this")
+    ap.add_argument("--check", action="store_true",
+                    help="compare one call's q_out/k_out across the variants per case (on by default in --dry-run)")
     a = ap.parse_args(argv)
     if a.dry_run:
         os.environ["JAX_PLATFORMS"] = "cpu"
@@ -276,6 +304,13 @@ def main(argv=None):
                     log(f"{mname} T={t} {layout}: inputs failed: {type(e).__name__}: {e}")
                     continue
                 res = {}
+                if a.check or a.dry_run:
+                    try:
+                        diff = check_variants(inp, variants)
+                        log(f"check {mname} T={t} {layout}: max |q_out, k_out - reference variant| = {diff}")
+                    except Exception as e:  # noqa: BLE001
+                        diff = {"error": f"{type(e).__name__}: {e}"[:200]}
+                        log(f"check {mname} T={t} {layout}: {diff['error']}")
                 for variant in variants:
                     rec = dict(model=mname, shape="/".join(map(str, shape)), T=t, layout=layout, slots=pattern,
                                variant=variant, bytes=bpt * t, sets=n_sets)
