@@ -9,6 +9,9 @@ flash caches), N = 32 and N = 1, for:
   trivial  the SAME custom call (same primitive, operands, aliasing, signature, launch geometry)
            with the code table swapped for a one-store NVRTC kernel: the launcher + XLA cost alone
   xla      rope_and_cache(impl="xla")
+  kernel_noinit  the op's kernel through the launcher's target minus its initialize stage (XLA
+           calls initialize for every custom call on every execution): what that stage costs
+           (also trivial_noinit, on request)
   jnp      a trivial jnp chain: one row of k and of v written with in-place dynamic_update_slice
            per call (XLA's own kernels in the same chain; q is summed as in the other forms)
 Forms: "separate" (one cache pair per layer, q_out summed as attention would consume it),
@@ -46,6 +49,7 @@ import time
 import numpy as np
 
 LOG = []
+CUSTOM_CALLS = ("kernel", "trivial", "kernel_noinit", "trivial_noinit")
 
 
 def log(*a):
@@ -80,10 +84,33 @@ def trivial_table(cc, n_in, n_out):
                                      (launcher.KIND_PTX, f"compute_{arch}", ptx.code)])
 
 
+NOINIT_TARGET = "jax_rope_cache_diag_noinit"
+
+
+def noinit_target(cb: bool) -> str:
+    """The launcher's stages minus initialize, registered under a diagnostic name: XLA then never
+    calls into the launcher per execution (the buffer check and module load of initialize are
+    skipped; execute finds the module an earlier case of the same code loaded)."""
+    from jax_rope_cache.backends import launcher, native
+
+    name = NOINIT_TARGET + ("" if cb else "_nograph")
+    mod = launcher.launcher_module()
+    native.register_target(
+        name, lambda: {k: v for k, v in mod.gpu_handler("CUDA", cb).items() if k != "initialize"}, "CUDA",
+        command_buffers=cb)
+    return name
+
+
 @contextlib.contextmanager
-def trivial_lowering():
-    """backends.cuda.lower replaced by one that embeds the trivial kernel but keeps the op's launch
-    geometry (kernel_config of the same spec) and everything launcher.lower_launch does."""
+def swapped_lowering(code: str, noinit: bool):
+    """backends.cuda.lower replaced for the diagnostic: code "trivial" embeds the one-store kernel
+    with the op's launch geometry (kernel_config of the same spec), "kernel" the op's own code
+    table; noinit lowers to the target without the initialize stage. The attributes, aliasing and
+    signature are launcher.lower_launch's."""
+    import jax
+    import numpy as np_
+
+    from jax_rope_cache import contract
     from jax_rope_cache.backends import cuda, launcher
 
     orig = cuda.lower
@@ -91,9 +118,20 @@ def trivial_lowering():
     def lower(ctx, args, spec):
         cc, sms = cuda._local_cuda_arch()
         cfg = cuda.kernel_config(spec, sms)
-        table = trivial_table(cc, len(ctx.avals_in), len(ctx.avals_out))
-        return launcher.lower_launch(ctx, args, table=table, kernel=TRIVIAL_NAME,
-                                     grid_div=cfg.tokens_per_block, block=cfg.threads)
+        if code == "trivial":
+            table, name = trivial_table(cc, len(ctx.avals_in), len(ctx.avals_out)), TRIVIAL_NAME
+        else:
+            table, name = cuda.build_code_table(cfg, cc), cuda.KERNEL_NAME
+        if not noinit:
+            return launcher.lower_launch(ctx, args, table=table, kernel=name, grid_div=cfg.tokens_per_block,
+                                         block=cfg.threads)
+        launcher.register_gpu_targets(launcher.launcher_module())
+        rule = jax.ffi.ffi_lowering(noinit_target(launcher.command_buffers_enabled()),
+                                    operand_output_aliases=contract.CACHE_ALIASES)
+        return rule(ctx, *args, code=table, code_hash=np_.int64(launcher.code_hash(table)), kernel=name,
+                    grid_div=np_.int64(cfg.tokens_per_block), block=np_.int64(cfg.threads), smem=np_.int64(0),
+                    signature=launcher.buffer_signature(ctx.avals_in, ctx.avals_out),
+                    buffer_names=launcher.BUFFER_NAMES)
 
     cuda.lower = lower
     try:
@@ -336,19 +374,21 @@ def run_case(what, form, n, t, cb, a, cfg, workdir, on_gpu):
     import jax
 
     ctx = contextlib.ExitStack()
-    if what in ("kernel", "trivial"):
+    custom = what in CUSTOM_CALLS
+    if custom:
         ctx.enter_context(command_buffers(cb))
-    if what == "trivial":
-        ctx.enter_context(trivial_lowering())
-    rec = dict(what=what, form=form, n=n, T=t, cmdbuf=(cb if what in ("kernel", "trivial") else None))
+    if what != "kernel" and custom:
+        ctx.enter_context(swapped_lowering("trivial" if what.startswith("trivial") else "kernel",
+                                           what.endswith("_noinit")))
+    rec = dict(what=what, form=form, n=n, T=t, cmdbuf=(cb if custom else None))
     with ctx:
         f, args = build_case(what, form, n, t, cfg["shape"], cfg["nb"], cfg["layers"])
         t0 = time.perf_counter()
         lowered = f.lower(*args)
-        if what == "trivial" and not on_gpu:  # checked by lowering for CUDA only
+        if what != "kernel" and custom and not on_gpu:  # checked by lowering for CUDA only
             text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
             rec["cuda_lowering_has_trivial"] = TRIVIAL_NAME in text
-            rec["cuda_targets"] = sorted(set(re.findall(r"jax_rope_cache_gpu\w*", text)))
+            rec["cuda_targets"] = sorted(set(re.findall(r"jax_rope_cache_\w*gpu\w*|jax_rope_cache_diag\w*", text)))
             return rec
         if what == "kernel" and not on_gpu:
             text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
@@ -378,7 +418,8 @@ def main(argv=None):
     ap.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU backend")
     ap.add_argument("--tokens", default=None, help="T values (default 1,64,256; dry run 1,8)")
     ap.add_argument("--chain", type=int, default=None, help="calls per step (default 32; dry run 4)")
-    ap.add_argument("--what", default="kernel,trivial,xla,jnp")
+    ap.add_argument("--what", default="kernel,trivial,xla,jnp,kernel_noinit",
+                    help="also: trivial_noinit (the _noinit ones run in the 'separate' form only)")
     ap.add_argument("--forms", default="separate,stacked,return")
     ap.add_argument("--extra-forms-tokens", default="64",
                     help="T values at which the forms other than 'separate' run (default 64; 'all')")
@@ -427,7 +468,9 @@ def main(argv=None):
             for what in whats:
                 if (form != "separate" and t not in extra_t) or (what == "jnp" and form == "return"):
                     continue
-                for cb in ((True, False) if what in ("kernel", "trivial") else (True,)):
+                if what.endswith("_noinit") and form != "separate":
+                    continue
+                for cb in ((True, False) if what in CUSTOM_CALLS else (True,)):
                     for n in (1, a.chain):
                         if time.time() - t_start > a.budget_s:
                             log(f"budget: skipped {what} {form} n={n} T={t} cb={cb}")
@@ -460,8 +503,8 @@ def main(argv=None):
         if r.get("error"):
             row["error"] = r["error"]
         elif "cuda_lowering_has_trivial" in r:
-            row["error"] = "not run here; CUDA lowering " + ("embeds the trivial kernel" if r["cuda_lowering_has_trivial"]
-                                                            else "LACKS the trivial kernel") + f", {r['cuda_targets']}"
+            has = "embeds the trivial kernel" if r["cuda_lowering_has_trivial"] else "embeds the op's kernel"
+            row["error"] = f"not run here; CUDA lowering {has}, {r['cuda_targets']}"
         table.append(row)
     with open(os.path.join(a.out_dir, "decode_chain.json"), "w") as fh:
         json.dump(dict(meta=meta, cases=rows, table=table), fh, indent=1, default=str)
@@ -475,12 +518,12 @@ def main(argv=None):
         "computations in the optimized HLO; entry cc = custom calls outside them; GPU ev / busy / mem ops per "
         "step from the profiler trace; cc host = host time per call in XLA's op events of the custom call; "
         "XLA_FLAGS=" + repr(meta["xla_flags"]))
-    log(f"{'what':8s} {'form':9s} {'T':>4s} {'ourCB':>5s} {'step us':>8s} {'1-call':>8s} {'marg us':>8s} "
+    log(f"{'what':14s} {'form':9s} {'T':>4s} {'ourCB':>5s} {'step us':>8s} {'1-call':>8s} {'marg us':>8s} "
         f"{'launch':>6s} {'cbufs':>5s} {'entrycc':>7s} {'copies':>6s} {'GPU ev':>6s} {'busy us':>8s} {'memops':>6s} "
         f"{'cc host':>7s}")
     for row in table:
         cb = "-" if row["cmdbuf"] is None else ("on" if row["cmdbuf"] else "off")
-        log(f"{row['what']:8s} {row['form']:9s} {row['T']:4d} {cb:>5s} {f(row['step_us'])} {f(row['step1_us'])} "
+        log(f"{row['what']:14s} {row['form']:9s} {row['T']:4d} {cb:>5s} {f(row['step_us'])} {f(row['step1_us'])} "
             f"{f(row.get('marginal_us'), 8, 2)} {f(row['launches'], 6)} {f(row['cbufs'], 5, 0)} "
             f"{f(row['entry_cc'], 7, 0)} {f(row['copies'], 6, 0)} {f(row['gpu_ev'], 6)} {f(row['busy'])} "
             f"{f(row['memops'], 6)} {f(row.get('cc_host_us'), 7, 2)}" + (f"  {row['error'][:90]}" if row.get("error") else ""))
