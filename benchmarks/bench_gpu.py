@@ -311,19 +311,19 @@ def aiter_time(W, cfg, t, layout, pattern, rng, dry_run=False):
     num_slots = max(4 * t, 4096) // BS * BS
     nb = num_slots // BS
     x = 8  # 16 bytes of bf16
-    g = torch.Generator(device="cpu").manual_seed(int(rng.integers(1 << 30)))
+    g = torch.Generator(device=dev).manual_seed(int(rng.integers(1 << 30)))  # generated on the device
 
     def rnd(*shape):
-        return torch.randn(*shape, generator=g).to(device=dev, dtype=in_dt)
+        return torch.randn(*shape, generator=g, device=dev).to(in_dt)
 
     q, k, v = rnd(t, qh, d), rnd(t, kh, d), rnd(t, kh, d)
     flash = layout == "flash"
     kshape, vshape = ((nb, BS, kh, d), (nb, BS, kh, d)) if flash else ((nb, kh, d // x, BS, x), (nb, kh, d, BS))
-    kc = torch.randn(*kshape, generator=g).to(device=dev, dtype=torch.bfloat16)
-    vc = torch.randn(*vshape, generator=g).to(device=dev, dtype=torch.bfloat16)
+    kc = torch.randn(*kshape, generator=g, device=dev).to(torch.bfloat16)
+    vc = torch.randn(*vshape, generator=g, device=dev).to(torch.bfloat16)
     slots = torch.from_numpy(slot_pattern(pattern, t, num_slots, rng) % num_slots).to(dev)
     pos = torch.from_numpy(rng.integers(0, MAX_POS, t).astype(np.int32)).to(dev)
-    ang = (torch.rand(MAX_POS, d // 2, generator=g) * 6.0 - 3.0)
+    ang = torch.rand(MAX_POS, d // 2, generator=g, device=dev) * 6.0 - 3.0
     cos, sin = torch.cos(ang).to(device=dev, dtype=in_dt), torch.sin(ang).to(device=dev, dtype=in_dt)
     q_out, k_out = torch.empty_like(q), torch.empty_like(k)
 
