@@ -140,6 +140,28 @@ def swapped_lowering(code: str, noinit: bool):
         cuda.lower = orig
 
 
+GEOMETRY = set()
+
+
+@contextlib.contextmanager
+def record_geometry():
+    """Notes (grid, block) of every CUDA lowering of the op (the launcher's grid = ceil(T / grid_div))."""
+    from jax_rope_cache.backends import cuda
+
+    inner = cuda.lower
+
+    def lower(ctx, args, spec):
+        cfg = cuda.kernel_config(spec, cuda._local_cuda_arch()[1])
+        GEOMETRY.add((-(-spec.num_tokens // cfg.tokens_per_block), cfg.threads))
+        return inner(ctx, args, spec)
+
+    cuda.lower = lower
+    try:
+        yield
+    finally:
+        cuda.lower = inner
+
+
 @contextlib.contextmanager
 def command_buffers(on: bool):
     old = os.environ.get("JAX_ROPE_CACHE_COMMAND_BUFFERS")
@@ -380,6 +402,9 @@ def run_case(what, form, n, t, cb, a, cfg, workdir, on_gpu):
     if what != "kernel" and custom:
         ctx.enter_context(swapped_lowering("trivial" if what.startswith("trivial") else "kernel",
                                            what.endswith("_noinit")))
+    if custom:
+        ctx.enter_context(record_geometry())
+        GEOMETRY.clear()
     rec = dict(what=what, form=form, n=n, T=t, cmdbuf=(cb if custom else None))
     with ctx:
         f, args = build_case(what, form, n, t, cfg["shape"], cfg["nb"], cfg["layers"])
@@ -389,11 +414,14 @@ def run_case(what, form, n, t, cb, a, cfg, workdir, on_gpu):
             text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
             rec["cuda_lowering_has_trivial"] = TRIVIAL_NAME in text
             rec["cuda_targets"] = sorted(set(re.findall(r"jax_rope_cache_\w*gpu\w*|jax_rope_cache_diag\w*", text)))
+            rec["grid_block"] = sorted(GEOMETRY)
             return rec
         if what == "kernel" and not on_gpu:
             text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
             rec["cuda_targets"] = sorted(set(re.findall(r"jax_rope_cache_gpu\w*", text)))
         compiled = lowered.compile()
+    if custom:
+        rec["grid_block"] = sorted(GEOMETRY)
     rec["compile_s"] = round(time.perf_counter() - t0, 2)
     hlo = compiled.as_text() or ""
     tag = f"{what}_{form}_n{n}_T{t}" + ("" if rec["cmdbuf"] is None else f"_cb{int(cb)}")
@@ -493,6 +521,7 @@ def main(argv=None):
         if row["step_us"] is not None and row["step1_us"] is not None:
             row["marginal_us"] = (row["step_us"] - row["step1_us"]) / (a.chain - 1)
         h = r.get("hlo") or {}
+        row["geom"] = " ".join(f"{g}x{b}" for g, b in r.get("grid_block") or ())
         row.update(cbufs=h.get("command_buffers"), entry_cc=h.get("entry_custom_calls"), copies=h.get("copies"))
         tr = r.get("trace") or {}
         cc_host = [h["us_per_step"] for h in tr.get("host_events") or ()
@@ -517,16 +546,18 @@ def main(argv=None):
         f"N = {a.chain}; launches = launcher executes per step (0: replayed graph); cbufs = command-buffer "
         "computations in the optimized HLO; entry cc = custom calls outside them; GPU ev / busy / mem ops per "
         "step from the profiler trace; cc host = host time per call in XLA's op events of the custom call; "
+        "grid x block = the launch of the op's configuration (the trivial kernel uses the same); "
         "XLA_FLAGS=" + repr(meta["xla_flags"]))
     log(f"{'what':14s} {'form':9s} {'T':>4s} {'ourCB':>5s} {'step us':>8s} {'1-call':>8s} {'marg us':>8s} "
         f"{'launch':>6s} {'cbufs':>5s} {'entrycc':>7s} {'copies':>6s} {'GPU ev':>6s} {'busy us':>8s} {'memops':>6s} "
-        f"{'cc host':>7s}")
+        f"{'cc host':>7s} {'grid x block':>9s}")
     for row in table:
         cb = "-" if row["cmdbuf"] is None else ("on" if row["cmdbuf"] else "off")
         log(f"{row['what']:14s} {row['form']:9s} {row['T']:4d} {cb:>5s} {f(row['step_us'])} {f(row['step1_us'])} "
             f"{f(row.get('marginal_us'), 8, 2)} {f(row['launches'], 6)} {f(row['cbufs'], 5, 0)} "
             f"{f(row['entry_cc'], 7, 0)} {f(row['copies'], 6, 0)} {f(row['gpu_ev'], 6)} {f(row['busy'])} "
-            f"{f(row['memops'], 6)} {f(row.get('cc_host_us'), 7, 2)}" + (f"  {row['error'][:90]}" if row.get("error") else ""))
+            f"{f(row['memops'], 6)} {f(row.get('cc_host_us'), 7, 2)} {row['geom']:>9s}"
+            + (f"  {row['error'][:90]}" if row.get("error") else ""))
     with open(os.path.join(a.out_dir, "decode_chain.log"), "w") as fh:
         fh.write("\n".join(LOG) + "\n")
     return 0 if all("error" not in r for r in rows) else 1
