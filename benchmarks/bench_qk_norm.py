@@ -185,10 +185,9 @@ def run_variant(variant, inp, a, workdir):
     f = make_chain(variant, inp, a.calls)
     args = (inp.q, inp.k, inp.v, inp.slots, inp.pos, inp.cos, inp.sin, inp.wq, inp.wk)
 
-    def run():
-        kc, vc = inp.caches.pop()
-        outs, kc, vc = f(*args, kc, vc)
-        inp.caches.append((kc, vc))
+    def run():  # a variant that fails to compile leaves the caches undonated for the next one
+        outs, kc, vc = f(*args, *inp.caches[-1])
+        inp.caches[-1] = (kc, vc)
         return outs
 
     t0 = time.perf_counter()
