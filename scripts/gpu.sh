@@ -50,12 +50,12 @@ has memcheck && TAIL=4 run memcheck_fuzz "${SAN_TIMEOUT:-230}" env XLA_PYTHON_CL
 has bench && TAIL=30 run bench 400 "$PY" -P "$ROOT/benchmarks/bench_gpu.py" "$OUT" ${PEERS_DIR:+--peers "$PEERS_DIR"} \
     ${BENCH_ARGS:-}
 if has decode_chain; then
-  TAIL=45 run decode_chain 240 "$PY" -P "$ROOT/benchmarks/diagnostics/decode_chain.py" "$OUT/decode_chain" ${DC_ARGS:-}
-  TAIL=14 run decode_chain_xla_nograph 90 env XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" \
+  TAIL=45 run decode_chain 210 "$PY" -P "$ROOT/benchmarks/diagnostics/decode_chain.py" "$OUT/decode_chain" ${DC_ARGS:-}
+  TAIL=14 run decode_chain_xla_nograph 75 env XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" \
       "$PY" -P "$ROOT/benchmarks/diagnostics/decode_chain.py" "$OUT/decode_chain_xla_nograph" --tokens 64 \
-      --forms separate --no-trace --budget-s 60
+      --forms separate --what kernel,trivial,xla,jnp --no-trace --budget-s 35
 fi
-has qk_norm && TAIL=20 run qk_norm 240 "$PY" -P "$ROOT/benchmarks/bench_qk_norm.py" "$OUT/qk_norm" ${QN_ARGS:-}
+has qk_norm && TAIL=20 run qk_norm 220 "$PY" -P "$ROOT/benchmarks/bench_qk_norm.py" "$OUT/qk_norm" ${QN_ARGS:-}
 if has demo; then
   TAIL=8 run demo 120 "$PY" -P -m jax_rope_cache demo --tp 1 --check-layers 2
   TAIL=8 run demo_no_command_buffers 90 env JAX_ROPE_CACHE_COMMAND_BUFFERS=0 "$PY" -P -m jax_rope_cache demo \

@@ -457,7 +457,7 @@ def main(argv=None):
     ap.add_argument("--no-trace", dest="trace", action="store_false", help="skip the profiler traces")
     ap.add_argument("--trace-steps", type=int, default=5)
     ap.add_argument("--num-blocks", type=int, default=None, help="cache blocks per layer (default 1024)")
-    ap.add_argument("--budget-s", type=float, default=170.0, help="stop starting new cases after this")
+    ap.add_argument("--budget-s", type=float, default=140.0, help="stop starting new cases after this")
     a = ap.parse_args(argv)
     if a.dry_run:
         os.environ["JAX_PLATFORMS"] = "cpu"
