@@ -22,6 +22,16 @@ Method (stated in the output too):
 Also: (a) a jitted 32-layer unrolled decode step (T=1, 32 caches donated), wall time per op; (b) a
 1000-step lax.fori_loop of T=1 updates vs the same loop writing K and V with
 lax.dynamic_update_slice.
+
+Optional AITER column (issue 14): when torch and AITER's Triton kernel
+`aiter.ops.triton.fusions.fused_kv_cache.fused_qk_rope_reshape_and_cache` import (an installed
+AITER, or `--peers DIR` holding ../shared/peers' bench_peers.py and an assembled AITER source in
+DIR/aiter_src, see ../shared/peers/README.md), every case also times AITER on inputs of the same
+shapes: device time per call from a CUDA graph of 16 calls / 16 (same buffers each call), bf16
+tables (as bench_peers runs it), and the ratio AITER time / kernel time (> 1: the kernel is
+faster). Without AITER only the XLA path and the copy ceiling are printed next to the kernel.
+`--aiter off` skips it. `--dry-run`: the CPU backend with small sizes (AITER through the Triton
+interpreter on float32 inputs when --peers is given), to check the script without a GPU.
 """
 
 from __future__ import annotations
@@ -34,6 +44,9 @@ import os
 import statistics
 import sys
 import time
+
+if "--dry-run" in sys.argv[1:]:  # before jax is imported
+    os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax
 import jax.numpy as jnp
@@ -72,8 +85,7 @@ def _timeit(fn, args_fn, reps, warm=2):
     return statistics.median(ts)
 
 
-def copy_bandwidth(reps=5):
-    n = 512 * 1024 * 1024  # 2 GiB of f32
+def copy_bandwidth(reps=5, n=512 * 1024 * 1024):  # 2 GiB of f32
     x = jax.random.normal(jax.random.key(0), (n,), jnp.float32)
     steps = 10
     f = jax.jit(lambda x: jax.lax.fori_loop(0, steps, lambda i, y: y + 1.0, x))
@@ -230,6 +242,110 @@ def fori_loop_steps(cfg, impl, steps=1000, reps=5):
     return _timeit(run, args, reps) / steps
 
 
+# ---- AITER (optional; imported at run time, never part of this repository) -------------------
+AITER_MODULE = "aiter.ops.triton.fusions.fused_kv_cache"
+AITER_GRAPH_CALLS = 16
+
+
+def load_aiter(peers=None, dry_run=False):
+    """(AITER's fused_kv_cache module, None) or (None, why it is unavailable)."""
+    if dry_run:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # Triton on the CPU
+    try:
+        import torch  # noqa: F401
+    except Exception as e:  # noqa: BLE001
+        return None, f"torch does not import ({type(e).__name__}: {e})"
+    try:
+        if peers:
+            # bench_peers.load_aiter registers AITER's package folders without running aiter/__init__.py
+            for p in (os.path.join(peers, "aiter_src"), peers):
+                sys.path.insert(0, os.path.abspath(p))
+            import bench_peers
+            return bench_peers.load_aiter(stub_arch="cpu-interpreter" if dry_run else None), None
+        import importlib
+        return importlib.import_module(AITER_MODULE), None
+    except Exception as e:  # noqa: BLE001
+        return None, f"{type(e).__name__}: {e}"[:300]
+
+
+def torch_graph_us(call, n_calls=AITER_GRAPH_CALLS, min_total_ms=30.0):
+    """Device time per call: a CUDA graph of n_calls calls, replayed, timed with events (median)."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (Triton compiles) outside the capture
+        for _ in range(3):
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(n_calls):
+            call()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    g.replay()
+    e0.record()
+    g.replay()
+    e1.record()
+    e1.synchronize()
+    reps = int(min(100, max(5, min_total_ms / max(e0.elapsed_time(e1), 1e-3))))
+    ts = []
+    for _ in range(reps):
+        e0.record()
+        g.replay()
+        e1.record()
+        e1.synchronize()
+        ts.append(e0.elapsed_time(e1))
+    del g
+    return statistics.median(ts) * 1e3 / n_calls
+
+
+def aiter_time(W, cfg, t, layout, pattern, rng, dry_run=False):
+    """AITER's fused rope + cache write on inputs of this case's shapes: us per call."""
+    import torch
+
+    qh, kh, d = cfg
+    dev = "cpu" if dry_run else "cuda"
+    in_dt = torch.float32 if dry_run else torch.bfloat16  # the Triton interpreter's bf16 math is wrong
+    num_slots = max(4 * t, 4096) // BS * BS
+    nb = num_slots // BS
+    x = 8  # 16 bytes of bf16
+    g = torch.Generator(device=dev).manual_seed(int(rng.integers(1 << 30)))  # generated on the device
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g, device=dev).to(in_dt)
+
+    q, k, v = rnd(t, qh, d), rnd(t, kh, d), rnd(t, kh, d)
+    flash = layout == "flash"
+    kshape, vshape = ((nb, BS, kh, d), (nb, BS, kh, d)) if flash else ((nb, kh, d // x, BS, x), (nb, kh, d, BS))
+    kc = torch.randn(*kshape, generator=g, device=dev).to(torch.bfloat16)
+    vc = torch.randn(*vshape, generator=g, device=dev).to(torch.bfloat16)
+    slots = torch.from_numpy(slot_pattern(pattern, t, num_slots, rng) % num_slots).to(dev)
+    pos = torch.from_numpy(rng.integers(0, MAX_POS, t).astype(np.int32)).to(dev)
+    ang = torch.rand(MAX_POS, d // 2, generator=g, device=dev) * 6.0 - 3.0
+    cos, sin = torch.cos(ang).to(device=dev, dtype=in_dt), torch.sin(ang).to(device=dev, dtype=in_dt)
+    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+
+    def call():
+        return W.fused_qk_rope_reshape_and_cache(q, k, v, kc, vc, slots, pos, cos, sin, None, None, True, flash,
+                                                 apply_scale=False, q_out=q_out, k_out=k_out, output_zeros=False)
+
+    r = call()
+    if len(r) != 4 or r[2] is not kc or r[3] is not vc:
+        raise RuntimeError("AITER returned an unexpected result (expected q_out, k_out and the two caches)")
+    if dry_run:
+        t0 = time.perf_counter()
+        call()
+        us = (time.perf_counter() - t0) * 1e6
+    else:
+        us = torch_graph_us(call)
+    del q, k, v, kc, vc, q_out, k_out, r
+    if not dry_run:
+        torch.cuda.empty_cache()
+    return us
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("out_dir")
@@ -239,6 +355,11 @@ def main(argv=None):
     ap.add_argument("--prefill-tokens", type=str, default="8192,32768",
                     help="T values also measured with prefill-contiguous slots")
     ap.add_argument("--skip-loops", action="store_true", help="skip the decode-step and fori_loop timings")
+    ap.add_argument("--aiter", choices=("auto", "off"), default="auto",
+                    help="auto: add AITER's time and ratio when torch and AITER import (default)")
+    ap.add_argument("--peers", default=None,
+                    help="folder with bench_peers.py and aiter_src/ (an assembled AITER source) to import AITER from")
+    ap.add_argument("--dry-run", action="store_true", help="CPU backend, small sizes: checks the script")
     a = ap.parse_args(argv)
     os.makedirs(a.out_dir, exist_ok=True)
     dev = jax.devices()[0]
@@ -247,9 +368,15 @@ def main(argv=None):
     if a.tokens:
         tokens = tuple(int(x) for x in a.tokens.split(","))
     prefill_tokens = tuple(int(x) for x in a.prefill_tokens.split(","))
+    if a.dry_run:
+        reps, a.skip_loops = 1, True
+        tokens = tuple(t for t in tokens if t <= 8) or (1, 8)
+        prefill_tokens = (8,)
     rng = np.random.default_rng(0)
     print(f"device: {dev.device_kind} ({dev.platform}), jax {jax.__version__}", flush=True)
-    bw = copy_bandwidth()
+    W, why = (None, "--aiter off") if a.aiter == "off" else load_aiter(a.peers, a.dry_run)
+    print(f"AITER: {'loaded from ' + W.__file__ if W is not None else 'not used (' + why + ')'}", flush=True)
+    bw = copy_bandwidth(n=(16 << 20) if a.dry_run else 512 << 20)
     print(f"device-to-device copy: {bw / 1e9:.0f} GB/s (read + write)", flush=True)
     overhead = {}
     for impl in ("kernel", "xla"):
@@ -268,15 +395,27 @@ def main(argv=None):
                     for impl in ("kernel", "xla"):
                         tm, n = op_time(cfg, t, layout, pattern, impl, reps, rng, overhead[impl])
                         res[impl] = tm
+                    aiter_us, aiter_err = None, None
+                    if W is not None:
+                        try:
+                            aiter_us = aiter_time(W, cfg, t, layout, pattern, rng, a.dry_run)
+                        except Exception as e:  # noqa: BLE001 - the JAX columns stand without it
+                            aiter_err = f"{type(e).__name__}: {e}"[:200]
+                            print(f"AITER {name} {layout} T={t} {pattern}: {aiter_err}", flush=True)
                     by = presets.ModelShape(name, qh, kh, d, d).bytes_per_token() * t
                     for impl in ("kernel", "xla"):
                         gbs = by / res[impl] / 1e9
                         row = dict(config=name, layout=layout, T=t, slots=pattern, impl=impl,
                                    time_us=res[impl] * 1e6, GBps=gbs, frac_copy=gbs * 1e9 / bw,
                                    speedup_vs_xla=res["xla"] / res[impl], calls_per_jit=n)
+                        if W is not None:
+                            row.update(aiter_us=aiter_us, vs_aiter=aiter_us / row["time_us"] if aiter_us else None,
+                                       aiter_error=aiter_err)
                         rows.append(row)
                         print(f"{name:18s} {layout:8s} T={t:6d} {pattern:8s} {impl:6s} {row['time_us']:9.2f} us "
-                              f"{gbs:7.0f} GB/s {row['frac_copy']:6.1%}  x{row['speedup_vs_xla']:.2f}", flush=True)
+                              f"{gbs:7.0f} GB/s {row['frac_copy']:6.1%}  x{row['speedup_vs_xla']:.2f}"
+                              + (f"  AITER {aiter_us:9.2f} us, AITER/{impl} {row['vs_aiter']:.2f}" if aiter_us else ""),
+                              flush=True)
     extra = {}
     for name, cfg in ([] if a.skip_loops else CONFIGS.items()):
         for impl in ("kernel", "xla"):
@@ -292,8 +431,13 @@ def main(argv=None):
               "caches donated and carried, minus that executable's dispatch overhead measured as 2*t(N)-t(2N)) / N, "
               "median of %d runs after warm-up; bytes by the floor formula; ceiling = device-to-device copy "
               "(fori_loop of x+1 on 2 GiB f32) measured in this run" % (N_SETS, reps))
+    if W is not None:
+        method += ("; AITER = %s.fused_qk_rope_reshape_and_cache (%s), bf16 tables, CUDA graph of %d calls on the "
+                   "same buffers / %d; AITER/kernel > 1: the kernel is faster"
+                   % (AITER_MODULE, W.__file__, AITER_GRAPH_CALLS, AITER_GRAPH_CALLS))
     meta = dict(device=dev.device_kind, jax=jax.__version__, copy_GBps=bw / 1e9, method=method, extra=extra,
-                dispatch_overhead_us={k: v * 1e6 for k, v in overhead.items()})
+                dispatch_overhead_us={k: v * 1e6 for k, v in overhead.items()},
+                aiter=(W.__file__ if W is not None else None), aiter_unavailable=why)
     with open(os.path.join(a.out_dir, "bench_gpu.csv"), "w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=list(rows[0]))
         w.writeheader()
@@ -303,15 +447,21 @@ def main(argv=None):
     # the short table, last
     print("\n" + method)
     print(f"copy ceiling {bw / 1e9:.0f} GB/s on {dev.device_kind}")
+    with_aiter = W is not None
     print(f"{'config':18s} {'layout':8s} {'T':>6s} {'slots':8s} {'kernel us':>10s} {'xla us':>9s} "
-          f"{'kern GB/s':>9s} {'of copy':>7s} {'speedup':>7s}")
+          f"{'kern GB/s':>9s} {'of copy':>7s} {'speedup':>7s}"
+          + (f" {'AITER us':>9s} {'AITER/kern':>10s}" if with_aiter else ""))
     by_key = {}
     for r in rows:
         by_key.setdefault((r["config"], r["layout"], r["T"], r["slots"]), {})[r["impl"]] = r
     for (c, l, t, p), d in by_key.items():
         k, x = d["kernel"], d["xla"]
+        tail = ""
+        if with_aiter:
+            au = k.get("aiter_us")
+            tail = f" {au:9.2f} {k['vs_aiter']:10.2f}" if au else f" {'-':>9s} {'-':>10s}"
         print(f"{c:18s} {l:8s} {t:6d} {p:8s} {k['time_us']:10.2f} {x['time_us']:9.2f} {k['GBps']:9.0f} "
-              f"{k['frac_copy']:7.1%} {k['speedup_vs_xla']:7.2f}")
+              f"{k['frac_copy']:7.1%} {k['speedup_vs_xla']:7.2f}" + tail)
     for key, val in extra.items():
         print(f"{key}: {val:.2f}")
     return 0

@@ -7,7 +7,12 @@
 #   suite     the platform-agnostic tests with their cuda cases (pytest; PYTEST_ARGS adds options)
 #   test_gpu  tests/test_gpu.py: one custom call, one launch per call, graph replay, module counts
 #   memcheck  the fuzz set through the CUDA kernel under compute-sanitizer memcheck (FUZZ_CASES=150)
-#   bench     benchmarks/bench_gpu.py (BENCH_ARGS, e.g. --quick)
+#   bench     benchmarks/bench_gpu.py (BENCH_ARGS, e.g. --quick); with PEERS=.peers (AITER's source,
+#             see ../shared/peers/README.md) or an installed AITER it adds AITER's time and ratio
+#   decode_chain  benchmarks/diagnostics/decode_chain.py: a 32-call decode chain, kernel vs the same
+#             launcher with a one-store kernel vs XLA path vs jnp, our command buffers on/off (DC_ARGS),
+#             then T=64 again with XLA's command buffers off (decode_chain_xla_nograph/)
+#   qk_norm   benchmarks/bench_qk_norm.py: fused Qwen3 QK-RMSNorm vs jnp RMSNorm + op (QN_ARGS)
 #   demo      the 32-layer decode demo, with and without command buffers
 #   stacked   benchmarks/diagnostics/stacked_layers.py
 #   tp        benchmarks/tp_decode.py over every GPU (2 or more)
@@ -23,6 +28,9 @@ STAGES="${STAGES:-install suite test_gpu memcheck bench}"
 source "$(dirname "${BASH_SOURCE[0]}")/_stages.sh"
 PY="${PY:-python3}"
 T="$ROOT/tests"
+# stages run from /, so a relative PEERS is taken from the repository root
+PEERS_DIR=""
+[ -n "${PEERS:-}" ] && PEERS_DIR="$(cd "$ROOT" && cd "$PEERS" && pwd)"
 
 { date -u; nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv || true
   "$PY" -c "import sys, jax; print(sys.version.split()[0], 'jax', jax.__version__, jax.devices())"; } 2>&1 | tee "$OUT/env.log"
@@ -39,7 +47,15 @@ has test_gpu && TAIL=3 run test_gpu 120 "$PY" -P -m pytest -q -p no:cacheprovide
 has memcheck && TAIL=4 run memcheck_fuzz "${SAN_TIMEOUT:-230}" env XLA_PYTHON_CLIENT_ALLOCATOR=platform \
     compute-sanitizer --tool memcheck --error-exitcode 9 \
     "$PY" "$T/test_fuzz.py" --platform cuda --impl kernel --cases "${FUZZ_CASES:-150}"
-has bench && TAIL=30 run bench 400 "$PY" -P "$ROOT/benchmarks/bench_gpu.py" "$OUT" ${BENCH_ARGS:-}
+has bench && TAIL=30 run bench 400 "$PY" -P "$ROOT/benchmarks/bench_gpu.py" "$OUT" ${PEERS_DIR:+--peers "$PEERS_DIR"} \
+    ${BENCH_ARGS:-}
+if has decode_chain; then
+  TAIL=45 run decode_chain 210 "$PY" -P "$ROOT/benchmarks/diagnostics/decode_chain.py" "$OUT/decode_chain" ${DC_ARGS:-}
+  TAIL=14 run decode_chain_xla_nograph 75 env XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" \
+      "$PY" -P "$ROOT/benchmarks/diagnostics/decode_chain.py" "$OUT/decode_chain_xla_nograph" --tokens 64 \
+      --forms separate --what kernel,trivial,xla,jnp --no-trace --budget-s 35
+fi
+has qk_norm && TAIL=20 run qk_norm 220 "$PY" -P "$ROOT/benchmarks/bench_qk_norm.py" "$OUT/qk_norm" ${QN_ARGS:-}
 if has demo; then
   TAIL=8 run demo 120 "$PY" -P -m jax_rope_cache demo --tp 1 --check-layers 2
   TAIL=8 run demo_no_command_buffers 90 env JAX_ROPE_CACHE_COMMAND_BUFFERS=0 "$PY" -P -m jax_rope_cache demo \
