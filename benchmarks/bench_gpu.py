@@ -53,6 +53,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_rope_cache as jrc
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run with -P too
+from cuda_graph_timing import graph_us  # noqa: E402  (benchmarks/)
 from jax_rope_cache.models import presets
 
 # (QH, KH, D) of the library's named models (models/presets.py), keyed by their per-shard names.
@@ -268,39 +271,6 @@ def load_aiter(peers=None, dry_run=False):
         return None, f"{type(e).__name__}: {e}"[:300]
 
 
-def torch_graph_us(call, n_calls=AITER_GRAPH_CALLS, min_total_ms=30.0):
-    """Device time per call: a CUDA graph of n_calls calls, replayed, timed with events (median)."""
-    import torch
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up (Triton compiles) outside the capture
-        for _ in range(3):
-            call()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(n_calls):
-            call()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    g.replay()
-    e0.record()
-    g.replay()
-    e1.record()
-    e1.synchronize()
-    reps = int(min(100, max(5, min_total_ms / max(e0.elapsed_time(e1), 1e-3))))
-    ts = []
-    for _ in range(reps):
-        e0.record()
-        g.replay()
-        e1.record()
-        e1.synchronize()
-        ts.append(e0.elapsed_time(e1))
-    del g
-    return statistics.median(ts) * 1e3 / n_calls
-
-
 def aiter_time(W, cfg, t, layout, pattern, rng, dry_run=False):
     """AITER's fused rope + cache write on inputs of this case's shapes: us per call."""
     import torch
@@ -339,7 +309,7 @@ def aiter_time(W, cfg, t, layout, pattern, rng, dry_run=False):
         call()
         us = (time.perf_counter() - t0) * 1e6
     else:
-        us = torch_graph_us(call)
+        us = graph_us(call, n_calls=AITER_GRAPH_CALLS, min_total_ms=30.0)
     del q, k, v, kc, vc, q_out, k_out, r
     if not dry_run:
         torch.cuda.empty_cache()

@@ -80,21 +80,28 @@ def _id(kw):
     return "-".join(f"{k}{v.name if isinstance(v, np.dtype) else v}" for k, v in kw.items())
 
 
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-def test_nvrtc_compiles_every_variant_without_spills(arch):
+def spill_failures(specs, ids, arch):
+    """Every spec compiled by NVRTC for arch: a cubin with the kernel, and ptxas' report of no spill
+    stores, spill loads or stack frame. Returns the failures."""
     failures = []
-    cfgs = [cuda.kernel_config(make_spec(**kw)) for kw in MATRIX]
+    cfgs = [cuda.kernel_config(spec) for spec in specs]
     # separate NVRTC programs compile concurrently (ctypes drops the GIL); the disk cache makes reruns fast
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
         compiled = list(pool.map(lambda cfg: cuda.compile_variant(cfg, arch), cfgs))
-    for kw, c in zip(MATRIX, compiled):
-        assert c.code[:4] == b"\x7fELF", f"{_id(kw)}: not a cubin"
-        assert cuda.KERNEL_NAME.encode() in c.code, f"{_id(kw)}: kernel symbol missing"
+    for name, c in zip(ids, compiled):
+        assert c.code[:4] == b"\x7fELF", f"{name}: not a cubin"
+        assert cuda.KERNEL_NAME.encode() in c.code, f"{name}: kernel symbol missing"
         stores, loads, stack = nvrtc.spill_bytes(c.log)
         if "spill" not in c.log:
-            failures.append(f"{_id(kw)}: no ptxas -v report in the log")
+            failures.append(f"{name}: no ptxas -v report in the log")
         elif stores or loads or stack:
-            failures.append(f"{_id(kw)}: {stores} B spill stores, {loads} B spill loads, {stack} B stack\n{c.log}")
+            failures.append(f"{name}: {stores} B spill stores, {loads} B spill loads, {stack} B stack\n{c.log}")
+    return failures
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_nvrtc_compiles_every_variant_without_spills(arch):
+    failures = spill_failures([make_spec(**kw) for kw in MATRIX], [_id(kw) for kw in MATRIX], arch)
     assert not failures, "\n".join(failures[:5])
     assert len(MATRIX) >= 80
 
@@ -419,17 +426,7 @@ NORM_MATRIX = norm_compile_matrix()
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_nvrtc_compiles_norm_variants_without_spills(arch):
-    failures = []
-    cfgs = [cuda.kernel_config(spec_of(kw)) for kw in NORM_MATRIX]
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
-        compiled = list(pool.map(lambda cfg: cuda.compile_variant(cfg, arch), cfgs))
-    for kw, c in zip(NORM_MATRIX, compiled):
-        assert cuda.KERNEL_NAME.encode() in c.code, f"{_id(kw)}: kernel symbol missing"
-        stores, loads, stack = nvrtc.spill_bytes(c.log)
-        if "spill" not in c.log:
-            failures.append(f"{_id(kw)}: no ptxas -v report in the log")
-        elif stores or loads or stack:
-            failures.append(f"{_id(kw)}: {stores} B spill stores, {loads} B spill loads, {stack} B stack\n{c.log}")
+    failures = spill_failures([spec_of(kw) for kw in NORM_MATRIX], [_id(kw) for kw in NORM_MATRIX], arch)
     assert not failures, "\n".join(failures[:5])
 
 

@@ -26,6 +26,8 @@ import time
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+from cuda_graph_timing import graph_us  # noqa: E402  (benchmarks/)
 
 
 def log(*a):
@@ -139,39 +141,6 @@ def compile_defs(src, defs, headers):
 
 
 # ---- timing -------------------------------------------------------------------------------------
-def graph_us(call, n_calls=20, min_total_ms=40.0):
-    import torch
-
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            call()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(n_calls):
-            call()
-    g.replay()
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    g.replay()
-    e1.record()
-    e1.synchronize()
-    reps = int(min(100, max(5, min_total_ms / max(e0.elapsed_time(e1), 1e-3))))
-    ts = []
-    for _ in range(reps):
-        e0.record()
-        g.replay()
-        e1.record()
-        e1.synchronize()
-        ts.append(e0.elapsed_time(e1))
-    del g
-    return float(np.median(ts)) * 1e3 / n_calls
-
-
 def stream():
     import torch
 
