@@ -66,8 +66,12 @@ class Fn:
               "cuLaunchKernel")
 
 
-class Params(ctypes.Structure):
-    _fields_ = [("ptr", ctypes.c_void_p * 16), ("dim0", ctypes.c_int64 * 12)]
+def params_type(n_ops: int):
+    """The kernel's one parameter: pointers of the n_ops operands and 4 results, dim0 of each operand
+    (14 operands since issue 18's norm weights; the pre-issue-18 kernels of --old take 12)."""
+    class Params(ctypes.Structure):
+        _fields_ = [("ptr", ctypes.c_void_p * (n_ops + 4)), ("dim0", ctypes.c_int64 * n_ops)]
+    return Params
 
 
 # ---- configurations -----------------------------------------------------------------------------
@@ -156,6 +160,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--old", default=None)
+    ap.add_argument("--old-operands", type=int, default=14, help="operands of the --old kernel's ABI (12 before issue 18)")
     ap.add_argument("--peers", default=None)
     ap.add_argument("--budget-s", type=float, default=300.0)
     ap.add_argument("--configs", default="oss-8,l70b8,l8b-1,oss-1")
@@ -292,7 +297,7 @@ def main():
             q_out, k_out = torch.empty_like(q), torch.empty_like(k)
             results = {}
 
-            def run_ours(tag, src, defs, tpb, nt, prec):
+            def run_ours(tag, src, defs, tpb, nt, prec, n_ops=14):
                 image, regs = compile_defs(src, defs, headers)
                 fn = Fn(image, "rope_cache_kernel")
                 kc.copy_(base_k)
@@ -301,8 +306,8 @@ def main():
                 k_out.fill_(0)
                 one = torch.ones((), dtype=torch.float32, device="cuda")
                 lay_i = torch.zeros((), dtype=torch.int32, device="cuda")
-                ops = [q, k, v, kc, vc, slots, pos, cos_t, sin_t, one, one, lay_i]
-                p = Params()
+                ops = [q, k, v, kc, vc, slots, pos, cos_t, sin_t, one, one, lay_i, one, one][:n_ops]  # unused norm weights
+                p = params_type(n_ops)()
                 for i, a in enumerate(ops + [q_out, k_out, kc, vc]):
                     p.ptr[i] = a.data_ptr()
                 for i, a in enumerate(ops):
@@ -324,7 +329,7 @@ def main():
                 spec = make_spec(T, QH, KH, D, lay, prec, NB, MAX_POS)
                 if src_old:
                     d, tpb, nt = old_kernel_config(spec)
-                    run_ours(f"old_{prec}", src_old, d, tpb, nt, prec)
+                    run_ours(f"old_{prec}", src_old, d, tpb, nt, prec, n_ops=args.old_operands)
                 d, tpb, nt = new_kernel_config(spec)
                 run_ours(f"new_{prec}", src_new, d, tpb, nt, prec)
                 if T >= 8192:
