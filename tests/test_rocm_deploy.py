@@ -235,3 +235,56 @@ def test_a_compile_error_in_the_child_is_reported(monkeypatch):
         flydsl.compile_config(bad, "gfx942")
     # the child survives a failed request
     assert flydsl.compile_config(cfg, "gfx942").code[:4] == b"\x7fELF"
+
+
+# ---- issue 18 options: what `compile` builds is what a call with them lowers to --------------------
+def _lowered_config(case, **opts):
+    """The FlyDSL configuration a call of `case` with `opts` (norm weights, scales) lowers to."""
+    import numpy as np
+    from conftest import make_problem
+    from jax_rope_cache import contract
+    from jax_rope_cache.backends import rocm
+
+    args, base = make_problem(case, seed=5)
+    base = {k: v for k, v in base.items() if k not in ("k_scale", "v_scale")}
+    for w in ("q_norm_weight", "k_norm_weight"):
+        if opts.get(w) == "q":
+            opts[w] = np.random.default_rng(1).standard_normal(case.D).astype(args[0].dtype)
+    return rocm.kernel_config(contract.kernel_codes(contract.check_op(*args, **base, **opts)))
+
+
+def test_compile_builds_the_qwen3_norm_variant_a_call_lowers_to():
+    """`compile --preset qwen3-32b --tp 8` (qk_norm "auto"): the fused norm with the config's eps and
+    weights in q's dtype, exactly the configuration a Qwen3 call with q/k_norm_weight lowers to."""
+    from conftest import Case
+    from jax_rope_cache.models import presets
+
+    eps = presets.preset_qk_norm_eps("qwen3-32b")
+    assert eps is not None and presets.preset_qk_norm_eps("llama-3.1-8b") is None
+    m = presets.model_shape("qwen3-32b", 8)
+    case = Case(T=3, QH=m.q_heads, KH=m.kv_heads, D=m.head_dim)
+    want = _lowered_config(case, q_norm_weight="q", k_norm_weight="q", norm_eps=eps)
+    plain = _lowered_config(case)
+    built = lambda **kw: aot.configs_for(q_heads=m.q_heads, kv_heads=m.kv_heads, head_dim=m.head_dim,  # noqa: E731
+                                         layouts=("flash",), **kw)
+    assert want in built(norm_eps=eps) and plain not in built(norm_eps=eps)
+    assert plain in built() and want not in built()
+    assert aot.preset_norms("qwen3-32b") == (eps,) and aot.preset_norms("qwen3-32b", "off") == (None,)
+    assert aot.preset_norms("qwen3-32b", "both") == (None, eps)
+    assert aot.preset_norms("llama-3.1-8b") == (None,) == aot.preset_norms("llama-3.1-8b", "both")
+    with pytest.raises(ValueError, match="qk_norm: expected one of"):
+        aot.preset_norms("qwen3-32b", "yes")
+
+
+def test_compile_scale_heads_builds_the_per_head_fp8_variant():
+    from conftest import Case
+    import numpy as np
+
+    case = Case(T=3, QH=8, KH=2, D=64, cache_dtype="float8_e4m3fn")
+    want = _lowered_config(case, k_scale=np.array([0.5, 2.0], np.float32), v_scale=np.array([1.5, 0.25], np.float32))
+    scalar = _lowered_config(case, k_scale=0.5, v_scale=1.5)
+    built = aot.configs_for(q_heads=8, kv_heads=2, head_dim=64, layouts=("flash",), cache_dtypes=("float8_e4m3fn",),
+                            scale_heads=True)
+    assert want in built and scalar not in built
+    assert scalar in aot.configs_for(q_heads=8, kv_heads=2, head_dim=64, layouts=("flash",),
+                                     cache_dtypes=("float8_e4m3fn",))

@@ -23,7 +23,9 @@ from jax_rope_cache.backends import rocm
 from jax_rope_cache.cli import _args
 from jax_rope_cache.cli._fmt import plural
 from jax_rope_cache.compilers import cache, flydsl
-from jax_rope_cache.models.presets import MODELS, model_shape
+from jax_rope_cache.models.presets import MODELS, model_shape, preset_qk_norm_eps
+
+QK_NORM_CHOICES = ("auto", "off", "both")
 
 _DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32,
            "float8_e4m3fn": ml_dtypes.float8_e4m3fn, "float8_e4m3fnuz": ml_dtypes.float8_e4m3fnuz}
@@ -37,33 +39,53 @@ def _code(name: str) -> int:
 
 def configs_for(*, q_heads, kv_heads, head_dim, rotary_dim=None, block_sizes=(16,), layouts=contract.LAYOUTS,
                 dtypes=("bfloat16",), cache_dtypes=None, table_dtypes=("float32",), neox=(True,),
-                tables=("half",), precisions=("fp32",), index_dtypes=("int32",)):
+                tables=("half",), precisions=("fp32",), index_dtypes=("int32",), norm_eps=None,
+                norm_weight_dtypes=("same",), scale_heads=False):
     """Kernel configurations of every combination of the given options (one model shape); combinations
-    a layout cannot hold (D or BS not a multiple of X) are left out."""
+    a layout cannot hold (D or BS not a multiple of X) are left out. `norm_eps` (a float): the fused
+    QK-RMSNorm on q and k with weights in each of `norm_weight_dtypes` ("same" = q's dtype, or a
+    dtype name); None: no norm. `scale_heads`: fp8 caches with one k/v scale per kv head (KH > 1)."""
     r = rotary_dim or head_dim
+    eps = 0.0 if norm_eps is None else float(np.float32(norm_eps))
     out = []
-    for bs, layout, dt, tdt, nx, table, prec, idx in itertools.product(
-            block_sizes, layouts, dtypes, table_dtypes, neox, tables, precisions, index_dtypes):
+    for bs, layout, dt, tdt, nx, table, prec, idx, wdt in itertools.product(
+            block_sizes, layouts, dtypes, table_dtypes, neox, tables, precisions, index_dtypes,
+            norm_weight_dtypes if norm_eps is not None else (None,)):
+        norm = -1 if wdt is None else _code(dt if wdt == "same" else wdt)
         for cdt in (cache_dtypes or (dt,)):
             try:
                 contract.check_layout_divisibility(layout, head_dim, bs, _DTYPES[cdt], head_arg="head_dim",
                                                    block_arg="block_size")
             except ValueError:
                 continue
+            heads = bool(scale_heads) and kv_heads > 1 and np.dtype(_DTYPES[cdt]) in contract.FP8_DTYPES
             codes = contract.KernelCodes(
                 qh=q_heads, kh=kv_heads, d=head_dim, r=r, bs=bs, layout=contract.cache_layout(layout).code,
                 neox=nx, full_table=table == "full", native=prec == "native", dt=_code(dt),
-                tab_dt=_code(tdt), cache_dt=_code(cdt), slot64=idx == "int64", pos64=idx == "int64")
+                tab_dt=_code(tdt), cache_dt=_code(cdt), slot64=idx == "int64", pos64=idx == "int64",
+                q_norm=norm, k_norm=norm, norm_eps=eps, k_scale_heads=heads, v_scale_heads=heads)
             out.append(rocm.kernel_config(codes))
     return out
 
 
+def preset_norms(name: str, qk_norm: str = "auto") -> tuple:
+    """The QK-RMSNorm epsilons (None: without the norm) `compile` builds a preset with."""
+    if qk_norm not in QK_NORM_CHOICES:
+        raise ValueError(f"qk_norm: expected one of {QK_NORM_CHOICES}, got {qk_norm!r}")
+    eps = preset_qk_norm_eps(name)
+    if eps is None or qk_norm == "off":
+        return (None,)
+    return (eps,) if qk_norm == "auto" else (None, eps)
+
+
 def precompile(archs=rocm.DEFAULT_ARCHS, configs=None, *, presets=(), tp: int = 1, verbose=False, bundle=None,
-               **options):
+               qk_norm="auto", **options):
     """Compiles kernel configurations into the disk cache; returns [(config, CodeObject)].
 
     `configs`: RocmKernelConfig objects; `presets`: names of models.presets.MODELS (a model at tensor
-    parallelism `tp` divides its heads by tp), each expanded with `options` (see `configs_for`).
+    parallelism `tp` divides its heads by tp), each expanded with `options` (see `configs_for`);
+    `qk_norm`: "auto" gives a preset with a QK-RMSNorm (Qwen3) its fused norm (its config's eps),
+    "off" never, "both" the variants with and without it.
     `bundle`: also write every code object into this ONE file (compilers/flydsl.write_bundle).
     Configurations already cached or bundled are not compiled again (and need no FlyDSL).
     """
@@ -73,8 +95,9 @@ def precompile(archs=rocm.DEFAULT_ARCHS, configs=None, *, presets=(), tp: int = 
     cfgs = list(configs or [])
     for name in presets:
         m = model_shape(name, tp)
-        cfgs += configs_for(q_heads=m.q_heads, kv_heads=m.kv_heads, head_dim=m.head_dim, rotary_dim=m.rotary_dim,
-                            **({"neox": (m.is_neox,)} | options))
+        for e in preset_norms(name, qk_norm):
+            cfgs += configs_for(q_heads=m.q_heads, kv_heads=m.kv_heads, head_dim=m.head_dim,
+                                rotary_dim=m.rotary_dim, **({"neox": (m.is_neox,)} | options | {"norm_eps": e}))
     out = []
     for cfg in cfgs:
         t = time.perf_counter()
@@ -124,6 +147,16 @@ def main(argv=None) -> None:
                    help=",".join(contract.PRECISIONS))
     p.add_argument("--index-dtype", type=csv(("int32", "int64"), "index dtype"), default=("int32",),
                    help="int32,int64")
+    p.add_argument("--qk-norm", choices=QK_NORM_CHOICES, default="auto",
+                   help="presets with a QK-RMSNorm (Qwen3): auto = with the fused norm (the config's eps), "
+                        "off = without, both")
+    p.add_argument("--norm-eps", type=float, default=None,
+                   help="with --heads: compile the variants with the fused QK-RMSNorm of this eps (weights in q's dtype "
+                        "unless --norm-weight-dtype)")
+    p.add_argument("--norm-weight-dtype", type=csv(("same",) + inputs, "norm weight dtype"), default=("same",),
+                   help="same (q's dtype), float32, ...")
+    p.add_argument("--scale-heads", action="store_true",
+                   help="fp8 caches: one k/v scale per kv head ([KH]) instead of a scalar")
     p.add_argument("--bundle", metavar="FILE",
                    help=f"also write all code objects into ONE file (name it *{flydsl.BUNDLE_SUFFIX}); a deployment "
                         "host reads it through JAX_ROPE_CACHE_ROCM_BUNDLE=FILE or from the cache folder's rocm/")
@@ -136,7 +169,10 @@ def main(argv=None) -> None:
             p.error(f"argument --heads: expected QH a multiple of KH, an even D and an even R <= D, got {a.heads}")
     archs = a.arch
     opts = dict(block_sizes=a.block_size, layouts=a.layout, dtypes=a.dtype, cache_dtypes=a.cache_dtype,
-                table_dtypes=a.table_dtype, tables=a.table, precisions=a.precision, index_dtypes=a.index_dtype)
+                table_dtypes=a.table_dtype, tables=a.table, precisions=a.precision, index_dtypes=a.index_dtype,
+                norm_weight_dtypes=a.norm_weight_dtype, scale_heads=a.scale_heads)
+    if a.norm_eps is not None and not (np.isfinite(np.float32(a.norm_eps)) and np.float32(a.norm_eps) > 0):
+        p.error(f"argument --norm-eps: expected a finite value > 0 (as float32), got {a.norm_eps!r}")
     if a.style:
         opts["neox"] = tuple(s == "neox" for s in a.style)
     configs = []
@@ -144,12 +180,13 @@ def main(argv=None) -> None:
         vals = list(a.heads)
         qh, kh, d = vals[:3]
         configs = configs_for(q_heads=qh, kv_heads=kh, head_dim=d, rotary_dim=vals[3] if len(vals) > 3 else None,
-                              **opts)
+                              norm_eps=a.norm_eps, **opts)
     if not configs and not a.preset:
         p.error("give --preset NAME (repeatable) or --heads QH,KH,D[,R]")
     t = time.perf_counter()
     try:
-        out = precompile(archs, configs, presets=a.preset, tp=a.tp, verbose=True, bundle=a.bundle, **opts)
+        out = precompile(archs, configs, presets=a.preset, tp=a.tp, verbose=True, bundle=a.bundle,
+                         qk_norm=a.qk_norm, **opts)
     except (flydsl.FlyDSLUnavailable, ValueError) as e:
         raise SystemExit(f"compile: {e}") from None
     where = cache.cache_dir() or "memory only (JAX_ROPE_CACHE_DIR='')"
