@@ -538,11 +538,12 @@ def test_host_emulation_norm_and_head_scales_bitwise(kw, emu_dir):
         assert not np.array_equal(plain[0].view(np.uint8), want[0].view(np.uint8))
 
 
-@pytest.mark.parametrize("variant", [{"RC_TPB": 8}, {"RC_TPB": 32}], ids=["tpb8", "tpb32"])
+@pytest.mark.parametrize("variant", [{"RC_TPB": 8}, {"RC_TPB": 32}, {"RC_TPB": 8, "RC_EARLY_W": 1},
+                                     {"RC_TPB": 1, "RC_EARLY_W": 0}], ids=["tpb8", "tpb32", "tpb8-early-w", "tpb1-late-w"])
 @pytest.mark.parametrize("neox", [True, False])
 def test_host_emulation_norm_with_several_units_per_thread(variant, neox, emu_dir):
     """Blocks of several tokens (the configuration of large calls): units are grouped per head
-    whatever the block size."""
+    whatever the block size; the weights loaded early or after the sum (RC_EARLY_W) alike."""
     kw = dict(T=203, QH=8, KH=2, D=128, neox=neox, dt=BF16, qn=BF16, kn=F32, max_pos=50)
     args, opts = _norm_problem(kw, np.random.default_rng(3))
     _assert_bitwise(_emulate(args, opts, emu_dir, num_sms=1, defines=variant), reference.rope_and_cache(*args, **opts))

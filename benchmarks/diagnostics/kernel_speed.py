@@ -9,6 +9,12 @@ suite proved bit-exact to jax_rope_cache.reference), whole caches included; the 
 instructions are checked against the integer code over all 2^32 inputs.
 
     python3 benchmarks/diagnostics/kernel_speed.py OUTDIR [--old path/to/old.cu] [--peers .peers] [--budget-s 300]
+        [--norm] [--precs fp32,native] [--profile]
+
+--norm (issue 18): every large case also runs the fused QK-RMSNorm kernel (bf16 q/k weights, eps
+1e-6; the configs q32-8 / q235-4 are Qwen3-32B TP8 / Qwen3-235B TP4), its --variants and --alt
+sources, next to the same call without the norm (column nrm/plain). --profile: each variant runs
+once, untimed, for `ncu -k rope_cache_kernel`.
 
 Inputs follow bench_peers.py (imported from --peers): bf16 q/k/v, bf16 half tables [32768, D/2],
 2 GiB caches, random unique slots or prefill runs (sequences of 1024 tokens in random blocks).
@@ -75,7 +81,7 @@ def params_type(n_ops: int):
 
 
 # ---- configurations -----------------------------------------------------------------------------
-def make_spec(T, QH, KH, D, layout, prec, NB, max_pos, BS=16):
+def make_spec(T, QH, KH, D, layout, prec, NB, max_pos, BS=16, norm=False):
     import jax
     import ml_dtypes
 
@@ -84,9 +90,11 @@ def make_spec(T, QH, KH, D, layout, prec, NB, max_pos, BS=16):
     bf = np.dtype(ml_dtypes.bfloat16)
     s = jax.ShapeDtypeStruct
     kc, vc = contract.cache_shapes(layout, NB, BS, KH, D, bf)
+    w = s((D,), bf) if norm else None
     return contract.check_op(s((T, QH, D), bf), s((T, KH, D), bf), s((T, KH, D), bf), s(kc, bf), s(vc, bf),
                           s((T,), np.int32), s((T,), np.int32), s((max_pos, D // 2), bf), s((max_pos, D // 2), bf),
-                          layout=layout, is_neox=True, rotary_dim=D, precision=prec)
+                          layout=layout, is_neox=True, rotary_dim=D, precision=prec, q_norm_weight=w,
+                          k_norm_weight=w, norm_eps=NORM_EPS)
 
 
 def old_kernel_config(spec, num_sms=132):
@@ -153,7 +161,9 @@ def stream():
 
 # ---- the cases ----------------------------------------------------------------------------------
 CONFIGS = {"oss-8": ("oss120b_tp8", 8, 1, 64, 150000.0), "l70b8": ("llama70b_tp8", 8, 1, 128, 500000.0),
-           "l8b-1": ("llama8b_tp1", 32, 8, 128, 500000.0), "oss-1": ("oss120b_tp1", 64, 8, 64, 150000.0)}
+           "l8b-1": ("llama8b_tp1", 32, 8, 128, 500000.0), "oss-1": ("oss120b_tp1", 64, 8, 64, 150000.0),
+           "q32-8": ("qwen3_32b_tp8", 8, 1, 128, 1000000.0), "q235-4": ("qwen3_235b_tp4", 16, 1, 128, 1000000.0)}
+NORM_EPS = 1e-6
 
 
 def main():
@@ -168,7 +178,13 @@ def main():
     ap.add_argument("--decode-tokens", default="1,16,64,128")
     ap.add_argument("--alt", default="", help="other kernel sources run with the new configuration: name=path,...")
     ap.add_argument("--variants", default="", help="extra new-kernel variants: name:KEY=V/KEY*V/KEY+V;...")
+    ap.add_argument("--norm", action="store_true", help="also the fused QK-RMSNorm kernel (issue 18)")
+    ap.add_argument("--precs", default="fp32,native")
+    ap.add_argument("--profile", action="store_true", help="one untimed launch per variant (for ncu)")
     args = ap.parse_args()
+    if args.profile:
+        global graph_us
+        graph_us = lambda call: float("nan")  # noqa: E731
     t_start = time.time()
     os.makedirs(args.out, exist_ok=True)
     res_path = os.path.join(args.out, "kernel_speed.jsonl")
@@ -271,7 +287,7 @@ def main():
         to_t = lambda a: torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).cuda().view(bf)  # noqa: E731
         cos_t, sin_t = to_t(cos_np), to_t(sin_np)
         cases = [(T, lay, pat) for T in big_tokens for lay in ("flash", "xpacked") for pat in ("random", "prefill")]
-        if cname in ("oss-8", "l8b-1"):
+        if cname in ("oss-8", "l8b-1", "q32-8", "q235-4"):
             cases = [(T, "flash", "random") for T in dec_tokens] + cases
         caches = {}
         for T, lay, pat in cases:
@@ -297,7 +313,11 @@ def main():
             q_out, k_out = torch.empty_like(q), torch.empty_like(k)
             results = {}
 
-            def run_ours(tag, src, defs, tpb, nt, prec, n_ops=14):
+            g = torch.Generator(device="cuda").manual_seed(T)  # norm weights near 1 (Qwen3's are ~0.5-2)
+            w_q = (1 + 0.25 * torch.randn(D, generator=g, device="cuda")).to(bf)
+            w_k = (1 + 0.25 * torch.randn(D, generator=g, device="cuda")).to(bf)
+
+            def run_ours(tag, src, defs, tpb, nt, prec, n_ops=14, norm=False):
                 image, regs = compile_defs(src, defs, headers)
                 fn = Fn(image, "rope_cache_kernel")
                 kc.copy_(base_k)
@@ -306,7 +326,8 @@ def main():
                 k_out.fill_(0)
                 one = torch.ones((), dtype=torch.float32, device="cuda")
                 lay_i = torch.zeros((), dtype=torch.int32, device="cuda")
-                ops = [q, k, v, kc, vc, slots, pos, cos_t, sin_t, one, one, lay_i, one, one][:n_ops]  # unused norm weights
+                ops = [q, k, v, kc, vc, slots, pos, cos_t, sin_t, one, one, lay_i] + ([w_q, w_k] if norm else [one, one])
+                ops = ops[:n_ops]  # without the norm: placeholders, never read
                 p = params_type(n_ops)()
                 for i, a in enumerate(ops + [q_out, k_out, kc, vc]):
                     p.ptr[i] = a.data_ptr()
@@ -318,14 +339,13 @@ def main():
                 torch.cuda.synchronize()
                 snap = (q_out.clone(), k_out.clone(), kc.clone(), vc.clone())
                 us = graph_us(call)
-                rec[f"{tag}_us"] = round(us, 2)
-                rec[f"{tag}_frac"] = round(nbytes / (us * 1e-6) / 1e9 / ceil_gbs, 3)
+                rec[f"{tag}_us"] = round(us, 2) if us == us else None
+                rec[f"{tag}_frac"] = round(nbytes / (us * 1e-6) / 1e9 / ceil_gbs, 3) if us == us else None
                 rec[f"{tag}_cfg"] = f"tpb{tpb} nt{nt} {regs.split('Used')[-1].strip() if regs else ''}"
                 results[tag] = snap
                 return snap
 
-            precs = ["fp32", "native"]
-            for prec in precs:
+            for prec in [p for p in args.precs.split(",") if p]:
                 spec = make_spec(T, QH, KH, D, lay, prec, NB, MAX_POS)
                 if src_old:
                     d, tpb, nt = old_kernel_config(spec)
@@ -340,14 +360,23 @@ def main():
                         for suffix, ov in (("", []), ("t2", [("RC_TPB", "*", 2)])):
                             d2, tpb2, nt2 = new_kernel_config(spec, ov)
                             run_ours(f"{aname}{suffix}_{prec}", asrc, d2, tpb2, nt2, prec)
+                if args.norm:  # the fused norm: current source, variants, alt sources
+                    nspec = make_spec(T, QH, KH, D, lay, prec, NB, MAX_POS, norm=True)
+                    d, tpb, nt = new_kernel_config(nspec)
+                    run_ours(f"nrm_{prec}", src_new, d, tpb, nt, prec, norm=True)
+                    for vname, ov in variants:
+                        d2, tpb2, nt2 = new_kernel_config(nspec, ov)
+                        run_ours(f"nrm{vname}_{prec}", src_new, d2, tpb2, nt2, prec, norm=True)
+                    for aname, asrc in alts:
+                        run_ours(f"nrm{aname}_{prec}", asrc, d, tpb, nt, prec, norm=True)
                 if src_old:  # bit-identical to the old kernel (outputs and whole caches)
                     a, b = results[f"old_{prec}"], results[f"new_{prec}"]
                     rec[f"same_{prec}"] = all(bool(torch.equal(x.view(torch.int16), y.view(torch.int16)))
                                               for x, y in zip(a, b))
-                for kk in [kk for kk in results if kk != f"new_{prec}" and kk.endswith(prec)]:
+                for kk in [kk for kk in results if kk not in (f"new_{prec}", f"nrm_{prec}") and kk.endswith(prec)]:
                     if kk.startswith("old"):
                         continue
-                    a, b = results[kk], results[f"new_{prec}"]
+                    a, b = results[kk], results[f"nrm_{prec}" if kk.startswith("nrm") else f"new_{prec}"]
                     rec[f"same_{kk}"] = all(bool(torch.equal(x.view(torch.int16), y.view(torch.int16)))
                                             for x, y in zip(a, b))
                 results.clear()
@@ -423,8 +452,15 @@ def main():
                 f"t-fastest {r.get('floor_v_xp_t_us')} K write-only {r.get('floor_k_xp_us')} op {r.get('floor_op_us')}")
         for prec in ("fp32", "native"):
             sfx = f"_{prec}_us"
-            extra = {k[:-len(sfx)]: v for k, v in r.items() if k.endswith(sfx) and k.split("_")[0] not in
-                     ("aiter", "old", "new", "floor")}
+            extra = {k[:-len(sfx)]: v for k, v in r.items() if k.endswith(sfx) and v and k.split("_")[0] not in
+                     ("aiter", "old", "new", "floor") and not k.startswith("nrm")}
+            nrm = {k[:-len(sfx)]: v for k, v in r.items() if k.endswith(sfx) and v and k.startswith("nrm")}
+            plain = r.get("new" + sfx)
+            if nrm and plain:
+                best = min(nrm, key=nrm.get)
+                log(f"norm {prec} {r['config']} T={r['T']} {r['layout']} {r['slots']}: plain {plain} | " +
+                    " ".join(f"{k}={v} ({v / plain:.3f}x, {r.get(k + '_' + prec + '_cfg')})" for k, v in nrm.items()) +
+                    f" | best {best} {nrm[best] / plain:.3f}x plain")
             if extra:
                 best = min(extra, key=extra.get)
                 log(f"variants {prec} {r['config']} T={r['T']} {r['layout']} {r['slots']}: new {r.get('new' + sfx)} "

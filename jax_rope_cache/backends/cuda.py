@@ -124,9 +124,13 @@ def kernel_config(spec: contract.OpSpec, num_sms: int = DEFAULT_SMS) -> KernelCo
         tpb //= 2
     nt = min(nt, max(32, -(-units(tpb) // 32) * 32))
     minb = max(1, 768 // nt)  # register budget: at least 85 per thread (no spills in the CI matrix)
+    # QK-norm weights loaded early (latency) only where the grid is one block per SM at most: the
+    # early chunks cost ~8 registers, which in larger calls would take resident blocks away.
+    early_w = int(-(-t // tpb) <= num_sms)
     c = contract.kernel_codes(spec)
     defines = tuple((f"RC_{name}", int(getattr(c, field))) for name, field in _DEFINES) + (
-        ("RC_NORM_EPS_BITS", _f32_bits(c.norm_eps)), ("RC_WCH", w), ("RC_TPB", tpb), ("RC_NT", nt), ("RC_MINB", minb), ("RC_VPAIRS", 1))
+        ("RC_NORM_EPS_BITS", _f32_bits(c.norm_eps)), ("RC_WCH", w), ("RC_TPB", tpb), ("RC_NT", nt), ("RC_MINB", minb),
+        ("RC_VPAIRS", 1), ("RC_EARLY_W", early_w))
     return KernelConfig(defines=defines, tokens_per_block=tpb, threads=nt)
 
 

@@ -253,7 +253,10 @@ RC_FN float rc_tree_sum(const Leaf& leaf) {
 }
 
 // inv = r32(1 / r32(sqrt(r32(r32(S / d) + eps)))): correctly rounded division, sqrt and
-// reciprocal (never a hardware rsqrt approximation).
+// reciprocal (never a hardware rsqrt approximation). For d a power of two, S * (1/d) is the same
+// number: 1/d is exact and both round the exact quotient once (a multiply is ~20 instructions
+// shorter than the division sequence on GPUs).
 RC_FN float rc_rms_inv(float sum_sq, int d, float eps) {
-  return rc_recip(rc_sqrt(rc_add(rc_div(sum_sq, (float)d), eps)));
+  const float ms = (d & (d - 1)) == 0 ? rc_mul(sum_sq, 1.0f / (float)d) : rc_div(sum_sq, (float)d);
+  return rc_recip(rc_sqrt(rc_add(ms, eps)));
 }

@@ -25,6 +25,9 @@
 //                                the rotation (block "QK-RMSNorm")
 //   RC_NORM_EPS_BITS             the norm's eps as float32 bits (hex)
 //   RC_KS_HEADS, RC_VS_HEADS     1: k_scale / v_scale are [KH] (kv head h uses scale[h]); 0: one scale
+//   RC_EARLY_W                   1 (default): with a norm whose weight has q's dtype, a rotation unit
+//                                loads its weight chunk(s) with its q/k chunks (no load after the
+//                                sum); 0: after the sum (fewer live registers)
 // Without the norm and per-head scales (all at their defaults) the kernel is the same code as
 // before them (every issue-18 path is behind `if constexpr`).
 //
@@ -107,6 +110,9 @@
 #ifndef RC_VS_HEADS
 #define RC_VS_HEADS 0
 #endif
+#ifndef RC_EARLY_W
+#define RC_EARLY_W 1
+#endif
 
 namespace rc {
 
@@ -143,6 +149,8 @@ constexpr bool is_pow2(int n) { return n > 0 && (n & (n - 1)) == 0; }
 // lane reduces its chunk(s), an xor butterfly over the P lanes finishes the tree. Otherwise
 // every unit computes the whole tree from the row itself (norm_generic).
 constexpr bool NORM_LANES = NORM && R == D && is_pow2(D) && P <= 32;
+// Weights of q's dtype (the usual case): a rotation unit can hold its weight chunks as Chunks.
+constexpr bool EARLY_W = RC_EARLY_W != 0 && NORM && (Q_NORM < 0 || Q_NORM == DT) && (K_NORM < 0 || K_NORM == DT);
 
 // Units of one block, in this order: rotation, pass-through, V.
 constexpr int U_ROT = RH * P;                            // per token
@@ -567,8 +575,29 @@ __device__ __forceinline__ void load_weights(const void* w, int idx, float* out)
 }
 
 // The chunk of channels c0.. of a row, normalised by `inv` and weighted (rounded to the input dtype).
+// A 16-bit weight of q's dtype on sm_90: the weight product r(w * y) of two 16-bit values is one
+// packed mul.rn (the same bits as the f32 product rounded once, checked for all 2^32 pairs: see
+// "native precision with packed multiplies"), and y = r(x * inv) two values per cvt.
+// norm_chunk_w: the weights already loaded (a Chunk of q's dtype).
+__device__ __forceinline__ Chunk norm_chunk_w(const Chunk& x, const Chunk& wc, float inv) {
+#ifdef RC_PACKED_NATIVE
+  if constexpr (S_IN == 2 && W % 2 == 0) {
+    Chunk n;
+#pragma unroll
+    for (int k = 0; k < W / 2; ++k)
+      n.w[k] = mul2(wc.w[k], pack_out2(rc_mul(lo_f32(x.w[k]), inv), rc_mul(hi_f32(x.w[k]), inv)));
+    return n;
+  }
+#endif
+  float n[W];
+#pragma unroll
+  for (int e = 0; e < W; ++e) n[e] = rc_mul(to_f32<DT>(wc.e[e]), rc_round_to(rc_mul(to_f32<DT>(x.e[e]), inv), DT));
+  return chunk_from(n);
+}
+
 template <int WDT>
 __device__ __forceinline__ Chunk norm_chunk(const Chunk& x, const void* w, int c0, float inv) {
+  if constexpr (WDT == DT) return norm_chunk_w(x, load_chunk(w, c0), inv);
   float wv[W], n[W];
   load_weights<WDT, W>(w, c0, wv);
 #pragma unroll
@@ -649,9 +678,14 @@ __device__ __forceinline__ float norm_lanes(const Params& p, i64 t0, int u, cons
 
 // Rotation unit u's chunks a (channels j*W..) and b (NeoX: HALF + j*W..) replaced by their
 // normalised values, if its tensor has a norm (WDT: that weight's dtype).
+// A rotation unit's weight chunks (EARLY_W: loaded with its q/k chunks).
+struct WeightChunks {
+  Chunk a, b;
+};
+
 template <int WDT>
 __device__ __forceinline__ void norm_rot(const Params& p, i64 t0, int u, const char* src, int j, const void* w,
-                                         Chunk& a, Chunk& b) {
+                                         Chunk& a, Chunk& b, const WeightChunks& ew) {
   float S;
   if constexpr (NORM_LANES) {
     S = norm_lanes(p, t0, u, a, b);
@@ -659,18 +693,23 @@ __device__ __forceinline__ void norm_rot(const Params& p, i64 t0, int u, const c
     S = row_sq_sum(src - j * W * S_IN);
   }
   const float inv = rc_rms_inv(S, D, norm_eps());
-  a = norm_chunk<WDT>(a, w, j * W, inv);
-  if (NEOX) b = norm_chunk<WDT>(b, w, HALF + j * W, inv);
+  if constexpr (EARLY_W) {
+    a = norm_chunk_w(a, ew.a, inv);
+    if (NEOX) b = norm_chunk_w(b, ew.b, inv);
+  } else {
+    a = norm_chunk<WDT>(a, w, j * W, inv);
+    if (NEOX) b = norm_chunk<WDT>(b, w, HALF + j * W, inv);
+  }
 }
 
 __device__ __forceinline__ void norm_rot_unit(const Params& p, i64 t0, int u, bool is_k, const char* src, int j,
-                                              Chunk& a, Chunk& b) {
+                                              Chunk& a, Chunk& b, const WeightChunks& ew) {
   if constexpr (Q_NORM == K_NORM) {  // both (one weight dtype) or neither
-    if constexpr (Q_NORM >= 0) norm_rot<Q_NORM>(p, t0, u, src, j, is_k ? p.k_norm_w : p.q_norm_w, a, b);
+    if constexpr (Q_NORM >= 0) norm_rot<Q_NORM>(p, t0, u, src, j, is_k ? p.k_norm_w : p.q_norm_w, a, b, ew);
   } else if (is_k) {  // a head's lanes all take the same side (shuffle masks are per head)
-    if constexpr (K_NORM >= 0) norm_rot<K_NORM>(p, t0, u, src, j, p.k_norm_w, a, b);
+    if constexpr (K_NORM >= 0) norm_rot<K_NORM>(p, t0, u, src, j, p.k_norm_w, a, b, ew);
   } else {
-    if constexpr (Q_NORM >= 0) norm_rot<Q_NORM>(p, t0, u, src, j, p.q_norm_w, a, b);
+    if constexpr (Q_NORM >= 0) norm_rot<Q_NORM>(p, t0, u, src, j, p.q_norm_w, a, b, ew);
   }
 }
 
@@ -710,6 +749,14 @@ __device__ __forceinline__ void rot_unit(const Params& p, i64 T, i64 max_pos, i6
   Chunk a = load_chunk(src, 0);
   Chunk b;
   if (NEOX) b = load_chunk(src, HALF);
+  WeightChunks ew{};
+  if constexpr (EARLY_W) {
+    if (is_k ? K_NORM >= 0 : Q_NORM >= 0) {  // a tensor without a norm has a placeholder weight
+      const void* wp = is_k ? p.k_norm_w : p.q_norm_w;
+      ew.a = load_chunk(wp, j * W);
+      if (NEOX) ew.b = load_chunk(wp, HALF + j * W);
+    }
+  }
   i64 prow = load_index_after(p.pos, t, RC_POS64 != 0, src);
   prow = prow < 0 ? 0 : (prow >= max_pos ? max_pos - 1 : prow);
   const i64 trow = prow * TW;
@@ -728,7 +775,7 @@ __device__ __forceinline__ void rot_unit(const Params& p, i64 T, i64 max_pos, i6
       c2 = load_words(p.cos, trow + HALF + j * W);
       s2 = load_words(p.sin, trow + HALF + j * W);
     }
-    if constexpr (NORM) norm_rot_unit(p, t0, u, is_k, src, j, a, b);  // while the table row is in flight
+    if constexpr (NORM) norm_rot_unit(p, t0, u, is_k, src, j, a, b, ew);  // while the table row is in flight
     rot_native_packed(a, b, c, sn, c2, s2, oa, ob);
   } else {
     float tc[NTV], ts[NTV], tc2[NEOX && FULL ? W : 1], ts2[NEOX && FULL ? W : 1];
@@ -738,7 +785,7 @@ __device__ __forceinline__ void rot_unit(const Params& p, i64 T, i64 max_pos, i6
       load_tab<W, W>(p.cos, trow + HALF + j * W, tc2);
       load_tab<W, W>(p.sin, trow + HALF + j * W, ts2);
     }
-    if constexpr (NORM) norm_rot_unit(p, t0, u, is_k, src, j, a, b);  // while the table row is in flight
+    if constexpr (NORM) norm_rot_unit(p, t0, u, is_k, src, j, a, b, ew);  // while the table row is in flight
     if (NEOX) {
 #pragma unroll
       for (int e = 0; e < W; ++e) {  // pair (i, i + R/2), i = j*W + e
