@@ -85,9 +85,10 @@ def spill_failures(specs, ids, arch):
     stores, spill loads or stack frame. Returns the failures."""
     failures = []
     cfgs = [cuda.kernel_config(spec) for spec in specs]
-    # separate NVRTC programs compile concurrently (ctypes drops the GIL); the disk cache makes reruns fast
+    # separate NVRTC programs compile concurrently (ctypes drops the GIL); the disk cache makes reruns fast;
+    # the build the lowering makes: a tight register budget that spills is rebuilt with its fallback
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
-        compiled = list(pool.map(lambda cfg: cuda.compile_variant(cfg, arch), cfgs))
+        compiled = [c for _, c in pool.map(lambda cfg: cuda.fit_registers(cfg, arch), cfgs)]
     for name, c in zip(ids, compiled):
         assert c.code[:4] == b"\x7fELF", f"{name}: not a cubin"
         assert cuda.KERNEL_NAME.encode() in c.code, f"{name}: kernel symbol missing"
@@ -104,6 +105,22 @@ def test_nvrtc_compiles_every_variant_without_spills(arch):
     failures = spill_failures([make_spec(**kw) for kw in MATRIX], [_id(kw) for kw in MATRIX], arch)
     assert not failures, "\n".join(failures[:5])
     assert len(MATRIX) >= 80
+
+
+def test_register_budget_falls_back_where_it_spills():
+    """A large flash call asks for 4 blocks of 256 threads per SM (<= 64 registers); where ptxas
+    would spill under a budget, fit_registers rebuilds with the fallback budget (same geometry)."""
+    cfg = cuda.kernel_config(make_spec(T=8192, QH=32, KH=8))
+    d = dict(cfg.defines)
+    assert (cfg.threads, d["RC_MINB"], cfg.fallback_minb) == (cuda.PACKED_NT, cuda.PACKED_MINB, 3)
+    fitted, c = cuda.fit_registers(cfg, "sm_90")
+    assert fitted == cfg and not any(nvrtc.spill_bytes(c.log))  # fits: kept
+    tight = dataclasses.replace(cfg, defines=tuple((k, 8 if k == "RC_MINB" else v) for k, v in cfg.defines))
+    assert any(nvrtc.spill_bytes(cuda.compile_variant(tight, "sm_90").log))  # 32 registers: spills
+    fitted, c = cuda.fit_registers(tight, "sm_90")
+    assert dict(fitted.defines)["RC_MINB"] == 3 and fitted.fallback_minb == 0 and not any(nvrtc.spill_bytes(c.log))
+    assert (fitted.threads, fitted.tokens_per_block) == (tight.threads, tight.tokens_per_block)
+    assert cuda.kernel_config(make_spec(T=1)).fallback_minb == 0  # decode: one unit per thread, as before
 
 
 def test_ptx_fallback_and_code_table():

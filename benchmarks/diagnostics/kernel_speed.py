@@ -135,7 +135,7 @@ def old_kernel_config(spec, num_sms=132):
 def new_kernel_config(spec, override=None):
     from jax_rope_cache.backends import cuda
 
-    cfg = cuda.kernel_config(spec, 132)
+    cfg, _ = cuda.fit_registers(cuda.kernel_config(spec, 132), "sm_90")  # the lowering's build
     d = dict(cfg.defines)
     for key, op, val in override or ():  # KEY=V, KEY*V, KEY+V
         d[key] = val if op == "=" else (d[key] * val if op == "*" else d[key] + val)
@@ -179,6 +179,7 @@ def main():
     ap.add_argument("--alt", default="", help="other kernel sources run with the new configuration: name=path,...")
     ap.add_argument("--variants", default="", help="extra new-kernel variants: name:KEY=V/KEY*V/KEY+V;...")
     ap.add_argument("--norm", action="store_true", help="also the fused QK-RMSNorm kernel (issue 18)")
+    ap.add_argument("--norm-configs", default="q32-8,q235-4", help="the configs --norm applies to")
     ap.add_argument("--precs", default="fp32,native")
     ap.add_argument("--profile", action="store_true", help="one untimed launch per variant (for ncu)")
     args = ap.parse_args()
@@ -352,15 +353,15 @@ def main():
                     run_ours(f"old_{prec}", src_old, d, tpb, nt, prec, n_ops=args.old_operands)
                 d, tpb, nt = new_kernel_config(spec)
                 run_ours(f"new_{prec}", src_new, d, tpb, nt, prec)
+                for vname, ov in variants:  # every T (decode: latency variants, e.g. RC_WCH=4/RC_NT*2)
+                    d2, tpb2, nt2 = new_kernel_config(spec, ov)
+                    run_ours(f"{vname}_{prec}", src_new, d2, tpb2, nt2, prec)
                 if T >= 8192:
-                    for vname, ov in variants:
-                        d2, tpb2, nt2 = new_kernel_config(spec, ov)
-                        run_ours(f"{vname}_{prec}", src_new, d2, tpb2, nt2, prec)
                     for aname, asrc in (alts if prec == "fp32" else []):
                         for suffix, ov in (("", []), ("t2", [("RC_TPB", "*", 2)])):
                             d2, tpb2, nt2 = new_kernel_config(spec, ov)
                             run_ours(f"{aname}{suffix}_{prec}", asrc, d2, tpb2, nt2, prec)
-                if args.norm:  # the fused norm: current source, variants, alt sources
+                if args.norm and cname in args.norm_configs.split(","):  # the fused norm: source, variants, alts
                     nspec = make_spec(T, QH, KH, D, lay, prec, NB, MAX_POS, norm=True)
                     d, tpb, nt = new_kernel_config(nspec)
                     run_ours(f"nrm_{prec}", src_new, d, tpb, nt, prec, norm=True)
