@@ -123,6 +123,36 @@ def test_register_budget_falls_back_where_it_spills():
     assert cuda.kernel_config(make_spec(T=1)).fallback_minb == 0  # decode: one unit per thread, as before
 
 
+def test_regimes_latency_width_and_packed_blocks():
+    """Static regime choice from the shapes: a one-token-per-block call (decode) with few heads gets
+    half-width chunks (8-byte accesses, twice the threads), unless the block would pass MAX_THREADS or
+    a QK-norm would leave its lane butterfly; a large flash call gets 256-thread blocks."""
+    def cfg(**kw):
+        c = cuda.kernel_config(make_spec(**kw))
+        return dict(c.defines)["RC_WCH"], c.tokens_per_block, c.threads
+
+    assert cfg(T=1, QH=8, KH=1) == (4, 1, 192)  # Qwen3-32B TP8: 96 -> 192 threads
+    assert cfg(T=128, QH=16, KH=1, layout="xpacked") == (4, 1, 416)
+    assert cfg(T=1, QH=32, KH=8) == (8, 1, 448)  # Llama-8B: 896 threads would be slower (H200)
+    assert cfg(T=8192, QH=8, KH=1) == (8, 16, cuda.PACKED_NT)
+    assert cfg(T=8192, QH=8, KH=1, layout="xpacked")[0] == 8
+    bf = np.dtype(ml_dtypes.bfloat16)
+    norm = lambda spec: dataclasses.replace(spec, q_norm_dtype=bf, k_norm_dtype=bf, norm_eps=1e-6)  # noqa: E731
+    assert dict(cuda.kernel_config(norm(make_spec(T=1, QH=8, KH=1))).defines)["RC_WCH"] == 4  # 16 lanes per head
+    assert dict(cuda.kernel_config(norm(make_spec(T=1, QH=8, KH=1, R=64))).defines)["RC_WCH"] == 8  # generic path
+    f32 = np.dtype(np.float32)
+    spec = dataclasses.replace(make_spec(T=1, QH=2, KH=1, D=256, dt=f32), q_norm_dtype=f32, norm_eps=1e-6)
+    assert dict(cuda.kernel_config(spec).defines)["RC_WCH"] == 4  # 2-element chunks: 64 lanes per head
+
+
+def test_host_emulation_latency_width_with_norm_bitwise(emu_dir):
+    """The half-width decode configuration (16 lanes per head for Qwen3 bf16) equals the reference."""
+    kw = dict(T=5, QH=8, KH=1, D=128, dt=BF16, tdt=F32, qn=BF16, kn=BF16, max_pos=50)
+    args, opts = _norm_problem(kw, np.random.default_rng(11))
+    assert dict(cuda.kernel_config(contract.check_op(*args, **opts)).defines)["RC_WCH"] == 4
+    _assert_bitwise(_emulate(args, opts, emu_dir), reference.rope_and_cache(*args, **opts))
+
+
 def test_ptx_fallback_and_code_table():
     cfg = cuda.kernel_config(make_spec())
     table = cuda.build_code_table(cfg, None)

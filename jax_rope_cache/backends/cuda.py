@@ -70,10 +70,10 @@ def _f32_bits(x: float) -> int:
     return int(np.array(x, np.float32).view(np.uint32))
 
 
-def chunk_width(spec: contract.OpSpec) -> int:
-    """Elements per vector access: 16 bytes of q/k/v where D, R (and R/2 for NeoX) allow."""
+def chunk_width(spec: contract.OpSpec, max_bytes: int = 16) -> int:
+    """Elements per vector access: max_bytes of q/k/v where D, R (and R/2 for NeoX) allow."""
     s_in = np.dtype(spec.dtype).itemsize
-    w = 16 // s_in
+    w = max(1, max_bytes // s_in)
     d, r = spec.head_dim, spec.rotary_dim
     while w > 1:
         if d % w == 0 and r % w == 0 and (not spec.is_neox or (r // 2) % w == 0):
@@ -97,24 +97,50 @@ UNITS_PER_BLOCK_XP = 8192  # x-packed (up to 32 tokens: two whole runs of 16 slo
 PACKED_NT, PACKED_MINB = 256, 4
 
 
+def _rot_lanes(spec: contract.OpSpec, w: int) -> int:
+    """Rotation units per head (rope_cache.cu's P: the QK-norm's lanes per head)."""
+    return (spec.rotary_dim // 2) // w if spec.is_neox else spec.rotary_dim // w
+
+
+def _block_units(spec: contract.OpSpec, w: int):
+    """(units(tpb): the units of a block of tpb tokens, units per token) for chunks of w elements."""
+    d, r, kh = spec.head_dim, spec.rotary_dim, spec.kv_heads
+    rh = spec.q_heads + kh
+    x = spec.x
+    xp = spec.layout != "flash"
+    units_tok = rh * _rot_lanes(spec, w) + rh * ((d - r) // w)
+
+    def units(tpb):  # x-packed V: one unit per channel per group of tokens
+        vg = (x if tpb % x == 0 else tpb) if xp else 1
+        return tpb * units_tok + ((tpb // vg) * kh * d if xp else tpb * kh * (d // w))
+
+    return units, max(1.0, units_tok + (kh * d / x if xp else kh * (d // w)))
+
+
+def _latency_width(spec: contract.OpSpec, w: int) -> int:
+    """Chunk width of a one-token-per-block call: half of w (8-byte accesses, twice the threads, half
+    the serial work per thread) where the block stays <= MAX_THREADS and a QK-norm keeps its lane
+    butterfly (<= 32 lanes per head, R == D). H200, kernel_speed.py, T = 1 / 64: Qwen3-32B TP8 2.02 -> 1.83
+    / 2.15 -> 1.91 us, with the norm 2.26 -> 1.94 / 2.39 -> 2.16; Llama-8B (448 -> 896 threads)
+    2.01 -> 2.08: slower, so not there."""
+    half = chunk_width(spec, max_bytes=max(1, w * np.dtype(spec.dtype).itemsize // 2))
+    if half >= w or _block_units(spec, half)[0](1) > MAX_THREADS:
+        return w
+    d = spec.head_dim
+    lanes_path = spec.rotary_dim == d and d & (d - 1) == 0 and _rot_lanes(spec, half) <= 32
+    return half if not spec.norm or lanes_path else w  # the generic norm path: each unit sums its row
+
+
 def kernel_config(spec: contract.OpSpec, num_sms: int = DEFAULT_SMS) -> KernelConfig:
     """One thread per unit of work (kernels/cuda/rope_cache.cu: rotation, pass-through and V units).
     A block owns RC_TPB tokens; a large call gives each thread several units in turn (fewer, longer
     blocks: 8-15% faster than one unit per thread on the H200, benchmarks/gpu_speed.py). A small
     call (decode) gets one token per block, so the grid spreads over the SMs and every thread does
-    one unit: latency, not bandwidth."""
+    one unit: latency, not bandwidth (half-width chunks where that fits, _latency_width)."""
     w = chunk_width(spec)
-    d, r, qh, kh = spec.head_dim, spec.rotary_dim, spec.q_heads, spec.kv_heads
-    rh = qh + kh
     x = spec.x
     xp = spec.layout != "flash"
-    units_tok = rh * ((r // 2) // w if spec.is_neox else r // w) + rh * ((d - r) // w)
-
-    def units(tpb):  # units of a block of tpb tokens (x-packed V: one per channel per group)
-        vg = (x if tpb % x == 0 else tpb) if xp else 1
-        return tpb * units_tok + ((tpb // vg) * kh * d if xp else tpb * kh * (d // w))
-
-    per_token = max(1.0, units_tok + (kh * d / x if xp else kh * (d // w)))
+    units, per_token = _block_units(spec, w)
     # Threads: a block of one unit per thread (up to MAX_THREADS; x-packed: at least X tokens).
     base = max(1, min(64, _pow2_floor(int(MAX_THREADS // per_token))))
     if xp:
@@ -127,10 +153,13 @@ def kernel_config(spec: contract.OpSpec, num_sms: int = DEFAULT_SMS) -> KernelCo
     t = spec.num_tokens
     while tpb > 1 and -(-t // tpb) < num_sms:
         tpb //= 2
+    if tpb == 1 and (w2 := _latency_width(spec, w)) != w:
+        w, (units, _) = w2, _block_units(spec, w2)
+        nt = MAX_THREADS
     nt = min(nt, max(32, -(-units(tpb) // 32) * 32))
     minb = max(1, 768 // nt)  # register budget: at least 85 per thread (no spills in the CI matrix)
     fallback = 0
-    if not xp and units(tpb) >= 2 * PACKED_NT:
+    if not xp and units(tpb) >= 2 * PACKED_NT and -(-t // tpb) > num_sms:  # more than one wave of blocks
         nt, fallback = PACKED_NT, max(1, 768 // PACKED_NT)
         minb = PACKED_MINB  # fit_registers builds with `fallback` where this budget spills
     # QK-norm weights loaded early (latency) only where the grid is one block per SM at most: the
