@@ -69,8 +69,9 @@ def kernel_supports(platform, opts) -> bool:
 
 
 # The XLA path's norm on a GPU: XLA's own float32 division and square root there are not the correctly
-# rounded ones (measured on the H200: up to 4 f32 ulps of the normalised value, 1 ulp after a
-# rounding to f16, none seen for bf16), so a normalised input may be that far off before the rotation.
+# rounded ones (measured on the H200: up to 4 f32 ulps of the normalised value, 1-2 ulps after a
+# rounding to f16 and the weight product, none seen for bf16), so a normalised input may be that far
+# off before the rotation.
 GPU_NORM_ULPS = {np.dtype(np.float32): 8 * 2.0**-24, np.dtype(np.float16): 2 * 2.0**-11,
                  np.dtype(ml_dtypes.bfloat16): 2 * 2.0**-8}
 
@@ -319,8 +320,10 @@ def test_xla_norm_is_the_reference_norm(platform, d, dt):
         want = reference.rms_norm(x, w, np.float32(1e-5))
         if platform == "cpu":
             assert_bits_equal(np.asarray(got), want, f"D={d} w={wdt.name}")
-        else:  # XLA's GPU division and sqrt: measured <= 4 f32 ulps (bound 8), 1 after rounding to 16 bits
-            assert_within_ulp(np.asarray(got), want, f"D={d} w={wdt.name}", ulps=8 if dt == F32 else 1)
+        else:  # XLA's GPU division and sqrt: measured <= 4 f32 ulps (bound 8); 16 bits: 1 ulp of
+            # y = r(x * inv), and n = r(w * y) moves that by |w| ulp(y) < 2 ulp(n): bound 2 (H200: 2 seen
+            # on 1 element of 16k for f16 with f32 weights, D = 64 and 80)
+            assert_within_ulp(np.asarray(got), want, f"D={d} w={wdt.name}", ulps=8 if dt == F32 else 2)
 
 
 # ---- special values -----------------------------------------------------------------------------
