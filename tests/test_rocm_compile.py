@@ -317,12 +317,18 @@ def test_compile_cli_fills_the_disk_cache(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "4 code objects (2 configurations x 2 archs)" in err, err
     assert len(list((tmp_path / "rocm").glob("*.hsaco.jrc"))) == 4
-    # a lowering of the same shape now reads the disk cache (nothing compiled)
+    # a lowering of the same shape now reads the disk cache (nothing compiled). `compile` knows no T:
+    # it builds the bandwidth configurations, which large calls get ...
     monkeypatch.setattr(flydsl, "_mem", {})
     monkeypatch.setattr(flydsl, "_compile_now", lambda *a, **k: pytest.fail("compiled instead of using the cache"))
-    spec = make_spec(T=3, QH=8, KH=1, D=64, layout="xpacked_shuffled", tdt=F32, pos64=False)
+    spec = make_spec(T=8192, QH=8, KH=1, D=64, layout="xpacked_shuffled", tdt=F32, pos64=False)
     _, _, objs = rocm.build_code_table(rocm.kernel_config(spec), ARCHS)
     assert all(o.from_disk for o in objs)
+    # ... and a decode call on a host without FlyDSL (its latency candidates are not precompiled)
+    monkeypatch.setattr(flydsl, "available", lambda: False)
+    small = rocm.kernel_config(make_spec(T=3, QH=8, KH=1, D=64, layout="xpacked_shuffled", tdt=F32, pos64=False))
+    _, _, objs2 = rocm.build_code_table(small, ARCHS)
+    assert small.latency and [o.code for o in objs2] == [o.code for o in objs] and not objs2[0].config.latency
 
 
 LAUNCHER_SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "kernels", "ffi", "gpu_launcher.cc")

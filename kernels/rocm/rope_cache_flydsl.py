@@ -17,7 +17,8 @@ byte offsets 0, 8, ..., 248 (kernarg segment 256 bytes, no hidden arguments):
   18..31  int64 dim0 of each operand (T = dim0[0], NB = dim0[3] (stacked: L), max_pos = dim0[7])
 Grid: (ceil(T / TPB), 1, 1) workgroups of NT threads (NT is the required workgroup size).
 
-Work decomposition. A workgroup owns TPB consecutive tokens. Three phases run one after the other
+Work decomposition. A workgroup owns TPB consecutive tokens (latency regime, small T: one token,
+one unit per lane, half-width rotation chunks; see make_config). Three phases run one after the other
 (no shared memory, no barriers); each maps its lanes as (token sub-slot, head slot, chunk):
   * rot  : the rotary channels of the QH + KH heads. A lane owns one chunk of W rotary pairs
            (NeoX: channels [cW, cW+W) and [R/2+cW, R/2+cW+W): two 16-byte loads; GPT-J: one
@@ -60,7 +61,8 @@ expansion) and an IEEE division; S/D as a multiplication by 2^-k for D a power o
 rounding). y and n rounded as the reference; the other kind's heads (one norm only) skip it in a
 branch yielding the packed words, so their channels keep their bits. Where the chunks do not line up
 with the tree (D = 80, R = 3D/4, ...) every lane reloads its row piece by piece (correct; more
-registers). The weights load after the sum and the tables after the norm (not live across it).
+registers). The weights load after the sum (latency regime: with the q/k chunks) and the tables
+after the norm (not live across it).
 """
 
 import dataclasses
