@@ -1,9 +1,11 @@
 """Prints the ROCm build-notes tables: per variant and arch, VGPR/SGPR counts (code-object
 metadata) and the global memory instructions of the ISA with their widths.
 
-    python scripts/rocm_build_notes.py            # our kernel
+    python scripts/rocm_build_notes.py --regimes --write BUILD_NOTES.md   # the regime table, in place
+    python scripts/rocm_build_notes.py            # the per-variant and occupancy tables
     python scripts/rocm_build_notes.py --upstream /path/to/FlyDSL/checkout   # + upstream kernel
-(needs flydsl; compiles only, never launches)
+(needs flydsl; compiles only, never launches; the regime table's instruction counts come from the
+lane emulator, tests/rocm_emulator.py)
 """
 
 import argparse
@@ -15,6 +17,9 @@ import tempfile
 
 import numpy as np
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))  # rocm_emulator
+
+from jax_rope_cache import contract
 from jax_rope_cache.backends import rocm
 from jax_rope_cache.cli import aot
 from jax_rope_cache.compilers import flydsl
@@ -155,11 +160,130 @@ def occupancy_table():
                       f"{occupancy(cfg, co).strip(' ()') or 'as made'} | {i['vgpr_count']} |")
 
 
+# ---- the regime table: latency (decode, T = 1) vs bandwidth (T = 8192) configurations ----------
+REGIME_SHAPES = [("llama-3.1-8b", 1, False), ("llama-3.1-70b", 8, False), ("gpt-oss-120b", 8, False),
+                 ("gpt-oss-120b", 1, False), ("qwen3-32b", 8, False), ("qwen3-32b", 8, True),
+                 ("qwen3-235b-a22b", 4, False), ("qwen3-235b-a22b", 4, True)]
+REGIME_T = (("decode T=1", 1), ("T=8192", 8192))
+MARK_BEGIN, MARK_END = "<!-- rocm_build_notes.py --regimes: begin -->", "<!-- rocm_build_notes.py --regimes: end -->"
+
+
+def _operands(cfg, T):
+    """The custom call's 14 operands for a call of T tokens of `cfg` (bf16 data, f32 tables, every
+    token written to its own slot)."""
+    rng = np.random.default_rng(0)
+    dtype = {c: np.dtype(d) for d, c in contract.DTYPE_CODES.items()}
+    dt, cdt, tdt = dtype[cfg.dt], dtype[cfg.cache_dt], dtype[cfg.tab_dt]
+    q, k, v = (rng.standard_normal((T, h, cfg.d)).astype(np.float32).astype(dt) for h in (cfg.qh, cfg.kh, cfg.kh))
+    nb = -(-T // cfg.bs)
+    layout = [n for n, lt in contract.LAYOUT_TABLE.items() if lt.code == cfg.layout][0]
+    kshape, vshape = contract.cache_shapes(layout, nb, cfg.bs, cfg.kh, cfg.d, cdt)
+    tw = cfg.r if cfg.full_table else cfg.r // 2
+    idx = np.arange(T, dtype=np.int64 if cfg.slot64 else np.int32)
+    pos = (np.arange(T) % 64).astype(np.int64 if cfg.pos64 else np.int32)
+    tab = rng.uniform(-1, 1, (64, tw)).astype(tdt)
+    one = np.ones((), np.float32)
+    w = [rng.uniform(0.5, 2, cfg.d).astype(np.float32).astype(dt) if code >= 0 else np.zeros(1, np.float32)
+         for code in (cfg.q_norm, cfg.k_norm)]
+    return [q, k, v, np.zeros(kshape, cdt), np.zeros(vshape, cdt), idx, pos, tab, tab.copy(), one, one.copy(),
+            np.zeros((), np.int32)] + w
+
+
+def memory_per_element(cfg, T):
+    """(vector memory instructions per q/k/v element, of them q/k/v data only, data bytes per data
+    instruction) of one call of T tokens, counted in the lane emulator: every buffer/global load and
+    store each lane executes (the emitted program; the ISA issues one per lane the same way, its
+    waterfall loops around VGPR-selected descriptors aside) over the q/k/v elements the call moves
+    (q, k, v read; q_out, k_out, key and value cache written: (2 QH + 4 KH) D per token)."""
+    import rocm_emulator as em
+
+    counts, addrs = collections.Counter(), []
+    real = (em.rocdl.raw_ptr_buffer_load, em.rocdl.raw_ptr_buffer_store, em.llvm.StoreOp, em.Machine.alloc)
+
+    def note(addr, nbytes):
+        lanes = int(np.count_nonzero(em.M.mask[-1]))
+        data = addr[0] if isinstance(addr, tuple) else None
+        data = em.M.buffer(data)[0] in addrs[:5] + addrs[14:16] if data is not None else True  # caches: global
+        counts["all"] += lanes
+        if data:
+            counts["data"] += lanes
+            counts["bytes"] += lanes * nbytes
+
+    def alloc(self, arr):
+        a = real[3](self, arr)
+        addrs.append(a)
+        return a
+
+    def load(ty, rsrc, off, soff):
+        note(rsrc.a, em._nbytes(ty))
+        return real[0](ty, rsrc, off, soff)
+
+    def store(val, rsrc, off, soff):
+        note(rsrc.a, em._nbytes(val.ty))
+        return real[1](val, rsrc, off, soff)
+
+    def gstore(val, ptr, alignment=None):
+        note(None, em._nbytes(val.ty))
+        return real[2](val, ptr, alignment)
+
+    em.rocdl.raw_ptr_buffer_load, em.rocdl.raw_ptr_buffer_store = staticmethod(load), staticmethod(store)
+    em.llvm.StoreOp, em.Machine.alloc = staticmethod(gstore), alloc
+    try:
+        em.run(flydsl.kernel_module(), cfg, _operands(cfg, T))
+    finally:
+        em.rocdl.raw_ptr_buffer_load, em.rocdl.raw_ptr_buffer_store = staticmethod(real[0]), staticmethod(real[1])
+        em.llvm.StoreOp, em.Machine.alloc = staticmethod(real[2]), real[3]
+    elems = T * (2 * cfg.qh + 4 * cfg.kh) * cfg.d
+    return counts["all"] / elems, counts["data"] / elems, counts["bytes"] / max(1, counts["data"])
+
+
+def regime_table() -> str:
+    out = ["| model (per shard) | QK-norm | call | layout | regime: NT x TPB, q/k access | VGPR gfx942 / gfx950 | "
+           "SGPR gfx942 / gfx950 | vmem instr / element (all; q/k/v data) | data B / instr |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for name, tp, norm in REGIME_SHAPES:
+        m = presets.model_shape(name, tp)
+        for call, T in REGIME_T:
+            for layout in ("flash", "xpacked"):
+                base = aot.configs_for(q_heads=m.q_heads, kv_heads=m.kv_heads, head_dim=m.head_dim,
+                                       rotary_dim=m.rotary_dim, layouts=(layout,),
+                                       norm_eps=1e-6 if norm else None)[0]
+                cfg = rocm.kernel_config(base, num_tokens=T)
+                objs = rocm.build_code_table(cfg, ("gfx942", "gfx950"))[2]
+                c = objs[0].config  # the occupancy candidate built (one for both archs)
+                tokens = c.tpb if c.tpb > 1 else 1  # bandwidth: one full workgroup = the steady state
+                per, data, width = memory_per_element(c, min(T, tokens))
+                regime = "latency" if c.latency else "bandwidth"
+                hints = "".join(f", {k} {v}" for k, v in (objs[0].hints or {}).items())
+                access = c.w_rot * 2  # bf16 bytes per q/k rotation access (x2 chunks for NeoX)
+                out.append(
+                    f"| {m.name} ({m.q_heads}x{m.kv_heads}x{m.head_dim}) | {'q+k' if norm else '-'} | {call} | "
+                    f"{'x-packed' if layout == 'xpacked' else layout} | {regime}: {c.nt} x {c.tpb}, {access} B{hints} | "
+                    f"{' / '.join(str(o.info['vgpr_count']) for o in objs)} | "
+                    f"{' / '.join(str(o.info['sgpr_count']) for o in objs)} | {per:.3f}; {data:.3f} | {width:.1f} |")
+    return "\n".join(out)
+
+
+def write_between_markers(path, text):
+    doc = open(path).read()
+    i, j = doc.index(MARK_BEGIN) + len(MARK_BEGIN), doc.index(MARK_END)
+    with open(path, "w") as f:
+        f.write(doc[:i] + "\n" + text + "\n" + doc[j:])
+
+
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--upstream")
+    p.add_argument("--regimes", action="store_true", help="the latency / bandwidth table only")
+    p.add_argument("--write", metavar="BUILD_NOTES.md", help="with --regimes: replace the table between its markers")
     a = p.parse_args()
-    ours()
-    occupancy_table()
-    if a.upstream:
-        upstream(a.upstream)
+    if a.regimes:
+        table = regime_table()
+        if a.write:
+            write_between_markers(a.write, table)
+        print(table)
+    else:
+        ours()
+        occupancy_table()
+        if a.upstream:
+            upstream(a.upstream)

@@ -2,7 +2,8 @@
 
 1. Every variant of a config matrix (all layouts, NeoX/GPT-J, half/full tables, partial rotary,
    bf16/f16/f32 inputs, f32/bf16/f16 tables, fp8 e4m3fn and e4m3fnuz caches, both precisions,
-   int32/int64 indices, D in {64, 128, 256}) compiles for gfx942 AND gfx950.
+   int32/int64 indices, D in {64, 128, 256}) compiles for gfx942 AND gfx950, in both regimes of
+   make_config (T = 64: latency, T = 8192: bandwidth).
 2. Each code object's AMDGPU metadata (parsed in pure Python) matches what the launcher does:
    the kernarg segment is exactly the launcher's parameter block (18 pointers then 14 int64
    dim0, 8 bytes each at offsets 0..248, 256 bytes, no hidden arguments), no scratch, no spills,
@@ -119,13 +120,14 @@ def check_code_object(code: bytes, arch: str, cfg, symbol: str | None = None, ma
 
 
 @needs_flydsl
+@pytest.mark.parametrize("T", [64, 8192], ids=["latency", "bandwidth"])  # both regimes of make_config
 @pytest.mark.parametrize("p", MATRIX, ids=[_id(p) for p in MATRIX])
-def test_variant_compiles_for_both_archs(p):
-    spec = make_spec(layout=p["layout"], neox=p["neox"], dt=p["dt"], cdt=p["cdt"], tdt=p["tdt"], prec=p["prec"],
-                     D=p["D"], R=p["R"], full=p["full"], QH=p["QH"], KH=p["KH"], slot64=p["slot64"],
+def test_variant_compiles_for_both_archs(p, T):
+    spec = make_spec(T=T, layout=p["layout"], neox=p["neox"], dt=p["dt"], cdt=p["cdt"], tdt=p["tdt"],
+                     prec=p["prec"], D=p["D"], R=p["R"], full=p["full"], QH=p["QH"], KH=p["KH"], slot64=p["slot64"],
                      pos64=p["pos64"], layers=p.get("layers"))
     cfg = rocm.kernel_config(spec)
-    assert cfg.layer_blocks == (spec.num_blocks if p.get("layers") else 0)
+    assert cfg.latency == (T <= 256) and cfg.layer_blocks == (spec.num_blocks if p.get("layers") else 0)
     table, symbol, objs = rocm.build_code_table(cfg, ARCHS)
     assert [o.arch for o in objs] == list(ARCHS)
     for o in objs:
@@ -315,12 +317,18 @@ def test_compile_cli_fills_the_disk_cache(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "4 code objects (2 configurations x 2 archs)" in err, err
     assert len(list((tmp_path / "rocm").glob("*.hsaco.jrc"))) == 4
-    # a lowering of the same shape now reads the disk cache (nothing compiled)
+    # a lowering of the same shape now reads the disk cache (nothing compiled). `compile` knows no T:
+    # it builds the bandwidth configurations, which large calls get ...
     monkeypatch.setattr(flydsl, "_mem", {})
     monkeypatch.setattr(flydsl, "_compile_now", lambda *a, **k: pytest.fail("compiled instead of using the cache"))
-    spec = make_spec(T=3, QH=8, KH=1, D=64, layout="xpacked_shuffled", tdt=F32, pos64=False)
+    spec = make_spec(T=8192, QH=8, KH=1, D=64, layout="xpacked_shuffled", tdt=F32, pos64=False)
     _, _, objs = rocm.build_code_table(rocm.kernel_config(spec), ARCHS)
     assert all(o.from_disk for o in objs)
+    # ... and a decode call on a host without FlyDSL (its latency candidates are not precompiled)
+    monkeypatch.setattr(flydsl, "available", lambda: False)
+    small = rocm.kernel_config(make_spec(T=3, QH=8, KH=1, D=64, layout="xpacked_shuffled", tdt=F32, pos64=False))
+    _, _, objs2 = rocm.build_code_table(small, ARCHS)
+    assert small.latency and [o.code for o in objs2] == [o.code for o in objs] and not objs2[0].config.latency
 
 
 LAUNCHER_SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "kernels", "ffi", "gpu_launcher.cc")

@@ -13,6 +13,7 @@ host).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import ml_dtypes
 import numpy as np
@@ -60,13 +61,22 @@ for _layout in contract.LAYOUTS:
 custom_call_operands = rocm_emulator.custom_call_operands
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-def test_emulated_kernel_matches_reference(case):
-    args, opts = make_problem(case, seed=7)
+def regime_config(spec, regime):
+    """The kernel configuration of `spec` in the "latency" regime (what these small calls get) or the
+    "bandwidth" one (what the same shapes get at a large T: tokens per workgroup, full-width chunks)."""
     from jax_rope_cache.backends import rocm
 
+    cfg = rocm.kernel_config(spec if regime == "latency" else contract.kernel_codes(spec), K)
+    assert cfg.latency == (regime == "latency") and (cfg.tpb == 1 or regime == "bandwidth"), cfg
+    return cfg
+
+
+@pytest.mark.parametrize("regime", ["latency", "bandwidth"])
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_emulated_kernel_matches_reference(case, regime):
+    args, opts = make_problem(case, seed=7)
     spec = contract.check_op(*args, **opts)
-    cfg = rocm.kernel_config(spec, K)
+    cfg = regime_config(spec, regime)
     got = rocm_emulator.run(K, cfg, custom_call_operands(args, opts))
     want = reference_op(*args, **opts)
     for name, g, w in zip(("q_out", "k_out", "key_cache", "value_cache"), got, want):
@@ -79,7 +89,7 @@ def test_emulated_kernel_small_workgroups_cover_tails():
     args, opts = make_problem(case, seed=3)
     from jax_rope_cache.backends import rocm
 
-    cfg = rocm.kernel_config(contract.check_op(*args, **opts), K)
+    cfg = rocm.kernel_config(contract.kernel_codes(contract.check_op(*args, **opts)), K)  # bandwidth
     assert cfg.tpb > 1 and case.T % cfg.tpb, cfg
     got = rocm_emulator.run(K, cfg, custom_call_operands(args, opts))
     for name, g, w in zip(("q_out", "k_out", "key_cache", "value_cache"), got, reference_op(*args, **opts)):
@@ -227,12 +237,12 @@ def norm_problem(case, seed, q_norm, k_norm, wdtype="same", heads=None, eps=1e-6
     return args, opts
 
 
-def norm_config(args, opts, cap=None):
+def norm_config(args, opts, cap=None, regime="latency"):
     from jax_rope_cache.backends import rocm
 
-    cfg = rocm.kernel_config(contract.check_op(*args, **opts), K)
+    cfg = regime_config(contract.check_op(*args, **opts), regime)
     if cap:
-        cfg = K.make_config(**rocm.config_codes(cfg, K), rot_cap=cap)
+        cfg = K.make_config(**rocm.config_codes(cfg, K), rot_cap=cap, latency=cfg.latency)
     return cfg
 
 
@@ -246,11 +256,12 @@ def run_and_compare(cfg, args, opts, what=""):
     return got
 
 
+@pytest.mark.parametrize("regime", ["latency", "bandwidth"])
 @pytest.mark.parametrize("p", NORM_CASES, ids=[_nid(p) for p in NORM_CASES])
-def test_emulated_norm_and_per_head_scales_match_reference(p):
+def test_emulated_norm_and_per_head_scales_match_reference(p, regime):
     case, qn, kn, wd, heads, cap = p
     args, opts = norm_problem(case, 21, qn, kn, wd, heads)
-    cfg = norm_config(args, opts, cap)
+    cfg = norm_config(args, opts, cap, regime)
     assert (cfg.q_norm >= 0, cfg.k_norm >= 0) == (qn, kn)
     run_and_compare(cfg, args, opts)
 
@@ -258,9 +269,10 @@ def test_emulated_norm_and_per_head_scales_match_reference(p):
 def test_norm_cases_cover_every_path():
     """The cases above reach every way of forming the sum and every cross-lane primitive."""
     seen = set()
-    for case, qn, kn, wd, heads, cap in NORM_CASES:
+    for (case, qn, kn, wd, heads, cap), regime in itertools.product(NORM_CASES, ("latency", "bandwidth")):
         args, opts = norm_problem(case, 0, qn, kn, wd, heads)
-        cfg = norm_config(args, opts, cap)
+        cfg = norm_config(args, opts, cap, regime)
+        seen.add(f"{regime}, weights {'early' if cfg.latency and K.norm_layout(cfg).plan else 'late'}")
         if not cfg.norm:
             continue
         nl = K.norm_layout(cfg)
@@ -271,7 +283,7 @@ def test_norm_cases_cover_every_path():
         seen.add("merged" if nl.merged else ("pass phase" if cfg.r < cfg.d else "full rotary"))
         seen.add({(True, True): "both", (True, False): "q only", (False, True): "k only"}[(qn, kn)])
         seen.add(f"weight {wd}")
-    want = {"reload", "local", "add", "fam", "merged", "pass phase", "full rotary", "both", "q only", "k only",
+    want = {"latency, weights early", "latency, weights late", "bandwidth, weights late", "reload", "local", "add", "fam", "merged", "pass phase", "full rotary", "both", "q only", "k only",
             "weight same", "weight float32"} | {f"xor{m}" for m in (1, 2, 4, 8, 16, 32)}
     assert want <= seen, want - seen
 
@@ -326,7 +338,8 @@ def test_emulated_norm_catches_a_wrong_reduction(monkeypatch, mutant):
     bare v_sqrt_f32 can be)."""
     case = Case(T=8, QH=8, KH=2, D=128, dtype="float32", table_dtype="float32")
     args, opts = norm_problem(case, 33, True, True)
-    cfg = norm_config(args, opts)
+    # in-order sums equal the tree on 2-element chunks (latency: f32 chunks of 2): the bandwidth config's 4
+    cfg = norm_config(args, opts, regime="bandwidth" if mutant == "sequential chunk sums" else "latency")
     assert K.norm_layout(cfg).lanes >= 8
     run_and_compare(cfg, args, opts)
     if mutant == "sequential chunk sums":

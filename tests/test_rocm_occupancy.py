@@ -55,8 +55,11 @@ def test_every_occupancy_candidate_is_bit_exact(case):
     assert cands[0] == (cfg, None) and cands[1] == (cfg, rocm.WAVES_PER_EU)
     configs = list(dict.fromkeys(c for c, _ in cands))
     assert len(configs) >= 2, "no narrower candidate"
+    wide = rocm.kernel_config(contract.kernel_codes(contract.check_op(*args, **opts)), K)  # bandwidth
+    assert cfg.latency and configs[-1] != cfg and any(c == wide for c in configs)  # latency, then bandwidth
     for c in configs[1:]:
-        assert c.w_rot <= cfg.w_rot and c.w_pass <= cfg.w_pass and c.w_v <= cfg.w_v
+        ref = cfg if c.latency else wide
+        assert c.w_rot <= ref.w_rot and c.w_pass <= ref.w_pass and c.w_v <= ref.w_v
         assert (c.qh, c.kh, c.d, c.r, c.layout, c.dt, c.cache_dt, c.native) == (
             cfg.qh, cfg.kh, cfg.d, cfg.r, cfg.layout, cfg.dt, cfg.cache_dt, cfg.native)
     want = reference_op(*args, **opts)

@@ -102,13 +102,19 @@ def lowering_archs(ctx=None) -> tuple[str, ...]:
     return tuple(sorted(archs))
 
 
-def kernel_config(spec_or_codes, module=None):
-    """The static kernel configuration (kernels/rocm/rope_cache_flydsl.py) of an OpSpec or KernelCodes."""
+def kernel_config(spec_or_codes, module=None, num_tokens: int | None = None):
+    """The static kernel configuration (kernels/rocm/rope_cache_flydsl.py) of an OpSpec or KernelCodes.
+    Its regime follows the call's token count (an OpSpec's, or `num_tokens`): small calls get the
+    latency configuration (make_config(latency=True)); KernelCodes alone (no T) the bandwidth one."""
     codes = spec_or_codes
     if isinstance(codes, contract.OpSpec):
+        num_tokens = codes.num_tokens if num_tokens is None else num_tokens
         codes = contract.kernel_codes(codes)
     K = module or flydsl.kernel_module()
-    return K.make_config(**config_codes(codes, K))
+    extra = {}
+    if "latency" in inspect.signature(K.make_config).parameters:
+        extra["latency"] = K.latency_regime(num_tokens)
+    return K.make_config(**config_codes(codes, K), **extra)
 
 
 _CODE_FIELDS = tuple(f.name for f in dataclasses.fields(contract.KernelCodes))
@@ -147,16 +153,23 @@ def occupancy_candidates(cfg, module=None) -> list:
     code objects fit): as configured; with waves_per_eu=8 (the compiler keeps to 64 VGPRs, but may
     spill); rotation chunks of half the width (fewer values in flight per lane, 8-byte instead of
     16-byte accesses), without and with the hint; every chunk kind at half width. Only the chunk
-    widths and hints differ, never the arithmetic (the lane emulator checks every width)."""
+    widths and hints differ, never the arithmetic (the lane emulator checks every width). A
+    latency-regime `cfg` then has the bandwidth configuration's candidates: what `compile` (which
+    knows no T) precompiles, so a host without FlyDSL still finds a code object."""
     K = module or flydsl.kernel_module()
     codes = config_codes(cfg, K)
+    latency = bool(getattr(cfg, "latency", False))
+    regime = {"latency": True} if latency else {}
     out = [(cfg, None), (cfg, WAVES_PER_EU)]
-    narrow = K.make_config(**codes, rot_cap=max(1, cfg.w_rot // 2))
+    narrow = K.make_config(**codes, rot_cap=max(1, cfg.w_rot // 2), **regime)
     if narrow != cfg:
         out += [(narrow, None), (narrow, WAVES_PER_EU)]
-    narrower = K.make_config(**codes, rot_cap=max(1, cfg.w_rot // 2), width_cap=max(1, max(cfg.w_pass, cfg.w_v) // 2))
+    narrower = K.make_config(**codes, rot_cap=max(1, cfg.w_rot // 2), width_cap=max(1, max(cfg.w_pass, cfg.w_v) // 2),
+                             **regime)
     if narrower not in (cfg, narrow):
         out.append((narrower, None))
+    if latency:
+        out += [c for c in occupancy_candidates(K.make_config(**codes), K) if c not in out]
     return out
 
 

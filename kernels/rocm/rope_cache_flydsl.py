@@ -17,7 +17,8 @@ byte offsets 0, 8, ..., 248 (kernarg segment 256 bytes, no hidden arguments):
   18..31  int64 dim0 of each operand (T = dim0[0], NB = dim0[3] (stacked: L), max_pos = dim0[7])
 Grid: (ceil(T / TPB), 1, 1) workgroups of NT threads (NT is the required workgroup size).
 
-Work decomposition. A workgroup owns TPB consecutive tokens. Three phases run one after the other
+Work decomposition. A workgroup owns TPB consecutive tokens (latency regime, small T: one token,
+one unit per lane, half-width rotation chunks; see make_config). Three phases run one after the other
 (no shared memory, no barriers); each maps its lanes as (token sub-slot, head slot, chunk):
   * rot  : the rotary channels of the QH + KH heads. A lane owns one chunk of W rotary pairs
            (NeoX: channels [cW, cW+W) and [R/2+cW, R/2+cW+W): two 16-byte loads; GPT-J: one
@@ -60,7 +61,8 @@ expansion) and an IEEE division; S/D as a multiplication by 2^-k for D a power o
 rounding). y and n rounded as the reference; the other kind's heads (one norm only) skip it in a
 branch yielding the packed words, so their channels keep their bits. Where the chunks do not line up
 with the tree (D = 80, R = 3D/4, ...) every lane reloads its row piece by piece (correct; more
-registers). The weights load after the sum and the tables after the norm (not live across it).
+registers). The weights load after the sum (latency regime: with the q/k chunks) and the tables
+after the norm (not live across it).
 """
 
 import dataclasses
@@ -105,6 +107,7 @@ class RocmKernelConfig:
     norm_eps: float = 0.0  # float32 eps (exact in f32); 0.0 without a norm
     k_scale_heads: bool = False  # k_scale is [KH] (else one scale)
     v_scale_heads: bool = False
+    latency: bool = False  # the latency regime (make_config): one token per workgroup, norm weights early
 
     @property
     def x(self) -> int:
@@ -143,40 +146,86 @@ def phase_geometry(cpx: int, nh: int, nt: int) -> tuple[int, int]:
     return hp, ts
 
 
+LATENCY_TOKENS = 256  # calls of at most this many tokens: the latency regime (MI355X has 256 CUs, MI300X 304)
+MAX_NT = 1024  # threads per workgroup (the hardware's limit)
+
+
+def latency_regime(num_tokens: int | None) -> bool:
+    """Whether a call of `num_tokens` tokens (static per call site; None: unknown) gets the latency
+    configuration: one token per workgroup, so the grid of T workgroups still fits the CUs once."""
+    return num_tokens is not None and 0 < num_tokens <= LATENCY_TOKENS
+
+
 def make_config(*, qh, kh, d, r, bs, layout, neox, full_table, native, dt, tab_dt, cache_dt, slot64,
                 pos64, layer_blocks: int = 0, q_norm: int = -1, k_norm: int = -1, norm_eps: float = 0.0,
                 k_scale_heads: bool = False, v_scale_heads: bool = False, nt: int = 256,
-                rot_cap: int | None = None, width_cap: int | None = None) -> RocmKernelConfig:
+                rot_cap: int | None = None, width_cap: int | None = None, latency: bool = False) -> RocmKernelConfig:
     """`rot_cap` / `width_cap`: at most that many elements per rotation chunk / per pass-through and
     V chunk (narrower accesses, fewer values in flight per lane: the occupancy candidates of
-    jax_rope_cache/backends/rocm.py; None = as wide as 16 bytes and the shape allow)."""
+    jax_rope_cache/backends/rocm.py; None = as wide as 16 bytes and the shape allow).
+
+    Two regimes (`latency`, from latency_regime(T)):
+      * bandwidth (large or unknown T): `nt` threads, as many tokens per workgroup as its lanes hold;
+      * latency (small T): one token per workgroup, one unit per lane (nt = the largest phase's
+        lanes, up to MAX_NT) and, as made (rot_cap None), rotation chunks of half the width: twice
+        the lanes, half the serial work per lane (loads, the norm's sum, normalise, rotation). Only
+        where one token's rotation units still fit a workgroup and, with the norm, its butterfly
+        stays within 32 lanes (DPP and ds_swizzle; not ds_bpermute nor the row reload)."""
     s = ITEMSIZE[dt]
     vmax = 16 // s
-    cap = min(vmax, rot_cap or vmax)
-    if (q_norm >= 0 or k_norm >= 0) and r < d:
-        # the norm's lanes also hold the channels >= R: narrower rotation chunks keep a lane's
-        # share of the row at 2 x 16 bytes (more lanes per head, one butterfly step more)
-        share = max(1, (vmax * r // d) * (1 if neox else 2))
-        cap = min(cap, max(1 if neox else 2, 1 << (share.bit_length() - 1)))  # a power of two
-    w_rot = _pow2_width(cap, r // 2) if neox else _pow2_width(cap, r)
-    if not neox and w_rot < 2:
-        w_rot = 2
+    norm = q_norm >= 0 or k_norm >= 0
+
+    def rot_width(cap):
+        cap = min(vmax, cap)
+        if norm and r < d:
+            # the norm's lanes also hold the channels >= R: narrower rotation chunks keep a lane's
+            # share of the row at 2 x 16 bytes (more lanes per head, one butterfly step more)
+            share = max(1, (vmax * r // d) * (1 if neox else 2))
+            cap = min(cap, max(1 if neox else 2, 1 << (share.bit_length() - 1)))  # a power of two
+        w = _pow2_width(cap, r // 2) if neox else _pow2_width(cap, r)
+        return max(w, 1 if neox else 2)
+
     wmax = min(vmax, width_cap or vmax)
     w_pass = _pow2_width(wmax, r, d) if r < d else 1
     w_v = _pow2_width(wmax, d)
-    cpx_rot = (r // 2) // w_rot if neox else r // w_rot
-    nt = max(64, min(nt, 1024))
-    while nt > 64 and cpx_rot * (qh + kh) <= nt // 2 and cpx_rot * (qh + kh) * 4 < 64:
-        nt //= 2  # tiny heads: keep the workgroup small rather than idle
-    _, ts = phase_geometry(cpx_rot, qh + kh, nt)
-    tpb = ts
-    return RocmKernelConfig(qh=qh, kh=kh, d=d, r=r, bs=bs, layout=layout, neox=bool(neox),
-                            full_table=bool(full_table), native=bool(native), dt=dt, tab_dt=tab_dt,
-                            cache_dt=cache_dt, slot64=bool(slot64), pos64=bool(pos64), w_rot=w_rot,
-                            w_pass=w_pass, w_v=w_v, tpb=tpb, nt=nt, layer_blocks=int(layer_blocks),
-                            q_norm=int(q_norm), k_norm=int(k_norm),
-                            norm_eps=float(norm_eps) if q_norm >= 0 or k_norm >= 0 else 0.0,
-                            k_scale_heads=bool(k_scale_heads), v_scale_heads=bool(v_scale_heads))
+    rh = qh + kh
+
+    def build(w_rot, nt, tpb):
+        return RocmKernelConfig(qh=qh, kh=kh, d=d, r=r, bs=bs, layout=layout, neox=bool(neox),
+                                full_table=bool(full_table), native=bool(native), dt=dt, tab_dt=tab_dt,
+                                cache_dt=cache_dt, slot64=bool(slot64), pos64=bool(pos64), w_rot=w_rot,
+                                w_pass=w_pass, w_v=w_v, tpb=tpb, nt=nt, layer_blocks=int(layer_blocks),
+                                q_norm=int(q_norm), k_norm=int(k_norm),
+                                norm_eps=float(norm_eps) if norm else 0.0, k_scale_heads=bool(k_scale_heads),
+                                v_scale_heads=bool(v_scale_heads), latency=bool(latency))
+
+    def cpx(w):
+        return (r // 2) // w if neox else r // w
+
+    w_rot = rot_width(rot_cap or vmax)
+    if not latency:
+        nt = max(64, min(nt, MAX_NT))
+        while nt > 64 and cpx(w_rot) * rh <= nt // 2 and cpx(w_rot) * rh * 4 < 64:
+            nt //= 2  # tiny heads: keep the workgroup small rather than idle
+        return build(w_rot, nt, phase_geometry(cpx(w_rot), rh, nt)[1])
+
+    def one_token(w):
+        """The latency configuration with rotation chunks of w elements: nt = the lanes of the
+        largest phase of one token (rotation, pass-through unless merged, V), in whole waves."""
+        c = build(w, 64, 1)
+        units = [cpx(w) * rh, (d // w_v) * kh]
+        if r < d and not (c.norm and norm_layout(c).merged):
+            units.append((d - r) // w_pass * rh)
+        return dataclasses.replace(c, nt=min(MAX_NT, max(64, -(-max(units) // 64) * 64)))
+
+    cfg = one_token(w_rot)
+    half = rot_width(w_rot // 2) if rot_cap is None else w_rot
+    if half < w_rot and cpx(half) * rh <= MAX_NT:
+        narrow = one_token(half)
+        nl = norm_layout(narrow) if narrow.norm else None
+        if nl is None or (nl.plan is not None and norm_layout(cfg).plan is not None and nl.lanes <= 32):
+            cfg = narrow
+    return cfg
 
 
 # ------------------------------------------------------------------------------------------------
@@ -819,10 +868,11 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
         return load_qk(is_q, oq, ok, nbytes), oq, ok
 
     # ---- QK-RMSNorm pieces ----
-    def norm_weights(chunks, is_q):
+    def norm_weights(chunks, is_q, convert=True):
         """The head's weights (q's or k's, by its kind) of `chunks` [(first channel (i32), n)]: a
         list of f32 lists. With both norms, one load per chunk picks the kind's weight (half the
-        registers of holding both)."""
+        registers of holding both). convert=False (loaded early): a thunk giving those lists, the
+        loaded words held packed until then where one weight dtype is loaded."""
         def load(rs, code, convert):
             sw = ITEMSIZE[code]
             out = []
@@ -832,9 +882,16 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
                 out.append(E.elems_from_pieces(pieces, code, n) if convert else pieces)
             return out
 
+        if convert is False:  # (None: the raw pieces, for the thunk)
+            if not (QN and KN) or cfg.q_norm == cfg.k_norm:
+                raw = norm_weights(chunks, is_q, None)
+                code = cfg.q_norm if QN else cfg.k_norm
+                return lambda: [E.elems_from_pieces(p, code, n) for p, (_, _, n) in zip(raw, chunks)]
+            vals = norm_weights(chunks, is_q)  # two weight dtypes: converted in the branch
+            return lambda: vals
         if not (QN and KN):
             rs, code = (rs_wq, cfg.q_norm) if QN else (rs_wk, cfg.k_norm)
-            return load(rs, code, True)
+            return load(rs, code, convert is not None)
         same = cfg.q_norm == cfg.k_norm  # same dtype: select raw words, convert once
         if same:
             sizes = [[p for p in E._pieces(n * ITEMSIZE[cfg.q_norm])] for _, _, n in chunks]
@@ -851,7 +908,7 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
             if same:
                 pieces = list(zip(sz, res[i:i + len(sz)]))
                 i += len(sz)
-                out.append(E.elems_from_pieces(pieces, cfg.q_norm, n))
+                out.append(E.elems_from_pieces(pieces, cfg.q_norm, n) if convert else pieces)
             else:
                 out.append(res[i:i + n])
                 i += n
@@ -923,12 +980,13 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
             return None
         return is_q if QN else E.arith.xori(is_q, E.c(1, E.i1))
 
-    def normalized(raw, chunks, S, is_q, groups):
+    def normalized(raw, chunks, S, is_q, groups, ws_early=None):
         """(pieces, f32 values) per chunk of raw loaded pieces: n_i = r(r32(w_i * r(r32(x_i * inv))))
         for a normalised head (its bits, canonical NaN), x_i (the input's bits) for the others. One
         kind only: a branch on the kind yielding packed words (not selects, not f32 values: the
         other kind's lanes skip the norm and the merge costs the packed registers only).
-        S: the row's sum, or None: from the chunks (groups: chunks per family of the plan)."""
+        S: the row's sum, or None: from the chunks (groups: chunks per family of the plan).
+        ws_early: norm_weights(.., convert=False) loaded with the chunks (else loaded here)."""
         ns = [ch[2] for ch in chunks]
 
         def compute():
@@ -941,7 +999,8 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
                 inv = norm_inv(plan_sum_sq(fam))
             else:
                 inv = norm_inv(S)
-            ws = norm_weights(chunks, is_q)  # after the sum: the weights are not live across it
+            # late (bandwidth): after the sum, so the weights are not live across it
+            ws = ws_early() if ws_early else norm_weights(chunks, is_q)
             bits = [[E.to_bits(E.arith.mulf(w, E.round_to(E.arith.mulf(x, inv), cfg.dt)), cfg.dt)
                      for x, w in zip(xs, wl)] for xs, wl in zip(fam_x, ws)]
             return bits, [E.words_to_pieces(E.pack_bits(b, s_in)) for b in bits]
@@ -966,6 +1025,7 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
     W = cfg.w_rot
     cpx_rot = (R // 2) // W if cfg.neox else R // W
     merged = NL is not None and NL.merged
+    early_w = cfg.latency and NL is not None and NL.plan is not None
     npairs = W if cfg.neox else W // 2
 
     def rot_chunks(c):
@@ -1022,17 +1082,19 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
         kslot = token_slot(tl, tvalid) if KH > 0 else None
 
         # loads first: every chunk of every head (and the whole row where the butterfly does not fit)
-        loaded = []
+        loaded, early = [], []
         for h, hvalid, inv_k in heads:
             is_q, hk, _ = qk_head(h)
             got = [ld_qk(tl, h, hk, is_q, hvalid, ch) for ch in chunks]
             S = row_sum_sq(tl, h, hk, is_q, hvalid) if cfg.norm and NL.plan is None else None
+            # latency regime: the weights load with the chunks (one unit per lane: latency, not registers)
+            early.append(norm_weights(chunks, is_q, convert=False) if early_w else None)
             loaded.append((h, hvalid, inv_k, is_q, hk, got, S))
 
         normed = []
-        for h, hvalid, inv_k, is_q, hk, got, S in loaded:
+        for (h, hvalid, inv_k, is_q, hk, got, S), ew in zip(loaded, early):
             if cfg.norm:
-                normed.append(normalized([g[0] for g in got], chunks, S, is_q, NL.groups))
+                normed.append(normalized([g[0] for g in got], chunks, S, is_q, NL.groups, ew))
             else:
                 normed.append((None, [E.elems_from_pieces(g[0], cfg.dt, ch[2]) for g, ch in zip(got, chunks)]))
         ca, sa, cb, sb = tabs or tables()
