@@ -312,23 +312,36 @@ _REPO_KERNEL = flydsl_kernel_module()
 def test_compile_cli_fills_the_disk_cache(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("JAX_ROPE_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(flydsl, "_mem", {})
-    aot.main(["--arch", "gfx942,gfx950", "--preset", "gpt-oss-120b", "--tp", "8",
-                       "--layout", "flash,xpacked_shuffled", "--dtype", "bfloat16"])
+    cli = ["--arch", "gfx942,gfx950", "--preset", "gpt-oss-120b", "--tp", "8", "--layout", "flash,xpacked_shuffled",
+           "--dtype", "bfloat16"]
+    aot.main(cli + ["--regimes", "bandwidth"])
     err = capsys.readouterr().err
     assert "4 code objects (2 configurations x 2 archs)" in err, err
     assert len(list((tmp_path / "rocm").glob("*.hsaco.jrc"))) == 4
-    # a lowering of the same shape now reads the disk cache (nothing compiled). `compile` knows no T:
-    # it builds the bandwidth configurations, which large calls get ...
+    # a lowering of the same shape now reads the disk cache (nothing compiled): large calls get the
+    # bandwidth configurations ...
     monkeypatch.setattr(flydsl, "_mem", {})
+    real_compile = flydsl._compile_now
     monkeypatch.setattr(flydsl, "_compile_now", lambda *a, **k: pytest.fail("compiled instead of using the cache"))
     spec = make_spec(T=8192, QH=8, KH=1, D=64, layout="xpacked_shuffled", tdt=F32, pos64=False)
     _, _, objs = rocm.build_code_table(rocm.kernel_config(spec), ARCHS)
     assert all(o.from_disk for o in objs)
-    # ... and a decode call on a host without FlyDSL (its latency candidates are not precompiled)
+    # ... and a decode call on a host without FlyDSL falls back to them (its latency candidates come first)
     monkeypatch.setattr(flydsl, "available", lambda: False)
     small = rocm.kernel_config(make_spec(T=3, QH=8, KH=1, D=64, layout="xpacked_shuffled", tdt=F32, pos64=False))
     _, _, objs2 = rocm.build_code_table(small, ARCHS)
     assert small.latency and [o.code for o in objs2] == [o.code for o in objs] and not objs2[0].config.latency
+    # `compile` with both regimes (the default) adds the latency configurations: the decode call reads its own
+    monkeypatch.setattr(flydsl, "available", lambda: True)
+    monkeypatch.setattr(flydsl, "_compile_now", real_compile)
+    aot.main(cli)
+    err = capsys.readouterr().err
+    assert "8 code objects (4 configurations x 2 archs)" in err, err
+    monkeypatch.setattr(flydsl, "_mem", {})
+    monkeypatch.setattr(flydsl, "available", lambda: False)
+    _, _, objs3 = rocm.build_code_table(small, ARCHS)
+    assert all(o.from_disk and o.config.latency for o in objs3)
+    assert {o.code for o in objs3}.isdisjoint(o.code for o in objs)
 
 
 LAUNCHER_SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "kernels", "ffi", "gpu_launcher.cc")

@@ -16,6 +16,7 @@ same bytes as a real torch.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -86,7 +87,8 @@ def _run(env_extra: dict, **opts) -> dict:
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    """A build machine's output: `compile --bundle` for one shape (8x1x64, flash, bf16) and its disk cache."""
+    """A build machine's output: `compile --bundle` for one shape (8x1x64, flash, bf16; both regimes) and
+    its disk cache."""
     if not flydsl.available():
         pytest.skip(f"building the bundle needs FlyDSL: {flydsl.unavailable_reason()}")
     root = tmp_path_factory.mktemp("build")
@@ -101,8 +103,11 @@ def built(tmp_path_factory):
             os.environ.pop("JAX_ROPE_CACHE_DIR")
         else:
             os.environ["JAX_ROPE_CACHE_DIR"] = env_before
-    assert len(list((root / "cache" / "rocm").glob("*.hsaco.jrc"))) == 2
-    return dict(root=root, bundle=bundle, cache=root / "cache", codes=sorted(co.code.hex() for _, co in out))
+    # both regimes (the default): the bandwidth and the latency configuration, 2 archs each
+    assert len(list((root / "cache" / "rocm").glob("*.hsaco.jrc"))) == 4
+    # what the helper's call (T = 4, a decode-sized call) lowers to: the latency configuration's
+    return dict(root=root, bundle=bundle, cache=root / "cache",
+                codes=sorted(co.code.hex() for cfg, co in out if cfg.latency))
 
 
 def test_bundle_serves_a_host_without_flydsl_or_torch(built, tmp_path):
@@ -250,7 +255,7 @@ def _lowered_config(case, **opts):
     for w in ("q_norm_weight", "k_norm_weight"):
         if opts.get(w) == "q":
             opts[w] = np.random.default_rng(1).standard_normal(case.D).astype(args[0].dtype)
-    return rocm.kernel_config(contract.kernel_codes(contract.check_op(*args, **base, **opts)))
+    return rocm.kernel_config(contract.check_op(*args, **base, **opts))  # the call's T picks the regime
 
 
 def test_compile_builds_the_qwen3_norm_variant_a_call_lowers_to():
@@ -267,8 +272,14 @@ def test_compile_builds_the_qwen3_norm_variant_a_call_lowers_to():
     plain = _lowered_config(case)
     built = lambda **kw: aot.configs_for(q_heads=m.q_heads, kv_heads=m.kv_heads, head_dim=m.head_dim,  # noqa: E731
                                          layouts=("flash",), **kw)
+    assert want.latency  # T = 3: a decode-sized call; `compile` builds both regimes by default
     assert want in built(norm_eps=eps) and plain not in built(norm_eps=eps)
     assert plain in built() and want not in built()
+    assert want not in built(norm_eps=eps, regimes=("bandwidth",))
+    big = _lowered_config(dataclasses.replace(case, T=8192), q_norm_weight="q", k_norm_weight="q", norm_eps=eps)
+    assert not big.latency and big in built(norm_eps=eps) and big in built(norm_eps=eps, regimes=("bandwidth",))
+    with pytest.raises(ValueError, match="regimes: expected a subset"):
+        built(regimes=("fast",))
     assert aot.preset_norms("qwen3-32b") == (eps,) and aot.preset_norms("qwen3-32b", "off") == (None,)
     assert aot.preset_norms("qwen3-32b", "both") == (None, eps)
     assert aot.preset_norms("llama-3.1-8b") == (None,) == aot.preset_norms("llama-3.1-8b", "both")

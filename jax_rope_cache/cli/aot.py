@@ -26,6 +26,10 @@ from jax_rope_cache.compilers import cache, flydsl
 from jax_rope_cache.models.presets import MODELS, model_shape, preset_qk_norm_eps
 
 QK_NORM_CHOICES = ("auto", "off", "both")
+# The kernel's regimes (backends/rocm.kernel_config): "bandwidth" for calls of more than
+# LATENCY_TOKENS tokens, "latency" for decode-sized calls (one token per workgroup).
+REGIMES = ("bandwidth", "latency")
+_REGIME_TOKENS = {"bandwidth": None, "latency": 1}
 
 _DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32,
            "float8_e4m3fn": ml_dtypes.float8_e4m3fn, "float8_e4m3fnuz": ml_dtypes.float8_e4m3fnuz}
@@ -40,11 +44,16 @@ def _code(name: str) -> int:
 def configs_for(*, q_heads, kv_heads, head_dim, rotary_dim=None, block_sizes=(16,), layouts=contract.LAYOUTS,
                 dtypes=("bfloat16",), cache_dtypes=None, table_dtypes=("float32",), neox=(True,),
                 tables=("half",), precisions=("fp32",), index_dtypes=("int32",), norm_eps=None,
-                norm_weight_dtypes=("same",), scale_heads=False):
+                norm_weight_dtypes=("same",), scale_heads=False, regimes=REGIMES):
     """Kernel configurations of every combination of the given options (one model shape); combinations
     a layout cannot hold (D or BS not a multiple of X) are left out. `norm_eps` (a float): the fused
     QK-RMSNorm on q and k with weights in each of `norm_weight_dtypes` ("same" = q's dtype, or a
-    dtype name); None: no norm. `scale_heads`: fp8 caches with one k/v scale per kv head (KH > 1)."""
+    dtype name); None: no norm. `scale_heads`: fp8 caches with one k/v scale per kv head (KH > 1).
+    `regimes`: the configurations of large calls ("bandwidth") and/or of decode-sized calls
+    ("latency"); a shape whose latency configuration is the bandwidth one gets it once."""
+    for g in regimes:
+        if g not in REGIMES:
+            raise ValueError(f"regimes: expected a subset of {REGIMES}, got {g!r}")
     r = rotary_dim or head_dim
     eps = 0.0 if norm_eps is None else float(np.float32(norm_eps))
     out = []
@@ -64,7 +73,10 @@ def configs_for(*, q_heads, kv_heads, head_dim, rotary_dim=None, block_sizes=(16
                 neox=nx, full_table=table == "full", native=prec == "native", dt=_code(dt),
                 tab_dt=_code(tdt), cache_dt=_code(cdt), slot64=idx == "int64", pos64=idx == "int64",
                 q_norm=norm, k_norm=norm, norm_eps=eps, k_scale_heads=heads, v_scale_heads=heads)
-            out.append(rocm.kernel_config(codes))
+            for g in regimes:
+                cfg = rocm.kernel_config(codes, num_tokens=_REGIME_TOKENS[g])
+                if cfg not in out:
+                    out.append(cfg)
     return out
 
 
@@ -157,6 +169,9 @@ def main(argv=None) -> None:
                    help="same (q's dtype), float32, ...")
     p.add_argument("--scale-heads", action="store_true",
                    help="fp8 caches: one k/v scale per kv head ([KH]) instead of a scalar")
+    p.add_argument("--regimes", type=csv(REGIMES, "regime"), default=REGIMES,
+                   help="bandwidth (calls of more tokens than a decode step), latency (decode-sized calls); "
+                        "default both")
     p.add_argument("--bundle", metavar="FILE",
                    help=f"also write all code objects into ONE file (name it *{flydsl.BUNDLE_SUFFIX}); a deployment "
                         "host reads it through JAX_ROPE_CACHE_ROCM_BUNDLE=FILE or from the cache folder's rocm/")
@@ -170,7 +185,7 @@ def main(argv=None) -> None:
     archs = a.arch
     opts = dict(block_sizes=a.block_size, layouts=a.layout, dtypes=a.dtype, cache_dtypes=a.cache_dtype,
                 table_dtypes=a.table_dtype, tables=a.table, precisions=a.precision, index_dtypes=a.index_dtype,
-                norm_weight_dtypes=a.norm_weight_dtype, scale_heads=a.scale_heads)
+                norm_weight_dtypes=a.norm_weight_dtype, scale_heads=a.scale_heads, regimes=a.regimes)
     if a.norm_eps is not None and not (np.isfinite(np.float32(a.norm_eps)) and np.float32(a.norm_eps) > 0):
         p.error(f"argument --norm-eps: expected a finite value > 0 (as float32), got {a.norm_eps!r}")
     if a.style:
