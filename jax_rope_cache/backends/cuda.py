@@ -93,7 +93,7 @@ UNITS_PER_BLOCK = 2048  # flash: a block's units (~4-6 per thread), measured bes
 UNITS_PER_BLOCK_XP = 8192  # x-packed (up to 32 tokens: two whole runs of 16 slots per block)
 # Flash blocks of several units per thread: 256 threads, 4 resident per SM at <= 64 registers
 # (1024 threads; 352- or 448-thread blocks fit 3 or 2 at 56-64 registers). H200, kernel_speed.py:
-# Llama-8B 5% and the Qwen3 QK-norm variants 2-4% faster; x-packed keeps its 512 (faster there).
+# T = 32768: Llama-8B 5% faster, the fused QK-norm variants 4-8%; x-packed keeps its 512 (faster there).
 PACKED_NT, PACKED_MINB = 256, 4
 
 

@@ -574,11 +574,10 @@ __device__ __forceinline__ void load_weights(const void* w, int idx, float* out)
   }
 }
 
-// The chunk of channels c0.. of a row, normalised by `inv` and weighted (rounded to the input dtype).
-// A 16-bit weight of q's dtype on sm_90: the weight product r(w * y) of two 16-bit values is one
-// packed mul.rn (the same bits as the f32 product rounded once, checked for all 2^32 pairs: see
+// The chunk x normalised by `inv` and weighted by wc (weights of q's dtype, already loaded),
+// rounded to the input dtype. 16-bit on sm_90: the weight product r(w * y) of two 16-bit values is
+// one packed mul.rn (the same bits as the f32 product rounded once, checked for all 2^32 pairs: see
 // "native precision with packed multiplies"), and y = r(x * inv) two values per cvt.
-// norm_chunk_w: the weights already loaded (a Chunk of q's dtype).
 __device__ __forceinline__ Chunk norm_chunk_w(const Chunk& x, const Chunk& wc, float inv) {
 #ifdef RC_PACKED_NATIVE
   if constexpr (S_IN == 2 && W % 2 == 0) {
@@ -595,6 +594,7 @@ __device__ __forceinline__ Chunk norm_chunk_w(const Chunk& x, const Chunk& wc, f
   return chunk_from(n);
 }
 
+// The chunk of channels c0.. of a row, normalised by `inv` and weighted by w[c0..] (WDT: w's dtype).
 template <int WDT>
 __device__ __forceinline__ Chunk norm_chunk(const Chunk& x, const void* w, int c0, float inv) {
   if constexpr (WDT == DT) return norm_chunk_w(x, load_chunk(w, c0), inv);
@@ -676,13 +676,13 @@ __device__ __forceinline__ float norm_lanes(const Params& p, i64 t0, int u, cons
   return NEOX ? rc_add(v.s[0], v.s[NSUB - 1]) : v.s[0];
 }
 
-// Rotation unit u's chunks a (channels j*W..) and b (NeoX: HALF + j*W..) replaced by their
-// normalised values, if its tensor has a norm (WDT: that weight's dtype).
 // A rotation unit's weight chunks (EARLY_W: loaded with its q/k chunks).
 struct WeightChunks {
   Chunk a, b;
 };
 
+// Rotation unit u's chunks a (channels j*W..) and b (NeoX: HALF + j*W..) replaced by their
+// normalised values, if its tensor has a norm (WDT: that weight's dtype).
 template <int WDT>
 __device__ __forceinline__ void norm_rot(const Params& p, i64 t0, int u, const char* src, int j, const void* w,
                                          Chunk& a, Chunk& b, const WeightChunks& ew) {
