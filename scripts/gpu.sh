@@ -12,6 +12,9 @@
 #   decode_chain  benchmarks/diagnostics/decode_chain.py: a 32-call decode chain, kernel vs the same
 #             launcher with a one-store kernel vs XLA path vs jnp, our command buffers on/off (DC_ARGS),
 #             then T=64 again with XLA's command buffers off (decode_chain_xla_nograph/)
+#   decode_flags  decode_chain.py (stacked and loop forms, T=64, command buffers on) once per set of
+#             XLA command-buffer flags this jaxlib knows (scripts/xla_flag_sets.py; DF_SETS picks sets),
+#             and the demo under the sets named in DF_DEMO_SETS (default "default all")
 #   qk_norm   benchmarks/bench_qk_norm.py: fused Qwen3 QK-RMSNorm vs jnp RMSNorm + op (QN_ARGS)
 #   demo      the 32-layer decode demo, with and without command buffers
 #   stacked   benchmarks/diagnostics/stacked_layers.py
@@ -54,6 +57,18 @@ if has decode_chain; then
   TAIL=14 run decode_chain_xla_nograph 75 env XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=" \
       "$PY" -P "$ROOT/benchmarks/diagnostics/decode_chain.py" "$OUT/decode_chain_xla_nograph" --tokens 64 \
       --forms separate --what kernel,trivial,xla,jnp --no-trace --budget-s 35
+fi
+if has decode_flags; then
+  "$PY" -P "$ROOT/scripts/xla_flag_sets.py" ${DF_SETS:-} >"$OUT/decode_flags_sets.txt" 2>&1
+  while IFS='|' read -r name flags; do
+    [ -n "$name" ] || continue
+    TAIL=1 run "decode_flags_$name" 150 env XLA_FLAGS="$flags" "$PY" -P "$ROOT/benchmarks/diagnostics/decode_chain.py" \
+        "$OUT/decode_flags/$name" --tokens 64 --forms stacked,loop --what kernel,trivial,kernel_noinit,xla,jnp \
+        --noinit-forms stacked --our-command-buffers on --reps 9 --steps 10 --budget-s 100 ${DC_ARGS:-}
+    [[ " ${DF_DEMO_SETS-default all} " == *" $name "* ]] && TAIL=3 run "demo_flags_$name" 150 env XLA_FLAGS="$flags" "$PY" -P -m jax_rope_cache demo \
+        --tp 1 --check-layers 1 --steps 128 --repeats 2
+    true
+  done <"$OUT/decode_flags_sets.txt"
 fi
 has qk_norm && TAIL=20 run qk_norm 220 "$PY" -P "$ROOT/benchmarks/bench_qk_norm.py" "$OUT/qk_norm" ${QN_ARGS:-}
 if has demo; then

@@ -50,6 +50,7 @@ import numpy as np
 
 LOG = []
 CUSTOM_CALLS = ("kernel", "trivial", "kernel_noinit", "trivial_noinit")
+LOOP_STEPS = 8  # decode steps per execution in the "loop" form
 
 
 def log(*a):
@@ -212,17 +213,24 @@ def build_case(what, form, n, t, shape, nb, layers, seed=0):
             return qi, ki, kc, vc
         return jrc.rope_and_cache(qi, ki, vi, kc, vc, slots, pos, cos, sin, impl=impl, layer=layer)
 
-    if form == "stacked":
+    if form in ("stacked", "loop"):
         caches = jrc.make_kv_cache(nb, bs, kh, d, bf, num_layers=layers, fill="random", seed=seed)
 
-        def step(q, k, v, caches):
+        def layers_step(q, k, v, kc, vc, acc):
             def layer_fn(carry, xs):
                 kc, vc, acc = carry
                 qi, ki, vi, i = xs
                 qo, _, kc, vc = op(qi, ki, vi, kc, vc, layer=i)
                 return (kc, vc, acc + jnp.sum(qo, dtype=jnp.float32)), None
-            (kc, vc, acc), _ = jax.lax.scan(layer_fn, (caches[0], caches[1], jnp.float32(0)),
-                                            (q, k, v, jnp.arange(n)), unroll=True)
+            (kc, vc, acc), _ = jax.lax.scan(layer_fn, (kc, vc, acc), (q, k, v, jnp.arange(n)), unroll=True)
+            return kc, vc, acc
+
+        def step(q, k, v, caches):
+            if form == "stacked":
+                kc, vc, acc = layers_step(q, k, v, caches[0], caches[1], jnp.float32(0))
+            else:  # the demo's decode: LOOP_STEPS decode steps in one executable (a device-side loop)
+                kc, vc, acc = jax.lax.fori_loop(0, LOOP_STEPS, lambda _, c: layers_step(q, k, v, *c),
+                                                (caches[0], caches[1], jnp.float32(0)))
             return acc, (kc, vc)
     else:
         caches = [jrc.make_kv_cache(nb, bs, kh, d, bf, fill="random", seed=seed + i) for i in range(n)]
@@ -375,6 +383,7 @@ def trace_steps(r, steps, workdir):
         kinds["memcpy" if "memcpy" in lo else "memset" if "memset" in lo else "kernel"] += 1
         names[nm[:60]] += 1
     busy = sum(e[1] for e in dev) / steps / 1e3
+    res.update(timeline(dev, steps))
     span = (dev[-1][0] + dev[-1][1] - dev[0][0]) / steps / 1e3 if dev else 0.0
     gaps = [dev[i + 1][0] - dev[i][0] - dev[i][1] for i in range(len(dev) - 1)]
     keys = ("custom", "command", "commandbuffer", "record", "update", "thunk", "initialize", "execute", "launch",
@@ -389,6 +398,36 @@ def trace_steps(r, steps, workdir):
                host_events=[dict(name=a, per_step=round(b, 2), us_per_step=round(c, 2)) for a, b, c in host_rows])
     shutil.rmtree(d, ignore_errors=True)
     return res
+
+
+CLUSTER_GAP_NS = 20e3  # a GPU gap longer than this separates two executions (graph launches)
+
+
+def timeline(dev, steps):
+    """Executions seen on the GPU: events split where the GPU idles > CLUSTER_GAP_NS. Per execution
+    the span (first start to last end) and busy time; span - busy is idle INSIDE an execution (a
+    command buffer's own gaps), the rest of the step is host time between executions. Also the
+    profiler's duration of our kernel (device time per call) and of XLA's kernels."""
+    if not dev:
+        return {}
+    clusters, cur = [], [dev[0]]
+    for e in dev[1:]:
+        if e[0] - (cur[-1][0] + cur[-1][1]) > CLUSTER_GAP_NS:
+            clusters.append(cur)
+            cur = []
+        cur.append(e)
+    clusters.append(cur)
+    spans = [(c[-1][0] + c[-1][1] - c[0][0]) / 1e3 for c in clusters]
+    busys = [sum(e[1] for e in c) / 1e3 for c in clusters]
+    ours = [e[1] / 1e3 for e in dev if "rope_cache_kernel" in e[2] or "trivial" in e[2]]
+    theirs = [e[1] / 1e3 for e in dev if not ("rope_cache_kernel" in e[2] or "trivial" in e[2])]
+    inner = [dev[i + 1][0] - dev[i][0] - dev[i][1] for i in range(len(dev) - 1)
+             if dev[i + 1][0] - dev[i][0] - dev[i][1] <= CLUSTER_GAP_NS]
+    med = lambda x: float(np.median(x)) if x else None  # noqa: E731
+    return dict(executions=len(clusters), exec_span_us=med(spans), exec_busy_us=med(busys),
+                exec_idle_us=med([a - b for a, b in zip(spans, busys)]), our_kernel_us=med(ours),
+                our_kernels_per_step=len(ours) / steps, xla_kernel_us=med(theirs),
+                inner_gap_us=med([g / 1e3 for g in inner]))
 
 
 # ---- one case ---------------------------------------------------------------------------------------
@@ -448,7 +487,10 @@ def main(argv=None):
     ap.add_argument("--chain", type=int, default=None, help="calls per step (default 32; dry run 4)")
     ap.add_argument("--what", default="kernel,trivial,xla,jnp,kernel_noinit",
                     help="also: trivial_noinit (the _noinit ones run in the 'separate' form only)")
-    ap.add_argument("--forms", default="separate,stacked,return")
+    ap.add_argument("--forms", default="separate,stacked,return", help="also: loop (the demo's fori_loop of "
+                    f"{LOOP_STEPS} decode steps of stacked layers per execution)")
+    ap.add_argument("--our-command-buffers", default="on,off", help="JAX_ROPE_CACHE_COMMAND_BUFFERS settings run")
+    ap.add_argument("--noinit-forms", default="separate", help="forms the _noinit cases run in")
     ap.add_argument("--extra-forms-tokens", default="64",
                     help="T values at which the forms other than 'separate' run (default 64; 'all')")
     ap.add_argument("--trace-tokens", default="64", help="T values traced with the profiler (default 64; 'all')")
@@ -488,6 +530,7 @@ def main(argv=None):
                 num_blocks=cfg["nb"], reps=a.reps, steps=a.steps, dry_run=a.dry_run)
     log("decode_chain:", json.dumps(meta))
     whats = a.what.split(",")
+    our_cb = tuple({"on": True, "off": False}[x] for x in a.our_command_buffers.split(","))
     forms = a.forms.split(",")
     t_start = time.time()
     rows = []
@@ -496,9 +539,9 @@ def main(argv=None):
             for what in whats:
                 if (form != "separate" and t not in extra_t) or (what == "jnp" and form == "return"):
                     continue
-                if what.endswith("_noinit") and form != "separate":
+                if what.endswith("_noinit") and form not in a.noinit_forms.split(","):
                     continue
-                for cb in ((True, False) if what in CUSTOM_CALLS else (True,)):
+                for cb in (our_cb if what in CUSTOM_CALLS else (True,)):
                     for n in (1, a.chain):
                         if time.time() - t_start > a.budget_s:
                             log(f"budget: skipped {what} {form} n={n} T={t} cb={cb}")
@@ -519,7 +562,8 @@ def main(argv=None):
         row = dict(what=what, form=form, T=t, cmdbuf=cb, step_us=r.get("step_us"),
                    step1_us=r1.get("step_us") if r1 else None, launches=r.get("launches_per_step"))
         if row["step_us"] is not None and row["step1_us"] is not None:
-            row["marginal_us"] = (row["step_us"] - row["step1_us"]) / (a.chain - 1)
+            per_exec = LOOP_STEPS if form == "loop" else 1  # calls of one layer per execution
+            row["marginal_us"] = (row["step_us"] - row["step1_us"]) / (a.chain - 1) / per_exec
         h = r.get("hlo") or {}
         row["geom"] = " ".join(f"{g}x{b}" for g, b in r.get("grid_block") or ())
         row.update(cbufs=h.get("command_buffers"), entry_cc=h.get("entry_custom_calls"), copies=h.get("copies"))
@@ -528,7 +572,9 @@ def main(argv=None):
                    if h["name"].startswith("op:") and ("rope" in h["name"] or "custom" in h["name"])]
         row.update(gpu_ev=tr.get("gpu_events_per_step"), busy=tr.get("gpu_busy_us_per_step"),
                    cc_host_us=sum(cc_host) / n if cc_host else None,
-                   memops=sum(v for k, v in (tr.get("kinds_per_step") or {}).items() if k != "kernel"))
+                   memops=sum(v for k, v in (tr.get("kinds_per_step") or {}).items() if k != "kernel"),
+                   execs=tr.get("executions"), span=tr.get("exec_span_us"), idle=tr.get("exec_idle_us"),
+                   our_us=tr.get("our_kernel_us"), xla_us=tr.get("xla_kernel_us"))
         if r.get("error"):
             row["error"] = r["error"]
         elif "cuda_lowering_has_trivial" in r:
@@ -542,21 +588,27 @@ def main(argv=None):
     def f(x, w=8, p=1):
         return f"{x:{w}.{p}f}" if isinstance(x, (int, float)) and x is not None else f"{'-':>{w}}"
 
+    for r in rows:  # where the host time goes, for the traced cases
+        for h in ((r.get("trace") or {}).get("host_events") or [])[:8]:
+            log(f"host {r['what']} {r['form']} n={r['n']} T={r['T']} cb={r.get('cmdbuf')}: {h}")
     log("\nper step = median over reps of (S back-to-back steps)/S; marginal = (t(N) - t(1)) / (N - 1); "
         f"N = {a.chain}; launches = launcher executes per step (0: replayed graph); cbufs = command-buffer "
         "computations in the optimized HLO; entry cc = custom calls outside them; GPU ev / busy / mem ops per "
         "step from the profiler trace; cc host = host time per call in XLA's op events of the custom call; "
+        "span / idle = one execution's GPU span and its idle time inside (median; the rest of a step is host "
+        "time between executions); ours / xla us = profiler duration of our kernel / XLA's kernels (median); "
         "grid x block = the launch of the op's configuration (the trivial kernel uses the same); "
         "XLA_FLAGS=" + repr(meta["xla_flags"]))
     log(f"{'what':14s} {'form':9s} {'T':>4s} {'ourCB':>5s} {'step us':>8s} {'1-call':>8s} {'marg us':>8s} "
         f"{'launch':>6s} {'cbufs':>5s} {'entrycc':>7s} {'copies':>6s} {'GPU ev':>6s} {'busy us':>8s} {'memops':>6s} "
-        f"{'cc host':>7s} {'grid x block':>9s}")
+        f"{'cc host':>7s} {'span us':>8s} {'idle us':>8s} {'ours us':>7s} {'xla us':>7s} {'grid x block':>9s}")
     for row in table:
         cb = "-" if row["cmdbuf"] is None else ("on" if row["cmdbuf"] else "off")
         log(f"{row['what']:14s} {row['form']:9s} {row['T']:4d} {cb:>5s} {f(row['step_us'])} {f(row['step1_us'])} "
             f"{f(row.get('marginal_us'), 8, 2)} {f(row['launches'], 6)} {f(row['cbufs'], 5, 0)} "
             f"{f(row['entry_cc'], 7, 0)} {f(row['copies'], 6, 0)} {f(row['gpu_ev'], 6)} {f(row['busy'])} "
-            f"{f(row['memops'], 6)} {f(row.get('cc_host_us'), 7, 2)} {row['geom']:>9s}"
+            f"{f(row['memops'], 6)} {f(row.get('cc_host_us'), 7, 2)} {f(row.get('span'))} {f(row.get('idle'))} "
+            f"{f(row.get('our_us'), 7, 2)} {f(row.get('xla_us'), 7, 2)} {row['geom']:>9s}"
             + (f"  {row['error'][:90]}" if row.get("error") else ""))
     with open(os.path.join(a.out_dir, "decode_chain.log"), "w") as fh:
         fh.write("\n".join(LOG) + "\n")
