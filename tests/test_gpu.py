@@ -193,9 +193,7 @@ _MODULES_SCRIPT = textwrap.dedent("""
 
 def test_modules_load_once_per_code_object_and_device(platform):
     """In a fresh process, per device (up to two): 64 call sites of two configurations (two code
-    objects) executed four times, then one eager call: exactly 2 modules per device, results exact.
-    The first launch of each code object runs while XLA records the command buffer (no initialize
-    stage loads it before): the launcher loads the module there, in relaxed capture mode."""
+    objects) executed four times, then one eager call: exactly 2 modules per device, results exact."""
     r = subprocess.run([sys.executable, "-P", "-c", _MODULES_SCRIPT, platform], capture_output=True, text=True,
                        timeout=300, cwd="/")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -299,10 +297,9 @@ def _launch_raw(table: bytes, code_hash: int, platform: str, declared=(4,)):
     jax.block_until_ready(fn(x))
 
 
-def test_execute_checks_every_buffer_against_the_signature(platform):
-    """Issue 16 item 4: buffers other than the signature's are rejected by the execute stage (the
-    production bundle has no initialize stage since issue 14), naming the buffer, before any module
-    is loaded (the table here would not even load)."""
+def test_initialize_checks_every_buffer_against_the_signature(platform):
+    """Issue 16 item 4: buffers other than the signature's are rejected at the initialize stage,
+    naming the buffer, before any module is loaded (the table here would not even load)."""
     table = launcher.pack_code_table([(launcher.KIND_CUBIN, "sm_10", b"\x7fELF-not-a-real-cubin")])
     with pytest.raises(Exception, match=r"gpu launcher: x: expected element type 11 dims \[8\]"):
         _launch_raw(table, 777, platform, declared=(8,))

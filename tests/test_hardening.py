@@ -561,7 +561,7 @@ def _signature_of(ops):
 
 
 def test_raw_ffi_gpu_launcher_buffer_check_accepts_its_own_signature():
-    """Item 4 (raw_ffi): the GPU launcher's buffer check of its execute stage (the same C++ function, on real
+    """Item 4 (raw_ffi): the GPU launcher's initialize-stage check (the same C++ function, on real
     FFI buffers, run on CPU) accepts what the lowering declares, for every layout and dtype."""
     for kw in VALID_RAW:
         ops, _ = _raw_problem(**kw)

@@ -9,9 +9,9 @@ flash caches), N = 32 and N = 1, for:
   trivial  the SAME custom call (same primitive, operands, aliasing, signature, launch geometry)
            with the code table swapped for a one-store NVRTC kernel: the launcher + XLA cost alone
   xla      rope_and_cache(impl="xla")
-  kernel_init  the op's kernel through the launcher's target PLUS the initialize stage it had
-           before issue 14 (XLA calls initialize for every custom call on every execution): what
-           that stage costs (also trivial_init, on request)
+  kernel_noinit  the op's kernel through the launcher's target minus its initialize stage (XLA
+           calls initialize for every custom call on every execution): what that stage costs
+           (also trivial_noinit, on request)
   jnp      a trivial jnp chain: one row of k and of v written with in-place dynamic_update_slice
            per call (XLA's own kernels in the same chain; q is summed as in the other forms)
 Forms: "separate" (one cache pair per layer, q_out summed as attention would consume it),
@@ -49,7 +49,7 @@ import time
 import numpy as np
 
 LOG = []
-CUSTOM_CALLS = ("kernel", "trivial", "kernel_init", "trivial_init")
+CUSTOM_CALLS = ("kernel", "trivial", "kernel_noinit", "trivial_noinit")
 LOOP_STEPS = 8  # decode steps per execution in the "loop" form
 
 
@@ -85,26 +85,28 @@ def trivial_table(cc, n_in, n_out):
                                      (launcher.KIND_PTX, f"compute_{arch}", ptx.code)])
 
 
-INIT_TARGET = "jax_rope_cache_diag_init"
+NOINIT_TARGET = "jax_rope_cache_diag_noinit"
 
 
-def init_target(cb: bool) -> str:
-    """The launcher's stages plus initialize (the bundle before issue 14), registered under a
-    diagnostic name: XLA then calls into the launcher on every execution (buffer check, module
-    lookup) before replaying the graph."""
+def noinit_target(cb: bool) -> str:
+    """The launcher's stages minus initialize, registered under a diagnostic name: XLA then never
+    calls into the launcher per execution (the buffer check and module load of initialize are
+    skipped; execute finds the module an earlier case of the same code loaded)."""
     from jax_rope_cache.backends import launcher, native
 
-    name = INIT_TARGET + ("" if cb else "_nograph")
+    name = NOINIT_TARGET + ("" if cb else "_nograph")
     mod = launcher.launcher_module()
-    native.register_target(name, lambda: mod.gpu_handler("CUDA", cb, initialize=True), "CUDA", command_buffers=cb)
+    native.register_target(
+        name, lambda: {k: v for k, v in mod.gpu_handler("CUDA", cb).items() if k != "initialize"}, "CUDA",
+        command_buffers=cb)
     return name
 
 
 @contextlib.contextmanager
-def swapped_lowering(code: str, init: bool):
+def swapped_lowering(code: str, noinit: bool):
     """backends.cuda.lower replaced for the diagnostic: code "trivial" embeds the one-store kernel
     with the op's launch geometry (kernel_config of the same spec), "kernel" the op's own code
-    table; init lowers to the target with the initialize stage. The attributes, aliasing and
+    table; noinit lowers to the target without the initialize stage. The attributes, aliasing and
     signature are launcher.lower_launch's."""
     import jax
     import numpy as np_
@@ -121,11 +123,11 @@ def swapped_lowering(code: str, init: bool):
             table, name = trivial_table(cc, len(ctx.avals_in), len(ctx.avals_out)), TRIVIAL_NAME
         else:
             table, name = cuda.build_code_table(cfg, cc), cuda.KERNEL_NAME
-        if not init:
+        if not noinit:
             return launcher.lower_launch(ctx, args, table=table, kernel=name, grid_div=cfg.tokens_per_block,
                                          block=cfg.threads)
         launcher.register_gpu_targets(launcher.launcher_module())
-        rule = jax.ffi.ffi_lowering(init_target(launcher.command_buffers_enabled()),
+        rule = jax.ffi.ffi_lowering(noinit_target(launcher.command_buffers_enabled()),
                                     operand_output_aliases=contract.CACHE_ALIASES)
         return rule(ctx, *args, code=table, code_hash=np_.int64(launcher.code_hash(table)), kernel=name,
                     grid_div=np_.int64(cfg.tokens_per_block), block=np_.int64(cfg.threads), smem=np_.int64(0),
@@ -438,7 +440,7 @@ def run_case(what, form, n, t, cb, a, cfg, workdir, on_gpu):
         ctx.enter_context(command_buffers(cb))
     if what != "kernel" and custom:
         ctx.enter_context(swapped_lowering("trivial" if what.startswith("trivial") else "kernel",
-                                           what.endswith("_init")))
+                                           what.endswith("_noinit")))
     if custom:
         ctx.enter_context(record_geometry())
         GEOMETRY.clear()
@@ -483,13 +485,12 @@ def main(argv=None):
     ap.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU backend")
     ap.add_argument("--tokens", default=None, help="T values (default 1,64,256; dry run 1,8)")
     ap.add_argument("--chain", type=int, default=None, help="calls per step (default 32; dry run 4)")
-    ap.add_argument("--what", default="kernel,trivial,xla,jnp,kernel_init",
-                    help="also: trivial_init (the _init ones run in --init-forms only); a name may repeat "
-                         "(interleaved A/B: every run is a row of the log and the json's cases)")
+    ap.add_argument("--what", default="kernel,trivial,xla,jnp,kernel_noinit",
+                    help="also: trivial_noinit (the _noinit ones run in the 'separate' form only)")
     ap.add_argument("--forms", default="separate,stacked,return", help="also: loop (the demo's fori_loop of "
                     f"{LOOP_STEPS} decode steps of stacked layers per execution)")
     ap.add_argument("--our-command-buffers", default="on,off", help="JAX_ROPE_CACHE_COMMAND_BUFFERS settings run")
-    ap.add_argument("--init-forms", default="separate", help="forms the _init cases run in")
+    ap.add_argument("--noinit-forms", default="separate", help="forms the _noinit cases run in")
     ap.add_argument("--extra-forms-tokens", default="64",
                     help="T values at which the forms other than 'separate' run (default 64; 'all')")
     ap.add_argument("--trace-tokens", default="64", help="T values traced with the profiler (default 64; 'all')")
@@ -538,7 +539,7 @@ def main(argv=None):
             for what in whats:
                 if (form != "separate" and t not in extra_t) or (what == "jnp" and form == "return"):
                     continue
-                if what.endswith("_init") and form not in a.init_forms.split(","):
+                if what.endswith("_noinit") and form not in a.noinit_forms.split(","):
                     continue
                 for cb in (our_cb if what in CUSTOM_CALLS else (True,)):
                     for n in (1, a.chain):

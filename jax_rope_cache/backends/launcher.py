@@ -89,8 +89,7 @@ GPU_PLATFORMS = ("CUDA", "ROCM")  # XLA's platform names; the handlers of each b
 
 
 def handler_capsules(module, platform: str, command_buffers: bool):
-    """The stage capsules of the launcher for `platform` ("CUDA": libcuda, "ROCM": libamdhip64):
-    instantiate and execute (no initialize stage: XLA would call it on every execution)."""
+    """The stage capsules of the launcher for `platform` ("CUDA": libcuda, "ROCM": libamdhip64)."""
     return module.gpu_handler(platform, command_buffers)
 
 
@@ -115,7 +114,7 @@ XLA_TYPES = {
 
 def buffer_signature(avals_in, avals_out) -> np.ndarray:
     """The launcher's `signature` attribute: {n_args, n_rets, then per buffer: xla type, rank,
-    dims...}. The execute stage checks every buffer XLA hands the call against it."""
+    dims...}. The initialize stage checks every buffer XLA hands the call against it."""
     words = [len(avals_in), len(avals_out)]
     for a in list(avals_in) + list(avals_out):
         words += [XLA_TYPES[np.dtype(a.dtype)], len(a.shape), *a.shape]

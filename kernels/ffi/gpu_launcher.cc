@@ -39,16 +39,13 @@
 // (HIP_LAUNCH_PARAM_BUFFER_POINTER), so a kernel may declare the words as one struct or as
 // separate 8-byte arguments.
 //
-// Stages: instantiate parses and checks the table and the signature; execute checks every
+// Stages: instantiate parses and checks the table and the signature; initialize checks every
 // buffer's dtype and dims against the signature (a direct ffi_call with other buffers gets an error
-// naming the buffer, never a kernel reading past one), looks the function up lock-free (atomic
-// open-addressing table; the first launch on a device loads the module into that process-wide
-// cache keyed by (code_hash, device ordinal)), packs the parameter struct on the stack and
-// launches on XLA's stream. No allocation, no host sync, no lock on the warm path. The production
-// bundle has no initialize stage: XLA would call it for every custom call on every execution
-// (measured: ~3 us of host time per call per execution of a replayed graph, BUILD_NOTES "Item 1");
-// Initialize stays exported for that A/B (module.cc: gpu_handler(..., initialize=True)).
-// kGpuRopeCacheExecute{Cuda,Hip} are registered command-buffer compatible (XLA may
+// naming the buffer, never a kernel reading past one) and (has the stream) loads the module
+// for this device into a process-wide cache keyed by (code_hash, device ordinal) and resolves the
+// function; execute looks the function up lock-free (atomic open-addressing table), packs the
+// parameter struct on the stack and launches on XLA's stream. No allocation, no host sync, no lock
+// on that path. kGpuRopeCacheExecute{Cuda,Hip} are registered command-buffer compatible (XLA may
 // capture them into a CUDA/HIP graph and replay the launch without calling the handler: every
 // index the kernel uses is read from device buffers); kGpuRopeCacheExecuteNoGraph{Cuda,Hip} are
 // the same without that trait, selected by jax_rope_cache when JAX_ROPE_CACHE_COMMAND_BUFFERS=0.
@@ -92,7 +89,6 @@ struct Driver {
   Result (*cuLaunchKernel)(Handle, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, Handle,
                            void**, void**) = nullptr;
   Result (*cuGetErrorString)(Result, const char**) = nullptr;
-  Result (*cuThreadExchangeStreamCaptureMode)(int*) = nullptr;  // optional
   // HIP
   Result (*hipInit)(unsigned) = nullptr;
   Result (*hipGetDevice)(int*) = nullptr;
@@ -103,7 +99,6 @@ struct Driver {
                                   Handle, void**, void**) = nullptr;
   const char* (*hipGetErrorString)(Result) = nullptr;
   Result (*hipGetDevicePropertiesR0600)(void*, int) = nullptr;  // optional (ROCm >= 6)
-  Result (*hipThreadExchangeStreamCaptureMode)(int*) = nullptr;  // optional
 
   std::string ErrorString(Result r) const {
     const char* s = nullptr;
@@ -131,8 +126,7 @@ bool BindCuda(Driver& d, void* lib) {
          Sym(lib, "cuCtxPushCurrent_v2", &d.cuCtxPushCurrent) && Sym(lib, "cuCtxPopCurrent_v2", &d.cuCtxPopCurrent) &&
          Sym(lib, "cuCtxGetCurrent", &d.cuCtxGetCurrent) && Sym(lib, "cuModuleLoadData", &d.cuModuleLoadData) &&
          Sym(lib, "cuModuleGetFunction", &d.cuModuleGetFunction) && Sym(lib, "cuLaunchKernel", &d.cuLaunchKernel) &&
-         Sym(lib, "cuGetErrorString", &d.cuGetErrorString) &&
-         (Sym(lib, "cuThreadExchangeStreamCaptureMode", &d.cuThreadExchangeStreamCaptureMode), true);
+         Sym(lib, "cuGetErrorString", &d.cuGetErrorString);
 }
 
 bool BindHip(Driver& d, void* lib) {
@@ -143,8 +137,7 @@ bool BindHip(Driver& d, void* lib) {
          Sym(lib, "hipModuleGetFunction", &d.hipModuleGetFunction) &&
          Sym(lib, "hipModuleLaunchKernel", &d.hipModuleLaunchKernel) &&
          Sym(lib, "hipGetErrorString", &d.hipGetErrorString) &&
-         (Sym(lib, "hipGetDevicePropertiesR0600", &d.hipGetDevicePropertiesR0600), true) &&
-         (Sym(lib, "hipThreadExchangeStreamCaptureMode", &d.hipThreadExchangeStreamCaptureMode), true);
+         (Sym(lib, "hipGetDevicePropertiesR0600", &d.hipGetDevicePropertiesR0600), true);
 }
 
 // The vendor a handler was registered for ("CUDA" -> kCuda, "ROCM" -> kHip).
@@ -473,24 +466,6 @@ ffi::Error LoadFunction(const Driver& d, const Table& t, std::string_view kernel
                                      TableArchs(t));
 }
 
-// The first execute of a call site may run while XLA captures its stream into a command buffer: the
-// module load is not stream work, so this thread's capture mode is relaxed around it (the "global"
-// and "thread-local" modes refuse calls that may synchronize). Both runtimes: relaxed = 2.
-class RelaxedCapture {
- public:
-  explicit RelaxedCapture(const Driver& d)
-      : exchange_(d.hip ? d.hipThreadExchangeStreamCaptureMode : d.cuThreadExchangeStreamCaptureMode) {
-    if (exchange_ && exchange_(&mode_) != 0) exchange_ = nullptr;
-  }
-  ~RelaxedCapture() {
-    if (exchange_) exchange_(&mode_);
-  }
-
- private:
-  Result (*exchange_)(int*);
-  int mode_ = 2;
-};
-
 ffi::Error EnsureLoaded(Vendor vendor, std::string_view code, int64_t code_hash, std::string_view kernel,
                         int device) {
   const Driver& d = GetDriver(vendor);
@@ -503,10 +478,7 @@ ffi::Error EnsureLoaded(Vendor vendor, std::string_view code, int64_t code_hash,
   std::lock_guard<std::mutex> lock(g_insert_mutex);
   if (Lookup(key)) return ffi::Error::Success();
   Handle fn = nullptr, ctx = nullptr;
-  {
-    RelaxedCapture relaxed(d);
-    if (auto e = LoadFunction(d, t, kernel, device, &fn, &ctx); e.failure()) return e;
-  }
+  if (auto e = LoadFunction(d, t, kernel, device, &fn, &ctx); e.failure()) return e;
   for (uint64_t i = 0; i < kSlots; ++i) {
     Slot& s = g_slots[(key + i) & (kSlots - 1)];
     if (s.key.load(std::memory_order_relaxed) == 0) {
@@ -557,11 +529,9 @@ ffi::Error Execute(Vendor vendor, void* stream, int32_t device, ffi::RemainingAr
                    std::string_view code, int64_t code_hash, std::string_view kernel, int64_t grid_div,
                    int64_t block, int64_t smem, ffi::Span<const int64_t> signature, std::string_view buffer_names) {
   const Driver& d = GetDriver(vendor);
-  // Every launch is checked (with command buffers on, execute runs when XLA records the call, and
-  // a replay reuses the recorded buffers, whose shapes the executable fixes).
-  if (auto e = CheckBuffers(signature, buffer_names, args, rets); e.failure()) return e;
   const Slot* slot = Lookup(CacheKey(code_hash, device, vendor));
-  if (XLA_FFI_PREDICT_FALSE(slot == nullptr)) {  // first launch of this code on this device
+  if (XLA_FFI_PREDICT_FALSE(slot == nullptr)) {  // initialize did not run for this device
+    if (auto e = CheckBuffers(signature, buffer_names, args, rets); e.failure()) return e;
     if (auto e = EnsureLoaded(vendor, code, code_hash, kernel, device); e.failure()) return e;
     slot = Lookup(CacheKey(code_hash, device, vendor));
     if (!slot) return ffi::Error::Internal("gpu launcher: module cache lookup failed");

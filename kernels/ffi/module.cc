@@ -61,15 +61,14 @@ NB_MODULE(_native, m) {
   // platform they are registered for ("CUDA" binds libcuda, "ROCM" binds libamdhip64).
   m.def(
       "gpu_handler",
-      [](const std::string& platform, bool command_buffers, bool initialize) {
+      [](const std::string& platform, bool command_buffers) {
         const bool hip = platform == "ROCM" || platform == "rocm";
         if (!hip && platform != "CUDA" && platform != "cuda")
           throw nb::value_error("gpu_handler: platform must be 'CUDA' or 'ROCM'");
         nb::dict d;
         d["instantiate"] = HandlerCapsule(jax_rope_cache::kGpuRopeCacheInstantiate);
-        if (initialize)  // the pre-issue-14 bundle, for A/B only: XLA calls it on every execution
-          d["initialize"] = hip ? HandlerCapsule(jax_rope_cache::kGpuRopeCacheInitializeHip)
-                                : HandlerCapsule(jax_rope_cache::kGpuRopeCacheInitializeCuda);
+        d["initialize"] = hip ? HandlerCapsule(jax_rope_cache::kGpuRopeCacheInitializeHip)
+                              : HandlerCapsule(jax_rope_cache::kGpuRopeCacheInitializeCuda);
         if (hip)
           d["execute"] = command_buffers ? HandlerCapsule(jax_rope_cache::kGpuRopeCacheExecuteHip)
                                          : HandlerCapsule(jax_rope_cache::kGpuRopeCacheExecuteNoGraphHip);
@@ -78,7 +77,7 @@ NB_MODULE(_native, m) {
                                          : HandlerCapsule(jax_rope_cache::kGpuRopeCacheExecuteNoGraphCuda);
         return d;
       },
-      nb::arg("platform"), nb::arg("command_buffers") = true, nb::arg("initialize") = false);
+      nb::arg("platform"), nb::arg("command_buffers") = true);
   m.def("gpu_check_buffers_handler", [] { return HandlerCapsule(jax_rope_cache::kGpuCheckBuffers); });
   m.def("gpu_launch_count", [] { return jax_rope_cache::GpuLaunchCount(); });
   m.def("gpu_module_count", [] { return jax_rope_cache::GpuModuleCount(); });

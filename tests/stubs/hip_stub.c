@@ -5,7 +5,7 @@
  *
  * It implements exactly the entry points the launcher binds (hipInit, hipGetDevice, hipSetDevice,
  * hipGetDevicePropertiesR0600, hipModuleLoadData, hipModuleGetFunction, hipModuleLaunchKernel,
- * hipGetErrorString, hipThreadExchangeStreamCaptureMode) and appends one JSON line per call to $HIP_STUB_LOG, with what a test needs
+ * hipGetErrorString) and appends one JSON line per call to $HIP_STUB_LOG, with what a test needs
  * to check: the code object loaded (size, FNV-1a 64 hash, ELF e_flags), the symbol asked for, and
  * for each launch the grid, block, dynamic shared memory, stream, the current device and the
  * bytes of the `extra` kernarg buffer (HIP_LAUNCH_PARAM_BUFFER_POINTER / _SIZE / _END).
@@ -217,16 +217,4 @@ const char* hipGetErrorString(hipError_t e) {
     case kNotSupported: return "hipErrorNotSupported";
     default: return "hipErrorUnknown (stub)";
   }
-}
-
-/* The calling thread's stream-capture mode (0 global, 1 thread-local, 2 relaxed): the launcher
- * relaxes it around a module load; each exchange is logged with the mode set. */
-static int g_capture_mode = 0;
-hipError_t hipThreadExchangeStreamCaptureMode(int* mode) {
-  if (!mode) return kInvalidValue;
-  int prev = g_capture_mode;
-  g_capture_mode = *mode;
-  *mode = prev;
-  log_line("{\"call\": \"hipThreadExchangeStreamCaptureMode\", \"set\": %d}", g_capture_mode);
-  return kSuccess;
 }
