@@ -59,14 +59,14 @@ if has decode_chain; then
       --forms separate --what kernel,trivial,xla,jnp --no-trace --budget-s 35
 fi
 if has decode_flags; then
-  "$PY" -P "$ROOT/scripts/xla_flag_sets.py" ${DF_SETS:-} >"$OUT/decode_flags_sets.txt" 2>&1
+  "$PY" -P "$ROOT/scripts/xla_flag_sets.py" ${DF_SETS:-} >"$OUT/decode_flags_sets.txt" 2>"$OUT/decode_flags_rejected.txt"
   while IFS='|' read -r name flags; do
     [ -n "$name" ] || continue
     TAIL=1 run "decode_flags_$name" 150 env XLA_FLAGS="$flags" "$PY" -P "$ROOT/benchmarks/diagnostics/decode_chain.py" \
         "$OUT/decode_flags/$name" --tokens 64 --forms stacked,loop --what kernel,trivial,kernel_noinit,xla,jnp \
         --noinit-forms stacked --our-command-buffers on --reps 9 --steps 10 --budget-s 100 ${DC_ARGS:-}
     [[ " ${DF_DEMO_SETS-default all} " == *" $name "* ]] && TAIL=3 run "demo_flags_$name" 150 env XLA_FLAGS="$flags" "$PY" -P -m jax_rope_cache demo \
-        --tp 1 --check-layers 1 --steps 128 --repeats 2
+        --tp 1 --check-layers 1 --steps 128
     true
   done <"$OUT/decode_flags_sets.txt"
 fi

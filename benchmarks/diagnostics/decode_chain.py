@@ -486,7 +486,8 @@ def main(argv=None):
     ap.add_argument("--tokens", default=None, help="T values (default 1,64,256; dry run 1,8)")
     ap.add_argument("--chain", type=int, default=None, help="calls per step (default 32; dry run 4)")
     ap.add_argument("--what", default="kernel,trivial,xla,jnp,kernel_noinit",
-                    help="also: trivial_noinit (the _noinit ones run in the 'separate' form only)")
+                    help="also: trivial_noinit (the _noinit ones run in --noinit-forms only); a name may repeat "
+                         "(interleaved A/B: every run is a row of the log and of the json's cases)")
     ap.add_argument("--forms", default="separate,stacked,return", help="also: loop (the demo's fori_loop of "
                     f"{LOOP_STEPS} decode steps of stacked layers per execution)")
     ap.add_argument("--our-command-buffers", default="on,off", help="JAX_ROPE_CACHE_COMMAND_BUFFERS settings run")
