@@ -133,12 +133,24 @@ def old_kernel_config(spec, num_sms=132):
 
 
 def new_kernel_config(spec, override=None):
+    """The lowering's configuration with `override`'s defines changed (KEY=V, KEY*V, KEY+V); a KEY
+    without the RC_ prefix is a constant of backends/cuda.py set while kernel_config chooses (e.g.
+    V_CHANNELS=4: the thread count follows the variant's unit count)."""
     from jax_rope_cache.backends import cuda
 
-    cfg, _ = cuda.fit_registers(cuda.kernel_config(spec, 132), "sm_90")  # the lowering's build
+    consts = {k: v for k, op, v in override or () if not k.startswith("RC_")}
+    saved = {k: getattr(cuda, k) for k in consts}
+    try:
+        for k, v in consts.items():
+            setattr(cuda, k, v)
+        cfg, _ = cuda.fit_registers(cuda.kernel_config(spec, 132), "sm_90")  # the lowering's build
+    finally:
+        for k, v in saved.items():
+            setattr(cuda, k, v)
     d = dict(cfg.defines)
-    for key, op, val in override or ():  # KEY=V, KEY*V, KEY+V
-        d[key] = val if op == "=" else (d[key] * val if op == "*" else d[key] + val)
+    for key, op, val in override or ():
+        if key.startswith("RC_"):
+            d[key] = val if op == "=" else (d[key] * val if op == "*" else d[key] + val)
     return d, d["RC_TPB"], d["RC_NT"]
 
 
@@ -176,8 +188,10 @@ def main():
     ap.add_argument("--configs", default="oss-8,l70b8,l8b-1,oss-1")
     ap.add_argument("--tokens", default="8192,32768")
     ap.add_argument("--decode-tokens", default="1,16,64,128")
+    ap.add_argument("--decode-layouts", default="flash", help="layouts of the decode cases (flash,xpacked)")
     ap.add_argument("--alt", default="", help="other kernel sources run with the new configuration: name=path,...")
-    ap.add_argument("--variants", default="", help="extra new-kernel variants: name:KEY=V/KEY*V/KEY+V;...")
+    ap.add_argument("--variants", default="", help="extra new-kernel variants: name:KEY=V/KEY*V/KEY+V;... (KEY: "
+                    "an RC_ define, or a backends/cuda.py constant such as V_CHANNELS)")
     ap.add_argument("--norm", action="store_true", help="also the fused QK-RMSNorm kernel (issue 18)")
     ap.add_argument("--norm-configs", default="q32-8,q235-4", help="the configs --norm applies to")
     ap.add_argument("--precs", default="fp32,native")
@@ -289,7 +303,7 @@ def main():
         cos_t, sin_t = to_t(cos_np), to_t(sin_np)
         cases = [(T, lay, pat) for T in big_tokens for lay in ("flash", "xpacked") for pat in ("random", "prefill")]
         if cname in ("oss-8", "l8b-1", "q32-8", "q235-4"):
-            cases = [(T, "flash", "random") for T in dec_tokens] + cases
+            cases = [(T, lay, "random") for T in dec_tokens for lay in args.decode_layouts.split(",")] + cases
         caches = {}
         for T, lay, pat in cases:
             if time.time() - t_start > args.budget_s:
