@@ -80,11 +80,11 @@ def _id(kw):
     return "-".join(f"{k}{v.name if isinstance(v, np.dtype) else v}" for k, v in kw.items())
 
 
-def spill_failures(specs, ids, arch):
-    """Every spec compiled by NVRTC for arch: a cubin with the kernel, and ptxas' report of no spill
-    stores, spill loads or stack frame. Returns the failures."""
+def spill_failures(specs, ids, arch, cfgs=None):
+    """Every spec compiled by NVRTC for arch (its kernel_config, or cfgs): a cubin with the kernel,
+    and ptxas' report of no spill stores, spill loads or stack frame. Returns the failures."""
     failures = []
-    cfgs = [cuda.kernel_config(spec) for spec in specs]
+    cfgs = cfgs or [cuda.kernel_config(spec) for spec in specs]
     # separate NVRTC programs compile concurrently (ctypes drops the GIL); the disk cache makes reruns fast;
     # the build the lowering makes: a tight register budget that spills is rebuilt with its fallback
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
@@ -203,23 +203,50 @@ class _Params(ctypes.Structure):
     _fields_ = [("ptr", ctypes.c_void_p * 18), ("dim0", ctypes.c_int64 * 14)]
 
 
-def _build_emulation(cfg, tmp_dir):
+def _build_emulation(cfg, tmp_dir, source=None):
+    """The kernel built for the host with cfg's defines; `source`: another text of rope_cache.cu
+    (the tests that check a wrong kernel would be caught)."""
     cxx = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
     if cxx is None:
         pytest.skip("no C++ compiler for the host emulation")
     kd = _kernel_dir()
     defs = cuda.define_flags((k, 1 if k == "RC_NT" else v) for k, v in cfg.defines)
-    tag = hashlib.sha256(" ".join(defs).encode()).hexdigest()[:16]
+    src = os.path.join(kd, "cuda", "rope_cache.cu")
+    tag = hashlib.sha256((" ".join(defs) + (source or "")).encode()).hexdigest()[:16]
+    if source is not None:
+        src = os.path.join(tmp_dir, f"rope_cache_{tag}.cu")
+        with open(src, "w") as f:
+            f.write(source)
     so = os.path.join(tmp_dir, f"emu_{tag}.so")
     if not os.path.exists(so):
         cmd = [cxx, "-std=c++17", "-O1", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC", "-DRC_EMULATE",
-               *defs, "-I", os.path.join(kd, "cuda"), "-I", os.path.join(kd, "common"), "-x", "c++",
-               os.path.join(kd, "cuda", "rope_cache.cu"), "-o", so]
+               *defs, "-I", os.path.join(kd, "cuda"), "-I", os.path.join(kd, "common"), "-x", "c++", src, "-o", so]
         subprocess.run(cmd, check=True, capture_output=True, text=True)
     lib = ctypes.CDLL(so)
     lib.rc_emulate.argtypes = [ctypes.POINTER(_Params), ctypes.c_longlong]
-    lib.rc_emulate.restype = ctypes.c_int  # failed checks of the emulated shuffles (rope_cache.cu)
+    lib.rc_emulate.restype = ctypes.c_int  # failed checks: emulated shuffles, misaligned 16-byte V stores
+    lib.rc_units.restype = ctypes.c_int
+    lib.rc_pieces.restype = ctypes.c_longlong  # x-packed V: 16-byte pieces of slot runs stored
     return lib
+
+
+def _run_pieces(cfg, spec, slots, layer):
+    """The 16-byte run pieces the x-packed V writer stores: every whole group of X tokens (tokens per
+    block a multiple of X, BS too) whose slots are s0, s0 + 1, ... with s0 % X == 0, all in the
+    layer's range, gives one piece per (kv head, channel)."""
+    x, tpb = spec.x, dict(cfg.defines)["RC_TPB"]
+    if spec.layout == "flash" or tpb % x or spec.block_size % x:
+        return 0
+    n = 0 if spec.num_layers is not None and not 0 <= layer < spec.num_layers else spec.num_slots
+    s = np.asarray(slots[:len(slots) // x * x], np.int64).reshape(-1, x)
+    run = (s[:, 0] >= 0) & (s[:, -1] < n) & (s[:, 0] % x == 0) & (np.diff(s, axis=1) == 1).all(axis=1)
+    return int(run.sum()) * spec.kv_heads * spec.head_dim
+
+
+def _units(cfg, spec):
+    """The units of one block of cfg as backends/cuda counts them (its thread count's basis)."""
+    d = dict(cfg.defines)
+    return cuda._block_units(spec, d["RC_WCH"], d.get("RC_VCH", 1))[0](d["RC_TPB"])
 
 
 def _random(rng, shape, dtype, scale=1.0):
@@ -245,20 +272,37 @@ def make_inputs(spec, rng):
     return (q, k, v, kc, vc, slots.astype(spec.slot_dtype), pos.astype(spec.pos_dtype), cos, sin)
 
 
+_GUARD = 4096  # bytes either side of every output in the emulation, checked untouched
+
+
+def _guarded(a):
+    """(a copy of a, 16-byte aligned like a device buffer, with guard bytes either side; the guarded bytes)."""
+    raw = np.full(a.nbytes + 2 * _GUARD + 16, 0xA5, np.uint8)
+    start = _GUARD + (-raw.ctypes.data - _GUARD) % 16
+    out = raw[start:start + a.nbytes].view(a.dtype).reshape(a.shape)
+    out[...] = a
+    return out, raw[start - _GUARD:start + a.nbytes + _GUARD]
+
+
 def run_emulation(spec, args, k_scale, v_scale, tmp_dir, layer=0, num_sms=cuda.DEFAULT_SMS, defines=None,
-                  q_norm_weight=None, k_norm_weight=None):
+                  q_norm_weight=None, k_norm_weight=None, source=None):
     cfg = cuda.kernel_config(spec, num_sms)
-    if defines:  # another variant of the same kernel (tokens per block, unroll, ...)
+    if defines:  # another variant of the same kernel (tokens per block, V channels, ...): threads for its units
         d = dict(cfg.defines, **defines)
-        cfg = cuda.KernelConfig(defines=tuple(d.items()), tokens_per_block=d["RC_TPB"], threads=d["RC_NT"])
-    lib = _build_emulation(cfg, tmp_dir)
+        cfg = cuda.KernelConfig(defines=tuple(d.items()), tokens_per_block=d["RC_TPB"], threads=0)
+        nt = min(cuda.MAX_THREADS, max(32, -(-_units(cfg, spec) // 32) * 32))
+        d["RC_NT"] = nt
+        cfg = dataclasses.replace(cfg, defines=tuple(d.items()), threads=nt)
+    lib = _build_emulation(cfg, tmp_dir, source)
+    # The kernel's unit count is the one its threads are sized by (here one host thread runs them all).
+    assert lib.rc_units() == _units(cfg, spec), (lib.rc_units(), _units(cfg, spec), cfg)
     q, k, v, kc, vc, slots, pos, cos, sin = (np.ascontiguousarray(a) for a in args)
     ks = np.ascontiguousarray(k_scale if k_scale is not None else 1.0, np.float32)
     vs = np.ascontiguousarray(v_scale if v_scale is not None else 1.0, np.float32)
     absent = np.full(1, np.nan, np.float32)  # an absent weight's placeholder (never read)
     wq, wk = (absent if w is None else np.ascontiguousarray(w) for w in (q_norm_weight, k_norm_weight))
-    q_out, k_out = np.full_like(q, 7), np.full_like(k, 7)
-    kc_out, vc_out = kc.copy(), vc.copy()
+    outs = (np.full_like(q, 7), np.full_like(k, 7), kc, vc)
+    (q_out, k_out, kc_out, vc_out), guards = zip(*(_guarded(a) for a in outs))
     ops = [q, k, v, kc_out, vc_out, slots, pos, cos, sin, ks, vs, np.array(layer, np.int32), wq, wk]
     p = _Params()
     for i, a in enumerate(ops + [q_out, k_out, kc_out, vc_out]):
@@ -266,7 +310,9 @@ def run_emulation(spec, args, k_scale, v_scale, tmp_dir, layer=0, num_sms=cuda.D
     for i, a in enumerate(ops):
         p.dim0[i] = a.shape[0] if a.ndim else 1
     grid = -(-spec.num_tokens // cfg.tokens_per_block)
-    assert lib.rc_emulate(ctypes.byref(p), grid) == 0, "emulated shuffle groups: wrong lanes or sums"
+    assert lib.rc_emulate(ctypes.byref(p), grid) == 0, "emulated shuffles (wrong lanes, sums) or misaligned V stores"
+    assert all((g[:_GUARD] == 0xA5).all() and (g[-_GUARD:] == 0xA5).all() for g in guards), "a write outside the outputs"
+    assert lib.rc_pieces() == _run_pieces(cfg, spec, slots, layer), "x-packed V: runs stored whole, or not, wrongly"
     return q_out, k_out, kc_out, vc_out
 
 
@@ -339,22 +385,38 @@ def _run_slots(rng, t, spec):
     return slots.astype(spec.slot_dtype)
 
 
-@pytest.mark.parametrize("variant", [{}, {"RC_TPB": 8}, {"RC_TPB": 64, "RC_VPAIRS": 0}],
-                         ids=["default", "tpb8", "tpb64-nopairs"])
+def _skip_unless_vch(variant, spec):
+    """RC_VCH > 1 exists for x-packed layouts with C * element size <= 16 bytes only."""
+    c = variant.get("RC_VCH", 1)
+    if c > 1 and cuda.v_channels(spec, c) != c:
+        pytest.skip(f"RC_VCH={c}: not a configuration of {spec.layout} {spec.dtype.name}")
+
+
+VCH_VARIANTS = [{"RC_VCH": 2}, {"RC_VCH": 4}, {"RC_VCH": 8}, {"RC_VCH": 4, "RC_TPB": 8},
+                {"RC_VCH": 8, "RC_TPB": 64, "RC_VPAIRS": 0}]
+VCH_IDS = ["vch2", "vch4", "vch8", "vch4-tpb8", "vch8-tpb64-nopairs"]
+
+
+@pytest.mark.parametrize("variant", [{}, {"RC_TPB": 8}, {"RC_TPB": 64, "RC_VPAIRS": 0}] + VCH_VARIANTS,
+                         ids=["default", "tpb8", "tpb64-nopairs"] + VCH_IDS)
 @pytest.mark.parametrize("layout", contract.LAYOUTS)
 @pytest.mark.parametrize("combo", [(BF16, BF16), (F16, FN), (F32, F32)], ids=lambda c: f"{c[0].name}-{c[1].name}")
 def test_host_emulation_slot_runs(layout, combo, variant, emu_dir):
     """Slot runs (prefill): the x-packed V writer stores an aligned run of X slots as one piece and
     every other group element by element; both bit-exact, nothing else written. A small SM count
     keeps the tokens per block >= X (the configuration of a large call); the variants run several
-    units per thread, with and without paired V lanes (tokens per block >= 2X)."""
+    units per thread, with and without paired V lanes (tokens per block >= 2X), and V units of
+    RC_VCH channels (one run: RC_VCH pieces transposed in registers)."""
     dt, cdt = combo
     spec = make_spec(T=203, QH=4, KH=2, D=64, layout=layout, dt=dt, cdt=cdt, NB=64, max_pos=50)
+    _skip_unless_vch(variant, spec)
     cfg = cuda.kernel_config(spec, num_sms=1)
     assert layout == "flash" or cfg.tokens_per_block % spec.x == 0, cfg
     rng = np.random.default_rng(5)
     q, k, v, kc, vc, _, pos, cos, sin = make_inputs(spec, rng)
     slots = _run_slots(rng, spec.num_tokens, spec)
+    runs = _run_pieces(dataclasses.replace(cfg, defines=tuple(dict(cfg.defines, **variant).items())), spec, slots, 0)
+    assert runs > 0 or layout == "flash" or variant.get("RC_TPB", spec.x) % spec.x, "no run in the data"
     args = (q, k, v, kc, vc, slots, pos, cos, sin)
     ks = vs = None
     if spec.fp8:
@@ -426,6 +488,193 @@ def test_host_emulation_writes_one_layer_of_stacked_caches(layout, emu_dir):
             assert np.array_equal(g.view(np.uint8), np.asarray(w).view(np.uint8)), (layer, name)
         if not 0 <= layer < layers:
             assert np.array_equal(got[2].view(np.uint8), kc.view(np.uint8)), layer
+
+
+# ---- x-packed V units of RC_VCH channels ---------------------------------------------------------
+def _raw_bits(rng, shape, dtype):
+    """Values with uniformly random bit patterns: NaNs with payloads and signs, infs, subnormals, -0."""
+    u = np.dtype(f"u{dtype.itemsize}")
+    return rng.integers(0, np.iinfo(u).max, shape, dtype=u, endpoint=True).view(dtype)
+
+
+def _vch_problem(kw, rng, slots="runs", raw=True):
+    """(args, opts) of an x-packed call: fp8 scales (per head with vsh), prefill runs or random slots,
+    v of random bits (raw) or normal values."""
+    kw = dict(kw)
+    vsh = kw.pop("vsh", False)
+    spec = make_spec(**kw)
+    q, k, v, kc, vc, s, pos, cos, sin = make_inputs(spec, rng)
+    if raw:
+        v = _raw_bits(rng, v.shape, v.dtype)
+    if slots == "runs":
+        s = _run_slots(rng, spec.num_tokens, spec)
+    opts = dict(layout=spec.layout, is_neox=spec.is_neox, rotary_dim=spec.rotary_dim, precision=spec.precision)
+    if spec.fp8:
+        opts["k_scale"] = np.float32(0.37)
+        opts["v_scale"] = _scales(rng, spec.kv_heads, vsh)
+    return (q, k, v, kc, vc, s, pos, cos, sin), opts
+
+
+def _reference(args, opts):
+    with np.errstate(invalid="ignore", over="ignore"):
+        return reference.rope_and_cache(*args, **opts)
+
+
+VCH_CASES = [dict(T=203, QH=4, KH=2, D=64, dt=BF16), dict(T=203, QH=4, KH=2, D=128, dt=F16, cdt=FN, slot64=True),
+             dict(T=203, QH=4, KH=4, D=64, dt=BF16, cdt=FNUZ, vsh=True), dict(T=203, QH=4, KH=2, D=64, dt=F32),
+             dict(T=77, QH=4, KH=2, D=64, dt=F32, cdt=FN, vsh=True, slot64=True)]
+
+
+@pytest.mark.parametrize("vch", [2, 4, 8])
+@pytest.mark.parametrize("slots", ["runs", "random"])
+@pytest.mark.parametrize("layout", ["xpacked", "xpacked_shuffled"])
+@pytest.mark.parametrize("kw", VCH_CASES, ids=_id)
+def test_host_emulation_v_channels_bitwise(kw, layout, slots, vch, emu_dir):
+    """V units of RC_VCH channels on v of random bits (copies keep NaN payloads, subnormals; fp8
+    quantizes them with one or per-head scales), prefill runs or random slots with invalid and huge
+    values, a partial last group: bit-exact to the reference. num_sms=1: blocks of >= X tokens
+    (whole groups, runs); 132 SMs: T = 77 gives small blocks (groups of fewer than X tokens)."""
+    spec = make_spec(**{k: v for k, v in kw.items() if k != "vsh"}, layout=layout)
+    _skip_unless_vch({"RC_VCH": vch}, spec)
+    rng = np.random.default_rng(vch * 7 + len(slots))
+    args, opts = _vch_problem(dict(kw, layout=layout), rng, slots)
+    if slots == "runs":
+        assert _run_pieces(cuda.kernel_config(contract.check_op(*args, **opts), 1, vch=vch), spec, args[5], 0) > 0
+    for sms in (1, cuda.DEFAULT_SMS):
+        _assert_bitwise(_emulate(args, opts, emu_dir, num_sms=sms, defines={"RC_VCH": vch}), _reference(args, opts))
+
+
+@pytest.mark.parametrize("vch", [4, 8])
+@pytest.mark.parametrize("layout", ["xpacked", "xpacked_shuffled"])
+def test_host_emulation_v_channels_stacked_layers(layout, vch, emu_dir):
+    """Stacked caches with prefill runs: a run's pieces land in the operand's layer (the slot range's
+    base), a layer outside [0, L) writes nothing."""
+    layers, rng = 3, np.random.default_rng(13)
+    spec = make_spec(T=203, QH=4, KH=2, D=64, layout=layout, NB=64, max_pos=50, layers=layers)
+    q, k, v, kc, vc, _, pos, cos, sin = make_inputs(dataclasses.replace(spec, num_layers=None), rng)
+    kc = np.stack([_random(rng, kc.shape, kc.dtype) for _ in range(layers)])
+    vc = np.stack([_random(rng, vc.shape, vc.dtype) for _ in range(layers)])
+    args = (q, k, v, kc, vc, _run_slots(rng, spec.num_tokens, spec), pos, cos, sin)
+    for layer in (0, 2, -1, 3):
+        want = reference.rope_and_cache(*args, layout=layout, layer=np.array(layer, np.int32))
+        got = run_emulation(spec, args, None, None, emu_dir, layer=layer, num_sms=1, defines={"RC_VCH": vch})
+        _assert_bitwise(got, want)
+
+
+def _misaligned(a):
+    """a's values in a buffer starting one element past a 16-byte boundary."""
+    buf = np.empty(a.size + 16 // a.itemsize, a.dtype)
+    off = (-buf.ctypes.data % 16) // a.itemsize + 1
+    out = buf[off:off + a.size]
+    out[:] = a
+    assert out.ctypes.data % 16
+    return out
+
+
+@pytest.mark.parametrize("slot64", [False, True])
+def test_host_emulation_v_channels_misaligned_slots(slot64, emu_dir):
+    """A slot buffer that is not 16-byte aligned: the run check reads the slots one by one, same bits."""
+    args, opts = _vch_problem(dict(T=203, QH=4, KH=2, D=64, layout="xpacked", slot64=slot64), np.random.default_rng(2))
+    args = list(args)
+    args[5] = _misaligned(args[5])
+    _assert_bitwise(_emulate(args, opts, emu_dir, num_sms=1, defines={"RC_VCH": 4}), _reference(args, opts))
+
+
+# Plausible mistakes in v_unit_xpacked_vec: (what, text in rope_cache.cu, its replacement, problem).
+_V_MUTANTS = [
+    ("halves of a word swapped", "c % 2 ? 0x7632 : 0x5410", "c % 2 ? 0x5410 : 0x7632", {}),
+    ("tokens of a word swapped", "__byte_perm(x[2 * m].w[c / 2], x[2 * m + 1].w[c / 2]",
+     "__byte_perm(x[2 * m + 1].w[c / 2], x[2 * m].w[c / 2]", {}),
+    ("fp8 bytes of a word reversed", "<< (8 * b)", "<< (8 * (3 - b))", dict(dt=F16, cdt=FN)),
+    ("rows of xpacked pieces", "V_ROW = LAYOUT == RC_XPACKED ? BS : X", "V_ROW = LAYOUT == RC_XPACKED ? X : BS", {}),
+    ("rows of shuffled pieces", "V_ROW = LAYOUT == RC_XPACKED ? BS : X", "V_ROW = LAYOUT == RC_XPACKED ? BS : BS",
+     dict(layout="xpacked_shuffled")),
+    ("misaligned runs stored as pieces", "&& (sr.base + s0) % X == 0 ?", "?", {}),
+    ("one slot of a run not compared", "seq = seq && (unsigned int)sv.s32[e] - (unsigned int)s0 == (unsigned int)i;",
+     "seq = seq && (i == 5 || (unsigned int)sv.s32[e] - (unsigned int)s0 == (unsigned int)i);", dict(hole=True)),
+    ("scalar slot loads", "static_cast<const int*>(p.slots)[tg + k * PER + e]",
+     "static_cast<const int*>(p.slots)[tg + e]", dict(misaligned=True)),
+    ("per-element path channel", "store_if(si >= 0, dst + c * V_ROW, to_cache(x[i].e[c], inv_v))",
+     "store_if(si >= 0, dst + c * V_ROW, to_cache(x[i].e[0], inv_v))", dict(slots="random")),
+]
+
+
+@pytest.mark.parametrize("what,old,new,kw", _V_MUTANTS, ids=[m[0] for m in _V_MUTANTS])
+def test_host_emulation_v_channels_would_catch_a_wrong_writer(what, old, new, kw, emu_dir):
+    """Each plausible mistake in the RC_VCH writer, built into the host emulation, fails the checks
+    the tests above make (bitwise comparison, the emulation's alignment check) on their kind of data."""
+    kw = dict(kw)
+    slots, misaligned, hole = (kw.pop(k, d) for k, d in (("slots", "runs"), ("misaligned", False), ("hole", False)))
+    with open(os.path.join(_kernel_dir(), "cuda", "rope_cache.cu")) as f:
+        text = f.read()
+    assert text.count(old) == 1, f"{what}: the kernel no longer has {old!r}; update the mutant"
+    base = dict(T=203, QH=4, KH=2, D=64, layout="xpacked", NB=64, max_pos=50)
+    base.update(kw)
+    args, opts = _vch_problem(base, np.random.default_rng(9), slots)
+    args = list(args)
+    spec = contract.check_op(*args, **opts)
+    if hole:  # the first group: an aligned run but for one slot (in blocks no other token writes)
+        bs = spec.block_size
+        free = sorted(set(range(spec.num_blocks)) - {int(s) // bs for s in args[5][spec.x:] if 0 <= s < spec.num_slots})
+        args[5][:spec.x] = np.arange(spec.x) + free[0] * bs
+        args[5][5] = free[1] * bs + 5
+    if misaligned:
+        args[5] = _misaligned(args[5])
+    want = _reference(args, opts)
+    _assert_bitwise(_emulate(args, opts, emu_dir, num_sms=1, defines={"RC_VCH": 4}), want)  # the kernel as it is
+    try:
+        got = _emulate(args, opts, emu_dir, num_sms=1, defines={"RC_VCH": 4}, source=text.replace(old, new))
+    except AssertionError:  # the emulation's own checks (a misaligned 16-byte store)
+        return
+    assert not np.array_equal(got[3].view(np.uint8), np.asarray(want[3]).view(np.uint8)), f"{what}: not caught"
+
+
+# Real shapes (kv heads, head_dim, dtypes) and where they run: (name, shape, layouts, token counts).
+VCH_SHAPES = [("llama8b", dict(QH=32, KH=8, D=128), ("xpacked", "xpacked_shuffled"), (8192, 128, 1)),
+              ("gptoss", dict(QH=8, KH=1, D=64), ("xpacked",), (8192,)),
+              ("llama8b-fp8", dict(QH=32, KH=8, D=128, cdt=FN), ("xpacked",), (8192,)),
+              ("llama8b-fp8", dict(QH=32, KH=8, D=128, cdt=FN), ("xpacked_shuffled",), (128,)),
+              ("llama8b-f32-fnuz", dict(QH=32, KH=8, D=128, dt=F32, cdt=FNUZ), ("xpacked",), (8192,))]
+
+
+def vch_compile_matrix():
+    out = []
+    for name, shape, layouts, ts in VCH_SHAPES:
+        for layout, t, c in itertools.product(layouts, ts, (1, 2, 4, 8)):
+            out.append((f"{name}-{layout}-T{t}-vch{c}", make_spec(T=t, layout=layout, **shape), c))
+    return out
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_nvrtc_compiles_v_channels_without_spills(arch):
+    """RC_VCH 1, 2, 4, 8 (as far as the dtype allows) at the configurations kernel_config picks for
+    real shapes (prefill, mid-size, decode): a cubin, no spills, no stack; the configuration's V
+    units and threads follow the channel count."""
+    matrix = vch_compile_matrix()
+    cfgs = [cuda.kernel_config(spec, vch=c) for _, spec, c in matrix]
+    for (name, spec, c), cfg in zip(matrix, cfgs):
+        d = dict(cfg.defines)
+        assert d["RC_VCH"] == cuda.v_channels(spec, c) == min(c, 16 // spec.dtype.itemsize), name
+        assert 32 <= cfg.threads <= max(32, -(-_units(cfg, spec) // 32) * 32), name  # no thread without a unit
+    failures = spill_failures([s for _, s, _ in matrix], [n for n, _, _ in matrix], arch, cfgs=cfgs)
+    assert not failures, "\n".join(failures[:5])
+
+
+def test_v_channels_configuration():
+    """RC_VCH is 1 unless asked (V_CHANNELS), never more than the shape allows, 1 for flash; a
+    larger C leaves fewer V units (the threads of a one-token block)."""
+    assert cuda.V_CHANNELS == 1
+    llama = make_spec(T=8192, QH=32, KH=8, D=128, layout="xpacked")
+    assert dict(cuda.kernel_config(llama).defines)["RC_VCH"] == 1
+    assert dict(cuda.kernel_config(make_spec(layout="flash"), vch=8).defines)["RC_VCH"] == 1
+    assert cuda.v_channels(make_spec(layout="xpacked", dt=F32), 8) == 4
+    assert cuda.v_channels(make_spec(layout="xpacked", dt=F16, cdt=FN), 8) == 8
+    units = [cuda._block_units(llama, 8, c)[0](16) for c in (1, 2, 4, 8)]
+    assert units == [16 * 320 + 2 * 8 * 128 // c for c in (1, 2, 4, 8)]
+    with pytest.raises(Exception, match="RC_VCH"):  # the kernel refuses what the shape does not allow
+        cfg = cuda.kernel_config(make_spec(layout="xpacked", dt=F32))
+        bad = dataclasses.replace(cfg, defines=tuple((k, 8 if k == "RC_VCH" else v) for k, v in cfg.defines))
+        cuda.compile_variant(bad, "compute_90")
 
 
 # ---- issue 18: QK-RMSNorm before the rotation, per-head fp8 scales ----------------------------------

@@ -95,6 +95,9 @@ UNITS_PER_BLOCK_XP = 8192  # x-packed (up to 32 tokens: two whole runs of 16 slo
 # (1024 threads; 352- or 448-thread blocks fit 3 or 2 at 56-64 registers). H200, kernel_speed.py:
 # T = 32768: Llama-8B 5% faster, the fused QK-norm variants 4-8%; x-packed keeps its 512 (faster there).
 PACKED_NT, PACKED_MINB = 256, 4
+# Channels per x-packed V unit (RC_VCH): 1 is the one-channel writer; 2, 4 or 8 load a token's
+# channels as one vector and write a slot run as that many 16-byte pieces (not measured on a GPU yet).
+V_CHANNELS = 1
 
 
 def _rot_lanes(spec: contract.OpSpec, w: int) -> int:
@@ -102,45 +105,59 @@ def _rot_lanes(spec: contract.OpSpec, w: int) -> int:
     return (spec.rotary_dim // 2) // w if spec.is_neox else spec.rotary_dim // w
 
 
-def _block_units(spec: contract.OpSpec, w: int):
-    """(units(tpb): the units of a block of tpb tokens, units per token) for chunks of w elements."""
+def v_channels(spec: contract.OpSpec, want: int = 1) -> int:
+    """RC_VCH: the most channels <= want per x-packed V unit that the shape allows (a power of two,
+    at most 16 bytes of v, dividing D); 1 for flash."""
+    if spec.layout == "flash":
+        return 1
+    c = min(8, _pow2_floor(want), 16 // np.dtype(spec.dtype).itemsize)
+    while c > 1 and spec.head_dim % c:
+        c //= 2
+    return c
+
+
+def _block_units(spec: contract.OpSpec, w: int, vch: int = 1):
+    """(units(tpb): the units of a block of tpb tokens, units per token) for chunks of w elements and
+    x-packed V units of vch channels (rope_cache.cu's N_ROT + N_PASS + N_V)."""
     d, r, kh = spec.head_dim, spec.rotary_dim, spec.kv_heads
     rh = spec.q_heads + kh
     x = spec.x
     xp = spec.layout != "flash"
     units_tok = rh * _rot_lanes(spec, w) + rh * ((d - r) // w)
 
-    def units(tpb):  # x-packed V: one unit per channel per group of tokens
+    def units(tpb):  # x-packed V: one unit per vch channels per group of tokens
         vg = (x if tpb % x == 0 else tpb) if xp else 1
-        return tpb * units_tok + ((tpb // vg) * kh * d if xp else tpb * kh * (d // w))
+        return tpb * units_tok + ((tpb // vg) * kh * (d // vch) if xp else tpb * kh * (d // w))
 
-    return units, max(1.0, units_tok + (kh * d / x if xp else kh * (d // w)))
+    return units, max(1.0, units_tok + (kh * d / (x * vch) if xp else kh * (d // w)))
 
 
-def _latency_width(spec: contract.OpSpec, w: int) -> int:
+def _latency_width(spec: contract.OpSpec, w: int, vch: int = 1) -> int:
     """Chunk width of a one-token-per-block call: half of w (8-byte accesses, twice the threads, half
     the serial work per thread) where the block stays <= MAX_THREADS and a QK-norm keeps its lane
     butterfly (<= 32 lanes per head, R == D). H200, kernel_speed.py, T = 1 / 64: Qwen3-32B TP8 2.02 -> 1.83
     / 2.15 -> 1.91 us, with the norm 2.26 -> 1.94 / 2.39 -> 2.16; Llama-8B (448 -> 896 threads)
     2.01 -> 2.08: slower, so not there."""
     half = chunk_width(spec, max_bytes=max(1, w * np.dtype(spec.dtype).itemsize // 2))
-    if half >= w or _block_units(spec, half)[0](1) > MAX_THREADS:
+    if half >= w or _block_units(spec, half, vch)[0](1) > MAX_THREADS:
         return w
     d = spec.head_dim
     lanes_path = spec.rotary_dim == d and d & (d - 1) == 0 and _rot_lanes(spec, half) <= 32
     return half if not spec.norm or lanes_path else w  # the generic norm path: each unit sums its row
 
 
-def kernel_config(spec: contract.OpSpec, num_sms: int = DEFAULT_SMS) -> KernelConfig:
+def kernel_config(spec: contract.OpSpec, num_sms: int = DEFAULT_SMS, vch: int | None = None) -> KernelConfig:
     """One thread per unit of work (kernels/cuda/rope_cache.cu: rotation, pass-through and V units).
     A block owns RC_TPB tokens; a large call gives each thread several units in turn (fewer, longer
     blocks: 8-15% faster than one unit per thread on the H200, benchmarks/gpu_speed.py). A small
     call (decode) gets one token per block, so the grid spreads over the SMs and every thread does
-    one unit: latency, not bandwidth (half-width chunks where that fits, _latency_width)."""
+    one unit: latency, not bandwidth (half-width chunks where that fits, _latency_width).
+    vch: channels per x-packed V unit wanted (None: V_CHANNELS), as far as the shape allows."""
     w = chunk_width(spec)
     x = spec.x
     xp = spec.layout != "flash"
-    units, per_token = _block_units(spec, w)
+    vch = v_channels(spec, V_CHANNELS if vch is None else vch)
+    units, per_token = _block_units(spec, w, vch)
     # Threads: a block of one unit per thread (up to MAX_THREADS; x-packed: at least X tokens).
     base = max(1, min(64, _pow2_floor(int(MAX_THREADS // per_token))))
     if xp:
@@ -153,8 +170,8 @@ def kernel_config(spec: contract.OpSpec, num_sms: int = DEFAULT_SMS) -> KernelCo
     t = spec.num_tokens
     while tpb > 1 and -(-t // tpb) < num_sms:
         tpb //= 2
-    if tpb == 1 and (w2 := _latency_width(spec, w)) != w:
-        w, (units, _) = w2, _block_units(spec, w2)
+    if tpb == 1 and (w2 := _latency_width(spec, w, vch)) != w:
+        w, (units, _) = w2, _block_units(spec, w2, vch)
         nt = MAX_THREADS
     nt = min(nt, max(32, -(-units(tpb) // 32) * 32))
     minb = max(1, 768 // nt)  # register budget: at least 85 per thread (no spills in the CI matrix)
@@ -168,7 +185,7 @@ def kernel_config(spec: contract.OpSpec, num_sms: int = DEFAULT_SMS) -> KernelCo
     c = contract.kernel_codes(spec)
     defines = tuple((f"RC_{name}", int(getattr(c, field))) for name, field in _DEFINES) + (
         ("RC_NORM_EPS_BITS", _f32_bits(c.norm_eps)), ("RC_WCH", w), ("RC_TPB", tpb), ("RC_NT", nt), ("RC_MINB", minb),
-        ("RC_VPAIRS", 1), ("RC_EARLY_W", early_w))
+        ("RC_VPAIRS", 1), ("RC_VCH", vch), ("RC_EARLY_W", early_w))
     return KernelConfig(defines=defines, tokens_per_block=tpb, threads=nt, fallback_minb=fallback)
 
 

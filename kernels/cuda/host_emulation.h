@@ -39,3 +39,10 @@ static inline unsigned int __float_as_uint(float f) {
   return u;
 }
 static inline float __frcp_rn(float x) { return 1.0f / x; }
+// Byte i of the result is byte (s >> 4i) & 7 of the 8 bytes y:x (x = bytes 0..3), as CUDA documents it.
+static inline unsigned int __byte_perm(unsigned int x, unsigned int y, unsigned int s) {
+  const unsigned long long b = (unsigned long long)y << 32 | x;
+  unsigned int r = 0;
+  for (int i = 0; i < 4; ++i) r |= (unsigned int)(b >> (8 * ((s >> (4 * i)) & 7)) & 0xffu) << (8 * i);
+  return r;
+}

@@ -20,6 +20,8 @@
 //                                (__launch_bounds__ second argument)
 //   RC_VPAIRS                    1 (default): x-packed V lanes paired so a warp store fills whole
 //                                sectors of a slot run (see v_unit_xpacked)
+//   RC_VCH                       1 (default): channels per x-packed V unit (v_unit_xpacked); 2, 4 or 8
+//                                (C * element size <= 16 bytes, D % C == 0): v_unit_xpacked_vec
 //   RC_Q_NORM, RC_K_NORM         -1 (default): no RMSNorm; else the RcDtype of q_norm_weight /
 //                                k_norm_weight (q's dtype or f32): Qwen3's per-head QK-norm before
 //                                the rotation (block "QK-RMSNorm")
@@ -67,7 +69,10 @@
 //                 16-byte store (a whole X-offset piece of a value row, whole 32-byte sectors
 //                 with its neighbour); otherwise one element per token, and the lanes of a warp
 //                 (consecutive d of one token) write neighbouring sectors of one block (random
-//                 slots: the fewest L2 requests for that pattern).
+//                 slots: the fewest L2 requests for that pattern). RC_VCH = C > 1: channels
+//                 d..d+C-1, each token's C channels one load, the group's slots in 16-byte loads;
+//                 a run is transposed in registers (prmt) into C pieces, other groups go element
+//                 by element as above (fewer instructions per stored byte, more registers).
 //
 // Bounds: positions are clamped to [0, max_pos-1]; a slot writes only if 0 <= slot < NB*BS (and,
 // stacked, 0 <= layer < L); all offsets are 64-bit. q_out/k_out are written for every token.
@@ -94,6 +99,9 @@
 #endif
 #ifndef RC_VPAIRS
 #define RC_VPAIRS 1
+#endif
+#ifndef RC_VCH
+#define RC_VCH 1
 #endif
 #ifndef RC_Q_NORM  // issue 18 options; their defaults are the kernel without them
 #define RC_Q_NORM (-1)
@@ -157,9 +165,11 @@ constexpr int U_ROT = RH * P;                            // per token
 constexpr int U_PASS = RH * CPASS;                       // per token
 constexpr int VG = !XP ? 1 : (TPB % X == 0 ? X : TPB);   // tokens per x-packed V unit
 constexpr bool V_RUNS = XP && VG == X && BS % X == 0;    // aligned runs can be stored whole
+constexpr int VCH = RC_VCH;                              // channels per x-packed V unit
+constexpr int DC = D / VCH;                              // channel groups per kv head
 constexpr int N_ROT = TPB * U_ROT;
 constexpr int N_PASS = TPB * U_PASS;
-constexpr int N_V = XP ? (TPB / VG) * KH * D : TPB * KH * CH;
+constexpr int N_V = XP ? (TPB / VG) * KH * DC : TPB * KH * CH;
 constexpr int N_UNITS = N_ROT + N_PASS + N_V;
 
 static_assert(W >= 1 && (W & (W - 1)) == 0 && W * S_IN <= 16, "RC_WCH: power of two, at most 16 bytes");
@@ -178,6 +188,8 @@ static_assert(K_NORM == -1 || K_NORM == RC_F32 || K_NORM == DT, "RC_K_NORM: -1, 
 static_assert(!NORM_LANES || (is_pow2(P) && 32 % P == 0 && U_ROT % P == 0 && CH == (NEOX ? 2 : 1) * P),
               "a head's rotation units: P aligned lanes of one warp covering the row");
 static_assert(!(KS_HEADS || VS_HEADS) || FP8, "per-head scales: fp8 caches only");
+static_assert(VCH == 1 || (XP && (VCH == 2 || VCH == 4 || VCH == 8) && VCH * S_IN <= 16 && D % VCH == 0),
+              "RC_VCH: 1, or 2/4/8 channels of at most 16 bytes dividing D (x-packed layouts)");
 #ifndef RC_EMULATE
 static_assert(NT % 32 == 0 && NT >= 32 && NT <= 1024, "RC_NT");
 #endif
@@ -855,24 +867,38 @@ __device__ __forceinline__ void v_unit_flash(const Params& p, i64 T, i64 t0, int
   store_cache_chunk_if(ok, p.vc, value_index(s / BS, s % BS, h, c * W), x, inv_v);
 }
 
-// x-packed V: channel d of kv head h for the VG tokens of group g. With RC_VPAIRS (XPACKED, two or
-// more pieces per value row), lanes pair up (groups 2k, 2k + 1: offsets 0..X-1 and X..2X-1 of a
-// block in a run), so that one warp store fills whole 32-byte sectors.
+// x-packed V unit u -> (group g of VG tokens, kv head h, channel group c of VCH channels), c
+// fastest. With RC_VPAIRS (XPACKED, two or more pieces per value row), lanes pair up (groups 2k,
+// 2k + 1: offsets 0..X-1 and X..2X-1 of a block in a run), so that one warp store fills whole
+// 32-byte sectors.
+#ifdef RC_EMULATE
+static long long rc_emu_pieces = 0;  // run pieces stored (the tests count the runs in the slots)
+#endif
 constexpr bool V_PAIRS = RC_VPAIRS && V_RUNS && LAYOUT == RC_XPACKED && BS / X >= 2 && (TPB / VG) % 2 == 0;
 
-__device__ __forceinline__ void v_unit_xpacked(const Params& p, i64 T, i64 t0, int u, SlotRange sr, float inv_v) {
-  int g, h, d;
+struct VIdx {
+  int g, h, c;
+};
+__device__ __forceinline__ VIdx v_idx(int u) {
+  VIdx ix;
   if (V_PAIRS) {
     const int half = u % 2, r = u / 2;
-    d = r % D;
-    h = (r / D) % KH;
-    g = (r / (D * KH)) * 2 + half;
+    ix.c = r % DC;
+    ix.h = (r / DC) % KH;
+    ix.g = (r / (DC * KH)) * 2 + half;
   } else {
-    g = u / (KH * D);
-    const int r = u % (KH * D);
-    h = r / D;
-    d = r % D;
+    ix.g = u / (KH * DC);
+    const int r = u % (KH * DC);
+    ix.h = r / DC;
+    ix.c = r % DC;
   }
+  return ix;
+}
+
+// x-packed V: channel d of kv head h for the VG tokens of group g (RC_VCH 1).
+__device__ __forceinline__ void v_unit_xpacked(const Params& p, i64 T, i64 t0, int u, SlotRange sr, float inv_v) {
+  const VIdx ix = v_idx(u);
+  const int g = ix.g, h = ix.h, d = ix.c;
   const i64 tg = t0 + (i64)g * VG;
   if (tg >= T) return;
   if constexpr (VS_HEADS) inv_v = head_inv(p.v_scale, h, inv_v, true);
@@ -892,6 +918,9 @@ __device__ __forceinline__ void v_unit_xpacked(const Params& p, i64 T, i64 t0, i
 #pragma unroll
     for (int i = 0; i < X; ++i) o.e[i] = to_cache(x[i % VG], inv_v);
     *reinterpret_cast<uint4*>(static_cast<raw_cache*>(p.vc) + value_index(s0 / BS, s0 % BS, h, d)) = o.v;
+#ifdef RC_EMULATE
+    ++rc_emu_pieces;
+#endif
   } else {
 #pragma unroll
     for (int i = 0; i < VG; ++i) {
@@ -901,6 +930,134 @@ __device__ __forceinline__ void v_unit_xpacked(const Params& p, i64 T, i64 t0, i
     }
   }
 }
+
+// ---- x-packed V of VCH channels (RC_VCH > 1) ------------------------------------------------------
+// One token's VCH channels: one load of VCH * S_IN bytes (4..16).
+constexpr int VCB = VCH > 1 ? VCH * S_IN : 4;
+union VChans {
+  VecOf<VCB>::T v;
+  unsigned int w[VCB / 4];
+  raw_in e[VCB / S_IN];
+};
+
+// The cache slot base + s0 of token tg if the slots of tokens tg .. tg + VG - 1 (all < T) are one
+// aligned run s0 + i (0 <= s0, s0 + VG <= n, (base + s0) % X == 0), else -1. The slots are read 16
+// bytes at a time where the address allows (tg is a multiple of VG, so only the buffer's own
+// alignment decides), else one by one.
+__device__ __forceinline__ i64 run_slot(const Params& p, i64 tg, SlotRange sr) {
+  constexpr int SS = RC_SLOT64 ? 8 : 4, PER = 16 / SS;  // V_RUNS: VG * SS is a multiple of 16
+  const char* a = static_cast<const char*>(p.slots) + tg * SS;
+  union {
+    uint4 v;
+    int s32[4];
+    i64 s64[2];
+  } sv;
+  i64 s0 = 0;
+  bool seq = true;
+  // s_i - s0 == i in the slot's own width (wrapping) is exact for an s0 that passes the final
+  // checks: int64: s0 + i < n; int32: s0 % X == 0 (base % X == 0) keeps s0 + i < 2^31.
+  const bool vec = (reinterpret_cast<unsigned long long>(a) & 15u) == 0;
+#pragma unroll
+  for (int k = 0; k < VG / PER; ++k) {
+    if (vec) {
+      sv.v = *reinterpret_cast<const uint4*>(a + 16 * k);
+    } else {
+#pragma unroll
+      for (int e = 0; e < PER; ++e) {
+        if (SS == 8) sv.s64[e] = static_cast<const i64*>(p.slots)[tg + k * PER + e];
+        else sv.s32[e] = static_cast<const int*>(p.slots)[tg + k * PER + e];
+      }
+    }
+#pragma unroll
+    for (int e = 0; e < PER; ++e) {
+      const int i = k * PER + e;
+      const i64 s = SS == 8 ? sv.s64[e] : (i64)sv.s32[e];
+      if (i == 0) {
+        s0 = s;
+      } else if (SS == 8) {
+        seq = seq && (unsigned long long)s - (unsigned long long)s0 == (unsigned long long)i;
+      } else {
+        seq = seq && (unsigned int)sv.s32[e] - (unsigned int)s0 == (unsigned int)i;
+      }
+    }
+  }
+  return seq && s0 >= 0 && s0 < sr.n - (VG - 1) && (sr.base + s0) % X == 0 ? sr.base + s0 : -1;
+}
+
+// Word m of the cache piece of channel c: that channel of tokens m * (4 / S_CACHE) .. in order.
+__device__ __forceinline__ unsigned int piece_word(const VChans* x, int c, int m, float inv_v) {
+  if constexpr (FP8) {  // four tokens, quantized
+    unsigned int r = 0;
+#pragma unroll
+    for (int b = 0; b < 4; ++b) r |= (unsigned int)to_cache(x[4 * m + b].e[c], inv_v) << (8 * b);
+    return r;
+  } else if constexpr (S_IN == 2) {  // tokens 2m, 2m + 1: the same half of their word c / 2
+    return __byte_perm(x[2 * m].w[c / 2], x[2 * m + 1].w[c / 2], c % 2 ? 0x7632 : 0x5410);
+  } else {
+    return x[m].w[c];
+  }
+}
+
+// One 16-byte store (a plain store of a piece built word by word is split into four by NVVM).
+__device__ __forceinline__ void store16(void* addr, uint4 v) {
+#ifdef __CUDA_ARCH__
+  asm volatile("st.global.v4.u32 [%0], {%1, %2, %3, %4};" :: "l"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+#else
+  if (reinterpret_cast<unsigned long long>(addr) % 16) ++rc_emu_errors;  // the GPU would fault
+  ++rc_emu_pieces;
+  *static_cast<uint4*>(addr) = v;
+#endif
+}
+
+// Elements between the value rows of channels d and d + 1 (value_index).
+constexpr int V_ROW = LAYOUT == RC_XPACKED ? BS : X;
+
+// x-packed V: channels d0 .. d0 + VCH - 1 of kv head h for the VG tokens of group g. Each token's
+// channels are one load; a run (V_RUNS, all VG tokens < T, aligned consecutive slots) becomes VCH
+// pieces of 16 bytes (one per channel row, transposed in registers); any other group is written
+// element by element as in v_unit_xpacked.
+__device__ __forceinline__ void v_unit_xpacked_vec(const Params& p, i64 T, i64 t0, int u, SlotRange sr,
+                                                   float inv_v) {
+  const VIdx ix = v_idx(u);
+  const int h = ix.h, d0 = ix.c * VCH;
+  const i64 tg = t0 + (i64)ix.g * VG;
+  if (tg >= T) return;
+  if constexpr (VS_HEADS) inv_v = head_inv(p.v_scale, h, inv_v, true);
+  const raw_in* src = static_cast<const raw_in*>(p.v) + (tg * KH + h) * (i64)D + d0;
+  VChans x[VG];
+#pragma unroll
+  for (int i = 0; i < VG; ++i) {
+    x[i].v = VecOf<VCB>::T{};
+    if (tg + i < T) x[i].v = load_now<VecOf<VCB>::T>(src + i * KH * D);
+  }
+  raw_cache* vc = static_cast<raw_cache*>(p.vc);
+  if constexpr (V_RUNS) {
+    const i64 s0 = tg + VG <= T ? run_slot(p, tg, sr) : -1;
+    if (s0 >= 0) {
+#pragma unroll
+      for (int c = 0; c < VCH; ++c) {
+        union {
+          uint4 v;
+          unsigned int w[4];
+        } o;
+#pragma unroll
+        for (int m = 0; m < 4; ++m) o.w[m] = piece_word(x, c, m, inv_v);
+        store16(vc + value_index(s0 / BS, s0 % BS, h, d0) + c * V_ROW, o.v);
+      }
+      return;
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < VG; ++i) {
+    const i64 si = tg + i < T ? valid_slot(p, tg + i, sr) : -1;
+    const i64 sc = si >= 0 ? si : 0;
+    raw_cache* dst = vc + value_index(sc / BS, sc % BS, h, d0);
+#pragma unroll
+    for (int c = 0; c < VCH; ++c) store_if(si >= 0, dst + c * V_ROW, to_cache(x[i].e[c], inv_v));
+  }
+}
+// ---- end of x-packed V of VCH channels ------------------------------------------------------------
 
 }  // namespace rc
 
@@ -923,7 +1080,8 @@ extern "C" __global__ void __launch_bounds__(RC_NT, RC_MINB) rope_cache_kernel(c
     } else if (u < N_ROT + N_PASS) {
       pass_unit(p, T, t0, u - N_ROT, sr, inv_k);
     } else if (XP) {
-      v_unit_xpacked(p, T, t0, u - N_ROT - N_PASS, sr, inv_v);
+      if constexpr (VCH > 1) v_unit_xpacked_vec(p, T, t0, u - N_ROT - N_PASS, sr, inv_v);
+      else v_unit_xpacked(p, T, t0, u - N_ROT - N_PASS, sr, inv_v);
     } else {
       v_unit_flash(p, T, t0, u - N_ROT - N_PASS, sr, inv_v);
     }
@@ -934,6 +1092,7 @@ extern "C" __global__ void __launch_bounds__(RC_NT, RC_MINB) rope_cache_kernel(c
 // Runs the whole grid on the host, block after block; returns the emulation's failed checks.
 extern "C" int rc_emulate(const rc::Params* p, long long grid) {
   rc::rc_emu_errors = 0;
+  rc::rc_emu_pieces = 0;
   for (long long b = 0; b < grid; ++b) {
     blockIdx.x = (unsigned)b;
     threadIdx.x = 0;
@@ -941,4 +1100,7 @@ extern "C" int rc_emulate(const rc::Params* p, long long grid) {
   }
   return rc::rc_emu_errors;
 }
+// The units of one block (the launch configuration's count must agree: backends/cuda._block_units).
+extern "C" int rc_units() { return rc::N_UNITS; }
+extern "C" long long rc_pieces() { return rc::rc_emu_pieces; }
 #endif
