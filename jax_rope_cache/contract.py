@@ -163,6 +163,9 @@ OPERANDS = ("q", "k", "v", "key_cache", "value_cache", "slot_mapping", "position
             "k_scale", "v_scale", "layer", "q_norm_weight", "k_norm_weight")
 RESULTS = ("q_out", "k_out", "key_cache", "value_cache")
 CACHE_ALIASES = {OPERANDS.index("key_cache"): 2, OPERANDS.index("value_cache"): 3}  # operand -> result
+# Small operands a decode loop typically indexes per step (slots[n], positions[n], weights[layer]):
+# the GPU lowering passes them through an optimization barrier (backends/launcher.lower_launch).
+FENCED_OPERANDS = ("slot_mapping", "positions", "k_scale", "v_scale", "layer", "q_norm_weight", "k_norm_weight")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -254,6 +254,47 @@ def test_graph_replay_reads_indices_from_device(layout, platform):
         assert np.array_equal(np.asarray(vc).view(np.uint16), vw.view(np.uint16))
 
 
+def test_loop_indexed_operands_replay_from_the_graph(platform):
+    """A decode loop that indexes its slots and positions per step (slots[i, l] inside a fori_loop,
+    4 calls per step): after the first execution XLA replays the captured graph (0 launcher
+    executes per execution; before the operand fence, a dynamic-slice fusion around the call made
+    XLA re-record it every step) and every step follows the device data, bit-exact."""
+    steps, layers = 5, 4
+    rng = np.random.default_rng(11)
+    base = _problem(11, t=8, platform=platform)
+    kc0, vc0, cos, sin = (np.asarray(base[i]) for i in (3, 4, 7, 8))
+    q = rng.standard_normal((8, QH, D)).astype(jnp.bfloat16)
+    k = rng.standard_normal((8, KH, D)).astype(jnp.bfloat16)
+    v = rng.standard_normal((8, KH, D)).astype(jnp.bfloat16)
+    slots = rng.permutation(NB * BS)[: steps * layers * 8].reshape(steps, layers, 8).astype(np.int32)
+    pos = rng.integers(0, 64, (steps, layers, 8)).astype(np.int32)
+
+    @functools.partial(jax.jit, donate_argnums=(3, 4))
+    def loop(q, k, v, kc, vc, slots, pos, c, s):
+        def body(i, carry):
+            kc, vc = carry
+            for layer in range(layers):
+                _, _, kc, vc = jrc.rope_and_cache(q, k, v, kc, vc, slots[i, layer], pos[i, layer], c, s, impl="kernel")
+            return kc, vc
+        return jax.lax.fori_loop(0, steps, body, (kc, vc))
+
+    args = jax.device_put((q, k, v), _dev(platform))
+    idx = jax.device_put((slots, pos, base[7], base[8]), _dev(platform))
+    kc, vc = loop(*args, base[3], base[4], *idx)
+    jax.block_until_ready(kc)
+    ext = native.native_module()
+    before = ext.gpu_launch_count()
+    kc, vc = loop(*args, kc, vc, *idx)  # the same slots again: the same cache slots rewritten
+    jax.block_until_ready(kc)
+    assert ext.gpu_launch_count() == before, "the launcher ran again: the graph was re-recorded"
+    kw, vw = kc0, vc0
+    for i in range(steps):
+        for layer in range(layers):
+            _, _, kw, vw = reference.rope_and_cache(q, k, v, kw, vw, slots[i, layer], pos[i, layer], cos, sin)
+    assert np.array_equal(np.asarray(kc).view(np.uint16), kw.view(np.uint16))
+    assert np.array_equal(np.asarray(vc).view(np.uint16), vw.view(np.uint16))
+
+
 _SWITCH_SCRIPT = textwrap.dedent("""
     import re, sys, numpy as np, jax, jax.numpy as jnp
     import jax_rope_cache as jrc

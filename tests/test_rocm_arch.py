@@ -196,3 +196,42 @@ def test_the_suite_refuses_a_rocm_host_whose_kernel_cannot_be_built(monkeypatch)
     arch[0] = "gfx1100"
     (msg,) = conftest._gpu_kernels_missing()
     assert msg.startswith("rocm: needs a gfx942 or gfx950 GPU") and "is gfx1100" in msg
+
+
+def _launcher_operand_producers(text: str) -> list[str]:
+    """For each operand of the lowered module's launcher call: the op that produces it (or "arg")."""
+    from jax._src.interpreters import mlir as jmlir
+    from jax._src.lib.mlir import ir
+
+    with jmlir.make_ir_context():
+        module = ir.Module.parse(text)
+        found = []
+
+        def walk(op):
+            for region in op.regions:
+                for block in region.blocks:
+                    for inner in block.operations:
+                        if (inner.operation.name == "stablehlo.custom_call" and
+                                ir.StringAttr(inner.attributes["call_target_name"]).value.startswith("jax_rope_cache_gpu")):
+                            found.append(["arg" if isinstance(o.owner, ir.Block) else o.owner.name
+                                          for o in inner.operands])
+                        walk(inner.operation)
+
+        walk(module.operation)
+    assert len(found) == 1, found
+    return found[0]
+
+
+def test_gpu_lowering_fences_the_small_operands(monkeypatch, fake_compiler):
+    """The launcher's custom call takes slot_mapping, positions, the scales, the layer and the norm
+    weights from an optimization barrier (launcher.fence_small_operands): a dynamic slice of them
+    (slots[n] in a decode loop) cannot become a dynamic-slice fusion around the call, which XLA
+    re-records every step. q, k, v, the caches and the tables are passed as they are."""
+    from jax_rope_cache import contract
+
+    _devices(monkeypatch, "gfx942")
+    producers = _launcher_operand_producers(_lower_rocm("kernel"))
+    assert len(producers) == len(contract.OPERANDS)
+    for name, producer in zip(contract.OPERANDS, producers):
+        fenced = name in contract.FENCED_OPERANDS
+        assert (producer == "stablehlo.optimization_barrier") == fenced, (name, producer)

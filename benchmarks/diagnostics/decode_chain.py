@@ -129,7 +129,8 @@ def swapped_lowering(code: str, noinit: bool):
         launcher.register_gpu_targets(launcher.launcher_module())
         rule = jax.ffi.ffi_lowering(noinit_target(launcher.command_buffers_enabled()),
                                     operand_output_aliases=contract.CACHE_ALIASES)
-        return rule(ctx, *args, code=table, code_hash=np_.int64(launcher.code_hash(table)), kernel=name,
+        return rule(ctx, *launcher.fence_small_operands(args), code=table, code_hash=np_.int64(launcher.code_hash(table)),
+                    kernel=name,
                     grid_div=np_.int64(cfg.tokens_per_block), block=np_.int64(cfg.threads), smem=np_.int64(0),
                     signature=launcher.buffer_signature(ctx.avals_in, ctx.avals_out),
                     buffer_names=launcher.BUFFER_NAMES)

@@ -8,7 +8,8 @@ Builds the programs of `python -m jax_rope_cache demo` (cli/demo.py: one fori_lo
 times R runs (wall per decode step), counts the launcher's executes per step (0: replayed from a
 captured graph) and traces one run with jax.profiler: GPU busy and span per step, the executions
 the GPU saw (graph launches, split at idle gaps; decode_chain.timeline), our kernel's duration and
-the kernels per step by name. Prints one block per impl.
+the kernels per step by name, and what the optimized HLO holds (custom calls, dynamic slices,
+while loops, command buffers). Prints one block per impl. XLA_FLAGS applies as usual.
 """
 from __future__ import annotations
 
@@ -57,6 +58,7 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--impls", default="kernel,xla")
+    ap.add_argument("--hlo-dir", default=None, help="write each impl's optimized decode HLO there")
     a = ap.parse_args(argv)
     import jax
 
@@ -78,8 +80,12 @@ def main(argv=None):
             state[:] = [kc, vc]
 
         t0 = time.perf_counter()
+        hlo = decode.lower(ddata, *state).compile().as_text() or ""
         run()
         compile_s = time.perf_counter() - t0
+        if a.hlo_dir:
+            with open(os.path.join(a.hlo_dir, f"demo_decode_{impl}.txt"), "w") as fh:
+                fh.write(hlo)
         walls, l0 = [], launches()
         for _ in range(a.repeats):
             t0 = time.perf_counter()
@@ -94,6 +100,9 @@ def main(argv=None):
               f" {tr.get('executions')} (median span {tr.get('exec_span_us')}, idle inside {tr.get('exec_idle_us')});"
               f" our kernel {tr.get('our_kernel_us')} us x {tr.get('our_kernels_per_step')}/step;"
               f" XLA kernels {tr.get('xla_kernel_us')} us median", flush=True)
+        marks = ("custom-call(", "dynamic-slice(", "dynamic_slice_fusion", "address_computation", "while(",
+                 "command_buffer", "conditional(")
+        print("   optimized HLO: " + ", ".join(f"{m.strip('(')} {hlo.count(m)}" for m in marks), flush=True)
         for nm, c, us in tr["top"]:
             print(f"   {c:7.1f}/step {us:8.1f} us/step  {nm}", flush=True)
     return 0
