@@ -227,6 +227,7 @@ def _build_emulation(cfg, tmp_dir, source=None):
     lib.rc_emulate.restype = ctypes.c_int  # failed checks: emulated shuffles, misaligned 16-byte V stores
     lib.rc_units.restype = ctypes.c_int
     lib.rc_pieces.restype = ctypes.c_longlong  # x-packed V: 16-byte pieces of slot runs stored
+    lib.rc_run_units.restype = ctypes.c_longlong  # RC_VSEL: V units of all-run blocks done
     return lib
 
 
@@ -241,6 +242,30 @@ def _run_pieces(cfg, spec, slots, layer):
     s = np.asarray(slots[:len(slots) // x * x], np.int64).reshape(-1, x)
     run = (s[:, 0] >= 0) & (s[:, -1] < n) & (s[:, 0] % x == 0) & (np.diff(s, axis=1) == 1).all(axis=1)
     return int(run.sum()) * spec.kv_heads * spec.head_dim
+
+
+def _run_blocks(cfg, spec, slots, layer):
+    """RC_VSEL: the blocks whose every group of X tokens is an aligned run (the block whole inside T;
+    each group's slots s0 .. s0 + X - 1 with s0 % X == 0, inside the layer's range), as a boolean per
+    block; empty with RC_VSEL 0."""
+    d = dict(cfg.defines)
+    if not d.get("RC_VSEL", 0):
+        return np.zeros(0, bool)
+    x, tpb = spec.x, d["RC_TPB"]
+    n = 0 if spec.num_layers is not None and not 0 <= layer < spec.num_layers else spec.num_slots
+    t = spec.num_tokens // tpb * tpb
+    s = np.asarray(slots[:t], np.int64).reshape(-1, tpb // x, x)
+    run = (s[..., 0] >= 0) & (s[..., -1] < n) & (s[..., 0] % x == 0) & (np.diff(s, axis=-1) == 1).all(axis=-1)
+    return run.all(axis=1)
+
+
+def _run_units(cfg, spec, slots, layer):
+    """RC_VSEL = C: the V units of C channels the all-run blocks have ((TPB / X) * KH * D / C each)."""
+    d = dict(cfg.defines)
+    if not d.get("RC_VSEL", 0):
+        return 0
+    per = d["RC_TPB"] // spec.x * spec.kv_heads * spec.head_dim // d["RC_VSEL"]
+    return int(_run_blocks(cfg, spec, slots, layer).sum()) * per
 
 
 def _units(cfg, spec):
@@ -313,6 +338,7 @@ def run_emulation(spec, args, k_scale, v_scale, tmp_dir, layer=0, num_sms=cuda.D
     assert lib.rc_emulate(ctypes.byref(p), grid) == 0, "emulated shuffles (wrong lanes, sums) or misaligned V stores"
     assert all((g[:_GUARD] == 0xA5).all() and (g[-_GUARD:] == 0xA5).all() for g in guards), "a write outside the outputs"
     assert lib.rc_pieces() == _run_pieces(cfg, spec, slots, layer), "x-packed V: runs stored whole, or not, wrongly"
+    assert lib.rc_run_units() == _run_units(cfg, spec, slots, layer), "RC_VSEL: the blocks' V decomposition"
     return q_out, k_out, kc_out, vc_out
 
 
@@ -674,6 +700,259 @@ def test_v_channels_configuration():
     with pytest.raises(Exception, match="RC_VCH"):  # the kernel refuses what the shape does not allow
         cfg = cuda.kernel_config(make_spec(layout="xpacked", dt=F32))
         bad = dataclasses.replace(cfg, defines=tuple((k, 8 if k == "RC_VCH" else v) for k, v in cfg.defines))
+        cuda.compile_variant(bad, "compute_90")
+
+
+# ---- RC_VSEL: the V decomposition chosen per block at run time ------------------------------------
+def _vsel_slots(rng, spec, tpb, kind, t=None, group=None):
+    """Slots of t tokens (spec's T): sequences filling shuffled blocks from offset 0 (every group an
+    aligned run), then broken by `kind` in block 1 (tokens tpb .. 2 tpb - 1), group 1 where it has
+    two: "allruns", "swap" (two neighbouring slots swapped: each off by one), "invalid" (-1),
+    "outofrange" (num_slots), "misaligned" (a group of an unused block from offset 1), "random"
+    (distinct random slots), "mixed" (_run_slots). group: the broken group of block 1 instead
+    (-1: its last)."""
+    t = spec.num_tokens if t is None else t
+    x, bs, nb = spec.x, spec.block_size, spec.num_blocks
+    if kind == "mixed":
+        return _run_slots(rng, t, spec).astype(np.int64)
+    if kind == "random":
+        return rng.choice(spec.num_slots, t, replace=False).astype(np.int64)
+    nused = -(-t // bs)
+    assert nused + 2 <= nb, "the test needs unused blocks"
+    blocks = rng.permutation(nb)
+    s = (blocks[:nused, None] * bs + np.arange(bs)).reshape(-1)[:t].astype(np.int64)
+    free = sorted(set(range(nb)) - set(blocks[:nused].tolist()))
+    group = (1 if tpb >= 2 * x else 0) if group is None else group % (tpb // x)
+    j = tpb + group * x  # the broken group's first token
+    if kind == "swap":
+        s[j + x // 2 - 1], s[j + x // 2] = s[j + x // 2], s[j + x // 2 - 1]
+    elif kind == "invalid":
+        s[j + x - 1] = -1
+    elif kind == "outofrange":
+        s[j + x - 1] = spec.num_slots
+    elif kind == "misaligned":
+        s[j:j + x] = free[0] * bs + 1 + np.arange(x)
+    else:
+        assert kind == "allruns", kind
+    return s
+
+
+def _vsel_case(kw, vsel, kind, rng, tail=0, raw=True, variant=None, group=None):
+    """(args, opts, spec, cfg defines) of an x-packed call whose blocks are tpb tokens (num_sms=1
+    config), 4 blocks (+ tail tokens), RC_VSEL = vsel; None where the shape does not allow it."""
+    kw = dict(kw)
+    vsh = kw.pop("vsh", False)
+    probe = make_spec(**kw, T=8192, NB=96, max_pos=50)
+    tpb = dict(cuda.kernel_config(probe, 1).defines)["RC_TPB"]
+    tpb = (variant or {}).get("RC_TPB", tpb)
+    if cuda.v_select(probe, tpb, 1, vsel) != vsel:
+        return None
+    t = 4 * tpb + tail
+    spec = make_spec(**kw, T=t, NB=96, max_pos=50)
+    q, k, v, kc, vc, _, pos, cos, sin = make_inputs(spec, rng)
+    if raw:
+        v = _raw_bits(rng, v.shape, v.dtype)
+    s = _vsel_slots(rng, spec, tpb, kind, group=group).astype(spec.slot_dtype)
+    opts = dict(layout=spec.layout, is_neox=spec.is_neox, rotary_dim=spec.rotary_dim, precision=spec.precision)
+    if spec.fp8:
+        opts["k_scale"] = np.float32(0.37)
+        opts["v_scale"] = _scales(rng, spec.kv_heads, vsh)
+    return (q, k, v, kc, vc, s, pos, cos, sin), opts, spec, dict(variant or {}, RC_TPB=tpb, RC_VSEL=vsel)
+
+
+VSEL_CASES = [dict(QH=4, KH=2, D=64, dt=BF16), dict(QH=4, KH=2, D=128, dt=F16, cdt=FN, slot64=True),
+              dict(QH=4, KH=4, D=64, dt=BF16, cdt=FNUZ, vsh=True), dict(QH=4, KH=2, D=64, dt=F32),
+              dict(QH=2, KH=1, D=64, dt=F32, cdt=FN, vsh=True, slot64=True), dict(QH=4, KH=2, D=64, dt=F16, slot64=True)]
+VSEL_KINDS = ["allruns", "swap", "invalid", "outofrange", "misaligned", "random", "mixed"]
+
+
+def _vsel_expect(defines, spec, slots, kind, tail):
+    """What the decision must be: every block an all-run block for "allruns" (but a partial tail),
+    block 1 not for the broken kinds, none for random slots."""
+    cfg = cuda.KernelConfig(defines=tuple(dict(RC_TPB=defines["RC_TPB"], RC_VSEL=defines["RC_VSEL"]).items()),
+                            tokens_per_block=defines["RC_TPB"], threads=0)
+    blocks = _run_blocks(cfg, spec, slots, 0)
+    assert len(blocks) == 4
+    if kind == "allruns":
+        assert blocks.all()
+    elif kind == "random":
+        assert not blocks.any()
+    elif kind != "mixed":
+        assert not blocks[1] and blocks[[0, 2, 3]].all()
+    return _run_units(cfg, spec, slots, 0)
+
+
+@pytest.mark.parametrize("vsel", [2, 4, 8])
+@pytest.mark.parametrize("kind", VSEL_KINDS)
+@pytest.mark.parametrize("layout", ["xpacked", "xpacked_shuffled"])
+@pytest.mark.parametrize("kw", VSEL_CASES, ids=_id)
+def test_host_emulation_v_select_bitwise(kw, layout, kind, vsel, emu_dir):
+    """RC_VSEL: all-run blocks take the C-channel run units, any block with one broken group (two
+    slots swapped, an invalid or out-of-range slot, a misaligned start) and random slots take the
+    one-channel units; bit-exact to the reference (v of random bits), the emulation's count of run
+    units equals the all-run blocks' (run_emulation), a partial tail block (T % TPB) never runs."""
+    rng = np.random.default_rng(VSEL_KINDS.index(kind) * 100 + vsel * 10 + len(layout) + len(VSEL_CASES[0]))
+    for tail, group in ((0, 0), (0, -1), (5, None)):  # the first, the last, a middle group broken
+        case = _vsel_case(dict(kw, layout=layout), vsel, kind, rng, tail=tail, group=group)
+        if case is None:
+            pytest.skip(f"RC_VSEL={vsel}: not a configuration of {kw}")
+        args, opts, spec, defines = case
+        want_units = _vsel_expect(defines, spec, args[5], kind, tail)
+        assert kind == "mixed" or (want_units > 0) == (kind != "random"), want_units
+        got = _emulate(args, opts, emu_dir, num_sms=1, defines=defines)
+        _assert_bitwise(got, _reference(args, opts))
+
+
+@pytest.mark.parametrize("variant", [{"RC_TPB": 8}, {"RC_TPB": 64, "RC_VPAIRS": 0}], ids=["tpb8", "tpb64-nopairs"])
+@pytest.mark.parametrize("kind", ["allruns", "invalid", "mixed"])
+@pytest.mark.parametrize("layout", ["xpacked", "xpacked_shuffled"])
+def test_host_emulation_v_select_block_sizes(layout, kind, variant, emu_dir):
+    """RC_VSEL 4 with one group per block (TPB = X: no lane pairs) and with eight unpaired groups."""
+    case = _vsel_case(dict(QH=4, KH=2, D=64, dt=BF16, layout=layout), 4, kind, np.random.default_rng(3),
+                      tail=3, variant=variant)
+    args, opts, spec, defines = case
+    _vsel_expect(defines, spec, args[5], kind, 3)
+    _assert_bitwise(_emulate(args, opts, emu_dir, num_sms=1, defines=defines), _reference(args, opts))
+
+
+@pytest.mark.parametrize("slot64", [False, True])
+@pytest.mark.parametrize("kind", ["allruns", "swap"])
+def test_host_emulation_v_select_misaligned_slots(slot64, kind, emu_dir):
+    """A slot buffer that is not 16-byte aligned: the block's decision reads its slots one by one."""
+    args, opts, spec, defines = _vsel_case(dict(QH=4, KH=2, D=64, layout="xpacked", slot64=slot64), 4, kind,
+                                           np.random.default_rng(4), tail=0)
+    args = list(args)
+    args[5] = _misaligned(args[5])
+    _vsel_expect(defines, spec, args[5], kind, 0)
+    _assert_bitwise(_emulate(args, opts, emu_dir, num_sms=1, defines=defines), _reference(args, opts))
+
+
+@pytest.mark.parametrize("vsel", [2, 8])
+@pytest.mark.parametrize("layout", ["xpacked", "xpacked_shuffled"])
+def test_host_emulation_v_select_stacked_layers(layout, vsel, emu_dir):
+    """Stacked caches, all-run slots: run blocks write the operand's layer; a layer outside [0, L)
+    writes nothing and takes no run block (the decision uses the layer's slot range)."""
+    layers, rng = 3, np.random.default_rng(17)
+    kw = dict(QH=4, KH=2, D=64, layout=layout)
+    args, opts, spec, defines = _vsel_case(kw, vsel, "allruns", rng, tail=0)
+    spec = make_spec(**kw, T=spec.num_tokens, NB=96, max_pos=50, layers=layers)
+    kc = np.stack([_random(rng, args[3].shape, args[3].dtype) for _ in range(layers)])
+    vc = np.stack([_random(rng, args[4].shape, args[4].dtype) for _ in range(layers)])
+    args = args[:3] + (kc, vc) + args[5:]
+    for layer in (0, 2, -1, 3):
+        want = reference.rope_and_cache(*args, layout=layout, layer=np.array(layer, np.int32))
+        got = run_emulation(spec, args, None, None, emu_dir, layer=layer, num_sms=1, defines=defines)
+        _assert_bitwise(got, want)
+
+
+# Plausible mistakes in the per-block choice: (what, text in rope_cache.cu, its replacement, slots kind, tail);
+# the broken group of block 1 is its last one.
+_VSEL_MUTANTS = [
+    ("any group decides", "all = all & (run_slot(p, t0 + (i64)g * X, sr) >= 0)",
+     "all = all | (run_slot(p, t0 + (i64)g * X, sr) >= 0)", "swap", 0),
+    ("first group decides", "for (int g = 0; g < TPB / X; ++g) all", "for (int g = 0; g < 1; ++g) all", "invalid", 0),
+    ("one slot of the group not compared", "seq = seq && (unsigned int)sv.s32[e] - (unsigned int)s0 == (unsigned int)i;",
+     "seq = seq && (i == X - 1 || (unsigned int)sv.s32[e] - (unsigned int)s0 == (unsigned int)i);", "invalid", 0),
+    ("last group ignored", "for (int g = 0; g < TPB / X; ++g) all", "for (int g = 0; g < TPB / X - 1; ++g) all",
+     "invalid", 0),
+    ("partial block may run", "if (t0 + TPB > T) return false;", "", "allruns", 5),
+    ("always runs", "vrun = block_runs(p, T, t0, sr);", "vrun = true;", "random", 0),
+    ("never runs", "vrun = block_runs(p, T, t0, sr);", "vrun = false;", "allruns", 0),
+    ("run blocks keep the one-channel bound", "(vrun ? N_V_RUN : N_V)", "(vrun ? N_V : N_V)", "allruns", 0),
+    ("other blocks get the run bound", "(vrun ? N_V_RUN : N_V)", "(vrun ? N_V_RUN : N_V_RUN)", "swap", 0),
+    ("run units' channel groups", "v_idx<D / C>(u)", "v_idx<D / VSEL / 2>(u)", "allruns", 0),
+    ("run slot without the layer base", "sr.base + load_index(p.slots, tg", "load_index(p.slots, tg", "layer", 0),
+]
+
+
+@pytest.mark.parametrize("what,old,new,kind,tail", _VSEL_MUTANTS, ids=[m[0] for m in _VSEL_MUTANTS])
+def test_host_emulation_v_select_would_catch_a_wrong_choice(what, old, new, kind, tail, emu_dir):
+    """Each mistake in the decision rule or the unit bound, built into the emulation, fails the
+    checks above (bitwise, guard bytes, the run-unit count, the emulation's run check). The slot and
+    v buffers continue past T (more runs), so reading past T would show."""
+    with open(os.path.join(_kernel_dir(), "cuda", "rope_cache.cu")) as f:
+        text = f.read()
+    assert text.count(old) == 1, f"{what}: the kernel no longer has {old!r}; update the mutant"
+    rng = np.random.default_rng(21)
+    kw = dict(QH=4, KH=2, D=64, layout="xpacked")
+    vsel = 4
+    args, opts, spec, defines = _vsel_case(kw, vsel, "allruns" if kind == "layer" else kind, rng, tail=tail, group=-1)
+    args = list(args)
+    t = spec.num_tokens
+    sbuf = _vsel_slots(rng, make_spec(**kw, T=t + 64, NB=96), defines["RC_TPB"], "allruns" if kind == "layer" else kind,
+                       group=-1).astype(args[5].dtype)  # the runs continue past T
+    args[5] = sbuf[:t]
+    vbuf = np.concatenate([args[2], _raw_bits(rng, (64,) + args[2].shape[1:], args[2].dtype)])
+    args[2] = vbuf[:t]
+    layer, lspec = 0, spec
+    if kind == "layer":
+        layers = 3
+        lspec = make_spec(**kw, T=t, NB=96, max_pos=50, layers=layers)
+        args[3] = np.stack([_random(rng, args[3].shape, args[3].dtype) for _ in range(layers)])
+        args[4] = np.stack([_random(rng, args[4].shape, args[4].dtype) for _ in range(layers)])
+        layer = 2
+    def run(source):
+        want = reference.rope_and_cache(*args, layout="xpacked", layer=None if kind != "layer" else np.array(layer, np.int32))
+        got = run_emulation(lspec, args, None, None, emu_dir, layer=layer, num_sms=1, defines=defines, source=source)
+        _assert_bitwise(got, want)
+    run(None)  # the kernel as it is
+    # the mutant in a forked child: a wrong unit bound may crash it (writes far outside the buffers)
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 0
+        try:
+            run(text.replace(old, new))
+        except BaseException:  # noqa: BLE001 - caught by a check
+            code = 3
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert not (os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0), f"{what}: not caught"
+
+
+VSEL_SHAPES = [("llama8b", dict(QH=32, KH=8, D=128)), ("gptoss-tp8", dict(QH=8, KH=1, D=64)),
+               ("gptoss-tp1", dict(QH=64, KH=8, D=64)), ("llama70b-tp8", dict(QH=8, KH=1, D=128)),
+               ("llama8b-fp8", dict(QH=32, KH=8, D=128, cdt=FN)), ("gptoss-tp8-fp8", dict(QH=8, KH=1, D=64, cdt=FN)),
+               ("llama70b-tp8-fp8", dict(QH=8, KH=1, D=128, cdt=FNUZ))]
+
+
+@pytest.mark.parametrize("arch", ["sm_90"])
+def test_nvrtc_compiles_v_select_without_spills(arch):
+    """RC_VSEL 2, 4, 8 at the prefill configurations of real shapes (both x-packed layouts, bf16 and
+    fp8 caches, T = 8192 and 32768; decode sizes, where it cannot apply, get 0): a cubin, no spills,
+    no stack; the threads are the one-channel configuration's."""
+    matrix, cfgs = [], []
+    for (name, shape), layout, t, c in itertools.product(VSEL_SHAPES, ("xpacked", "xpacked_shuffled"), (8192, 32768),
+                                                        (2, 4, 8)):
+        spec = make_spec(T=t, layout=layout, **shape)
+        cfg = cuda.kernel_config(spec, vsel=c)
+        assert dict(cfg.defines)["RC_VSEL"] == c, name
+        assert cfg.threads == cuda.kernel_config(spec).threads, name
+        matrix.append((f"{name}-{layout}-T{t}-vsel{c}", spec))
+        cfgs.append(cfg)
+    assert dict(cuda.kernel_config(make_spec(T=1, layout="xpacked", QH=32, KH=8, D=128), vsel=4).defines)["RC_VSEL"] == 0
+    failures = spill_failures([s for _, s in matrix], [n for n, _ in matrix], arch, cfgs=cfgs)
+    assert not failures, "\n".join(failures[:5])
+
+
+def test_v_select_configuration():
+    """RC_VSEL is 0 unless asked (V_SELECT_CHANNELS), 0 for flash, RC_VCH > 1, blocks of fewer than
+    X tokens; the kernel refuses a value the shape does not allow."""
+    assert cuda.V_SELECT_CHANNELS == 0
+    llama = make_spec(T=8192, QH=32, KH=8, D=128, layout="xpacked")
+    assert dict(cuda.kernel_config(llama).defines)["RC_VSEL"] == 0
+    assert dict(cuda.kernel_config(llama, vsel=8).defines)["RC_VSEL"] == 8
+    assert dict(cuda.kernel_config(llama, vsel=8, vch=2).defines)["RC_VSEL"] == 0
+    assert dict(cuda.kernel_config(make_spec(T=8192, layout="flash"), vsel=8).defines)["RC_VSEL"] == 0
+    assert dict(cuda.kernel_config(make_spec(T=8192, layout="xpacked", dt=F32), vsel=8).defines)["RC_VSEL"] == 4
+    saved = cuda.V_SELECT_CHANNELS
+    try:
+        cuda.V_SELECT_CHANNELS = 2
+        assert dict(cuda.kernel_config(llama).defines)["RC_VSEL"] == 2
+    finally:
+        cuda.V_SELECT_CHANNELS = saved
+    with pytest.raises(Exception, match="RC_VSEL"):
+        cfg = cuda.kernel_config(make_spec(T=8192, layout="xpacked", dt=F32))
+        bad = dataclasses.replace(cfg, defines=tuple((k, 8 if k == "RC_VSEL" else v) for k, v in cfg.defines))
         cuda.compile_variant(bad, "compute_90")
 
 

@@ -98,6 +98,12 @@ PACKED_NT, PACKED_MINB = 256, 4
 # Channels per x-packed V unit (RC_VCH): 1 is the one-channel writer; 2, 4 or 8 load a token's
 # channels as one vector and write a slot run as that many 16-byte pieces (not measured on a GPU yet).
 V_CHANNELS = 1
+# RC_VSEL: 0 (off), or the channels (2, 4, 8) of the V units of a block whose groups are all aligned
+# slot runs, chosen per block at run time (other blocks: the one-channel units). Applies where the
+# block's groups are whole runs can exist (x-packed, RC_VCH 1, tokens per block and BS multiples of X);
+# the thread count stays the one-channel one. H200 (static RC_VCH): prefill runs faster at C > 1,
+# random slots much slower, hence the per-block choice (not measured on a GPU yet).
+V_SELECT_CHANNELS = 0
 
 
 def _rot_lanes(spec: contract.OpSpec, w: int) -> int:
@@ -114,6 +120,16 @@ def v_channels(spec: contract.OpSpec, want: int = 1) -> int:
     while c > 1 and spec.head_dim % c:
         c //= 2
     return c
+
+
+def v_select(spec: contract.OpSpec, tpb: int, vch: int, want: int) -> int:
+    """RC_VSEL: the run units' channels (as far as the shape allows, v_channels) for blocks of tpb
+    tokens, or 0 (off: want < 2, flash, RC_VCH > 1, tokens per block or BS not multiples of X)."""
+    x = spec.x
+    if want < 2 or spec.layout == "flash" or vch != 1 or tpb % x or spec.block_size % x:
+        return 0
+    c = v_channels(spec, want)
+    return c if c > 1 else 0
 
 
 def _block_units(spec: contract.OpSpec, w: int, vch: int = 1):
@@ -146,13 +162,16 @@ def _latency_width(spec: contract.OpSpec, w: int, vch: int = 1) -> int:
     return half if not spec.norm or lanes_path else w  # the generic norm path: each unit sums its row
 
 
-def kernel_config(spec: contract.OpSpec, num_sms: int = DEFAULT_SMS, vch: int | None = None) -> KernelConfig:
+def kernel_config(spec: contract.OpSpec, num_sms: int = DEFAULT_SMS, vch: int | None = None,
+                  vsel: int | None = None) -> KernelConfig:
     """One thread per unit of work (kernels/cuda/rope_cache.cu: rotation, pass-through and V units).
     A block owns RC_TPB tokens; a large call gives each thread several units in turn (fewer, longer
     blocks: 8-15% faster than one unit per thread on the H200, benchmarks/gpu_speed.py). A small
     call (decode) gets one token per block, so the grid spreads over the SMs and every thread does
     one unit: latency, not bandwidth (half-width chunks where that fits, _latency_width).
-    vch: channels per x-packed V unit wanted (None: V_CHANNELS), as far as the shape allows."""
+    vch: channels per x-packed V unit wanted (None: V_CHANNELS), as far as the shape allows.
+    vsel: channels of the run units of all-run blocks wanted (None: V_SELECT_CHANNELS; 0: off), see
+    v_select; the threads are sized by the one-channel units (_block_units with vch)."""
     w = chunk_width(spec)
     x = spec.x
     xp = spec.layout != "flash"
@@ -182,10 +201,11 @@ def kernel_config(spec: contract.OpSpec, num_sms: int = DEFAULT_SMS, vch: int | 
     # QK-norm weights loaded early (latency) only where the grid is one block per SM at most: the
     # early chunks cost ~8 registers, which in larger calls would take resident blocks away.
     early_w = int(-(-t // tpb) <= num_sms)
+    vsel = v_select(spec, tpb, vch, V_SELECT_CHANNELS if vsel is None else vsel)
     c = contract.kernel_codes(spec)
     defines = tuple((f"RC_{name}", int(getattr(c, field))) for name, field in _DEFINES) + (
         ("RC_NORM_EPS_BITS", _f32_bits(c.norm_eps)), ("RC_WCH", w), ("RC_TPB", tpb), ("RC_NT", nt), ("RC_MINB", minb),
-        ("RC_VPAIRS", 1), ("RC_VCH", vch), ("RC_EARLY_W", early_w))
+        ("RC_VPAIRS", 1), ("RC_VCH", vch), ("RC_VSEL", vsel), ("RC_EARLY_W", early_w))
     return KernelConfig(defines=defines, tokens_per_block=tpb, threads=nt, fallback_minb=fallback)
 
 

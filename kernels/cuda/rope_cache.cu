@@ -22,6 +22,11 @@
 //                                sectors of a slot run (see v_unit_xpacked)
 //   RC_VCH                       1 (default): channels per x-packed V unit (v_unit_xpacked); 2, 4 or 8
 //                                (C * element size <= 16 bytes, D % C == 0): v_unit_xpacked_vec
+//   RC_VSEL                      0 (default): off; C in {2, 4, 8} (x-packed, RC_VCH 1, VG == X, BS % X
+//                                == 0, C * element size <= 16, D % C == 0): V units chosen per BLOCK
+//                                at run time: a block whose groups are all aligned runs takes
+//                                C-channel run units (v_unit_run), any other block today's units
+//                                (v_unit_xpacked); see block_runs
 //   RC_Q_NORM, RC_K_NORM         -1 (default): no RMSNorm; else the RcDtype of q_norm_weight /
 //                                k_norm_weight (q's dtype or f32): Qwen3's per-head QK-norm before
 //                                the rotation (block "QK-RMSNorm")
@@ -73,6 +78,11 @@
 //                 d..d+C-1, each token's C channels one load, the group's slots in 16-byte loads;
 //                 a run is transposed in registers (prmt) into C pieces, other groups go element
 //                 by element as above (fewer instructions per stored byte, more registers).
+//                 RC_VSEL = C (RC_VCH 1): every thread first decides from the block's slots whether
+//                 ALL its groups are aligned runs (block_runs); such a block's V units are C-channel
+//                 run units (v_unit_run: C pieces, no per-group check, N_V_RUN of them), any other
+//                 block's are the one-channel units above, unchanged (random slots keep their lane
+//                 order). The unit loop's bound is the block's count (the same in all its threads).
 //
 // Bounds: positions are clamped to [0, max_pos-1]; a slot writes only if 0 <= slot < NB*BS (and,
 // stacked, 0 <= layer < L); all offsets are 64-bit. q_out/k_out are written for every token.
@@ -102,6 +112,9 @@
 #endif
 #ifndef RC_VCH
 #define RC_VCH 1
+#endif
+#ifndef RC_VSEL
+#define RC_VSEL 0
 #endif
 #ifndef RC_Q_NORM  // issue 18 options; their defaults are the kernel without them
 #define RC_Q_NORM (-1)
@@ -171,6 +184,11 @@ constexpr int N_ROT = TPB * U_ROT;
 constexpr int N_PASS = TPB * U_PASS;
 constexpr int N_V = XP ? (TPB / VG) * KH * DC : TPB * KH * CH;
 constexpr int N_UNITS = N_ROT + N_PASS + N_V;
+// RC_VSEL = C: a block whose TPB tokens are all < T and whose every group of X tokens is an aligned
+// run (block_runs) has N_V_RUN V units of C channels instead of the N_V above (the threads, NT, are
+// sized by N_UNITS: such a block leaves some idle).
+constexpr int VSEL = RC_VSEL;
+constexpr int N_V_RUN = VSEL > 0 ? (TPB / X) * KH * (D / VSEL) : N_V;
 
 static_assert(W >= 1 && (W & (W - 1)) == 0 && W * S_IN <= 16, "RC_WCH: power of two, at most 16 bytes");
 static_assert(D % W == 0 && R % W == 0 && R % 2 == 0 && R <= D, "RC_WCH must divide D and R");
@@ -190,6 +208,9 @@ static_assert(!NORM_LANES || (is_pow2(P) && 32 % P == 0 && U_ROT % P == 0 && CH 
 static_assert(!(KS_HEADS || VS_HEADS) || FP8, "per-head scales: fp8 caches only");
 static_assert(VCH == 1 || (XP && (VCH == 2 || VCH == 4 || VCH == 8) && VCH * S_IN <= 16 && D % VCH == 0),
               "RC_VCH: 1, or 2/4/8 channels of at most 16 bytes dividing D (x-packed layouts)");
+static_assert(VSEL == 0 || (V_RUNS && VCH == 1 && (VSEL == 2 || VSEL == 4 || VSEL == 8) && VSEL * S_IN <= 16 &&
+                            D % VSEL == 0),
+              "RC_VSEL: 0, or 2/4/8 channels of at most 16 bytes dividing D (x-packed runs, RC_VCH 1)");
 #ifndef RC_EMULATE
 static_assert(NT % 32 == 0 && NT >= 32 && NT <= 1024, "RC_NT");
 #endif
@@ -879,18 +900,19 @@ constexpr bool V_PAIRS = RC_VPAIRS && V_RUNS && LAYOUT == RC_XPACKED && BS / X >
 struct VIdx {
   int g, h, c;
 };
+template <int NC = DC>  // channel groups per kv head
 __device__ __forceinline__ VIdx v_idx(int u) {
   VIdx ix;
   if (V_PAIRS) {
     const int half = u % 2, r = u / 2;
-    ix.c = r % DC;
-    ix.h = (r / DC) % KH;
-    ix.g = (r / (DC * KH)) * 2 + half;
+    ix.c = r % NC;
+    ix.h = (r / NC) % KH;
+    ix.g = (r / (NC * KH)) * 2 + half;
   } else {
-    ix.g = u / (KH * DC);
-    const int r = u % (KH * DC);
-    ix.h = r / DC;
-    ix.c = r % DC;
+    ix.g = u / (KH * NC);
+    const int r = u % (KH * NC);
+    ix.h = r / NC;
+    ix.c = r % NC;
   }
   return ix;
 }
@@ -933,12 +955,15 @@ __device__ __forceinline__ void v_unit_xpacked(const Params& p, i64 T, i64 t0, i
 
 // ---- x-packed V of VCH channels (RC_VCH > 1) ------------------------------------------------------
 // One token's VCH channels: one load of VCH * S_IN bytes (4..16).
-constexpr int VCB = VCH > 1 ? VCH * S_IN : 4;
-union VChans {
-  VecOf<VCB>::T v;
-  unsigned int w[VCB / 4];
-  raw_in e[VCB / S_IN];
+constexpr int vcb(int c) { return c > 1 ? c * S_IN : 4; }
+template <int C>
+union VChansT {
+  typename VecOf<vcb(C)>::T v;
+  unsigned int w[vcb(C) / 4];
+  raw_in e[vcb(C) / S_IN];
 };
+constexpr int VCB = vcb(VCH);
+using VChans = VChansT<VCH>;
 
 // The cache slot base + s0 of token tg if the slots of tokens tg .. tg + VG - 1 (all < T) are one
 // aligned run s0 + i (0 <= s0, s0 + VG <= n, (base + s0) % X == 0), else -1. The slots are read 16
@@ -985,7 +1010,8 @@ __device__ __forceinline__ i64 run_slot(const Params& p, i64 tg, SlotRange sr) {
 }
 
 // Word m of the cache piece of channel c: that channel of tokens m * (4 / S_CACHE) .. in order.
-__device__ __forceinline__ unsigned int piece_word(const VChans* x, int c, int m, float inv_v) {
+template <int C>
+__device__ __forceinline__ unsigned int piece_word(const VChansT<C>* x, int c, int m, float inv_v) {
   if constexpr (FP8) {  // four tokens, quantized
     unsigned int r = 0;
 #pragma unroll
@@ -1059,6 +1085,52 @@ __device__ __forceinline__ void v_unit_xpacked_vec(const Params& p, i64 T, i64 t
 }
 // ---- end of x-packed V of VCH channels ------------------------------------------------------------
 
+// ---- RC_VSEL: the V decomposition chosen per block --------------------------------------------------
+#ifdef RC_EMULATE
+static long long rc_emu_run_units = 0;  // v_unit_run units done (the tests count the all-run blocks)
+#endif
+// Every thread of the block computes the same answer from the block's slots: all TPB tokens < T and
+// every group of X tokens an aligned run inside the slot range (run_slot: 16-byte slot loads where
+// the buffer is 16-byte aligned, else one by one). No shared memory, no barrier.
+__device__ __forceinline__ bool block_runs(const Params& p, i64 T, i64 t0, SlotRange sr) {
+  if (t0 + TPB > T) return false;
+  bool all = true;
+#pragma unroll
+  for (int g = 0; g < TPB / X; ++g) all = all & (run_slot(p, t0 + (i64)g * X, sr) >= 0);
+  return all;
+}
+
+// A V unit of an all-run block (block_runs): channels d0 .. d0 + C - 1 of kv head h for the X tokens
+// of group g, written as C 16-byte pieces (as v_unit_xpacked_vec's run path); the group's run starts
+// at its first token's slot.
+template <int C>
+__device__ __forceinline__ void v_unit_run(const Params& p, i64 t0, int u, SlotRange sr, float inv_v) {
+  const VIdx ix = v_idx<D / C>(u);
+  const int h = ix.h, d0 = ix.c * C;
+  const i64 tg = t0 + (i64)ix.g * VG;
+  if constexpr (VS_HEADS) inv_v = head_inv(p.v_scale, h, inv_v, true);
+  const raw_in* src = static_cast<const raw_in*>(p.v) + (tg * KH + h) * (i64)D + d0;
+  VChansT<C> x[VG];
+#pragma unroll
+  for (int i = 0; i < VG; ++i) x[i].v = load_now<typename VecOf<vcb(C)>::T>(src + i * KH * D);
+  const i64 s0 = sr.base + load_index(p.slots, tg, RC_SLOT64 != 0);
+#ifdef RC_EMULATE
+  if (run_slot(p, tg, sr) != s0) ++rc_emu_errors;  // the block's decision said: an aligned run
+  ++rc_emu_run_units;
+#endif
+  raw_cache* vc = static_cast<raw_cache*>(p.vc);
+#pragma unroll
+  for (int c = 0; c < C; ++c) {
+    union {
+      uint4 v;
+      unsigned int w[4];
+    } o;
+#pragma unroll
+    for (int m = 0; m < 4; ++m) o.w[m] = piece_word<C>(x, c, m, inv_v);
+    store16(vc + value_index(s0 / BS, s0 % BS, h, d0) + c * V_ROW, o.v);
+  }
+}
+
 }  // namespace rc
 
 extern "C" __global__ void __launch_bounds__(RC_NT, RC_MINB) rope_cache_kernel(const rc::Params p) {
@@ -1072,16 +1144,26 @@ extern "C" __global__ void __launch_bounds__(RC_NT, RC_MINB) rope_cache_kernel(c
   }
   const float inv_k = FP8 && !KS_HEADS ? rc_inv_scale(*p.k_scale) : 1.0f;  // per head: in the units
   const float inv_v = FP8 && !VS_HEADS ? rc_inv_scale(*p.v_scale) : 1.0f;
+  // RC_VSEL: the block's V decomposition (the same in every thread).
+  bool vrun = false;
+  if constexpr (VSEL > 0) vrun = block_runs(p, T, t0, sr);
+  const int n_units = VSEL > 0 ? N_ROT + N_PASS + (vrun ? N_V_RUN : N_V) : N_UNITS;
   // Units tid, tid + NT, ...: rotation units first, then pass-through, then V.
 #pragma unroll 1
-  for (int u = threadIdx.x; u < N_UNITS; u += NT) {
+  for (int u = threadIdx.x; u < n_units; u += NT) {
     if (u < N_ROT) {
       rot_unit(p, T, max_pos, t0, u, sr, inv_k);
     } else if (u < N_ROT + N_PASS) {
       pass_unit(p, T, t0, u - N_ROT, sr, inv_k);
     } else if (XP) {
-      if constexpr (VCH > 1) v_unit_xpacked_vec(p, T, t0, u - N_ROT - N_PASS, sr, inv_v);
-      else v_unit_xpacked(p, T, t0, u - N_ROT - N_PASS, sr, inv_v);
+      if constexpr (VCH > 1) {
+        v_unit_xpacked_vec(p, T, t0, u - N_ROT - N_PASS, sr, inv_v);
+      } else if constexpr (VSEL > 0) {
+        if (vrun) v_unit_run<VSEL>(p, t0, u - N_ROT - N_PASS, sr, inv_v);
+        else v_unit_xpacked(p, T, t0, u - N_ROT - N_PASS, sr, inv_v);
+      } else {
+        v_unit_xpacked(p, T, t0, u - N_ROT - N_PASS, sr, inv_v);
+      }
     } else {
       v_unit_flash(p, T, t0, u - N_ROT - N_PASS, sr, inv_v);
     }
@@ -1093,6 +1175,7 @@ extern "C" __global__ void __launch_bounds__(RC_NT, RC_MINB) rope_cache_kernel(c
 extern "C" int rc_emulate(const rc::Params* p, long long grid) {
   rc::rc_emu_errors = 0;
   rc::rc_emu_pieces = 0;
+  rc::rc_emu_run_units = 0;
   for (long long b = 0; b < grid; ++b) {
     blockIdx.x = (unsigned)b;
     threadIdx.x = 0;
@@ -1103,4 +1186,5 @@ extern "C" int rc_emulate(const rc::Params* p, long long grid) {
 // The units of one block (the launch configuration's count must agree: backends/cuda._block_units).
 extern "C" int rc_units() { return rc::N_UNITS; }
 extern "C" long long rc_pieces() { return rc::rc_emu_pieces; }
+extern "C" long long rc_run_units() { return rc::rc_emu_run_units; }  // RC_VSEL: units of all-run blocks
 #endif
