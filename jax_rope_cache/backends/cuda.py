@@ -96,14 +96,16 @@ UNITS_PER_BLOCK_XP = 8192  # x-packed (up to 32 tokens: two whole runs of 16 slo
 # T = 32768: Llama-8B 5% faster, the fused QK-norm variants 4-8%; x-packed keeps its 512 (faster there).
 PACKED_NT, PACKED_MINB = 256, 4
 # Channels per x-packed V unit (RC_VCH): 1 is the one-channel writer; 2, 4 or 8 load a token's
-# channels as one vector and write a slot run as that many 16-byte pieces (not measured on a GPU yet).
+# channels as one vector and write a slot run as that many 16-byte pieces. H200 (kernel_speed.py,
+# session 5): prefill runs 3-12% faster at C = 2..8, random slots 17-100% slower, decode mixed; so
+# the static choice stays 1 and runs get their vector units per block (RC_VSEL below).
 V_CHANNELS = 1
 # RC_VSEL: 0 (off), or the channels (2, 4, 8) of the V units of a block whose groups are all aligned
-# slot runs, chosen per block at run time (other blocks: the one-channel units). Applies where the
-# block's groups are whole runs can exist (x-packed, RC_VCH 1, tokens per block and BS multiples of X);
-# the thread count stays the one-channel one. H200 (static RC_VCH): prefill runs faster at C > 1,
-# random slots much slower, hence the per-block choice (not measured on a GPU yet).
-V_SELECT_CHANNELS = 0
+# slot runs, chosen per block at run time (other blocks: the one-channel units). Applies where
+# whole runs can exist (x-packed, RC_VCH 1, tokens per block and BS multiples of X); the thread
+# count stays the one-channel one. 4: within the 64-register budget of two 512-thread blocks per SM
+# for 16-bit caches (8 takes 74-78 registers); fp8 caches get 2 (4 takes 79).
+V_SELECT_CHANNELS = 4
 
 
 def _rot_lanes(spec: contract.OpSpec, w: int) -> int:
@@ -201,7 +203,9 @@ def kernel_config(spec: contract.OpSpec, num_sms: int = DEFAULT_SMS, vch: int | 
     # QK-norm weights loaded early (latency) only where the grid is one block per SM at most: the
     # early chunks cost ~8 registers, which in larger calls would take resident blocks away.
     early_w = int(-(-t // tpb) <= num_sms)
-    vsel = v_select(spec, tpb, vch, V_SELECT_CHANNELS if vsel is None else vsel)
+    if vsel is None:  # the default: fp8 caches at most 2 channels (4 takes 79 registers there)
+        vsel = min(V_SELECT_CHANNELS, 2) if spec.fp8 else V_SELECT_CHANNELS
+    vsel = v_select(spec, tpb, vch, vsel)
     c = contract.kernel_codes(spec)
     defines = tuple((f"RC_{name}", int(getattr(c, field))) for name, field in _DEFINES) + (
         ("RC_NORM_EPS_BITS", _f32_bits(c.norm_eps)), ("RC_WCH", w), ("RC_TPB", tpb), ("RC_NT", nt), ("RC_MINB", minb),
