@@ -228,6 +228,8 @@ def _build_emulation(cfg, tmp_dir, source=None):
     lib.rc_units.restype = ctypes.c_int
     lib.rc_pieces.restype = ctypes.c_longlong  # x-packed V: 16-byte pieces of slot runs stored
     lib.rc_run_units.restype = ctypes.c_longlong  # RC_VSEL: V units of all-run blocks done
+    lib.rc_rot_unit.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int)]
+    lib.rc_kpairs.restype = ctypes.c_int
     return lib
 
 
@@ -425,8 +427,13 @@ VCH_VARIANTS = [{"RC_VCH": 2}, {"RC_VCH": 4}, {"RC_VCH": 8}, {"RC_VCH": 4, "RC_T
 VCH_IDS = ["vch2", "vch4", "vch8", "vch4-tpb8", "vch8-tpb64-nopairs"]
 
 
-@pytest.mark.parametrize("variant", [{}, {"RC_TPB": 8}, {"RC_TPB": 64, "RC_VPAIRS": 0}] + VCH_VARIANTS,
-                         ids=["default", "tpb8", "tpb64-nopairs"] + VCH_IDS)
+KP = {"RC_KPAIRS": 1}  # k-head rotation units paired by token (x-packed, even RC_TPB; flash: ignored)
+KP_VARIANTS = [KP, dict(KP, RC_TPB=8), dict(KP, RC_TPB=2), dict(KP, RC_VCH=4)]
+KP_IDS = ["kpairs", "kpairs-tpb8", "kpairs-tpb2", "kpairs-vch4"]
+
+
+@pytest.mark.parametrize("variant", [{}, {"RC_TPB": 8}, {"RC_TPB": 64, "RC_VPAIRS": 0}] + VCH_VARIANTS + KP_VARIANTS,
+                         ids=["default", "tpb8", "tpb64-nopairs"] + VCH_IDS + KP_IDS)
 @pytest.mark.parametrize("layout", contract.LAYOUTS)
 @pytest.mark.parametrize("combo", [(BF16, BF16), (F16, FN), (F32, F32)], ids=lambda c: f"{c[0].name}-{c[1].name}")
 def test_host_emulation_slot_runs(layout, combo, variant, emu_dir):
@@ -498,8 +505,9 @@ def test_host_emulation_subnormals_and_tiny_scales(dt, tdt, cdt, prec, scale, em
         assert np.array_equal(g.view(np.uint8), np.asarray(w).view(np.uint8)), name
 
 
+@pytest.mark.parametrize("variant", [None, dict(KP, RC_TPB=8)], ids=["default", "kpairs-tpb8"])
 @pytest.mark.parametrize("layout", contract.LAYOUTS)
-def test_host_emulation_writes_one_layer_of_stacked_caches(layout, emu_dir):
+def test_host_emulation_writes_one_layer_of_stacked_caches(layout, variant, emu_dir):
     """Stacked caches [L, NB, ...]: the layer comes from the device operand; every layer in range
     writes exactly that layer (bit-exact to the reference), one outside [0, L) writes nothing."""
     layers = 3
@@ -511,7 +519,7 @@ def test_host_emulation_writes_one_layer_of_stacked_caches(layout, emu_dir):
     args = (q, k, v, kc, vc, slots, pos, cos, sin)
     for layer in (0, 2, 1, -1, 3, 2**31 - 1, -2**31):
         want = reference.rope_and_cache(*args, layout=layout, layer=np.array(layer, np.int32))  # as if traced
-        got = run_emulation(spec, args, None, None, emu_dir, layer=layer)
+        got = run_emulation(spec, args, None, None, emu_dir, layer=layer, defines=variant)
         for name, g, w in zip(("q_out", "k_out", "key_cache", "value_cache"), got, want):
             assert np.array_equal(g.view(np.uint8), np.asarray(w).view(np.uint8)), (layer, name)
         if not 0 <= layer < layers:
@@ -1260,3 +1268,144 @@ def test_cuda_lowering_is_one_custom_call_with_every_operand(layers):
                    "stablehlo.optimization_barrier"}, ops
     assert main.count("stablehlo.optimization_barrier") == 1
 
+
+
+# ---- RC_KPAIRS: the k heads' rotation units paired by token ----------------------------------------
+def _xp_cases(cases):
+    """The x-packed entries of an emulation matrix (flash ones moved to xpacked where D allows)."""
+    out = []
+    for kw in cases:
+        kw = dict(kw)
+        if kw.get("layout", "flash") == "flash":
+            kw["layout"] = "xpacked"
+        if kw["D"] % contract.pack_width(np.dtype(kw.get("cdt") or kw.get("dt", BF16))) == 0:
+            out.append(kw)
+    return out
+
+
+@pytest.mark.parametrize("tpb", [4, 32])
+@pytest.mark.parametrize("kw", _xp_cases(emulation_matrix()), ids=_id)
+def test_host_emulation_kpairs_matches_reference_bitwise(kw, tpb, emu_dir):
+    """The random matrix (invalid slots, clamped positions, fp8, partial rotary, both styles) with
+    RC_KPAIRS: blocks of tpb tokens (T not a multiple: tail tokens, odd T: a pair without its odd
+    token), bit-exact to the reference."""
+    spec = make_spec(**kw)
+    rng = np.random.default_rng(abs(hash(_id(kw))) % 2**32)
+    args = make_inputs(spec, rng)
+    ks = vs = None
+    if spec.fp8:
+        ks, vs = np.float32(0.37), np.float32(1.9)
+    opts = dict(layout=spec.layout, is_neox=spec.is_neox, rotary_dim=spec.rotary_dim, k_scale=ks, v_scale=vs,
+                precision=spec.precision)
+    _assert_bitwise(run_emulation(spec, args, ks, vs, emu_dir, defines=dict(KP, RC_TPB=tpb)), _reference(args, opts))
+
+
+_KP_NORM_CASES = _xp_cases(norm_emulation_matrix()) + [
+    dict(T=203, QH=8, KH=1, D=128, layout="xpacked", dt=BF16, qn=BF16, kn=BF16, max_pos=50),  # Qwen3-32B TP8
+    dict(T=203, QH=8, KH=2, D=128, layout="xpacked_shuffled", neox=False, dt=BF16, qn=BF16, kn=F32, max_pos=50),
+    dict(T=77, QH=4, KH=4, D=128, layout="xpacked", dt=F32, cdt=FN, qn=F32, kn=F32, ksh=True, vsh=True, max_pos=50),
+]
+
+
+@pytest.mark.parametrize("tpb", [8, 32])
+@pytest.mark.parametrize("kw", _KP_NORM_CASES, ids=_id)
+def test_host_emulation_kpairs_norm_and_head_scales_bitwise(kw, tpb, emu_dir):
+    """RC_KPAIRS with the QK-norm (lane butterfly: a k head's P units on every other lane, shuffles
+    xor 2..P, checked by the emulated shuffle groups; P = 32: unpaired; the generic path) and
+    per-head fp8 scales, bit-exact to the reference."""
+    rng = np.random.default_rng(abs(hash(_id(kw))) % 2**32)
+    args, opts = _norm_problem(kw, rng)
+    _assert_bitwise(_emulate(args, opts, emu_dir, num_sms=1, defines=dict(KP, RC_TPB=tpb)), _reference(args, opts))
+
+
+def _rot_map(lib, n):
+    out = (ctypes.c_int * 3)()
+    m = []
+    for u in range(n):
+        lib.rc_rot_unit(u, out)
+        m.append(tuple(out))
+    return m
+
+
+def _half_sector_stores(spec, tpb, m):
+    """32-byte sectors of the key cache that a warp's store of rotated k pieces writes only in part,
+    over one block of tpb tokens of a prefill run (slot = token), rotation units m[u] on lane u % 32."""
+    d, kh, x, bs, s_cache = spec.head_dim, spec.kv_heads, spec.x, spec.block_size, spec.cache_dtype.itemsize
+    w = dict(cuda.kernel_config(spec, num_sms=1).defines)["RC_WCH"]
+    p = len(m) // (tpb * (spec.q_heads + kh))
+    halves = [0, d // 2] if spec.is_neox else [0]
+    partial = 0
+    for base in range(0, len(m), 32):
+        for half in halves:  # one store instruction each
+            covered = {}
+            for tt, h, j in m[base:base + 32]:
+                if h < spec.q_heads:
+                    continue
+                c = half + j * w
+                e = ((((tt // bs) * kh + h - spec.q_heads) * (d // x) + c // x) * bs + tt % bs) * x + c % x
+                for b in range(e * s_cache, (e + w) * s_cache):
+                    covered.setdefault(b // 32, set()).add(b % 32)
+            partial += sum(len(v) < 32 for v in covered.values())
+    assert p > 0
+    return partial
+
+
+@pytest.mark.parametrize("kw", [dict(QH=32, KH=8, D=128), dict(QH=64, KH=8, D=64), dict(QH=8, KH=1, D=64),
+                                dict(QH=8, KH=1, D=128, neox=False), dict(QH=4, KH=2, D=128, dt=F16, cdt=FN),
+                                dict(QH=8, KH=1, D=128, qn=BF16, kn=BF16), dict(QH=4, KH=2, D=128, dt=F32, kn=F32)],
+                         ids=_id)
+@pytest.mark.parametrize("layout", ["xpacked", "xpacked_shuffled"])
+def test_kpairs_lane_mapping(kw, layout, emu_dir):
+    """The rotation units' mapping (rc_rot_unit) for RC_KPAIRS: a bijection onto (token, head, chunk);
+    q units first in today's order; lanes 2m, 2m+1 are tokens 2t, 2t+1 of one (k head, chunk), so
+    each warp store of k pieces fills whole 32-byte sectors of a prefill run (today's order: none)."""
+    spec = spec_of(dict(kw, T=8192, layout=layout))
+    tpb = 16
+    for kp in (0, 1):
+        d = dict(cuda.kernel_config(spec, num_sms=1, kpairs=kp).defines, RC_TPB=tpb, RC_VSEL=0)  # rotation units only
+        assert ("RC_KPAIRS" in dict(cuda.kernel_config(spec, kpairs=kp).defines)) == bool(kp)
+        lib = _build_emulation(cuda.KernelConfig(defines=tuple(d.items()), tokens_per_block=tpb, threads=0), emu_dir)
+        assert lib.rc_kpairs() == kp
+        rh, qh = spec.q_heads + spec.kv_heads, spec.q_heads
+        p = cuda._rot_lanes(spec, d["RC_WCH"])
+        m = _rot_map(lib, tpb * rh * p)
+        assert sorted(m) == [(t, h, j) for t in range(tpb) for h in range(rh) for j in range(p)]
+        if not kp:
+            assert m == sorted(m)  # (token, head, chunk), chunk fastest
+            assert _half_sector_stores(spec, tpb, m) > 0
+            continue
+        nq = tpb * qh * p
+        assert m[:nq] == [(t, h, j) for t in range(tpb) for h in range(qh) for j in range(p)]
+        for u in range(nq, len(m), 2):
+            (t0, h0, j0), (t1, h1, j1) = m[u], m[u + 1]
+            assert (h0, j0) == (h1, j1) and t0 % 2 == 0 and t1 == t0 + 1, (u, m[u], m[u + 1])
+        assert _half_sector_stores(spec, tpb, m) == 0
+
+
+def test_kpairs_configuration():
+    """K_PAIRS is 0 (today's kernel) until measured; set, it defines RC_KPAIRS for x-packed layouts
+    with an even number of tokens per block only."""
+    assert cuda.K_PAIRS == 0
+    big, small = dict(T=8192, QH=32, KH=8, D=128), dict(T=1, QH=32, KH=8, D=128)
+    assert "RC_KPAIRS" not in dict(cuda.kernel_config(make_spec(layout="xpacked", **big)).defines)
+    assert dict(cuda.kernel_config(make_spec(layout="xpacked", **big), kpairs=1).defines)["RC_KPAIRS"] == 1
+    assert "RC_KPAIRS" not in dict(cuda.kernel_config(make_spec(layout="flash", **big), kpairs=1).defines)
+    assert "RC_KPAIRS" not in dict(cuda.kernel_config(make_spec(layout="xpacked", **small), kpairs=1).defines)
+
+
+KP_SHAPES = [("llama8b", dict(QH=32, KH=8, D=128)), ("gptoss-tp8", dict(QH=8, KH=1, D=64)),
+             ("gptoss-tp1", dict(QH=64, KH=8, D=64)), ("llama70b-tp8", dict(QH=8, KH=1, D=128)),
+             ("qwen3-32b-tp8-norm", dict(QH=8, KH=1, D=128, qn=BF16, kn=BF16)),
+             ("llama8b-fp8-heads", dict(QH=32, KH=8, D=128, cdt=FN, ksh=True, vsh=True))]
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_nvrtc_compiles_kpairs_without_spills(arch):
+    """RC_KPAIRS at the configurations kernel_config picks for real shapes (prefill, mid-size; both
+    x-packed layouts): a cubin, no spills, no stack."""
+    matrix = [(f"{n}-{layout}-T{t}", spec_of(dict(kw, T=t, layout=layout)))
+              for (n, kw), layout, t in itertools.product(KP_SHAPES, ("xpacked", "xpacked_shuffled"), (8192, 512))]
+    cfgs = [cuda.kernel_config(spec, kpairs=1) for _, spec in matrix]
+    assert all(dict(c.defines).get("RC_KPAIRS") == 1 for c in cfgs)
+    failures = spill_failures([s for _, s in matrix], [n for n, _ in matrix], arch, cfgs=cfgs)
+    assert not failures, "\n".join(failures[:5])

@@ -106,6 +106,10 @@ V_CHANNELS = 1
 # count stays the one-channel one. 4: within the 64-register budget of two 512-thread blocks per SM
 # for 16-bit caches (8 takes 74-78 registers); fp8 caches get 2 (4 takes 79).
 V_SELECT_CHANNELS = 4
+# RC_KPAIRS for x-packed layouts with an even RC_TPB (rope_cache.cu rot_idx): the k heads' rotation
+# units paired by token, so a warp's key cache stores fill whole 32-byte sectors of a prefill run
+# (today's order: half-sectors). 0 until measured on a GPU; kernel_config(kpairs=...) overrides.
+K_PAIRS = 0
 
 
 def _rot_lanes(spec: contract.OpSpec, w: int) -> int:
@@ -165,7 +169,7 @@ def _latency_width(spec: contract.OpSpec, w: int, vch: int = 1) -> int:
 
 
 def kernel_config(spec: contract.OpSpec, num_sms: int = DEFAULT_SMS, vch: int | None = None,
-                  vsel: int | None = None) -> KernelConfig:
+                  vsel: int | None = None, kpairs: int | None = None) -> KernelConfig:
     """One thread per unit of work (kernels/cuda/rope_cache.cu: rotation, pass-through and V units).
     A block owns RC_TPB tokens; a large call gives each thread several units in turn (fewer, longer
     blocks: 8-15% faster than one unit per thread on the H200, benchmarks/gpu_speed.py). A small
@@ -173,7 +177,9 @@ def kernel_config(spec: contract.OpSpec, num_sms: int = DEFAULT_SMS, vch: int | 
     one unit: latency, not bandwidth (half-width chunks where that fits, _latency_width).
     vch: channels per x-packed V unit wanted (None: V_CHANNELS), as far as the shape allows.
     vsel: channels of the run units of all-run blocks wanted (None: V_SELECT_CHANNELS; 0: off), see
-    v_select; the threads are sized by the one-channel units (_block_units with vch)."""
+    v_select; the threads are sized by the one-channel units (_block_units with vch).
+    kpairs: k-head rotation units paired by token (None: K_PAIRS), for x-packed layouts with an even
+    number of tokens per block (RC_KPAIRS; otherwise not defined: the kernel of today)."""
     w = chunk_width(spec)
     x = spec.x
     xp = spec.layout != "flash"
@@ -210,6 +216,8 @@ def kernel_config(spec: contract.OpSpec, num_sms: int = DEFAULT_SMS, vch: int | 
     defines = tuple((f"RC_{name}", int(getattr(c, field))) for name, field in _DEFINES) + (
         ("RC_NORM_EPS_BITS", _f32_bits(c.norm_eps)), ("RC_WCH", w), ("RC_TPB", tpb), ("RC_NT", nt), ("RC_MINB", minb),
         ("RC_VPAIRS", 1), ("RC_VCH", vch), ("RC_VSEL", vsel), ("RC_EARLY_W", early_w))
+    if (K_PAIRS if kpairs is None else kpairs) and xp and tpb % 2 == 0:
+        defines += (("RC_KPAIRS", 1),)
     return KernelConfig(defines=defines, tokens_per_block=tpb, threads=nt, fallback_minb=fallback)
 
 

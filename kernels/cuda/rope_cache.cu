@@ -32,6 +32,9 @@
 //                                the rotation (block "QK-RMSNorm")
 //   RC_NORM_EPS_BITS             the norm's eps as float32 bits (hex)
 //   RC_KS_HEADS, RC_VS_HEADS     1: k_scale / v_scale are [KH] (kv head h uses scale[h]); 0: one scale
+//   RC_KPAIRS                    0 (default): rotation units in the order below; 1 (x-packed layouts,
+//                                RC_TPB even; otherwise the same as 0): the k heads' units paired by
+//                                token, so a warp's key cache stores fill whole sectors (rot_idx)
 //   RC_EARLY_W                   1 (default): with a norm whose weight has q's dtype, a rotation unit
 //                                loads its weight chunk(s) with its q/k chunks (no load after the
 //                                sum); 0: after the sum (fewer live registers)
@@ -59,10 +62,16 @@
 //                 issues its q/k loads, its slot and its position first; the cos/sin values of its
 //                 chunk are the one dependent load (row = position). Heads of one token share the
 //                 table values through L1 (lanes of one warp read the same addresses).
+//                 RC_KPAIRS (x-packed, TPB even): the block's q-head units first, (token, q head, j),
+//                 then its k-head units as (token pair, k head, j, token parity), parity fastest:
+//                 lanes 2m and 2m+1 are tokens 2t and 2t+1 of one (k head, chunk), whose 16-byte
+//                 key pieces are neighbours (slots off, off+1 of a prefill run): one 32-byte sector
+//                 per lane pair instead of half-sectors 256 B apart.
 //   * pass units  (token, q/k head, chunk >= R): copy channels >= R to q_out/k_out (and K cache).
 //   With a norm, a rot unit normalises its chunk(s) before rotating them. R == D, D a power of
 //   two and P <= 32 units per head (NORM_LANES: Qwen3): the P units of one (token, head) are P
-//   consecutive, P-aligned lanes of one warp (U_ROT is a multiple of P, NT of 32); each lane sums
+//   consecutive, P-aligned lanes of one warp (U_ROT is a multiple of P, NT of 32; RC_KPAIRS k heads:
+//   every other lane of 2P aligned lanes, shuffles xor 2..P, 2P <= 32); each lane sums
 //   the squares of its chunk(s) by the spec's tree, an xor butterfly (shuffles 1..P/2, per-head
 //   mask) completes the tree in every lane with the same bits (NeoX: the halves [0, D/2) and
 //   [D/2, D) separately, added last). Otherwise (R < D, D not a power of two, P > 32) every rot
@@ -134,6 +143,9 @@
 #ifndef RC_EARLY_W
 #define RC_EARLY_W 1
 #endif
+#ifndef RC_KPAIRS
+#define RC_KPAIRS 0
+#endif
 
 namespace rc {
 
@@ -181,6 +193,13 @@ constexpr bool V_RUNS = XP && VG == X && BS % X == 0;    // aligned runs can be 
 constexpr int VCH = RC_VCH;                              // channels per x-packed V unit
 constexpr int DC = D / VCH;                              // channel groups per kv head
 constexpr int N_ROT = TPB * U_ROT;
+// RC_KPAIRS: k-head units paired by token (rot_idx). With the K norm's lane butterfly, a head's P
+// units sit on every other lane of 2P aligned lanes (shuffles xor 2..P): needs 2P <= 32, else unpaired.
+// (An enum, not constexpr variables: no new symbols, so RC_KPAIRS=0 gives today's PTX byte for byte.)
+enum : int {
+  KPAIRS = RC_KPAIRS != 0 && XP && TPB % 2 == 0 && (!(NORM_LANES && K_NORM >= 0) || 2 * P <= 32),
+  N_QROT = TPB * QH * P  // KPAIRS: the q-head units, first
+};
 constexpr int N_PASS = TPB * U_PASS;
 constexpr int N_V = XP ? (TPB / VG) * KH * DC : TPB * KH * CH;
 constexpr int N_UNITS = N_ROT + N_PASS + N_V;
@@ -639,10 +658,19 @@ __device__ __forceinline__ Chunk norm_chunk(const Chunk& x, const void* w, int c
 }
 
 // Rotation unit u -> (token in the block, rotated head, chunk j), and the start of its chunk j.
+// KPAIRS: q units (token, q head, j) first, then k units (token pair, k head, j, token parity).
 struct RotIdx {
   int tt, h, j;
 };
 __device__ __forceinline__ RotIdx rot_idx(int u) {
+  if constexpr (KPAIRS) {
+    if (u >= N_QROT) {
+      const int v = u - N_QROT, w = v >> 1, r = w % (KH * P);
+      return RotIdx{2 * (w / (KH * P)) + (v & 1), QH + r / P, r % P};
+    }
+    const int tt = u / (QH * P), r = u % (QH * P);
+    return RotIdx{tt, r / P, r % P};
+  }
   const int tt = u / U_ROT, r = u % U_ROT;
   return RotIdx{tt, r / P, r % P};
 }
@@ -663,24 +691,36 @@ __device__ __forceinline__ LaneSums lane_sums(const Chunk& a, const Chunk& b) {
 
 #ifdef RC_EMULATE
 // One host thread runs the units one after another, so the butterfly's other lanes are rebuilt:
-// lane i of the group is rotation unit u0 + i (u0 = u rounded down to P: on the GPU, unit u runs
-// on lane u % 32 since NT % 32 == 0); each lane's sums come from its own chunks through the same
-// rot_idx / rot_src / lane_sums, then the same xor levels as the shuffles. Checked: the P units
-// are the P chunks of one (token, head) in order, and lane u's rebuilt sums equal its own.
+// lane i of the group is rotation unit u0 + i*st (st = 1, u0 = u rounded down to P; paired k units:
+// st = 2, u0 = the unit of chunk 0 of the same token: on the GPU, unit u runs on lane u % 32 since
+// NT % 32 == 0); each lane's sums come from its own chunks through the same rot_idx / rot_src /
+// lane_sums, then the same xor levels as the shuffles. Checked: the P units are the P chunks of
+// one (token, head) in order, and lane u's rebuilt sums equal its own.
 static int rc_emu_errors = 0;
 #endif
 
 // S of unit u's (token, head) row: the group's P lanes (one head) exchange their subtree sums by
 // xor shuffles 1, 2, ..P/2 (each level adds two subtrees of the balanced tree: the same bits in
 // every lane); NeoX adds the two halves last (the tree's top split is D/2).
-__device__ __forceinline__ float norm_lanes(const Params& p, i64 t0, int u, const Chunk& a, const Chunk& b) {
+// KPAIRS k units: the P lanes are every other lane (same parity) of 2P aligned lanes, the shuffles
+// xor 2, 4, ..P (the same tree levels), the mask those P lanes.
+constexpr unsigned int every_other_bits(int n) {
+  unsigned int m = 0;
+  for (int i = 0; i < n && 2 * i < 32; ++i) m |= 1u << (2 * i);
+  return m;
+}
+__device__ __forceinline__ float norm_lanes(const Params& p, i64 t0, int u, bool is_k, const Chunk& a,
+                                            const Chunk& b) {
   LaneSums v = lane_sums(a, b);
+  const bool paired = KPAIRS && is_k;
 #ifdef RC_EMULATE
-  const int u0 = u - u % P;
+  const int st = paired ? 2 : 1;
+  const int u0 = paired ? u - ((u - N_QROT) % (2 * P) - (u & 1)) : u - u % P;
   const RotIdx me = rot_idx(u);
+  if ((u - u0) % st != 0 || (u - u0) / st != me.j) ++rc_emu_errors;
   LaneSums g[P];
   for (int i = 0; i < P; ++i) {
-    const RotIdx o = rot_idx(u0 + i);
+    const RotIdx o = rot_idx(u0 + i * st);
     if (o.tt != me.tt || o.h != me.h || o.j != i) ++rc_emu_errors;
     const char* src = rot_src(p, t0 + o.tt, o.h, o.j);
     Chunk oa = load_chunk(src, 0), ob = oa;
@@ -688,22 +728,29 @@ __device__ __forceinline__ float norm_lanes(const Params& p, i64 t0, int u, cons
     g[i] = lane_sums(oa, ob);
   }
   for (int k = 0; k < NSUB; ++k)
-    if (__float_as_uint(g[u - u0].s[k]) != __float_as_uint(v.s[k])) ++rc_emu_errors;
+    if (__float_as_uint(g[me.j].s[k]) != __float_as_uint(v.s[k])) ++rc_emu_errors;
   for (int off = 1; off < P; off <<= 1) {
     LaneSums n[P];
     for (int i = 0; i < P; ++i)
       for (int k = 0; k < NSUB; ++k) n[i].s[k] = rc_add(g[i].s[k], g[i ^ off].s[k]);
     for (int i = 0; i < P; ++i) g[i] = n[i];
   }
-  v = g[u - u0];
+  v = g[me.j];
 #else
   (void)p, (void)t0, (void)u;
   const unsigned int lane = threadIdx.x & 31u;
-  const unsigned int mask = P == 32 ? 0xffffffffu : ((1u << (P & 31)) - 1u) << (lane & ~(unsigned int)(P - 1));
+  unsigned int mask = P == 32 ? 0xffffffffu : ((1u << (P & 31)) - 1u) << (lane & ~(unsigned int)(P - 1));
+  int sh = 0;
+  if constexpr (KPAIRS && 2 * P <= 32) {
+    if (paired) {
+      mask = every_other_bits(P) << ((lane & ~(unsigned int)(2 * P - 1)) | (lane & 1u));
+      sh = 1;
+    }
+  }
 #pragma unroll
   for (int off = 1; off < P; off <<= 1) {
 #pragma unroll
-    for (int k = 0; k < NSUB; ++k) v.s[k] = rc_add(v.s[k], __shfl_xor_sync(mask, v.s[k], off));
+    for (int k = 0; k < NSUB; ++k) v.s[k] = rc_add(v.s[k], __shfl_xor_sync(mask, v.s[k], off << sh));
   }
 #endif
   return NEOX ? rc_add(v.s[0], v.s[NSUB - 1]) : v.s[0];
@@ -717,11 +764,11 @@ struct WeightChunks {
 // Rotation unit u's chunks a (channels j*W..) and b (NeoX: HALF + j*W..) replaced by their
 // normalised values, if its tensor has a norm (WDT: that weight's dtype).
 template <int WDT>
-__device__ __forceinline__ void norm_rot(const Params& p, i64 t0, int u, const char* src, int j, const void* w,
-                                         Chunk& a, Chunk& b, const WeightChunks& ew) {
+__device__ __forceinline__ void norm_rot(const Params& p, i64 t0, int u, bool is_k, const char* src, int j,
+                                         const void* w, Chunk& a, Chunk& b, const WeightChunks& ew) {
   float S;
   if constexpr (NORM_LANES) {
-    S = norm_lanes(p, t0, u, a, b);
+    S = norm_lanes(p, t0, u, is_k, a, b);
   } else {
     S = row_sq_sum(src - j * W * S_IN);
   }
@@ -738,11 +785,11 @@ __device__ __forceinline__ void norm_rot(const Params& p, i64 t0, int u, const c
 __device__ __forceinline__ void norm_rot_unit(const Params& p, i64 t0, int u, bool is_k, const char* src, int j,
                                               Chunk& a, Chunk& b, const WeightChunks& ew) {
   if constexpr (Q_NORM == K_NORM) {  // both (one weight dtype) or neither
-    if constexpr (Q_NORM >= 0) norm_rot<Q_NORM>(p, t0, u, src, j, is_k ? p.k_norm_w : p.q_norm_w, a, b, ew);
+    if constexpr (Q_NORM >= 0) norm_rot<Q_NORM>(p, t0, u, is_k, src, j, is_k ? p.k_norm_w : p.q_norm_w, a, b, ew);
   } else if (is_k) {  // a head's lanes all take the same side (shuffle masks are per head)
-    if constexpr (K_NORM >= 0) norm_rot<K_NORM>(p, t0, u, src, j, p.k_norm_w, a, b, ew);
+    if constexpr (K_NORM >= 0) norm_rot<K_NORM>(p, t0, u, true, src, j, p.k_norm_w, a, b, ew);
   } else {
-    if constexpr (Q_NORM >= 0) norm_rot<Q_NORM>(p, t0, u, src, j, p.q_norm_w, a, b, ew);
+    if constexpr (Q_NORM >= 0) norm_rot<Q_NORM>(p, t0, u, false, src, j, p.q_norm_w, a, b, ew);
   }
 }
 
@@ -1187,4 +1234,10 @@ extern "C" int rc_emulate(const rc::Params* p, long long grid) {
 extern "C" int rc_units() { return rc::N_UNITS; }
 extern "C" long long rc_pieces() { return rc::rc_emu_pieces; }
 extern "C" long long rc_run_units() { return rc::rc_emu_run_units; }  // RC_VSEL: units of all-run blocks
+// Rotation unit u's (token in the block, rotated head, chunk) (the tests check the lane mapping).
+extern "C" void rc_rot_unit(int u, int* out) {
+  const rc::RotIdx r = rc::rot_idx(u);
+  out[0] = r.tt, out[1] = r.h, out[2] = r.j;
+}
+extern "C" int rc_kpairs() { return rc::KPAIRS; }
 #endif
