@@ -948,6 +948,9 @@ def test_v_select_configuration():
     """RC_VSEL is V_SELECT_CHANNELS (4; fp8 caches 2) where runs can exist, 0 for flash, RC_VCH > 1,
     blocks of fewer than X tokens (decode); the kernel refuses a value the shape does not allow."""
     assert cuda.V_SELECT_CHANNELS == 4
+    one_kv_head = make_spec(T=8192, QH=8, KH=1, D=64, layout="xpacked")
+    assert dict(cuda.kernel_config(one_kv_head).defines)["RC_VSEL"] == 0  # measured neutral or slower there
+    assert dict(cuda.kernel_config(one_kv_head, vsel=4).defines)["RC_VSEL"] == 4
     llama = make_spec(T=8192, QH=32, KH=8, D=128, layout="xpacked")
     assert dict(cuda.kernel_config(llama).defines)["RC_VSEL"] == 4
     assert dict(cuda.kernel_config(make_spec(T=8192, QH=32, KH=8, D=128, layout="xpacked", cdt=FN)).defines)["RC_VSEL"] == 2
@@ -1383,11 +1386,13 @@ def test_kpairs_lane_mapping(kw, layout, emu_dir):
 
 
 def test_kpairs_configuration():
-    """K_PAIRS is 0 (today's kernel) until measured; set, it defines RC_KPAIRS for x-packed layouts
-    with an even number of tokens per block only."""
-    assert cuda.K_PAIRS == 0
+    """K_PAIRS is 1 (measured on the H200, backends/cuda.py): it defines RC_KPAIRS for x-packed
+    layouts with an even number of tokens per block only; kpairs=0 turns it off."""
+    assert cuda.K_PAIRS == 1
     big, small = dict(T=8192, QH=32, KH=8, D=128), dict(T=1, QH=32, KH=8, D=128)
-    assert "RC_KPAIRS" not in dict(cuda.kernel_config(make_spec(layout="xpacked", **big)).defines)
+    assert dict(cuda.kernel_config(make_spec(layout="xpacked", **big)).defines)["RC_KPAIRS"] == 1
+    assert "RC_KPAIRS" not in dict(cuda.kernel_config(make_spec(layout="xpacked", **big), kpairs=0).defines)
+    assert "RC_KPAIRS" not in dict(cuda.kernel_config(make_spec(layout="xpacked", **small)).defines)
     assert dict(cuda.kernel_config(make_spec(layout="xpacked", **big), kpairs=1).defines)["RC_KPAIRS"] == 1
     assert "RC_KPAIRS" not in dict(cuda.kernel_config(make_spec(layout="flash", **big), kpairs=1).defines)
     assert "RC_KPAIRS" not in dict(cuda.kernel_config(make_spec(layout="xpacked", **small), kpairs=1).defines)

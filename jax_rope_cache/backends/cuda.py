@@ -104,12 +104,15 @@ V_CHANNELS = 1
 # slot runs, chosen per block at run time (other blocks: the one-channel units). Applies where
 # whole runs can exist (x-packed, RC_VCH 1, tokens per block and BS multiples of X); the thread
 # count stays the one-channel one. 4: within the 64-register budget of two 512-thread blocks per SM
-# for 16-bit caches (8 takes 74-78 registers); fp8 caches get 2 (4 takes 79).
+# for 16-bit caches (8 takes 74-78 registers); fp8 caches get 2 (4 takes 79). Only with several KV
+# heads: H200, kernel_speed.py, x-packed prefill (with K_PAIRS): Llama-8B T=8192 70.1 -> 63.1 us,
+# GPT-OSS TP1 52.0 -> 50.4; with one KV head neutral or slower (GPT-OSS TP8 T=32768 28.4 -> 32.4).
 V_SELECT_CHANNELS = 4
 # RC_KPAIRS for x-packed layouts with an even RC_TPB (rope_cache.cu rot_idx): the k heads' rotation
 # units paired by token, so a warp's key cache stores fill whole 32-byte sectors of a prefill run
-# (today's order: half-sectors). 0 until measured on a GPU; kernel_config(kpairs=...) overrides.
-K_PAIRS = 0
+# (the old order: half-sectors). H200, x-packed prefill T=8192: Llama-8B 82.1 -> 63.1 us, GPT-OSS TP1
+# 57.6 -> 50.4, Llama-70B TP8 11.8 -> 10.9; random slots and flash unchanged (within 1-5%).
+K_PAIRS = 1
 
 
 def _rot_lanes(spec: contract.OpSpec, w: int) -> int:
@@ -209,8 +212,8 @@ def kernel_config(spec: contract.OpSpec, num_sms: int = DEFAULT_SMS, vch: int | 
     # QK-norm weights loaded early (latency) only where the grid is one block per SM at most: the
     # early chunks cost ~8 registers, which in larger calls would take resident blocks away.
     early_w = int(-(-t // tpb) <= num_sms)
-    if vsel is None:  # the default: fp8 caches at most 2 channels (4 takes 79 registers there)
-        vsel = min(V_SELECT_CHANNELS, 2) if spec.fp8 else V_SELECT_CHANNELS
+    if vsel is None:  # the default: several KV heads only; fp8 caches at most 2 channels (registers)
+        vsel = 0 if spec.kv_heads < 2 else min(V_SELECT_CHANNELS, 2) if spec.fp8 else V_SELECT_CHANNELS
     vsel = v_select(spec, tpb, vch, vsel)
     c = contract.kernel_codes(spec)
     defines = tuple((f"RC_{name}", int(getattr(c, field))) for name, field in _DEFINES) + (
