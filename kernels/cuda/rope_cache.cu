@@ -25,7 +25,7 @@
 //   RC_VSEL                      0 (default): off; C in {2, 4, 8} (x-packed, RC_VCH 1, VG == X, BS % X
 //                                == 0, C * element size <= 16, D % C == 0): V units chosen per BLOCK
 //                                at run time: a block whose groups are all aligned runs takes
-//                                C-channel run units (v_unit_run), any other block today's units
+//                                C-channel run units (v_unit_run), any other block the one-channel units
 //                                (v_unit_xpacked); see block_runs
 //   RC_Q_NORM, RC_K_NORM         -1 (default): no RMSNorm; else the RcDtype of q_norm_weight /
 //                                k_norm_weight (q's dtype or f32): Qwen3's per-head QK-norm before
