@@ -374,14 +374,19 @@ def emu_dir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("emu"))
 
 
-@pytest.mark.parametrize("kw", emulation_matrix(), ids=_id)
-def test_host_emulation_matches_reference_bitwise(kw, emu_dir):
+def _matrix_problem(kw):
+    """(spec, inputs, k_scale, v_scale) of one case of the random matrix (fresh data per case)."""
     spec = make_spec(**kw)
-    rng = np.random.default_rng(abs(hash(_id(kw))) % 2**32)
-    args = make_inputs(spec, rng)
+    args = make_inputs(spec, np.random.default_rng(abs(hash(_id(kw))) % 2**32))
     ks = vs = None
     if spec.fp8:
         ks, vs = np.float32(0.37), np.float32(1.9)
+    return spec, args, ks, vs
+
+
+@pytest.mark.parametrize("kw", emulation_matrix(), ids=_id)
+def test_host_emulation_matches_reference_bitwise(kw, emu_dir):
+    spec, args, ks, vs = _matrix_problem(kw)
     want = reference.rope_and_cache(*args, layout=spec.layout, is_neox=spec.is_neox, rotary_dim=spec.rotary_dim,
                                     k_scale=ks, v_scale=vs, precision=spec.precision)
     got = run_emulation(spec, args, ks, vs, emu_dir)
@@ -1292,12 +1297,7 @@ def test_host_emulation_kpairs_matches_reference_bitwise(kw, tpb, emu_dir):
     """The random matrix (invalid slots, clamped positions, fp8, partial rotary, both styles) with
     RC_KPAIRS: blocks of tpb tokens (T not a multiple: tail tokens, odd T: a pair without its odd
     token), bit-exact to the reference."""
-    spec = make_spec(**kw)
-    rng = np.random.default_rng(abs(hash(_id(kw))) % 2**32)
-    args = make_inputs(spec, rng)
-    ks = vs = None
-    if spec.fp8:
-        ks, vs = np.float32(0.37), np.float32(1.9)
+    spec, args, ks, vs = _matrix_problem(kw)
     opts = dict(layout=spec.layout, is_neox=spec.is_neox, rotary_dim=spec.rotary_dim, k_scale=ks, v_scale=vs,
                 precision=spec.precision)
     _assert_bitwise(run_emulation(spec, args, ks, vs, emu_dir, defines=dict(KP, RC_TPB=tpb)), _reference(args, opts))
