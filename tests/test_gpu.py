@@ -258,16 +258,19 @@ def test_loop_indexed_operands_replay_from_the_graph(platform):
     """A decode loop that indexes its slots and positions per step (slots[i, l] inside a fori_loop,
     4 calls per step): after the first execution XLA replays the captured graph (0 launcher
     executes per execution; before the operand fence, a dynamic-slice fusion around the call made
-    XLA re-record it every step) and every step follows the device data, bit-exact."""
-    steps, layers = 5, 4
+    XLA re-record it every step) and every step follows the device data, bit-exact. 64 tokens per
+    call: a 256-byte int32 slice, like the demo's, which XLA's rewriter takes (it skips slices
+    that are not a multiple of 128 bytes)."""
+    steps, layers, t, nb = 4, 4, 64, 64
     rng = np.random.default_rng(11)
-    base = _problem(11, t=8, platform=platform)
-    kc0, vc0, cos, sin = (np.asarray(base[i]) for i in (3, 4, 7, 8))
-    q = rng.standard_normal((8, QH, D)).astype(jnp.bfloat16)
-    k = rng.standard_normal((8, KH, D)).astype(jnp.bfloat16)
-    v = rng.standard_normal((8, KH, D)).astype(jnp.bfloat16)
-    slots = rng.permutation(NB * BS)[: steps * layers * 8].reshape(steps, layers, 8).astype(np.int32)
-    pos = rng.integers(0, 64, (steps, layers, 8)).astype(np.int32)
+    kc0, vc0 = (np.asarray(a) for a in jrc.make_kv_cache(nb, BS, KH, D, jnp.bfloat16, fill="random", seed=11))
+    ang = rng.uniform(-np.pi, np.pi, (64, D // 2))
+    cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    q = rng.standard_normal((t, QH, D)).astype(jnp.bfloat16)
+    k = rng.standard_normal((t, KH, D)).astype(jnp.bfloat16)
+    v = rng.standard_normal((t, KH, D)).astype(jnp.bfloat16)
+    slots = rng.permutation(nb * BS)[: steps * layers * t].reshape(steps, layers, t).astype(np.int32)
+    pos = rng.integers(0, 64, (steps, layers, t)).astype(np.int32)
 
     @functools.partial(jax.jit, donate_argnums=(3, 4))
     def loop(q, k, v, kc, vc, slots, pos, c, s):
@@ -278,9 +281,10 @@ def test_loop_indexed_operands_replay_from_the_graph(platform):
             return kc, vc
         return jax.lax.fori_loop(0, steps, body, (kc, vc))
 
-    args = jax.device_put((q, k, v), _dev(platform))
-    idx = jax.device_put((slots, pos, base[7], base[8]), _dev(platform))
-    kc, vc = loop(*args, base[3], base[4], *idx)
+    dev = _dev(platform)
+    args = jax.device_put((q, k, v), dev)
+    idx = jax.device_put((slots, pos, cos, sin), dev)
+    kc, vc = loop(*args, *jax.device_put((kc0, vc0), dev), *idx)
     jax.block_until_ready(kc)
     ext = native.native_module()
     before = ext.gpu_launch_count()
