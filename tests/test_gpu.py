@@ -485,9 +485,14 @@ def _bitwise(got, want):
 @pytest.mark.parametrize("case", list(_NORM_CASES), ids=str)
 def test_norm_and_head_scales_bitwise_one_launch(case, t, platform):
     """The fused norm (and per-head fp8 scales) on the GPU: every output bit for bit equal to the
-    reference, on fresh random data, one kernel launch per call; the norm really changed q/k."""
+    reference, on fresh random data, one kernel launch per call; the norm really changed q/k. The
+    x-packed cases at T = 2000 run the k heads' units paired by token (RC_KPAIRS), so their K norm
+    takes the strided butterfly, which the host emulation cannot check (shuffle masks)."""
     _norm_supported(platform)
     host, opts = _norm_problem(_NORM_CASES[case], t, seed=t)
+    if platform == "cuda" and t == 2000 and _NORM_CASES[case].get("layout", "flash") != "flash":
+        cfg = cuda.kernel_config(contract.check_op(*host, **opts), cuda._local_cuda_arch()[1])
+        assert dict(cfg.defines).get("RC_KPAIRS") == 1, cfg
     want = reference.rope_and_cache(*host, **opts)
     got, counts, _ = _run_norm(host, opts, platform, calls=2)
     assert counts == [1, 1], counts

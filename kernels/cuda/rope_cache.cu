@@ -1086,6 +1086,23 @@ __device__ __forceinline__ void store16(void* addr, uint4 v) {
 // Elements between the value rows of channels d and d + 1 (value_index).
 constexpr int V_ROW = LAYOUT == RC_XPACKED ? BS : X;
 
+// An aligned run of VG tokens starting at cache slot s0: channels d0 .. d0 + C - 1 of kv head h
+// (x[i]: token i's channels) as C 16-byte pieces, one per channel row, transposed in registers.
+template <int C>
+__device__ __forceinline__ void store_run(const Params& p, const VChansT<C>* x, i64 s0, int h, int d0, float inv_v) {
+  raw_cache* vc = static_cast<raw_cache*>(p.vc) + value_index(s0 / BS, s0 % BS, h, d0);
+#pragma unroll
+  for (int c = 0; c < C; ++c) {
+    union {
+      uint4 v;
+      unsigned int w[4];
+    } o;
+#pragma unroll
+    for (int m = 0; m < 4; ++m) o.w[m] = piece_word<C>(x, c, m, inv_v);
+    store16(vc + c * V_ROW, o.v);
+  }
+}
+
 // x-packed V: channels d0 .. d0 + VCH - 1 of kv head h for the VG tokens of group g. Each token's
 // channels are one load; a run (V_RUNS, all VG tokens < T, aligned consecutive slots) becomes VCH
 // pieces of 16 bytes (one per channel row, transposed in registers); any other group is written
@@ -1108,16 +1125,7 @@ __device__ __forceinline__ void v_unit_xpacked_vec(const Params& p, i64 T, i64 t
   if constexpr (V_RUNS) {
     const i64 s0 = tg + VG <= T ? run_slot(p, tg, sr) : -1;
     if (s0 >= 0) {
-#pragma unroll
-      for (int c = 0; c < VCH; ++c) {
-        union {
-          uint4 v;
-          unsigned int w[4];
-        } o;
-#pragma unroll
-        for (int m = 0; m < 4; ++m) o.w[m] = piece_word(x, c, m, inv_v);
-        store16(vc + value_index(s0 / BS, s0 % BS, h, d0) + c * V_ROW, o.v);
-      }
+      store_run<VCH>(p, x, s0, h, d0, inv_v);
       return;
     }
   }
@@ -1165,17 +1173,7 @@ __device__ __forceinline__ void v_unit_run(const Params& p, i64 t0, int u, SlotR
   if (run_slot(p, tg, sr) != s0) ++rc_emu_errors;  // the block's decision said: an aligned run
   ++rc_emu_run_units;
 #endif
-  raw_cache* vc = static_cast<raw_cache*>(p.vc);
-#pragma unroll
-  for (int c = 0; c < C; ++c) {
-    union {
-      uint4 v;
-      unsigned int w[4];
-    } o;
-#pragma unroll
-    for (int m = 0; m < 4; ++m) o.w[m] = piece_word<C>(x, c, m, inv_v);
-    store16(vc + value_index(s0 / BS, s0 % BS, h, d0) + c * V_ROW, o.v);
-  }
+  store_run<C>(p, x, s0, h, d0, inv_v);
 }
 
 }  // namespace rc
