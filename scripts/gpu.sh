@@ -88,6 +88,6 @@ has model_8b && TAIL=9 run model_8b 420 "$PY" -P -m jax_rope_cache generate --mo
     --batch 64 --prompt-len 128 --steps 64 --impls kernel,xla,off --check none
 has kernel_speed && TAIL=45 run kernel_speed 400 bash -c "cd '$ROOT' && '$PY' benchmarks/diagnostics/kernel_speed.py \
     '$OUT' ${PEERS:+--peers '$PEERS'} ${KS_ARGS:-}"
-has peers && TAIL=60 run peers 500 env PYTHONPATH="${PEERS:-$ROOT/.peers}/aiter_src${PYTHONPATH:+:$PYTHONPATH}" \
-    "$PY" "${PEERS:-$ROOT/.peers}/bench_peers.py" ${BP_ARGS:-}
+has peers && TAIL=60 run peers 500 env PYTHONPATH="${PEERS_DIR:-$ROOT/.peers}/aiter_src${PYTHONPATH:+:$PYTHONPATH}" \
+    "$PY" "${PEERS_DIR:-$ROOT/.peers}/bench_peers.py" ${BP_ARGS:-}
 summary_print

@@ -132,8 +132,8 @@ def test_regimes_latency_width_and_packed_blocks():
         return dict(c.defines)["RC_WCH"], c.tokens_per_block, c.threads
 
     assert cfg(T=1, QH=8, KH=1) == (4, 1, 192)  # Qwen3-32B TP8: 96 -> 192 threads
-    assert cfg(T=128, QH=16, KH=1, layout="xpacked") == (4, 1, 416)
-    assert cfg(T=1, QH=32, KH=8) == (8, 1, 448)  # Llama-8B: 896 threads would be slower (H200)
+    assert cfg(T=128, QH=16, KH=1, layout="xpacked") == (4, 1, 416)  # half width: not split (measured)
+    assert cfg(T=1, QH=32, KH=8) == (8, 1, 128)  # Llama-8B: 896 threads would be slower (H200); 4 blocks
     assert cfg(T=8192, QH=8, KH=1) == (8, 16, cuda.PACKED_NT)
     assert cfg(T=8192, QH=8, KH=1, layout="xpacked")[0] == 8
     bf = np.dtype(ml_dtypes.bfloat16)
@@ -1412,5 +1412,107 @@ def test_nvrtc_compiles_kpairs_without_spills(arch):
               for (n, kw), layout, t in itertools.product(KP_SHAPES, ("xpacked", "xpacked_shuffled"), (8192, 512))]
     cfgs = [cuda.kernel_config(spec, kpairs=1) for _, spec in matrix]
     assert all(dict(c.defines).get("RC_KPAIRS") == 1 for c in cfgs)
+    failures = spill_failures([s for _, s in matrix], [n for n, _ in matrix], arch, cfgs=cfgs)
+    assert not failures, "\n".join(failures[:5])
+
+
+# ---- RC_SPLIT: a decode token's units over several blocks (grid.y) ---------------------------------
+def test_split_configuration(monkeypatch):
+    """One-token-per-block calls whose token has more than LATENCY_SPLIT_MIN units are split over
+    grid.y = ceil(units / LATENCY_SPLIT_UNITS) blocks, sized so every thread has one unit; other
+    calls are one part (no RC_SPLIT define: the kernel of before)."""
+    def geo(**kw):
+        c = cuda.kernel_config(make_spec(**kw))
+        assert dict(c.defines).get("RC_SPLIT", 1) == c.parts
+        return c.tokens_per_block, c.threads, c.parts
+
+    assert (cuda.LATENCY_SPLIT_UNITS, cuda.LATENCY_SPLIT_MIN) == (128, 320)  # measured (backends/cuda.py)
+    l8b = dict(QH=32, KH=8, D=128)
+    assert geo(T=1, layout="xpacked", **l8b) == (1, 128, 11)  # 320 rotation + 1024 one-channel V units
+    assert geo(T=128, layout="xpacked_shuffled", **l8b) == (1, 128, 11)
+    assert geo(T=1, **l8b) == (1, 128, 4)  # flash: 448 units
+    assert geo(T=64, QH=8, KH=1, D=128, layout="xpacked") == (1, 288, 1)  # 272 units: one block
+    assert geo(T=1, QH=16, KH=1, D=128, layout="xpacked") == (1, 416, 1)  # half-width chunks: never split
+    assert geo(T=8192, layout="xpacked", **l8b)[2] == 1
+    monkeypatch.setattr(cuda, "LATENCY_SPLIT_UNITS", 0)
+    assert geo(T=1, layout="xpacked", **l8b) == (1, cuda.MAX_THREADS, 1)  # off: 512 threads, several units each
+    assert geo(T=1, **l8b) == (1, 448, 1)
+    monkeypatch.setattr(cuda, "LATENCY_SPLIT_UNITS", 200)
+    assert geo(T=64, **l8b) == (1, 160, 3)  # 448 units: 3 parts of <= 150 (threads a multiple of 32)
+    monkeypatch.setattr(cuda, "LATENCY_SPLIT_UNITS", 128)
+    for kw in (dict(QH=64, KH=8, D=64), dict(QH=8, KH=1, D=128), dict(QH=4, KH=1, D=256, dt=F32)):
+        for layout in contract.LAYOUTS:
+            spec = make_spec(T=3, layout=layout, **kw)
+            c = cuda.kernel_config(spec)
+            units = _units(c, spec)
+            assert c.threads * c.parts >= units > c.threads * (c.parts - 1) or c.threads == 32, (kw, layout, c)
+
+
+SPLIT_CASES = [  # (entry, LATENCY_SPLIT_UNITS (and no LATENCY_SPLIT_MIN) or None for the defaults)
+    (dict(T=5, QH=32, KH=8, D=128, layout="xpacked"), None),  # Llama-8B decode, 3 parts
+    (dict(T=3, QH=32, KH=8, D=128), 100),  # flash, 5 parts of 90 units (a part not a multiple of 32)
+    (dict(T=2, QH=64, KH=8, D=64, layout="xpacked", dt=F32), None),  # the default split, f32
+    (dict(T=4, QH=64, KH=8, D=64, layout="xpacked_shuffled", dt=F16, cdt=FN, ksh=True, vsh=True), None),
+    (dict(T=2, QH=32, KH=4, D=128, qn=BF16, kn=BF16), None),  # norm lanes, 8 per head, 3 parts of 128
+    (dict(T=3, QH=8, KH=2, D=128, R=64, qn=BF16, kn=F32, layout="xpacked", cdt=FNUZ), 64),  # generic norm path
+    (dict(T=1, QH=16, KH=4, D=80, R=20, neox=False, dt=F32, prec="native", layout="flash"), 16),
+]
+
+
+@pytest.mark.parametrize("kw,units", SPLIT_CASES, ids=[_id(kw) + f"-u{u}" for kw, u in SPLIT_CASES])
+def test_host_emulation_split_bitwise(kw, units, emu_dir, monkeypatch):
+    """Decode calls whose token is split over several blocks (RC_SPLIT), bit-exact to the reference;
+    the emulation checks every unit of a block ran exactly once over its parts."""
+    if units is not None:  # parts of <= units, whatever the token's count
+        monkeypatch.setattr(cuda, "LATENCY_SPLIT_UNITS", units)
+        monkeypatch.setattr(cuda, "LATENCY_SPLIT_MIN", 0)
+    args, opts = _norm_problem(dict(kw, max_pos=50), np.random.default_rng(len(_id(kw))))
+    assert cuda.kernel_config(contract.check_op(*args, **opts)).parts > 1
+    _assert_bitwise(_emulate(args, opts, emu_dir), _reference(args, opts))
+
+
+@pytest.mark.parametrize("layout", ["flash", "xpacked"])
+def test_host_emulation_split_stacked_layers(layout, emu_dir, monkeypatch):
+    """A split decode call into stacked caches writes exactly its layer; outside [0, L) nothing."""
+    monkeypatch.setattr(cuda, "LATENCY_SPLIT_UNITS", 64)
+    monkeypatch.setattr(cuda, "LATENCY_SPLIT_MIN", 0)
+    layers = 3
+    spec = make_spec(T=4, QH=32, KH=8, D=128, layout=layout, max_pos=50, layers=layers)
+    assert cuda.kernel_config(spec).parts > 1
+    rng = np.random.default_rng(5)
+    q, k, v, kc, vc, slots, pos, cos, sin = make_inputs(dataclasses.replace(spec, num_layers=None), rng)
+    kc = np.stack([_random(rng, kc.shape, kc.dtype) for _ in range(layers)])
+    vc = np.stack([_random(rng, vc.shape, vc.dtype) for _ in range(layers)])
+    args = (q, k, v, kc, vc, slots, pos, cos, sin)
+    for layer in (2, -1):
+        want = reference.rope_and_cache(*args, layout=layout, layer=np.array(layer, np.int32))
+        got = run_emulation(spec, args, None, None, emu_dir, layer=layer)
+        _assert_bitwise(got, want)
+
+
+@pytest.mark.parametrize("what,old,new", [
+    ("every part from unit 0", "const int u0 = SPLIT > 1 ? (int)blockIdx.y * NT : 0;", "const int u0 = 0;"),
+    ("stride of one part", "u < n_units; u += NT * SPLIT)", "u < n_units; u += NT)"),
+    ("a part skipped", "const int u0 = SPLIT > 1 ? (int)blockIdx.y * NT : 0;",
+     "if (SPLIT > 1 && blockIdx.y == 1) return;\n  const int u0 = SPLIT > 1 ? (int)blockIdx.y * NT : 0;"),
+])
+def test_host_emulation_split_would_catch_a_wrong_partition(what, old, new, emu_dir, monkeypatch):
+    """A kernel whose parts repeat or drop units fails the emulation (duplicates write the same
+    bits, so only the per-block unit check can see them)."""
+    src = open(os.path.join(_kernel_dir(), "cuda", "rope_cache.cu")).read()
+    assert src.count(old) == 1, what
+    args, opts = _norm_problem(dict(T=3, QH=32, KH=8, D=128, layout="xpacked", max_pos=50), np.random.default_rng(3))
+    assert cuda.kernel_config(contract.check_op(*args, **opts)).parts == 11
+    with pytest.raises(AssertionError, match="emulated shuffles|elements differ"):
+        _assert_bitwise(_emulate(args, opts, emu_dir, source=src.replace(old, new)), _reference(args, opts))
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_nvrtc_compiles_split_without_spills(arch):
+    """The split decode configurations kernel_config picks for real shapes: a cubin, no spills."""
+    matrix = [(f"{n}-{layout}-T{t}", spec_of(dict(kw, T=t, layout=layout)))
+              for (n, kw), layout, t in itertools.product(KP_SHAPES, contract.LAYOUTS, (1, 128))]
+    cfgs = [cuda.kernel_config(spec) for _, spec in matrix]
+    assert sum(c.parts > 1 for c in cfgs) >= 6
     failures = spill_failures([s for _, s in matrix], [n for n, _ in matrix], arch, cfgs=cfgs)
     assert not failures, "\n".join(failures[:5])

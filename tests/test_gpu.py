@@ -337,7 +337,7 @@ def _launch_raw(table: bytes, code_hash: int, platform: str, declared=(4,)):
     launcher.register_gpu_targets(native.native_module())
     spec = jax.ShapeDtypeStruct(declared, jnp.float32)
     fn = jax.jit(lambda a: call(a, code=table, code_hash=np.int64(code_hash), kernel="rope_cache_kernel",
-                                grid_div=np.int64(1), block=np.int64(32), smem=np.int64(0),
+                                grid_div=np.int64(1), grid_y=np.int64(1), block=np.int64(32), smem=np.int64(0),
                                 signature=launcher.buffer_signature([spec], [spec]), buffer_names="x,out"))
     jax.block_until_ready(fn(x))
 
@@ -527,3 +527,37 @@ def test_norm_call_is_one_custom_call(platform):
     assert len(re.findall(r"custom_call_target=", hlo)) == 1, hlo
     entry = hlo[hlo.index("ENTRY"):]
     assert not re.findall(r"= [^ ]+ (fusion|copy|scatter|gather|select|add|multiply|convert)\(", entry), entry
+
+
+# ---- decode tokens split over several blocks (RC_SPLIT, grid.y) -------------------------------------
+_SPLIT_CASES = {
+    # Llama-3.1-8B (32/8/128) x-packed decode: 1344 units a token, 11 blocks of 128 threads
+    "llama8b-xpacked": dict(QH=32, KH=8, D=128, layout="xpacked"),
+    # GPT-OSS TP1 (64/8/64) x-packed shuffled fp8 with per-head scales: 7 blocks
+    "gptoss-tp1-shuffled-fp8": dict(QH=64, KH=8, D=64, layout="xpacked_shuffled", cdt=_FN, ksh=True, vsh=True),
+    # flash, Llama-8B: 4 blocks of 112 units (128 threads); and 3 of 150 (160 threads)
+    "llama8b-flash": dict(QH=32, KH=8, D=128),
+    "llama8b-flash-u200": dict(QH=32, KH=8, D=128, split_units=200),
+    # QK-norm lanes across parts: Qwen3-235B TP1 shapes, f32 weights, x-packed fp8
+    "qwen3-235b-split": dict(QH=64, KH=4, D=128, layout="xpacked", cdt=_FNUZ, qn=_F32, kn=_F32, ksh=True),
+}
+
+
+@pytest.mark.parametrize("t", [1, 37, 130])
+@pytest.mark.parametrize("case", list(_SPLIT_CASES), ids=str)
+def test_split_decode_bitwise_one_launch(case, t, platform, monkeypatch):
+    """A decode call whose token's units are split over grid.y blocks: every output bit for bit equal
+    to the reference on fresh random data, one launch per call (CUDA: the configuration really
+    splits)."""
+    if platform != "cuda":
+        pytest.skip("RC_SPLIT is the CUDA kernel's (the FlyDSL kernel keeps one block per token)")
+    c = dict(_SPLIT_CASES[case])
+    if "split_units" in c:
+        monkeypatch.setattr(cuda, "LATENCY_SPLIT_UNITS", c.pop("split_units"))
+    host, opts = _norm_problem(c, t, seed=t + 100)
+    cfg = cuda.kernel_config(contract.check_op(*host, **opts), cuda._local_cuda_arch()[1])
+    assert cfg.parts > 1 and cfg.tokens_per_block == 1, cfg
+    want = reference.rope_and_cache(*host, **opts)
+    got, counts, _ = _run_norm(host, opts, platform, calls=2)
+    assert counts == [1, 1], counts
+    _bitwise(got, want)

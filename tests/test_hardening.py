@@ -640,7 +640,7 @@ def test_raw_ffi_gpu_launcher_instantiate_checks_the_signature():
         with jax.default_device(cpu):
             return jax.block_until_ready(fn(*[jax.device_put(ops[n], cpu) for n in contract.OPERANDS], code=table,
                                             code_hash=np.int64(1), kernel="k", grid_div=np.int64(1),
-                                            block=np.int64(32), smem=np.int64(0),
+                                            grid_y=np.int64(1), block=np.int64(32), smem=np.int64(0),
                                             signature=np.asarray(signature, np.int64),
                                             buffer_names=launcher.BUFFER_NAMES))
 

@@ -98,7 +98,8 @@ _CHILD = textwrap.dedent("""
         fn = jax.ffi.ffi_call(call["target"], results, input_output_aliases=aliases)
         a = call["attrs"]
         attrs = dict(code=bytes.fromhex(a["code"]), code_hash=np.int64(a["code_hash"]), kernel=a["kernel"],
-                     grid_div=np.int64(a["grid_div"]), block=np.int64(a["block"]), smem=np.int64(a["smem"]),
+                     grid_div=np.int64(a["grid_div"]), grid_y=np.int64(a.get("grid_y", 1)), block=np.int64(a["block"]),
+                     smem=np.int64(a["smem"]),
                      signature=buffer_signature(ops, results), buffer_names=call["buffer_names"])
         dev = jax.devices()[call.get("device", 0)]
         try:
@@ -219,6 +220,20 @@ def test_rocm_handlers_bind_hip_even_with_libcuda_loaded(stubs, tmp_path):
     assert order.index("hipInit") < order.index("hipModuleLaunchKernel") < order.index("cuInit")
     assert "cuDeviceGet failed: CUDA stub error" in out[1]["error"], out[1]["error"]
     assert len(calls_of(rec, "hipModuleLaunchKernel")) == 1  # the CUDA call never reached HIP
+
+
+def test_grid_y_reaches_the_launch_and_is_range_checked(stubs, tmp_path):
+    """grid_y (RC_SPLIT's parts) is the launch's grid.y; outside 1 .. 65535 the call fails, no launch."""
+    calls = []
+    for gy in (3, 0, 65536):
+        c = simple_call(TABLE)
+        c["attrs"]["grid_y"] = gy
+        calls.append(c)
+    out, rec = run_harness(stubs, tmp_path, calls, env={"HIP_STUB_ARCH": "gfx942"})
+    assert out[0]["error"] is None, out[0]["error"]
+    assert [x["grid"] for x in calls_of(rec, "hipModuleLaunchKernel")] == [[4, 3, 1]]
+    assert all("bad launch attributes" in (o["error"] or "") or "grid too large" in (o["error"] or "")
+               for o in out[1:]), out
 
 
 def test_modules_load_once_per_device(stubs, tmp_path):

@@ -125,13 +125,14 @@ def swapped_lowering(code: str, noinit: bool):
             table, name = cuda.build_code_table(cfg, cc), cuda.KERNEL_NAME
         if not noinit:
             return launcher.lower_launch(ctx, args, table=table, kernel=name, grid_div=cfg.tokens_per_block,
-                                         block=cfg.threads)
+                                         block=cfg.threads, grid_y=cfg.parts)
         launcher.register_gpu_targets(launcher.launcher_module())
         rule = jax.ffi.ffi_lowering(noinit_target(launcher.command_buffers_enabled()),
                                     operand_output_aliases=contract.CACHE_ALIASES)
         return rule(ctx, *launcher.fence_small_operands(args), code=table, code_hash=np_.int64(launcher.code_hash(table)),
                     kernel=name,
-                    grid_div=np_.int64(cfg.tokens_per_block), block=np_.int64(cfg.threads), smem=np_.int64(0),
+                    grid_div=np_.int64(cfg.tokens_per_block), grid_y=np_.int64(cfg.parts), block=np_.int64(cfg.threads),
+                    smem=np_.int64(0),
                     signature=launcher.buffer_signature(ctx.avals_in, ctx.avals_out),
                     buffer_names=launcher.BUFFER_NAMES)
 
@@ -147,14 +148,15 @@ GEOMETRY = set()
 
 @contextlib.contextmanager
 def record_geometry():
-    """Notes (grid, block) of every CUDA lowering of the op (the launcher's grid = ceil(T / grid_div))."""
+    """Notes (grid, block) of every CUDA lowering of the op (the launcher's grid = (ceil(T / grid_div),
+    grid_y))."""
     from jax_rope_cache.backends import cuda
 
     inner = cuda.lower
 
     def lower(ctx, args, spec):
         cfg = cuda.kernel_config(spec, cuda._local_cuda_arch()[1])
-        GEOMETRY.add((-(-spec.num_tokens // cfg.tokens_per_block), cfg.threads))
+        GEOMETRY.add(((-(-spec.num_tokens // cfg.tokens_per_block), cfg.parts), cfg.threads))
         return inner(ctx, args, spec)
 
     cuda.lower = lower

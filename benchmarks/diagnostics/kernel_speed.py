@@ -66,10 +66,11 @@ class Fn:
         check(cu().cuModuleGetFunction(ctypes.byref(self.fn), self.mod, name.encode()), f"cuModuleGetFunction {name}")
 
     def launch(self, grid, block, args, stream):
-        """args: list of ctypes values (kept alive by the caller)."""
+        """grid: blocks, or (x, y) blocks; args: list of ctypes values (kept alive by the caller)."""
+        gx, gy = grid if isinstance(grid, tuple) else (grid, 1)
         ptrs = (ctypes.c_void_p * len(args))(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in args])
-        check(cu().cuLaunchKernel(self.fn, int(grid), 1, 1, int(block), 1, 1, 0, ctypes.c_void_p(stream), ptrs, None),
-              "cuLaunchKernel")
+        check(cu().cuLaunchKernel(self.fn, int(gx), int(gy), 1, int(block), 1, 1, 0, ctypes.c_void_p(stream), ptrs,
+                                  None), "cuLaunchKernel")
 
 
 def params_type(n_ops: int):
@@ -302,7 +303,7 @@ def main():
         to_t = lambda a: torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).cuda().view(bf)  # noqa: E731
         cos_t, sin_t = to_t(cos_np), to_t(sin_np)
         cases = [(T, lay, pat) for T in big_tokens for lay in ("flash", "xpacked") for pat in ("random", "prefill")]
-        if cname in ("oss-8", "l8b-1", "q32-8", "q235-4"):
+        if cname in ("oss-8", "l8b-1", "q32-8", "q235-4", "oss-1", "l70b8"):
             cases = [(T, lay, "random") for T in dec_tokens for lay in args.decode_layouts.split(",")] + cases
         caches = {}
         for T, lay, pat in cases:
@@ -348,7 +349,8 @@ def main():
                     p.ptr[i] = a.data_ptr()
                 for i, a in enumerate(ops):
                     p.dim0[i] = a.shape[0] if a.dim() else 1
-                grid = -(-T // tpb)
+                parts = int(defs.get("RC_SPLIT", 1))  # RC_SPLIT: grid.y
+                grid = (-(-T // tpb), parts)
                 call = lambda: fn.launch(grid, nt, [p], stream())  # noqa: E731
                 call()
                 torch.cuda.synchronize()
@@ -356,7 +358,8 @@ def main():
                 us = graph_us(call)
                 rec[f"{tag}_us"] = round(us, 2) if us == us else None
                 rec[f"{tag}_frac"] = round(nbytes / (us * 1e-6) / 1e9 / ceil_gbs, 3) if us == us else None
-                rec[f"{tag}_cfg"] = f"tpb{tpb} nt{nt} {regs.split('Used')[-1].strip() if regs else ''}"
+                split = f" x{parts}" if parts > 1 else ""
+                rec[f"{tag}_cfg"] = f"tpb{tpb} nt{nt}{split} {regs.split('Used')[-1].strip() if regs else ''}"
                 results[tag] = snap
                 return snap
 

@@ -48,6 +48,7 @@ class KernelConfig:
     tokens_per_block: int
     threads: int
     fallback_minb: int = 0  # RC_MINB to build with instead if ptxas spills under this one (0: none)
+    parts: int = 1  # RC_SPLIT: grid.y, the blocks a block's units are split over
 
     def options(self) -> list[str]:
         return define_flags(self.defines)
@@ -113,6 +114,16 @@ V_SELECT_CHANNELS = 4
 # (the old order: half-sectors). H200, x-packed prefill T=8192: Llama-8B 82.1 -> 63.1 us, GPT-OSS TP1
 # 57.6 -> 50.4, Llama-70B TP8 11.8 -> 10.9; random slots and flash unchanged (within 1-5%).
 K_PAIRS = 1
+# RC_SPLIT: a one-token-per-block call whose token has more than LATENCY_SPLIT_MIN units spreads
+# them over ceil(units / LATENCY_SPLIT_UNITS) blocks (grid.y), each thread one unit, instead of one
+# block whose threads do several in turn, one dependent load chain after the other (0: off). H200,
+# kernel_speed.py, graph time per call at T = 1 / 16 / 64 / 128, one block vs split into parts of
+# <= 128 units: Llama-8B x-packed 3.01 / 3.09 / 3.22 / 3.89 -> 1.98 / 2.12 / 2.71 / 3.85 us, flash
+# 2.03 / 2.12 / 2.11 / 2.41 -> 1.70 / 1.95 / 2.11 / 2.37; GPT-OSS TP1 x-packed 2.43 / 2.51 / 2.60 /
+# 2.98 -> 1.89 / 2.14 / 2.42 / 3.01; tokens of 136-272 units (one KV head) 0-5% slower: not split;
+# nor are calls of half-width chunks (_latency_width): Qwen3-235B TP4 x-packed (400 units) 4-10% slower.
+LATENCY_SPLIT_UNITS = 128
+LATENCY_SPLIT_MIN = 320
 
 
 def _rot_lanes(spec: contract.OpSpec, w: int) -> int:
@@ -177,13 +188,14 @@ def kernel_config(spec: contract.OpSpec, num_sms: int = DEFAULT_SMS, vch: int | 
     A block owns RC_TPB tokens; a large call gives each thread several units in turn (fewer, longer
     blocks: 8-15% faster than one unit per thread on the H200, benchmarks/gpu_speed.py). A small
     call (decode) gets one token per block, so the grid spreads over the SMs and every thread does
-    one unit: latency, not bandwidth (half-width chunks where that fits, _latency_width).
+    one unit: latency, not bandwidth (half-width chunks where that fits, _latency_width); a token
+    of more than LATENCY_SPLIT_MIN units is split over several blocks (parts, RC_SPLIT).
     vch: channels per x-packed V unit wanted (None: V_CHANNELS), as far as the shape allows.
     vsel: channels of the run units of all-run blocks wanted (None: V_SELECT_CHANNELS; 0: off), see
     v_select; the threads are sized by the one-channel units (_block_units with vch).
     kpairs: k-head rotation units paired by token (None: K_PAIRS), for x-packed layouts with an even
     number of tokens per block (RC_KPAIRS; otherwise not defined: the kernel of today)."""
-    w = chunk_width(spec)
+    w = w0 = chunk_width(spec)
     x = spec.x
     xp = spec.layout != "flash"
     vch = v_channels(spec, V_CHANNELS if vch is None else vch)
@@ -203,7 +215,12 @@ def kernel_config(spec: contract.OpSpec, num_sms: int = DEFAULT_SMS, vch: int | 
     if tpb == 1 and (w2 := _latency_width(spec, w, vch)) != w:
         w, (units, _) = w2, _block_units(spec, w2, vch)
         nt = MAX_THREADS
-    nt = min(nt, max(32, -(-units(tpb) // 32) * 32))
+    parts = 1  # the split, where the latency width did not already double the threads (measured worse)
+    if tpb == 1 and w == w0 and LATENCY_SPLIT_UNITS > 0 and units(1) > max(LATENCY_SPLIT_MIN, LATENCY_SPLIT_UNITS):
+        parts = min(64, -(-units(1) // LATENCY_SPLIT_UNITS))
+        nt = MAX_THREADS
+    per_part = -(-units(tpb) // parts)
+    nt = min(nt, max(32, -(-per_part // 32) * 32))
     minb = max(1, 768 // nt)  # register budget: at least 85 per thread (no spills in the CI matrix)
     fallback = 0
     if not xp and units(tpb) >= 2 * PACKED_NT and -(-t // tpb) > num_sms:  # more than one wave of blocks
@@ -221,7 +238,9 @@ def kernel_config(spec: contract.OpSpec, num_sms: int = DEFAULT_SMS, vch: int | 
         ("RC_VPAIRS", 1), ("RC_VCH", vch), ("RC_VSEL", vsel), ("RC_EARLY_W", early_w))
     if (K_PAIRS if kpairs is None else kpairs) and xp and tpb % 2 == 0:
         defines += (("RC_KPAIRS", 1),)
-    return KernelConfig(defines=defines, tokens_per_block=tpb, threads=nt, fallback_minb=fallback)
+    if parts > 1:
+        defines += (("RC_SPLIT", parts),)
+    return KernelConfig(defines=defines, tokens_per_block=tpb, threads=nt, fallback_minb=fallback, parts=parts)
 
 
 def fit_registers(cfg: KernelConfig, arch: str) -> tuple[KernelConfig, nvrtc.Compiled]:
@@ -294,4 +313,4 @@ def lower(ctx, args, spec: contract.OpSpec):
     cc, sms = _local_cuda_arch()
     cfg = kernel_config(spec, sms)
     return launcher.lower_launch(ctx, args, table=build_code_table(cfg, cc), kernel=KERNEL_NAME,
-                                 grid_div=cfg.tokens_per_block, block=cfg.threads)
+                                 grid_div=cfg.tokens_per_block, block=cfg.threads, grid_y=cfg.parts)

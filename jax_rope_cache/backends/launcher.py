@@ -144,9 +144,10 @@ def fence_small_operands(args):
     return out
 
 
-def lower_launch(ctx, args, *, table: bytes, kernel: str, grid_div: int, block: int):
-    """The launcher's custom call running `kernel` of the code-object `table` (caches in place)."""
+def lower_launch(ctx, args, *, table: bytes, kernel: str, grid_div: int, block: int, grid_y: int = 1):
+    """The launcher's custom call running `kernel` of the code-object `table` (caches in place) on a
+    grid of (ceil(T / grid_div), grid_y) blocks of `block` threads."""
     rule = jax.ffi.ffi_lowering(register_gpu_targets(launcher_module()), operand_output_aliases=contract.CACHE_ALIASES)
     return rule(ctx, *fence_small_operands(args), code=table, code_hash=np.int64(code_hash(table)), kernel=kernel,
-                grid_div=np.int64(grid_div), block=np.int64(block), smem=np.int64(0),
+                grid_div=np.int64(grid_div), grid_y=np.int64(grid_y), block=np.int64(block), smem=np.int64(0),
                 signature=buffer_signature(ctx.avals_in, ctx.avals_out), buffer_names=BUFFER_NAMES)

@@ -35,6 +35,10 @@
 //   RC_KPAIRS                    0 (default): rotation units in the order below; 1 (x-packed layouts,
 //                                RC_TPB even; otherwise the same as 0): the k heads' units paired by
 //                                token, so a warp's key cache stores fill whole sectors (rot_idx)
+//   RC_SPLIT                     1 (default): a block does all its units; S > 1: the block's units
+//                                are split over S blocks (grid.y = S, part blockIdx.y takes units
+//                                y * NT + tid, + NT * S, ...), so a small call whose token has more
+//                                units than a block's threads spreads over S SMs, one unit a thread
 //   RC_EARLY_W                   1 (default): with a norm whose weight has q's dtype, a rotation unit
 //                                loads its weight chunk(s) with its q/k chunks (no load after the
 //                                sum); 0: after the sum (fewer live registers)
@@ -48,7 +52,7 @@
 //                    v_scale (f32 [] or [KH]), layer (int32), q_norm_weight, k_norm_weight ([D], or
 //                    an f32[1] placeholder when absent) | q_out, k_out, key_cache_out, value_cache_out
 //   int64  dim0[14]  the leading dimension of each operand (rank-0 operands: 1)
-// Grid: (ceil(T / RC_TPB), 1, 1) blocks of RC_NT threads, T = dim0[0]; no shared memory.
+// Grid: (ceil(T / RC_TPB), RC_SPLIT, 1) blocks of RC_NT threads, T = dim0[0]; no shared memory.
 // Runtime values: T = dim0[0], NB = dim0[3] (stacked: L = dim0[3]), max_pos = dim0[7]; every index
 // (slots, positions, layer) comes from device buffers, so a captured CUDA graph replays correctly
 // whatever the slots and positions hold.
@@ -146,6 +150,9 @@
 #ifndef RC_KPAIRS
 #define RC_KPAIRS 0
 #endif
+#ifndef RC_SPLIT
+#define RC_SPLIT 1
+#endif
 
 namespace rc {
 
@@ -153,7 +160,7 @@ constexpr int QH = RC_QH, KH = RC_KH, D = RC_D, R = RC_R, BS = RC_BS;
 constexpr int LAYER_BLOCKS = RC_LAYER_BLOCKS;
 constexpr int RH = QH + KH;  // heads rotated per token
 constexpr int W = RC_WCH;
-constexpr int TPB = RC_TPB, NT = RC_NT;
+constexpr int TPB = RC_TPB, NT = RC_NT, SPLIT = RC_SPLIT;
 constexpr bool NEOX = RC_NEOX != 0, FULL = RC_FULL_TABLE != 0, NATIVE = RC_NATIVE != 0;
 constexpr int DT = RC_DT, TAB_DT = RC_TAB_DT, CDT = RC_CACHE_DT, LAYOUT = RC_LAYOUT;
 constexpr bool FP8 = CDT == RC_FP8_E4M3FN || CDT == RC_FP8_E4M3FNUZ;
@@ -219,6 +226,7 @@ static_assert(LAYOUT != RC_XPACKED_SHUFFLED || BS % X == 0, "xpacked_shuffled ne
 static_assert(DT == RC_F32 || DT == RC_BF16 || DT == RC_F16, "RC_DT");
 static_assert(FP8 || CDT == DT, "cache dtype: q's dtype or fp8");
 static_assert(TPB >= 1 && (TPB & (TPB - 1)) == 0, "RC_TPB: a power of two");
+static_assert(SPLIT >= 1 && SPLIT <= 64, "RC_SPLIT: 1 .. 64 parts");
 static_assert(RC_F16 == 2, "RC_PACKED_NATIVE's #if spells RC_F16 as 2");
 static_assert(Q_NORM == -1 || Q_NORM == RC_F32 || Q_NORM == DT, "RC_Q_NORM: -1, f32 or q's dtype");
 static_assert(K_NORM == -1 || K_NORM == RC_F32 || K_NORM == DT, "RC_K_NORM: -1, f32 or q's dtype");
@@ -1143,6 +1151,8 @@ __device__ __forceinline__ void v_unit_xpacked_vec(const Params& p, i64 T, i64 t
 // ---- RC_VSEL: the V decomposition chosen per block --------------------------------------------------
 #ifdef RC_EMULATE
 static long long rc_emu_run_units = 0;  // v_unit_run units done (the tests count the all-run blocks)
+// The units one block's parts (RC_SPLIT) did: their count and index sum, checked after the block.
+static long long rc_emu_block_units = 0, rc_emu_block_sum = 0, rc_emu_block_n = 0;
 #endif
 // Every thread of the block computes the same answer from the block's slots: all TPB tokens < T and
 // every group of X tokens an aligned run inside the slot range (run_slot: 16-byte slot loads where
@@ -1193,9 +1203,14 @@ extern "C" __global__ void __launch_bounds__(RC_NT, RC_MINB) rope_cache_kernel(c
   bool vrun = false;
   if constexpr (VSEL > 0) vrun = block_runs(p, T, t0, sr);
   const int n_units = VSEL > 0 ? N_ROT + N_PASS + (vrun ? N_V_RUN : N_V) : N_UNITS;
-  // Units tid, tid + NT, ...: rotation units first, then pass-through, then V.
+  // Units tid, tid + NT, ... (RC_SPLIT: part y from y * NT, stride NT * SPLIT; a part boundary is a
+  // multiple of NT, so a head's norm lanes stay in one warp): rotation, then pass-through, then V.
+  const int u0 = SPLIT > 1 ? (int)blockIdx.y * NT : 0;
 #pragma unroll 1
-  for (int u = threadIdx.x; u < n_units; u += NT) {
+  for (int u = u0 + (int)threadIdx.x; u < n_units; u += NT * SPLIT) {
+#ifdef RC_EMULATE
+    ++rc_emu_block_units, rc_emu_block_sum += u, rc_emu_block_n = n_units;
+#endif
     if (u < N_ROT) {
       rot_unit(p, T, max_pos, t0, u, sr, inv_k);
     } else if (u < N_ROT + N_PASS) {
@@ -1216,15 +1231,22 @@ extern "C" __global__ void __launch_bounds__(RC_NT, RC_MINB) rope_cache_kernel(c
 }
 
 #ifdef RC_EMULATE
-// Runs the whole grid on the host, block after block; returns the emulation's failed checks.
+// Runs the whole grid on the host, block after block (each block's RC_SPLIT parts in turn);
+// returns the emulation's failed checks.
 extern "C" int rc_emulate(const rc::Params* p, long long grid) {
   rc::rc_emu_errors = 0;
   rc::rc_emu_pieces = 0;
   rc::rc_emu_run_units = 0;
   for (long long b = 0; b < grid; ++b) {
-    blockIdx.x = (unsigned)b;
-    threadIdx.x = 0;
-    rope_cache_kernel(*p);
+    rc::rc_emu_block_units = rc::rc_emu_block_sum = 0;
+    for (int y = 0; y < rc::SPLIT; ++y) {
+      blockIdx.x = (unsigned)b, blockIdx.y = (unsigned)y;
+      threadIdx.x = 0;
+      rope_cache_kernel(*p);
+    }
+    // every unit of the block exactly once over its parts
+    const long long n = rc::rc_emu_block_n;
+    if (rc::rc_emu_block_units != n || rc::rc_emu_block_sum != n * (n - 1) / 2) ++rc::rc_emu_errors;
   }
   return rc::rc_emu_errors;
 }

@@ -11,7 +11,8 @@
 //                     for anything but lookups: a collision only matters with equal hashes from
 //                     different tables, which the caller's 64-bit sha256 prefix makes negligible)
 //   kernel     string the kernel's symbol name (extern "C")
-//   grid_div   int64  grid.x = ceil(dim0(operand 0) / grid_div); grid.y = grid.z = 1
+//   grid_div   int64  grid.x = ceil(dim0(operand 0) / grid_div)
+//   grid_y     int64  grid.y (1 .. 65535: the parts a block's work is split into); grid.z = 1
 //   block      int64  threads per block (x)
 //   smem       int64  dynamic shared memory bytes
 //   signature  int64[] the dtype and dims of every buffer the kernel was compiled for:
@@ -494,7 +495,7 @@ ffi::Error EnsureLoaded(Vendor vendor, std::string_view code, int64_t code_hash,
 
 // ---- stages ------------------------------------------------------------------------------------
 ffi::Error Instantiate(std::string_view code, int64_t code_hash, std::string_view kernel, int64_t grid_div,
-                       int64_t block, int64_t smem, ffi::Span<const int64_t> signature,
+                       int64_t grid_y, int64_t block, int64_t smem, ffi::Span<const int64_t> signature,
                        std::string_view buffer_names) {
   (void)code_hash;
   Table t;
@@ -502,15 +503,16 @@ ffi::Error Instantiate(std::string_view code, int64_t code_hash, std::string_vie
   Signature sig;
   if (auto e = ParseSignature(signature, buffer_names, &sig); e.failure()) return e;
   if (kernel.empty()) return ffi::Error::InvalidArgument("gpu launcher: empty kernel name");
-  if (grid_div < 1 || block < 1 || block > 1024 || smem < 0)
+  if (grid_div < 1 || grid_y < 1 || grid_y > 65535 || block < 1 || block > 1024 || smem < 0)
     return ffi::Error::InvalidArgument("gpu launcher: bad launch attributes");
   return ffi::Error::Success();
 }
 
 ffi::Error Initialize(Vendor vendor, int32_t device, ffi::RemainingArgs args, ffi::RemainingRets rets,
                       std::string_view code, int64_t code_hash, std::string_view kernel, int64_t grid_div,
-                      int64_t block, int64_t smem, ffi::Span<const int64_t> signature, std::string_view buffer_names) {
-  (void)grid_div, (void)block, (void)smem;
+                      int64_t grid_y, int64_t block, int64_t smem, ffi::Span<const int64_t> signature,
+                      std::string_view buffer_names) {
+  (void)grid_div, (void)grid_y, (void)block, (void)smem;
   if (auto e = CheckBuffers(signature, buffer_names, args, rets); e.failure()) return e;
   return EnsureLoaded(vendor, code, code_hash, kernel, device);
 }
@@ -527,7 +529,8 @@ constexpr int kMaxBuffers = 32;
 
 ffi::Error Execute(Vendor vendor, void* stream, int32_t device, ffi::RemainingArgs args, ffi::RemainingRets rets,
                    std::string_view code, int64_t code_hash, std::string_view kernel, int64_t grid_div,
-                   int64_t block, int64_t smem, ffi::Span<const int64_t> signature, std::string_view buffer_names) {
+                   int64_t grid_y, int64_t block, int64_t smem, ffi::Span<const int64_t> signature,
+                   std::string_view buffer_names) {
   const Driver& d = GetDriver(vendor);
   const Slot* slot = Lookup(CacheKey(code_hash, device, vendor));
   if (XLA_FFI_PREDICT_FALSE(slot == nullptr)) {  // initialize did not run for this device
@@ -561,7 +564,8 @@ ffi::Error Execute(Vendor vendor, void* stream, int32_t device, ffi::RemainingAr
   const int64_t n = dim0[0];
   if (n <= 0) return ffi::Error::Success();
   const int64_t grid = (n + grid_div - 1) / grid_div;
-  if (grid > 0x7fffffff) return ffi::Error::InvalidArgument("gpu launcher: grid too large");
+  if (grid > 0x7fffffff || grid_y < 1 || grid_y > 65535)
+    return ffi::Error::InvalidArgument("gpu launcher: grid too large");
   void* kparams[1] = {params};
   Result r;
   if (d.hip) {
@@ -571,15 +575,17 @@ ffi::Error Execute(Vendor vendor, void* stream, int32_t device, ffi::RemainingAr
     void* extra[] = {reinterpret_cast<void*>(0x01), params,          // HIP_LAUNCH_PARAM_BUFFER_POINTER
                      reinterpret_cast<void*>(0x02), &kernarg_bytes,  // HIP_LAUNCH_PARAM_BUFFER_SIZE
                      reinterpret_cast<void*>(0x03)};                 // HIP_LAUNCH_PARAM_END
-    r = d.hipModuleLaunchKernel(slot->function, static_cast<unsigned>(grid), 1, 1, static_cast<unsigned>(block), 1,
-                                1, static_cast<unsigned>(smem), stream, nullptr, extra);
+    r = d.hipModuleLaunchKernel(slot->function, static_cast<unsigned>(grid), static_cast<unsigned>(grid_y), 1,
+                                static_cast<unsigned>(block), 1, 1, static_cast<unsigned>(smem), stream, nullptr,
+                                extra);
     if (r) return DriverError(d, "hipModuleLaunchKernel", r);
   } else {
     Handle current = nullptr;
     d.cuCtxGetCurrent(&current);
     const bool push = current != slot->context;
     if (push) d.cuCtxPushCurrent(slot->context);
-    r = d.cuLaunchKernel(slot->function, static_cast<unsigned>(grid), 1, 1, static_cast<unsigned>(block), 1, 1,
+    r = d.cuLaunchKernel(slot->function, static_cast<unsigned>(grid), static_cast<unsigned>(grid_y), 1,
+                         static_cast<unsigned>(block), 1, 1,
                          static_cast<unsigned>(smem), stream, kparams, nullptr);
     if (push) d.cuCtxPopCurrent(&current);
     if (r) return DriverError(d, "cuLaunchKernel", r);
@@ -602,6 +608,7 @@ auto WithLaunchAttrs(Binding b) {
       .template Attr<int64_t>("code_hash")
       .template Attr<std::string_view>("kernel")
       .template Attr<int64_t>("grid_div")
+      .template Attr<int64_t>("grid_y")
       .template Attr<int64_t>("block")
       .template Attr<int64_t>("smem")
       .template Attr<ffi::Span<const int64_t>>("signature")
