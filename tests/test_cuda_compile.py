@@ -1419,8 +1419,9 @@ def test_nvrtc_compiles_kpairs_without_spills(arch):
 # ---- RC_SPLIT: a decode token's units over several blocks (grid.y) ---------------------------------
 def test_split_configuration(monkeypatch):
     """One-token-per-block calls whose token has more than LATENCY_SPLIT_MIN units are split over
-    grid.y = ceil(units / LATENCY_SPLIT_UNITS) blocks, sized so every thread has one unit; other
-    calls are one part (no RC_SPLIT define: the kernel of before)."""
+    grid.y = ceil(units / LATENCY_SPLIT_UNITS) blocks, sized so every thread has one unit; a token
+    one block covers with one unit a thread only into idle SMs (<= SMs / 2T parts); other calls are
+    one part (no RC_SPLIT define: the kernel of before)."""
     def geo(**kw):
         c = cuda.kernel_config(make_spec(**kw))
         assert dict(c.defines).get("RC_SPLIT", 1) == c.parts
@@ -1430,7 +1431,8 @@ def test_split_configuration(monkeypatch):
     l8b = dict(QH=32, KH=8, D=128)
     assert geo(T=1, layout="xpacked", **l8b) == (1, 128, 11)  # 320 rotation + 1024 one-channel V units
     assert geo(T=128, layout="xpacked_shuffled", **l8b) == (1, 128, 11)
-    assert geo(T=1, **l8b) == (1, 128, 4)  # flash: 448 units
+    assert geo(T=1, **l8b) == geo(T=16, **l8b) == (1, 128, 4)  # flash: 448 units
+    assert geo(T=32, **l8b) == (1, 224, 2) and geo(T=64, **l8b) == (1, 448, 1)  # <= 132 / 2T parts
     assert geo(T=64, QH=8, KH=1, D=128, layout="xpacked") == (1, 288, 1)  # 272 units: one block
     assert geo(T=1, QH=16, KH=1, D=128, layout="xpacked") == (1, 416, 1)  # half-width chunks: never split
     assert geo(T=8192, layout="xpacked", **l8b)[2] == 1
@@ -1438,7 +1440,7 @@ def test_split_configuration(monkeypatch):
     assert geo(T=1, layout="xpacked", **l8b) == (1, cuda.MAX_THREADS, 1)  # off: 512 threads, several units each
     assert geo(T=1, **l8b) == (1, 448, 1)
     monkeypatch.setattr(cuda, "LATENCY_SPLIT_UNITS", 200)
-    assert geo(T=64, **l8b) == (1, 160, 3)  # 448 units: 3 parts of <= 150 (threads a multiple of 32)
+    assert geo(T=8, **l8b) == (1, 160, 3)  # 448 units: 3 parts of <= 150 (threads a multiple of 32)
     monkeypatch.setattr(cuda, "LATENCY_SPLIT_UNITS", 128)
     for kw in (dict(QH=64, KH=8, D=64), dict(QH=8, KH=1, D=128), dict(QH=4, KH=1, D=256, dt=F32)):
         for layout in contract.LAYOUTS:

@@ -424,8 +424,9 @@ def main():
                 fch = floor_fn("chain2", {})
                 ca = [ctypes.c_void_p(a.data_ptr()) for a in (pos, cos_t, q, q_out)] + [iT]
                 rec["chain2_us"] = round(graph_us(lambda: fch.launch(T, min(nt_new, QH * D // 8), ca, stream())), 2)
-            # floors (same slots): the op's traffic without arithmetic; x-packed: write-only V / K
-            if T >= 8192:
+            # floors (same slots): the op's traffic without arithmetic (decode too, from T = 64);
+            # x-packed at T >= 8192 also write-only V / K
+            if T >= 64:
                 nslots = NB * 16
                 fd = {"FL_KH": KH, "FL_D": D, "FL_BS": 16, "FL_QH": QH, "FL_XP": int(lay != "flash")}
                 fop = floor_fn("floor_op", fd)
@@ -435,7 +436,7 @@ def main():
                 g_op = -(-T * per_tok // 256)
                 us = graph_us(lambda: fop.launch(g_op, 256, ptrs + [iT, ins], stream()))
                 rec["floor_op_us"] = round(us, 2)
-                if lay != "flash":
+                if lay != "flash" and T >= 8192:
                     for fname, cnt in (("floor_v_xp_d", T * KH * D), ("floor_v_xp_t", T * KH * D),
                                        ("floor_k_xp", T * KH * D // 8)):
                         f = floor_fn(fname, fd)
@@ -452,7 +453,7 @@ def main():
     log("\n==== H200 kernel device time per call (CUDA graph of 20 calls / 20), us; frac = bytes/time/ceiling ====")
     log(f"copy ceiling {ceil_gbs:.0f} GB/s")
     hdr = ("config", "T", "layout", "slots", "AITER", "old F", "new F", "new N", "A/newF", "N/F", "frac newF",
-           "floor op / null,chain2", "same")
+           "floor op/null/chain2", "same")
     log(" | ".join(hdr))
     for r in rows:
         if r.get("kind") != "case":
@@ -462,7 +463,7 @@ def main():
         log(" | ".join(str(x) for x in (
             r["config"], r["T"], r["layout"], r["slots"], fmt(a), fmt(r.get("old_fp32_us")), fmt(nf), fmt(nn),
             fmt(a / nf if a and nf else None), fmt(nn / nf if nn and nf else None), r.get("new_fp32_frac"),
-            fmt(r.get("floor_op_us")) if "floor_op_us" in r else f"{r.get('null_us')},{r.get('chain2_us')}",
+            "/".join(fmt(r.get(k)) for k in ("floor_op_us", "null_us", "chain2_us") if k in r),
             f"{r.get('same_fp32')}/{r.get('same_native')}")))
     for r in rows:
         if r.get("kind") == "case" and r["layout"] == "xpacked" and r["T"] >= 8192:

@@ -115,13 +115,15 @@ V_SELECT_CHANNELS = 4
 # 57.6 -> 50.4, Llama-70B TP8 11.8 -> 10.9; random slots and flash unchanged (within 1-5%).
 K_PAIRS = 1
 # RC_SPLIT: a one-token-per-block call whose token has more than LATENCY_SPLIT_MIN units spreads
-# them over ceil(units / LATENCY_SPLIT_UNITS) blocks (grid.y), each thread one unit, instead of one
-# block whose threads do several in turn, one dependent load chain after the other (0: off). H200,
-# kernel_speed.py, graph time per call at T = 1 / 16 / 64 / 128, one block vs split into parts of
-# <= 128 units: Llama-8B x-packed 3.01 / 3.09 / 3.22 / 3.89 -> 1.98 / 2.12 / 2.71 / 3.85 us, flash
-# 2.03 / 2.12 / 2.11 / 2.41 -> 1.70 / 1.95 / 2.11 / 2.37; GPT-OSS TP1 x-packed 2.43 / 2.51 / 2.60 /
-# 2.98 -> 1.89 / 2.14 / 2.42 / 3.01; tokens of 136-272 units (one KV head) 0-5% slower: not split;
-# nor are calls of half-width chunks (_latency_width): Qwen3-235B TP4 x-packed (400 units) 4-10% slower.
+# them over ceil(units / LATENCY_SPLIT_UNITS) blocks (grid.y), each thread one unit, where one block
+# would give its threads several units in turn (one dependent load chain after the other); a token
+# that one block covers with one unit a thread is split only into SMs the grid leaves idle (at most
+# SMs / 2T parts). Not split: tokens of <= LATENCY_SPLIT_MIN units and calls of half-width chunks
+# (_latency_width). H200, profiler device time per call, T = 1 / 16 / 64 / 128, interleaved runs
+# (split as today vs one block): Llama-8B x-packed 2.54 / 2.58 / 2.72 / 3.40 -> 1.52 / 1.72 / 2.17 /
+# 3.42 us, GPT-OSS TP1 x-packed 1.88 / 1.94 / 2.07 / 2.58 -> 1.32 / 1.59 / 1.88 / 2.56; flash
+# Llama-8B 1.48 / 1.55 -> 1.27 / 1.41 at T = 1 / 16, but 1.65 -> 1.71 at T = 64 (2 or 4 parts):
+# hence the idle-SM bound; Qwen3-235B TP4 x-packed (half width, 400 units) split 4-10% slower.
 LATENCY_SPLIT_UNITS = 128
 LATENCY_SPLIT_MIN = 320
 
@@ -216,8 +218,11 @@ def kernel_config(spec: contract.OpSpec, num_sms: int = DEFAULT_SMS, vch: int | 
         w, (units, _) = w2, _block_units(spec, w2, vch)
         nt = MAX_THREADS
     parts = 1  # the split, where the latency width did not already double the threads (measured worse)
-    if tpb == 1 and w == w0 and LATENCY_SPLIT_UNITS > 0 and units(1) > max(LATENCY_SPLIT_MIN, LATENCY_SPLIT_UNITS):
+    split = tpb == 1 and w == w0 and LATENCY_SPLIT_UNITS > 0
+    if split and units(1) > max(LATENCY_SPLIT_MIN, LATENCY_SPLIT_UNITS):
         parts = min(64, -(-units(1) // LATENCY_SPLIT_UNITS))
+        if units(1) <= MAX_THREADS:  # one unit a thread already: only into idle SMs
+            parts = max(1, min(parts, num_sms // (2 * t)))
         nt = MAX_THREADS
     per_part = -(-units(tpb) // parts)
     nt = min(nt, max(32, -(-per_part // 32) * 32))
