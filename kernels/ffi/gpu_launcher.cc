@@ -503,8 +503,14 @@ ffi::Error Instantiate(std::string_view code, int64_t code_hash, std::string_vie
   Signature sig;
   if (auto e = ParseSignature(signature, buffer_names, &sig); e.failure()) return e;
   if (kernel.empty()) return ffi::Error::InvalidArgument("gpu launcher: empty kernel name");
-  if (grid_div < 1 || grid_y < 1 || grid_y > 65535 || block < 1 || block > 1024 || smem < 0)
-    return ffi::Error::InvalidArgument("gpu launcher: bad launch attributes");
+  auto bad = [](const char* name, const char* want, int64_t got) {
+    return ffi::Error::InvalidArgument(std::string("gpu launcher: bad launch attributes: '") + name + "' must be " +
+                                       want + ", got " + std::to_string(got));
+  };
+  if (grid_div < 1) return bad("grid_div", ">= 1", grid_div);
+  if (grid_y < 1 || grid_y > 65535) return bad("grid_y", "1..65535", grid_y);
+  if (block < 1 || block > 1024) return bad("block", "1..1024", block);
+  if (smem < 0) return bad("smem", ">= 0", smem);
   return ffi::Error::Success();
 }
 
@@ -564,8 +570,8 @@ ffi::Error Execute(Vendor vendor, void* stream, int32_t device, ffi::RemainingAr
   const int64_t n = dim0[0];
   if (n <= 0) return ffi::Error::Success();
   const int64_t grid = (n + grid_div - 1) / grid_div;
-  if (grid > 0x7fffffff || grid_y < 1 || grid_y > 65535)
-    return ffi::Error::InvalidArgument("gpu launcher: grid too large");
+  if (grid > 0x7fffffff) return ffi::Error::InvalidArgument("gpu launcher: grid too large");
+  if (grid_y < 1 || grid_y > 65535) return ffi::Error::InvalidArgument("gpu launcher: bad launch attributes: grid_y");
   void* kparams[1] = {params};
   Result r;
   if (d.hip) {
