@@ -238,7 +238,7 @@ def memory_per_element(cfg, T):
 
 
 def regime_table() -> str:
-    out = ["| model (per shard) | QK-norm | call | layout | regime: NT x TPB, q/k access | VGPR gfx942 / gfx950 | "
+    out = ["| model (per shard) | QK-norm | call | layout | regime: NT x TPB (x parts), q/k access | VGPR gfx942 / gfx950 | "
            "SGPR gfx942 / gfx950 | vmem instr / element (all; q/k/v data) | data B / instr |",
            "|---|---|---|---|---|---|---|---|---|"]
     for name, tp, norm in REGIME_SHAPES:
@@ -256,9 +256,10 @@ def regime_table() -> str:
                 regime = "latency" if c.latency else "bandwidth"
                 hints = "".join(f", {k} {v}" for k, v in (objs[0].hints or {}).items())
                 access = c.w_rot * 2  # bf16 bytes per q/k rotation access (x2 chunks for NeoX)
+                parts = f" x {c.split} parts" if getattr(c, "split", 1) > 1 else ""  # phase split (grid.y)
                 out.append(
                     f"| {m.name} ({m.q_heads}x{m.kv_heads}x{m.head_dim}) | {'q+k' if norm else '-'} | {call} | "
-                    f"{'x-packed' if layout == 'xpacked' else layout} | {regime}: {c.nt} x {c.tpb}, {access} B{hints} | "
+                    f"{'x-packed' if layout == 'xpacked' else layout} | {regime}: {c.nt} x {c.tpb}{parts}, {access} B{hints} | "
                     f"{' / '.join(str(o.info['vgpr_count']) for o in objs)} | "
                     f"{' / '.join(str(o.info['sgpr_count']) for o in objs)} | {per:.3f}; {data:.3f} | {width:.1f} |")
     return "\n".join(out)

@@ -63,7 +63,8 @@ class Machine:
         self.blocks = []
         self.bufs: list[tuple[int, bytearray]] = []
         self.tid = np.arange(nt, dtype=np.uint64)
-        self.bid = 0
+        self.bid = self.bid_y = 0
+        self.writers: dict[int, set] = {}  # buffer base -> the grid.y parts that stored into it
 
     def alloc(self, arr: np.ndarray) -> int:
         base = (len(self.bufs) + 1) << 40
@@ -289,14 +290,16 @@ class arith:  # noqa: N801
 class gpu:  # noqa: N801
     class Dimension:
         x = "x"
+        y = "y"
 
     @staticmethod
     def thread_id(d):
+        assert d == "x"
         return Val(INDEX, M.tid.copy())
 
     @staticmethod
     def block_id(d):
-        return Val(INDEX, np.full(M.nt, M.bid, np.uint64))
+        return Val(INDEX, np.full(M.nt, M.bid if d == "x" else M.bid_y, np.uint64))
 
 
 class llvm:  # noqa: N801
@@ -325,6 +328,7 @@ class llvm:  # noqa: N801
             if off + nb > len(buf):
                 raise IndexError(f"store of {nb} bytes at +{off} past a buffer of {len(buf)} bytes")
             buf[off:off + nb] = data[lane]
+            M.writers.setdefault(base, set()).add(M.bid_y)
 
 
 def _nbytes(ty):
@@ -428,6 +432,7 @@ class rocdl:  # noqa: N801
                 s = base - b0 + o
                 assert s + nb <= len(buf), "descriptor larger than its buffer"
                 buf[s:s + nb] = data[lane]
+                M.writers.setdefault(b0, set()).add(M.bid_y)
 
 
 class _Block:
@@ -499,8 +504,15 @@ def run(kernel_module, cfg, operands: list[np.ndarray]) -> list[np.ndarray]:
     # the caches are aliased: results = operands 3 and 4
     args_py = addrs + [a_qo, a_ko, addrs[3], addrs[4]] + [a.shape[0] if a.ndim else 1 for a in operands]
     for b in range(grid):
-        M.bid = b
-        M.mask = [np.ones(cfg.nt, bool)]
-        args = [Val(I64, np.full(cfg.nt, x, np.uint64)) for x in args_py]
-        kernel_module.emit_kernel_body(cfg, args, dialects=DIALECTS)
+        for y in range(getattr(cfg, "split", 1)):  # grid.y: a split configuration's parts
+            M.bid, M.bid_y = b, y
+            M.mask = [np.ones(cfg.nt, bool)]
+            args = [Val(I64, np.full(cfg.nt, x, np.uint64)) for x in args_py]
+            kernel_module.emit_kernel_body(cfg, args, dialects=DIALECTS)
+    global LAST_WRITERS
+    names = {a_qo: "q_out", a_ko: "k_out", addrs[3]: "key_cache", addrs[4]: "value_cache"}
+    LAST_WRITERS = {names.get(base, hex(base)): parts for base, parts in M.writers.items()}
     return [M.read(a_qo, q_out), M.read(a_ko, k_out), M.read(addrs[3], kc), M.read(addrs[4], vc)]
+
+
+LAST_WRITERS: dict[str, set] = {}  # run(): each written output -> the grid.y parts that stored into it

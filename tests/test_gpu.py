@@ -546,18 +546,23 @@ _SPLIT_CASES = {
 @pytest.mark.parametrize("t", [1, 16, 37, 130])
 @pytest.mark.parametrize("case", list(_SPLIT_CASES), ids=str)
 def test_split_decode_bitwise_one_launch(case, t, platform, monkeypatch):
-    """A decode call whose token's units are split over grid.y blocks: every output bit for bit equal
-    to the reference on fresh random data, one launch per call (CUDA: the configuration splits
-    where it should: x-packed at every T here, flash only at T <= 16)."""
-    if platform != "cuda":
-        pytest.skip("RC_SPLIT is the CUDA kernel's (the FlyDSL kernel keeps one block per token)")
+    """A decode call whose token's work is split over grid.y blocks: every output bit for bit equal
+    to the reference on fresh random data, one launch per call. The configuration splits where it
+    should: CUDA (RC_SPLIT) x-packed at every T here, flash only at T <= 16; ROCm by phase (rotation
+    | V workgroups) at every T here."""
+    _norm_supported(platform)
     c = dict(_SPLIT_CASES[case])
     if "split_units" in c:
         monkeypatch.setattr(cuda, "LATENCY_SPLIT_UNITS", c.pop("split_units"))
     host, opts = _norm_problem(c, t, seed=t + 100)
-    cfg = cuda.kernel_config(contract.check_op(*host, **opts), cuda._local_cuda_arch()[1])
-    flash = c.get("layout", "flash") == "flash"
-    assert cfg.tokens_per_block == 1 and (cfg.parts > 1) == (t <= 16 or not flash), cfg  # flash: idle SMs only
+    spec = contract.check_op(*host, **opts)
+    if platform == "cuda":
+        cfg = cuda.kernel_config(spec, cuda._local_cuda_arch()[1])
+        flash = c.get("layout", "flash") == "flash"
+        assert cfg.tokens_per_block == 1 and (cfg.parts > 1) == (t <= 16 or not flash), cfg  # flash: idle SMs only
+    else:
+        cfg = rocm.kernel_config(spec)
+        assert cfg.latency and cfg.split > 1, cfg
     want = reference.rope_and_cache(*host, **opts)
     got, counts, _ = _run_norm(host, opts, platform, calls=2)
     assert counts == [1, 1], counts

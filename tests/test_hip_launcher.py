@@ -284,8 +284,9 @@ def test_kernarg_buffer_matches_the_code_object_metadata(stubs, tmp_path):
         operands, spec = variant_operands(v)
         cfg = rocm.kernel_config(spec)
         table, symbol, objs = rocm.build_code_table(cfg, ("gfx942", "gfx950"))
+        cfg = objs[0].config or cfg
         attrs = dict(code=table.hex(), code_hash=launcher.code_hash(table), kernel=symbol, grid_div=cfg.tpb,
-                     block=cfg.nt, smem=0)
+                     grid_y=cfg.split, block=cfg.nt, smem=0)
         for target, device in (("jrc_test_hip", 0), ("jrc_test_hip_nograph", 0), ("jrc_test_hip", 2)):
             calls.append(dict(target=target, device=device, operands=operands, results=[0, 1, 3, 4],
                               aliases={"3": 2, "4": 3}, attrs=attrs, buffer_names=launcher.BUFFER_NAMES))
@@ -302,7 +303,7 @@ def test_kernarg_buffer_matches_the_code_object_metadata(stubs, tmp_path):
             info = amdgpu_elf.kernel_info(co.code)
             assert launch["name"] == symbol == info["name"]
             assert launch["module_fnv1a64"] == fnv1a64(co.code), "not the device's code object"
-            assert launch["grid"] == [math.ceil(v["T"] / cfg.tpb), 1, 1] and cfg.tpb >= 1
+            assert launch["grid"] == [math.ceil(v["T"] / cfg.tpb), cfg.split, 1] and cfg.tpb >= 1
             assert launch["block"] == list(info["reqd_workgroup_size"]) == [cfg.nt, 1, 1]
             assert launch["shmem"] == info["group_segment_size"] == 0
             assert launch["stream"] == TEST_STREAM and not launch["kernel_params"] and launch["extra_ended"]

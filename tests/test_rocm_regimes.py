@@ -51,7 +51,7 @@ def test_small_calls_get_the_latency_config_large_ones_the_bandwidth_config(shap
         assert small.w_rot == big.w_rot // 2  # 8-byte q/k accesses
         units = (D // 2) // small.w_rot * (QH + KH)  # rotation units of one token: one per lane
         assert small.nt == -(-units // 64) * 64 and small.nt <= K.MAX_NT
-        assert dataclasses.replace(small, w_rot=big.w_rot, tpb=big.tpb, nt=big.nt, latency=False) == big
+        assert dataclasses.replace(small, w_rot=big.w_rot, tpb=big.tpb, nt=big.nt, latency=False, split=1) == big
     assert not rocm.kernel_config(spec_of(K.LATENCY_TOKENS + 1, QH, KH, D, norm, layout=layout), K).latency
 
 
@@ -148,3 +148,61 @@ def test_latency_loads_the_norm_weights_before_the_sum(monkeypatch):
         rocm_emulator.run(K, cfg, ops)
         assert "w" in order and "x" in order
         assert (order.index("w") < order.index("x")) == want_early, (regime, "".join(order))
+
+
+# ---- the latency regime's phase split (grid.y: each phase in its own workgroup of the token) ------------
+def test_latency_splits_tokens_of_many_lanes_by_phase():
+    """A latency configuration whose phases hold more than SPLIT_MIN_LANES lanes in all runs each
+    phase in its own workgroup (split = the number of phases, grid.y); others, and every bandwidth
+    configuration, are one workgroup per token block."""
+    l8b = rocm.kernel_config(spec_of(1, 32, 8, 128), K)
+    assert l8b.latency and l8b.split == 2 and K.phases(l8b) == ["rot", "v"]
+    assert sum(K.phase_lanes(l8b).values()) > K.SPLIT_MIN_LANES
+    partial = rocm.kernel_config(spec_of(64, 32, 8, 128, R=64), K)
+    assert partial.split == 3 and K.phases(partial) == ["rot", "pass", "v"]
+    merged = rocm.kernel_config(spec_of(1, 32, 8, 128, True, R=64), K)  # the norm's lanes hold the pass channels
+    assert K.norm_layout(merged).merged and K.phases(merged) == ["rot", "v"] and merged.split == 2
+    for shape in ((8, 1, 128), (8, 1, 64), (16, 1, 128)):  # one KV head: 88-288 lanes
+        c = rocm.kernel_config(spec_of(1, *shape), K)
+        assert c.split == 1 and sum(K.phase_lanes(c).values()) <= K.SPLIT_MIN_LANES
+    assert rocm.kernel_config(spec_of(8192, 32, 8, 128), K).split == 1
+    assert all(c.split == l8b.split for c, _ in rocm.occupancy_candidates(l8b, K) if c.latency)
+    assert all(c.split == 1 for c, _ in rocm.occupancy_candidates(l8b, K) if not c.latency)
+
+
+SPLIT_CASES = [
+    Case(T=3, QH=32, KH=8, D=128, layout="xpacked"),  # Llama-8B decode: rot | v
+    Case(T=2, QH=32, KH=8, D=128, R=64, layout="flash", cache_dtype="float8_e4m3fn", precision="native"),
+    Case(T=4, QH=64, KH=8, D=64, layout="xpacked_shuffled", dtype="float16", table_dtype="float16"),
+]
+
+
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: c.id)
+def test_split_latency_config_is_bit_exact_and_each_output_has_one_part(case):
+    """Split configurations in the lane emulator: bit-exact to the reference (their candidates
+    too), and every output is stored by exactly the part of its phase (q_out / k_out / key cache:
+    rotation and pass-through; value cache: V), so no phase runs twice or not at all."""
+    from test_rocm_emulated import run_and_compare
+
+    args, opts = make_problem(case, 7)
+    cfg = rocm.kernel_config(contract.check_op(*args, **opts), K)
+    assert cfg.split == len(K.phases(cfg)) > 1, cfg
+    for c in dict.fromkeys(c for c, _ in rocm.occupancy_candidates(cfg, K) if c.latency):
+        run_and_compare(c, args, opts, f" (split {c.split}: w_rot {c.w_rot}, nt {c.nt})")
+        ph = K.phases(c)
+        want = {"q_out": {0} | ({ph.index("pass")} if "pass" in ph else set()), "value_cache": {ph.index("v")}}
+        want["k_out"] = want["key_cache"] = want["q_out"]
+        assert rocm_emulator.LAST_WRITERS == want, rocm_emulator.LAST_WRITERS
+
+
+def test_split_would_catch_a_wrong_part_index(monkeypatch):
+    """A kernel whose workgroups all read part 0 (grid.y ignored) runs the rotation twice, with the
+    same bits, and V never: the store record and the comparison both see it."""
+    from test_rocm_emulated import run_and_compare
+
+    args, opts = make_problem(SPLIT_CASES[0], 7)
+    cfg = rocm.kernel_config(contract.check_op(*args, **opts), K)
+    monkeypatch.setattr(K._Emitter, "bid_y", lambda self: self.i32c(0))
+    with pytest.raises(AssertionError, match="value_cache"):
+        run_and_compare(cfg, args, opts)
+    assert rocm_emulator.LAST_WRITERS["q_out"] == {0, 1} and "value_cache" not in rocm_emulator.LAST_WRITERS

@@ -224,4 +224,5 @@ def lower(ctx, args, spec: contract.OpSpec):
     except Exception as e:  # noqa: BLE001 - a broken toolchain must not break impl=None users
         raise native.KernelUnavailable(
             f"its kernel, but compiling the kernel failed ({type(e).__name__}: {e})") from e
-    return launcher.lower_launch(ctx, args, table=table, kernel=symbol, grid_div=cfg.tpb, block=cfg.nt)
+    return launcher.lower_launch(ctx, args, table=table, kernel=symbol, grid_div=cfg.tpb, block=cfg.nt,
+                                 grid_y=getattr(cfg, "split", 1))

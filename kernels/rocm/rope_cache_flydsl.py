@@ -15,11 +15,13 @@ byte offsets 0, 8, ..., 248 (kernarg segment 256 bytes, no hidden arguments):
           q_norm_weight, k_norm_weight ([D], or an f32[1] placeholder when absent)
   14..17  device addresses of the results   q_out, k_out, key_cache_out, value_cache_out
   18..31  int64 dim0 of each operand (T = dim0[0], NB = dim0[3] (stacked: L), max_pos = dim0[7])
-Grid: (ceil(T / TPB), 1, 1) workgroups of NT threads (NT is the required workgroup size).
+Grid: (ceil(T / TPB), SPLIT, 1) workgroups of NT threads (NT is the required workgroup size).
 
 Work decomposition. A workgroup owns TPB consecutive tokens (latency regime, small T: one token,
 one unit per lane, half-width rotation chunks; see make_config). Three phases run one after the other
-(no shared memory, no barriers); each maps its lanes as (token sub-slot, head slot, chunk):
+(no shared memory, no barriers), or, split (latency regime, tokens of many lanes: `split` = the
+number of phases), each in its own workgroup of the token (grid.y = phase), side by side on
+different CUs instead of in turn; each maps its lanes as (token sub-slot, head slot, chunk):
   * rot  : the rotary channels of the QH + KH heads. A lane owns one chunk of W rotary pairs
            (NeoX: channels [cW, cW+W) and [R/2+cW, R/2+cW+W): two 16-byte loads; GPT-J: one
            chunk of W channels holding W/2 pairs). It loads its cos/sin chunk ONCE per token and
@@ -108,6 +110,7 @@ class RocmKernelConfig:
     k_scale_heads: bool = False  # k_scale is [KH] (else one scale)
     v_scale_heads: bool = False
     latency: bool = False  # the latency regime (make_config): one token per workgroup, norm weights early
+    split: int = 1  # workgroups per token block (grid.y): part y runs phase y (phases(): rot, [pass], v)
 
     @property
     def x(self) -> int:
@@ -148,6 +151,27 @@ def phase_geometry(cpx: int, nh: int, nt: int) -> tuple[int, int]:
 
 LATENCY_TOKENS = 256  # calls of at most this many tokens: the latency regime (MI355X has 256 CUs, MI300X 304)
 MAX_NT = 1024  # threads per workgroup (the hardware's limit)
+
+
+# Latency configurations whose phases hold more than this many lanes in all run each phase in its own
+# workgroup (RocmKernelConfig.split). The CUDA kernel's split of a decode token over blocks (H200:
+# tokens of > 320 units, e.g. x-packed Llama-8B 2.54 -> 1.53 us at T = 1; one-KV-head shapes not)
+# by the same rule; not timed on AMD hardware.
+SPLIT_MIN_LANES = 320
+
+
+def phases(cfg: "RocmKernelConfig") -> list[str]:
+    """The kernel's phases in order (part y of a split configuration runs phases(cfg)[y])."""
+    merged = cfg.norm and norm_layout(cfg).merged
+    return ["rot"] + (["pass"] if cfg.r < cfg.d and not merged else []) + ["v"]
+
+
+def phase_lanes(cfg: "RocmKernelConfig") -> dict[str, int]:
+    """Lanes each phase of one token maps (rotation chunks, pass-through chunks, V chunks, all heads)."""
+    rh = cfg.qh + cfg.kh
+    cpx = (cfg.r // 2) // cfg.w_rot if cfg.neox else cfg.r // cfg.w_rot
+    lanes = {"rot": cpx * rh, "pass": (cfg.d - cfg.r) // cfg.w_pass * rh, "v": cfg.d // cfg.w_v * cfg.kh}
+    return {p: lanes[p] for p in phases(cfg)}
 
 
 def latency_regime(num_tokens: int | None) -> bool:
@@ -225,6 +249,8 @@ def make_config(*, qh, kh, d, r, bs, layout, neox, full_table, native, dt, tab_d
         nl = norm_layout(narrow) if narrow.norm else None
         if nl is None or (nl.plan is not None and norm_layout(cfg).plan is not None and nl.lanes <= 32):
             cfg = narrow
+    if sum(phase_lanes(cfg).values()) > SPLIT_MIN_LANES:
+        cfg = dataclasses.replace(cfg, split=len(phases(cfg)))
     return cfg
 
 
@@ -662,6 +688,9 @@ class _Emitter:
     def bid(self):
         return self.arith.index_cast(self.i32, self.gpu.block_id(self.gpu.Dimension.x))
 
+    def bid_y(self):
+        return self.arith.index_cast(self.i32, self.gpu.block_id(self.gpu.Dimension.y))
+
 
 def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
     """Emits the kernel body. `args`: the NUM_ARGS i64 kernel arguments as MLIR values.
@@ -799,9 +828,19 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
         active_all = cpx * hp * ts >= cfg.nt
         return hp, ts, c, hs, tsl, active_all
 
-    def run_phase(cpx, nh, per_token, head_setup=None, setup=None):
+    part = E.bid_y() if cfg.split > 1 else None  # a split configuration: the phase this workgroup runs
+
+    def run_phase(name, cpx, nh, per_token, head_setup=None, setup=None):
         """Calls per_token(tl, tvalid, c, heads, ctx) for each token iteration; heads: [(h, hvalid,
-        head_setup(h, hvalid))], ctx = setup(c): per-lane values made once, before the tokens."""
+        head_setup(h, hvalid))], ctx = setup(c): per-lane values made once, before the tokens.
+        Split: only in the workgroups of part phases(cfg).index(name) (a uniform branch)."""
+        if part is not None:
+            guarded(E.cmp("eq", part, c32(phases(cfg).index(name))),
+                    lambda: phase_body(cpx, nh, per_token, head_setup, setup))
+        else:
+            phase_body(cpx, nh, per_token, head_setup, setup)
+
+    def phase_body(cpx, nh, per_token, head_setup, setup):
         hp, ts, c, hs, tsl, active_all = lanes(cpx, nh)
         ctx = setup(c) if setup else None
         heads = []
@@ -1157,7 +1196,7 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
                 else:
                     store_k_cache(wr, s, hk, d0, vals, inv_k)
 
-    run_phase(cpx_rot, RH, rot_token, head_setup=qk_head_setup, setup=rot_chunks)
+    run_phase("rot", cpx_rot, RH, rot_token, head_setup=qk_head_setup, setup=rot_chunks)
 
     # ------------------------------ pass-through phase ------------------------------
     if R < D and not merged:
@@ -1193,7 +1232,7 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
                         vals = E.elems_from_pieces(pieces, cfg.dt, WP)
                     store_k_cache(wr, s, hk, d0, vals, inv_k)
 
-        run_phase(cpx_p, RH, pass_token, head_setup=qk_head_setup, setup=pass_setup)
+        run_phase("pass", cpx_p, RH, pass_token, head_setup=qk_head_setup, setup=pass_setup)
 
     # ------------------------------ V phase ------------------------------
     WV = cfg.w_v
@@ -1232,7 +1271,7 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
                         E.global_store_pieces(E.words_to_pieces(words), v_cache_addr(s, hh, E.add(d0, c64(i))))
             guarded(wr, body)
 
-    run_phase(cpx_v, KH, v_token, head_setup=v_head_setup)
+    run_phase("v", cpx_v, KH, v_token, head_setup=v_head_setup)
 
 
 def build_launcher(cfg: RocmKernelConfig):
