@@ -48,7 +48,11 @@ class KernelConfig:
     tokens_per_block: int
     threads: int
     fallback_minb: int = 0  # RC_MINB to build with instead if ptxas spills under this one (0: none)
-    parts: int = 1  # RC_SPLIT: grid.y, the blocks a block's units are split over
+
+    @property
+    def parts(self) -> int:
+        """grid.y: the blocks a block's units are split over (RC_SPLIT)."""
+        return dict(self.defines).get("RC_SPLIT", 1)
 
     def options(self) -> list[str]:
         return define_flags(self.defines)
@@ -245,7 +249,7 @@ def kernel_config(spec: contract.OpSpec, num_sms: int = DEFAULT_SMS, vch: int | 
         defines += (("RC_KPAIRS", 1),)
     if parts > 1:
         defines += (("RC_SPLIT", parts),)
-    return KernelConfig(defines=defines, tokens_per_block=tpb, threads=nt, fallback_minb=fallback, parts=parts)
+    return KernelConfig(defines=defines, tokens_per_block=tpb, threads=nt, fallback_minb=fallback)
 
 
 def fit_registers(cfg: KernelConfig, arch: str) -> tuple[KernelConfig, nvrtc.Compiled]:
