@@ -1435,6 +1435,8 @@ def test_split_configuration(monkeypatch):
     assert geo(T=64, QH=8, KH=1, D=128, layout="xpacked") == (1, 288, 1)  # 272 units: one block
     assert geo(T=1, QH=16, KH=1, D=128, layout="xpacked") == (1, 416, 1)  # half-width chunks: never split
     assert geo(T=8192, layout="xpacked", **l8b)[2] == 1
+    for layout in contract.LAYOUTS:  # an empty call (T = 0) configures like T = 1
+        assert geo(T=0, layout=layout, **l8b) == geo(T=1, layout=layout, **l8b)
     monkeypatch.setattr(cuda, "LATENCY_SPLIT_UNITS", 0)
     assert geo(T=1, layout="xpacked", **l8b) == (1, cuda.MAX_THREADS, 1)  # off: 512 threads, several units each
     assert geo(T=1, **l8b) == (1, 448, 1)
