@@ -1519,3 +1519,20 @@ def test_nvrtc_compiles_split_without_spills(arch):
     assert sum(c.parts > 1 for c in cfgs) >= 6
     failures = spill_failures([s for _, s in matrix], [n for n, _ in matrix], arch, cfgs=cfgs)
     assert not failures, "\n".join(failures[:5])
+
+
+def test_every_fuzz_case_configures():
+    """Every call shape of the fuzz set (empty calls included) gets a configuration whose threads
+    and parts cover a block's units: the lowering's arithmetic on T (the split's idle-SM bound
+    divides by it) never fails on a shape only the GPU fuzz run would otherwise reach."""
+    import test_fuzz
+
+    for i in range(test_fuzz.N_CASES):
+        args, opts = test_fuzz.make_case(i)[:2]
+        try:
+            spec = contract.check_op(*args, **opts)
+        except (ValueError, TypeError, NotImplementedError):
+            continue  # the cases that test an error
+        c = cuda.kernel_config(spec)
+        units = _units(c, spec)
+        assert c.threads * c.parts >= units or c.threads == cuda.MAX_THREADS, (i, c)
