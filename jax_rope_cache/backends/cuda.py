@@ -227,7 +227,6 @@ def kernel_config(spec: contract.OpSpec, num_sms: int = DEFAULT_SMS, vch: int | 
         parts = min(64, -(-units(1) // LATENCY_SPLIT_UNITS))
         if units(1) <= MAX_THREADS:  # one unit a thread already: only into idle SMs
             parts = max(1, min(parts, num_sms // (2 * max(1, t))))  # T = 0: an empty grid, any parts
-        nt = MAX_THREADS
     per_part = -(-units(tpb) // parts)
     nt = min(nt, max(32, -(-per_part // 32) * 32))
     minb = max(1, 768 // nt)  # register budget: at least 85 per thread (no spills in the CI matrix)

@@ -571,7 +571,6 @@ ffi::Error Execute(Vendor vendor, void* stream, int32_t device, ffi::RemainingAr
   if (n <= 0) return ffi::Error::Success();
   const int64_t grid = (n + grid_div - 1) / grid_div;
   if (grid > 0x7fffffff) return ffi::Error::InvalidArgument("gpu launcher: grid too large");
-  if (grid_y < 1 || grid_y > 65535) return ffi::Error::InvalidArgument("gpu launcher: bad launch attributes: grid_y");
   void* kparams[1] = {params};
   Result r;
   if (d.hip) {

@@ -237,10 +237,7 @@ def make_config(*, qh, kh, d, r, bs, layout, neox, full_table, native, dt, tab_d
         """The latency configuration with rotation chunks of w elements: nt = the lanes of the
         largest phase of one token (rotation, pass-through unless merged, V), in whole waves."""
         c = build(w, 64, 1)
-        units = [cpx(w) * rh, (d // w_v) * kh]
-        if r < d and not (c.norm and norm_layout(c).merged):
-            units.append((d - r) // w_pass * rh)
-        return dataclasses.replace(c, nt=min(MAX_NT, max(64, -(-max(units) // 64) * 64)))
+        return dataclasses.replace(c, nt=min(MAX_NT, max(64, -(-max(phase_lanes(c).values()) // 64) * 64)))
 
     cfg = one_token(w_rot)
     half = rot_width(w_rot // 2) if rot_cap is None else w_rot
