@@ -61,22 +61,36 @@ extern "C" __global__ void floor_k_xp(const int* slots, uint4* kc, i64 T, i64 ns
 #ifndef FL_XP
 #define FL_XP 0
 #endif
-extern "C" __global__ void floor_op(const uint4* q, const uint4* k, const u16* v, const int* slots, uint4* q_out,
-                                    uint4* k_out, uint4* kc, u16* vc, i64 T, i64 nslots) {
+// TAB: the q/k chunks also read the table traffic of the op (bf16 half tables [max_pos, D/2]:
+// the position, then 16 bytes of cos and of sin at it, mixed in by xor), so the floor counts the
+// dependent position -> table step and the table's bytes too (floor_op_tab).
+template <bool TAB>
+__device__ __forceinline__ void op_traffic(const uint4* q, const uint4* k, const u16* v, const int* slots,
+                                           const int* pos, const uint4* cos, const uint4* sin, uint4* q_out,
+                                           uint4* k_out, uint4* kc, u16* vc, i64 T, i64 nslots) {
   constexpr int CQ = QH * D / 8, CK = KH * D / 8, CV = FL_XP ? KH * D : KH * D / 8;
   const i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
   const i64 t = i / (CQ + CK + CV);
   if (t >= T) return;
   const int u = (int)(i % (CQ + CK + CV));
+  uint4 m = make_uint4(0, 0, 0, 0);
+  if (TAB && u < CQ + CK) {
+    const int p = pos[t];
+    const i64 row = (i64)(p < 0 ? 0 : p) * (D / 16) + (u % (D / 8)) % (D / 16);
+    const uint4 a = cos[row], b = sin[row];
+    m = make_uint4(a.x ^ b.x, a.y ^ b.y, a.z ^ b.z, a.w ^ b.w);
+  }
   if (u < CQ) {
-    q_out[t * CQ + u] = q[t * CQ + u];
+    const uint4 x = q[t * CQ + u];
+    q_out[t * CQ + u] = make_uint4(x.x ^ m.x, x.y ^ m.y, x.z ^ m.z, x.w ^ m.w);
     return;
   }
   const i64 s = slots[t];
   const bool ok = s >= 0 && s < nslots;
   if (u < CQ + CK) {
     const int c = u - CQ;
-    const uint4 x = k[t * CK + c];
+    uint4 x = k[t * CK + c];
+    x = make_uint4(x.x ^ m.x, x.y ^ m.y, x.z ^ m.z, x.w ^ m.w);
     k_out[t * CK + c] = x;
     if (!ok) return;
     const int h = c / (D / 8), cc = c % (D / 8);
@@ -92,6 +106,17 @@ extern "C" __global__ void floor_op(const uint4* q, const uint4* k, const u16* v
     const uint4 x = reinterpret_cast<const uint4*>(v)[t * CK + c];
     if (ok) reinterpret_cast<uint4*>(vc)[s * CK + c] = x;
   }
+}
+
+extern "C" __global__ void floor_op(const uint4* q, const uint4* k, const u16* v, const int* slots, uint4* q_out,
+                                    uint4* k_out, uint4* kc, u16* vc, i64 T, i64 nslots) {
+  op_traffic<false>(q, k, v, slots, nullptr, nullptr, nullptr, q_out, k_out, kc, vc, T, nslots);
+}
+
+extern "C" __global__ void floor_op_tab(const uint4* q, const uint4* k, const u16* v, const int* slots,
+                                        uint4* q_out, uint4* k_out, uint4* kc, u16* vc, i64 T, i64 nslots,
+                                        const int* pos, const uint4* cos, const uint4* sin) {
+  op_traffic<true>(q, k, v, slots, pos, cos, sin, q_out, k_out, kc, vc, T, nslots);
 }
 
 // Every f32 bit pattern through the conversion instructions and through the integer code:

@@ -436,6 +436,11 @@ def main():
                 g_op = -(-T * per_tok // 256)
                 us = graph_us(lambda: fop.launch(g_op, 256, ptrs + [iT, ins], stream()))
                 rec["floor_op_us"] = round(us, 2)
+                if T <= 128:  # plus the position -> table dependency and bytes (one chunk a thread, like decode;
+                    ftab = floor_fn("floor_op_tab", fd)  # at large T its extra table loads make it no floor)
+                    tabs = [ctypes.c_void_p(a.data_ptr()) for a in (pos, cos_t, sin_t)]
+                    rec["floor_tab_us"] = round(graph_us(lambda: ftab.launch(g_op, 256, ptrs + [iT, ins] + tabs,
+                                                                              stream())), 2)
                 if lay != "flash" and T >= 8192:
                     for fname, cnt in (("floor_v_xp_d", T * KH * D), ("floor_v_xp_t", T * KH * D),
                                        ("floor_k_xp", T * KH * D // 8)):
@@ -453,7 +458,7 @@ def main():
     log("\n==== H200 kernel device time per call (CUDA graph of 20 calls / 20), us; frac = bytes/time/ceiling ====")
     log(f"copy ceiling {ceil_gbs:.0f} GB/s")
     hdr = ("config", "T", "layout", "slots", "AITER", "old F", "new F", "new N", "A/newF", "N/F", "frac newF",
-           "floor op/null/chain2", "same")
+           "floor op/tab/null/chain2", "same")
     log(" | ".join(hdr))
     for r in rows:
         if r.get("kind") != "case":
@@ -463,7 +468,7 @@ def main():
         log(" | ".join(str(x) for x in (
             r["config"], r["T"], r["layout"], r["slots"], fmt(a), fmt(r.get("old_fp32_us")), fmt(nf), fmt(nn),
             fmt(a / nf if a and nf else None), fmt(nn / nf if nn and nf else None), r.get("new_fp32_frac"),
-            "/".join(fmt(r.get(k)) for k in ("floor_op_us", "null_us", "chain2_us") if k in r),
+            "/".join(fmt(r.get(k)) for k in ("floor_op_us", "floor_tab_us", "null_us", "chain2_us") if k in r),
             f"{r.get('same_fp32')}/{r.get('same_native')}")))
     for r in rows:
         if r.get("kind") == "case" and r["layout"] == "xpacked" and r["T"] >= 8192:
