@@ -1521,6 +1521,27 @@ def test_nvrtc_compiles_split_without_spills(arch):
     assert not failures, "\n".join(failures[:5])
 
 
+def test_flash_blocks_halved_off_one_wave(monkeypatch):
+    """Large flash calls (256-thread blocks): a grid that is one wave of resident blocks (more than
+    half of SMs x PACKED_MINB) keeps UNITS_PER_BLOCK-sized blocks; a grid of several waves, or of
+    under half a wave, gets blocks of half the tokens (shorter last wave, or a fuller one)."""
+    def geo(t, **kw):
+        c = cuda.kernel_config(make_spec(T=t, **kw), num_sms=132)
+        return c.tokens_per_block, c.threads, -(-t // c.tokens_per_block)
+
+    assert 132 * cuda.PACKED_MINB == 528
+    l70b = dict(QH=8, KH=1, D=128)  # 88 units a token: 16 tokens = 1408 units
+    assert geo(8192, **l70b) == (16, cuda.PACKED_NT, 512)  # 512 blocks: one wave of 528, kept
+    assert geo(32768, **l70b) == (8, cuda.PACKED_NT, 4096)  # 2048 blocks of 16 would be 3.9 waves
+    assert geo(4096, **l70b) == (8, cuda.PACKED_NT, 512)  # 256 blocks of 16: under half a wave
+    oss8 = dict(QH=8, KH=1, D=64)
+    assert geo(8192, **oss8) == (16, cuda.PACKED_NT, 512) and geo(16384, **oss8) == (32, cuda.PACKED_NT, 512)
+    assert geo(32768, QH=32, KH=8, D=128) == (2, cuda.PACKED_NT, 16384)
+    assert geo(8192, layout="xpacked", **l70b)[0] == 32  # x-packed: its own block size, unchanged
+    monkeypatch.setattr(cuda, "SPLIT_BLOCKS_OFF_WAVE", False)
+    assert geo(32768, **l70b) == (16, cuda.PACKED_NT, 2048) and geo(8192, **oss8)[0] == 32  # off: as before
+
+
 def test_every_fuzz_case_configures():
     """Every call shape of the fuzz set (empty calls included) gets a configuration whose threads
     and parts cover a block's units: the lowering's arithmetic on T (the split's idle-SM bound

@@ -95,6 +95,13 @@ def _pow2_floor(n: int) -> int:
 
 MAX_THREADS = 512  # threads per block (a block's units beyond this loop)
 UNITS_PER_BLOCK = 2048  # flash: a block's units (~4-6 per thread), measured best on the H200
+# Flash calls of 256-thread blocks whose grid is not one wave of resident blocks (more than half of
+# SMs x PACKED_MINB): blocks of half the tokens (UNITS_PER_BLOCK / 2 units), so the last partial
+# wave is shorter; a grid that fits one wave keeps the larger blocks (no tail at all). H200,
+# kernel_speed.py, fp32, T = 8192 / 32768 (us): Llama-70B TP8 32768 50.6 -> 49.2 (8192: one wave,
+# 10.8 with halved blocks 12.4), Llama-8B 60.2 -> 58.6 / 222.9 -> 221.0, GPT-OSS TP1 48.8 -> 47.1 /
+# 178.0 -> 176.8, GPT-OSS TP8 8192 (half a wave before) 6.06 -> 5.68; Qwen3-235B TP4 within 2%.
+SPLIT_BLOCKS_OFF_WAVE = True
 UNITS_PER_BLOCK_XP = 8192  # x-packed (up to 32 tokens: two whole runs of 16 slots per block)
 # Flash blocks of several units per thread: 256 threads, 4 resident per SM at <= 64 registers
 # (1024 threads; 352- or 448-thread blocks fit 3 or 2 at 56-64 registers). H200, kernel_speed.py:
@@ -234,6 +241,10 @@ def kernel_config(spec: contract.OpSpec, num_sms: int = DEFAULT_SMS, vch: int | 
     if not xp and units(tpb) >= 2 * PACKED_NT and -(-t // tpb) > num_sms:  # more than one wave of blocks
         nt, fallback = PACKED_NT, max(1, 768 // PACKED_NT)
         minb = PACKED_MINB  # fit_registers builds with `fallback` where this budget spills
+        resident = num_sms * PACKED_MINB
+        if (SPLIT_BLOCKS_OFF_WAVE and tpb > base and units(tpb // 2) >= 2 * PACKED_NT
+                and not resident // 2 < -(-t // tpb) <= resident):
+            tpb //= 2
     # QK-norm weights loaded early (latency) only where the grid is one block per SM at most: the
     # early chunks cost ~8 registers, which in larger calls would take resident blocks away.
     early_w = int(-(-t // tpb) <= num_sms)
