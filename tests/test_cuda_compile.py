@@ -1537,6 +1537,8 @@ def test_flash_blocks_halved_off_one_wave(monkeypatch):
     oss8 = dict(QH=8, KH=1, D=64)
     assert geo(8192, **oss8) == (16, cuda.PACKED_NT, 512) and geo(16384, **oss8) == (32, cuda.PACKED_NT, 512)
     assert geo(32768, QH=32, KH=8, D=128) == (2, cuda.PACKED_NT, 16384)
+    q235 = dict(QH=16, KH=1, D=128)  # halved: 608 units on 256 threads, 79% busy in their rounds
+    assert geo(32768, **q235) == (8, cuda.PACKED_NT, 4096)
     assert geo(8192, layout="xpacked", **l70b)[0] == 32  # x-packed: its own block size, unchanged
     monkeypatch.setattr(cuda, "SPLIT_BLOCKS_OFF_WAVE", False)
     assert geo(32768, **l70b) == (16, cuda.PACKED_NT, 2048) and geo(8192, **oss8)[0] == 32  # off: as before

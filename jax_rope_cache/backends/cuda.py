@@ -100,8 +100,11 @@ UNITS_PER_BLOCK = 2048  # flash: a block's units (~4-6 per thread), measured bes
 # wave is shorter; a grid that fits one wave keeps the larger blocks (no tail at all). H200,
 # kernel_speed.py, fp32, T = 8192 / 32768 (us): Llama-70B TP8 32768 50.6 -> 49.2 (8192: one wave,
 # 10.8 with halved blocks 12.4), Llama-8B 60.2 -> 58.6 / 222.9 -> 221.0, GPT-OSS TP1 48.8 -> 47.1 /
-# 178.0 -> 176.8, GPT-OSS TP8 8192 (half a wave before) 6.06 -> 5.68; Qwen3-235B TP4 within 2%.
+# 178.0 -> 176.8, GPT-OSS TP8 8192 (half a wave before) 6.06 -> 5.68. Not where the halved block
+# leaves threads idle in its last round of units (busy < HALVED_BUSY_MIN): Qwen3-235B TP4 (608 units
+# on 256 threads: 79%) measured 1-2% slower halved (the others: 87-92%, faster).
 SPLIT_BLOCKS_OFF_WAVE = True
+HALVED_BUSY_MIN = 0.85
 UNITS_PER_BLOCK_XP = 8192  # x-packed (up to 32 tokens: two whole runs of 16 slots per block)
 # Flash blocks of several units per thread: 256 threads, 4 resident per SM at <= 64 registers
 # (1024 threads; 352- or 448-thread blocks fit 3 or 2 at 56-64 registers). H200, kernel_speed.py:
@@ -241,8 +244,9 @@ def kernel_config(spec: contract.OpSpec, num_sms: int = DEFAULT_SMS, vch: int | 
     if not xp and units(tpb) >= 2 * PACKED_NT and -(-t // tpb) > num_sms:  # more than one wave of blocks
         nt, fallback = PACKED_NT, max(1, 768 // PACKED_NT)
         minb = PACKED_MINB  # fit_registers builds with `fallback` where this budget spills
-        resident = num_sms * PACKED_MINB
-        if (SPLIT_BLOCKS_OFF_WAVE and tpb > base and units(tpb // 2) >= 2 * PACKED_NT
+        resident, half = num_sms * PACKED_MINB, units(tpb // 2)
+        busy = half / (-(-half // PACKED_NT) * PACKED_NT)  # of the halved block's thread rounds
+        if (SPLIT_BLOCKS_OFF_WAVE and tpb > base and half >= 2 * PACKED_NT and busy >= HALVED_BUSY_MIN
                 and not resident // 2 < -(-t // tpb) <= resident):
             tpb //= 2
     # QK-norm weights loaded early (latency) only where the grid is one block per SM at most: the
