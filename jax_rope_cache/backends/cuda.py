@@ -244,11 +244,12 @@ def kernel_config(spec: contract.OpSpec, num_sms: int = DEFAULT_SMS, vch: int | 
     if not xp and units(tpb) >= 2 * PACKED_NT and -(-t // tpb) > num_sms:  # more than one wave of blocks
         nt, fallback = PACKED_NT, max(1, 768 // PACKED_NT)
         minb = PACKED_MINB  # fit_registers builds with `fallback` where this budget spills
-        resident, half = num_sms * PACKED_MINB, units(tpb // 2)
-        busy = half / (-(-half // PACKED_NT) * PACKED_NT)  # of the halved block's thread rounds
-        if (SPLIT_BLOCKS_OFF_WAVE and tpb > base and half >= 2 * PACKED_NT and busy >= HALVED_BUSY_MIN
-                and not resident // 2 < -(-t // tpb) <= resident):
-            tpb //= 2
+        resident = num_sms * PACKED_MINB
+        if SPLIT_BLOCKS_OFF_WAVE and tpb > base and not resident // 2 < -(-t // tpb) <= resident:
+            half = units(tpb // 2)
+            busy = half / (-(-half // PACKED_NT) * PACKED_NT)  # of the halved block's thread rounds
+            if half >= 2 * PACKED_NT and busy >= HALVED_BUSY_MIN:
+                tpb //= 2
     # QK-norm weights loaded early (latency) only where the grid is one block per SM at most: the
     # early chunks cost ~8 registers, which in larger calls would take resident blocks away.
     early_w = int(-(-t // tpb) <= num_sms)
