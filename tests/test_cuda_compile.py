@@ -1524,7 +1524,8 @@ def test_nvrtc_compiles_split_without_spills(arch):
 def test_flash_blocks_halved_off_one_wave(monkeypatch):
     """Large flash calls (256-thread blocks): a grid that is one wave of resident blocks (more than
     half of SMs x PACKED_MINB) keeps UNITS_PER_BLOCK-sized blocks; a grid of several waves, or of
-    under half a wave, gets blocks of half the tokens (shorter last wave, or a fuller one)."""
+    under half a wave, gets blocks of half the tokens (shorter last wave, or a fuller one), unless
+    the halved block leaves its threads idle in their last round of units (HALVED_BUSY_MIN)."""
     def geo(t, **kw):
         c = cuda.kernel_config(make_spec(T=t, **kw), num_sms=132)
         return c.tokens_per_block, c.threads, -(-t // c.tokens_per_block)
@@ -1540,7 +1541,7 @@ def test_flash_blocks_halved_off_one_wave(monkeypatch):
     q235 = dict(QH=16, KH=1, D=128)  # halved: 608 units on 256 threads, 79% busy in their rounds
     assert geo(32768, **q235) == (8, cuda.PACKED_NT, 4096)
     assert geo(8192, layout="xpacked", **l70b)[0] == 32  # x-packed: its own block size, unchanged
-    monkeypatch.setattr(cuda, "SPLIT_BLOCKS_OFF_WAVE", False)
+    monkeypatch.setattr(cuda, "HALVE_BLOCKS_OFF_WAVE", False)
     assert geo(32768, **l70b) == (16, cuda.PACKED_NT, 2048) and geo(8192, **oss8)[0] == 32  # off: as before
 
 

@@ -1,4 +1,4 @@
-// Reference kernels for benchmarks/gpu_speed.py: the memory traffic of rope_and_cache without its
+// Reference kernels for benchmarks/diagnostics/kernel_speed.py: the memory traffic of rope_and_cache without its
 // arithmetic, to measure what bounds the op (floors), and an exhaustive check of the hardware
 // f32 -> bf16/f16 conversions used by kernels/cuda/rope_cache.cu against the integer code of
 // kernels/common/rope_cache_math.h. bf16 everywhere, int32 slots, BS / X / heads as -D.
@@ -61,6 +61,8 @@ extern "C" __global__ void floor_k_xp(const int* slots, uint4* kc, i64 T, i64 ns
 #ifndef FL_XP
 #define FL_XP 0
 #endif
+__device__ __forceinline__ uint4 xor4(uint4 a, uint4 b) { return make_uint4(a.x ^ b.x, a.y ^ b.y, a.z ^ b.z, a.w ^ b.w); }
+
 // TAB: the q/k chunks also read the table traffic of the op (bf16 half tables [max_pos, D/2]:
 // the position, then 16 bytes of cos and of sin at it, mixed in by xor), so the floor counts the
 // dependent position -> table step and the table's bytes too (floor_op_tab).
@@ -77,20 +79,17 @@ __device__ __forceinline__ void op_traffic(const uint4* q, const uint4* k, const
   if (TAB && u < CQ + CK) {
     const int p = pos[t];
     const i64 row = (i64)(p < 0 ? 0 : p) * (D / 16) + (u % (D / 8)) % (D / 16);
-    const uint4 a = cos[row], b = sin[row];
-    m = make_uint4(a.x ^ b.x, a.y ^ b.y, a.z ^ b.z, a.w ^ b.w);
+    m = xor4(cos[row], sin[row]);
   }
   if (u < CQ) {
-    const uint4 x = q[t * CQ + u];
-    q_out[t * CQ + u] = make_uint4(x.x ^ m.x, x.y ^ m.y, x.z ^ m.z, x.w ^ m.w);
+    q_out[t * CQ + u] = xor4(q[t * CQ + u], m);
     return;
   }
   const i64 s = slots[t];
   const bool ok = s >= 0 && s < nslots;
   if (u < CQ + CK) {
     const int c = u - CQ;
-    uint4 x = k[t * CK + c];
-    x = make_uint4(x.x ^ m.x, x.y ^ m.y, x.z ^ m.z, x.w ^ m.w);
+    const uint4 x = xor4(k[t * CK + c], m);
     k_out[t * CK + c] = x;
     if (!ok) return;
     const int h = c / (D / 8), cc = c % (D / 8);
@@ -212,5 +211,5 @@ extern "C" __global__ void chain2(const int* pos, const uint4* tab, const uint4*
   const uint4 x = q[t * blockDim.x + threadIdx.x];
   const int p = pos[t];
   const uint4 c = tab[(i64)(p < 0 ? 0 : p) * 4 + threadIdx.x % 4];
-  out[t * blockDim.x + threadIdx.x] = make_uint4(x.x ^ c.x, x.y ^ c.y, x.z ^ c.z, x.w ^ c.w);
+  out[t * blockDim.x + threadIdx.x] = xor4(x, c);
 }

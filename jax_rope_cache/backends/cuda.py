@@ -94,16 +94,15 @@ def _pow2_floor(n: int) -> int:
 
 
 MAX_THREADS = 512  # threads per block (a block's units beyond this loop)
-UNITS_PER_BLOCK = 2048  # flash: a block's units (~4-6 per thread), measured best on the H200
+UNITS_PER_BLOCK = 2048  # flash: a block's units (~4-6 per thread) where the grid is one wave (below)
 # Flash calls of 256-thread blocks whose grid is not one wave of resident blocks (more than half of
-# SMs x PACKED_MINB): blocks of half the tokens (UNITS_PER_BLOCK / 2 units), so the last partial
-# wave is shorter; a grid that fits one wave keeps the larger blocks (no tail at all). H200,
-# kernel_speed.py, fp32, T = 8192 / 32768 (us): Llama-70B TP8 32768 50.6 -> 49.2 (8192: one wave,
-# 10.8 with halved blocks 12.4), Llama-8B 60.2 -> 58.6 / 222.9 -> 221.0, GPT-OSS TP1 48.8 -> 47.1 /
-# 178.0 -> 176.8, GPT-OSS TP8 8192 (half a wave before) 6.06 -> 5.68. Not where the halved block
-# leaves threads idle in its last round of units (busy < HALVED_BUSY_MIN): Qwen3-235B TP4 (608 units
-# on 256 threads: 79%) measured 1-2% slower halved (the others: 87-92%, faster).
-SPLIT_BLOCKS_OFF_WAVE = True
+# SMs x PACKED_MINB): blocks of half the tokens, so the last partial wave is shorter (or, under half
+# a wave, more blocks are resident); one full wave keeps the larger blocks (no tail). Not where the
+# halved block leaves threads idle in its last round of units (busy < HALVED_BUSY_MIN). H200,
+# kernel_speed.py, fp32, rule on vs off in one run: Llama-70B TP8 T = 32768 49.1 vs 50.6 us, GPT-OSS
+# TP8 T = 8192 5.77 vs 6.16; halving a one-wave grid (Llama-70B TP8 T = 8192) was 14% slower, and
+# Qwen3-235B TP4 (79% busy) 1-2% slower (BUILD_NOTES "block size by waves").
+HALVE_BLOCKS_OFF_WAVE = True
 HALVED_BUSY_MIN = 0.85
 UNITS_PER_BLOCK_XP = 8192  # x-packed (up to 32 tokens: two whole runs of 16 slots per block)
 # Flash blocks of several units per thread: 256 threads, 4 resident per SM at <= 64 registers
@@ -202,7 +201,8 @@ def kernel_config(spec: contract.OpSpec, num_sms: int = DEFAULT_SMS, vch: int | 
                   vsel: int | None = None, kpairs: int | None = None) -> KernelConfig:
     """One thread per unit of work (kernels/cuda/rope_cache.cu: rotation, pass-through and V units).
     A block owns RC_TPB tokens; a large call gives each thread several units in turn (fewer, longer
-    blocks: 8-15% faster than one unit per thread on the H200, benchmarks/gpu_speed.py). A small
+    blocks: 8-15% faster than one unit per thread on the H200, benchmarks/diagnostics/kernel_speed.py;
+    halved where the grid is not one wave, HALVE_BLOCKS_OFF_WAVE). A small
     call (decode) gets one token per block, so the grid spreads over the SMs and every thread does
     one unit: latency, not bandwidth (half-width chunks where that fits, _latency_width); a token
     of more than LATENCY_SPLIT_MIN units is split over several blocks (parts, RC_SPLIT).
@@ -245,7 +245,7 @@ def kernel_config(spec: contract.OpSpec, num_sms: int = DEFAULT_SMS, vch: int | 
         nt, fallback = PACKED_NT, max(1, 768 // PACKED_NT)
         minb = PACKED_MINB  # fit_registers builds with `fallback` where this budget spills
         resident = num_sms * PACKED_MINB
-        if SPLIT_BLOCKS_OFF_WAVE and tpb > base and not resident // 2 < -(-t // tpb) <= resident:
+        if HALVE_BLOCKS_OFF_WAVE and tpb > base and not resident // 2 < -(-t // tpb) <= resident:
             half = units(tpb // 2)
             busy = half / (-(-half // PACKED_NT) * PACKED_NT)  # of the halved block's thread rounds
             if half >= 2 * PACKED_NT and busy >= HALVED_BUSY_MIN:
