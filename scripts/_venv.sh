@@ -2,7 +2,8 @@
 # it, installs the dependencies and builds + installs this project into it. Sets $PY.
 # Each step runs only when needed: dependencies when their list changed, the build when a source
 # file changed (a hash of the tracked sources is kept in the venv). The build folder lives in the
-# venv, never in the source tree. JRC_REBUILD=1 forces the build.
+# venv, never in the source tree; the source folder gets a link to the built extension, so Python
+# started in the checkout imports a working package. JRC_REBUILD=1 forces the build.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV="${JRC_VENV:-$ROOT/.venv}"
@@ -65,3 +66,14 @@ build() {
 }
 if [ "${JRC_REBUILD:-0}" = 1 ]; then rm -f "$VENV/.jrc-build"; fi
 when_changed build "$(sources_hash)" build
+
+# The checkout works where a user stands: Python started in $ROOT imports the source folder, so the
+# source folder gets a link to the extension just built (git-ignored, never packaged: *.so).
+link_extension() {
+  local built
+  built=$(ls "$VENV"/lib/python3*/site-packages/jax_rope_cache/_native*.so 2>/dev/null | head -n 1)
+  [ -n "$built" ] || { echo "error: no built extension under $VENV" >&2; exit 1; }
+  rm -f "$ROOT"/jax_rope_cache/_native*.so
+  ln -s "$built" "$ROOT/jax_rope_cache/$(basename "$built")"
+}
+link_extension

@@ -13,7 +13,7 @@
 #             launcher with a one-store kernel vs XLA path vs jnp, our command buffers on/off (DC_ARGS),
 #             then T=64 again with XLA's command buffers off (decode_chain_xla_nograph/)
 #   decode_flags  decode_chain.py (stacked and loop forms, T=64, command buffers on) once per set of
-#             XLA command-buffer flags this jaxlib knows (scripts/xla_flag_sets.py; DF_SETS picks sets),
+#             XLA command-buffer flags this jaxlib knows (tools/xla_flag_sets.py; DF_SETS picks sets),
 #             and the demo under the sets named in DF_DEMO_SETS (default "default all")
 #   qk_norm   benchmarks/bench_qk_norm.py: fused Qwen3 QK-RMSNorm vs jnp RMSNorm + op (QN_ARGS)
 #   demo      the 32-layer decode demo, with and without command buffers
@@ -59,7 +59,7 @@ if has decode_chain; then
       --forms separate --what kernel,trivial,xla,jnp --no-trace --budget-s 35
 fi
 if has decode_flags; then
-  "$PY" -P "$ROOT/scripts/xla_flag_sets.py" ${DF_SETS:-} >"$OUT/decode_flags_sets.txt" 2>"$OUT/decode_flags_rejected.txt"
+  "$PY" -P "$ROOT/tools/xla_flag_sets.py" ${DF_SETS:-} >"$OUT/decode_flags_sets.txt" 2>"$OUT/decode_flags_rejected.txt"
   while IFS='|' read -r name flags; do
     [ -n "$name" ] || continue
     TAIL=1 run "decode_flags_$name" 150 env XLA_FLAGS="$flags" "$PY" -P "$ROOT/benchmarks/diagnostics/decode_chain.py" \

@@ -1,8 +1,8 @@
 """The main job: greedy generation (batched prefill of prompts of different lengths, then decode)
-with a small Llama-3.1 / Qwen3 decoder on the default device (jax_rope_cache/cli/decoder.py).
+with a small Llama-3.1 / Qwen3 decoder on the default device (jax_rope_cache/decoder.py).
 
 1. Check: the tiny random-weight models of the fixture (tests/data/hf_greedy.npz, recorded from
-   Hugging Face transformers by scripts/record_hf_model.py) generate their prompts' tokens with
+   Hugging Face transformers by tools/record_hf_model.py) generate their prompts' tokens with
    impl="kernel" and impl="xla"; prints the token ids and whether tokens and logits match.
 2. Timing: a batch of random prompts, prefill + `--steps` decode steps of `--model`, for each
    of `--impls` in one process; prints decode step time and tokens/s, and with "off" in --impls
@@ -23,8 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_rope_cache.cli import decoder
-from jax_rope_cache.cli._fmt import progress, relative_speed
+from jax_rope_cache import decoder
+from jax_rope_cache.cli._fmt import compare_runs, progress
 
 MODELS = {**decoder.TINY_CONFIGS, "llama-3.1-8b": decoder.LLAMA_31_8B_CONFIG}
 FIXTURE_NAME = os.path.join("tests", "data", "hf_greedy.npz")
@@ -55,7 +55,7 @@ def reference_decoder(entry: dict, impl: str, layout: str = "flash", block_size:
         params = decoder.random_params(decoder.DecoderConfig.from_hf(config), entry["seed"])
         if decoder.params_digest(params) != entry["digest"]:
             raise RuntimeError("the weights from the fixture's seed differ from the recorded ones (the initialiser "
-                               "changed?): regenerate with scripts/record_hf_model.py")
+                               "changed?): regenerate with tools/record_hf_model.py")
         max_len = -(-(max(map(len, entry["prompts"])) + new) // block_size) * block_size
         # a pool 4x what the prompts need: most blocks belong to nobody (and must stay untouched)
         m = decoder.Decoder(config, params, layout=layout, block_size=block_size, impl=impl,
@@ -118,7 +118,7 @@ def timing(model: str, impls, layout: str, batch: int, prompt_len: int, steps: i
           f"heads {cfg.q_heads}/{cfg.kv_heads} x {cfg.head_dim}, vocab {cfg.vocab_size}), {np.dtype(dtype).name}, "
           f"{layout} cache, batch {batch}, prompts {lengths.min()}-{lengths.max()} tokens, {steps} decode steps, "
           f"layer scan unroll={unroll or 'all'} (weights ready in {time.perf_counter() - t0:.1f} s)")
-    rows = {}
+    rows, runs = {}, {}
     for impl in impls:
         m = decoder.Decoder(config, params, layout=layout, block_size=block_size, impl=impl, max_seqs=batch,
                             max_len=max_len, dtype=dtype, unroll=unroll or cfg.num_layers, cache_fill="zeros")
@@ -139,6 +139,7 @@ def timing(model: str, impls, layout: str, batch: int, prompt_len: int, steps: i
                 t_pre.append(t2 - t1)
                 t_dec.append(t3 - t2)
         rows[impl] = (float(np.median(t_pre)), float(np.median(t_dec)) / steps)
+        runs[impl] = (t_pre, t_dec)
         if impl == impls[-1]:
             progress(len(impls) * (repeats + 1), len(impls) * (repeats + 1), "done")
         del m
@@ -146,8 +147,8 @@ def timing(model: str, impls, layout: str, batch: int, prompt_len: int, steps: i
     for impl, (tp, td) in rows.items():
         print(f"{impl:<8}{tp * 1e3:>9.2f}ms{td * 1e6:>12.0f}us{batch / td:>15,.0f}")
     if "kernel" in rows and "xla" in rows:
-        k, x = rows["kernel"], rows["xla"]
-        print(f"kernel vs xla: decode step {relative_speed(x[1], k[1])}, prefill {relative_speed(x[0], k[0])}")
+        k, x = runs["kernel"], runs["xla"]
+        print(f"kernel vs xla: decode step {compare_runs(x[1], k[1])}; prefill {compare_runs(x[0], k[0])}")
     if "off" in rows:
         off = rows["off"][1]
         for impl in ("kernel", "xla"):

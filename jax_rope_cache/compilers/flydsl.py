@@ -214,7 +214,7 @@ def _write_wrapper(root: str, script: str) -> None:
 @contextlib.contextmanager
 def _compile_env(arch: str):
     """FlyDSL's environment for compiling `arch` IN THIS PROCESS (process-wide; for scripts that run
-    FlyDSL themselves, e.g. scripts/rocm_build_notes.py --upstream; the package compiles in the child)."""
+    FlyDSL themselves, e.g. tools/rocm_build_notes.py --upstream; the package compiles in the child)."""
     keys = ("ROCM_PATH", "FLYDSL_GPU_ARCH", "ARCH", "COMPILE_ONLY", "FLYDSL_RUNTIME_ENABLE_CACHE")
     saved = {k: os.environ.get(k) for k in keys}
     try:

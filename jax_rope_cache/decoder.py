@@ -13,11 +13,8 @@ argument); prefill (a padded batch of prompts of different lengths, padding slot
 hands each sequence its cache blocks (from a shuffled free list, so a sequence's blocks are not
 contiguous); the block table maps (sequence, position) to a slot.
 
-Why this module is in `cli/`: the package is a one-way import stack (tests/test_package_layout.py)
-with `models/` at layer 1 (numpy only, below the op); a decoder that calls the op must sit above
-`api`, and `cli/` is that layer. Shipping it inside the package (not in a top-level `examples/`
-folder, which the wheel does not install) lets `python -m jax_rope_cache generate` and
-`./scripts/run_demo.sh` run it from any install.
+Where it sits: above `api` (it calls the op) and below `cli/` (the `generate` command and
+`./scripts/run_demo.sh` drive it), inside the package so that every install can run it.
 
 Attention reads the caches with its own block gather, written from the layout table in the README
 (not from the library's index helpers), so a layout bug in the op shows as a wrong token.
@@ -77,7 +74,7 @@ LLAMA_31_8B_CONFIG = {
     "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
 }
 
-# The recorded models' seeds (scripts/record_hf_model.py draws their weights with these).
+# The recorded models' seeds (tools/record_hf_model.py draws their weights with these).
 TINY_SEEDS = {"tiny-llama-3.1": 1, "tiny-qwen3": 2}
 
 # Logits of this decoder vs transformers', float32 on both sides, same weights: max |difference|
@@ -525,7 +522,7 @@ class Decoder:
 
 
 def load_hf_reference(path: str) -> dict:
-    """The fixture of scripts/record_hf_model.py: {model name: {config, seed, digest, prompts
+    """The fixture of tools/record_hf_model.py: {model name: {config, seed, digest, prompts
     (token lists), tokens [B, N], logits [B, N, V]}, "meta": {versions, new_tokens}}."""
     import json
 
