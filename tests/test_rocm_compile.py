@@ -357,7 +357,7 @@ def test_launcher_passes_the_parameter_block_as_the_hip_kernarg_buffer():
     assert "HIP_LAUNCH_PARAM_BUFFER_POINTER" in hip or "(void*)0x01" in hip or "(0x01)" in hip, hip
 
 
-# ---- issue 18: QK-RMSNorm and per-head fp8 scales -------------------------------------------------
+# ---- QK-RMSNorm and per-head fp8 scales -------------------------------------------------------
 def norm_spec(q_norm=BF16, k_norm=BF16, eps=1e-6, heads=(False, False), **p) -> contract.OpSpec:
     """make_spec(**p) with norm weights of these dtypes (None: that norm off) and per-head scales."""
     spec = make_spec(**p)
