@@ -1,5 +1,5 @@
 """Hardening: adversarial inputs to every entry point, each compared with the numpy
-reference where values matter, or checked for the documented error (README "Errors").
+reference where values matter, or checked for the documented error (docs/errors.md).
 
 Categories (each test's docstring says which item of the issue it covers):
   indices   int64 host slots/positions with x64 off, wide traced layers, >= 2**31-slot caches

@@ -410,7 +410,7 @@ def test_norm_variant_compiles_for_both_archs(p):
     table, symbol, objs = rocm.build_code_table(cfg, ARCHS)
     for o in objs:
         # a row the butterfly does not fit (every lane reloads it) may need more registers: correct,
-        # at lower occupancy (BUILD_NOTES lists them)
+        # at lower occupancy (docs/rocm.md, "Occupancy")
         reload = K_NORM.norm_layout(o.config).plan is None if o.config.norm else False
         info = check_code_object(o.code, o.arch, o.config, symbol, max_vgprs=128 if reload else MAX_VGPRS)
         assert info["kernarg_size"] == 256

@@ -101,7 +101,7 @@ UNITS_PER_BLOCK = 2048  # flash: a block's units (~4-6 per thread) where the gri
 # halved block leaves threads idle in its last round of units (busy < HALVED_BUSY_MIN). H200,
 # kernel_speed.py, fp32, rule on vs off in one run: Llama-70B TP8 T = 32768 49.1 vs 50.6 us, GPT-OSS
 # TP8 T = 8192 5.77 vs 6.16; halving a one-wave grid (Llama-70B TP8 T = 8192) was 14% slower, and
-# Qwen3-235B TP4 (79% busy) 1-2% slower (BUILD_NOTES "block size by waves").
+# Qwen3-235B TP4 (79% busy) 1-2% slower (docs/design.md, "Regimes").
 HALVE_BLOCKS_OFF_WAVE = True
 HALVED_BUSY_MIN = 0.85
 UNITS_PER_BLOCK_XP = 8192  # x-packed (up to 32 tokens: two whole runs of 16 slots per block)
