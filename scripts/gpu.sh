@@ -23,7 +23,7 @@
 #   kernel_speed  benchmarks/diagnostics/kernel_speed.py: the kernel launched directly, next to AITER
 #             (PEERS=.peers with AITER's source, see ../shared/peers/README.md), floors (KS_ARGS)
 #   peers     ../shared/peers/bench_peers.py copied into $PEERS (BP_ARGS, e.g. --tokens 8192 --slot-pattern prefill)
-#   model     the model client (issue 19): tiny Llama-3.1 / Qwen3 vs transformers' recorded tokens,
+#   model     the model client: tiny Llama-3.1 / Qwen3 vs transformers' recorded tokens,
 #             tiny Llama bf16 decode at batch 64: kernel vs XLA path vs "off" (no RoPE / cache write:
 #             the op's share of a step)
 #   model_8b  the same timing for 32 layers of Llama-3.1-8B's shapes (bf16, random weights), batch 64

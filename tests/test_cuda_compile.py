@@ -977,7 +977,7 @@ def test_v_select_configuration():
         cuda.compile_variant(bad, "compute_90")
 
 
-# ---- issue 18: QK-RMSNorm before the rotation, per-head fp8 scales ----------------------------------
+# ---- QK-RMSNorm before the rotation, per-head fp8 scales ----------------------------------
 # Keys of a matrix entry beyond make_spec's: the norm weights' dtypes, eps, per-head scales.
 _EXTRA = ("qn", "kn", "eps", "ksh", "vsh")
 

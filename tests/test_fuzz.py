@@ -7,7 +7,7 @@ included), dtypes of inputs, tables and caches (fp8 included), index dtypes (int
 invalid ones over the whole index range (int min/max, -1, NB*BS, NB*BS +- small); positions are
 drawn over the whole index range too (clamped by the op). Some cases inject NaN and +-Inf into
 q/k/v and the tables. About one case in eight breaks one argument instead and must raise the same
-documented error type (ValueError/TypeError) from the op and from the reference. Issue 18's
+documented error type (ValueError/TypeError) from the op and from the reference. The QK-norm's
 options come from a stream of their own (so the other draws of a case stay as they were): the
 QK-RMSNorm on q, k or both (weights in q's dtype or float32, several eps) and per-head fp8 scales.
 A kernel whose backend does not implement a drawn option (its SUPPORTS) must refuse it.

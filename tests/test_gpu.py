@@ -343,7 +343,7 @@ def _launch_raw(table: bytes, code_hash: int, platform: str, declared=(4,)):
 
 
 def test_initialize_checks_every_buffer_against_the_signature(platform):
-    """Issue 16 item 4: buffers other than the signature's are rejected at the initialize stage,
+    """Hardening: buffers other than the signature's are rejected at the initialize stage,
     naming the buffer, before any module is loaded (the table here would not even load)."""
     table = launcher.pack_code_table([(launcher.KIND_CUBIN, "sm_10", b"\x7fELF-not-a-real-cubin")])
     with pytest.raises(Exception, match=r"gpu launcher: x: expected element type 11 dims \[8\]"):
@@ -381,7 +381,7 @@ def test_driver_error_message_surfaces(platform):
         _launch_raw(table, 54321, platform)
 
 
-# ---- issue 18: QK-RMSNorm before the rotation, per-head fp8 scales ----------------------------------
+# ---- QK-RMSNorm before the rotation, per-head fp8 scales ----------------------------------
 # What only a GPU tests: the shuffle butterfly itself (masks, lanes, convergence; the host emulation
 # rebuilds the other lanes), the packed bf16 multiplies of "native" bf16 tables (sm_90) and the
 # hardware conversions on the normalised values, and several units per thread in large calls.

@@ -1,4 +1,4 @@
-"""Issue 18, independent check: the op's fused QK-RMSNorm + RoPE against Hugging Face transformers'
+"""Independent check: the op's fused QK-RMSNorm + RoPE against Hugging Face transformers'
 Qwen3 (`Qwen3RMSNorm` on q and k per head, then `apply_rotary_pos_emb`) at real Qwen3 shapes.
 
 tests/data/hf_qk_norm.npz holds transformers' inputs and outputs (`python tools/record_hf_qk_norm.py`

@@ -1,4 +1,4 @@
-"""A real model on the op (issue 19): the decoder of jax_rope_cache/decoder.py generates, on
+"""A real model on the op: the decoder of jax_rope_cache/decoder.py generates, on
 the paged caches the op writes, the same greedy tokens as Hugging Face transformers, with logits
 within decoder.HF_LOGIT_BOUND, for prompts of 1, 6, 16 and 21 tokens and 32 decode steps, with
 impl="kernel" and impl="xla", flash and x-packed caches, a tiny Llama-3.1 (llama3 RoPE scaling)

@@ -4,7 +4,7 @@
 
     python tools/xla_flag_sets.py [NAME ...]     (default: every set found; "default" = no flags)
 
-Used by scripts/gpu.sh stage decode_flags (issue 14: what a custom call costs inside XLA's graphs).
+Used by scripts/gpu.sh stage decode_flags (what a custom call costs inside XLA's graphs).
 """
 import os
 import subprocess

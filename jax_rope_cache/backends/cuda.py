@@ -101,7 +101,7 @@ UNITS_PER_BLOCK = 2048  # flash: a block's units (~4-6 per thread) where the gri
 # halved block leaves threads idle in its last round of units (busy < HALVED_BUSY_MIN). H200,
 # kernel_speed.py, fp32, rule on vs off in one run: Llama-70B TP8 T = 32768 49.1 vs 50.6 us, GPT-OSS
 # TP8 T = 8192 5.77 vs 6.16; halving a one-wave grid (Llama-70B TP8 T = 8192) was 14% slower, and
-# Qwen3-235B TP4 (79% busy) 1-2% slower (BUILD_NOTES "block size by waves").
+# Qwen3-235B TP4 (79% busy) 1-2% slower (docs/design.md, "Regimes").
 HALVE_BLOCKS_OFF_WAVE = True
 HALVED_BUSY_MIN = 0.85
 UNITS_PER_BLOCK_XP = 8192  # x-packed (up to 32 tokens: two whole runs of 16 slots per block)
@@ -111,7 +111,7 @@ UNITS_PER_BLOCK_XP = 8192  # x-packed (up to 32 tokens: two whole runs of 16 slo
 PACKED_NT, PACKED_MINB = 256, 4
 # Channels per x-packed V unit (RC_VCH): 1 is the one-channel writer; 2, 4 or 8 load a token's
 # channels as one vector and write a slot run as that many 16-byte pieces. H200 (kernel_speed.py,
-# session 5): prefill runs 3-12% faster at C = 2..8, random slots 17-100% slower, decode mixed; so
+# kernel_speed.py): prefill runs 3-12% faster at C = 2..8, random slots 17-100% slower, decode mixed; so
 # the static choice stays 1 and runs get their vector units per block (RC_VSEL below).
 V_CHANNELS = 1
 # RC_VSEL: 0 (off), or the channels (2, 4, 8) of the V units of a block whose groups are all aligned

@@ -233,7 +233,7 @@ RC_FN rc_u8 rc_quantize_fp8(float x, float inv_scale, bool fnuz) {
   return rc_f32_to_fp8(rc_mul(x, inv_scale), fnuz);
 }
 
-// ---- RMSNorm of one (token, head) row (issue 18, Qwen3's q_norm / k_norm) --------------------
+// ---- RMSNorm of one (token, head) row (Qwen3's q_norm / k_norm) --------------------
 // S = tree(r32(x_i * x_i)) over the row with the pairwise halving tree of the spec
 // (jax_rope_cache/reference.py):
 //   tree(a[lo, lo+n)) = a[lo]                                   n == 1

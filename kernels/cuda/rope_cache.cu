@@ -43,7 +43,7 @@
 //                                loads its weight chunk(s) with its q/k chunks (no load after the
 //                                sum); 0: after the sum (fewer live registers)
 // Without the norm and per-head scales (all at their defaults) the kernel is the same code as
-// before them (every issue-18 path is behind `if constexpr`).
+// before them (every norm / per-head-scale path is behind `if constexpr`).
 //
 // Kernel ABI (what kernels/ffi/gpu_launcher.cc passes; the launcher is generic and knows nothing of
 // this op): one kernel parameter, a struct by value holding
@@ -129,7 +129,7 @@
 #ifndef RC_VSEL
 #define RC_VSEL 0
 #endif
-#ifndef RC_Q_NORM  // issue 18 options; their defaults are the kernel without them
+#ifndef RC_Q_NORM  // QK-norm and per-head scale options; their defaults are the kernel without them
 #define RC_Q_NORM (-1)
 #endif
 #ifndef RC_K_NORM
@@ -179,7 +179,7 @@ constexpr int CH = D / W;                // chunks per head row
 constexpr int P = NEOX ? HALF / W : R / W;  // rotation units per head
 constexpr int CPASS = (D - R) / W;       // pass-through chunks per head
 constexpr int PASS0 = R / W;             // first pass-through chunk
-// QK-RMSNorm (issue 18): -1, or the RcDtype of the weight (q's dtype or f32).
+// QK-RMSNorm: -1, or the RcDtype of the weight (q's dtype or f32).
 constexpr int Q_NORM = RC_Q_NORM, K_NORM = RC_K_NORM;
 constexpr bool NORM = Q_NORM >= 0 || K_NORM >= 0;
 constexpr bool KS_HEADS = RC_KS_HEADS != 0, VS_HEADS = RC_VS_HEADS != 0;  // scale[kv head]
@@ -593,7 +593,7 @@ __device__ __forceinline__ void rot_native_packed(const Chunk& a, const Chunk& b
 }
 // ---- end of native precision with packed multiplies ---------------------------------------------
 
-// ---- QK-RMSNorm (issue 18) -----------------------------------------------------------------------
+// ---- QK-RMSNorm ------------------------------------------------------------------------------
 // Per (token, head) row x of q (RC_Q_NORM) or k (RC_K_NORM), before the rotation:
 //   S = tree(r32(x_i^2)) (rc_tree_sum: the spec's halving tree), inv = rc_rms_inv(S, D, eps),
 //   n_i = r(r32(w_i * r(r32(x_i * inv))))

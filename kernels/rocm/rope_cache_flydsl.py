@@ -50,7 +50,7 @@ e4m3fn 0x7F, e4m3fnuz 0x80). 1/scale by a correctly rounded f32 division, an ove
 replaced by +-FLT_MAX (rc_inv_scale). Tables are never rounded. Per-head scales ([KH]): each
 lane computes 1/scale[h] once per head it visits (before the token loop).
 
-QK-RMSNorm (q_norm / k_norm: weight dtype codes; issue 18, reference.rms_norm). The rotation
+QK-RMSNorm (q_norm / k_norm: weight dtype codes; reference.rms_norm). The rotation
 phase's lanes of a (token, head) hold its whole row (`norm_layout`): the rotation chunks and, when
 R < D, the channels >= R as the tree's nodes spread evenly over the same lanes (the pass-through
 phase then has nothing left to do). S follows the reference's halving tree exactly: each lane
