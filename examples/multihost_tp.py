@@ -55,7 +55,7 @@ def main(argv=None) -> int:
     value_cache = rng.standard_normal((NB, BS, KH, D)).astype(np.float32)
     slots = rng.permutation(NB * BS)[:T].astype(np.int32)
     positions = rng.integers(0, 512, T).astype(np.int32)
-    cos, sin = (np.asarray(t) for t in jrc.rope_tables(512, D))
+    cos, sin = (np.asarray(t) for t in jrc.rope_tables(512, D, base=10000.0))
 
     heads, cache = P(None, "tp"), P(None, None, "tp")
     specs = (heads, heads, heads, cache, cache, P(), P(), P(), P())

@@ -1,4 +1,4 @@
-// rope_and_cache as ONE CUDA kernel, compiled at lowering time by NVRTC (jax_rope_cache/_nvrtc.py).
+// rope_and_cache as ONE CUDA kernel, compiled at lowering time by NVRTC (jax_rope_cache/compilers/nvrtc.py).
 //
 // Static configuration (one compiled variant per call-site shape, all required, set with -D by
 // jax_rope_cache/backends/cuda.py: kernel_config):
