@@ -17,7 +17,7 @@ tests/test_op.py (1 ulp, or 2 f32 ulps of the row's largest finite input: FMA). 
 same NaN positions, the same infinities, the finite values by the rules above. Cache entries the
 reference leaves alone keep their bits.
 
-Case count: JRC_FUZZ_CASES (default 150) per (platform, impl); JRC_FUZZ_SEED shifts the seeds.
+Case count: JRC_FUZZ_CASES (default 150 in the full tier, 50 in the default tier) per (platform, impl); JRC_FUZZ_SEED shifts the seeds.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ import pytest
 
 import jax_rope_cache as jrc
 from jax_rope_cache import backends, contract, reference
-from conftest import impl_params, reference_op, ulp_diff
+from conftest import TIER, impl_params, reference_op, ulp_diff
 
-N_CASES = int(os.environ.get("JRC_FUZZ_CASES", "150"))
+N_CASES = int(os.environ.get("JRC_FUZZ_CASES", "150" if TIER == "full" else "50"))
 SEED0 = int(os.environ.get("JRC_FUZZ_SEED", "0"))
 
 DTYPES = [np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16), np.dtype(np.float32)]
