@@ -24,9 +24,9 @@ from jax_rope_cache.backends import native  # noqa: E402
 FULL_SWEEP = os.environ.get("JRC_FULL_SWEEP") == "1"
 
 # Test tiers (./scripts/run_tests.sh sets JRC_TEST_TIER; plain pytest runs the default tier). The
-# default tier runs every test function; of the compile and emulation matrices below it runs every
-# k-th case of each parametrized function (the first always), the full tier all of them. A test
-# named by its node id (file::test[case]) always runs.
+# default tier runs every test function not marked `full`; of the compile and emulation matrices
+# below it runs every k-th case of each parametrized function (the first always); the full tier runs
+# all of them. A test named by its node id (file::test[case]) always runs.
 TIER = os.environ.get("JRC_TEST_TIER", "default")
 MATRIX_SAMPLE = {"test_rocm_compile.py": 8, "test_cuda_compile.py": 4, "test_rocm_emulated.py": 3,
                  "test_qk_norm.py": 2, "test_rope_tables.py": 2}
@@ -79,7 +79,9 @@ def pytest_collection_modifyitems(config, items):
     keep, drop, seen = [], [], {}
     for item in items:
         step = MATRIX_SAMPLE.get(item.path.name)
-        if step and hasattr(item, "callspec"):
+        if item.get_closest_marker("full") is not None:
+            drop.append(item)
+        elif step and hasattr(item, "callspec"):
             key = (item.path.name, item.originalname)
             n = seen[key] = seen.get(key, -1) + 1
             (keep if n % step == 0 else drop).append(item)
