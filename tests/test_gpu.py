@@ -585,8 +585,12 @@ def _node_platform(platform):
         pytest.skip(f"this jaxlib's CUDA plugin ({kernel_node.plugin_library()}) lacks {kernel_node.TARGET}")
 
 
+NODE_NB = 32  # cache blocks of the node tests (512 slots: room for T = 300 distinct slots)
+
+
 def _node_problem(t, seed, layers=None, shape=(QH, KH, D)):
     qh, kh, d = shape
+    NB = NODE_NB
     rng = np.random.default_rng(seed)
     bf16 = jnp.bfloat16
     q, k, v = (jnp.asarray(rng.standard_normal((t, h, d)), bf16) for h in (qh, kh, kh))
@@ -609,7 +613,7 @@ def test_kernel_node_is_one_ptx_call_aliased_and_bitwise(layout, t, shape, platf
     qh, kh, d = shape
     args = jax.device_put(_node_problem(t, 11 + t, shape=shape), _dev(platform))
     if layout != "flash":
-        args[3], args[4] = jax.device_put(jrc.make_kv_cache(NB, BS, kh, d, jnp.bfloat16, layout=layout,
+        args[3], args[4] = jax.device_put(jrc.make_kv_cache(NODE_NB, BS, kh, d, jnp.bfloat16, layout=layout,
                                                             fill="random", seed=t), _dev(platform))
     f = jax.jit(lambda *a: jrc.rope_and_cache(*a, layout=layout, impl="kernel"), donate_argnums=(3, 4))
     hlo = f.lower(*args).compile().as_text()
@@ -650,13 +654,13 @@ def test_kernel_node_chain_replays_with_moving_inputs(platform):
     _node_platform(platform)
     n, t, sets = 8, 16, 20
     dev = _dev(platform)
-    caches = jax.device_put(list(jrc.make_kv_cache(NB, BS, KH, D, jnp.bfloat16, fill="random", seed=9)), dev)
+    caches = jax.device_put(list(jrc.make_kv_cache(NODE_NB, BS, KH, D, jnp.bfloat16, fill="random", seed=9)), dev)
     pool = [jax.device_put(_node_problem(t, 100 + i)[:3] + _node_problem(t, 100 + i)[5:7], dev) for i in range(sets)]
     cos, sin = jax.device_put(_node_problem(t, 1)[7:], dev)
 
     def chain(q, k, v, s, p, kc, vc):
         for i in range(n):  # call i writes slots s + 16 i (distinct per call)
-            qo, ko, kc, vc = jrc.rope_and_cache(q, k, v, kc, vc, jnp.where(s >= 0, (s + 16 * i) % (NB * BS), s),
+            qo, ko, kc, vc = jrc.rope_and_cache(q, k, v, kc, vc, jnp.where(s >= 0, (s + 16 * i) % (NODE_NB * BS), s),
                                                 p, cos, sin, impl="kernel")
         return qo, ko, kc, vc
 
@@ -669,7 +673,7 @@ def test_kernel_node_chain_replays_with_moving_inputs(platform):
         hs = np.asarray(s)
         for i in range(n):
             want = reference.rope_and_cache(np.asarray(q), np.asarray(k), np.asarray(v), hc[0], hc[1],
-                                            np.where(hs >= 0, (hs + 16 * i) % (NB * BS), hs), np.asarray(p),
+                                            np.where(hs >= 0, (hs + 16 * i) % (NODE_NB * BS), hs), np.asarray(p),
                                             np.asarray(cos), np.asarray(sin))
             hc = [want[2], want[3]]
         out = f(q, k, v, s, p, *caches)

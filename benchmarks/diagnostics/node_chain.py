@@ -4,8 +4,8 @@
     python benchmarks/diagnostics/node_chain.py OUT_DIR [--tokens 64] [--pools 1,32] [--vmodule]
 
 One jit of N unrolled calls (a decode step of N layers: Llama-3.1-8B shapes 32/8/128, bf16, flash,
-one cache pair per call, caches donated and carried from step to step, q_out summed as attention
-would consume it), N = 1 and N = 32, for each route:
+one stacked cache pair [N, ...] written at layer i by call i, as a model does, donated and carried
+from step to step, q_out summed as attention would consume it), N = 1 and N = 32, for each route:
   node   rope_and_cache(impl="kernel") with JAX_ROPE_CACHE_KERNEL_NODE=1 (XLA's PTX custom call)
   ffi    rope_and_cache(impl="kernel") with JAX_ROPE_CACHE_KERNEL_NODE=0 (the FFI launcher)
   xla    rope_and_cache(impl="xla")
@@ -57,16 +57,15 @@ def build(route, n, t, pool, nb, seed=0):
         slots = jnp.asarray(np.stack([rng.choice(nb * bs, t, replace=False) for _ in range(n)]).astype(np.int32))
         pos = jnp.asarray(rng.integers(0, 8192, (n, t)).astype(np.int32))
         inputs.append((q, k, v, slots, pos))
-    caches = [jrc.make_kv_cache(nb, bs, kh, d, jnp.bfloat16, fill="random", seed=seed + i) for i in range(n)]
+    caches = jrc.make_kv_cache(nb, bs, kh, d, jnp.bfloat16, fill="random", seed=seed, num_layers=n)
 
     def step(q, k, v, slots, pos, caches):
-        acc, new = jnp.float32(0), []
+        acc, (kc, vc) = jnp.float32(0), caches
         for i in range(n):
-            qo, _, kc, vc = jrc.rope_and_cache(q[i], k[i], v[i], caches[i][0], caches[i][1], slots[i], pos[i], cos,
-                                               sin, impl=impl)
-            new.append((kc, vc))
+            qo, _, kc, vc = jrc.rope_and_cache(q[i], k[i], v[i], kc, vc, slots[i], pos[i], cos, sin, impl=impl,
+                                               layer=i)
             acc = acc + jnp.sum(qo, dtype=jnp.float32)
-        return acc, new
+        return acc, (kc, vc)
 
     return jax.jit(step, donate_argnums=(5,)), inputs, caches, (cos, sin)
 
