@@ -659,9 +659,9 @@ def test_kernel_node_chain_replays_with_moving_inputs(platform):
     cos, sin = jax.device_put(_node_problem(t, 1)[7:], dev)
 
     def chain(q, k, v, s, p, kc, vc):
-        for i in range(n):  # call i writes slots s + 16 i (distinct per call)
-            qo, ko, kc, vc = jrc.rope_and_cache(q, k, v, kc, vc, jnp.where(s >= 0, (s + 16 * i) % (NODE_NB * BS), s),
-                                                p, cos, sin, impl="kernel")
+        for i in range(n):  # call i writes the valid slots shifted by 16 i (distinct in a call), skips the rest
+            shifted = jnp.where((s >= 0) & (s < NODE_NB * BS), (s + 16 * i) % (NODE_NB * BS), s)
+            qo, ko, kc, vc = jrc.rope_and_cache(q, k, v, kc, vc, shifted, p, cos, sin, impl="kernel")
         return qo, ko, kc, vc
 
     f = jax.jit(chain, donate_argnums=(5, 6))
@@ -673,7 +673,8 @@ def test_kernel_node_chain_replays_with_moving_inputs(platform):
         hs = np.asarray(s)
         for i in range(n):
             want = reference.rope_and_cache(np.asarray(q), np.asarray(k), np.asarray(v), hc[0], hc[1],
-                                            np.where(hs >= 0, (hs + 16 * i) % (NODE_NB * BS), hs), np.asarray(p),
+                                            np.where((hs >= 0) & (hs < NODE_NB * BS), (hs + 16 * i) % (NODE_NB * BS),
+                                                     hs), np.asarray(p),
                                             np.asarray(cos), np.asarray(sin))
             hc = [want[2], want[3]]
         out = f(q, k, v, s, p, *caches)
