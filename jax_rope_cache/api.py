@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_rope_cache import contract, primitive
-from jax_rope_cache.backends import cpu, launcher, xla
+from jax_rope_cache.backends import cpu, kernel_node, launcher, xla
 
 IMPLS = (None, "kernel", "xla")
 ArrayLike = jax.typing.ArrayLike
@@ -365,8 +365,9 @@ def read_kv(key_cache: jax.Array, value_cache: jax.Array, slot_mapping: ArrayLik
 
 
 # jax.export refuses custom calls it does not know; these are every target the op lowers to (the
-# GPU launcher's two registrations included, whatever JAX_ROPE_CACHE_COMMAND_BUFFERS says).
-EXPORT_TARGETS = (cpu.TARGET, launcher.GPU_TARGET, launcher.GPU_TARGET_NO_GRAPH)
+# GPU launcher's two registrations included, whatever JAX_ROPE_CACHE_COMMAND_BUFFERS says, and XLA's
+# PTX custom call of the CUDA kernel-node route, whatever JAX_ROPE_CACHE_KERNEL_NODE says).
+EXPORT_TARGETS = (cpu.TARGET, launcher.GPU_TARGET, launcher.GPU_TARGET_NO_GRAPH, kernel_node.TARGET)
 DISABLED_EXPORT_CHECKS = tuple(jax.export.DisabledSafetyCheck.custom_call(t) for t in EXPORT_TARGETS)
 
 

@@ -47,4 +47,21 @@ def test_export_without_the_helper_names_the_missing_check():
     step = jax.jit(lambda *a: jrc.rope_and_cache(*a, impl="kernel"))
     with pytest.raises(ValueError, match="jax_rope_cache_cpu"):
         jax.export.export(step, platforms=["cpu"])(*args)
-    assert len(jrc.DISABLED_EXPORT_CHECKS) == 3  # cpu, gpu, gpu without command buffers
+    assert len(jrc.DISABLED_EXPORT_CHECKS) == 4  # cpu, gpu, gpu without command buffers, XLA's PTX call
+
+
+@pytest.mark.skipif("cuda" not in backends.kernel_platforms(), reason="the CUDA kernel cannot be built here")
+def test_export_of_the_kernel_node_route_round_trips(monkeypatch):
+    """With the kernel-node route on, the CUDA lowering is XLA's PTX custom call: jrc.export allows it,
+    plain jax.export names it as the check to disable, and the serialized module keeps the PTX."""
+    from jax_rope_cache.backends import kernel_node
+
+    monkeypatch.setenv(kernel_node.ENV, "1")
+    args, opts = make_problem(Case(T=6, QH=8, KH=2, D=64), seed=63)
+    step = jax.jit(lambda *a: jrc.rope_and_cache(*a, impl="kernel"), donate_argnums=(3, 4))
+    exp = jrc.export(step, platforms=["cuda"])(*args)
+    text = jax.export.deserialize(exp.serialize()).mlir_module()
+    assert text.count("stablehlo.custom_call @__gpu$xla.gpu.ptx") == 1
+    assert "jax_rope_cache_gpu" not in text and ".entry rope_cache_node" in text
+    with pytest.raises(ValueError, match=re.escape(kernel_node.TARGET)):
+        jax.export.export(jax.jit(lambda *a: jrc.rope_and_cache(*a, impl="kernel")), platforms=["cuda"])(*args)

@@ -264,10 +264,11 @@ def test_config_errors():
 
 def test_generate_command_times_a_bfloat16_model(capsys):
     """The timing half of `python -m jax_rope_cache generate` (what the H200 benchmark runs), on a
-    bfloat16 model with the op removed ("off": one compile, the cheapest smoke test)."""
+    bfloat16 model with the op replaced by its timing baseline ("baseline": one compile, the cheapest
+    smoke test)."""
     with pytest.raises(SystemExit) as e:
-        generate.main(["--check", "none", "--impls", "off", "--batch", "3", "--prompt-len", "5", "--steps", "2",
+        generate.main(["--check", "none", "--impls", "baseline", "--batch", "3", "--prompt-len", "5", "--steps", "2",
                        "--repeats", "1", "--dtype", "bfloat16", "--block-size", "8"])
     assert e.value.code == 0
     out = capsys.readouterr().out
-    assert "bfloat16" in out and re.search(r"^off\s+[\d.]+ms\s+\d+us\s+[\d,]+$", out, re.M), out
+    assert "bfloat16" in out and re.search(r"^baseline\s+[\d.]+ms\s+\d+us\s+[\d,]+$", out, re.M), out

@@ -4,10 +4,13 @@ At lowering time the CUDA kernel (kernels/cuda/rope_cache.cu, shipped inside the
 compiled by NVRTC for the local GPU's architecture (cubin) plus PTX of the same architecture as a
 fallback (a GPU of a newer architecture JIT-compiles it); without a visible CUDA device: sm_90 +
 compute_90. Compiled code objects are cached in memory and on disk (compilers/nvrtc.py). The code
-objects travel inside the executable as the `code` attribute of the custom call (backends/launcher.py).
+objects travel inside the executable: as the PTX of XLA's kernel-node custom call where the running
+jaxlib compiles it (backends/kernel_node.py: the kernel's `rope_cache_node` entry, the call's static
+dims compiled in), else as the `code` attribute of the FFI launcher's custom call (backends/launcher.py).
 
 Environment: JAX_ROPE_CACHE_NVRTC, a libnvrtc.so to use instead of searching; JAX_ROPE_CACHE_DIR
-(compilers/cache.py); JAX_ROPE_CACHE_COMMAND_BUFFERS (backends/launcher.py).
+(compilers/cache.py); JAX_ROPE_CACHE_KERNEL_NODE (backends/kernel_node.py); JAX_ROPE_CACHE_COMMAND_BUFFERS
+(backends/launcher.py).
 """
 
 from __future__ import annotations
@@ -19,12 +22,13 @@ import jax
 import numpy as np
 
 from jax_rope_cache import contract
-from jax_rope_cache.backends import launcher, native
+from jax_rope_cache.backends import kernel_node, launcher, native
 from jax_rope_cache.compilers import cache, nvrtc
 
 PLATFORM = "cuda"
 NAME = "CUDA"
 KERNEL_NAME = "rope_cache_kernel"
+NODE_KERNEL_NAME = "rope_cache_node"  # the kernel-node entry (RC_NODE builds)
 DEFAULT_ARCH = 90
 DEFAULT_SMS = 132
 # contract.FEATURES the CUDA kernel implements (others: the XLA path, or an error with impl="kernel").
@@ -332,9 +336,63 @@ def missing() -> str | None:
     return None
 
 
+# ---- the kernel-node build (backends/kernel_node.py) -----------------------------------------------
+def node_dims(avals_in) -> tuple[int, int, int]:
+    """(T, the caches' leading dimension, table rows) of a call's operands: the values the launcher's
+    entry reads from its parameter block, compiled into the kernel-node entry."""
+    names = contract.OPERANDS
+    return (int(avals_in[names.index("q")].shape[0]), int(avals_in[names.index("key_cache")].shape[0]),
+            int(avals_in[names.index("cos")].shape[0]))
+
+
+def check_node_shapes(avals_in, spec: contract.OpSpec) -> None:
+    """Every operand's shape is the one `spec` compiles for (what the launcher's initialize stage checks
+    per execution, checked once here: the node's buffers are XLA's, of exactly these shapes)."""
+    kshape, vshape = contract.cache_shapes(spec.layout, spec.num_blocks, spec.block_size, spec.kv_heads,
+                                           spec.head_dim, spec.cache_dtype)
+    lead = () if spec.num_layers is None else (spec.num_layers,)
+    width = spec.rotary_dim if spec.table_full else spec.rotary_dim // 2
+    t, qh, kh, d = spec.num_tokens, spec.q_heads, spec.kv_heads, spec.head_dim
+    want = {"q": (t, qh, d), "k": (t, kh, d), "v": (t, kh, d), "key_cache": lead + kshape, "value_cache": lead + vshape,
+            "slot_mapping": (t,), "positions": (t,), "cos": (spec.max_pos, width), "sin": (spec.max_pos, width),
+            "layer": ()}
+    for name, aval in zip(contract.OPERANDS, avals_in):
+        if name in want and tuple(aval.shape) != want[name]:
+            raise ValueError(f"rope_and_cache (internal): operand {name} has shape {list(aval.shape)}, but the "
+                             f"kernel was specialised for {list(want[name])}")
+
+
+def node_config(cfg: KernelConfig, dims: tuple[int, int, int]) -> KernelConfig:
+    """cfg with the kernel-node entry: RC_NODE and the call's dims as constants."""
+    t, lead, max_pos = dims
+    extra = (("RC_NODE", 1), ("RC_NODE_T", t), ("RC_NODE_LEAD", lead), ("RC_NODE_MAX_POS", max_pos))
+    return dataclasses.replace(cfg, defines=cfg.defines + extra)
+
+
+def build_node_ptx(cfg: KernelConfig, cc: int | None) -> tuple[KernelConfig, nvrtc.Compiled]:
+    """(the configuration built, its PTX) for the kernel-node entry: the register budget is the one
+    ptxas meets without spilling for the GPU's arch (fit_registers: the sm_XY build's report), the PTX
+    of that arch (a GPU newer than this NVRTC: the newest arch it knows, as build_code_table)."""
+    supported = nvrtc.supported_archs() or [DEFAULT_ARCH]
+    target = cc if cc is not None else DEFAULT_ARCH
+    if target in supported:
+        ptx_arch = target
+    else:
+        ptx_arch = max(a for a in supported if a <= target) if any(a <= target for a in supported) else min(supported)
+    cfg, _ = fit_registers(cfg, f"sm_{ptx_arch}")
+    return cfg, compile_variant(cfg, f"compute_{ptx_arch}")
+
+
 def lower(ctx, args, spec: contract.OpSpec):
     native.refuse_unsupported(spec, SUPPORTS, NAME)
     cc, sms = _local_cuda_arch()
     cfg = kernel_config(spec, sms)
+    if spec.num_tokens > 0 and kernel_node.wanted()[0]:
+        check_node_shapes(ctx.avals_in, spec)
+        ncfg, ptx = build_node_ptx(node_config(cfg, node_dims(ctx.avals_in)), cc)
+        use, _ = kernel_node.decide(ptx.code)
+        if use:
+            grid = (-(-spec.num_tokens // ncfg.tokens_per_block), ncfg.parts, 1)
+            return kernel_node.lower(ctx, args, ptx=ptx.code, kernel=NODE_KERNEL_NAME, grid=grid, block=ncfg.threads)
     return launcher.lower_launch(ctx, args, table=build_code_table(cfg, cc), kernel=KERNEL_NAME,
                                  grid_div=cfg.tokens_per_block, block=cfg.threads, grid_y=cfg.parts)

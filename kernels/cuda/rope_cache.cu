@@ -1186,16 +1186,15 @@ __device__ __forceinline__ void v_unit_run(const Params& p, i64 t0, int u, SlotR
   store_run<C>(p, x, s0, h, d0, inv_v);
 }
 
-}  // namespace rc
-
-extern "C" __global__ void __launch_bounds__(RC_NT, RC_MINB) rope_cache_kernel(const rc::Params p) {
-  using namespace rc;
-  const i64 T = p.dim0[0], max_pos = p.dim0[7];
+// One block's work. T: tokens, n_lead: the caches' leading dimension (NB, or L when stacked),
+// max_pos: rows of the tables; the launcher's entry reads them from the parameter block, the
+// kernel-node entry has them as compile-time constants.
+__device__ __forceinline__ void run_block(const Params& p, const i64 T, const i64 n_lead, const i64 max_pos) {
   const i64 t0 = (i64)blockIdx.x * TPB;
-  SlotRange sr{p.dim0[3] * BS, 0};
+  SlotRange sr{n_lead * BS, 0};
   if (LAYER_BLOCKS > 0) {  // stacked [L, NB, ...]: a layer outside [0, L) writes nothing
     const i64 layer = *p.layer, per_layer = (i64)LAYER_BLOCKS * BS;
-    sr = (layer >= 0 && layer < p.dim0[3]) ? SlotRange{per_layer, layer * per_layer} : SlotRange{0, 0};
+    sr = (layer >= 0 && layer < n_lead) ? SlotRange{per_layer, layer * per_layer} : SlotRange{0, 0};
   }
   const float inv_k = FP8 && !KS_HEADS ? rc_inv_scale(*p.k_scale) : 1.0f;  // per head: in the units
   const float inv_v = FP8 && !VS_HEADS ? rc_inv_scale(*p.v_scale) : 1.0f;
@@ -1229,6 +1228,30 @@ extern "C" __global__ void __launch_bounds__(RC_NT, RC_MINB) rope_cache_kernel(c
     }
   }
 }
+}  // namespace rc
+
+#ifndef RC_NODE
+// The launcher's entry: one parameter block (see "Kernel ABI" above).
+extern "C" __global__ void __launch_bounds__(RC_NT, RC_MINB) rope_cache_kernel(const rc::Params p) {
+  rc::run_block(p, p.dim0[0], p.dim0[3], p.dim0[7]);
+}
+#else
+// The kernel-node entry (XLA's PTX custom call, backends/kernel_node.py): one pointer parameter per
+// buffer, the 14 operands then the 4 results in custom-call order (the aliased caches appear twice,
+// as operand and as result: the same address); T, the caches' leading dimension and the table rows
+// are the call's static shapes, compiled in (RC_NODE_T, RC_NODE_LEAD, RC_NODE_MAX_POS).
+#if !defined(RC_NODE_T) || !defined(RC_NODE_LEAD) || !defined(RC_NODE_MAX_POS)
+#error "RC_NODE needs RC_NODE_T, RC_NODE_LEAD and RC_NODE_MAX_POS"
+#endif
+extern "C" __global__ void __launch_bounds__(RC_NT, RC_MINB) rope_cache_node(
+    const void* q, const void* k, const void* v, const void* key_cache, const void* value_cache, const void* slots,
+    const void* pos, const void* cos, const void* sin, const float* k_scale, const float* v_scale, const int* layer,
+    const void* q_norm_w, const void* k_norm_w, void* q_out, void* k_out, void* kc, void* vc) {
+  const rc::Params p{q, k, v, key_cache, value_cache, slots, pos, cos, sin, k_scale, v_scale, layer, q_norm_w,
+                     k_norm_w, q_out, k_out, kc, vc, {}};
+  rc::run_block(p, (rc::i64)RC_NODE_T, (rc::i64)RC_NODE_LEAD, (rc::i64)RC_NODE_MAX_POS);
+}
+#endif
 
 #ifdef RC_EMULATE
 // Runs the whole grid on the host, block after block (each block's RC_SPLIT parts in turn);
@@ -1242,7 +1265,13 @@ extern "C" int rc_emulate(const rc::Params* p, long long grid) {
     for (int y = 0; y < rc::SPLIT; ++y) {
       blockIdx.x = (unsigned)b, blockIdx.y = (unsigned)y;
       threadIdx.x = 0;
+#ifndef RC_NODE
       rope_cache_kernel(*p);
+#else  // the kernel-node entry, its pointers in custom-call order (the dims are its constants)
+      const rc::Params& w = *p;
+      rope_cache_node(w.q, w.k, w.v, w.key_cache_in, w.value_cache_in, w.slots, w.pos, w.cos, w.sin, w.k_scale,
+                      w.v_scale, w.layer, w.q_norm_w, w.k_norm_w, w.q_out, w.k_out, w.kc, w.vc);
+#endif
     }
     // every unit of the block exactly once over its parts
     const long long n = rc::rc_emu_block_n;
