@@ -105,7 +105,7 @@ def _hf_modules(preset: str):
         conf = c.Qwen2_5_VLTextConfig(hidden_size=cfg["hidden_size"], num_attention_heads=cfg["num_attention_heads"],
                                       num_key_value_heads=cfg["num_key_value_heads"],
                                       max_position_embeddings=cfg["max_position_embeddings"], rope_parameters=params)
-        return m.Qwen2_5_VLRotaryEmbedding(conf), m.Qwen2RMSNorm, m.apply_rotary_pos_emb
+        return m.Qwen2_5_VLRotaryEmbedding(conf), m.Qwen2_5_VLRMSNorm, m.apply_rotary_pos_emb
     from transformers.models.qwen3_vl import configuration_qwen3_vl as c, modeling_qwen3_vl as m
 
     params["mrope_interleaved"] = True
