@@ -550,18 +550,23 @@ __device__ __forceinline__ int col_stream(i64 c) {
   return rc_mrope_stream(f, MROPE, RC_MROPE_T, RC_MROPE_H, RC_MROPE_W);
 }
 
-// load_tab for M-RoPE: out[e] = table[rows[stream of column c0 + e] + c0 + e]; the three rows' values
-// come in by the same vector loads, then each column takes its stream's (a select, no divergence).
+// load_tab for M-RoPE: out[e] = table[rows[stream of column c0 + e] + c0 + e]. Stream 0's values
+// first, then each other stream's row, loaded only where one of the chunk's columns takes it,
+// replaces its columns (one vector load per stream used, one temporary row in registers).
 template <int N, int A>
 __device__ __forceinline__ void load_tab3(const void* base, const i64* rows, i64 c0, float* out) {
-  float r1[N], r2[N];
   load_tab<N, A>(base, rows[0] + c0, out);
-  load_tab<N, A>(base, rows[1] + c0, r1);
-  load_tab<N, A>(base, rows[2] + c0, r2);
 #pragma unroll
-  for (int e = 0; e < N; ++e) {
-    const int st = col_stream(c0 + e);
-    out[e] = st == 1 ? r1[e] : (st == 2 ? r2[e] : out[e]);
+  for (int st = 1; st < 3; ++st) {
+    bool used = false;
+#pragma unroll
+    for (int e = 0; e < N; ++e) used |= col_stream(c0 + e) == st;
+    if (used) {
+      float r[N];
+      load_tab<N, A>(base, rows[st] + c0, r);
+#pragma unroll
+      for (int e = 0; e < N; ++e) out[e] = col_stream(c0 + e) == st ? r[e] : out[e];
+    }
   }
 }
 
