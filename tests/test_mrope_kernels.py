@@ -125,3 +125,16 @@ def test_nvrtc_compiles_qwen3_vl_without_spills(kw):
 
     # without M-RoPE the variant (and its cache key) has no M-RoPE define: the kernel's defaults
     assert not any(k.startswith("RC_MROPE") for k, _ in cuda.kernel_config(make_spec(T=kw["T"])).defines)
+
+
+def test_rocm_lowering_without_the_flydsl_variant_falls_back():
+    """The FlyDSL kernel has no M-RoPE variant yet: the ROCm backend says so before compiling,
+    so impl=None lowers the XLA path (with a warning) and impl="kernel" raises naming the feature."""
+    from jax_rope_cache.backends import native, rocm
+
+    spec = _spec(T=8, QH=8, KH=1, D=128, layout="flash", section=QWEN3_VL, interleaved=True)
+    assert "mrope" not in rocm.SUPPORTS
+    with pytest.raises(native.KernelUnavailable, match="multimodal RoPE") as e:
+        native.refuse_unsupported(spec, rocm.SUPPORTS, rocm.NAME)
+    assert isinstance(e.value.__cause__, NotImplementedError) and "impl='kernel' on ROCm" in str(e.value.__cause__)
+    native.refuse_unsupported(spec, rocm.SUPPORTS | {"mrope"}, rocm.NAME)  # no other feature is missing
