@@ -40,8 +40,7 @@ NAME = "ROCm"
 DEFAULT_ARCHS = ("gfx942", "gfx950")
 ARCH_NAMES = {"gfx942": "MI300", "gfx950": "MI350/MI355"}
 # contract.FEATURES the FlyDSL kernel implements (others: the XLA path, or an error with impl="kernel").
-# Multimodal RoPE (positions [3, T]) is not in the FlyDSL kernel yet: such a call runs the XLA path.
-SUPPORTS: frozenset[str] = frozenset(contract.FEATURES) - {"mrope"}
+SUPPORTS: frozenset[str] = frozenset(contract.FEATURES)  # norm, per-head scales, M-RoPE: every feature
 
 
 class UnsupportedArch(RuntimeError):
