@@ -48,7 +48,8 @@ def _check_operands(avals, spec: contract.OpSpec) -> None:
             raise TypeError(f"rope_and_cache (internal): operand {name} is {np.dtype(aval.dtype).name}, but the "
                             f"call was specialised for {np.dtype(want[name]).name}")
     if tuple(avals[0].shape) != (spec.num_tokens, spec.q_heads, spec.head_dim) or \
-            tuple(avals[5].shape) != (spec.num_tokens,) or tuple(avals[6].shape) != (spec.num_tokens,):
+            tuple(avals[5].shape) != (spec.num_tokens,) or \
+            tuple(avals[6].shape) != ((spec.num_tokens,) if spec.mrope_section is None else (3, spec.num_tokens)):
         raise ValueError(f"rope_and_cache (internal): operand shapes {[list(a.shape) for a in avals[:7]]} do not "
                          "match the call's specialisation")
     # scales [] / [1] or [KH]; weights [D] when the norm is on, the [1] placeholder otherwise

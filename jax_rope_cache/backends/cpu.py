@@ -26,7 +26,8 @@ def kernel_attrs(spec: contract.OpSpec) -> dict:
     return dict(layout=np.int64(contract.LAYOUT_TABLE[spec.layout].code), is_neox=bool(spec.is_neox),
                 rotary_dim=np.int64(spec.rotary_dim), native=spec.precision == "native",
                 q_norm=spec.q_norm_dtype is not None, k_norm=spec.k_norm_dtype is not None,
-                norm_eps=np.float32(spec.norm_eps))
+                norm_eps=np.float32(spec.norm_eps),
+                **{k: np.int64(v) for k, v in contract.mrope_codes(spec).items()})
 
 
 def lower(ctx, args, spec: contract.OpSpec):

@@ -32,7 +32,7 @@ NODE_KERNEL_NAME = "rope_cache_node"  # the kernel-node entry (RC_NODE builds)
 DEFAULT_ARCH = 90
 DEFAULT_SMS = 132
 # contract.FEATURES the CUDA kernel implements (others: the XLA path, or an error with impl="kernel").
-SUPPORTS: frozenset[str] = frozenset({"q_norm", "k_norm", "k_scale_heads", "v_scale_heads"})
+SUPPORTS: frozenset[str] = frozenset({"q_norm", "k_norm", "k_scale_heads", "v_scale_heads", "mrope"})
 
 
 @functools.cache
@@ -72,7 +72,8 @@ _DEFINES = (("QH", "qh"), ("KH", "kh"), ("D", "d"), ("R", "r"), ("BS", "bs"), ("
             ("NEOX", "neox"), ("FULL_TABLE", "full_table"), ("NATIVE", "native"), ("DT", "dt"),
             ("TAB_DT", "tab_dt"), ("CACHE_DT", "cache_dt"), ("SLOT64", "slot64"), ("POS64", "pos64"),
             ("LAYER_BLOCKS", "layer_blocks"), ("Q_NORM", "q_norm"), ("K_NORM", "k_norm"),
-            ("KS_HEADS", "k_scale_heads"), ("VS_HEADS", "v_scale_heads"))
+            ("KS_HEADS", "k_scale_heads"), ("VS_HEADS", "v_scale_heads"), ("MROPE", "mrope"),
+            ("MROPE_T", "mrope_t"), ("MROPE_H", "mrope_h"), ("MROPE_W", "mrope_w"))
 
 
 def _f32_bits(x: float) -> int:
@@ -264,6 +265,8 @@ def kernel_config(spec: contract.OpSpec, num_sms: int = DEFAULT_SMS, vch: int | 
     defines = tuple((f"RC_{name}", int(getattr(c, field))) for name, field in _DEFINES) + (
         ("RC_NORM_EPS_BITS", _f32_bits(c.norm_eps)), ("RC_WCH", w), ("RC_TPB", tpb), ("RC_NT", nt), ("RC_MINB", minb),
         ("RC_VPAIRS", 1), ("RC_VCH", vch), ("RC_VSEL", vsel), ("RC_EARLY_W", early_w))
+    if not c.mrope:  # positions [T]: the kernel's defaults (the variant and its cache key as without M-RoPE)
+        defines = tuple(d for d in defines if not d[0].startswith("RC_MROPE"))
     if (K_PAIRS if kpairs is None else kpairs) and xp and tpb % 2 == 0:
         defines += (("RC_KPAIRS", 1),)
     if parts > 1:

@@ -22,6 +22,8 @@ from jax_rope_cache.models import tables
 __all__ = ["RopeInfo", "ModelShape", "GPTJ_STYLE_MODEL_TYPES", "hf_rope_settings", "rope_tables_from_hf_config",
            "shard_shape"]
 
+# Keys of a RoPE parameter dict that say how multimodal positions split the frequencies (not a law's).
+MROPE_KEYS = {"mrope_section", "mrope_interleaved"}
 # Hugging Face model types whose attention rotates interleaved pairs (2i, 2i+1) (GPT-J style).
 GPTJ_STYLE_MODEL_TYPES = ("gptj", "codegen")
 
@@ -60,6 +62,17 @@ class RopeInfo:
     attention_scaling: float  # already folded into cos and sin
     scaling: dict | None = None  # the normalised scaling parameters the tables were built with
     shape: object | None = None  # per-shard `ModelShape` at the requested tp (config input only)
+    # multimodal RoPE (Qwen2-VL / Qwen2.5-VL sections, Qwen3-VL interleaved): positions are [3, T]
+    mrope_section: tuple[int, int, int] | None = None
+    mrope_interleaved: bool = False
+
+    def op_options(self) -> dict:
+        """The options of `rope_and_cache` these tables need: rotary_dim, is_neox and, for a
+        multimodal model, mrope_section and mrope_interleaved."""
+        out = dict(rotary_dim=self.rotary_dim, is_neox=self.is_neox)
+        if self.mrope_section is not None:
+            out.update(mrope_section=self.mrope_section, mrope_interleaved=self.mrope_interleaved)
+        return out
 
 
 
@@ -76,6 +89,33 @@ def _cfg_int(config: Mapping, key: str, *, required=True):
     return int(v)
 
 
+def text_config(config: Mapping) -> Mapping:
+    """The language model's part of a config: a vision-language config (Qwen2.5-VL, Qwen3-VL) nests
+    it under "text_config"; its keys win over the top level's."""
+    if isinstance(config, Mapping) and isinstance(config.get("text_config"), Mapping):
+        return {**{k: v for k, v in config.items() if k != "text_config"}, **config["text_config"]}
+    return config
+
+
+def _mrope(params: Mapping, key: str, rotary_dim: int):
+    """(mrope_section tuple or None, interleaved) of a RoPE parameter dict."""
+    section, interleaved = params.get("mrope_section"), params.get("mrope_interleaved", False)
+    if not isinstance(interleaved, bool):
+        raise ValueError(f"config[{key!r}]['mrope_interleaved']: expected true or false, got {interleaved!r}")
+    if section is None:
+        if interleaved:
+            raise ValueError(f"config[{key!r}]['mrope_section']: missing, and mrope_interleaved is true")
+        return None, False
+    if not isinstance(section, (list, tuple)) or len(section) != 3 or any(
+            isinstance(x, bool) or not isinstance(x, (int, np.integer)) or x < 0 for x in section):
+        raise ValueError(f"config[{key!r}]['mrope_section']: expected 3 integers >= 0 (temporal, height, width), "
+                         f"got {section!r}")
+    if sum(section) != rotary_dim // 2:
+        raise ValueError(f"config[{key!r}]['mrope_section']: expected a sum of rotary_dim/2 = {rotary_dim // 2}, "
+                         f"got {list(section)} (sum {sum(section)})")
+    return tuple(int(x) for x in section), interleaved
+
+
 def hf_rope_settings(config: Mapping) -> dict:
     """Reads the RoPE settings of a Hugging Face-style config dict, as transformers does.
 
@@ -87,6 +127,7 @@ def hf_rope_settings(config: Mapping) -> dict:
     """
     if not isinstance(config, Mapping):
         raise ValueError(f"config: expected a dict (a model's config.json), got {type(config).__name__}")
+    config = text_config(config)
     params = config.get("rope_parameters")
     key = "rope_parameters"
     if params is None:
@@ -100,6 +141,8 @@ def hf_rope_settings(config: Mapping) -> dict:
                          f"pass one layer type's dict as the config's {key}")
     params = dict(params)
     law = params.get("rope_type", params.get("type")) or "default"
+    if law == "mrope":  # Qwen2-VL's legacy name of default RoPE with mrope_section (transformers maps it so)
+        law = "default"
     if law not in tables.ROPE_TYPES:
         raise ValueError(f"config[{key!r}]['rope_type']: expected one of {tables.ROPE_TYPES}, got {law!r}")
 
@@ -128,7 +171,8 @@ def hf_rope_settings(config: Mapping) -> dict:
                          f"{rotary_dim}, which must be even and >= 2")
     mpe = _cfg_int(config, "max_position_embeddings", required=False)
 
-    scaling = {k: v for k, v in params.items() if k not in tables.COMMON_KEYS}
+    mrope_section, mrope_interleaved = _mrope(params, key, rotary_dim)
+    scaling = {k: v for k, v in params.items() if k not in tables.COMMON_KEYS | MROPE_KEYS}
     if law in ("llama3", "yarn", "longrope"):
         top = config.get("original_max_position_embeddings")
         if top is not None:
@@ -150,7 +194,8 @@ def hf_rope_settings(config: Mapping) -> dict:
         scaling["original_max_position_embeddings"] = mpe
     scaling = None if law == "default" else {"rope_type": law, **scaling}
     return dict(rope_type=law, base=float(base), head_dim=head_dim, rotary_dim=rotary_dim,
-                partial_rotary_factor=float(prf), max_position_embeddings=mpe, scaling=scaling, source=key)
+                partial_rotary_factor=float(prf), max_position_embeddings=mpe, scaling=scaling, source=key,
+                mrope_section=mrope_section, mrope_interleaved=mrope_interleaved)
 
 
 def rope_tables_from_hf_config(config: Mapping, *, max_pos: int | None = None, tp: int = 1, dtype=np.float32,
@@ -173,9 +218,15 @@ def rope_tables_from_hf_config(config: Mapping, *, max_pos: int | None = None, t
       is_neox: rotation style; default True (rotate_half: Llama, Qwen, GPT-OSS, ...) except for the
         GPT-J-style model types in GPTJ_STYLE_MODEL_TYPES.
 
+    A vision-language config (Qwen2.5-VL: rope_scaling {"type": "mrope", "mrope_section": [...]};
+    Qwen3-VL: text_config.rope_scaling with "mrope_section" and "mrope_interleaved") gives the same
+    tables (one row per position) and the sections in info.mrope_section / info.mrope_interleaved.
+
     Returns:
-      (cos, sin, RopeInfo): pass info.rotary_dim and info.is_neox to `rope_and_cache`.
+      (cos, sin, RopeInfo): pass info.op_options() (rotary_dim, is_neox and, for a multimodal
+      model, mrope_section and mrope_interleaved) to `rope_and_cache`.
     """
+    config = text_config(config) if isinstance(config, Mapping) else config
     s = hf_rope_settings(config)
     if is_neox is None:
         is_neox = config.get("model_type") not in GPTJ_STYLE_MODEL_TYPES
@@ -198,7 +249,8 @@ def rope_tables_from_hf_config(config: Mapping, *, max_pos: int | None = None, t
         raise
     info = RopeInfo(rope_type=s["rope_type"], rotary_dim=s["rotary_dim"], head_dim=s["head_dim"],
                     is_neox=bool(is_neox), base=s["base"], max_pos=int(max_pos), form=form,
-                    attention_scaling=attention, scaling=s["scaling"], shape=shape)
+                    attention_scaling=attention, scaling=s["scaling"], shape=shape,
+                    mrope_section=s["mrope_section"], mrope_interleaved=s["mrope_interleaved"])
     return cos, sin, info
 
 
@@ -215,6 +267,7 @@ def shard_shape(config, tp: int = 1, *, name: str | None = None, is_neox: bool |
     if isinstance(tp, bool) or not isinstance(tp, (int, np.integer)) or tp < 1:
         raise ValueError(f"tp: expected an integer >= 1, got {tp!r}")
     tp = int(tp)
+    config = text_config(config)
     settings = hf_rope_settings(config)
     heads = _positive_int(config, "num_attention_heads")
     kv = _positive_int(config, "num_key_value_heads") if config.get("num_key_value_heads") is not None else heads

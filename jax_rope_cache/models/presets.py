@@ -16,7 +16,7 @@ import numpy as np
 
 from jax_rope_cache.models.config import ModelShape, rope_tables_from_hf_config, shard_shape
 
-__all__ = ["PRESETS", "MODELS", "TP_DEGREES", "QK_NORM_MODEL_TYPES", "preset_config", "preset_shape",
+__all__ = ["PRESETS", "MROPE_PRESETS", "MODELS", "TP_DEGREES", "QK_NORM_MODEL_TYPES", "preset_config", "preset_shape",
            "preset_tables", "preset_qk_norm_eps", "model_shape"]
 
 TP_DEGREES = (1, 2, 4, 8)
@@ -63,12 +63,38 @@ PRESETS: dict[str, dict] = {
 }
 
 
+# Vision-language models (multimodal RoPE, positions [3, T]): the language model's config fields
+# (their config.json's text_config, or its top level for Qwen2.5-VL). rope_tables_from_hf_config
+# returns the sections in info.mrope_section / info.mrope_interleaved (info.op_options()).
+MROPE_PRESETS: dict[str, dict] = {
+    "qwen2.5-vl-7b": {
+        "model_type": "qwen2_5_vl", "hidden_size": 3584, "num_hidden_layers": 28, "num_attention_heads": 28,
+        "num_key_value_heads": 4, "max_position_embeddings": 128000, "rope_theta": 1000000.0,
+        "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}, "rms_norm_eps": 1e-6,
+    },
+    "qwen3-vl-8b": {
+        "model_type": "qwen3_vl_text", "hidden_size": 4096, "num_hidden_layers": 36, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 262144, "rope_theta": 5000000,
+        "rope_scaling": {"rope_type": "default", "mrope_section": [24, 20, 20], "mrope_interleaved": True},
+        "rms_norm_eps": 1e-6,
+    },
+    "qwen3-vl-235b-a22b": {
+        "model_type": "qwen3_vl_moe_text", "hidden_size": 4096, "num_hidden_layers": 94, "num_attention_heads": 64,
+        "num_key_value_heads": 4, "head_dim": 128, "max_position_embeddings": 262144, "rope_theta": 5000000,
+        "rope_scaling": {"rope_type": "default", "mrope_section": [24, 20, 20], "mrope_interleaved": True},
+        "rms_norm_eps": 1e-6,
+    },
+}
+# Vision-language model types with Qwen3's QK-RMSNorm (q_norm_weight / k_norm_weight).
+MROPE_QK_NORM_MODEL_TYPES = ("qwen3_vl_text", "qwen3_vl_moe_text")
+
+
 def preset_config(name: str) -> dict:
-    """A copy of the preset's config dict (case-insensitive name)."""
+    """A copy of the preset's config dict (case-insensitive name; PRESETS or MROPE_PRESETS)."""
     key = str(name).lower()
-    if key not in PRESETS:
-        raise ValueError(f"name: expected one of {sorted(PRESETS)}, got {name!r}")
-    return copy.deepcopy(PRESETS[key])
+    if key not in PRESETS and key not in MROPE_PRESETS:
+        raise ValueError(f"name: expected one of {sorted(PRESETS) + sorted(MROPE_PRESETS)}, got {name!r}")
+    return copy.deepcopy(PRESETS.get(key) or MROPE_PRESETS[key])
 
 
 def preset_shape(name: str, tp: int = 1) -> ModelShape:
@@ -80,10 +106,11 @@ def preset_qk_norm_eps(name: str) -> float | None:
     """The QK-RMSNorm epsilon of a preset (its config's rms_norm_eps), or None for a model without
     the norm (or the "tiny" shape)."""
     key = str(name).lower()
-    if key not in PRESETS:
+    if key not in PRESETS and key not in MROPE_PRESETS:
         return None
-    cfg = PRESETS[key]
-    return float(cfg["rms_norm_eps"]) if cfg.get("model_type") in QK_NORM_MODEL_TYPES else None
+    cfg = PRESETS.get(key) or MROPE_PRESETS[key]
+    norm_types = QK_NORM_MODEL_TYPES + MROPE_QK_NORM_MODEL_TYPES
+    return float(cfg["rms_norm_eps"]) if cfg.get("model_type") in norm_types else None
 
 
 def preset_tables(name: str, max_pos=None, *, tp: int = 1, dtype=np.float32, form="half"):

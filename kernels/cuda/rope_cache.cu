@@ -42,6 +42,11 @@
 //   RC_EARLY_W                   1 (default): with a norm whose weight has q's dtype, a rotation unit
 //                                loads its weight chunk(s) with its q/k chunks (no load after the
 //                                sum); 0: after the sum (fewer live registers)
+//   RC_MROPE                     0 (default): positions [T]; 1 (sections) / 2 (interleaved): multimodal
+//                                RoPE, positions [3, T] (temporal, height, width at s * T + t)
+//   RC_MROPE_T, _H, _W           the sections: rotary frequency i takes its table values from the row
+//                                of stream rc_mrope_stream(i, RC_MROPE, T, H, W) (rope_cache_math.h);
+//                                each stream's position is clamped on its own
 // Without the norm and per-head scales (all at their defaults) the kernel is the same code as
 // before them (every norm / per-head-scale path is behind `if constexpr`).
 //
@@ -153,6 +158,12 @@
 #ifndef RC_SPLIT
 #define RC_SPLIT 1
 #endif
+#ifndef RC_MROPE  // multimodal RoPE off: positions [T]
+#define RC_MROPE 0
+#define RC_MROPE_T 0
+#define RC_MROPE_H 0
+#define RC_MROPE_W 0
+#endif
 
 namespace rc {
 
@@ -183,6 +194,7 @@ constexpr int PASS0 = R / W;             // first pass-through chunk
 constexpr int Q_NORM = RC_Q_NORM, K_NORM = RC_K_NORM;
 constexpr bool NORM = Q_NORM >= 0 || K_NORM >= 0;
 constexpr bool KS_HEADS = RC_KS_HEADS != 0, VS_HEADS = RC_VS_HEADS != 0;  // scale[kv head]
+constexpr int MROPE = RC_MROPE;  // RcMrope: positions [3, T], one stream per rotary frequency
 constexpr bool is_pow2(int n) { return n > 0 && (n & (n - 1)) == 0; }
 // The P lanes of a head's rotation units hold whole subtrees of the sum-of-squares tree (R == D,
 // D a power of two; NeoX: chunks j and j + P are subtrees of the two halves of the row): each
@@ -531,6 +543,33 @@ __device__ __forceinline__ void load_tab(const void* base, i64 idx, float* out) 
   }
 }
 
+// M-RoPE: the stream of table column c (a "half" column is frequency c; a "full" column serves the
+// pair of its frequency: NeoX c mod R/2, GPT-J c / 2).
+__device__ __forceinline__ int col_stream(i64 c) {
+  const i64 f = !FULL ? c : (NEOX ? c % HALF : c / 2);
+  return rc_mrope_stream(f, MROPE, RC_MROPE_T, RC_MROPE_H, RC_MROPE_W);
+}
+
+// load_tab for M-RoPE: out[e] = table[rows[stream of column c0 + e] + c0 + e]. Stream 0's values
+// first, then each other stream's row, loaded only where one of the chunk's columns takes it,
+// replaces its columns (one vector load per stream used, one temporary row in registers).
+template <int N, int A>
+__device__ __forceinline__ void load_tab3(const void* base, const i64* rows, i64 c0, float* out) {
+  load_tab<N, A>(base, rows[0] + c0, out);
+#pragma unroll
+  for (int st = 1; st < 3; ++st) {
+    bool used = false;
+#pragma unroll
+    for (int e = 0; e < N; ++e) used |= col_stream(c0 + e) == st;
+    if (used) {
+      float r[N];
+      load_tab<N, A>(base, rows[st] + c0, r);
+#pragma unroll
+      for (int e = 0; e < N; ++e) out[e] = col_stream(c0 + e) == st ? r[e] : out[e];
+    }
+  }
+}
+
 // ---- native precision with packed multiplies (CUDA: bf16 on sm_90+, f16 on sm_53+) -------------
 // NeoX, table dtype == input dtype: r(r(a*c) - r(b*s)), r(r(b*c) + r(a*s)) with the products done by
 // mul.rn.{bf16,f16}x2, two per instruction: a product of two bf16 (f16) values is exact in f32,
@@ -542,7 +581,7 @@ __device__ __forceinline__ void load_tab(const void* base, i64 idx, float* out) 
 #endif
 constexpr bool PACKED_NATIVE =
 #ifdef RC_PACKED_NATIVE
-    ARITH == DT && NEOX && S_IN == 2 && W % 2 == 0;  // "rounded" arithmetic
+    ARITH == DT && NEOX && S_IN == 2 && W % 2 == 0 && MROPE == 0;  // "rounded" arithmetic, one row
 #else
     false;
 #endif
@@ -848,6 +887,15 @@ __device__ __forceinline__ void rot_unit(const Params& p, i64 T, i64 max_pos, i6
   i64 prow = load_index_after(p.pos, t, RC_POS64 != 0, src);
   prow = prow < 0 ? 0 : (prow >= max_pos ? max_pos - 1 : prow);
   const i64 trow = prow * TW;
+  i64 trows[MROPE ? 3 : 1] = {trow};  // M-RoPE: the row of each stream (stream 0 is `trow`)
+  if constexpr (MROPE != 0) {
+#pragma unroll
+    for (int st = 1; st < 3; ++st) {
+      i64 r = load_index_after(p.pos, st * T + t, RC_POS64 != 0, src);
+      r = r < 0 ? 0 : (r >= max_pos ? max_pos - 1 : r);
+      trows[st] = r * TW;
+    }
+  }
   const i64 s_raw = load_index_after(p.slots, t, RC_SLOT64 != 0, src);  // q heads too: no branch
   const i64 s_any = (s_raw >= 0 && s_raw < sr.n) ? sr.base + s_raw : -1;
   if constexpr (KS_HEADS) inv_k = head_inv(p.k_scale, is_k ? h - QH : 0, inv_k, true);
@@ -867,11 +915,20 @@ __device__ __forceinline__ void rot_unit(const Params& p, i64 T, i64 max_pos, i6
     rot_native_packed(a, b, c, sn, c2, s2, oa, ob);
   } else {
     float tc[NTV], ts[NTV], tc2[NEOX && FULL ? W : 1], ts2[NEOX && FULL ? W : 1];
-    load_tab<NTV, NTV>(p.cos, trow + c0, tc);
-    load_tab<NTV, NTV>(p.sin, trow + c0, ts);
-    if (NEOX && FULL) {
-      load_tab<W, W>(p.cos, trow + HALF + j * W, tc2);
-      load_tab<W, W>(p.sin, trow + HALF + j * W, ts2);
+    if constexpr (MROPE != 0) {
+      load_tab3<NTV, NTV>(p.cos, trows, c0, tc);
+      load_tab3<NTV, NTV>(p.sin, trows, c0, ts);
+      if (NEOX && FULL) {
+        load_tab3<W, W>(p.cos, trows, HALF + j * W, tc2);
+        load_tab3<W, W>(p.sin, trows, HALF + j * W, ts2);
+      }
+    } else {
+      load_tab<NTV, NTV>(p.cos, trow + c0, tc);
+      load_tab<NTV, NTV>(p.sin, trow + c0, ts);
+      if (NEOX && FULL) {
+        load_tab<W, W>(p.cos, trow + HALF + j * W, tc2);
+        load_tab<W, W>(p.sin, trow + HALF + j * W, ts2);
+      }
     }
     if constexpr (NORM) norm_rot_unit(p, t0, u, is_k, src, j, a, b, ew);  // while the table row is in flight
     if (NEOX) {
