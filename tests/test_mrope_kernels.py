@@ -376,3 +376,40 @@ def test_rocm_lowering_emits_the_kernel_for_mrope():
     for (_, arch, code), o in zip(entries, objs):
         assert code == o.code
         check_code_object(code, arch, cfg, attrs["kernel"].decode())
+
+
+@pytest.mark.parametrize("n", [0, 2])
+def test_cuda_node_entry_host_emulation_bitwise(n, emu_dir):
+    """The kernel-node entry (pointers in custom-call order, T / leading dim / table rows compiled in)
+    with positions [3, T]: the same bits as the reference."""
+    tcc = _cuda()
+    case, section, interleaved, norm = KERNEL_CASES[n]
+    args, opts, want = _problem(case, section, interleaved, norm, seed=7 + n)
+    spec = contract.check_op(*args, **opts)
+    lead = spec.num_layers if spec.num_layers is not None else spec.num_blocks
+    node = {"RC_NODE": 1, "RC_NODE_T": spec.num_tokens, "RC_NODE_LEAD": lead, "RC_NODE_MAX_POS": spec.max_pos}
+    tcc._assert_bitwise(tcc._emulate(args, opts, emu_dir, defines=node), want)
+
+
+def test_cuda_kernel_node_lowering_takes_positions_of_three_streams(monkeypatch):
+    """With the kernel-node route on, an M-RoPE call lowers to one `__gpu$xla.gpu.ptx` call whose
+    PTX is the node entry built with the M-RoPE defines (the [3, T] positions pass the shape check)."""
+    import jax
+    import jax.numpy as jnp
+
+    import jax_rope_cache as jrc
+    from jax_rope_cache.backends import kernel_node
+
+    _cuda()  # skips without NVRTC
+    monkeypatch.setenv(kernel_node.ENV, "1")
+    T, QH, KH, D = 3, 8, 2, 128
+    s = jax.ShapeDtypeStruct
+    args = (s((T, QH, D), jnp.bfloat16), s((T, KH, D), jnp.bfloat16), s((T, KH, D), jnp.bfloat16),
+            s((4, 16, KH, D), jnp.bfloat16), s((4, 16, KH, D), jnp.bfloat16), s((T,), jnp.int32),
+            s((3, T), jnp.int32), s((64, D // 2), jnp.float32), s((64, D // 2), jnp.float32))
+    step = lambda *a: jrc.rope_and_cache(*a, impl="kernel", mrope_section=QWEN3_VL,  # noqa: E731
+                                         mrope_interleaved=True)
+    text = jrc.export(jax.jit(step, donate_argnums=(3, 4)), platforms=["cuda"])(*args).mlir_module()
+    calls = [ln for ln in text.splitlines() if "stablehlo.custom_call @__gpu$xla.gpu.ptx" in ln]
+    assert len(calls) == 1 and "jax_rope_cache_gpu" not in text
+    assert "tensor<3x3xi32>" in calls[0]
