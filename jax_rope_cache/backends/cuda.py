@@ -357,7 +357,8 @@ def check_node_shapes(avals_in, spec: contract.OpSpec) -> None:
     width = spec.rotary_dim if spec.table_full else spec.rotary_dim // 2
     t, qh, kh, d = spec.num_tokens, spec.q_heads, spec.kv_heads, spec.head_dim
     want = {"q": (t, qh, d), "k": (t, kh, d), "v": (t, kh, d), "key_cache": lead + kshape, "value_cache": lead + vshape,
-            "slot_mapping": (t,), "positions": (3, t) if spec.mrope_section else (t,), "cos": (spec.max_pos, width), "sin": (spec.max_pos, width),
+            "slot_mapping": (t,), "positions": (3, t) if spec.mrope_section else (t,),
+            "cos": (spec.max_pos, width), "sin": (spec.max_pos, width),
             "layer": ()}
     for name, aval in zip(contract.OPERANDS, avals_in):
         if name in want and tuple(aval.shape) != want[name]:
