@@ -66,7 +66,7 @@ constexpr bool FUSED = ARITH == RC_ARITH_FUSED;
 constexpr bool is_fp8(int c) { return c == RC_FP8_E4M3FN || c == RC_FP8_E4M3FNUZ; }
 constexpr int size_of(int c) { return c == RC_F32 ? 4 : is_fp8(c) ? 1 : 2; }
 constexpr bool C_FP8 = is_fp8(CDT), Q_FP8 = is_fp8(QDT);
-constexpr int S_IN = size_of(DT), S_TAB = size_of(TAB_DT), S_C = size_of(CDT), S_Q = size_of(QDT);
+constexpr int S_IN = size_of(DT), S_C = size_of(CDT), S_Q = size_of(QDT);
 constexpr int HALF = DR / 2, TW = FULL ? DR : HALF, DQ = DN + DR;
 constexpr int ROW0 = SPLIT_CACHE ? DC : DC + DR;  // elements per slot of the first cache
 constexpr int NC = SPLIT_CACHE ? 2 : 1;             // caches
@@ -104,18 +104,31 @@ template <> struct Vec<8> { typedef uint2 T; };
 template <> struct Vec<4> { typedef unsigned int T; };
 template <> struct Vec<2> { typedef unsigned short T; };
 template <> struct Vec<1> { typedef unsigned char T; };
-template <int S> struct Raw;
-template <> struct Raw<4> { typedef unsigned int T; };
-template <> struct Raw<2> { typedef unsigned short T; };
-template <> struct Raw<1> { typedef unsigned char T; };
 
-// N elements of S bytes as one vector access.
+// N elements of S bytes as one vector access. Elements are read and written with shifts of 32-bit
+// words (never byte arrays in a union, which ptxas would put on the stack).
 template <int N, int S>
 struct Chunk {
+  static constexpr int B = N * S, NW = B >= 4 ? B / 4 : 1;
   union {
-    typename Vec<N * S>::T v;
-    typename Raw<S>::T e[N];
+    typename Vec<B>::T v;
+    unsigned int w[NW];
   };
+  __device__ __forceinline__ unsigned int get(int e) const {
+    constexpr unsigned int mask = S == 4 ? 0xffffffffu : (1u << (8 * S)) - 1u;
+    if constexpr (B >= 4) return (w[e * S / 4] >> (8 * (e * S % 4))) & mask;
+    else return ((unsigned int)v >> (8 * e * S)) & mask;
+  }
+  __device__ __forceinline__ void set(int e, unsigned int x) {
+    constexpr unsigned int mask = S == 4 ? 0xffffffffu : (1u << (8 * S)) - 1u;
+    if constexpr (B >= 4) {
+      const int i = e * S / 4, sh = 8 * (e * S % 4);
+      w[i] = S == 4 ? x : ((w[i] & ~(mask << sh)) | ((x & mask) << sh));
+    } else {
+      const int sh = 8 * e * S;
+      v = (typename Vec<B>::T)((((unsigned int)v) & ~(mask << sh)) | ((x & mask) << sh));
+    }
+  }
 };
 
 template <int N, int S>
@@ -139,7 +152,7 @@ __device__ __forceinline__ float to_f32(unsigned int raw) {
 
 // float32 v as an element of dtype C: rounded (canonical NaN) for f32/bf16/f16, quantized with inv for fp8.
 template <int C>
-__device__ __forceinline__ typename Raw<size_of(C)>::T from_f32(float v, float inv) {
+__device__ __forceinline__ unsigned int from_f32(float v, float inv) {
   if constexpr (C == RC_F32) return rc_f32_bits(rc_canonical_f32(v));
   else if constexpr (C == RC_BF16) return rc_f32_to_bf16(v);
   else if constexpr (C == RC_F16) return rc_f32_to_f16(v);
@@ -154,7 +167,7 @@ __device__ __forceinline__ Chunk<N, size_of(C)> convert(const Chunk<N, S_IN>& x,
     o.v = x.v;
   } else {
 #pragma unroll
-    for (int e = 0; e < N; ++e) o.e[e] = from_f32<C>(to_f32<DT>(x.e[e]), inv);
+    for (int e = 0; e < N; ++e) o.set(e, from_f32<C>(to_f32<DT>(x.get(e)), inv));
   }
   return o;
 }
@@ -182,13 +195,13 @@ __device__ __forceinline__ void store_rot(void* dst, i64 row, int j, const float
   if constexpr (NEOX) {
     Chunk<RW, SC> a, b;
 #pragma unroll
-    for (int e = 0; e < RW; ++e) a.e[e] = from_f32<C>(val(ya[e]), inv), b.e[e] = from_f32<C>(val(yb[e]), inv);
+    for (int e = 0; e < RW; ++e) a.set(e, from_f32<C>(val(ya[e]), inv)), b.set(e, from_f32<C>(val(yb[e]), inv));
     store<RW, SC>(dst, row + j * RW, a);
     store<RW, SC>(dst, row + HALF + j * RW, b);
   } else {
     Chunk<RW, SC> o;
 #pragma unroll
-    for (int e = 0; e < RW / 2; ++e) o.e[2 * e] = from_f32<C>(val(ya[e]), inv), o.e[2 * e + 1] = from_f32<C>(val(yb[e]), inv);
+    for (int e = 0; e < RW / 2; ++e) o.set(2 * e, from_f32<C>(val(ya[e]), inv)), o.set(2 * e + 1, from_f32<C>(val(yb[e]), inv));
     store<RW, SC>(dst, row + j * RW, o);
   }
 }
@@ -215,8 +228,8 @@ __device__ __forceinline__ void rot_unit(const Params& p, i64 T, i64 t0, int u, 
 #pragma unroll
   for (int e = 0; e < NP; ++e) {
     const int i = j * NP + e;  // pair index
-    const float a = to_f32<DT>(NEOX ? xa.e[e] : xa.e[2 * e]);
-    const float b = to_f32<DT>(NEOX ? xb.e[e] : xa.e[2 * e + 1]);
+    const float a = to_f32<DT>(NEOX ? xa.get(e) : xa.get(2 * e));
+    const float b = to_f32<DT>(NEOX ? xb.get(e) : xa.get(2 * e + 1));
     const int ca = FULL ? (NEOX ? i : 2 * i) : i, cb = FULL ? (NEOX ? i + HALF : 2 * i + 1) : i;
     rc_rotate_pair(a, b, tab(p.ptr[A_COS], trow + ca), tab(p.ptr[A_SIN], trow + ca), tab(p.ptr[A_COS], trow + cb),
                    tab(p.ptr[A_SIN], trow + cb), ARITH, &ya[e], &yb[e]);
