@@ -181,7 +181,7 @@ def test_host_emulation_stacked_layer(layer, emu_dir):
 
 
 @pytest.mark.parametrize("what,old,new", [
-    ("rotation units start on the wrong index", "(N_COPY - u0 + STRIDE - 1) / STRIDE * STRIDE", "(N_COPY - u0) / STRIDE * STRIDE"),
+    ("rotation units skip one", "(N_COPY - u0 + STRIDE - 1) / STRIDE * STRIDE", "(N_COPY - u0 + STRIDE - 1) / STRIDE * STRIDE + STRIDE"),
     ("sin's sign", "rc_rotate_pair(a, b, tab(p.ptr[A_COS], trow + ca), tab(p.ptr[A_SIN], trow + ca)",
      "rc_rotate_pair(a, b, tab(p.ptr[A_COS], trow + ca), -tab(p.ptr[A_SIN], trow + ca)"),
     ("latent chunk offset", "u.src = t * DC + j * W;", "u.src = t * DC;"),
@@ -192,7 +192,9 @@ def test_host_emulation_would_catch_a_wrong_kernel(what, old, new, emu_dir):
     case = MlaCase(T=9, BS=8, NB=2)  # slots >= NB*BS present; several units per thread
     args, opts = make_mla_problem(case, seed=25)
     spec = mla_contract.check_mla(*args, **opts)
-    cfg = kernels.mla_kernel_config(spec)
+    cfg = kernels.mla_kernel_config(spec)  # 8 threads: every thread does copy units, then rotation units
+    cfg = dataclasses.replace(cfg, defines=tuple((k, 8 if k == "MLA_NT" else v) for k, v in cfg.defines), threads=8)
+    _check(args, opts, emu_dir, cfg)  # the kernel as it is passes
     with pytest.raises(AssertionError, match="differ|exactly once"):
         _check(args, opts, emu_dir, cfg, source=src.replace(old, new))
 
