@@ -362,9 +362,10 @@ def read_kv(key_cache: jax.Array, value_cache: jax.Array, slot_mapping: ArrayLik
     return _read_kv_jit(key_cache, value_cache, slot_mapping, layout=layout)
 
 
-# jax.export refuses custom calls it does not know; these are every target the op lowers to (the
-# GPU launcher's two registrations included, whatever JAX_ROPE_CACHE_COMMAND_BUFFERS says).
-EXPORT_TARGETS = (cpu.TARGET, launcher.GPU_TARGET, launcher.GPU_TARGET_NO_GRAPH)
+# jax.export refuses custom calls it does not know; these are every target the ops lower to (the
+# MLA op's CPU handler, and the GPU launcher's two registrations whatever
+# JAX_ROPE_CACHE_COMMAND_BUFFERS says, which both ops share).
+EXPORT_TARGETS = (cpu.TARGET, cpu.MLA_TARGET, launcher.GPU_TARGET, launcher.GPU_TARGET_NO_GRAPH)
 DISABLED_EXPORT_CHECKS = tuple(jax.export.DisabledSafetyCheck.custom_call(t) for t in EXPORT_TARGETS)
 
 

@@ -21,7 +21,7 @@ MLA_BACKENDS = {"cpu": cpu, "cuda": cuda, "rocm": rocm}
 
 
 # ---- CPU -------------------------------------------------------------------------------------------
-CPU_TARGET = "jax_rope_cache_mla_cpu"
+CPU_TARGET = cpu.MLA_TARGET
 
 
 def lower_cpu(ctx, args, spec: MlaSpec):
