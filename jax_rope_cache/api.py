@@ -381,10 +381,10 @@ def read_kv(key_cache: jax.Array, value_cache: jax.Array, slot_mapping: ArrayLik
     return _read_kv_jit(key_cache, value_cache, slot_mapping, layout=layout)
 
 
-# jax.export refuses custom calls it does not know; these are every target the op lowers to (the
-# GPU launcher's two registrations included, whatever JAX_ROPE_CACHE_COMMAND_BUFFERS says, and XLA's
-# PTX custom call of the CUDA kernel-node route, whatever JAX_ROPE_CACHE_KERNEL_NODE says).
-EXPORT_TARGETS = (cpu.TARGET, launcher.GPU_TARGET, launcher.GPU_TARGET_NO_GRAPH, kernel_node.TARGET)
+# jax.export refuses custom calls it does not know; these are every target the ops lower to (both
+# ops' CPU handlers, the GPU launcher's two registrations whatever JAX_ROPE_CACHE_COMMAND_BUFFERS
+# says, and XLA's PTX custom call of the CUDA kernel-node route whatever JAX_ROPE_CACHE_KERNEL_NODE says).
+EXPORT_TARGETS = (cpu.TARGET, cpu.MLA_TARGET, launcher.GPU_TARGET, launcher.GPU_TARGET_NO_GRAPH, kernel_node.TARGET)
 DISABLED_EXPORT_CHECKS = tuple(jax.export.DisabledSafetyCheck.custom_call(t) for t in EXPORT_TARGETS)
 
 

@@ -47,7 +47,7 @@ def test_export_without_the_helper_names_the_missing_check():
     step = jax.jit(lambda *a: jrc.rope_and_cache(*a, impl="kernel"))
     with pytest.raises(ValueError, match="jax_rope_cache_cpu"):
         jax.export.export(step, platforms=["cpu"])(*args)
-    assert len(jrc.DISABLED_EXPORT_CHECKS) == 4  # cpu, gpu, gpu without command buffers, XLA's PTX call
+    assert len(jrc.DISABLED_EXPORT_CHECKS) == 5  # cpu, MLA cpu, gpu, gpu without command buffers, XLA's PTX call
 
 
 @pytest.mark.skipif("cuda" not in backends.kernel_platforms(), reason="the CUDA kernel cannot be built here")
@@ -65,3 +65,26 @@ def test_export_of_the_kernel_node_route_round_trips(monkeypatch):
     assert "jax_rope_cache_gpu" not in text and ".entry rope_cache_node" in text
     with pytest.raises(ValueError, match=re.escape(kernel_node.TARGET)):
         jax.export.export(jax.jit(lambda *a: jrc.rope_and_cache(*a, impl="kernel")), platforms=["cuda"])(*args)
+
+
+@pytest.mark.parametrize("layout", ["combined", "split"])
+def test_export_mla_on_cpu_round_trips(layout):
+    """`jrc.export` of a donated MLA step on CPU: the MLA handler's custom call is allowed, and the
+    deserialized program runs bit-exact to the MLA reference (fp8 cache and q_out in one layout)."""
+    from mla_cases import FN, FNUZ, MlaCase, flat_outputs, make_mla_problem
+    from jax_rope_cache.mla import reference as mla_reference
+
+    fp8 = layout == "split"
+    case = MlaCase(T=6, layout=layout, cache_dtype=FNUZ if fp8 else None, q_out_dtype=FN if fp8 else None,
+                   is_neox=fp8, layers=2 if fp8 else None)
+    args, opts = make_mla_problem(case, seed=63)
+    step = jax.jit(lambda *a: jrc.mla_rope_and_cache(*a, **opts, impl="kernel"), donate_argnums=(4,))
+    with pytest.raises(ValueError, match="jax_rope_cache_mla_cpu"):
+        jax.export.export(step, platforms=["cpu"])(*args)
+    exp = jrc.export(step, platforms=["cpu"])(*args)
+    assert re.findall(r"stablehlo\.custom_call @(\w+)", exp.mlir_module()) == ["jax_rope_cache_mla_cpu"]
+    restored = jax.export.deserialize(exp.serialize())
+    got = flat_outputs(restored.call(*args))
+    want = flat_outputs(mla_reference.mla_rope_and_cache(*args, **opts))
+    for name, g, w in zip(("q_out", "k_pe_out", "cache0", "cache1"), got, want):
+        assert_bits_equal(g, w, name)

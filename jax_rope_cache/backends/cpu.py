@@ -12,6 +12,7 @@ from jax_rope_cache.backends import native
 PLATFORM = "cpu"
 NAME = "CPU"
 TARGET = "jax_rope_cache_cpu"
+MLA_TARGET = "jax_rope_cache_mla_cpu"  # the MLA op's handler (kernels/ffi/mla_cpu_handler.cc)
 # contract.FEATURES the C++ handler implements (others: the XLA path, or an error with impl="kernel").
 SUPPORTS: frozenset[str] = frozenset(contract.FEATURES)
 

@@ -14,10 +14,10 @@ import dataclasses
 
 import numpy as np
 
-from jax_rope_cache.models.config import ModelShape, rope_tables_from_hf_config, shard_shape
+from jax_rope_cache.models.config import MlaShape, ModelShape, mla_shard_shape, rope_tables_from_hf_config, shard_shape
 
-__all__ = ["PRESETS", "MROPE_PRESETS", "MODELS", "TP_DEGREES", "QK_NORM_MODEL_TYPES", "preset_config", "preset_shape",
-           "preset_tables", "preset_qk_norm_eps", "model_shape"]
+__all__ = ["PRESETS", "MROPE_PRESETS", "MLA_PRESETS", "MODELS", "TP_DEGREES", "QK_NORM_MODEL_TYPES", "preset_config",
+           "preset_shape", "preset_tables", "preset_qk_norm_eps", "model_shape", "mla_shape"]
 
 TP_DEGREES = (1, 2, 4, 8)
 # Model types that normalise q and k per head (RMSNorm over head_dim) before RoPE: the op's
@@ -89,12 +89,44 @@ MROPE_PRESETS: dict[str, dict] = {
 MROPE_QK_NORM_MODEL_TYPES = ("qwen3_vl_text", "qwen3_vl_moe_text")
 
 
+# MLA models (mla_rope_and_cache): values from the models' public config.json files. DeepSeek-R1 has
+# DeepSeek-V3's attention and RoPE. Their shapes come from `mla_shape` (query heads split, the one
+# latent row replicated on every shard), not from MODELS.
+MLA_PRESETS: dict[str, dict] = {
+    "deepseek-v3": {
+        "model_type": "deepseek_v3", "hidden_size": 7168, "num_hidden_layers": 61, "num_attention_heads": 128,
+        "num_key_value_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64, "v_head_dim": 128, "max_position_embeddings": 163840, "rope_theta": 10000,
+        "rope_scaling": {"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
+                         "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096},
+    },
+    "kimi-k2": {
+        "model_type": "kimi_k2", "hidden_size": 7168, "num_hidden_layers": 61, "num_attention_heads": 64,
+        "num_key_value_heads": 64, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64, "v_head_dim": 128, "max_position_embeddings": 131072, "rope_theta": 50000.0,
+        "rope_scaling": {"type": "yarn", "factor": 32.0, "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0,
+                         "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096},
+    },
+}
+
+
 def preset_config(name: str) -> dict:
-    """A copy of the preset's config dict (case-insensitive name; PRESETS or MROPE_PRESETS)."""
+    """A copy of the preset's config dict (case-insensitive name; PRESETS, MROPE_PRESETS or MLA_PRESETS)."""
     key = str(name).lower()
-    if key not in PRESETS and key not in MROPE_PRESETS:
-        raise ValueError(f"name: expected one of {sorted(PRESETS) + sorted(MROPE_PRESETS)}, got {name!r}")
-    return copy.deepcopy(PRESETS.get(key) or MROPE_PRESETS[key])
+    for table in (PRESETS, MROPE_PRESETS, MLA_PRESETS):
+        if key in table:
+            return copy.deepcopy(table[key])
+    raise ValueError(f"name: expected one of {sorted(PRESETS) + sorted(MROPE_PRESETS) + sorted(MLA_PRESETS)}, "
+                     f"got {name!r}")
+
+
+def mla_shape(name: str, tp: int = 1) -> MlaShape:
+    """Per-shard MLA shape of an MLA preset at tp (e.g. mla_shape("deepseek-v3", 8): 16 query heads,
+    Dn 128 (512 absorbed), Dr 64, Dc 512)."""
+    key = str(name).lower()
+    if key not in MLA_PRESETS:
+        raise ValueError(f"name: expected one of {sorted(MLA_PRESETS)}, got {name!r}")
+    return mla_shard_shape(preset_config(key), tp, name=key)
 
 
 def preset_shape(name: str, tp: int = 1) -> ModelShape:
