@@ -7,7 +7,7 @@
 #   suite     the platform-agnostic tests with their cuda cases (pytest; PYTEST_ARGS adds options)
 #   test_gpu  tests/test_gpu.py: one custom call, one launch per call, graph replay, module counts
 #   memcheck  the fuzz set through the CUDA kernel under compute-sanitizer memcheck (FUZZ_CASES=150)
-#   bench     benchmarks/bench_gpu.py (BENCH_ARGS, e.g. --quick); with PEERS=.peers (AITER's source,
+#   bench     benchmarks/bench_gpu.py op (BENCH_ARGS, e.g. --quick); with PEERS=.peers (AITER's source,
 #             see ../shared/peers/README.md) or an installed AITER it adds AITER's time and ratio
 #   decode_chain  benchmarks/diagnostics/decode_chain.py: a 32-call decode chain, kernel vs the same
 #             launcher with a one-store kernel vs XLA path vs jnp, our command buffers on/off (DC_ARGS),
@@ -15,10 +15,10 @@
 #   decode_flags  decode_chain.py (stacked and loop forms, T=64, command buffers on) once per set of
 #             XLA command-buffer flags this jaxlib knows (tools/xla_flag_sets.py; DF_SETS picks sets),
 #             and the demo under the sets named in DF_DEMO_SETS (default "default all")
-#   qk_norm   benchmarks/bench_qk_norm.py: fused Qwen3 QK-RMSNorm vs jnp RMSNorm + op (QN_ARGS)
+#   qk_norm   benchmarks/bench_gpu.py qk_norm: fused Qwen3 QK-RMSNorm vs jnp RMSNorm + op (QN_ARGS)
 #   demo      the 32-layer decode demo, with and without command buffers
 #   stacked   benchmarks/diagnostics/stacked_layers.py
-#   tp        benchmarks/tp_decode.py over every GPU (2 or more)
+#   tp        benchmarks/bench_gpu.py tp over every GPU (2 or more)
 #   soak      benchmarks/soak.py --platform cuda (SOAK_STEPS=1000000, SOAK_LIMIT=140 seconds)
 #   kernel_speed  benchmarks/diagnostics/kernel_speed.py: the kernel launched directly, next to AITER
 #             (PEERS=.peers with AITER's source, see ../shared/peers/README.md), floors (KS_ARGS)
@@ -50,7 +50,7 @@ has test_gpu && TAIL=3 run test_gpu 120 "$PY" -P -m pytest -q -p no:cacheprovide
 has memcheck && TAIL=4 run memcheck_fuzz "${SAN_TIMEOUT:-230}" env XLA_PYTHON_CLIENT_ALLOCATOR=platform \
     compute-sanitizer --tool memcheck --error-exitcode 9 \
     "$PY" "$T/test_fuzz.py" --platform cuda --impl kernel --cases "${FUZZ_CASES:-150}"
-has bench && TAIL=30 run bench 400 "$PY" -P "$ROOT/benchmarks/bench_gpu.py" "$OUT" ${PEERS_DIR:+--peers "$PEERS_DIR"} \
+has bench && TAIL=30 run bench 400 "$PY" -P "$ROOT/benchmarks/bench_gpu.py" op "$OUT" ${PEERS_DIR:+--peers "$PEERS_DIR"} \
     ${BENCH_ARGS:-}
 if has decode_chain; then
   TAIL=45 run decode_chain 210 "$PY" -P "$ROOT/benchmarks/diagnostics/decode_chain.py" "$OUT/decode_chain" ${DC_ARGS:-}
@@ -70,7 +70,7 @@ if has decode_flags; then
     true
   done <"$OUT/decode_flags_sets.txt"
 fi
-has qk_norm && TAIL=20 run qk_norm 220 "$PY" -P "$ROOT/benchmarks/bench_qk_norm.py" "$OUT/qk_norm" ${QN_ARGS:-}
+has qk_norm && TAIL=20 run qk_norm 220 "$PY" -P "$ROOT/benchmarks/bench_gpu.py" qk_norm "$OUT/qk_norm" ${QN_ARGS:-}
 if has demo; then
   TAIL=8 run demo 120 "$PY" -P -m jax_rope_cache demo --tp 1 --check-layers 2
   TAIL=8 run demo_no_command_buffers 90 env JAX_ROPE_CACHE_COMMAND_BUFFERS=0 "$PY" -P -m jax_rope_cache demo \
@@ -78,7 +78,7 @@ if has demo; then
 fi
 has stacked && TAIL=4 run stacked_layers 45 "$PY" -P "$ROOT/benchmarks/diagnostics/stacked_layers.py" --tp 1
 if has tp && [ "$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)" -ge 2 ]; then
-  TAIL=4 run tp_decode 90 "$PY" -P "$ROOT/benchmarks/tp_decode.py" --layers 32 --steps 64 --batch 64
+  TAIL=4 run tp_decode 90 "$PY" -P "$ROOT/benchmarks/bench_gpu.py" tp --layers 32 --steps 64 --batch 64
 fi
 has soak && TAIL=7 run soak "$(( ${SOAK_LIMIT:-140} + 60 ))" "$PY" -P "$ROOT/benchmarks/soak.py" --platform cuda \
     --steps "${SOAK_STEPS:-1000000}" --time-limit "${SOAK_LIMIT:-140}" --report-every 50 --json "$OUT/soak_cuda.json"

@@ -27,9 +27,8 @@ from jax_rope_cache import contract, reference
 from conftest import (Case, assert_bits_equal, assert_fma_close, impl_params, make_problem, reference_op, ulp_diff,
                       xla_bound)
 
-TIER = os.environ.get("JRC_TEST_TIER", "default")
-# Heavy parametrizations: run in the full tier (JRC_TEST_TIER=full) only.
-FULL = [pytest.mark.full, pytest.mark.skipif(TIER != "full", reason="full tier (JRC_TEST_TIER=full)")]
+# Heavy parametrizations: the full test tier only (conftest.py deselects them from the default tier).
+FULL = [pytest.mark.full]
 
 QWEN25_VL = (16, 24, 24)  # head_dim 128, Qwen2-VL / Qwen2.5-VL
 QWEN3_VL = (24, 20, 20)   # head_dim 128, Qwen3-VL (interleaved)
@@ -372,15 +371,15 @@ def test_config_errors_name_the_key(rope, match):
 
 
 @pytest.mark.full
-@pytest.mark.skipif(TIER != "full", reason="full tier (JRC_TEST_TIER=full): about 25 s on 2 shared cores")
+@pytest.mark.full  # about 25 s on 2 cores
 def test_benchmark_dry_run(tmp_path):
     import importlib.util
 
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", "bench_mrope.py")
-    spec = importlib.util.spec_from_file_location("bench_mrope", path)
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", "bench_gpu.py")
+    spec = importlib.util.spec_from_file_location("bench_gpu", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    rc = mod.main([str(tmp_path), "--dry-run", "--tokens", "5", "--layouts", "xpacked", "--models", "qwen3-vl-8b:1",
+    rc = mod.main(["mrope", str(tmp_path), "--dry-run", "--tokens", "5", "--layouts", "xpacked", "--models", "qwen3-vl-8b:1",
                    "--calls", "1", "--reps", "1"])
     assert rc == 0
     log = (tmp_path / "bench_mrope.log").read_text()

@@ -32,8 +32,8 @@ import time
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
-from cuda_graph_timing import graph_us  # noqa: E402  (benchmarks/)
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "gpu"))
+from cuda_graph_timing import graph_us  # noqa: E402  (benchmarks/gpu/)
 
 
 def log(*a):

@@ -2,9 +2,9 @@
 (`fused_qk_rope_cat_and_cache_mla`, when its sources are given), DeepSeek-V3 shapes at TP8 (16 query
 heads, q_nope absorbed to Dc = 512, Dr = 64), combined latent cache in bf16 and fp8.
 
-    python benchmarks/bench_mla.py                               # the H200: T in {1, 64, 8192, 32768}
-    python benchmarks/bench_mla.py --aiter-src .peers/aiter_src   # with AITER (torch + triton needed)
-    python benchmarks/bench_mla.py --dry-run                      # any machine: tiny shapes, checks only
+    python benchmarks/bench_gpu.py mla                               # the H200: T in {1, 64, 8192, 32768}
+    python benchmarks/bench_gpu.py mla --aiter-src .peers/aiter_src   # with AITER (torch + triton needed)
+    python benchmarks/bench_gpu.py mla --dry-run                      # any machine: tiny shapes, checks only
 
 Timing: ours and jnp as N calls unrolled in one jit, the cache carried and donated (wall time / N, the
 device time for all but the smallest calls); AITER as a CUDA graph of N calls (device time / N), as

@@ -1,6 +1,6 @@
 """Tensor-parallel decode over every device of the default backend, heads split with shard_map.
 
-    python benchmarks/tp_decode.py [--preset llama-3.1-8b] [--layers 32] [--steps 64] [--batch 64]
+    python benchmarks/bench_gpu.py tp [--preset llama-3.1-8b] [--layers 32] [--steps 64] [--batch 64]
 
 q/k/v heads and the caches' KV-head axis are split over a 1-D mesh "tp" of all devices; each
 device runs the op on its own heads (one kernel per layer per device, no communication). The

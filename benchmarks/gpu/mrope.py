@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Multimodal RoPE (Qwen3-VL) fused with the QK-norm and the cache write vs its jnp and 1-D alternatives.
 
-    python benchmarks/bench_mrope.py OUT_DIR [--dry-run] [--tokens 1,8192] [--models qwen3-vl-8b:1,...]
+    python benchmarks/bench_gpu.py mrope OUT_DIR [--dry-run] [--tokens 1,8192] [--models qwen3-vl-8b:1,...]
 
 Shapes: Qwen3-VL-8B TP1 (32/8/128) and Qwen3-VL-235B-A22B TP4 (16/1/128) (models/presets.py), bf16
 q/k/v/caches/weights, f32 half tables, NeoX, BS = 16, interleaved sections (24, 20, 20), positions
@@ -14,7 +14,7 @@ q/k/v/caches/weights, f32 half tables, NeoX, BS = 16, interleaved sections (24, 
          gathers and a per-frequency select, [T, R/2]), then the 1-D fused op (norm included) on
          that per-token table with positions arange(T)
   plain  the 1-D op (positions [T], the norm fused), impl="kernel": the M-RoPE op's yardstick
-Timing as benchmarks/bench_qk_norm.py: N calls unrolled in one jit, each on its own input set,
+Timing as benchmarks/gpu/qk_norm.py: N calls unrolled in one jit, each on its own input set,
 caches donated and carried; "device" = GPU busy time per call from a jax.profiler trace, else
 "wall" = median wall time / N. Prints a table last (jnp/fused: target >= 1.5 at T = 8192;
 fused/plain: target <= 1.10 at every T); writes OUT_DIR/bench_mrope.json and .log.
@@ -35,7 +35,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_qk_norm import LOG, copy_ceiling, device_us_per_call, log, slot_pattern  # noqa: E402
+from qk_norm import LOG, copy_ceiling, device_us_per_call, log, slot_pattern  # noqa: E402
 
 BS = 16
 EPS = 1e-6

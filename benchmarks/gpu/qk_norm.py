@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Qwen3 QK-RMSNorm fused into rope_and_cache vs the norm as a separate jnp pass.
 
-    python benchmarks/bench_qk_norm.py OUT_DIR [--dry-run] [--tokens 1,128,8192,32768] ...
+    python benchmarks/bench_gpu.py qk_norm OUT_DIR [--dry-run] [--tokens 1,128,8192,32768] ...
 
 Shapes: Qwen3-32B TP8 and Qwen3-235B-A22B TP4 (models/presets.py), bf16 q/k/v/caches/weights,
 f32 half tables, NeoX, BS = 16, flash and x-packed caches. Variants per case:
