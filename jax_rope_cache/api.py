@@ -196,7 +196,9 @@ def rope_and_cache(q: ArrayLike, k: ArrayLike, v: ArrayLike, key_cache: Cache, v
       layout: "flash"            K, V: [NB, BS, KH, D]
               "xpacked"          K: [NB, KH, D//X, BS, X], V: [NB, KH, D, BS]
               "xpacked_shuffled" K: [NB, KH, D//X, BS, X], V: [NB, KH, BS//X, D, X]
-        with X = 16 // cache itemsize.
+              "hnd"              K, V: [NB, KH, BS, D] (FlashInfer's HND)
+        with X the key cache's last dim: a power of two dividing D (and BS for the shuffled
+        value cache), by default 16 // cache itemsize.
       is_neox: True rotates pairs (i, i + R/2); False (GPT-J) pairs (2i, 2i + 1).
       rotary_dim: R, even, <= D (default D); channels >= R pass through.
       k_scale, v_scale: float8 caches only (None otherwise): a float scalar (shape () or (1,)) or
@@ -325,11 +327,14 @@ rope_and_cache_donated.lower = _lower_donated
 
 def make_kv_cache(num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype=jnp.bfloat16, *,
                   layout: str = "flash", num_layers: int | None = None, fill: str = "zeros", seed: int = 0,
-                  device=None) -> tuple[jax.Array, jax.Array]:
+                  device=None, x: int | None = None) -> tuple[jax.Array, jax.Array]:
     """Allocates (key_cache, value_cache) for `layout`, optionally with a leading [num_layers] axis.
 
     fill: "zeros", or "random" (standard normal values; useful for tests that must see which
     slots a kernel touched).
+    x: X of the x-packed layouts (elements per group of the key cache's last dim, and of the
+    shuffled value cache's): a power of two dividing head_dim (and block_size for
+    "xpacked_shuffled"); None: 16 // itemsize (16 bytes). Other layouts take None only.
     """
     for name, value in (("num_blocks", num_blocks), ("block_size", block_size), ("kv_heads", kv_heads),
                         ("head_dim", head_dim), ("num_layers", num_layers)):
@@ -347,10 +352,15 @@ def make_kv_cache(num_blocks: int, block_size: int, kv_heads: int, head_dim: int
     if dtype not in contract.INPUT_DTYPES + contract.FP8_DTYPES:
         raise TypeError(f"dtype: expected one of "
                         f"({contract.dtype_names(contract.INPUT_DTYPES + contract.FP8_DTYPES)}), got {dtype.name}")
-    contract.cache_layout(layout)
+    lay = contract.cache_layout(layout)
+    if x is not None:
+        if not lay.packed:
+            raise ValueError(f"x: layout {layout!r} has no X (only the x-packed layouts do); expected None, "
+                             f"got {contract.describe(x)}")
+        x = contract.check_pack_x(x, head_dim, block_size, layout, arg="x")
     contract.check_layout_divisibility(layout, head_dim, block_size, dtype, head_arg="head_dim",
-                                       block_arg="block_size")
-    shapes = contract.cache_shapes(layout, num_blocks, block_size, kv_heads, head_dim, dtype)
+                                       block_arg="block_size", x=x)
+    shapes = contract.cache_shapes(layout, num_blocks, block_size, kv_heads, head_dim, dtype, x)
     if num_layers is not None:
         shapes = tuple((num_layers,) + s for s in shapes)
     if fill == "zeros":

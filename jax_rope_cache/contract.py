@@ -33,15 +33,37 @@ def dtype_names(dtypes) -> str:
 
 
 def pack_width(cache_dtype) -> int:
-    """X of the x-packed layouts: how many elements make 16 bytes."""
+    """The default X of the x-packed layouts: how many elements make 16 bytes."""
     return 16 // np.dtype(cache_dtype).itemsize
+
+
+def is_pow2(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+def check_pack_x(x, head_dim: int, block_size: int | None, layout: str, *, arg: str, x_what: str = "X") -> int:
+    """X of an x-packed cache: a power of two dividing D (and BS where the value cache splits
+    offsets in X-wide groups); returns it as an int."""
+    lay = cache_layout(layout)
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+        raise TypeError(f"{arg}: expected an int (X, elements per x-packed group), got {describe(x)}")
+    x = int(x)
+    if not is_pow2(x):
+        raise ValueError(f"{arg}: expected {x_what} to be a power of two (1, 2, 4, 8, ...), got X={x}")
+    if head_dim % x:
+        raise ValueError(f"{arg}: layout {layout!r} needs X to divide the head_dim D={head_dim}, got X={x}")
+    if block_size is not None and lay.needs_bs_multiple_of_x and block_size % x:
+        raise ValueError(f"{arg}: layout {layout!r} needs X to divide the block size BS={block_size} "
+                         f"(value cache [NB, KH, BS//X, D, X]), got X={x}")
+    return x
 
 
 # ---- THE cache-layout table -----------------------------------------------------------------
 # One token's values [KH, D] go to block blk = slot // BS, offset off = slot % BS. A layout names,
 # per cache, the axes of one layer in memory order, each axis a function of (blk, off, h, d):
 #   NB: blk   BS: off   KH: h   D: d   D//X, D%X: d split in X-wide groups   BS//X, BS%X: off split
-# with X = 16 // cache itemsize. Everything else (shapes, dim strings, divisibility, the block-size
+# with X the x-packed key cache's last dimension: a power of two dividing D (and BS where BS is
+# split), by default 16 // cache itemsize (16 bytes). Everything else (shapes, dim strings, divisibility, the block-size
 # axis, the generic scatter/gather of the reference and the XLA path) is derived from this table;
 # only the kernels (kernels/) spell the index arithmetic out, selected by `code`.
 AXES = ("NB", "BS", "KH", "D", "D//X", "D%X", "BS//X", "BS%X")
@@ -69,6 +91,11 @@ class CacheLayout:
     def needs_bs_multiple_of_x(self) -> bool:
         return any(a.startswith("BS") and "X" in a for a in self.key_axes + self.value_axes)
 
+    @property
+    def packed(self) -> bool:
+        """The layout splits D (and maybe BS) in X-wide groups; X is the key cache's last dim."""
+        return "D%X" in self.key_axes
+
     def shape(self, which: str, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
               x: int) -> tuple[int, ...]:
         size = {"NB": num_blocks, "BS": block_size, "KH": kv_heads, "D": head_dim, "D//X": head_dim // x,
@@ -89,6 +116,12 @@ class CacheLayout:
         size = {"KH": kv_heads, "D": head_dim, "D//X": head_dim // x, "D%X": x}
         return tuple(size[a] for a in canon), (0,) + tuple(1 + canon.index(a) for a in tok)
 
+    def cache_x(self, which: str, shape: tuple[int, ...], cache_dtype) -> int:
+        """X of one layer's cache `which` of this shape: its last dim where an X axis is last (the
+        x-packed key cache, the shuffled value cache), else the default (X unused)."""
+        ax = self.axes(which)
+        return int(shape[-1]) if ax[-1].endswith("%X") else pack_width(cache_dtype)
+
     def block_geometry(self, key_shape: tuple[int, ...], x: int) -> tuple[int, int]:
         """(NB, BS) read off a key cache shape of the right rank."""
         ax = self.key_axes
@@ -100,10 +133,11 @@ LAYOUT_TABLE = {layout.name: layout for layout in (
     CacheLayout("flash", 0, ("NB", "BS", "KH", "D"), ("NB", "BS", "KH", "D")),
     CacheLayout("xpacked", 1, ("NB", "KH", "D//X", "BS", "D%X"), ("NB", "KH", "D", "BS")),
     CacheLayout("xpacked_shuffled", 2, ("NB", "KH", "D//X", "BS", "D%X"), ("NB", "KH", "BS//X", "D", "BS%X")),
+    CacheLayout("hnd", 3, ("NB", "KH", "BS", "D"), ("NB", "KH", "BS", "D")),
 )}
 LAYOUTS = tuple(LAYOUT_TABLE)
 assert all(lay.key_axes[0] == lay.value_axes[0] == "NB" and set(lay.key_axes + lay.value_axes) <= set(AXES)
-           for lay in LAYOUT_TABLE.values())
+           and (lay.packed or not lay.needs_bs_multiple_of_x) for lay in LAYOUT_TABLE.values())
 
 
 def cache_layout(layout: str) -> CacheLayout:
@@ -113,16 +147,18 @@ def cache_layout(layout: str) -> CacheLayout:
 
 
 def cache_shapes(layout: str, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
-                 cache_dtype) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(key_cache shape, value_cache shape) of one layer for `layout`."""
-    lay, x = cache_layout(layout), pack_width(cache_dtype)
+                 cache_dtype, x: int | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(key_cache shape, value_cache shape) of one layer for `layout`; `x`: X of an x-packed
+    layout (None: the default 16 // itemsize)."""
+    lay, x = cache_layout(layout), pack_width(cache_dtype) if x is None else x
     return tuple(lay.shape(w, num_blocks, block_size, kv_heads, head_dim, x) for w in ("key", "value"))
 
 
 def check_layout_divisibility(layout: str, head_dim: int, block_size: int, cache_dtype, *, head_arg: str,
-                              block_arg: str) -> None:
+                              block_arg: str, x: int | None = None) -> None:
     """D (and BS) must be multiples of X where the layout splits them into X-wide groups."""
-    lay, x, name = cache_layout(layout), pack_width(cache_dtype), np.dtype(cache_dtype).name
+    lay, name = cache_layout(layout), np.dtype(cache_dtype).name
+    x = pack_width(cache_dtype) if x is None else x
     if lay.needs_d_multiple_of_x and head_dim % x:
         raise ValueError(f"{head_arg}: layout {layout!r} with {name} needs a multiple of X={x}, got {head_dim}")
     if lay.needs_bs_multiple_of_x and block_size % x:
@@ -198,6 +234,9 @@ class OpSpec:
     # multimodal RoPE: (temporal, height, width) frequency counts, summing to R/2; positions [3, T]
     mrope_section: tuple[int, int, int] | None = None
     mrope_interleaved: bool = False  # False: contiguous sections; True: frequencies interleaved T,H,W,...
+    # X of an x-packed layout when it is not the default 16 // cache itemsize (the key cache's last
+    # dimension); 0: the default (and every layout without X)
+    pack_x: int = 0
 
     @property
     def norm(self) -> bool:
@@ -213,7 +252,7 @@ class OpSpec:
 
     @property
     def x(self) -> int:
-        return pack_width(self.cache_dtype)
+        return self.pack_x or pack_width(self.cache_dtype)
 
 
 def _dtype(arg: str, a) -> np.dtype:
@@ -366,13 +405,17 @@ def check_layer(layer, key_cache, value_cache, layout: str):
 
 
 def _key_cache_geometry(key_cache, lay: CacheLayout, cache_dtype) -> tuple[tuple[int, ...], int, int, int]:
-    """(key_cache shape, X, NB, BS) of a key cache of layout `lay` (rank and X checked)."""
+    """(key_cache shape, X, NB, BS) of a key cache of layout `lay` (rank checked; an x-packed
+    layout's X is the key cache's last dimension, a power of two)."""
     kdims = lay.dims("key")
     kshape = _check_rank("key_cache", key_cache, len(lay.key_axes), f"{kdims} for layout {lay.name!r}")
     x = pack_width(cache_dtype)
-    if "D%X" in lay.key_axes and kshape[lay.key_axes.index("D%X")] != x:
-        raise ValueError(f"key_cache: expected X = 16 // itemsize = {x} for {np.dtype(cache_dtype).name} in the "
-                         f"last dim of {kdims}, got shape {list(kshape)}")
+    if lay.packed:
+        x = kshape[lay.key_axes.index("D%X")]
+        if not is_pow2(x):
+            raise ValueError(f"key_cache: expected X (the last dim of {kdims} for layout {lay.name!r}) to be a "
+                             f"power of two (e.g. {pack_width(cache_dtype)} = 16 bytes of "
+                             f"{np.dtype(cache_dtype).name}), got shape {list(kshape)}")
     return (kshape, x) + lay.block_geometry(kshape, x)
 
 
@@ -518,13 +561,14 @@ def check_op(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
     kdims, vdims = lay.dims("key"), lay.dims("value")
     kshape, x, nb, bs = _key_cache_geometry(key_cache, lay, cache_dtype)
     if lay.needs_d_multiple_of_x and d % x:
-        raise ValueError(f"key_cache: layout {layout!r} needs D divisible by X={x}, got D={d}")
+        raise ValueError(f"key_cache: layout {layout!r} needs D divisible by X={x} (the key cache's last dim), "
+                         f"got D={d}")
     if lay.needs_bs_multiple_of_x and bs % x:
-        raise ValueError(f"value_cache: layout {layout!r} needs the block size divisible by X={x}, "
-                         f"got BS={bs}")
+        raise ValueError(f"value_cache: layout {layout!r} needs the block size divisible by X={x} (the key "
+                         f"cache's last dim), got BS={bs}")
     if bs < 1:
         raise ValueError(f"key_cache: expected block size >= 1, got shape {list(kshape)}")
-    kexp, vexp = cache_shapes(layout, nb, bs, kh, d, cache_dtype)
+    kexp, vexp = cache_shapes(layout, nb, bs, kh, d, cache_dtype, x)
     _check_shape("key_cache", key_cache, kexp, f"{kdims} for layout {layout!r}")
     _check_shape("value_cache", value_cache, vexp, f"{vdims} for layout {layout!r}")
     if nb * bs >= 2**62:
@@ -545,7 +589,8 @@ def check_op(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
         slot_dtype=np.dtype(slot_mapping.dtype), pos_dtype=np.dtype(positions.dtype), num_layers=num_layers,
         q_norm_dtype=q_norm, k_norm_dtype=k_norm, norm_eps=eps32 if (q_norm is not None or k_norm is not None) else 0.0,
         k_scale_heads=k_heads, v_scale_heads=v_heads, mrope_section=section,
-        mrope_interleaved=bool(mrope_interleaved) if section is not None else False)
+        mrope_interleaved=bool(mrope_interleaved) if section is not None else False,
+        pack_x=x if lay.packed and x != pack_width(cache_dtype) else 0)
 
 
 def check_read_kv(key_cache, value_cache, slot_mapping, layout="flash") -> tuple[int, int]:
@@ -562,8 +607,9 @@ def check_read_kv(key_cache, value_cache, slot_mapping, layout="flash") -> tuple
     kh = kshape[lay.key_axes.index("KH")]
     d = kshape[lay.key_axes.index("D")] if "D" in lay.key_axes else kshape[lay.key_axes.index("D//X")] * x
     if lay.needs_bs_multiple_of_x and bs % x:
-        raise ValueError(f"value_cache: layout {layout!r} needs the block size divisible by X={x}, got BS={bs}")
-    kexp, vexp = cache_shapes(layout, nb, bs, kh, d, cdt)
+        raise ValueError(f"value_cache: layout {layout!r} needs the block size divisible by X={x} (the key "
+                         f"cache's last dim), got BS={bs}")
+    kexp, vexp = cache_shapes(layout, nb, bs, kh, d, cdt, x)
     _check_shape("key_cache", key_cache, kexp, f"{kdims} for layout {layout!r}")
     _check_shape("value_cache", value_cache, vexp, f"{vdims} for layout {layout!r}")
     idt = _dtype("slot_mapping", slot_mapping)
@@ -602,6 +648,7 @@ class KernelCodes:
     mrope_t: int = 0       # the sections (temporal, height, width frequency counts), 0 without M-RoPE
     mrope_h: int = 0
     mrope_w: int = 0
+    x: int = 0             # X of an x-packed layout when not 16 // cache itemsize (OpSpec.pack_x); 0: default
 
 
 def kernel_codes(spec: OpSpec) -> KernelCodes:
@@ -616,7 +663,7 @@ def kernel_codes(spec: OpSpec) -> KernelCodes:
         q_norm=-1 if spec.q_norm_dtype is None else DTYPE_CODES[np.dtype(spec.q_norm_dtype)],
         k_norm=-1 if spec.k_norm_dtype is None else DTYPE_CODES[np.dtype(spec.k_norm_dtype)],
         norm_eps=float(spec.norm_eps), k_scale_heads=bool(spec.k_scale_heads), v_scale_heads=bool(spec.v_scale_heads),
-        **mrope_codes(spec))
+        x=int(spec.pack_x), **mrope_codes(spec))
 
 
 def mrope_codes(spec: OpSpec) -> dict:

@@ -318,6 +318,7 @@ def gather_blocks(key_cache, value_cache, layer, block_table, layout: str):
       flash            K, V [NB, BS, KH, D]
       xpacked          K [NB, KH, D//X, BS, X]    V [NB, KH, D, BS]
       xpacked_shuffled K as xpacked               V [NB, KH, BS//X, D, X]
+      hnd              K, V [NB, KH, BS, D]
     """
     bt = jnp.maximum(jnp.asarray(block_table), 0)
     B, MB = bt.shape
@@ -325,6 +326,10 @@ def gather_blocks(key_cache, value_cache, layer, block_table, layout: str):
     v = value_cache[layer, bt]
     if layout == "flash":
         _, _, BS, KH, D = k.shape
+    elif layout == "hnd":
+        _, _, KH, BS, D = k.shape
+        k = k.transpose(0, 1, 3, 2, 4)  # [B, MB, KH, BS, D] -> [B, MB, BS, KH, D]
+        v = v.transpose(0, 1, 3, 2, 4)
     elif layout in ("xpacked", "xpacked_shuffled"):
         _, _, KH, DX, BS, X = k.shape
         D = DX * X

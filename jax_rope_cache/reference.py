@@ -234,14 +234,16 @@ def quantize(x: np.ndarray, cache_dtype, scale) -> np.ndarray:
 
 def write_tokens(cache: np.ndarray, which: str, layout: str, blk, off, values: np.ndarray) -> None:
     """Stores values [n, KH, D] (cache dtype) of n tokens at (blk, off) of one layer, in place."""
-    lay, x = contract.LAYOUT_TABLE[layout], contract.pack_width(cache.dtype)
+    lay = contract.LAYOUT_TABLE[layout]
+    x = lay.cache_x(which, cache.shape, cache.dtype)
     shape, perm = lay.token_split(which, values.shape[1], values.shape[2], x)
     cache[lay.token_index(which, blk, off, x)] = values.reshape((len(values),) + shape).transpose(perm)
 
 
 def read_tokens(cache: np.ndarray, which: str, layout: str, blk, off, kv_heads: int, head_dim: int) -> np.ndarray:
     """The values [n, KH, D] stored at (blk, off) of one layer."""
-    lay, x = contract.LAYOUT_TABLE[layout], contract.pack_width(cache.dtype)
+    lay = contract.LAYOUT_TABLE[layout]
+    x = lay.cache_x(which, cache.shape, cache.dtype)
     shape, perm = lay.token_split(which, kv_heads, head_dim, x)
     got = cache[lay.token_index(which, blk, off, x)]
     return got.transpose(np.argsort(perm)).reshape(len(blk), kv_heads, head_dim)
@@ -302,7 +304,7 @@ def read_kv(key_cache, value_cache, slot_mapping, *, layout="flash"):
     contract.check_read_kv(key_cache, value_cache, slot_mapping, layout)
     key_cache, value_cache = np.asarray(key_cache), np.asarray(value_cache)
     lay = contract.cache_layout(layout)
-    x = contract.pack_width(key_cache.dtype)
+    x = lay.cache_x("key", key_cache.shape, key_cache.dtype)
     nb, bs = lay.block_geometry(key_cache.shape, x)
     kh, d = key_cache.shape[lay.key_axes.index("KH")], value_cache.shape[lay.value_axes.index("D")]
     s = np.asarray(slot_mapping).astype(np.int64)

@@ -140,12 +140,14 @@ class Case:
     index_dtype: str = "int32"
     precision: str = "fp32"
     max_pos: int = 64
+    X: int | None = None  # X of an x-packed layout (None: 16 // cache itemsize)
 
     @property
     def id(self) -> str:
         return (f"T{self.T}-h{self.QH}x{self.KH}-D{self.D}-R{self.R or self.D}-BS{self.BS}-{self.layout}-"
                 f"{'neox' if self.is_neox else 'gptj'}-{self.table}-{self.dtype}-{self.table_dtype}-"
-                f"{self.cache_dtype or 'same'}-{self.index_dtype}-{self.precision}")
+                f"{self.cache_dtype or 'same'}-{self.index_dtype}-{self.precision}"
+                + (f"-X{self.X}" if self.X is not None else ""))
 
 
 def make_problem(case: Case, seed: int):
@@ -160,7 +162,7 @@ def make_problem(case: Case, seed: int):
     normal = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
     q, k, v = (normal(case.T, h, case.D).astype(dt) for h in (case.QH, case.KH, case.KH))
     nb = max(case.NB, -(-2 * case.T // case.BS))  # room for T unique valid slots
-    kshape, vshape = contract.cache_shapes(case.layout, nb, case.BS, case.KH, case.D, cdt)
+    kshape, vshape = contract.cache_shapes(case.layout, nb, case.BS, case.KH, case.D, cdt, case.X)
     kc, vc = normal(*kshape).astype(cdt), normal(*vshape).astype(cdt)
     nslots = nb * case.BS
     slots = rng.permutation(nslots)[: case.T].astype(np.int64)
@@ -182,13 +184,14 @@ def make_problem(case: Case, seed: int):
 
 def make_spec(*, T=64, QH=4, KH=2, D=128, R=None, layout="flash", neox=True, dt=np.dtype(ml_dtypes.bfloat16),
               cdt=None, tdt=np.dtype(np.float32), full=False, prec="fp32", BS=16, NB=24, max_pos=64, slot64=False,
-              pos64=True, layers=None) -> contract.OpSpec:
+              pos64=True, layers=None, X=None) -> contract.OpSpec:
     """The OpSpec of a call with these shapes (no arrays): for compile-only tests of the kernels.
-    `layers`: stacked caches [layers, NB, ...] (the spec of a call with a traced layer)."""
+    `layers`: stacked caches [layers, NB, ...] (the spec of a call with a traced layer); `X`: X of
+    an x-packed layout (None: the default)."""
     r = R or D
     cdt = np.dtype(cdt or dt)
     s = jax.ShapeDtypeStruct
-    kc, vc = contract.cache_shapes(layout, NB, BS, KH, D, cdt)
+    kc, vc = contract.cache_shapes(layout, NB, BS, KH, D, cdt, X)
     if layers is not None:
         kc, vc = (layers,) + tuple(kc), (layers,) + tuple(vc)
     w = r if full else r // 2

@@ -49,3 +49,34 @@ def test_read_kv_matches_reference(platform, layout, cache_dtype):
     assert_bits_equal(np.asarray(got_k), want_k, "K")
     assert_bits_equal(np.asarray(got_v), want_v, "V")
     assert np.asarray(got_k).astype(np.float32)[slots >= 0].any()
+
+
+@pytest.mark.parametrize("layout,x,dtype", [("xpacked", 4, jnp.bfloat16), ("xpacked_shuffled", 16, jnp.bfloat16),
+                                           ("xpacked", 1, ml_dtypes.float8_e4m3fn),
+                                           ("xpacked_shuffled", 2, jnp.float32)])
+def test_make_kv_cache_x(layout, x, dtype):
+    """x= sets X of the x-packed layouts (the key cache's last dim); None keeps 16 // itemsize."""
+    kc, vc = jrc.make_kv_cache(3, 16, 2, 64, dtype, layout=layout, x=x, num_layers=2, fill="random")
+    want_k, want_v = contract.cache_shapes(layout, 3, 16, 2, 64, dtype, x)
+    assert kc.shape == (2,) + want_k and vc.shape == (2,) + want_v and kc.shape[-1] == x
+    default = jrc.make_kv_cache(3, 16, 2, 64, dtype, layout=layout)[0]
+    assert default.shape[-1] == 16 // np.dtype(dtype).itemsize
+
+
+@pytest.mark.parametrize("platform", platforms())
+@pytest.mark.parametrize("layout,x", [("xpacked", 4), ("xpacked_shuffled", 2), ("xpacked", 16)])
+def test_read_kv_takes_x_from_the_cache(platform, layout, x):
+    args, opts = make_problem(Case(T=20, D=64, layout=layout, X=x), seed=22)
+    _, _, kc, vc = reference.rope_and_cache(*args, **opts)
+    slots = args[5]
+    dev = jax.devices(platform)[0]
+    got_k, got_v = jrc.read_kv(jax.device_put(kc, dev), jax.device_put(vc, dev), jax.device_put(slots, dev),
+                               layout=layout)
+    want_k, want_v = reference.read_kv(kc, vc, slots, layout=layout)
+    assert_bits_equal(np.asarray(got_k), want_k, "K")
+    assert_bits_equal(np.asarray(got_v), want_v, "V")
+    # the element of (token t, head h, channel d) sits at kc[blk, h, d // X, off, d % X]
+    t = int(np.flatnonzero((slots >= 0) & (slots < kc.shape[0] * 16))[0])
+    blk, off = divmod(int(slots[t]), 16)
+    d = np.arange(64)
+    assert_bits_equal(kc[blk, 1, d // x, off, d % x], want_k[t, 1], "K placement")

@@ -55,7 +55,7 @@ def compile_matrix():
                                                                    COMBOS)):
         dt, cdt, tdt, prec = combo
         x = contract.pack_width(cdt)
-        if layout != "flash" and d % x:
+        if contract.LAYOUT_TABLE[layout].packed and d % x:
             continue
         r = d if i % 3 else d // 2  # partial rotary on every third variant
         if neox and (r // 2) % 2 and i % 2:
@@ -70,7 +70,24 @@ def compile_matrix():
                                                        ("flash", False, BF16, BF16, F16)]):
         out.append(dict(T=(1, 8192, 128, 7)[i], QH=32, KH=8, D=128, R=128 if i % 2 else 64, layout=layout, neox=neox,
                         dt=dt, cdt=cdt, tdt=tdt, prec="native", full=bool(i % 2), slot64=False, pos64=True))
+    out += X_COMPILE_CASES
     return out
+
+
+# X taken from the key cache (RC_X): narrower than a chunk (one store per group), wider than 16 bytes
+# (no whole-run V pieces), and 1; both x-packed layouts, the three cache widths.
+X_CASES = [
+    dict(layout="xpacked", X=4, neox=True, dt=BF16, cdt=BF16, tdt=F32, prec="fp32"),
+    dict(layout="xpacked_shuffled", X=16, neox=False, dt=BF16, cdt=BF16, tdt=BF16, prec="native"),
+    dict(layout="xpacked", X=1, neox=False, dt=F16, cdt=F16, tdt=F32, prec="fp32"),
+    dict(layout="xpacked_shuffled", X=2, neox=True, dt=F16, cdt=FN, tdt=F16, prec="native"),
+    dict(layout="xpacked", X=32, neox=True, dt=BF16, cdt=FNUZ, tdt=F32, prec="native"),
+    dict(layout="xpacked_shuffled", X=8, neox=False, dt=F32, cdt=FN, tdt=F32, prec="fp32"),
+    dict(layout="xpacked", X=2, neox=True, dt=F32, cdt=F32, tdt=BF16, prec="native"),
+]
+X_COMPILE_CASES = [dict(T=(1, 8192, 128)[i % 3], QH=8, KH=(1, 2, 8)[i % 3], D=(128, 64, 256)[i % 3],
+                        R=None if i % 2 else 64, full=bool(i % 2), slot64=False, pos64=True, **kw)
+                   for i, kw in enumerate(X_CASES)]
 
 
 MATRIX = compile_matrix()
@@ -239,7 +256,9 @@ def _run_pieces(cfg, spec, slots, layer):
     block a multiple of X, BS too) whose slots are s0, s0 + 1, ... with s0 % X == 0, all in the
     layer's range, gives one piece per (kv head, channel)."""
     x, tpb = spec.x, dict(cfg.defines)["RC_TPB"]
-    if spec.layout == "flash" or tpb % x or spec.block_size % x:
+    if not contract.LAYOUT_TABLE[spec.layout].packed or tpb % x or spec.block_size % x:
+        return 0
+    if x * spec.cache_dtype.itemsize > 16:  # X elements wider than one access: stored element by element
         return 0
     n = 0 if spec.num_layers is not None and not 0 <= layer < spec.num_layers else spec.num_slots
     s = np.asarray(slots[:len(slots) // x * x], np.int64).reshape(-1, x)
@@ -286,7 +305,8 @@ def make_inputs(spec, rng):
     q = _random(rng, (t, qh, d), spec.dtype, 2.0)
     k = _random(rng, (t, kh, d), spec.dtype, 2.0)
     v = _random(rng, (t, kh, d), spec.dtype, 300.0 if spec.fp8 else 2.0)  # fp8: some saturate
-    kshape, vshape = contract.cache_shapes(spec.layout, spec.num_blocks, spec.block_size, kh, d, spec.cache_dtype)
+    kshape, vshape = contract.cache_shapes(spec.layout, spec.num_blocks, spec.block_size, kh, d, spec.cache_dtype,
+                                           spec.x)
     kc = _random(rng, kshape, spec.cache_dtype)
     vc = _random(rng, vshape, spec.cache_dtype)
     n = spec.num_slots
@@ -352,7 +372,7 @@ def emulation_matrix():
     for i, (layout, neox, combo) in enumerate(itertools.product(contract.LAYOUTS, (True, False), COMBOS)):
         dt, cdt, tdt, prec = combo
         d = (128, 64, 80, 256)[i % 4]
-        if layout != "flash" and d % contract.pack_width(cdt):
+        if contract.LAYOUT_TABLE[layout].packed and d % contract.pack_width(cdt):
             d = 128
         r = (d, d // 2, d)[i % 3]
         cases.append(dict(T=(37, 5, 130)[i % 3], QH=(4, 8, 2)[i % 3], KH=(2, 1, 2)[i % 3], D=d, R=r, layout=layout,
@@ -367,6 +387,10 @@ def emulation_matrix():
                                                        ("flash", True, BF16, BF16, F16), ("flash", False, F32, FN, BF16)]):
         cases.append(dict(T=(37, 5, 130)[i % 3], QH=4, KH=2, D=128, R=(128, 64)[i % 2], layout=layout, neox=neox, dt=dt,
                           cdt=cdt, tdt=tdt, prec="native", full=bool(i % 2), slot64=False, pos64=True, max_pos=50))
+    # X taken from the key cache (RC_X), prefill-sized calls with slot runs among random slots
+    for i, kw in enumerate(X_CASES):
+        cases.append(dict(T=(37, 130, 5)[i % 3], QH=4, KH=2, D=(128, 64)[i % 2], R=(None, 32)[i % 2], full=bool(i % 2),
+                          slot64=bool(i % 2), pos64=True, max_pos=50, **kw))
     return cases
 
 
@@ -452,12 +476,13 @@ def test_host_emulation_slot_runs(layout, combo, variant, emu_dir):
     spec = make_spec(T=203, QH=4, KH=2, D=64, layout=layout, dt=dt, cdt=cdt, NB=64, max_pos=50)
     _skip_unless_vch(variant, spec)
     cfg = cuda.kernel_config(spec, num_sms=1)
-    assert layout == "flash" or cfg.tokens_per_block % spec.x == 0, cfg
+    assert not contract.LAYOUT_TABLE[layout].packed or cfg.tokens_per_block % spec.x == 0, cfg
     rng = np.random.default_rng(5)
     q, k, v, kc, vc, _, pos, cos, sin = make_inputs(spec, rng)
     slots = _run_slots(rng, spec.num_tokens, spec)
     runs = _run_pieces(dataclasses.replace(cfg, defines=tuple(dict(cfg.defines, **variant).items())), spec, slots, 0)
-    assert runs > 0 or layout == "flash" or variant.get("RC_TPB", spec.x) % spec.x, "no run in the data"
+    assert runs > 0 or not contract.LAYOUT_TABLE[layout].packed or variant.get("RC_TPB", spec.x) % spec.x, \
+        "no run in the data"
     args = (q, k, v, kc, vc, slots, pos, cos, sin)
     ks = vs = None
     if spec.fp8:

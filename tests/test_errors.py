@@ -62,11 +62,19 @@ BAD = [
     ("cache-rank-for-layout", {}, dict(layout="xpacked"), ValueError, ["key_cache", "rank 5", "xpacked", "[3, 16, 2, 64]"]),
     ("value-cache-layout", dict(value_cache=np.ones((NB, BS, KH, D), BF16), key_cache=_xpacked()["key_cache"]),
      dict(layout="xpacked"), ValueError, ["value_cache", "[NB, KH, D, BS]", "[3, 2, 64, 16]", "[3, 16, 2, 64]"]),
-    ("x-mismatch", _xpacked(x=4), dict(layout="xpacked"), ValueError, ["key_cache", "X = 16 // itemsize = 8", "bfloat16"]),
-    ("x-mismatch-fp8", _xpacked(dt=FP8, x=8), dict(layout="xpacked", k_scale=1.0, v_scale=1.0), ValueError,
-     ["key_cache", "X = 16 // itemsize = 16", "float8_e4m3fn"]),
+    ("x-not-pow2", dict(key_cache=np.ones((NB, KH, 5, BS, 12), BF16)), dict(layout="xpacked"), ValueError,
+     ["key_cache", "power of two", "last dim", "[3, 2, 5, 16, 12]"]),
+    ("x-not-dividing-d", _xpacked(x=128, d=128), dict(layout="xpacked"), ValueError,
+     ["key_cache", "D divisible by X=128", "D=64"]),
+    ("x-value-cache-mismatch", dict(key_cache=np.ones((NB, KH, D // 4, BS, 4), BF16),
+                                    value_cache=np.ones((NB, KH, BS // 8, D, 8), BF16)),
+     dict(layout="xpacked_shuffled"), ValueError, ["value_cache", "[NB, KH, BS//X, D, X]", "[3, 2, 4, 64, 4]",
+                                                   "[3, 2, 2, 64, 8]"]),
+    ("hnd-shape", {}, dict(layout="hnd"), ValueError, ["key_cache", "[NB, KH, BS, D]", "hnd", "[3, 16, 2, 64]"]),
     ("shuffled-block", dict(key_cache=np.ones((NB, KH, D // 8, 12, 8), BF16), value_cache=np.ones((NB, KH, 1, D, 8), BF16)),
      dict(layout="xpacked_shuffled"), ValueError, ["value_cache", "divisible by X=8", "BS=12"]),
+    ("shuffled-block-x4", dict(key_cache=np.ones((NB, KH, D // 4, 6, 4), BF16), value_cache=np.ones((NB, KH, 1, D, 4), BF16)),
+     dict(layout="xpacked_shuffled"), ValueError, ["value_cache", "divisible by X=4", "BS=6"]),
     ("fp8-no-scale", dict(key_cache=np.ones((NB, BS, KH, D), FP8), value_cache=np.ones((NB, BS, KH, D), FP8)),
      dict(v_scale=1.0), ValueError, ["k_scale", "needs a scale", "None"]),
     ("scale-non-fp8", {}, dict(k_scale=0.5), ValueError, ["k_scale", "float8 caches only", "0.5"]),
@@ -161,3 +169,14 @@ def test_make_kv_cache_rejects_bad_arguments():
         jrc.make_kv_cache(2, 16, 1, 64, np.int8)
     with pytest.raises(ValueError, match="head_dim: layout 'xpacked' with float8_e4m3fn needs a multiple of X=16, got 72"):
         jrc.make_kv_cache(2, 16, 1, 72, FP8, layout="xpacked")
+    with pytest.raises(ValueError, match=r"x: expected X to be a power of two \(1, 2, 4, 8, ...\), got X=6"):
+        jrc.make_kv_cache(2, 16, 1, 72, layout="xpacked", x=6)
+    with pytest.raises(ValueError, match="x: layout 'xpacked' needs X to divide the head_dim D=72, got X=16"):
+        jrc.make_kv_cache(2, 16, 1, 72, layout="xpacked", x=16)
+    with pytest.raises(ValueError, match=r"x: layout 'xpacked_shuffled' needs X to divide the block size BS=16 "
+                                         r"\(value cache \[NB, KH, BS//X, D, X\]\), got X=32"):
+        jrc.make_kv_cache(2, 16, 1, 64, layout="xpacked_shuffled", x=32)
+    with pytest.raises(ValueError, match="x: layout 'hnd' has no X .* expected None, got 8"):
+        jrc.make_kv_cache(2, 16, 1, 64, layout="hnd", x=8)
+    with pytest.raises(TypeError, match="x: expected an int .* got 8.0"):
+        jrc.make_kv_cache(2, 16, 1, 64, layout="xpacked", x=8.0)

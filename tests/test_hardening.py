@@ -471,8 +471,8 @@ def _bad_raw_cases():
     for lay in contract.LAYOUTS:
         p = dict(layout=lay)
         add(f"key_cache-rank-{lay}", lambda o: _with(o, key_cache=o["key_cache"][0]), problem=p)
-        add(f"key_cache-heads-{lay}", lambda o: _with(o, key_cache=np.concatenate([o["key_cache"]] * 2, 1 if
-                                                       o["key_cache"].ndim == 5 else 2)), problem=p)
+        add(f"key_cache-heads-{lay}", lambda o, kh=contract.LAYOUT_TABLE[lay].key_axes.index("KH"): _with(
+            o, key_cache=np.concatenate([o["key_cache"]] * 2, kh)), problem=p)
         add(f"value_cache-blocks-{lay}", lambda o: _with(o, value_cache=o["value_cache"][:-1]), problem=p)
         add(f"value_cache-rank-{lay}", lambda o: _with(o, value_cache=o["value_cache"][None]), problem=p)
         add(f"value_cache-layers-{lay}", lambda o: _with(o, value_cache=o["value_cache"][:-1]),
@@ -494,15 +494,20 @@ def _bad_raw_cases():
             aliases=False, name="key_cache result", problem=p)
         add(f"value_cache result-dtype-{lay}", None, results=lambda o: _results_like(o)[:3] + [
             S(o["value_cache"].shape, np.float32)], aliases=False, name="value_cache result", problem=p)
-    # x-packed specifics: X (16 // itemsize) in the last key dim, BS % X for the shuffled V layout
-    add("key_cache-x-xpacked", lambda o: _with(o, key_cache=o["key_cache"].reshape(o["key_cache"].shape[:2] + (
-        o["key_cache"].shape[2] * 2, o["key_cache"].shape[3], 4))), problem=dict(layout="xpacked"))
-    add("key_cache-fp8-x-xpacked", lambda o: _with(o, key_cache=o["key_cache"].astype(FP8), value_cache=o[
-        "value_cache"].astype(FP8)), problem=dict(layout="xpacked"))
+    # x-packed specifics: X (the last key dim) a power of two dividing D, BS % X for the shuffled V layout
+    add("key_cache-x-not-pow2-xpacked", lambda o: _with(o, key_cache=np.ones(o["key_cache"].shape[:2] + (
+        5, o["key_cache"].shape[3], 3), o["key_cache"].dtype)), problem=dict(layout="xpacked"))
+    add("key_cache-x-over-d-xpacked", lambda o: _with(o, key_cache=np.ones(o["key_cache"].shape[:2] + (
+        1, o["key_cache"].shape[3], 32), o["key_cache"].dtype)), problem=dict(layout="xpacked"))
+    add("value_cache-x-shuffled", lambda o: _with(o, value_cache=o["value_cache"].reshape(
+        o["value_cache"].shape[:2] + (o["value_cache"].shape[2] * 2, o["value_cache"].shape[3], 4))),
+        problem=dict(layout="xpacked_shuffled"))
     add("value_cache-bs-not-multiple-of-x", None, problem=dict(layout="xpacked_shuffled", BS=4),
         name="value_cache")
     # attributes
-    add("attribute layout-3", None, attrs=dict(layout=np.int64(3)), name="attribute layout")
+    add("attribute layout-4", None, attrs=dict(layout=np.int64(4)), name="attribute layout")
+    add("layout-hnd-on-flash-caches", None, attrs=dict(layout=np.int64(3)), problem=dict(KH=4),
+        name="key_cache")
     add("attribute layout-negative", None, attrs=dict(layout=np.int64(-1)), name="attribute layout")
     add("attribute rotary_dim-odd", None, attrs=dict(rotary_dim=np.int64(7)), name="attribute rotary_dim")
     add("attribute rotary_dim-zero", None, attrs=dict(rotary_dim=np.int64(0)), name="attribute rotary_dim")

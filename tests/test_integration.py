@@ -13,6 +13,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_rope_cache as jrc
+from jax_rope_cache import contract
 from conftest import Case, assert_bits_equal, assert_fma_close, impl_params, make_problem, reference_op
 from test_structure import check_in_place
 
@@ -158,16 +159,16 @@ def _mesh(n):
 
 
 @pytest.mark.parametrize("impl", ["kernel", "xla"])
-@pytest.mark.parametrize("layout", ["flash", "xpacked"])
+@pytest.mark.parametrize("layout", ["flash", "xpacked", "hnd"])
 def test_shard_map_tensor_parallel_over_heads(impl, layout):
     tp = 8
     case = Case(T=7, QH=32, KH=8, D=64, layout=layout, NB=8)
     args, opts = make_problem(case, seed=46)
     static = {k: v for k, v in opts.items() if k in STATIC}
     mesh = _mesh(tp)
-    kv_axis = 2 if layout == "flash" else 1  # the KV-head axis of each cache
+    kv_axis = contract.LAYOUT_TABLE[layout].key_axes.index("KH")  # the KV-head axis of each cache
     cache_spec = P(*([None] * kv_axis + ["tp"]))
-    vcache_spec = P(*([None] * (2 if layout == "flash" else 1) + ["tp"]))
+    vcache_spec = P(*([None] * contract.LAYOUT_TABLE[layout].value_axes.index("KH") + ["tp"]))
     heads = P(None, "tp")
     in_specs = (heads, heads, heads, cache_spec, vcache_spec, P(), P(), P(), P())
     out_specs = (heads, heads, cache_spec, vcache_spec)

@@ -1,7 +1,7 @@
 """Every implementation present vs the numpy reference, over the option matrix.
 
 Coverage (each value of each axis appears; JRC_FULL_SWEEP=1 runs many more combinations):
-  layout       flash, xpacked, xpacked_shuffled
+  layout       flash, xpacked, xpacked_shuffled, hnd
   rotation     NeoX, GPT-J; rotary_dim = D and < D; "half" and "full" tables
   dtypes       q/k/v bf16, f16, f32; tables bf16, f16, f32; caches same, float8_e4m3fn, float8_e4m3fnuz
   indices      int32, int64; slots -1, >= NB*BS, +-2^31, +-2^40; positions < 0 and >= max_pos
@@ -25,12 +25,12 @@ import numpy as np
 import pytest
 
 import jax_rope_cache as jrc
-from jax_rope_cache import reference
+from jax_rope_cache import contract, reference
 from conftest import (FULL_SWEEP, Case, assert_bits_equal, assert_fma_close, assert_within_ulp, impl_params, ulp_diff,
                       make_problem, reference_op, xla_bound)
 
 AXES = {
-    "layout": ["flash", "xpacked", "xpacked_shuffled"],
+    "layout": ["flash", "xpacked", "xpacked_shuffled", "hnd"],
     "is_neox": [True, False],
     "table": ["half", "full"],
     "dtype": ["bfloat16", "float16", "float32"],
@@ -61,7 +61,7 @@ def _case(i: int) -> Case:
     r = (d // 2 if d % 4 == 0 else d - 16) if pick.pop("partial") else None
     layout = pick.pop("layout")
     x = 16 if pick["cache_dtype"] else {"float32": 4}.get(pick["dtype"], 8)  # 16 // cache itemsize
-    if layout != "flash" and d % x:
+    if contract.LAYOUT_TABLE[layout].packed and d % x:
         layout = "flash"
     if pick["T"] == 256 and qh * kh >= 256:
         pick["T"] = 64  # keeps the CI sweep small; FULL_SWEEP has T=256 with every head count

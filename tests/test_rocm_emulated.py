@@ -57,6 +57,17 @@ for _layout in contract.LAYOUTS:
                               table="full" if _i % 2 else "half", dtype=_dt, cache_dtype=_cdt, table_dtype=_tdt,
                               precision=_prec, index_dtype="int64" if _i % 3 == 1 else "int32"))
 
+# X taken from the key cache: narrower than a chunk (one store per X group, the bits of 16-bit caches
+# split), 1, and wider than 16 bytes
+CASES += [
+    Case(T=5, QH=4, KH=2, D=64, layout="xpacked", X=4, dtype="bfloat16"),
+    Case(T=6, QH=2, KH=1, D=32, layout="xpacked_shuffled", X=1, is_neox=False, dtype="float16", table="full"),
+    Case(T=4, QH=4, KH=2, D=64, R=32, layout="xpacked", X=2, dtype="float16", cache_dtype="float8_e4m3fn",
+         precision="native", table_dtype="float16"),
+    Case(T=7, QH=2, KH=2, D=128, BS=32, layout="xpacked_shuffled", X=32, dtype="bfloat16",
+         cache_dtype="float8_e4m3fnuz"),
+    Case(T=3, QH=2, KH=1, D=64, layout="xpacked", X=16, is_neox=False, dtype="float32", index_dtype="int64"),
+]
 
 custom_call_operands = rocm_emulator.custom_call_operands
 

@@ -151,10 +151,26 @@ def _rot_lanes(spec: contract.OpSpec, w: int) -> int:
     return (spec.rotary_dim // 2) // w if spec.is_neox else spec.rotary_dim // w
 
 
+def _x_packed(spec: contract.OpSpec) -> bool:
+    return contract.LAYOUT_TABLE[spec.layout].packed
+
+
+def _default_group(spec: contract.OpSpec) -> bool:
+    """X cache elements are 16 bytes (the default X): what the vector V units (RC_VCH, RC_VSEL) need."""
+    return spec.x * np.dtype(spec.cache_dtype).itemsize == 16
+
+
+def v_group(spec: contract.OpSpec) -> int:
+    """Tokens per x-packed V unit when the block's tokens allow (rope_cache.cu's VGX): X where X
+    elements fit one 16-byte access, else 16 bytes' worth."""
+    s_cache = np.dtype(spec.cache_dtype).itemsize
+    return spec.x if spec.x * s_cache <= 16 else 16 // s_cache
+
+
 def v_channels(spec: contract.OpSpec, want: int = 1) -> int:
     """RC_VCH: the most channels <= want per x-packed V unit that the shape allows (a power of two,
-    at most 16 bytes of v, dividing D); 1 for flash."""
-    if spec.layout == "flash":
+    at most 16 bytes of v, dividing D); 1 for flash, hnd and a non-default X."""
+    if not _x_packed(spec) or not _default_group(spec):
         return 1
     c = min(8, _pow2_floor(want), 16 // np.dtype(spec.dtype).itemsize)
     while c > 1 and spec.head_dim % c:
@@ -166,7 +182,7 @@ def v_select(spec: contract.OpSpec, tpb: int, vch: int, want: int) -> int:
     """RC_VSEL: the run units' channels (as far as the shape allows, v_channels) for blocks of tpb
     tokens, or 0 (off: want < 2, flash, RC_VCH > 1, tokens per block or BS not multiples of X)."""
     x = spec.x
-    if want < 2 or spec.layout == "flash" or vch != 1 or tpb % x or spec.block_size % x:
+    if want < 2 or not _x_packed(spec) or not _default_group(spec) or vch != 1 or tpb % x or spec.block_size % x:
         return 0
     c = v_channels(spec, want)
     return c if c > 1 else 0
@@ -177,8 +193,8 @@ def _block_units(spec: contract.OpSpec, w: int, vch: int = 1):
     x-packed V units of vch channels (rope_cache.cu's N_ROT + N_PASS + N_V)."""
     d, r, kh = spec.head_dim, spec.rotary_dim, spec.kv_heads
     rh = spec.q_heads + kh
-    x = spec.x
-    xp = spec.layout != "flash"
+    x = v_group(spec)
+    xp = _x_packed(spec)
     units_tok = rh * _rot_lanes(spec, w) + rh * ((d - r) // w)
 
     def units(tpb):  # x-packed V: one unit per vch channels per group of tokens
@@ -217,8 +233,8 @@ def kernel_config(spec: contract.OpSpec, num_sms: int = DEFAULT_SMS, vch: int | 
     kpairs: k-head rotation units paired by token (None: K_PAIRS), for x-packed layouts with an even
     number of tokens per block (RC_KPAIRS; otherwise not defined: the kernel of today)."""
     w = w0 = chunk_width(spec)
-    x = spec.x
-    xp = spec.layout != "flash"
+    x = v_group(spec)
+    xp = _x_packed(spec)
     vch = v_channels(spec, V_CHANNELS if vch is None else vch)
     units, per_token = _block_units(spec, w, vch)
     # Threads: a block of one unit per thread (up to MAX_THREADS; x-packed: at least X tokens).
@@ -267,6 +283,8 @@ def kernel_config(spec: contract.OpSpec, num_sms: int = DEFAULT_SMS, vch: int | 
         ("RC_VPAIRS", 1), ("RC_VCH", vch), ("RC_VSEL", vsel), ("RC_EARLY_W", early_w))
     if not c.mrope:  # positions [T]: the kernel's defaults (the variant and its cache key as without M-RoPE)
         defines = tuple(d for d in defines if not d[0].startswith("RC_MROPE"))
+    if c.x:  # a non-default X (the default: no RC_X, the variant and its cache key as before)
+        defines += (("RC_X", c.x),)
     if (K_PAIRS if kpairs is None else kpairs) and xp and tpb % 2 == 0:
         defines += (("RC_KPAIRS", 1),)
     if parts > 1:
@@ -352,7 +370,7 @@ def check_node_shapes(avals_in, spec: contract.OpSpec) -> None:
     """Every operand's shape is the one `spec` compiles for (what the launcher's initialize stage checks
     per execution, checked once here: the node's buffers are XLA's, of exactly these shapes)."""
     kshape, vshape = contract.cache_shapes(spec.layout, spec.num_blocks, spec.block_size, spec.kv_heads,
-                                           spec.head_dim, spec.cache_dtype)
+                                           spec.head_dim, spec.cache_dtype, spec.x)
     lead = () if spec.num_layers is None else (spec.num_layers,)
     width = spec.rotary_dim if spec.table_full else spec.rotary_dim // 2
     t, qh, kh, d = spec.num_tokens, spec.q_heads, spec.kv_heads, spec.head_dim

@@ -232,7 +232,7 @@ def rope_and_cache(q, k, v, key_cache, value_cache, slot_mapping, positions, cos
 def read_kv(key_cache, value_cache, slot_mapping, *, layout="flash"):
     """Cached K and V of each slot as [T, KH, D] in the cache dtype; zeros for invalid slots."""
     lay = contract.cache_layout(layout)
-    x = contract.pack_width(key_cache.dtype)
+    x = lay.cache_x("key", key_cache.shape, key_cache.dtype)
     nb, bs = lay.block_geometry(key_cache.shape, x)
     kh, d = key_cache.shape[lay.key_axes.index("KH")], value_cache.shape[lay.value_axes.index("D")]
     s, valid = slot_validity(jnp.asarray(slot_mapping), nb * bs, nb, hint="")

@@ -34,7 +34,7 @@ enum RcDtype {
 };
 
 // Cache layouts (jax_rope_cache/_spec.py: LAYOUTS).
-enum RcLayout { RC_FLASH = 0, RC_XPACKED = 1, RC_XPACKED_SHUFFLED = 2 };
+enum RcLayout { RC_FLASH = 0, RC_XPACKED = 1, RC_XPACKED_SHUFFLED = 2, RC_HND = 3 };
 
 RC_FN rc_u32 rc_f32_bits(float f) {
 #if defined(__CUDACC__) || defined(__CUDACC_RTC__)

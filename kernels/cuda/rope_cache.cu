@@ -4,7 +4,12 @@
 // jax_rope_cache/backends/cuda.py: kernel_config):
 //   RC_QH, RC_KH, RC_D, RC_R     query heads, kv heads, head_dim, rotary_dim
 //   RC_BS                        cache block size
-//   RC_LAYOUT                    RcLayout (0 flash, 1 xpacked, 2 xpacked_shuffled)
+//   RC_LAYOUT                    RcLayout (0 flash, 1 xpacked, 2 xpacked_shuffled, 3 hnd)
+//   RC_X                         0 (default): X = 16 bytes of cache elements; else X of the x-packed
+//                                layouts (the key cache's last dim): a power of two dividing D (and BS,
+//                                shuffled). A chunk wider than X is stored as one access per X group;
+//                                V runs are stored whole only where X elements are at most 16 bytes,
+//                                and the vector V units (RC_VCH, RC_VSEL) need the default X
 //   RC_NEOX, RC_FULL_TABLE       1/0
 //   RC_NATIVE                    1: "native" precision (rc_arith picks "rounded" or "fused" arithmetic
 //                                from RC_DT and RC_TAB_DT), 0: "fp32"
@@ -158,6 +163,9 @@
 #ifndef RC_SPLIT
 #define RC_SPLIT 1
 #endif
+#ifndef RC_X  // the default X: 16 bytes of cache elements
+#define RC_X 0
+#endif
 #ifndef RC_MROPE  // multimodal RoPE off: positions [T]
 #define RC_MROPE 0
 #define RC_MROPE_T 0
@@ -179,11 +187,14 @@ constexpr int ARITH = rc_arith(NATIVE, DT, TAB_DT);  // RC_ARITH_FP32, "rounded"
 // An fp8 key cache in "fused" arithmetic quantizes the rotated f32 values, not the rounded k_out.
 constexpr bool WIDE_K = FP8 && ARITH == RC_ARITH_FUSED;
 constexpr bool FNUZ = CDT == RC_FP8_E4M3FNUZ;
-constexpr bool XP = LAYOUT != RC_FLASH;
+constexpr bool XP = LAYOUT == RC_XPACKED || LAYOUT == RC_XPACKED_SHUFFLED;  // flash and hnd: rows of D
 constexpr int S_IN = DT == RC_F32 ? 4 : 2;
 constexpr int S_TAB = TAB_DT == RC_F32 ? 4 : 2;
 constexpr int S_CACHE = FP8 ? 1 : S_IN;
-constexpr int X = 16 / S_CACHE;          // x-packed group width
+constexpr int X = RC_X > 0 ? RC_X : 16 / S_CACHE;  // x-packed group width (elements)
+constexpr bool X_FITS = X * S_CACHE <= 16;           // a group of X elements is one access
+// Elements per key-cache store of a chunk: the chunk, or one X group of it where X < W.
+constexpr int KW = (XP && X < W) ? X : W;
 constexpr int HALF = R / 2;
 constexpr int TW = FULL ? R : HALF;      // table row width
 constexpr int CH = D / W;                // chunks per head row
@@ -207,7 +218,8 @@ constexpr bool EARLY_W = RC_EARLY_W != 0 && NORM && (Q_NORM < 0 || Q_NORM == DT)
 // Units of one block, in this order: rotation, pass-through, V.
 constexpr int U_ROT = RH * P;                            // per token
 constexpr int U_PASS = RH * CPASS;                       // per token
-constexpr int VG = !XP ? 1 : (TPB % X == 0 ? X : TPB);   // tokens per x-packed V unit
+constexpr int VGX = X_FITS ? X : 16 / S_CACHE;           // tokens per x-packed V unit, if TPB allows
+constexpr int VG = !XP ? 1 : (TPB % VGX == 0 ? VGX : TPB);  // tokens per x-packed V unit
 constexpr bool V_RUNS = XP && VG == X && BS % X == 0;    // aligned runs can be stored whole
 constexpr int VCH = RC_VCH;                              // channels per x-packed V unit
 constexpr int DC = D / VCH;                              // channel groups per kv head
@@ -232,8 +244,10 @@ static_assert(W >= 1 && (W & (W - 1)) == 0 && W * S_IN <= 16, "RC_WCH: power of 
 static_assert(D % W == 0 && R % W == 0 && R % 2 == 0 && R <= D, "RC_WCH must divide D and R");
 static_assert(!NEOX || HALF % W == 0, "NeoX: RC_WCH must divide R/2");
 static_assert(NEOX || W % 2 == 0, "GPT-J: RC_WCH must be even");
-static_assert(X % W == 0, "a chunk must stay inside one x-packed group");
-static_assert(LAYOUT == RC_FLASH || (D % X == 0), "x-packed layouts need D % X == 0");
+static_assert(X >= 1 && (X & (X - 1)) == 0, "RC_X: a power of two");
+static_assert(X % KW == 0 && W % KW == 0, "a key-cache store stays inside one x-packed group");
+static_assert(LAYOUT >= RC_FLASH && LAYOUT <= RC_HND, "RC_LAYOUT");
+static_assert(!XP || (D % X == 0), "x-packed layouts need D % X == 0");
 static_assert(LAYOUT != RC_XPACKED_SHUFFLED || BS % X == 0, "xpacked_shuffled needs BS % X == 0");
 static_assert(DT == RC_F32 || DT == RC_BF16 || DT == RC_F16, "RC_DT");
 static_assert(FP8 || CDT == DT, "cache dtype: q's dtype or fp8");
@@ -245,6 +259,8 @@ static_assert(K_NORM == -1 || K_NORM == RC_F32 || K_NORM == DT, "RC_K_NORM: -1, 
 static_assert(!NORM_LANES || (is_pow2(P) && 32 % P == 0 && U_ROT % P == 0 && CH == (NEOX ? 2 : 1) * P),
               "a head's rotation units: P aligned lanes of one warp covering the row");
 static_assert(!(KS_HEADS || VS_HEADS) || FP8, "per-head scales: fp8 caches only");
+static_assert(VCH == 1 || X * S_CACHE == 16, "RC_VCH > 1: 16-byte x-packed groups (the default X)");
+static_assert(VSEL == 0 || X * S_CACHE == 16, "RC_VSEL: 16-byte x-packed groups (the default X)");
 static_assert(VCH == 1 || (XP && (VCH == 2 || VCH == 4 || VCH == 8) && VCH * S_IN <= 16 && D % VCH == 0),
               "RC_VCH: 1, or 2/4/8 channels of at most 16 bytes dividing D (x-packed layouts)");
 static_assert(VSEL == 0 || (V_RUNS && VCH == 1 && (VSEL == 2 || VSEL == 4 || VSEL == 8) && VSEL * S_IN <= 16 &&
@@ -284,10 +300,15 @@ union CacheChunk {
   VecOf<W * S_CACHE>::T v;
   raw_cache e[W];
 };
-// X cache elements: one 16-byte piece of an x-packed row.
+// X cache elements: one piece (16 bytes at the default X) of an x-packed row (V_RUNS: X_FITS).
 union CachePiece {
-  uint4 v;
-  raw_cache e[X];
+  VecOf<X_FITS ? X * S_CACHE : 16>::T v;
+  raw_cache e[X_FITS ? X : 16 / S_CACHE];
+};
+// KW cache elements: one key-cache store of a chunk split by X groups (KW < W).
+union KeyPiece {
+  VecOf<KW * S_CACHE>::T v;
+  raw_cache e[KW];
 };
 
 template <int dt>
@@ -429,6 +450,37 @@ __device__ __forceinline__ void store_cache_chunk_if(bool pred, void* base, i64 
   store_if(pred, static_cast<char*>(base) + elem * S_CACHE, o.v);
 }
 
+// Key cache stores of chunk c (channels d0 .. d0 + W - 1) at element offset key_index(.., d0 + m * KW)
+// of piece m: one store (KW == W), or one per X group of the chunk (x-packed, X < W).
+// (Only used where KW < W; the default X keeps the one-store code at the call sites.)
+template <class KeyIndex>
+__device__ __forceinline__ void store_key_chunk(void* base, const KeyIndex& at, const Chunk& c, float inv_scale,
+                                                bool pred = true) {
+  {
+#pragma unroll
+    for (int m = 0; m < W / KW; ++m) {
+      KeyPiece o;
+#pragma unroll
+      for (int e = 0; e < KW; ++e) o.e[e] = to_cache(c.e[m * KW + e], inv_scale);
+      store_if(pred, static_cast<char*>(base) + at(m * KW) * S_CACHE, o.v);
+    }
+  }
+}
+
+// The same for W f32 values quantized into an fp8 cache (WIDE_K).
+template <class KeyIndex>
+__device__ __forceinline__ void store_key_chunk_f32(void* base, const KeyIndex& at, const float* x, float inv_scale) {
+  {
+#pragma unroll
+    for (int m = 0; m < W / KW; ++m) {
+      KeyPiece o;
+#pragma unroll
+      for (int e = 0; e < KW; ++e) o.e[e] = (raw_cache)rc_quantize_fp8(x[m * KW + e], inv_scale, FNUZ);
+      *reinterpret_cast<VecOf<KW * S_CACHE>::T*>(static_cast<char*>(base) + at(m * KW) * S_CACHE) = o.v;
+    }
+  }
+}
+
 __device__ __forceinline__ raw_in load_elem_now(const void* base, i64 elem) {
   return load_now<raw_in>(static_cast<const raw_in*>(base) + elem);
 }
@@ -440,11 +492,13 @@ __device__ __forceinline__ i64 load_index(const void* base, i64 i, bool is64) {
 // Element offset of channel d (start of an aligned chunk) of kv head h at (blk, off).
 __device__ __forceinline__ i64 key_index(i64 blk, i64 off, int h, int d) {
   if (LAYOUT == RC_FLASH) return ((blk * BS + off) * KH + h) * D + d;
+  if (LAYOUT == RC_HND) return ((blk * KH + h) * BS + off) * D + d;
   return (((blk * KH + h) * (D / X) + d / X) * BS + off) * X + d % X;
 }
 
 __device__ __forceinline__ i64 value_index(i64 blk, i64 off, int h, int d) {
   if (LAYOUT == RC_FLASH) return ((blk * BS + off) * KH + h) * D + d;
+  if (LAYOUT == RC_HND) return ((blk * KH + h) * BS + off) * D + d;
   if (LAYOUT == RC_XPACKED) return ((blk * KH + h) * D + d) * BS + off;
   return (((blk * KH + h) * (BS / X) + off / X) * D + d) * X + off % X;
 }
@@ -957,7 +1011,16 @@ __device__ __forceinline__ void rot_unit(const Params& p, i64 T, i64 max_pos, i6
   if (s >= 0) {
     const i64 blk = s / BS, off = s % BS;
     const int kh = h - QH;
-    if (WIDE_K) {  // never PACKED_NATIVE ("rounded"), so ya/yb hold the values
+    if constexpr (KW < W) {  // RC_X below the chunk: one store per X group
+      auto at = [&](int d0) { return [=](int e) { return key_index(blk, off, kh, d0 + e); }; };
+      if (WIDE_K) {
+        store_key_chunk_f32(p.kc, at(j * W), ya, inv_k);
+        if (NEOX) store_key_chunk_f32(p.kc, at(HALF + j * W), yb, inv_k);
+      } else {
+        store_key_chunk(p.kc, at(j * W), oa, inv_k);
+        if (NEOX) store_key_chunk(p.kc, at(HALF + j * W), ob, inv_k);
+      }
+    } else if (WIDE_K) {  // never PACKED_NATIVE ("rounded"), so ya/yb hold the values
       store_cache_chunk_f32(p.kc, key_index(blk, off, kh, j * W), ya, inv_k);
       if (NEOX) store_cache_chunk_f32(p.kc, key_index(blk, off, kh, HALF + j * W), yb, inv_k);
     } else {
@@ -983,7 +1046,12 @@ __device__ __forceinline__ void pass_unit(const Params& p, i64 T, i64 t0, int u,
   if constexpr (NORM) x = norm_pass_unit(p, is_k, src - c * W * S_IN, c, x);
   if constexpr (KS_HEADS) inv_k = head_inv(p.k_scale, is_k ? h - QH : 0, inv_k, true);
   store_chunk(is_k ? p.k_out : p.q_out, row + c * W, x);
-  store_cache_chunk_if(ok, p.kc, key_index(s / BS, s % BS, is_k ? h - QH : 0, c * W), x, inv_k);
+  if constexpr (KW < W) {
+    const int kh = is_k ? h - QH : 0;
+    store_key_chunk(p.kc, [=](int e) { return key_index(s / BS, s % BS, kh, c * W + e); }, x, inv_k, ok);
+  } else {
+    store_cache_chunk_if(ok, p.kc, key_index(s / BS, s % BS, is_k ? h - QH : 0, c * W), x, inv_k);
+  }
 }
 
 // Flash V: one chunk of v into the value cache.
@@ -1050,8 +1118,8 @@ __device__ __forceinline__ void v_unit_xpacked(const Params& p, i64 T, i64 t0, i
   if (run) {  // one aligned piece of X consecutive offsets of one value row
     CachePiece o;
 #pragma unroll
-    for (int i = 0; i < X; ++i) o.e[i] = to_cache(x[i % VG], inv_v);
-    *reinterpret_cast<uint4*>(static_cast<raw_cache*>(p.vc) + value_index(s0 / BS, s0 % BS, h, d)) = o.v;
+    for (int i = 0; i < (X_FITS ? X : 1); ++i) o.e[i] = to_cache(x[i % VG], inv_v);
+    *reinterpret_cast<decltype(o.v)*>(static_cast<raw_cache*>(p.vc) + value_index(s0 / BS, s0 % BS, h, d)) = o.v;
 #ifdef RC_EMULATE
     ++rc_emu_pieces;
 #endif

@@ -141,6 +141,10 @@ CacheRow Locate(const Problem& p, int64_t blk, int64_t off, int64_t h) {
       const int64_t base = ((blk * bs + off) * kh + h) * d;
       return {base, d, 0, base, 1};
     }
+    case RC_HND: {
+      const int64_t base = ((blk * kh + h) * bs + off) * d;
+      return {base, d, 0, base, 1};
+    }
     case RC_XPACKED:
       return {((blk * kh + h) * (d / x) * bs + off) * x, x, bs * x, (blk * kh + h) * d * bs + off, bs};
     default:
@@ -472,8 +476,8 @@ ffi::Error ValidateCall(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const 
                         const ffi::AnyBuffer& key_cache_out, const ffi::AnyBuffer& value_cache_out,
                         int64_t layout, int64_t rotary_dim, bool q_norm, bool k_norm, float norm_eps, int64_t mrope,
                         int64_t mrope_t, int64_t mrope_h, int64_t mrope_w) {
-  if (layout < RC_FLASH || layout > RC_XPACKED_SHUFFLED)
-    return Invalid("attribute layout: expected 0 (flash), 1 (xpacked) or 2 (xpacked_shuffled), got " +
+  if (layout < RC_FLASH || layout > RC_HND)
+    return Invalid("attribute layout: expected 0 (flash), 1 (xpacked), 2 (xpacked_shuffled) or 3 (hnd), got " +
                    std::to_string(layout));
   // q fixes T, QH, D and the input dtype.
   const auto qd = q.dimensions();
@@ -502,7 +506,8 @@ ffi::Error ValidateCall(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const 
     return Invalid(std::string("key_cache: expected dtype ") + TypeName(dt) +
                    " (as q), float8_e4m3fn or float8_e4m3fnuz, got " + TypeName(cdt));
   JRC_CHECK(ExpectType("value_cache", value_cache, cdt, "as key_cache"));
-  const size_t rank = layout == RC_FLASH ? 4 : 5;
+  const bool packed = layout == RC_XPACKED || layout == RC_XPACKED_SHUFFLED;
+  const size_t rank = packed ? 5 : 4;
   auto kcd = key_cache.dimensions();
   if (kcd.size() != rank && kcd.size() != rank + 1)
     return Invalid("key_cache: expected rank " + std::to_string(rank) + " (or " + std::to_string(rank + 1) +
@@ -511,10 +516,13 @@ ffi::Error ValidateCall(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const 
   std::vector<int64_t> lead;
   if (stacked) lead.push_back(kcd[0]);
   const size_t o = stacked ? 1 : 0;
-  const int64_t X = 16 / static_cast<int64_t>(ffi::ByteWidth(cdt));
-  const int64_t NB = kcd[o], BS = layout == RC_FLASH ? kcd[o + 1] : kcd[o + 3];
+  // X of the x-packed layouts: the key cache's last dim, a power of two dividing D (and BS, shuffled)
+  const int64_t X = packed ? kcd[o + 4] : 16 / static_cast<int64_t>(ffi::ByteWidth(cdt));
+  const int64_t NB = kcd[o], BS = layout == RC_FLASH ? kcd[o + 1] : (layout == RC_HND ? kcd[o + 2] : kcd[o + 3]);
   if (BS < 1) return Invalid("key_cache: expected a block size >= 1, got dims " + DimsString(kcd));
-  if (layout != RC_FLASH && D % X)
+  if (packed && (X < 1 || (X & (X - 1))))
+    return Invalid("key_cache: expected X (the last dim) to be a power of two, got dims " + DimsString(kcd));
+  if (packed && D % X)
     return Invalid("key_cache: an x-packed layout needs D divisible by X=" + std::to_string(X) + ", got D=" +
                    std::to_string(D));
   if (layout == RC_XPACKED_SHUFFLED && BS % X)
@@ -528,6 +536,9 @@ ffi::Error ValidateCall(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const 
   if (layout == RC_FLASH) {
     JRC_CHECK(ExpectDims("key_cache", key_cache, with_lead({NB, BS, KH, D}), "[" + l + "NB, BS, KH, D]"));
     JRC_CHECK(ExpectDims("value_cache", value_cache, with_lead({NB, BS, KH, D}), "[" + l + "NB, BS, KH, D]"));
+  } else if (layout == RC_HND) {
+    JRC_CHECK(ExpectDims("key_cache", key_cache, with_lead({NB, KH, BS, D}), "[" + l + "NB, KH, BS, D]"));
+    JRC_CHECK(ExpectDims("value_cache", value_cache, with_lead({NB, KH, BS, D}), "[" + l + "NB, KH, BS, D]"));
   } else {
     JRC_CHECK(ExpectDims("key_cache", key_cache, with_lead({NB, KH, D / X, BS, X}), "[" + l + "NB, KH, D//X, BS, X]"));
     if (layout == RC_XPACKED)
@@ -622,19 +633,20 @@ ffi::Error CpuRopeAndCache(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
     return ffi::Error::InvalidArgument("rope_and_cache cpu: unsupported dtype");
   if (p.cache_dt != p.dt && p.cache_dt != RC_FP8_E4M3FN && p.cache_dt != RC_FP8_E4M3FNUZ)
     return ffi::Error::InvalidArgument("rope_and_cache cpu: cache dtype must equal the input dtype or be fp8");
-  if (p.layout < RC_FLASH || p.layout > RC_XPACKED_SHUFFLED)
+  if (p.layout < RC_FLASH || p.layout > RC_HND)
     return ffi::Error::InvalidArgument("rope_and_cache cpu: unknown layout " + std::to_string(layout));
   // Stacked caches ([L, ...], one rank more than a layer's layout) are written at layer `layer`.
   auto kcd = key_cache.dimensions();
-  const size_t layer_rank = p.layout == RC_FLASH ? 4 : 5;
+  const bool packed = p.layout == RC_XPACKED || p.layout == RC_XPACKED_SHUFFLED;
+  const size_t layer_rank = packed ? 5 : 4;
   if (kcd.size() != layer_rank && kcd.size() != layer_rank + 1)
     return ffi::Error::InvalidArgument("rope_and_cache cpu: key_cache rank does not match the layout");
   const bool stacked = kcd.size() == layer_rank + 1;
   const int64_t num_layers = stacked ? kcd[0] : 1;
   if (stacked) kcd = kcd.last(kcd.size() - 1);
   p.NB = kcd[0];
-  p.BS = p.layout == RC_FLASH ? kcd[1] : kcd[3];
-  p.X = 16 / static_cast<int64_t>(ffi::ByteWidth(key_cache.element_type()));
+  p.BS = p.layout == RC_FLASH ? kcd[1] : (p.layout == RC_HND ? kcd[2] : kcd[3]);
+  p.X = packed ? kcd[4] : 16 / static_cast<int64_t>(ffi::ByteWidth(key_cache.element_type()));
   // Every index the loops form stays inside these element counts.
   if (auto e = CheckSame("k tokens", kd[0], p.T); e.failure()) return e;
   if (auto e = CheckSame("k head_dim", kd[2], p.D); e.failure()) return e;
@@ -652,7 +664,7 @@ ffi::Error CpuRopeAndCache(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
     return e;
   if (p.R < 2 || p.R % 2 || p.R > p.D || (p.width != p.R && p.width != p.R / 2) || p.max_pos < 1)
     return ffi::Error::InvalidArgument("rope_and_cache cpu: inconsistent rotary_dim / table width");
-  if (p.layout != RC_FLASH && (p.D % p.X || (p.layout == RC_XPACKED_SHUFFLED && p.BS % p.X)))
+  if (packed && (p.X < 1 || p.D % p.X || (p.layout == RC_XPACKED_SHUFFLED && p.BS % p.X)))
     return ffi::Error::InvalidArgument("rope_and_cache cpu: x-packed layout needs D and BS divisible by X");
 
   p.full_table = p.width == p.R;

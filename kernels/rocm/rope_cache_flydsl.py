@@ -2,8 +2,8 @@
 
 Static configuration: a `RocmKernelConfig` (jax_rope_cache/rocm.py builds it from an OpSpec).
 Every option of the op contract is a compile-time parameter: NeoX / GPT-J pairing, partial
-rotary (R < D), "half" / "full" cos/sin tables, the three cache layouts, bf16/f16/f32 inputs,
-bf16/f16/f32 tables, caches of the input dtype or float8 e4m3fn / e4m3fnuz (both formats on both
+rotary (R < D), "half" / "full" cos/sin tables, the four cache layouts (any power-of-two X of the
+x-packed ones: `pack_x`), bf16/f16/f32 inputs, bf16/f16/f32 tables, caches of the input dtype or float8 e4m3fn / e4m3fnuz (both formats on both
 archs: the conversion is integer arithmetic, not the hardware's fp8 instructions), per-tensor
 k/v scales, "fp32" and "native" precision, int32/int64 slot_mapping and positions, one cache or
 stacked per-layer caches [L, NB, ...] (`layer_blocks` = NB) with the layer read on the device,
@@ -92,7 +92,7 @@ ARG_BYTES = 8
 # dtype codes: jax_rope_cache/_spec.py DTYPE_CODES
 F32, BF16, F16, FP8_FN, FP8_FNUZ = 0, 1, 2, 3, 4
 ITEMSIZE = {F32: 4, BF16: 2, F16: 2, FP8_FN: 1, FP8_FNUZ: 1}
-FLASH, XPACKED, XPACKED_SHUFFLED = 0, 1, 2
+FLASH, XPACKED, XPACKED_SHUFFLED, HND = 0, 1, 2, 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +102,7 @@ class RocmKernelConfig:
     d: int
     r: int
     bs: int
-    layout: int        # 0 flash, 1 xpacked, 2 xpacked_shuffled
+    layout: int        # 0 flash, 1 xpacked, 2 xpacked_shuffled, 3 hnd
     neox: bool
     full_table: bool
     native: bool       # "native" precision (arith_mode: "rounded" or "fused")
@@ -128,10 +128,17 @@ class RocmKernelConfig:
     mrope_t: int = 0   # the sections (temporal, height, width frequency counts; 0 without M-RoPE)
     mrope_h: int = 0
     mrope_w: int = 0
+    # X of the x-packed layouts when not 16 bytes of cache elements (the key cache's last dim); 0: the
+    # default. A key-cache store of a chunk wider than X is one store per X group.
+    pack_x: int = 0
 
     @property
     def x(self) -> int:
-        return 16 // ITEMSIZE[self.cache_dt]
+        return self.pack_x or 16 // ITEMSIZE[self.cache_dt]
+
+    @property
+    def packed(self) -> bool:
+        return self.layout in (XPACKED, XPACKED_SHUFFLED)
 
     @property
     def norm(self) -> bool:
@@ -142,6 +149,8 @@ class RocmKernelConfig:
         for f in dataclasses.fields(self):
             if f.name.startswith("mrope") and not self.mrope:
                 continue  # M-RoPE off: the key of a configuration without the option
+            if f.name == "pack_x" and not self.pack_x:
+                continue  # the default X: the key of a configuration without the option
             v = getattr(self, f.name)  # floats by their f32 bits: eps values must not collide
             out.append(struct.pack("<f", v).hex() if isinstance(v, float) else str(int(v)))
         return "_".join(out)
@@ -213,13 +222,15 @@ def latency_regime(num_tokens: int | None) -> bool:
 def make_config(*, qh, kh, d, r, bs, layout, neox, full_table, native, dt, tab_dt, cache_dt, slot64,
                 pos64, layer_blocks: int = 0, q_norm: int = -1, k_norm: int = -1, norm_eps: float = 0.0,
                 k_scale_heads: bool = False, v_scale_heads: bool = False, mrope: int = 0, mrope_t: int = 0,
-                mrope_h: int = 0, mrope_w: int = 0, nt: int = 256, rot_cap: int | None = None,
+                mrope_h: int = 0, mrope_w: int = 0, x: int = 0, nt: int = 256, rot_cap: int | None = None,
                 width_cap: int | None = None, latency: bool = False) -> RocmKernelConfig:
     """`rot_cap` / `width_cap`: at most that many elements per rotation chunk / per pass-through and
     V chunk (narrower accesses, fewer values in flight per lane: the occupancy candidates of
     jax_rope_cache/backends/rocm.py; None = as wide as 16 bytes and the shape allow).
     `mrope` (1 sections, 2 interleaved) with `mrope_t/h/w` summing to R/2: multimodal RoPE; the
     geometry is that of the same shape without it (only the table rows differ).
+    `x`: X of the x-packed layouts (a power of two dividing D, and BS for xpacked_shuffled); 0 or
+    16 // cache itemsize: the default.
 
     Two regimes (`latency`, from latency_regime(T)):
       * bandwidth (large or unknown T): `nt` threads, as many tokens per workgroup as its lanes hold;
@@ -231,6 +242,12 @@ def make_config(*, qh, kh, d, r, bs, layout, neox, full_table, native, dt, tab_d
     s = ITEMSIZE[dt]
     vmax = 16 // s
     norm = q_norm >= 0 or k_norm >= 0
+    x = int(x)
+    if x and layout in (XPACKED, XPACKED_SHUFFLED):
+        if x & (x - 1) or d % x or (layout == XPACKED_SHUFFLED and bs % x):
+            raise ValueError(f"x: expected a power of two dividing D={d}" + (f" and BS={bs}" if layout ==
+                             XPACKED_SHUFFLED else "") + f", got {x}")
+    pack_x = x if x and layout in (XPACKED, XPACKED_SHUFFLED) and x != 16 // ITEMSIZE[cache_dt] else 0
     if mrope not in (0, 1, 2):
         raise ValueError(f"mrope: expected 0 (off), 1 (sections) or 2 (interleaved), got {mrope}")
     section = (int(mrope_t), int(mrope_h), int(mrope_w)) if mrope else (0, 0, 0)
@@ -266,7 +283,7 @@ def make_config(*, qh, kh, d, r, bs, layout, neox, full_table, native, dt, tab_d
                                 q_norm=int(q_norm), k_norm=int(k_norm),
                                 norm_eps=float(norm_eps) if norm else 0.0, k_scale_heads=bool(k_scale_heads),
                                 v_scale_heads=bool(v_scale_heads), latency=bool(latency), mrope=int(mrope),
-                                mrope_t=section[0], mrope_h=section[1], mrope_w=section[2])
+                                mrope_t=section[0], mrope_h=section[1], mrope_w=section[2], pack_x=pack_x)
 
     def cpx(w):
         return (r // 2) // w if neox else r // w
@@ -868,6 +885,11 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
         if cfg.layout == FLASH:
             el = E.mul(E.add(E.mul(s, c64(KH)), hh), c64(D))
             el = E.add(el, c64(d0)) if dvar is None else E.add(el, dvar)
+        elif cfg.layout == HND:
+            blk = E.arith.divui(s, c64(BS))
+            off = E.arith.remui(s, c64(BS))
+            el = E.mul(E.add(E.mul(E.add(E.mul(blk, c64(KH)), hh), c64(BS)), off), c64(D))
+            el = E.add(el, c64(d0)) if dvar is None else E.add(el, dvar)
         else:
             blk = E.arith.divui(s, c64(BS))
             off = E.arith.remui(s, c64(BS))
@@ -882,6 +904,10 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
     def v_cache_addr(s, hh64, d64):
         if cfg.layout == FLASH:
             el = E.add(E.mul(E.add(E.mul(s, c64(KH)), hh64), c64(D)), d64)
+        elif cfg.layout == HND:
+            blk = E.arith.divui(s, c64(BS))
+            off = E.arith.remui(s, c64(BS))
+            el = E.add(E.mul(E.add(E.mul(E.add(E.mul(blk, c64(KH)), hh64), c64(BS)), off), c64(D)), d64)
         else:
             blk = E.arith.divui(s, c64(BS))
             off = E.arith.remui(s, c64(BS))
@@ -901,9 +927,41 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
 
     def store_k_cache(s_ok, s, h_k, d0, vals, inv_k):
         """vals: f32 values of channels [d0, d0+len) of K head h_k (static d0 offset, var head)."""
+        g = k_group(len(vals))
+
         def body():
-            pieces = E.store_elems_pieces(vals, cfg.cache_dt, inv_k)
-            E.global_store_pieces(pieces, k_cache_addr(s, h_k, None, dvar=d0))
+            for m in range(0, len(vals), g):
+                pieces = E.store_elems_pieces(vals[m:m + g], cfg.cache_dt, inv_k)
+                E.global_store_pieces(pieces, k_cache_addr(s, h_k, None, dvar=E.add(d0, c64(m)) if m else d0))
+        guarded(s_ok, body)
+
+    def k_group(n):
+        """Elements per key-cache store of a chunk of n channels (starting at a multiple of n): the
+        chunk, or one X group of it where an x-packed X is narrower."""
+        return X if cfg.packed and X < n else n
+
+    def store_k_same(s_ok, s, h_k, d0, pieces, n):
+        """A chunk of n channels already in the cache dtype (raw pieces) into the key cache, one
+        store per X group where X < n (the bits as they are)."""
+        g = k_group(n)
+        if g == n:
+            guarded(s_ok, lambda: E.global_store_pieces(pieces, k_cache_addr(s, h_k, None, dvar=d0)))
+            return
+        gb = g * s_c
+        words = E.piece_words(pieces)
+        if gb < 4:  # 2-byte groups of 16-bit elements: the halves of each word
+            halves = []
+            for _, w in words:
+                halves += [E.arith.trunci(E.i16, w), E.arith.trunci(E.i16, E.lshr(w, c32(16)))]
+            groups = [[(2, hw)] for hw in halves]
+        else:
+            per = gb // 4
+            groups = [words[i:i + per] for i in range(0, len(words), per)]
+
+        def body():
+            for m, grp in enumerate(groups):
+                addr = k_cache_addr(s, h_k, None, dvar=E.add(d0, c64(m * g)) if m else d0)
+                E.global_store_pieces(E.words_to_pieces(grp), addr)
         guarded(s_ok, body)
 
     def lanes(cpx, nh):
@@ -1303,8 +1361,7 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
             for pieces, vals, ch in stores:
                 d0 = chunk_d0(ch)
                 if cfg.cache_dt == cfg.dt:
-                    guarded(wr, lambda pieces=pieces, d0=d0: E.global_store_pieces(
-                        pieces, k_cache_addr(s, hk, None, dvar=d0)))
+                    store_k_same(wr, s, hk, d0, pieces, ch[2])
                 else:
                     store_k_cache(wr, s, hk, d0, vals, inv_k)
 
@@ -1337,8 +1394,7 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
                     wr = E.and1(wr, hvalid)
                 d0 = chunk_d0(ch)
                 if cfg.cache_dt == cfg.dt:
-                    guarded(wr, lambda pieces=pieces, d0=d0: E.global_store_pieces(
-                        pieces, k_cache_addr(s, hk, None, dvar=d0)))
+                    store_k_same(wr, s, hk, d0, pieces, WP)
                 else:
                     if vals is None:
                         vals = E.elems_from_pieces(pieces, cfg.dt, WP)
@@ -1368,7 +1424,7 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
             hh = E.ext64(h)
 
             def body(pv=pv, d0=d0, hh=hh, inv_v=inv_v):
-                if cfg.layout == FLASH:
+                if cfg.layout in (FLASH, HND):  # rows of D channels
                     if cfg.cache_dt == cfg.dt:
                         pieces = pv
                     else:
