@@ -474,3 +474,51 @@ def test_rocm_lane_emulator_fused_bitwise(case, extra, regime):
                                         num_kv_heads=case.KH, **opts)
     for name, g, w in zip(contract.RESULTS, got, want):
         assert_bits_equal(g, w, name)
+
+
+@pytest.mark.parametrize("T", [8, 4096], ids=["latency", "bandwidth"])
+def test_flydsl_fused_variant_compiles_for_both_archs(T):
+    """The FlyDSL kernel of a fused call (Qwen3-like heads, the QK-norm, an fp8 x-packed cache) builds
+    for gfx942 and gfx950 within the occupancy budget; its key differs from the separate-input one."""
+    from jax_rope_cache.backends import rocm
+    from jax_rope_cache.compilers import flydsl
+    import test_rocm_compile as trc
+    import dataclasses
+    if not flydsl.available():
+        pytest.skip("flydsl is not installed")
+    case, extra = CASES[3]
+    qkv, kc, vc, slots, pos, cos, sin, opts = fused_problem(dataclasses.replace(case, T=T), extra, seed=4)
+    spec = _spec(qkv, kc, vc, slots, pos, cos, sin, opts, case.QH, case.KH)
+    cfg, plain = rocm.kernel_config(spec), rocm.kernel_config(dataclasses.replace(spec, qkv=False))
+    assert cfg.qkv and not plain.qkv and cfg.key() != plain.key()
+    assert plain.key() == dataclasses.replace(cfg, qkv=False).key()
+    table, symbol, objs = rocm.build_code_table(cfg, trc.ARCHS)
+    assert [o.arch for o in objs] == list(trc.ARCHS)
+    for o in objs:
+        trc.check_code_object(o.code, o.arch, o.config, symbol)
+
+
+@pytest.mark.parametrize("route", ["launcher", "node"])
+def test_cuda_lowering_passes_the_fused_buffer_in_the_q_k_v_slots(route, monkeypatch):
+    """Lowered for "cuda" here (jax.export): both routes (the FFI launcher with its buffer signature,
+    XLA's PTX kernel node with its entry unchanged) get the one fused value as operands 0, 1 and 2."""
+    from jax_rope_cache.backends import kernel_node, launcher
+    from jax_rope_cache.compilers import nvrtc
+    if nvrtc.unavailable_reason():
+        pytest.skip(f"no NVRTC here: {nvrtc.unavailable_reason()}")
+    monkeypatch.setenv(kernel_node.ENV, "1" if route == "node" else "0")
+    s = jax.ShapeDtypeStruct
+    t, qh, kh, d = 4, 8, 2, 64
+    args = (s((t, (qh + 2 * kh) * d), jnp.bfloat16), s((8, 16, kh, d), jnp.bfloat16), s((8, 16, kh, d), jnp.bfloat16),
+            s((t,), jnp.int32), s((t,), jnp.int32), s((32, d // 2), jnp.float32), s((32, d // 2), jnp.float32))
+    step = lambda *a: jrc.rope_and_cache_qkv(*a, num_q_heads=qh, num_kv_heads=kh, impl="kernel")  # noqa: E731
+    text = jrc.export(jax.jit(step, donate_argnums=(1, 2)), platforms=["cuda"])(*args).mlir_module()
+    target = kernel_node.TARGET if route == "node" else launcher.GPU_TARGET
+    calls = [ln for ln in text.splitlines() if f"stablehlo.custom_call @{target}" in ln
+             or f'stablehlo.custom_call @"{target}"' in ln]
+    assert len(calls) == 1, calls
+    operands = [o.strip() for o in calls[0].split("(", 1)[1].split(")", 1)[0].split(",")]
+    assert len(operands) == 14 and len(set(operands[:3])) == 1, operands
+    assert f"tensor<{t}x{qh + 2 * kh}x{d}xbf16>" in calls[0]
+    if route == "node":
+        assert "rope_cache_node" in text  # the same entry, its 18 pointer parameters
