@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 from conftest import TIER, make_spec, special_problem, tier_sample
-from e5m2_values import boundary_f32, oracle_e5m2
+from e5m2_values import ROUNDING_EXPONENTS, boundary_f32, oracle_e5m2
 from jax_rope_cache import contract, reference
 
 nvrtc = pytest.importorskip("jax_rope_cache.compilers.nvrtc")
@@ -625,7 +625,7 @@ def test_host_emulation_e5m2_stacked_layers_per_head_scales(emu_dir):
 def _e5m2_boundary_problem():
     """v (float32) holds every e5m2 boundary value (e5m2_values.boundary_f32); scale 1, so the value
     cache holds the conversion of each."""
-    f = boundary_f32()
+    f = boundary_f32(exponents=ROUNDING_EXPONENTS)
     kh, d = 4, 64
     f = np.concatenate([f, np.full((-f.size) % (kh * d), 1.5, np.float32)])
     t = f.size // (kh * d)
