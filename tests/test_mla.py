@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from conftest import assert_bits_equal, impl_params, ulp_diff
-from mla_cases import BF16, CASES, E5, F32, FN, MlaCase, flat_outputs, make_mla_problem
+from mla_cases import BF16, CASES, E5, E5M2_FULL_CASES, F32, FN, MlaCase, flat_outputs, make_mla_problem
 import jax_rope_cache as jrc
 from jax_rope_cache import contract
 from jax_rope_cache.mla import reference as mla_reference
@@ -48,7 +48,8 @@ def assert_mla_close(got, want, args, opts, impl, what=""):
 
 
 @pytest.mark.parametrize("platform,impl", IMPLS)
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+@pytest.mark.parametrize("case", CASES + [pytest.param(c, marks=pytest.mark.full) for c in E5M2_FULL_CASES],
+                         ids=[c.id for c in CASES + E5M2_FULL_CASES])
 def test_matches_reference(case, platform, impl):
     args, opts = make_mla_problem(case, seed=len(case.id))
     want = mla_reference.mla_rope_and_cache(*args, **opts)

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from conftest import assert_bits_equal
-from mla_cases import BF16, CASES, E5, F16, F32, FN, FNUZ, MlaCase, flat_outputs, make_mla_problem
+from mla_cases import BF16, CASES, E5, E5M2_FULL_CASES, F16, F32, FN, FNUZ, MlaCase, flat_outputs, make_mla_problem
 from jax_rope_cache.mla import contract as mla_contract
 from jax_rope_cache.mla import reference as mla_reference
 
@@ -153,7 +153,7 @@ def test_host_emulation_bitwise(case, emu_dir):
 
 
 @pytest.mark.full
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+@pytest.mark.parametrize("case", CASES + E5M2_FULL_CASES, ids=[c.id for c in CASES + E5M2_FULL_CASES])
 def test_host_emulation_bitwise_every_case(case, emu_dir):
     args, opts = make_mla_problem(case, seed=22)
     _check(args, opts, emu_dir)
