@@ -114,6 +114,24 @@ def test_e5m2_shared_conversion_every_boundary():
     assert bad.size == 0, f"{bad.size} differ, e.g. {f.view(np.uint32)[bad[0]]:#x}: {bits[bad[0]]:#x} != {want[bad[0]]:#x}"
 
 
+@needs_native
+@pytest.mark.full
+def test_e5m2_shared_conversion_exhaustive_where_it_rounds():
+    """rc_f32_to_e5m2 against the reference (ml_dtypes, clamped) on EVERY float32 of both signs whose
+    exponent is 98..146: all inputs that round to something other than +-0 or +-max (below 2^-28
+    everything is +-0, from 2^20 on everything saturates; those, inf and NaN are in the
+    stratified test above)."""
+    bad = 0
+    for sign in (0, 0x80000000):
+        for e in range(98, 147):
+            u = (np.arange(1 << 23, dtype=np.uint32) | np.uint32((e << 23) | sign))
+            f = u.view(np.float32)
+            bits = np.zeros(f.size, np.uint32)
+            native.round_f32(f, bits, contract.DTYPE_CODES[E5M2])
+            bad += int((bits != reference.quantize(f, E5M2, np.float32(1.0)).view(np.uint8)).sum())
+    assert bad == 0
+
+
 @pytest.mark.parametrize("platform,impl", impl_params())
 def test_e5m2_cache_through_the_op_every_boundary(platform, impl):
     """The whole op with a float8_e5m2 cache and scale 1: v (float32) is stored as fp8(v), so the
