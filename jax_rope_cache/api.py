@@ -136,9 +136,11 @@ def _layer_operand(layer, spec: contract.OpSpec):
 
 def _prepare(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, *, layout, is_neox,
              rotary_dim, k_scale, v_scale, precision, impl, layer, q_norm_weight, k_norm_weight, norm_eps,
-             mrope_section=None, mrope_interleaved=False):
+             mrope_section=None, mrope_interleaved=False, inputs=None):
     """Every check of a call, in the same order for every entry point; returns the spec and the
-    index arguments as they may be handed to JAX (host int64 indices given their meaning)."""
+    index arguments as they may be handed to JAX (host int64 indices given their meaning).
+    `inputs`: (name, array) of the arrays q, k and v were read from, when not q, k and v themselves
+    (the fused tensor of rope_and_cache_qkv)."""
     _check_refs(key_cache, value_cache)
     spec = contract.check_op(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
                              layout=layout, is_neox=is_neox, rotary_dim=rotary_dim, k_scale=k_scale,
@@ -147,8 +149,9 @@ def _prepare(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
                              mrope_interleaved=mrope_interleaved)
     if impl not in IMPLS:
         raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
-    _check_concrete(zip(contract.OPERANDS, (q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
-                                            k_scale, v_scale, layer, q_norm_weight, k_norm_weight)))
+    named = list(zip(contract.OPERANDS, (q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
+                                         k_scale, v_scale, layer, q_norm_weight, k_norm_weight)))
+    _check_concrete(named if inputs is None else list(inputs) + named[3:])
     slot_mapping, positions, spec = _narrow_indices(slot_mapping, positions, spec)
     return spec, slot_mapping, positions, _host_layer(layer, spec)
 
@@ -247,14 +250,75 @@ def rope_and_cache(q: ArrayLike, k: ArrayLike, v: ArrayLike, key_cache: Cache, v
         rotary_dim=rotary_dim, k_scale=k_scale, v_scale=v_scale, precision=precision, impl=impl, layer=layer,
         q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, norm_eps=norm_eps, mrope_section=mrope_section,
         mrope_interleaved=mrope_interleaved)
+    return _run(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, k_scale=k_scale,
+                v_scale=v_scale, layer=layer, q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, spec=spec,
+                impl=impl)
+
+
+def _run(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, *, k_scale, v_scale, layer,
+         q_norm_weight, k_norm_weight, spec: contract.OpSpec, impl):
+    """The op on checked arguments: the operands (contract.OPERANDS), then the XLA path or the primitive."""
     args = tuple(jnp.asarray(a) for a in (q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin))
     args += (_scale_operand(k_scale, spec.k_scale_heads), _scale_operand(v_scale, spec.v_scale_heads),
              _layer_operand(layer, spec), _weight_operand(q_norm_weight), _weight_operand(k_norm_weight))
     if spec.num_tokens == 0:
+        if spec.qkv:  # empty q_out [0, QH, D] and k_out [0, KH, D]
+            return args[0][:, :spec.q_heads], args[0][:, :spec.kv_heads], args[3], args[4]
         return args[:2] + args[3:5]
     if impl == "xla":
         return tuple(_xla_impl(*args, spec))
     return tuple(primitive.bind(*args, spec=spec, impl=impl))
+
+
+def rope_and_cache_qkv(qkv: ArrayLike, key_cache: Cache, value_cache: Cache, slot_mapping: ArrayLike,
+                       positions: ArrayLike, cos: ArrayLike, sin: ArrayLike, *, num_q_heads: int, num_kv_heads: int,
+                       layout: str = "flash", is_neox: bool = True, rotary_dim: int | None = None,
+                       k_scale: ArrayLike | None = None, v_scale: ArrayLike | None = None,
+                       precision: str = "fp32", impl: str | None = None,
+                       layer: int | ArrayLike | None = None, q_norm_weight: ArrayLike | None = None,
+                       k_norm_weight: ArrayLike | None = None, norm_eps: float = 1e-6,
+                       mrope_section: Sequence[int] | None = None,
+                       mrope_interleaved: bool = False) -> tuple[jax.Array, jax.Array, Cache, Cache]:
+    """rope_and_cache of a fused QKV projection, read in place: no slice of `qkv` is copied.
+
+    Args:
+      qkv: [T, (QH + 2 KH) * D] or [T, QH + 2 KH, D], bfloat16 / float16 / float32: each token's
+        QH query heads, then its KH key heads, then its KH value heads (the output of one matmul
+        with the q, k and v projection weights concatenated in that order).
+      num_q_heads, num_kv_heads: QH and KH (static ints); D is the rest of qkv's last dims.
+      Everything else: as rope_and_cache, whose result this is for q, k, v = the three slices.
+
+    Returns:
+      (q_out [T, QH, D], k_out [T, KH, D], key_cache, value_cache), as rope_and_cache.
+
+    Every implementation reads q, k and v at their head offsets in the fused rows: the kernels take
+    the fused buffer itself (the same buffer in the q, k and v operand slots, specialised on the row
+    stride), so XLA passes the matmul's output to the custom call without a copy. Under shard_map
+    the fused tensor can be split on its head axis only when it is laid out shard-major (each
+    shard's slice holds its own q, k and v heads, as a column-parallel QKV projection gives); see
+    the README.
+    """
+    if _check_refs(key_cache, value_cache):
+        key_ref, value_ref = key_cache, value_cache
+        q_out, k_out, kc, vc = rope_and_cache_qkv(
+            qkv, key_ref[...], value_ref[...], slot_mapping, positions, cos, sin, num_q_heads=num_q_heads,
+            num_kv_heads=num_kv_heads, layout=layout, is_neox=is_neox, rotary_dim=rotary_dim, k_scale=k_scale,
+            v_scale=v_scale, precision=precision, impl=impl, layer=layer, q_norm_weight=q_norm_weight,
+            k_norm_weight=k_norm_weight, norm_eps=norm_eps, mrope_section=mrope_section,
+            mrope_interleaved=mrope_interleaved)
+        key_ref[...], value_ref[...] = kc, vc
+        return q_out, k_out, key_ref, value_ref
+    t, qh, kh, d = contract.check_qkv(qkv, num_q_heads, num_kv_heads)
+    q, k, v = (jax.ShapeDtypeStruct((t, h, d), qkv.dtype) for h in (qh, kh, kh))
+    spec, slot_mapping, positions, layer = _prepare(
+        q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, layout=layout, is_neox=is_neox,
+        rotary_dim=rotary_dim, k_scale=k_scale, v_scale=v_scale, precision=precision, impl=impl, layer=layer,
+        q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, norm_eps=norm_eps, mrope_section=mrope_section,
+        mrope_interleaved=mrope_interleaved, inputs=(("qkv", qkv),))
+    fused = jnp.reshape(jnp.asarray(qkv), (t, qh + 2 * kh, d))  # a bitcast: rows stay where the matmul wrote them
+    return _run(fused, fused, fused, key_cache, value_cache, slot_mapping, positions, cos, sin, k_scale=k_scale,
+                v_scale=v_scale, layer=layer, q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight,
+                spec=dataclasses.replace(spec, qkv=True), impl=impl)
 
 
 _STATIC = ("layout", "is_neox", "rotary_dim", "precision", "impl", "norm_eps", "mrope_section", "mrope_interleaved")

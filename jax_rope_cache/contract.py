@@ -238,6 +238,10 @@ class OpSpec:
     # X of an x-packed layout when it is not the default 16 // cache itemsize (the key cache's last
     # dimension); 0: the default (and every layout without X)
     pack_x: int = 0
+    # the fused QKV input (rope_and_cache_qkv): the q, k and v operands are each the one tensor
+    # [T, QH + 2 KH, D] (q heads, then k heads, then v heads of a token in one row); False: q [T, QH, D],
+    # k and v [T, KH, D]
+    qkv: bool = False
 
     @property
     def norm(self) -> bool:
@@ -254,6 +258,60 @@ class OpSpec:
     @property
     def x(self) -> int:
         return self.pack_x or pack_width(self.cache_dtype)
+
+    @property
+    def qkv_heads(self) -> int:
+        """Heads in one token's row of the fused QKV tensor: QH + 2 KH."""
+        return self.q_heads + 2 * self.kv_heads
+
+
+def input_shapes(spec: OpSpec) -> dict[str, tuple[int, ...]]:
+    """The shapes of the q, k and v operands: each the fused [T, QH + 2 KH, D] tensor with spec.qkv."""
+    t, d = spec.num_tokens, spec.head_dim
+    if spec.qkv:
+        return dict.fromkeys(("q", "k", "v"), (t, spec.qkv_heads, d))
+    return {"q": (t, spec.q_heads, d), "k": (t, spec.kv_heads, d), "v": (t, spec.kv_heads, d)}
+
+
+def input_offsets(spec: OpSpec) -> tuple[int, int, int, int]:
+    """(q row, k/v row, k offset, v offset) in elements: where the kernels read head h of token t
+    (q: t * q_row + h * D; k: t * kv_row + k_off + h * D; v: t * kv_row + v_off + h * D)."""
+    qh, kh, d = spec.q_heads, spec.kv_heads, spec.head_dim
+    if spec.qkv:
+        row = spec.qkv_heads * d
+        return row, row, qh * d, (qh + kh) * d
+    return qh * d, kh * d, 0, 0
+
+
+def _check_heads(arg: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{arg}: expected an int (a head count), got {describe(value)}")
+    if int(value) < 1:
+        raise ValueError(f"{arg}: expected a head count >= 1, got {int(value)}")
+    return int(value)
+
+
+def check_qkv(qkv, num_q_heads, num_kv_heads) -> tuple[int, int, int, int]:
+    """Validates the fused QKV tensor of rope_and_cache_qkv: [T, (QH + 2 KH) * D] or [T, QH + 2 KH, D],
+    each token's q heads first, then its k heads, then its v heads. Returns (T, QH, KH, D)."""
+    qh = _check_heads("num_q_heads", num_q_heads)
+    kh = _check_heads("num_kv_heads", num_kv_heads)
+    dtype = _dtype("qkv", qkv)
+    if dtype not in INPUT_DTYPES:
+        raise TypeError(f"qkv: expected dtype one of ({dtype_names(INPUT_DTYPES)}), got {dtype.name}")
+    shape, n = tuple(int(s) for s in qkv.shape), qh + 2 * kh
+    if len(shape) == 3:
+        if shape[1] != n:
+            raise ValueError(f"qkv: expected shape [T, QH + 2 KH, D] with QH + 2 KH = {qh} + 2*{kh} = {n} heads "
+                             f"(num_q_heads, num_kv_heads), got {list(shape)}")
+        return shape[0], qh, kh, shape[2]
+    if len(shape) != 2:
+        raise ValueError(f"qkv: expected rank 2 [T, (QH + 2 KH) * D] or rank 3 [T, QH + 2 KH, D], "
+                         f"got shape {list(shape)}")
+    if shape[1] % n or shape[1] == 0:
+        raise ValueError(f"qkv: expected a last dim (QH + 2 KH) * D divisible by QH + 2 KH = {qh} + 2*{kh} = {n} "
+                         f"(num_q_heads, num_kv_heads), got shape {list(shape)}")
+    return shape[0], qh, kh, shape[1] // n
 
 
 def _dtype(arg: str, a) -> np.dtype:
@@ -650,6 +708,7 @@ class KernelCodes:
     mrope_h: int = 0
     mrope_w: int = 0
     x: int = 0             # X of an x-packed layout when not 16 // cache itemsize (OpSpec.pack_x); 0: default
+    qkv: bool = False      # q, k and v read from the fused [T, QH + 2 KH, D] tensor (OpSpec.qkv)
 
 
 def kernel_codes(spec: OpSpec) -> KernelCodes:
@@ -664,7 +723,7 @@ def kernel_codes(spec: OpSpec) -> KernelCodes:
         q_norm=-1 if spec.q_norm_dtype is None else DTYPE_CODES[np.dtype(spec.q_norm_dtype)],
         k_norm=-1 if spec.k_norm_dtype is None else DTYPE_CODES[np.dtype(spec.k_norm_dtype)],
         norm_eps=float(spec.norm_eps), k_scale_heads=bool(spec.k_scale_heads), v_scale_heads=bool(spec.v_scale_heads),
-        x=int(spec.pack_x), **mrope_codes(spec))
+        x=int(spec.pack_x), qkv=bool(spec.qkv), **mrope_codes(spec))
 
 
 def mrope_codes(spec: OpSpec) -> dict:

@@ -2,8 +2,8 @@
 smallest real client, and the check that positions, slots, tables and layouts are right as seen
 through attention.
 
-    token embedding -> L x [RMSNorm -> q/k/v projections -> (Qwen3: per-head q/k RMSNorm)
-    -> rope_and_cache (RoPE on q and k, K and V written into ONE stacked paged cache [L, ...] at
+    token embedding -> L x [RMSNorm -> ONE fused q/k/v projection -> (Qwen3: per-head q/k RMSNorm)
+    -> rope_and_cache_qkv (RoPE on q and k, K and V written into ONE stacked paged cache [L, ...] at
     layer l) -> GQA attention over the sequence's cache blocks (block-table gather) -> o-projection
     -> RMSNorm -> SwiGLU MLP] -> RMSNorm -> LM head -> greedy argmax
 
@@ -18,6 +18,11 @@ Where it sits: above `api` (it calls the op) and below `cli/` (the `generate` co
 
 Attention reads the caches with its own block gather, written from the layout table in the README
 (not from the library's index helpers), so a layout bug in the op shows as a wrong token.
+
+The q, k and v projection weights are concatenated once when the decoder is built (`fuse_qkv`), so a
+layer computes qkv with one matmul and hands it to `rope_and_cache_qkv`, which reads q, k and v in
+place: no slice of the projection is copied before the op. `random_params` and `hf_state_dict` keep
+the three separate weights (the checkpoint's form).
 
 Qwen3's q_norm / k_norm are the op's own fused QK-RMSNorm (q_norm_weight / k_norm_weight with the
 config's rms_norm_eps): no separate pass over q and k. impl="baseline" skips them with the rest of the op.
@@ -252,6 +257,14 @@ def hf_state_dict(cfg: DecoderConfig, params: dict) -> dict[str, np.ndarray]:
     return sd
 
 
+def fuse_qkv(params: dict) -> dict:
+    """params with each layer's wq, wk, wv replaced by wqkv = [wq | wk | wv] ([L, H, (QH + 2 KH) * D]):
+    x @ wqkv is the fused QKV tensor rope_and_cache_qkv reads (each token's q heads, k heads, v heads)."""
+    layers = dict(params["layers"])
+    layers["wqkv"] = jnp.concatenate([layers.pop("wq"), layers.pop("wk"), layers.pop("wv")], axis=-1)
+    return {**params, "layers": layers}
+
+
 # ---- paged cache bookkeeping ----------------------------------------------------------------------
 class BlockAllocator:
     """Cache blocks handed out from a free list (shuffled by `seed`, so one sequence's blocks are
@@ -401,7 +414,7 @@ class Decoder:
         self.blocks_per_seq = -(-self.max_len // block_size)
         num_blocks = num_blocks or max_seqs * self.blocks_per_seq
         self.allocator = BlockAllocator(num_blocks, block_size, seed=seed)
-        self.params = jax.device_put(jax.tree.map(lambda a: jnp.asarray(a, self.dtype), params), self.device)
+        self.params = fuse_qkv(jax.device_put(jax.tree.map(lambda a: jnp.asarray(a, self.dtype), params), self.device))
         self.key_cache, self.value_cache = self._new_caches(num_blocks, cache_fill, seed)
         # Matmuls in full float32 where the model is float32 (GPUs would otherwise use TF32).
         self._precision = jax.lax.Precision.HIGHEST if self.dtype == np.float32 else None
@@ -453,17 +466,19 @@ class Decoder:
             x, kc, vc = carry
             w, i = xs
             h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
-            q = self._mm(h, w["wq"]).reshape(B * P, cfg.q_heads, cfg.head_dim)
-            k = self._mm(h, w["wk"]).reshape(B * P, cfg.kv_heads, cfg.head_dim)
-            v = self._mm(h, w["wv"]).reshape(B * P, cfg.kv_heads, cfg.head_dim)
+            qkv = self._mm(h, w["wqkv"]).reshape(B * P, -1)  # [B*P, (QH + 2 KH) * D]: one projection
             if self.impl == "baseline":
+                qh, kh, d = cfg.q_heads, cfg.kv_heads, cfg.head_dim
+                q = qkv[:, :qh * d].reshape(B * P, qh, d)
+                k, v = (qkv[:, (qh + j * kh) * d:(qh + (j + 1) * kh) * d].reshape(B * P, kh, d) for j in (0, 1))
                 kc, vc = touch_caches(kc, vc, k, v, slots, i, self.block_size)
             else:
                 norm = dict(q_norm_weight=w["q_norm"], k_norm_weight=w["k_norm"],
                             norm_eps=cfg.rms_norm_eps) if cfg.qk_norm else {}
-                q, k, kc, vc = jrc.rope_and_cache(q, k, v, kc, vc, slots, flat_pos, cos, sin, layout=self.layout,
-                                                  is_neox=self.is_neox, rotary_dim=self.rotary_dim,
-                                                  impl=self.impl, layer=i, **norm)
+                q, k, kc, vc = jrc.rope_and_cache_qkv(qkv, kc, vc, slots, flat_pos, cos, sin,
+                                                      num_q_heads=cfg.q_heads, num_kv_heads=cfg.kv_heads,
+                                                      layout=self.layout, is_neox=self.is_neox,
+                                                      rotary_dim=self.rotary_dim, impl=self.impl, layer=i, **norm)
             keys, values = gather_blocks(kc, vc, i, block_table, self.layout)
             o = self._attend(q.reshape(B, P, cfg.q_heads, cfg.head_dim), keys, values, q_pos)
             x = x + self._mm(o, w["wo"])

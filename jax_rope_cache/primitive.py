@@ -47,7 +47,8 @@ def _check_operands(avals, spec: contract.OpSpec) -> None:
         if np.dtype(aval.dtype) != np.dtype(want[name]):
             raise TypeError(f"rope_and_cache (internal): operand {name} is {np.dtype(aval.dtype).name}, but the "
                             f"call was specialised for {np.dtype(want[name]).name}")
-    if tuple(avals[0].shape) != (spec.num_tokens, spec.q_heads, spec.head_dim) or \
+    inputs = contract.input_shapes(spec)
+    if any(tuple(a.shape) != inputs[n] for n, a in zip(("q", "k", "v"), avals[:3])) or \
             tuple(avals[5].shape) != (spec.num_tokens,) or \
             tuple(avals[6].shape) != ((spec.num_tokens,) if spec.mrope_section is None else (3, spec.num_tokens)):
         raise ValueError(f"rope_and_cache (internal): operand shapes {[list(a.shape) for a in avals[:7]]} do not "
@@ -66,7 +67,9 @@ def _check_operands(avals, spec: contract.OpSpec) -> None:
 def _abstract_eval(q, k, v, key_cache, value_cache, *rest, spec, impl):
     del impl
     _check_operands((q, k, v, key_cache, value_cache) + tuple(rest), spec)
-    return [q.update(), k.update(), key_cache.update(), value_cache.update()]
+    t, d = spec.num_tokens, spec.head_dim
+    return [q.update(shape=(t, spec.q_heads, d)), k.update(shape=(t, spec.kv_heads, d)), key_cache.update(),
+            value_cache.update()]
 
 
 def _xla_fallback(*args, spec, impl):

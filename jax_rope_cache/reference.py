@@ -318,3 +318,18 @@ def read_kv(key_cache, value_cache, slot_mapping, *, layout="flash"):
     vv = read_tokens(value_cache, "value", layout, blk, off, kh, d)
     zero = np.zeros((), key_cache.dtype)
     return np.where(valid[:, None, None], kk, zero), np.where(valid[:, None, None], vv, zero)
+
+
+def split_qkv(qkv, num_q_heads: int, num_kv_heads: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(q [T, QH, D], k [T, KH, D], v [T, KH, D]) of a fused QKV tensor [T, (QH + 2 KH) * D] or
+    [T, QH + 2 KH, D] (each token's q heads, then its k heads, then its v heads)."""
+    t, qh, kh, d = contract.check_qkv(qkv, num_q_heads, num_kv_heads)
+    x = np.asarray(qkv).reshape(t, qh + 2 * kh, d)
+    return x[:, :qh], x[:, qh:qh + kh], x[:, qh + kh:]
+
+
+def rope_and_cache_qkv(qkv, key_cache, value_cache, slot_mapping, positions, cos, sin, *, num_q_heads,
+                       num_kv_heads, **options):
+    """rope_and_cache of the fused QKV tensor: the same as rope_and_cache(*split_qkv(qkv, ...), ...)."""
+    return rope_and_cache(*split_qkv(qkv, num_q_heads, num_kv_heads), key_cache, value_cache, slot_mapping,
+                          positions, cos, sin, **options)

@@ -14,7 +14,9 @@ extension, then runs pytest. With no test path, all of tests/ runs.
   --help      this text; installs nothing
 
 Anything else goes to pytest: a file (tests/test_errors.py), -k EXPR, -x, -q ...
-Environment: JRC_JAX_EXTRA=cuda13 | rocm7-local picks jax's GPU plugin; JRC_VENV another venv.
+Environment: JRC_JAX_EXTRA=cuda13 | rocm7-local picks jax's GPU plugin (and runs the tests in one
+process); JRC_TEST_WORKERS sets the number of test processes of a CPU run (default: one per core);
+JRC_VENV another venv.
 USAGE
 }
 tier=default
@@ -34,5 +36,11 @@ install_test_deps() {
 when_changed test-deps "$(sha256sum "$ROOT/scripts/test-requirements.txt" | cut -c1-16)" install_test_deps
 cd "$ROOT"
 export JRC_TEST_TIER=$tier
+# CPU-only runs spread the tests over the machine's cores (pytest-xdist); GPU runs stay in one
+# process (one GPU, and tests that count kernel launches). -n or -p given by the caller wins.
+workers=()
+if [ -z "${JRC_JAX_EXTRA:-}" ] && [[ " ${args[*]-} " != *" -n"* && " ${args[*]-} " != *" -p "* ]]; then
+  workers=(-n "${JRC_TEST_WORKERS:-auto}")
+fi
 # -P: tests import the installed package (the source folder holds the same code and a link to its extension).
-exec "$PY" -P -m pytest -q "${args[@]}"
+exec "$PY" -P -m pytest -q "${workers[@]}" "${args[@]}"

@@ -499,7 +499,8 @@ def run(kernel_module, cfg, operands: list[np.ndarray]) -> list[np.ndarray]:
     grid = -(-T // cfg.tpb)
     M = Machine(cfg.nt)
     addrs = [M.alloc(a) for a in operands]
-    q_out, k_out = np.zeros_like(q), np.zeros_like(k)
+    # q_out [T, QH, D], k_out [T, KH, D] (q, k and v may each be the fused [T, QH + 2 KH, D] tensor)
+    q_out, k_out = np.zeros((T, cfg.qh, cfg.d), q.dtype), np.zeros((T, cfg.kh, cfg.d), k.dtype)
     a_qo, a_ko = M.alloc(q_out), M.alloc(k_out)
     # the caches are aliased: results = operands 3 and 4
     args_py = addrs + [a_qo, a_ko, addrs[3], addrs[4]] + [a.shape[0] if a.ndim else 1 for a in operands]

@@ -385,7 +385,8 @@ def run_emulation(spec, args, k_scale, v_scale, tmp_dir, layer=0, num_sms=cuda.D
     vs = np.ascontiguousarray(v_scale if v_scale is not None else 1.0, np.float32)
     absent = np.full(1, np.nan, np.float32)  # an absent weight's placeholder (never read)
     wq, wk = (absent if w is None else np.ascontiguousarray(w) for w in (q_norm_weight, k_norm_weight))
-    outs = (np.full_like(q, 7), np.full_like(k, 7), kc, vc)
+    t, d = spec.num_tokens, spec.head_dim  # q, k, v may each be the fused [T, QH + 2 KH, D] (spec.qkv)
+    outs = (np.full((t, spec.q_heads, d), 7, q.dtype), np.full((t, spec.kv_heads, d), 7, k.dtype), kc, vc)
     (q_out, k_out, kc_out, vc_out), guards = zip(*(_guarded(a) for a in outs))
     ops = [q, k, v, kc_out, vc_out, slots, pos, cos, sin, ks, vs, np.array(layer, np.int32), wq, wk]
     p = _Params()

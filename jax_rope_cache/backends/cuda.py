@@ -285,6 +285,8 @@ def kernel_config(spec: contract.OpSpec, num_sms: int = DEFAULT_SMS, vch: int | 
         defines = tuple(d for d in defines if not d[0].startswith("RC_MROPE"))
     if c.x:  # a non-default X (the default: no RC_X, the variant and its cache key as before)
         defines += (("RC_X", c.x),)
+    if c.qkv:  # the fused QKV input (the default: no RC_QKV, the variant and its cache key as before)
+        defines += (("RC_QKV", 1),)
     if (K_PAIRS if kpairs is None else kpairs) and xp and tpb % 2 == 0:
         defines += (("RC_KPAIRS", 1),)
     if parts > 1:
@@ -373,8 +375,8 @@ def check_node_shapes(avals_in, spec: contract.OpSpec) -> None:
                                            spec.head_dim, spec.cache_dtype, spec.x)
     lead = () if spec.num_layers is None else (spec.num_layers,)
     width = spec.rotary_dim if spec.table_full else spec.rotary_dim // 2
-    t, qh, kh, d = spec.num_tokens, spec.q_heads, spec.kv_heads, spec.head_dim
-    want = {"q": (t, qh, d), "k": (t, kh, d), "v": (t, kh, d), "key_cache": lead + kshape, "value_cache": lead + vshape,
+    t = spec.num_tokens
+    want = {**contract.input_shapes(spec), "key_cache": lead + kshape, "value_cache": lead + vshape,
             "slot_mapping": (t,), "positions": (3, t) if spec.mrope_section else (t,),
             "cos": (spec.max_pos, width), "sin": (spec.max_pos, width),
             "layer": ()}

@@ -214,6 +214,9 @@ def scatter_kv(key_cache, value_cache, kq, vq, blk, off, spec: contract.OpSpec, 
 
 def rope_and_cache(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
                    k_scale, v_scale, layer, q_norm_weight, k_norm_weight, spec: contract.OpSpec):
+    if spec.qkv:  # q, k and v are each the fused [T, QH + 2 KH, D] tensor: slices XLA fuses into their consumers
+        qh, kh = spec.q_heads, spec.kv_heads
+        q, k, v = q[:, :qh], k[:, qh:qh + kh], v[:, qh + kh:]
     if spec.q_norm_dtype is not None:
         q = rms_norm(q, q_norm_weight, spec)
     if spec.k_norm_dtype is not None:

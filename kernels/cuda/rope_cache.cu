@@ -52,6 +52,10 @@
 //   RC_MROPE_T, _H, _W           the sections: rotary frequency i takes its table values from the row
 //                                of stream rc_mrope_stream(i, RC_MROPE, T, H, W) (rope_cache_math.h);
 //                                each stream's position is clamped on its own
+//   RC_QKV                       0 (default): q [T, QH, D], k and v [T, KH, D]; 1: the q, k and v operands
+//                                are each the fused QKV tensor [T, QH + 2 KH, D] (rope_and_cache_qkv):
+//                                q head h of token t at row t, head h; k head h at head QH + h; v head h
+//                                at head QH + KH + h (in_row_of, v_row_of); outputs as with 0
 // Without the norm and per-head scales (all at their defaults) the kernel is the same code as
 // before them (every norm / per-head-scale path is behind `if constexpr`).
 //
@@ -525,10 +529,25 @@ struct Params {
   i64 dim0[14];
 };
 
-// Row of one token's head h (h < QH: q, else k head h - QH) in the rotation inputs.
+// Row of one token's head h (h < QH: q, else k head h - QH) in the rotation outputs (q_out, k_out).
 __device__ __forceinline__ i64 row_of(i64 t, int h) {
   return h < QH ? (t * QH + h) * (i64)D : (t * KH + (h - QH)) * (i64)D;
 }
+// The inputs' rows (elements): separate q [T, QH, D], k/v [T, KH, D], or with RC_QKV each operand the
+// fused [T, QH + 2 KH, D] (q heads, then k heads, then v heads of a token).
+#ifndef RC_QKV
+#define RC_QKV 0
+#endif
+constexpr bool QKV = RC_QKV != 0;
+constexpr i64 IN_QROW = QKV ? (i64)(QH + 2 * KH) * D : (i64)QH * D;   // elements per token in q's operand
+constexpr i64 IN_KVROW = QKV ? (i64)(QH + 2 * KH) * D : (i64)KH * D;  // ... in k's and v's
+constexpr i64 IN_KOFF = QKV ? (i64)QH * D : 0, IN_VOFF = QKV ? (i64)(QH + KH) * D : 0;
+// Row of token t's head h (h < QH: q, else k head h - QH) in the rotation inputs (q, k).
+__device__ __forceinline__ i64 in_row_of(i64 t, int h) {
+  return h < QH ? t * IN_QROW + (i64)h * D : t * IN_KVROW + IN_KOFF + (i64)(h - QH) * D;
+}
+// Row of token t's kv head h in v.
+__device__ __forceinline__ i64 v_row_of(i64 t, int h) { return t * IN_KVROW + IN_VOFF + (i64)h * D; }
 
 // The slots this call writes: slot s in [0, n) lands at cache slot base + s (base: the layer's first).
 struct SlotRange {
@@ -776,7 +795,7 @@ __device__ __forceinline__ RotIdx rot_idx(int u) {
   return RotIdx{tt, r / P, r % P};
 }
 __device__ __forceinline__ const char* rot_src(const Params& p, i64 t, int h, int j) {
-  return static_cast<const char*>(h >= QH ? p.k : p.q) + (row_of(t, h) + j * W) * S_IN;
+  return static_cast<const char*>(h >= QH ? p.k : p.q) + (in_row_of(t, h) + j * W) * S_IN;
 }
 
 constexpr int NSUB = NEOX ? 2 : 1;  // subtrees per lane: NeoX chunk j (first half) and j + P (second)
@@ -1038,7 +1057,7 @@ __device__ __forceinline__ void pass_unit(const Params& p, i64 T, i64 t0, int u,
   const int r = u % (RH * CP), h = r / CP, c = PASS0 + r % CP;
   const bool is_k = h >= QH;
   const i64 row = row_of(t, h);
-  const char* src = static_cast<const char*>(is_k ? p.k : p.q) + (row + c * W) * S_IN;
+  const char* src = static_cast<const char*>(is_k ? p.k : p.q) + (in_row_of(t, h) + c * W) * S_IN;
   Chunk x = load_chunk_now(src, 0);
   const i64 s_raw = load_index_after(p.slots, t, RC_SLOT64 != 0, src);
   const bool ok = is_k && s_raw >= 0 && s_raw < sr.n;
@@ -1059,7 +1078,7 @@ __device__ __forceinline__ void v_unit_flash(const Params& p, i64 T, i64 t0, int
   const i64 t = t0 + u / (KH * CH);
   if (t >= T) return;
   const int r = u % (KH * CH), h = r / CH, c = r % CH;
-  const char* src = static_cast<const char*>(p.v) + ((t * KH + h) * (i64)D + c * W) * S_IN;
+  const char* src = static_cast<const char*>(p.v) + (v_row_of(t, h) + c * W) * S_IN;
   const Chunk x = load_chunk_now(src, 0);  // in bounds whatever the slot
   const i64 s_raw = load_index_after(p.slots, t, RC_SLOT64 != 0, src);
   const bool ok = s_raw >= 0 && s_raw < sr.n;
@@ -1112,7 +1131,7 @@ __device__ __forceinline__ void v_unit_xpacked(const Params& p, i64 T, i64 t0, i
 #pragma unroll
   for (int i = 0; i < VG; ++i) {
     const bool in = tg + i < T;
-    x[i] = in ? load_elem_now(p.v, ((tg + i) * KH + h) * (i64)D + d) : (raw_in)0;
+    x[i] = in ? load_elem_now(p.v, v_row_of(tg + i, h) + d) : (raw_in)0;
     if (i > 0) run = run && in && valid_slot(p, tg + i, sr) == s0 + i;
   }
   if (run) {  // one aligned piece of X consecutive offsets of one value row
@@ -1247,12 +1266,12 @@ __device__ __forceinline__ void v_unit_xpacked_vec(const Params& p, i64 T, i64 t
   const i64 tg = t0 + (i64)ix.g * VG;
   if (tg >= T) return;
   if constexpr (VS_HEADS) inv_v = head_inv(p.v_scale, h, inv_v, true);
-  const raw_in* src = static_cast<const raw_in*>(p.v) + (tg * KH + h) * (i64)D + d0;
+  const raw_in* src = static_cast<const raw_in*>(p.v) + v_row_of(tg, h) + d0;
   VChans x[VG];
 #pragma unroll
   for (int i = 0; i < VG; ++i) {
     x[i].v = VecOf<VCB>::T{};
-    if (tg + i < T) x[i].v = load_now<VecOf<VCB>::T>(src + i * KH * D);
+    if (tg + i < T) x[i].v = load_now<VecOf<VCB>::T>(src + i * IN_KVROW);
   }
   raw_cache* vc = static_cast<raw_cache*>(p.vc);
   if constexpr (V_RUNS) {
@@ -1299,10 +1318,10 @@ __device__ __forceinline__ void v_unit_run(const Params& p, i64 t0, int u, SlotR
   const int h = ix.h, d0 = ix.c * C;
   const i64 tg = t0 + (i64)ix.g * VG;
   if constexpr (VS_HEADS) inv_v = head_inv(p.v_scale, h, inv_v, true);
-  const raw_in* src = static_cast<const raw_in*>(p.v) + (tg * KH + h) * (i64)D + d0;
+  const raw_in* src = static_cast<const raw_in*>(p.v) + v_row_of(tg, h) + d0;
   VChansT<C> x[VG];
 #pragma unroll
-  for (int i = 0; i < VG; ++i) x[i].v = load_now<typename VecOf<vcb(C)>::T>(src + i * KH * D);
+  for (int i = 0; i < VG; ++i) x[i].v = load_now<typename VecOf<vcb(C)>::T>(src + i * IN_KVROW);
   const i64 s0 = sr.base + load_index(p.slots, tg, RC_SLOT64 != 0);
 #ifdef RC_EMULATE
   if (run_slot(p, tg, sr) != s0) ++rc_emu_errors;  // the block's decision said: an aligned run

@@ -90,6 +90,11 @@ struct Problem {
   const void *q, *k, *v, *slots, *pos, *cos, *sin;
   void *q_out, *k_out, *kc, *vc;
   int64_t T, QH, KH, D, R, NB, BS, max_pos, width, X;
+  // Where the inputs' rows are (elements): head h of token t is q[t * q_row + h * D],
+  // k[t * kv_row + k_off + h * D], v[t * kv_row + v_off + h * D]. Separate q, k, v: q_row = QH * D,
+  // kv_row = KH * D, offsets 0; the fused QKV tensor [T, QH + 2 KH, D] in all three: q_row = kv_row =
+  // (QH + 2 KH) * D, k_off = QH * D, v_off = (QH + KH) * D.
+  int64_t q_row, kv_row, k_off, v_off;
   int dt, table_dt, cache_dt, layout, arith;  // arith: rc_arith(native, dt, table_dt)
   bool neox, slots64, pos64, full_table;
   const float *inv_k_scale, *inv_v_scale;  // per kv head (one scale: KH copies)
@@ -263,13 +268,13 @@ JRC_CPU_CLONES void RunTokensT(const Problem& p, int64_t t0, int64_t t1) {
     }
     for (int64_t h = 0; h < p.QH; ++h) {
       const int64_t o = (t * p.QH + h) * p.D;
-      const T* x = q + o;
+      const T* x = q + t * p.q_row + h * p.D;
       if (p.q_norm_w) NormRow<DT>(x, normed.get(), p.q_norm_w, p.D, p.norm_eps, sq.get()), x = normed.get();
       RotateRow<DT, ARITH, kNeox, false>(p, x, q_out + o, ca, cb, sa, sb, nullptr);
     }
     for (int64_t h = 0; h < p.KH; ++h) {
       const int64_t o = (t * p.KH + h) * p.D;
-      const T* x = k + o;
+      const T* x = k + t * p.kv_row + p.k_off + h * p.D;
       if (p.k_norm_w) NormRow<DT>(x, normed.get(), p.k_norm_w, p.D, p.norm_eps, sq.get()), x = normed.get();
       RotateRow<DT, ARITH, kNeox, kWide>(p, x, k_out + o, ca, cb, sa, sb, kWide ? k_wide.get() + h * p.D : nullptr);
     }
@@ -277,7 +282,7 @@ JRC_CPU_CLONES void RunTokensT(const Problem& p, int64_t t0, int64_t t1) {
     if (slot < 0 || slot >= p.NB * p.BS) continue;
     for (int64_t h = 0; h < p.KH; ++h) {
       const int64_t o = (t * p.KH + h) * p.D;
-      WriteRow<DT, CDT>(p, Locate(p, slot / p.BS, slot % p.BS, h), k_out + o, v + o,
+      WriteRow<DT, CDT>(p, Locate(p, slot / p.BS, slot % p.BS, h), k_out + o, v + t * p.kv_row + p.v_off + h * p.D,
                         kWide ? k_wide.get() + h * p.D : nullptr, p.inv_k_scale[h], p.inv_v_scale[h]);
     }
   }
@@ -484,12 +489,23 @@ ffi::Error ValidateCall(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const 
   if (layout < RC_FLASH || layout > RC_HND)
     return Invalid("attribute layout: expected 0 (flash), 1 (xpacked), 2 (xpacked_shuffled) or 3 (hnd), got " +
                    std::to_string(layout));
-  // q fixes T, QH, D and the input dtype.
-  const auto qd = q.dimensions();
+  // q fixes T, D and the input dtype; QH and KH are q_out's and k_out's head counts. q with more
+  // heads than q_out is the fused QKV tensor [T, QH + 2 KH, D], passed as k and v too.
+  const auto qd = q.dimensions(), qod = q_out.dimensions(), kod = k_out.dimensions();
   if (!IsInputType(q.element_type()))
     return Invalid(std::string("q: expected dtype float32, bfloat16 or float16, got ") + TypeName(q.element_type()));
   if (qd.size() != 3) return Invalid("q: expected rank 3 [T, QH, D], got dims " + DimsString(qd));
-  const int64_t T = qd[0], QH = qd[1], D = qd[2];
+  if (qod.size() != 3) return Invalid("q_out: expected rank 3 [T, QH, D], got dims " + DimsString(qod));
+  const bool fused = qod[1] != qd[1];
+  const int64_t T = qd[0], QH = qod[1], D = qd[2];
+  if (fused) {  // the fused tensor: k_out says KH; q, k and v are [T, QH + 2 KH, D]
+    if (kod.size() != 3) return Invalid("k_out: expected rank 3 [T, KH, D], got dims " + DimsString(kod));
+    const int64_t KH = kod[1];
+    if (KH < 1 || QH < KH || QH % KH || qd[1] != QH + 2 * KH)
+      return Invalid("q: expected dims [T, QH, D] with QH = q_out's " + std::to_string(QH) +
+                     ", or the fused QKV tensor [T, QH + 2 KH, D] with KH = k_out's " + std::to_string(KH) +
+                     " dividing QH, got dims " + DimsString(qd));
+  }
   if (D < 2 || D % 2) return Invalid("q: expected an even head_dim D >= 2, got D=" + std::to_string(D));
   if (rotary_dim < 2 || rotary_dim % 2 || rotary_dim > D)
     return Invalid("attribute rotary_dim: expected an even value in [2, D=" + std::to_string(D) + "], got " +
@@ -498,12 +514,14 @@ ffi::Error ValidateCall(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const 
   JRC_CHECK(ExpectType("k", k, dt, "as q"));
   const auto kd = k.dimensions();
   if (kd.size() != 3) return Invalid("k: expected rank 3 [T, KH, D], got dims " + DimsString(kd));
-  const int64_t KH = kd[1];
+  const int64_t KH = fused ? kod[1] : kd[1];
   if (KH < 1 || QH % KH)
     return Invalid("k: expected KH >= 1 dividing QH=" + std::to_string(QH) + ", got dims " + DimsString(kd));
-  JRC_CHECK(ExpectDims("k", k, {T, KH, D}, "[T, KH, D]"));
+  const std::vector<int64_t> kv_dims = fused ? std::vector<int64_t>{T, QH + 2 * KH, D} : std::vector<int64_t>{T, KH, D};
+  const char* kv_names = fused ? "[T, QH + 2 KH, D] (the fused QKV tensor, as q)" : "[T, KH, D]";
+  JRC_CHECK(ExpectDims("k", k, kv_dims, kv_names));
   JRC_CHECK(ExpectType("v", v, dt, "as q"));
-  JRC_CHECK(ExpectDims("v", v, {T, KH, D}, "[T, KH, D]"));
+  JRC_CHECK(ExpectDims("v", v, kv_dims, kv_names));
 
   // The key cache fixes the cache dtype, L (stacked), NB and BS; the value cache must agree.
   const ffi::DataType cdt = key_cache.element_type();
@@ -604,7 +622,9 @@ ffi::Error ValidateCall(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const 
     const std::string as = std::string("as ") + src_name;
     JRC_CHECK(ExpectType(names[i], *outs[i], src->element_type(), as.c_str()));
     auto sd = src->dimensions();
-    JRC_CHECK(ExpectDims(names[i], *outs[i], std::vector<int64_t>(sd.begin(), sd.end()), as));
+    std::vector<int64_t> want(sd.begin(), sd.end());
+    if (i < 2) want = {T, i == 0 ? QH : KH, D};  // q_out [T, QH, D], k_out [T, KH, D] (also from the fused tensor)
+    JRC_CHECK(ExpectDims(names[i], *outs[i], want, i < 2 ? (i == 0 ? "[T, QH, D]" : "[T, KH, D]") : as));
   }
   return ffi::Error::Success();
 }
@@ -628,9 +648,14 @@ ffi::Error CpuRopeAndCache(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
     return e;
   Problem p{};
   auto qd = q.dimensions(), kd = k.dimensions(), cd = cos.dimensions();
-  if (qd.size() != 3 || kd.size() != 3 || cd.size() != 2 || key_cache.dimensions().size() < 4)
+  auto qod = q_out->dimensions(), kod = k_out->dimensions();
+  if (qd.size() != 3 || kd.size() != 3 || qod.size() != 3 || kod.size() != 3 || cd.size() != 2 ||
+      key_cache.dimensions().size() < 4)
     return ffi::Error::InvalidArgument("rope_and_cache cpu: unexpected ranks");
-  p.T = qd[0], p.QH = qd[1], p.D = qd[2], p.KH = kd[1], p.R = rotary_dim;
+  p.T = qd[0], p.QH = qod[1], p.D = qd[2], p.KH = kod[1], p.R = rotary_dim;
+  const bool fused = qd[1] != p.QH;  // ValidateCall: then q, k and v are the fused [T, QH + 2 KH, D]
+  p.q_row = qd[1] * p.D, p.kv_row = kd[1] * p.D;
+  p.k_off = fused ? p.QH * p.D : 0, p.v_off = fused ? (p.QH + p.KH) * p.D : 0;
   p.max_pos = cd[0], p.width = cd[1], p.layout = static_cast<int>(layout);
   p.dt = DtypeCode(q.element_type()), p.table_dt = DtypeCode(cos.element_type());
   p.cache_dt = DtypeCode(key_cache.element_type());
@@ -656,6 +681,11 @@ ffi::Error CpuRopeAndCache(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
   if (auto e = CheckSame("k tokens", kd[0], p.T); e.failure()) return e;
   if (auto e = CheckSame("k head_dim", kd[2], p.D); e.failure()) return e;
   if (auto e = CheckSame("v elements", v.element_count(), k.element_count()); e.failure()) return e;
+  // The rows read stay inside q, k and v: the last head of a row ends at its row's end.
+  if (auto e = CheckSame("q elements", q.element_count(), p.T * p.q_row); e.failure()) return e;
+  if (auto e = CheckSame("k elements", k.element_count(), p.T * p.kv_row); e.failure()) return e;
+  if (auto e = CheckSame("q row", p.q_row, fused ? (p.QH + 2 * p.KH) * p.D : p.QH * p.D); e.failure()) return e;
+  if (auto e = CheckSame("k row", p.kv_row, fused ? (p.QH + 2 * p.KH) * p.D : p.KH * p.D); e.failure()) return e;
   const int64_t layer_elems = p.NB * p.BS * p.KH * p.D;
   if (auto e = CheckSame("key_cache elements", key_cache.element_count(), num_layers * layer_elems); e.failure())
     return e;

@@ -132,6 +132,9 @@ class RocmKernelConfig:
     # X of the x-packed layouts when not 16 bytes of cache elements (the key cache's last dim); 0: the
     # default. A key-cache store of a chunk wider than X is one store per X group.
     pack_x: int = 0
+    # the q, k and v operands are each the fused QKV tensor [T, QH + 2 KH, D] (q heads, then k heads,
+    # then v heads of a token): inputs read at those head offsets with that row stride
+    qkv: bool = False
 
     @property
     def x(self) -> int:
@@ -152,6 +155,8 @@ class RocmKernelConfig:
                 continue  # M-RoPE off: the key of a configuration without the option
             if f.name == "pack_x" and not self.pack_x:
                 continue  # the default X: the key of a configuration without the option
+            if f.name == "qkv" and not self.qkv:
+                continue  # separate q, k, v: the key of a configuration without the option
             v = getattr(self, f.name)  # floats by their f32 bits: eps values must not collide
             out.append(struct.pack("<f", v).hex() if isinstance(v, float) else str(int(v)))
         return "_".join(out)
@@ -223,7 +228,7 @@ def latency_regime(num_tokens: int | None) -> bool:
 def make_config(*, qh, kh, d, r, bs, layout, neox, full_table, native, dt, tab_dt, cache_dt, slot64,
                 pos64, layer_blocks: int = 0, q_norm: int = -1, k_norm: int = -1, norm_eps: float = 0.0,
                 k_scale_heads: bool = False, v_scale_heads: bool = False, mrope: int = 0, mrope_t: int = 0,
-                mrope_h: int = 0, mrope_w: int = 0, x: int = 0, nt: int = 256, rot_cap: int | None = None,
+                mrope_h: int = 0, mrope_w: int = 0, x: int = 0, qkv: bool = False, nt: int = 256, rot_cap: int | None = None,
                 width_cap: int | None = None, latency: bool = False) -> RocmKernelConfig:
     """`rot_cap` / `width_cap`: at most that many elements per rotation chunk / per pass-through and
     V chunk (narrower accesses, fewer values in flight per lane: the occupancy candidates of
@@ -232,6 +237,8 @@ def make_config(*, qh, kh, d, r, bs, layout, neox, full_table, native, dt, tab_d
     geometry is that of the same shape without it (only the table rows differ).
     `x`: X of the x-packed layouts (a power of two dividing D, and BS for xpacked_shuffled); 0 or
     16 // cache itemsize: the default.
+    `qkv`: q, k and v are each the fused [T, QH + 2 KH, D] tensor (the geometry is unchanged; only the
+    input rows' stride and head offsets differ).
 
     Two regimes (`latency`, from latency_regime(T)):
       * bandwidth (large or unknown T): `nt` threads, as many tokens per workgroup as its lanes hold;
@@ -284,7 +291,8 @@ def make_config(*, qh, kh, d, r, bs, layout, neox, full_table, native, dt, tab_d
                                 q_norm=int(q_norm), k_norm=int(k_norm),
                                 norm_eps=float(norm_eps) if norm else 0.0, k_scale_heads=bool(k_scale_heads),
                                 v_scale_heads=bool(v_scale_heads), latency=bool(latency), mrope=int(mrope),
-                                mrope_t=section[0], mrope_h=section[1], mrope_w=section[2], pack_x=pack_x)
+                                mrope_t=section[0], mrope_h=section[1], mrope_w=section[2], pack_x=pack_x,
+                                qkv=bool(qkv))
 
     def cpx(w):
         return (r // 2) // w if neox else r // w
@@ -849,9 +857,19 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
         base = E.add(ptr, E.mul(t0, c64(row_bytes)))
         return E.rsrc(base, E.mul(rows, c64(row_bytes)))
 
-    rs_q = row_rsrc(p_q, QH * D * s_in)
-    rs_k = row_rsrc(p_k, KH * D * s_in)
-    rs_v = row_rsrc(p_v, KH * D * s_in)
+    if cfg.qkv:  # each of q, k, v the fused [T, QH + 2 KH, D]: a descriptor from each one's first head
+        QKV_ROW = (QH + 2 * KH) * D * s_in
+
+        def head_rsrc(ptr, first_head):
+            skip = first_head * D * s_in
+            return E.rsrc(E.add(ptr, E.add(E.mul(t0, c64(QKV_ROW)), c64(skip))),
+                          E.sub(E.mul(rows, c64(QKV_ROW)), c64(skip)))
+
+        rs_q, rs_k, rs_v = head_rsrc(p_q, 0), head_rsrc(p_k, QH), head_rsrc(p_v, QH + KH)
+    else:
+        rs_q = row_rsrc(p_q, QH * D * s_in)
+        rs_k = row_rsrc(p_k, KH * D * s_in)
+        rs_v = row_rsrc(p_v, KH * D * s_in)
     rs_qo = row_rsrc(p_qo, QH * D * s_in)
     rs_ko = row_rsrc(p_ko, KH * D * s_in)
     rs_slot = row_rsrc(p_slot, 8 if cfg.slot64 else 4)
@@ -1049,6 +1067,13 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
     def head_offset(tl, h, nheads, ch0_bytes_i32):
         return E.add(E.mul(E.add(E.mul(tl, c32(nheads)), h), c32(D * s_in)), ch0_bytes_i32)
 
+    def in_offset(tl, h, nheads, ch0_bytes_i32):
+        """head_offset in an input (q, k or v; its descriptor starts at the workgroup's first token):
+        the fused tensor's rows hold QH + 2 KH heads."""
+        if not cfg.qkv:
+            return head_offset(tl, h, nheads, ch0_bytes_i32)
+        return E.add(E.add(E.mul(tl, c32(QKV_ROW)), E.mul(h, c32(D * s_in))), ch0_bytes_i32)
+
     def qk_head(h):
         """(is a Q head, kv head index (garbage for Q heads), kv head made safe for indexing)."""
         is_q = E.cmp("slt", h, c32(QH))
@@ -1066,14 +1091,22 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
         base, extra, n = chunk
         oq = head_offset(tl, h, QH, E.mul(base, c32(s_in)))
         ok = head_offset(tl, hk, KH, E.mul(base, c32(s_in)))
+        iq, ik = (in_offset(tl, h, QH, E.mul(base, c32(s_in))), in_offset(tl, hk, KH, E.mul(base, c32(s_in)))) \
+            if cfg.qkv else (oq, ok)  # the inputs' offsets (the fused rows), oq / ok the outputs'
         if extra:
             oq, ok = E.add(oq, c32(extra * s_in)), E.add(ok, c32(extra * s_in))
+            if cfg.qkv:
+                iq, ik = E.add(iq, c32(extra * s_in)), E.add(ik, c32(extra * s_in))
         nbytes = nbytes or n * s_in
         if hvalid is not None:
             big = c32(0x7FFFFFF0)  # past the descriptor: the hardware returns 0, drops stores
             oq = E.sel(hvalid, oq, big)
             ok = E.sel(hvalid, ok, big)
-        return load_qk(is_q, oq, ok, nbytes), oq, ok
+            if cfg.qkv:
+                iq, ik = E.sel(hvalid, iq, big), E.sel(hvalid, ik, big)
+        if not cfg.qkv:
+            iq, ik = oq, ok
+        return load_qk(is_q, iq, ik, nbytes), oq, ok
 
     # ---- QK-RMSNorm pieces ----
     def norm_weights(chunks, is_q, convert=True):
@@ -1440,7 +1473,7 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
         s_ok, s = token_slot(tl, tvalid)
         for h, hvalid, inv_v in heads:
             cw = E.mul(c, c32(WV * s_in))
-            off = head_offset(tl, h, KH, cw)
+            off = in_offset(tl, h, KH, cw)
             if hvalid is not None:
                 off = E.sel(hvalid, off, c32(0x7FFFFFF0))
             pv = E.buf_load_words(rs_v, off, WV * s_in)
