@@ -187,7 +187,7 @@ def rope_and_cache(q: ArrayLike, k: ArrayLike, v: ArrayLike, key_cache: Cache, v
       q: [T, QH, D] bfloat16, float16 or float32 queries.
       k, v: [T, KH, D] new keys and values, q's dtype; QH % KH == 0.
       key_cache, value_cache: the caches in `layout` (see below), q's dtype or float8_e4m3fn /
-        float8_e4m3fnuz; two different arrays. Updated in place when the caller's jit donates them
+        float8_e4m3fnuz / float8_e5m2 (vLLM's fp8_e5m2); two different arrays. Updated in place when the caller's jit donates them
         (or use `rope_and_cache_donated`), or when they are `jax.Ref`s (then nothing needs donating:
         the refs are written and also returned). With `layer`, stacked as [L, ...].
       slot_mapping: [T] int32/int64. Slot s is block s // BS, offset s % BS; slots outside

@@ -15,7 +15,7 @@ import numpy as np
 
 PRECISIONS = ("fp32", "native")
 INPUT_DTYPES = (np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16), np.dtype(np.float32))
-FP8_DTYPES = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e4m3fnuz))
+FP8_DTYPES = (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e4m3fnuz), np.dtype(ml_dtypes.float8_e5m2))
 INDEX_DTYPES = (np.dtype(np.int32), np.dtype(np.int64))
 # Element codes understood by the native kernels (kernels/common/rope_cache_math.h: RcDtype).
 DTYPE_CODES = {
@@ -24,8 +24,9 @@ DTYPE_CODES = {
     np.dtype(np.float16): 2,
     np.dtype(ml_dtypes.float8_e4m3fn): 3,
     np.dtype(ml_dtypes.float8_e4m3fnuz): 4,
+    np.dtype(ml_dtypes.float8_e5m2): 5,
 }
-FP8_MAX = {FP8_DTYPES[0]: 448.0, FP8_DTYPES[1]: 240.0}
+FP8_MAX = {FP8_DTYPES[0]: 448.0, FP8_DTYPES[1]: 240.0, FP8_DTYPES[2]: 57344.0}
 
 
 def dtype_names(dtypes) -> str:

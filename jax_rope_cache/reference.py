@@ -53,12 +53,14 @@ rounds float32 to the input dtype (nearest even), r32() is a float32 operation:
   fp8(clamp(float32(x) * inv, -max, max)) (round to nearest even, saturating), where
   inv = r32(1 / scale) (a scale of shape [KH]: kv head h uses scale[h]), and an inv that
   overflows to +-inf (|scale| < 2^-128: zero and tiny subnormal scales) is the largest finite float32 of its sign instead: 0 stays 0, other finite
-  values saturate, and a finite input never becomes NaN. The k value quantized is the rounded
+  values saturate, and a finite input never becomes NaN. The clamp comes first, so +-inf stores
+  +-max too: an fp8 cache never holds inf, also in float8_e5m2, the one cache format that has it
+  (max 57344; e4m3fn 448, e4m3fnuz 240). The k value quantized is the rounded
   k_out, except in "fused" native arithmetic, where it is the float32 value before the final
   rounding (what AITER quantizes with float32 tables).
 * NaN: every NaN the op computes (rotated channels, fp8 conversions) is the canonical quiet NaN,
   positive, all mantissa bits set: bf16/f16 0x7FFF, float32 0x7FFFFFFF, e4m3fn 0x7F, e4m3fnuz
-  0x80 (what Triton's bf16 conversion and NVIDIA's cvt write). Copies keep their bits.
+  0x80, e5m2 0x7F (what Triton's bf16 conversion and NVIDIA's cvt write). Copies keep their bits.
 * subnormals are kept everywhere (inputs, table values, products, sums, results).
 """
 
@@ -80,6 +82,7 @@ CANONICAL_NAN = {
     np.dtype(np.float32): 0x7FFFFFFF,
     np.dtype(ml_dtypes.float8_e4m3fn): 0x7F,
     np.dtype(ml_dtypes.float8_e4m3fnuz): 0x80,
+    np.dtype(ml_dtypes.float8_e5m2): 0x7F,
 }
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32}
 _F32_MAX = np.finfo(np.float32).max

@@ -13,6 +13,7 @@ from jax_rope_cache.mla import contract as mla_contract
 
 BF16, F16, F32 = np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16), np.dtype(np.float32)
 FN, FNUZ = np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e4m3fnuz)
+E5 = np.dtype(ml_dtypes.float8_e5m2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,4 +104,13 @@ CASES = [
     MlaCase(T=5, QH=2, Dn=24, Dc=40, Dr=12, BS=4, is_neox=True, dtype=F16, table_dtype=F32, q_out_dtype=FN,
             precision="native", layers=3),
     MlaCase(T=9, QH=16, Dn=512, Dc=512, Dr=64, BS=16, NB=4),  # DeepSeek-V3 TP8 (absorbed q)
+    # float8_e5m2 (vLLM's fp8_e5m2): "fused" wide fp8 in both outputs, stacked
+    MlaCase(T=6, layout="split", is_neox=True, dtype=BF16, table_dtype=F32, cache_dtype=E5, q_out_dtype=E5,
+            precision="native", layers=2),
+]
+# More float8_e5m2 for the full tier: the combined layout beside an e4m3 q_out, fp32, int64
+E5M2_FULL_CASES = [
+    MlaCase(dtype=F16, table_dtype=F16, cache_dtype=E5, q_out_dtype=FN, index_dtype="int64", full=True),
+    MlaCase(T=9, QH=16, Dn=512, Dc=512, Dr=64, BS=16, NB=4, dtype=BF16, table_dtype=BF16, cache_dtype=E5,
+            precision="native"),  # DeepSeek-V3 TP8, "rounded" arithmetic
 ]

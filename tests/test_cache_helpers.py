@@ -13,7 +13,7 @@ import jax_rope_cache as jrc
 from jax_rope_cache import contract, reference
 from conftest import Case, assert_bits_equal, make_problem, platforms
 
-DTYPES = [jnp.bfloat16, jnp.float16, jnp.float32, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e4m3fnuz]
+DTYPES = [jnp.bfloat16, jnp.float16, jnp.float32, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e4m3fnuz, ml_dtypes.float8_e5m2]
 
 
 @pytest.mark.parametrize("layout", contract.LAYOUTS)
@@ -37,7 +37,7 @@ def test_make_kv_cache_zeros():
 
 @pytest.mark.parametrize("platform", platforms())
 @pytest.mark.parametrize("layout", contract.LAYOUTS)
-@pytest.mark.parametrize("cache_dtype", [None, "float8_e4m3fn"])
+@pytest.mark.parametrize("cache_dtype", [None, "float8_e4m3fn", "float8_e5m2"])
 def test_read_kv_matches_reference(platform, layout, cache_dtype):
     args, opts = make_problem(Case(T=20, D=128, layout=layout, cache_dtype=cache_dtype), seed=21)
     _, _, kc, vc = reference.rope_and_cache(*args, **opts)

@@ -27,7 +27,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from conftest import make_spec, special_problem, tier_sample
+from conftest import TIER, make_spec, special_problem, tier_sample
+from e5m2_values import ROUNDING_EXPONENTS, boundary_f32, oracle_e5m2
 from jax_rope_cache import contract, reference
 
 nvrtc = pytest.importorskip("jax_rope_cache.compilers.nvrtc")
@@ -41,6 +42,7 @@ from jax_rope_cache.backends import cuda, launcher  # noqa: E402
 
 BF16, F16, F32 = np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16), np.dtype(np.float32)
 FN, FNUZ = np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e4m3fnuz)
+E5 = np.dtype(ml_dtypes.float8_e5m2)
 
 
 
@@ -123,6 +125,31 @@ def test_nvrtc_compiles_every_variant_without_spills(arch):
     failures = spill_failures([make_spec(**kw) for kw in MATRIX], [_id(kw) for kw in MATRIX], arch)
     assert not failures, "\n".join(failures[:5])
     assert len(MATRIX) >= 80
+
+
+# float8_e5m2 caches: every layout, both precisions, fused and not, per-head scales, stacked, X from the cache
+E5M2_COMPILE = [
+    dict(T=1, QH=8, KH=1, D=128, layout="flash", neox=True, dt=BF16, cdt=E5, tdt=F32, prec="native"),
+    dict(T=8192, QH=32, KH=8, D=128, layout="xpacked_shuffled", neox=False, dt=F16, cdt=E5, tdt=F16, prec="native"),
+    dict(T=128, QH=4, KH=4, D=64, layout="xpacked", neox=True, dt=F32, cdt=E5, tdt=BF16, prec="fp32", full=True),
+    dict(T=8192, QH=8, KH=1, D=256, layout="hnd", neox=False, dt=BF16, cdt=E5, tdt=BF16, prec="fp32", R=128),
+    dict(T=7, QH=64, KH=8, D=128, layout="xpacked", neox=True, dt=BF16, cdt=E5, tdt=F32, prec="native", X=8),
+    dict(T=8192, QH=32, KH=8, D=128, layout="flash", neox=True, dt=BF16, cdt=E5, tdt=F32, prec="native", layers=4),
+]
+E5M2_COMPILE_IDS = [_id(kw) for kw in E5M2_COMPILE]
+
+
+@pytest.mark.parametrize("arch", ["sm_90", pytest.param("sm_80", marks=pytest.mark.full)])
+def test_nvrtc_compiles_e5m2_variants_without_spills(arch):
+    """The float8_e5m2 variants compile (the default tier: every fourth; the full tier: all, and
+    with per-head scales) to a cubin with no spills."""
+    specs = [make_spec(**kw) for kw in E5M2_COMPILE]
+    ids = list(E5M2_COMPILE_IDS)
+    if TIER == "full":
+        specs += [dataclasses.replace(s, k_scale_heads=s.kv_heads > 1, v_scale_heads=s.kv_heads > 1) for s in specs]
+        ids += [i + "-heads" for i in ids]
+    failures = spill_failures(specs, ids, arch)
+    assert not failures, "\n".join(failures[:5])
 
 
 def test_register_budget_falls_back_where_it_spills():
@@ -221,24 +248,31 @@ class _Params(ctypes.Structure):
     _fields_ = [("ptr", ctypes.c_void_p * 18), ("dim0", ctypes.c_int64 * 14)]
 
 
-def _build_emulation(cfg, tmp_dir, source=None):
-    """The kernel built for the host with cfg's defines; `source`: another text of rope_cache.cu
-    (the tests that check a wrong kernel would be caught)."""
+def _build_emulation(cfg, tmp_dir, source=None, math_header=None):
+    """The kernel built for the host with cfg's defines; `source`: another text of rope_cache.cu,
+    `math_header`: another text of kernels/common/rope_cache_math.h (the tests that check a wrong
+    kernel would be caught)."""
     cxx = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
     if cxx is None:
         pytest.skip("no C++ compiler for the host emulation")
     kd = _kernel_dir()
     defs = cuda.define_flags((k, 1 if k == "RC_NT" else v) for k, v in cfg.defines)
     src = os.path.join(kd, "cuda", "rope_cache.cu")
-    tag = hashlib.sha256((" ".join(defs) + (source or "")).encode()).hexdigest()[:16]
+    tag = hashlib.sha256((" ".join(defs) + (source or "") + (math_header or "")).encode()).hexdigest()[:16]
     if source is not None:
         src = os.path.join(tmp_dir, f"rope_cache_{tag}.cu")
         with open(src, "w") as f:
             f.write(source)
+    common = os.path.join(kd, "common")
+    if math_header is not None:  # a folder of its own, searched before kernels/common
+        common = os.path.join(tmp_dir, f"common_{tag}")
+        os.makedirs(common, exist_ok=True)
+        with open(os.path.join(common, "rope_cache_math.h"), "w") as f:
+            f.write(math_header)
     so = os.path.join(tmp_dir, f"emu_{tag}.so")
     if not os.path.exists(so):
         cmd = [cxx, "-std=c++17", "-O1", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC", "-DRC_EMULATE",
-               *defs, "-I", os.path.join(kd, "cuda"), "-I", os.path.join(kd, "common"), "-x", "c++", src, "-o", so]
+               *defs, "-I", os.path.join(kd, "cuda"), "-I", common, "-x", "c++", src, "-o", so]
         subprocess.run(cmd, check=True, capture_output=True, text=True)
     lib = ctypes.CDLL(so)
     lib.rc_emulate.argtypes = [ctypes.POINTER(_Params), ctypes.c_longlong]
@@ -333,7 +367,7 @@ def _guarded(a):
 
 
 def run_emulation(spec, args, k_scale, v_scale, tmp_dir, layer=0, num_sms=cuda.DEFAULT_SMS, defines=None,
-                  q_norm_weight=None, k_norm_weight=None, source=None):
+                  q_norm_weight=None, k_norm_weight=None, source=None, math_header=None):
     cfg = cuda.kernel_config(spec, num_sms)
     if defines:  # another variant of the same kernel (tokens per block, V channels, ...): threads for its units
         d = dict(cfg.defines, **defines)
@@ -343,7 +377,7 @@ def run_emulation(spec, args, k_scale, v_scale, tmp_dir, layer=0, num_sms=cuda.D
         nt = min(cuda.MAX_THREADS, max(32, -(-_units(cfg, spec) // 32) * 32))
         d["RC_NT"] = nt
         cfg = dataclasses.replace(cfg, defines=tuple(d.items()), threads=nt)
-    lib = _build_emulation(cfg, tmp_dir, source)
+    lib = _build_emulation(cfg, tmp_dir, source, math_header)
     # The kernel's unit count is the one its threads are sized by (here one host thread runs them all).
     assert lib.rc_units() == _units(cfg, spec), (lib.rc_units(), _units(cfg, spec), cfg)
     q, k, v, kc, vc, slots, pos, cos, sin = (np.ascontiguousarray(a) for a in args)
@@ -388,6 +422,16 @@ def emulation_matrix():
                                                        ("flash", True, BF16, BF16, F16), ("flash", False, F32, FN, BF16)]):
         cases.append(dict(T=(37, 5, 130)[i % 3], QH=4, KH=2, D=128, R=(128, 64)[i % 2], layout=layout, neox=neox, dt=dt,
                           cdt=cdt, tdt=tdt, prec="native", full=bool(i % 2), slot64=False, pos64=True, max_pos=50))
+    # float8_e5m2 caches: every layout, both precisions, "fused" (wide fp8) and not, X narrower than 16
+    for i, (layout, neox, dt, tdt, prec) in enumerate([("flash", True, BF16, F32, "native"),
+                                                        ("xpacked", False, F16, F16, "native"),
+                                                        ("xpacked_shuffled", True, F32, BF16, "fp32"),
+                                                        ("hnd", False, BF16, BF16, "fp32")]):
+        cases.append(dict(T=(37, 5, 130, 9)[i], QH=4, KH=2, D=(128, 64)[i % 2], R=(None, 32)[i % 2], layout=layout,
+                          neox=neox, dt=dt, cdt=E5, tdt=tdt, prec=prec, full=bool(i % 2), slot64=bool(i % 2),
+                          pos64=True, max_pos=50))
+    cases.append(dict(T=37, QH=4, KH=2, D=64, layout="xpacked", X=4, neox=True, dt=BF16, cdt=E5, tdt=F32,
+                      prec="native", max_pos=50))
     # X taken from the key cache (RC_X), prefill-sized calls with slot runs among random slots
     for i, kw in enumerate(X_CASES):
         cases.append(dict(T=(37, 130, 5)[i % 3], QH=4, KH=2, D=(128, 64)[i % 2], R=(None, 32)[i % 2], full=bool(i % 2),
@@ -497,7 +541,7 @@ def test_host_emulation_slot_runs(layout, combo, variant, emu_dir):
 SPECIAL_COMBOS = [(BF16, BF16, None, "native"), (F16, F16, FNUZ, "native"), (BF16, F32, FN, "native"),
                   (F16, F32, None, "native"), (F32, F32, None, "native"), (F32, BF16, FN, "native"),
                   (BF16, F16, None, "native"), (BF16, F32, None, "fp32"), (F16, F16, FN, "fp32"),
-                  (F32, F32, FNUZ, "fp32")]
+                  (F32, F32, FNUZ, "fp32"), (BF16, F32, E5, "native"), (F32, F32, E5, "fp32")]
 
 
 @pytest.mark.parametrize("dt,tdt,cdt,prec", SPECIAL_COMBOS, ids=lambda v: getattr(v, "name", str(v)))
@@ -517,7 +561,8 @@ def test_host_emulation_special_values_bitwise(dt, tdt, cdt, prec, emu_dir):
 
 
 @pytest.mark.parametrize("dt,tdt,cdt,prec", [(BF16, F32, FN, "native"), (BF16, BF16, None, "native"),
-                                             (F32, F32, FNUZ, "native"), (BF16, F32, None, "fp32")],
+                                             (F32, F32, FNUZ, "native"), (BF16, F32, None, "fp32"),
+                                             (F16, F32, E5, "native")],
                          ids=lambda v: getattr(v, "name", str(v)))
 @pytest.mark.parametrize("scale", [1e-38, 1e-40, 0.0])
 def test_host_emulation_subnormals_and_tiny_scales(dt, tdt, cdt, prec, scale, emu_dir):
@@ -556,6 +601,76 @@ def test_host_emulation_writes_one_layer_of_stacked_caches(layout, variant, emu_
             assert np.array_equal(g.view(np.uint8), np.asarray(w).view(np.uint8)), (layer, name)
         if not 0 <= layer < layers:
             assert np.array_equal(got[2].view(np.uint8), kc.view(np.uint8)), layer
+
+
+def test_host_emulation_e5m2_stacked_layers_per_head_scales(emu_dir):
+    """A float8_e5m2 cache stacked [L, ...] with one scale per kv head: each layer in range is
+    written exactly (bit-exact to the reference), one outside [0, L) writes nothing."""
+    layers = 3
+    spec = make_spec(T=21, QH=4, KH=2, D=64, layout="xpacked", dt=BF16, cdt=E5, tdt=F32, prec="native", max_pos=50,
+                     layers=layers)
+    spec = dataclasses.replace(spec, k_scale_heads=True, v_scale_heads=True)
+    rng = np.random.default_rng(12)
+    q, k, v, kc, vc, slots, pos, cos, sin = make_inputs(dataclasses.replace(spec, num_layers=None), rng)
+    kc = np.stack([_random(rng, kc.shape, kc.dtype) for _ in range(layers)])
+    vc = np.stack([_random(rng, vc.shape, vc.dtype) for _ in range(layers)])
+    args = (q, k, v, kc, vc, slots, pos, cos, sin)
+    ks, vs = np.asarray([0.3, 0.02], np.float32), np.asarray([2.5, 0.007], np.float32)
+    for layer in (0, 2, -1):
+        want = reference.rope_and_cache(*args, layout="xpacked", layer=np.array(layer, np.int32), k_scale=ks,
+                                        v_scale=vs, precision="native")
+        got = run_emulation(spec, args, ks, vs, emu_dir, layer=layer)
+        _assert_bitwise(got, want)
+
+
+def _e5m2_boundary_problem():
+    """v (float32) holds every e5m2 boundary value (e5m2_values.boundary_f32); scale 1, so the value
+    cache holds the conversion of each."""
+    f = boundary_f32(exponents=ROUNDING_EXPONENTS)
+    kh, d = 4, 64
+    f = np.concatenate([f, np.full((-f.size) % (kh * d), 1.5, np.float32)])
+    t = f.size // (kh * d)
+    rng = np.random.default_rng(13)
+    q = rng.standard_normal((t, kh, d)).astype(np.float32)
+    kshape, vshape = contract.cache_shapes("flash", -(-t // 16), 16, kh, d, E5)
+    kc, vc = (_random(rng, s, E5) for s in (kshape, vshape))
+    slots = rng.permutation(kshape[0] * 16)[:t].astype(np.int32)
+    args = (q, q.copy(), f.reshape(t, kh, d), kc, vc, slots, np.zeros(t, np.int32), np.ones((1, d // 2), np.float32),
+            np.zeros((1, d // 2), np.float32))
+    return args, dict(k_scale=np.float32(1.0), v_scale=np.float32(1.0)), f
+
+
+def test_host_emulation_e5m2_conversion_every_boundary(emu_dir):
+    """The CUDA kernel's e5m2 stores (rc_f32_to_e5m2 as NVRTC compiles it, built for the host) on
+    every boundary value: the value cache equals the independent oracle, every output the reference."""
+    args, opts, f = _e5m2_boundary_problem()
+    got = _emulate(args, opts, emu_dir)
+    _, v_read = reference.read_kv(got[2], got[3], args[5])
+    assert np.array_equal(v_read.view(np.uint8).ravel(), oracle_e5m2(f))
+    _assert_bitwise(got, reference.rope_and_cache(*args, **opts))
+
+
+_E5M2_MUTANTS = [
+    ("saturates to inf", "if (code > 0x7bu) code = 0x7bu;", "if (code > 0x7cu) code = 0x7cu;"),
+    ("truncates", "code = rc_shift_rne(x - (112u << 23), 21);", "code = (x - (112u << 23)) >> 21;"),
+    ("subnormal shift", "rc_u32 shift = 134u - e;  // >= 22", "rc_u32 shift = 133u - e;  // >= 22"),
+    ("NaN keeps the sign", "return (rc_u8)0x7fu;  // NaN: the canonical pattern\n  rc_u32 code;",
+     "return (rc_u8)(sign | 0x7eu);  // NaN: the canonical pattern\n  rc_u32 code;"),
+]
+
+
+@pytest.mark.parametrize("what,old,new", [pytest.param(*m, marks=[pytest.mark.full] if i else [])
+                                          for i, m in enumerate(_E5M2_MUTANTS)], ids=[m[0] for m in _E5M2_MUTANTS])
+def test_host_emulation_e5m2_conversion_would_catch_a_wrong_rule(what, old, new, emu_dir):
+    """Each plausible mistake in rc_f32_to_e5m2, built into the host emulation of the CUDA kernel,
+    changes the value cache of the boundary problem above (so that test would fail)."""
+    with open(os.path.join(_kernel_dir(), "common", "rope_cache_math.h")) as fh:
+        text = fh.read()
+    assert text.count(old) == 1, f"{what}: the header no longer has {old!r}; update the mutant"
+    args, opts, f = _e5m2_boundary_problem()
+    got = _emulate(args, opts, emu_dir, math_header=text.replace(old, new))
+    _, v_read = reference.read_kv(got[2], got[3], args[5])
+    assert not np.array_equal(v_read.view(np.uint8).ravel(), oracle_e5m2(f)), f"{what}: not caught"
 
 
 # ---- x-packed V units of RC_VCH channels ---------------------------------------------------------
@@ -1139,6 +1254,9 @@ def norm_emulation_matrix():
         dict(T=130, QH=4, KH=4, D=64, layout="xpacked", dt=F16, cdt=FNUZ, tdt=F16, prec="native", vsh=True),
         dict(T=37, QH=8, KH=2, D=128, layout="xpacked_shuffled", neox=False, dt=BF16, cdt=FN, tdt=F32, prec="native",
              ksh=True),
+        # float8_e5m2 with per-head scales, with and without the norm
+        dict(T=37, QH=4, KH=2, D=128, layout="hnd", dt=BF16, cdt=E5, tdt=F32, prec="native", ksh=True, vsh=True),
+        dict(T=21, QH=4, KH=2, D=64, layout="xpacked", neox=False, dt=F16, cdt=E5, tdt=F16, qn=F16, kn=F32, vsh=True),
     ]
     for c in cases:
         c.setdefault("max_pos", m)

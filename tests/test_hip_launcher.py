@@ -253,6 +253,8 @@ VARIANTS = [
          neox=False, full=True, idx=np.int64),
     dict(name="stacked-flash-f32-partial", T=3, QH=2, KH=2, D=128, R=64, layout="flash", dt=F32, cdt=F32, tdt=F32,
          layers=4),
+    dict(name="hnd-bf16-fp8e5m2-native", T=9, QH=8, KH=2, D=128, layout="hnd", dt=BF16, cdt=np.dtype(ml_dtypes.float8_e5m2),
+         tdt=F32, prec="native"),
 ]
 
 

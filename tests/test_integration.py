@@ -37,9 +37,10 @@ def _check(got, want, impl, what):
 
 
 @pytest.mark.parametrize("platform,impl", impl_params())
-@pytest.mark.parametrize("layout", ["flash", "xpacked_shuffled"])
-def test_stacked_layer_writes_only_that_layer(platform, impl, layout):
-    case = Case(T=9, D=64, layout=layout, cache_dtype="float8_e4m3fnuz")
+@pytest.mark.parametrize("layout,cdt", [("flash", "float8_e4m3fnuz"), ("xpacked_shuffled", "float8_e4m3fnuz"),
+                                        ("hnd", "float8_e5m2")])
+def test_stacked_layer_writes_only_that_layer(platform, impl, layout, cdt):
+    case = Case(T=9, D=64, layout=layout, cache_dtype=cdt)
     args, opts = _stack(case, layers=4, seed=31)
     static = {k: v for k, v in opts.items() if k in STATIC}
     dyn = {k: v for k, v in opts.items() if k not in STATIC}

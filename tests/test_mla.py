@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from conftest import assert_bits_equal, impl_params, ulp_diff
-from mla_cases import BF16, CASES, F32, FN, MlaCase, flat_outputs, make_mla_problem
+from mla_cases import BF16, CASES, E5, E5M2_FULL_CASES, F32, FN, MlaCase, flat_outputs, make_mla_problem
 import jax_rope_cache as jrc
 from jax_rope_cache import contract
 from jax_rope_cache.mla import reference as mla_reference
@@ -48,7 +48,8 @@ def assert_mla_close(got, want, args, opts, impl, what=""):
 
 
 @pytest.mark.parametrize("platform,impl", IMPLS)
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+@pytest.mark.parametrize("case", CASES + [pytest.param(c, marks=pytest.mark.full) for c in E5M2_FULL_CASES],
+                         ids=[c.id for c in CASES + E5M2_FULL_CASES])
 def test_matches_reference(case, platform, impl):
     args, opts = make_mla_problem(case, seed=len(case.id))
     want = mla_reference.mla_rope_and_cache(*args, **opts)
@@ -193,8 +194,8 @@ def test_not_differentiable():
 
 
 def test_make_and_read_mla_cache():
-    for layout in ("combined", "split"):
-        args, opts = make_mla_problem(MlaCase(layout=layout, cache_dtype=FN), seed=12)
+    for layout, cdt in (("combined", FN), ("split", FN), ("combined", E5)):
+        args, opts = make_mla_problem(MlaCase(layout=layout, cache_dtype=cdt), seed=12)
         q_out, k_pe_out, c = jrc.mla_rope_and_cache(*args, **opts)
         lat, rope = jrc.read_mla_cache(c, args[5], layout=layout, latent_dim=64)
         wl, wr = mla_reference.read_mla_cache(mla_reference.mla_rope_and_cache(*args, **opts)[2], args[5],
@@ -203,8 +204,10 @@ def test_make_and_read_mla_cache():
         assert_bits_equal(np.asarray(rope), wr, "rope")
     c = jrc.make_mla_cache(4, 16, 512, 64, jnp.bfloat16, num_layers=2)
     assert c.shape == (2, 4, 16, 576) and c.dtype == jnp.bfloat16
-    ckv, kpe = jrc.make_mla_cache(4, 16, 512, 64, jnp.float8_e4m3fn, layout="split", fill="random")
-    assert ckv.shape == (4, 16, 512) and kpe.shape == (4, 16, 64) and np.asarray(ckv.astype(jnp.float32)).any()
+    for dt in (jnp.float8_e4m3fn, jnp.float8_e5m2):
+        ckv, kpe = jrc.make_mla_cache(4, 16, 512, 64, dt, layout="split", fill="random")
+        assert ckv.shape == (4, 16, 512) and kpe.shape == (4, 16, 64) and ckv.dtype == kpe.dtype == np.dtype(dt)
+        assert np.asarray(ckv.astype(jnp.float32)).any()
 
 
 ERRORS = [  # (change to a valid call, exception, message)

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from conftest import assert_bits_equal
-from mla_cases import BF16, CASES, F16, F32, FN, FNUZ, MlaCase, flat_outputs, make_mla_problem
+from mla_cases import BF16, CASES, E5, E5M2_FULL_CASES, F16, F32, FN, FNUZ, MlaCase, flat_outputs, make_mla_problem
 from jax_rope_cache.mla import contract as mla_contract
 from jax_rope_cache.mla import reference as mla_reference
 
@@ -55,7 +55,7 @@ def _compile_ok(cfg, arch):
 
 @pytest.mark.parametrize("T", [1, 64, 8192, 32768])
 def test_nvrtc_deepseek_shapes_compile_without_spills(T):
-    for cdt in (None, FN):
+    for cdt in (None, FN, E5):
         cfg = kernels.mla_kernel_config(spec_of(MlaCase(**DEEPSEEK_TP8, cache_dtype=cdt), T=T))
         _compile_ok(cfg, "sm_90")
 
@@ -142,7 +142,8 @@ def _check(args, opts, emu_dir, cfg=None, source=None):
 
 
 EMU_DEFAULT = [CASES[2], CASES[5], MlaCase(T=5, **DEEPSEEK_TP8, layout="split", cache_dtype=FNUZ, q_out_dtype=FN,
-                                             precision="native")]
+                                             precision="native"),
+               MlaCase(T=5, **DEEPSEEK_TP8, cache_dtype=E5, q_out_dtype=E5, precision="native")]  # e5m2, fused
 
 
 @pytest.mark.parametrize("case", EMU_DEFAULT, ids=[c.id for c in EMU_DEFAULT])
@@ -152,7 +153,7 @@ def test_host_emulation_bitwise(case, emu_dir):
 
 
 @pytest.mark.full
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+@pytest.mark.parametrize("case", CASES + E5M2_FULL_CASES, ids=[c.id for c in CASES + E5M2_FULL_CASES])
 def test_host_emulation_bitwise_every_case(case, emu_dir):
     args, opts = make_mla_problem(case, seed=22)
     _check(args, opts, emu_dir)

@@ -12,11 +12,13 @@ import pytest
 from jax_rope_cache import contract, reference
 from jax_rope_cache.backends import native
 from conftest import Case, canonical_nan_violations, impl_params, make_problem, special_problem, ulp_diff
+from e5m2_values import E5M2, boundary_f32, oracle_e5m2
 
 native = native.native_module()
 needs_native = pytest.mark.skipif(native is None, reason="the compiled extension did not import")
 SMALL = {"bfloat16": (ml_dtypes.bfloat16, np.uint16), "float16": (np.float16, np.uint16),
-         "float8_e4m3fn": (ml_dtypes.float8_e4m3fn, np.uint8), "float8_e4m3fnuz": (ml_dtypes.float8_e4m3fnuz, np.uint8)}
+         "float8_e4m3fn": (ml_dtypes.float8_e4m3fn, np.uint8), "float8_e4m3fnuz": (ml_dtypes.float8_e4m3fnuz, np.uint8),
+         "float8_e5m2": (ml_dtypes.float8_e5m2, np.uint8)}
 
 
 def _hard_f32(rng, n):
@@ -62,7 +64,7 @@ def test_widening_is_exact_for_every_code(name):
 
 
 @needs_native
-@pytest.mark.parametrize("name", ["float8_e4m3fn", "float8_e4m3fnuz"])
+@pytest.mark.parametrize("name", ["float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2"])
 def test_fp8_saturates_and_keeps_nan(name):
     dt, _ = SMALL[name]
     f = np.array([1e6, -1e6, np.inf, -np.inf, 449.0, np.nan, -0.0, 1e-30], np.float32)
@@ -72,6 +74,88 @@ def test_fp8_saturates_and_keeps_nan(name):
     m = contract.FP8_MAX[np.dtype(dt)]
     assert list(vals[:4]) == [m, -m, m, -m] and vals[4] == min(448.0, m)
     assert np.isnan(vals[5]) and vals[6] == 0 and vals[7] == 0
+
+
+def test_e5m2_reference_equals_ml_dtypes_and_the_nearest_value():
+    """float8_e5m2 in the reference: ml_dtypes' rounding (to nearest, ties to even) wherever ml_dtypes
+    gives a finite value, saturation to +-57344 past it (ml_dtypes gives inf from 61440 on, the
+    reference never), NaN the canonical 0x7F (ml_dtypes keeps the sign: 0x7E / 0xFE), -0 and
+    negative underflow 0x80; all of it equal to the independent nearest-value oracle on every
+    boundary of every exponent (e5m2_values.boundary_f32) and 2^20 random bit patterns."""
+    f = boundary_f32(np.random.default_rng(3), 1 << 20)
+    want = oracle_e5m2(f)
+    got = reference.quantize(f, E5M2, np.float32(1.0)).view(np.uint8)
+    bad = np.flatnonzero(got != want)
+    assert bad.size == 0, f"{bad.size} differ, e.g. {f.view(np.uint32)[bad[0]]:#x}: {got[bad[0]]:#x} != {want[bad[0]]:#x}"
+    with np.errstate(over="ignore", invalid="ignore"):
+        ml = f.astype(E5M2).view(np.uint8)
+    finite = np.isfinite(ml.view(E5M2).astype(np.float32))
+    assert np.array_equal(ml[finite], want[finite]) and finite.sum() > 0.5 * f.size
+    assert {int(b) for b in ml[np.abs(f) >= 61440]} == {0x7C, 0xFC}  # what saturation replaces
+    assert {int(b) for b in got[np.abs(f) >= 61440]} == {0x7B, 0xFB}
+    assert {int(b) for b in got[np.isnan(f)]} == {reference.CANONICAL_NAN[E5M2]} == {0x7F}
+    assert got[f.view(np.uint32) == 0x80000000].tolist() == [0x80, 0x80]
+    # scaled: x * (1/scale) is rounded to float32 first, then converted once
+    x = boundary_f32()[::7]
+    with np.errstate(over="ignore", invalid="ignore"):
+        scaled = x * reference.inverse_scale(np.float32(0.37))
+    assert np.array_equal(reference.quantize(x, E5M2, np.float32(0.37)).view(np.uint8), oracle_e5m2(scaled))
+
+
+@needs_native
+def test_e5m2_shared_conversion_every_boundary():
+    """rc_f32_to_e5m2 (kernels/common/rope_cache_math.h, what the CPU handlers and the CUDA kernels
+    run) equals the oracle on every boundary and 2^20 random float32 bit patterns."""
+    f = boundary_f32(np.random.default_rng(4), 1 << 20)
+    bits = np.zeros(f.size, np.uint32)
+    native.round_f32(f, bits, contract.DTYPE_CODES[E5M2])
+    want = oracle_e5m2(f)
+    bad = np.flatnonzero(bits != want)
+    assert bad.size == 0, f"{bad.size} differ, e.g. {f.view(np.uint32)[bad[0]]:#x}: {bits[bad[0]]:#x} != {want[bad[0]]:#x}"
+
+
+@needs_native
+@pytest.mark.full
+def test_e5m2_shared_conversion_exhaustive_where_it_rounds():
+    """rc_f32_to_e5m2 against the reference (ml_dtypes, clamped) on EVERY float32 of both signs whose
+    exponent is 98..146: all inputs that round to something other than +-0 or +-max (below 2^-28
+    everything is +-0, from 2^20 on everything saturates; those, inf and NaN are in the
+    stratified test above)."""
+    bad = 0
+    for sign in (0, 0x80000000):
+        for e in range(98, 147):
+            u = (np.arange(1 << 23, dtype=np.uint32) | np.uint32((e << 23) | sign))
+            f = u.view(np.float32)
+            bits = np.zeros(f.size, np.uint32)
+            native.round_f32(f, bits, contract.DTYPE_CODES[E5M2])
+            bad += int((bits != reference.quantize(f, E5M2, np.float32(1.0)).view(np.uint8)).sum())
+    assert bad == 0
+
+
+@pytest.mark.parametrize("platform,impl", impl_params())
+def test_e5m2_cache_through_the_op_every_boundary(platform, impl):
+    """The whole op with a float8_e5m2 cache and scale 1: v (float32) is stored as fp8(v), so the
+    value cache holds the conversion of every boundary value as the kernel's store path computes it
+    (the CPU handler's, or the XLA path's). The kernel is bit-exact to the oracle; the XLA path too,
+    except that on CPU it flushes float32 subnormal inputs (FTZ/DAZ), which e5m2 stores as +-0 anyway."""
+    f = boundary_f32()
+    d, kh = 64, 4
+    f = np.concatenate([f, np.full((-f.size) % (d * kh), 1.5, np.float32)])
+    T = f.size // (d * kh)
+    rng = np.random.default_rng(5)
+    v = f.reshape(T, kh, d)
+    q = rng.standard_normal((T, kh, d)).astype(np.float32)
+    kshape, vshape = contract.cache_shapes("flash", -(-T // 16), 16, kh, d, E5M2)
+    kc, vc = (rng.standard_normal(s).astype(np.float32).astype(E5M2) for s in (kshape, vshape))
+    args = (q, q.copy(), v, kc, vc, rng.permutation(kc.shape[0] * 16)[:T].astype(np.int32),
+            np.zeros(T, np.int32), np.ones((1, d // 2), np.float32), np.zeros((1, d // 2), np.float32))
+    opts = dict(k_scale=np.float32(1.0), v_scale=np.float32(1.0))
+    got = _run(args, opts, impl, platform)
+    _, v_read = reference.read_kv(got[2], got[3], args[5])
+    assert np.array_equal(v_read.view(np.uint8).ravel(), oracle_e5m2(f))
+    want = reference.rope_and_cache(*args, **opts)
+    for name, g, w in zip(("q_out", "k_out", "key_cache", "value_cache"), got, want):
+        assert np.array_equal(g.view(np.uint8), w.view(np.uint8)), name
 
 
 def test_reference_identity_rotation_copies_bits():
@@ -127,7 +211,7 @@ def test_read_kv_inverts_the_write(layout):
 
 # ---- native precision = AITER's arithmetic (reference.py docstring, ../shared/notes/numerics.md) ----
 BF16, F16, F32 = np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16), np.dtype(np.float32)
-FN, FNUZ = np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e4m3fnuz)
+FN, FNUZ, E5 = np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e4m3fnuz), E5M2
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -342,7 +426,8 @@ def test_arithmetic_by_dtypes(dt, tdt, mode):
 
 _SPECIAL_COMBOS = [(dt, tdt, cdt, prec) for dt, tdt, _ in NATIVE_COMBOS for cdt, prec in ((None, "native"),)]
 _SPECIAL_COMBOS += [(BF16, F32, FN, "native"), (F16, F16, FNUZ, "native"), (F32, F32, FN, "native"),
-                    (BF16, F32, None, "fp32"), (F16, F16, FN, "fp32"), (F32, BF16, None, "fp32")]
+                    (BF16, F32, None, "fp32"), (F16, F16, FN, "fp32"), (F32, BF16, None, "fp32"),
+                    (BF16, F32, E5, "native"), (F16, F16, E5, "native"), (F32, F32, E5, "fp32")]
 
 
 @pytest.mark.parametrize("platform,impl", KERNELS)
@@ -438,7 +523,8 @@ def _subnormal_problem(dt, tdt, cdt=None, prec="native", seed=0):
 
 _SUB_COMBOS = [(BF16, BF16, None, "native"), (BF16, F32, None, "native"), (F16, F32, None, "native"),
                (F32, F32, None, "native"), (BF16, F32, None, "fp32"), (F32, BF16, None, "fp32"),
-               (BF16, F32, FN, "native"), (BF16, BF16, FNUZ, "fp32"), (F16, F16, None, "native")]
+               (BF16, F32, FN, "native"), (BF16, BF16, FNUZ, "fp32"), (F16, F16, None, "native"),
+               (F32, F32, E5, "native"), (BF16, BF16, E5, "fp32")]
 
 
 @pytest.mark.parametrize("platform,impl", impl_params())
@@ -471,7 +557,7 @@ def test_subnormals_kept_by_kernels_bounded_in_xla(dt, tdt, cdt, prec, platform,
 
 
 @pytest.mark.parametrize("platform,impl", impl_params())
-@pytest.mark.parametrize("cdt", [FN, FNUZ])
+@pytest.mark.parametrize("cdt", [FN, FNUZ, E5])
 @pytest.mark.parametrize("scale", [1e-38, 1e-40, 2.0**-149, 0.0, -0.0, 2.0**-127, 1e-30])
 def test_tiny_scale_never_makes_finite_values_nan(cdt, scale, platform, impl):
     """k_scale/v_scale subnormal or zero: 1/scale overflows (or not: 1e-38) and is clamped to
@@ -504,17 +590,18 @@ def test_tiny_scale_never_makes_finite_values_nan(cdt, scale, platform, impl):
 
 
 @pytest.mark.parametrize("platform,impl", KERNELS)
-def test_fused_fp8_quantizes_the_unrounded_value(platform, impl):
+@pytest.mark.parametrize("cdt", [FN, E5])
+def test_fused_fp8_quantizes_the_unrounded_value(platform, impl, cdt):
     """float32 tables (fused arithmetic) with an fp8 cache: the key cache holds fp8 of the float32
     rotation, not of the bf16 k_out (AITER's choice); the two differ on some elements here."""
     from conftest import Case, make_problem
 
     args, opts = make_problem(Case(T=64, QH=4, KH=4, D=128, dtype="bfloat16", table_dtype="float32",
-                                   cache_dtype="float8_e4m3fn", precision="native"), seed=9)
+                                   cache_dtype=cdt.name, precision="native"), seed=9)
     want = reference.rope_and_cache(*args, **opts)
     k_read, _ = reference.read_kv(want[2], want[3], args[5])
     valid = (args[5] >= 0) & (args[5] < want[2].shape[0] * want[2].shape[1])
-    from_rounded = reference.quantize(want[1], FN, opts["k_scale"])
+    from_rounded = reference.quantize(want[1], cdt, opts["k_scale"])
     assert (k_read[valid].view(np.uint8) != from_rounded[valid].view(np.uint8)).sum() > 0
     got = _run(args, opts, impl, platform)
     for name, g, w in zip(("q_out", "k_out", "key_cache", "value_cache"), got, want):

@@ -3,7 +3,8 @@
 Coverage (each value of each axis appears; JRC_FULL_SWEEP=1 runs many more combinations):
   layout       flash, xpacked, xpacked_shuffled, hnd
   rotation     NeoX, GPT-J; rotary_dim = D and < D; "half" and "full" tables
-  dtypes       q/k/v bf16, f16, f32; tables bf16, f16, f32; caches same, float8_e4m3fn, float8_e4m3fnuz
+  dtypes       q/k/v bf16, f16, f32; tables bf16, f16, f32; caches same, float8_e4m3fn, float8_e4m3fnuz,
+               float8_e5m2
   indices      int32, int64; slots -1, >= NB*BS, +-2^31, +-2^40; positions < 0 and >= max_pos
   shapes       D 64, 80, 128, 256; (QH, KH) (8,1), (32,8), (64,8); BS 16, 32; T 1, 7, 256
   precision    fp32, native
@@ -35,7 +36,7 @@ AXES = {
     "table": ["half", "full"],
     "dtype": ["bfloat16", "float16", "float32"],
     "table_dtype": ["float32", "bfloat16", "float16"],
-    "cache_dtype": [None, "float8_e4m3fn", "float8_e4m3fnuz"],
+    "cache_dtype": [None, "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2"],
     "index_dtype": ["int32", "int64"],
     "precision": ["fp32", "native"],
     "heads": [(8, 1), (32, 8), (64, 8)],

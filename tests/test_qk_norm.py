@@ -358,10 +358,11 @@ def test_norm_special_values_bitwise(platform, impl, dt):
 
 # ---- per-head scales --------------------------------------------------------------------------------
 @pytest.mark.parametrize("platform,impl", impl_params())
-def test_per_head_scales_use_each_heads_scale(platform, impl):
+@pytest.mark.parametrize("cdt,layout", [("float8_e4m3fn", "xpacked_shuffled"), ("float8_e5m2", "xpacked")])
+def test_per_head_scales_use_each_heads_scale(platform, impl, cdt, layout):
     """Kv head h is quantized with scale[h]: the cache equals per-head runs with scalar scales; a
     scale [1] or () gives the same bits as the plain float."""
-    case = Case(T=11, QH=8, KH=4, D=64, cache_dtype="float8_e4m3fn", layout="xpacked_shuffled")
+    case = Case(T=11, QH=8, KH=4, D=64, cache_dtype=cdt, layout=layout)
     args, opts = make_problem(case, seed=4)
     ks, vs = np.asarray([0.05, 0.1, 0.4, 2.0], F32), np.asarray([1.0, 0.02, 0.3, 0.07], F32)
     opts = dict(opts, k_scale=ks, v_scale=vs)

@@ -41,6 +41,8 @@ CASES = [
     (Case(T=6, QH=4, KH=2, D=128, layout="hnd", cache_dtype="float8_e4m3fn", precision="native",
           table_dtype="bfloat16"), {"norm": "qk", "heads_scale": True}),
     (Case(T=4, QH=2, KH=2, D=64, layout="flash", cache_dtype="float8_e4m3fnuz"), {"layers": 3}),
+    (Case(T=5, QH=4, KH=2, D=64, layout="xpacked", cache_dtype="float8_e5m2", table_dtype="float32",
+          precision="native"), {"heads_scale": True, "layers": 2}),
     (Case(T=8, QH=8, KH=4, D=64, layout="xpacked", precision="native"), {"mrope": (8, 12, 12), "norm": "k"}),
     (Case(T=3, QH=4, KH=2, D=80, layout="hnd", dtype="float16"), {"mrope": (16, 12, 12), "interleaved": True,
                                                                     "layers": 2, "flat": False}),

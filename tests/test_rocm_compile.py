@@ -43,6 +43,7 @@ from jax_rope_cache.compilers import amdgpu_elf, flydsl
 
 BF16, F16, F32 = np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16), np.dtype(np.float32)
 FN, FNUZ = np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e4m3fnuz)
+E5 = np.dtype(ml_dtypes.float8_e5m2)
 ARCHS = ("gfx942", "gfx950")
 NUM_OPERANDS, NUM_RESULTS = 14, 4  # the custom call: 14 operands (layer, then the two norm weights), 4 results
 MAX_VGPRS = 64
@@ -131,6 +132,32 @@ def check_code_object(code: bytes, arch: str, cfg, symbol: str | None = None, ma
 @pytest.mark.parametrize("T", [64, 8192], ids=["latency", "bandwidth"])  # both regimes of make_config
 @pytest.mark.parametrize("p", MATRIX, ids=[_id(p) for p in MATRIX])
 def test_variant_compiles_for_both_archs(p, T):
+    check_variant_compiles(p, T)
+
+
+# float8_e5m2 caches: every layout, both precisions, fused and rounded, stacked, X from the key cache
+E5M2_MATRIX = [
+    dict(layout="flash", neox=True, dt=BF16, cdt=E5, tdt=F32, prec="native", D=128, R=None, full=False, QH=8, KH=1,
+         slot64=False, pos64=True),
+    dict(layout="xpacked_shuffled", neox=False, dt=F16, cdt=E5, tdt=F16, prec="native", D=128, R=64, full=True,
+         QH=16, KH=4, slot64=True, pos64=True),
+    dict(layout="xpacked", neox=True, dt=F32, cdt=E5, tdt=BF16, prec="fp32", D=64, R=None, full=False, QH=4, KH=2,
+         slot64=False, pos64=False, layers=4),
+    dict(layout="hnd", neox=False, dt=BF16, cdt=E5, tdt=BF16, prec="fp32", D=128, R=None, full=True, QH=8, KH=8,
+         slot64=False, pos64=True),
+    dict(layout="xpacked", X=4, neox=True, dt=BF16, cdt=E5, tdt=F32, prec="native", D=128, R=None, full=False,
+         QH=8, KH=2, slot64=False, pos64=True),
+]
+
+
+@needs_flydsl
+@pytest.mark.parametrize("T", [64, 8192], ids=["latency", "bandwidth"])
+@pytest.mark.parametrize("p", E5M2_MATRIX, ids=[_id(p) for p in E5M2_MATRIX])
+def test_e5m2_variant_compiles_for_both_archs(p, T):
+    check_variant_compiles(p, T)
+
+
+def check_variant_compiles(p, T):
     spec = make_spec(T=T, layout=p["layout"], neox=p["neox"], dt=p["dt"], cdt=p["cdt"], tdt=p["tdt"],
                      prec=p["prec"], D=p["D"], R=p["R"], full=p["full"], QH=p["QH"], KH=p["KH"], slot64=p["slot64"],
                      pos64=p["pos64"], layers=p.get("layers"), X=p.get("X"))
@@ -193,6 +220,20 @@ def test_isa_no_fma_and_wide_memory(p, arch):
 def assert_keeps_denormals(isa: str):
     modes = dict(re.findall(r"^\s*\.amdhsa_(float_denorm_mode_32|float_denorm_mode_16_64)\s+(\d+)", isa, re.M))
     assert modes == {"float_denorm_mode_32": "3", "float_denorm_mode_16_64": "3"}, modes  # 3: flush none
+
+
+@needs_flydsl
+@pytest.mark.parametrize("arch", ARCHS)
+def test_isa_e5m2_converts_in_integer_arithmetic(arch):
+    """An e5m2 cache uses no fp8 conversion instruction on either arch (gfx942's bf8 instructions
+    write e5m2fnuz, bias 16; the kernel's integer conversion is what the emulator checks), no
+    contraction, keeps denormals."""
+    cfg = rocm.kernel_config(make_spec(layout="xpacked", neox=True, dt=BF16, cdt=E5, tdt=BF16, prec="fp32", D=128))
+    isa = flydsl.isa(cfg, arch)
+    assert "s_endpgm" in isa
+    assert not re.findall(r"^\s*v_cvt\w*_(?:bf8|fp8)\w*", isa, re.M)
+    assert not fma_outside_division(isa)
+    assert_keeps_denormals(isa)
 
 
 @needs_flydsl

@@ -22,7 +22,8 @@ import pytest
 import rocm_emulator
 from conftest import (Case, assert_bits_equal, make_problem, reference_op, special_problem, flydsl_kernel_module,
                       ulp_diff)
-from jax_rope_cache import contract
+from e5m2_values import ROUNDING_EXPONENTS, boundary_f32, oracle_e5m2
+from jax_rope_cache import contract, reference
 from jax_rope_cache.compilers import flydsl
 
 
@@ -67,6 +68,18 @@ CASES += [
     Case(T=7, QH=2, KH=2, D=128, BS=32, layout="xpacked_shuffled", X=32, dtype="bfloat16",
          cache_dtype="float8_e4m3fnuz"),
     Case(T=3, QH=2, KH=1, D=64, layout="xpacked", X=16, is_neox=False, dtype="float32", index_dtype="int64"),
+]
+# float8_e5m2 caches: every layout, both precisions, "fused" (wide fp8) and "rounded", X narrower than 16
+CASES += [
+    Case(T=5, QH=4, KH=2, D=64, layout="flash", dtype="bfloat16", table_dtype="float32", cache_dtype="float8_e5m2",
+         precision="native"),
+    Case(T=6, QH=4, KH=1, D=128, R=64, layout="xpacked", is_neox=False, table="full", dtype="float16",
+         table_dtype="float16", cache_dtype="float8_e5m2", precision="native", index_dtype="int64"),
+    Case(T=4, QH=6, KH=3, D=32, layout="xpacked_shuffled", dtype="float32", table_dtype="bfloat16",
+         cache_dtype="float8_e5m2"),
+    Case(T=7, QH=2, KH=2, D=64, layout="hnd", is_neox=False, dtype="bfloat16", table_dtype="bfloat16",
+         cache_dtype="float8_e5m2", precision="native"),
+    Case(T=5, QH=4, KH=2, D=64, layout="xpacked", X=4, dtype="bfloat16", cache_dtype="float8_e5m2"),
 ]
 
 custom_call_operands = rocm_emulator.custom_call_operands
@@ -135,7 +148,7 @@ def test_emulated_kernel_writes_one_layer_of_stacked_caches(layout):
 
 _SPECIAL = [("bfloat16", "bfloat16", None, "native"), ("bfloat16", "float32", "float8_e4m3fn", "native"),
             ("float16", "float32", "float8_e4m3fnuz", "native"), ("float32", "float32", None, "native"),
-            ("float16", "float16", "float8_e4m3fn", "fp32")]
+            ("float16", "float16", "float8_e4m3fn", "fp32"), ("bfloat16", "float32", "float8_e5m2", "native")]
 
 
 def _dt(name):
@@ -162,7 +175,8 @@ def test_emulated_kernel_special_values_bitwise(dt, tdt, cdt, prec):
 
 @pytest.mark.parametrize("dt,tdt,cdt,prec", [("bfloat16", "float32", "float8_e4m3fn", "native"),
                                              ("bfloat16", "bfloat16", None, "native"),
-                                             ("float32", "float32", None, "fp32")], ids=lambda v: str(v))
+                                             ("float32", "float32", None, "fp32"),
+                                             ("float32", "float32", "float8_e5m2", "native")], ids=lambda v: str(v))
 @pytest.mark.parametrize("scale", [1e-40, 0.0])
 def test_emulated_kernel_subnormals_and_tiny_scales(dt, tdt, cdt, prec, scale):
     """Values, products and results over the subnormal range; fp8 scales whose reciprocal
@@ -222,6 +236,10 @@ NORM_CASES = [  # (case, q norm, k norm, weight dtype: "same" as q or "float32",
           cache_dtype="float8_e4m3fn", layout="xpacked_shuffled"), True, True, "same", (True, True), 4),
     (Case(T=5, QH=4, KH=2, D=128, dtype="float32", table_dtype="float32", cache_dtype="float8_e4m3fn",
           precision="native"), False, False, "same", (True, True), None),  # per-head scales alone
+    (Case(T=5, QH=4, KH=2, D=64, dtype="bfloat16", table_dtype="float32", cache_dtype="float8_e5m2", layout="hnd",
+          precision="native"), False, False, "same", (True, True), None),  # e5m2, per-head scales alone
+    (Case(T=4, QH=8, KH=2, D=128, dtype="float16", table_dtype="float16", cache_dtype="float8_e5m2",
+          layout="xpacked"), True, True, "float32", (False, True), None),  # e5m2 with the norm
 ]
 
 
@@ -364,3 +382,90 @@ def test_emulated_norm_catches_a_wrong_reduction(monkeypatch, mutant):
             self.f32, self.add(self.bitcast(self.i32, real_sqrt(self, f)), self.i32c(1))))
     with pytest.raises(AssertionError, match="differ"):
         run_and_compare(cfg, args, opts)
+
+
+# ---- float8_e5m2: stacked caches with per-head scales, the conversion on every boundary ----------
+def test_emulated_e5m2_stacked_layers_per_head_scales():
+    """A float8_e5m2 cache stacked [L, ...] with one scale per kv head: each layer in range is
+    written exactly, one outside [0, L) writes nothing."""
+    from jax_rope_cache.backends import rocm
+
+    layers = 3
+    case = Case(T=7, QH=4, KH=2, D=64, layout="xpacked_shuffled", dtype="bfloat16", table_dtype="float32",
+                cache_dtype="float8_e5m2", precision="native")
+    args, opts = make_problem(case, seed=6)
+    rng = np.random.default_rng(6)
+    args = list(args[:3]) + [np.stack([rng.standard_normal(np.shape(c)).astype(np.float32).astype(c.dtype)
+                                       for _ in range(layers)]) for c in args[3:5]] + list(args[5:])
+    opts.update(k_scale=np.asarray([0.3, 0.02], np.float32), v_scale=np.asarray([2.5, 0.007], np.float32))
+    cfg = rocm.kernel_config(contract.check_op(*args, **opts, layer=np.zeros((), np.int32)), K)
+    for layer in (2, 0, -1):
+        got = rocm_emulator.run(K, cfg, custom_call_operands(args, opts, layer))
+        want = reference_op(*args, **opts, layer=np.array(layer, np.int32))
+        for name, g, w in zip(("q_out", "k_out", "key_cache", "value_cache"), got, want):
+            assert_bits_equal(g, w, f"{name} (layer {layer})")
+
+
+def _e5m2_boundary_problem():
+    """v (float32) holds every e5m2 boundary value (e5m2_values.boundary_f32), scale 1: the value
+    cache holds the conversion of each."""
+    f = boundary_f32(exponents=ROUNDING_EXPONENTS)
+    kh, d = 8, 256
+    f = np.concatenate([f, np.full((-f.size) % (kh * d), 1.5, np.float32)])
+    t = f.size // (kh * d)
+    rng = np.random.default_rng(14)
+    q = rng.standard_normal((t, kh, d)).astype(np.float32)
+    e5 = np.dtype(ml_dtypes.float8_e5m2)
+    kshape, vshape = contract.cache_shapes("flash", -(-t // 16), 16, kh, d, e5)
+    kc, vc = (rng.standard_normal(s).astype(np.float32).astype(e5) for s in (kshape, vshape))
+    slots = rng.permutation(kshape[0] * 16)[:t].astype(np.int32)
+    args = (q, q.copy(), f.reshape(t, kh, d), kc, vc, slots, np.zeros(t, np.int32), np.ones((1, d // 2), np.float32),
+            np.zeros((1, d // 2), np.float32))
+    return args, dict(k_scale=np.float32(1.0), v_scale=np.float32(1.0)), f
+
+
+def _e5m2_values_stored(kernel):
+    from jax_rope_cache.backends import rocm
+
+    args, opts, f = _e5m2_boundary_problem()
+    cfg = rocm.kernel_config(contract.check_op(*args, **opts), kernel)
+    with np.errstate(all="ignore"):
+        got = rocm_emulator.run(kernel, cfg, custom_call_operands(args, opts))
+    return args, opts, f, got
+
+
+def test_emulated_e5m2_conversion_every_boundary():
+    """The FlyDSL kernel's f32_to_e5m2_bits on every e5m2 boundary value: the value cache equals the
+    independent oracle, every output the reference."""
+    args, opts, f, got = _e5m2_values_stored(K)
+    _, v_read = reference.read_kv(got[2], got[3], args[5])
+    assert np.array_equal(v_read.view(np.uint8).ravel(), oracle_e5m2(f))
+    for name, g, w in zip(("q_out", "k_out", "key_cache", "value_cache"), got, reference_op(*args, **opts)):
+        assert np.array_equal(g.view(np.uint8), w.view(np.uint8)), name
+
+
+_E5M2_MUTANTS = [
+    ("saturates to inf", "c(21)), c(0x7B))", "c(21)), c(0x7C))"),
+    ("truncates", "self._rne_shift(self.sub(x, c(112 << 23)), c(21))", "self.lshr(self.sub(x, c(112 << 23)), c(21))"),
+    ("subnormal shift", "shift = self.sub(c(134), e)", "shift = self.sub(c(133), e)"),
+    ("NaN keeps the sign", "c(0x7F), out)  # canonical NaN", "self.bor(sign, c(0x7E)), out)  # canonical NaN"),
+]
+
+
+@pytest.mark.parametrize("what,old,new", [pytest.param(*m, marks=[pytest.mark.full] if i else [])
+                                          for i, m in enumerate(_E5M2_MUTANTS)], ids=[m[0] for m in _E5M2_MUTANTS])
+def test_emulated_e5m2_conversion_would_catch_a_wrong_rule(what, old, new, tmp_path, monkeypatch):
+    """Each plausible mistake in f32_to_e5m2_bits, built into a copy of the kernel source, changes
+    the value cache of the boundary problem above (so that test would fail)."""
+    import sys
+
+    with open(K.__file__) as fh:
+        text = fh.read()
+    assert text.count(old) == 1, f"{what}: the kernel no longer has {old!r}; update the mutant"
+    path = tmp_path / "rope_cache_flydsl.py"
+    path.write_text(text.replace(old, new))
+    monkeypatch.setitem(sys.modules, K.__name__, K)  # loading the copy replaces the module entry; restored after
+    mutant = flydsl.kernel_module(str(path))
+    args, opts, f, got = _e5m2_values_stored(mutant)
+    _, v_read = reference.read_kv(got[2], got[3], args[5])
+    assert not np.array_equal(v_read.view(np.uint8).ravel(), oracle_e5m2(f)), f"{what}: not caught"

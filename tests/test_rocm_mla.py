@@ -30,7 +30,7 @@ import pytest
 
 import rocm_emulator
 from conftest import assert_bits_equal, flydsl_kernel_module
-from mla_cases import BF16, CASES, F16, F32, FN, FNUZ, MlaCase, flat_outputs, make_mla_problem
+from mla_cases import BF16, CASES, E5M2_FULL_CASES, F16, F32, FN, FNUZ, MlaCase, flat_outputs, make_mla_problem
 from jax_rope_cache.backends import launcher
 from jax_rope_cache.compilers import amdgpu_elf, flydsl
 from jax_rope_cache.mla import contract as mla_contract
@@ -130,7 +130,7 @@ FULL_CASES = [
 
 
 @pytest.mark.full
-@pytest.mark.parametrize("case,regime", [pytest.param(c, r, id=f"{c.id}-{r}") for c in FULL_CASES + CASES
+@pytest.mark.parametrize("case,regime", [pytest.param(c, r, id=f"{c.id}-{r}") for c in FULL_CASES + CASES + E5M2_FULL_CASES
                                          for r in ("latency", "bandwidth") if r == "bandwidth" or c.T <= K.LATENCY_TOKENS])
 def test_emulated_kernel_matches_reference_full(case, regime):
     args, opts = make_mla_problem(case, seed=33)

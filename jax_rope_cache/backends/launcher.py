@@ -109,6 +109,7 @@ def register_gpu_targets(module) -> str:
 XLA_TYPES = {
     np.dtype(np.float32): 11, np.dtype(ml_dtypes.bfloat16): 16, np.dtype(np.float16): 10,
     np.dtype(ml_dtypes.float8_e4m3fn): 20, np.dtype(ml_dtypes.float8_e4m3fnuz): 25,
+    np.dtype(ml_dtypes.float8_e5m2): 19,
     np.dtype(np.int32): 4, np.dtype(np.int64): 5,
 }
 

@@ -32,7 +32,8 @@ REGIMES = ("bandwidth", "latency")
 _REGIME_TOKENS = {"bandwidth": None, "latency": 1}
 
 _DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32,
-           "float8_e4m3fn": ml_dtypes.float8_e4m3fn, "float8_e4m3fnuz": ml_dtypes.float8_e4m3fnuz}
+           "float8_e4m3fn": ml_dtypes.float8_e4m3fn, "float8_e4m3fnuz": ml_dtypes.float8_e4m3fnuz,
+           "float8_e5m2": ml_dtypes.float8_e5m2}
 
 
 def _code(name: str) -> int:

@@ -58,7 +58,7 @@ def mla_rope_and_cache(q_nope: ArrayLike, q_pe: ArrayLike, kv_c: ArrayLike, k_pe
       k_pe: [T, Dr] the rope key (one per token, shared by every head), q_nope's dtype.
       kv_cache: layout "combined": one array [NB, BS, Dc + Dr] (vLLM / AITER / SGLang);
         layout "split": a pair (ckv_cache [NB, BS, Dc], kpe_cache [NB, BS, Dr]) (FlashInfer).
-        q_nope's dtype or float8_e4m3fn / float8_e4m3fnuz (then kv_scale is required). With
+        q_nope's dtype or float8_e4m3fn / float8_e4m3fnuz / float8_e5m2 (then kv_scale is required). With
         `layer`, stacked as [L, ...]. Updated in place when donated at the outermost jit, or when
         jax.Refs (written in place and returned).
       slot_mapping: [T] int32/int64; slot s is block s // BS, offset s % BS; outside [0, NB*BS)

@@ -4,7 +4,7 @@
 // reference (jax_rope_cache/reference.py, whose docstring is the contract) agree exactly:
 //   * conversions f32 -> bf16 / f16 / fp8 round to nearest, ties to even; subnormals are kept;
 //   * every NaN a conversion writes is the canonical quiet NaN (positive, all mantissa bits set):
-//     bf16/f16 0x7fff, f32 0x7fffffff (rc_canonical_f32), e4m3fn 0x7f, e4m3fnuz 0x80;
+//     bf16/f16 0x7fff, f32 0x7fffffff (rc_canonical_f32), e4m3fn 0x7f, e4m3fnuz 0x80, e5m2 0x7f;
 //   * fp8 stores saturate to the largest finite value (never NaN from overflow);
 //   * products and sums are separate f32 operations (no FMA contraction: the CPU build uses
 //     -ffp-contract=off, the CUDA kernel calls the _rn intrinsics through rc_mul/rc_add/rc_sub);
@@ -31,6 +31,7 @@ enum RcDtype {
   RC_F16 = 2,
   RC_FP8_E4M3FN = 3,
   RC_FP8_E4M3FNUZ = 4,
+  RC_FP8_E5M2 = 5,
 };
 
 // Cache layouts (jax_rope_cache/_spec.py: LAYOUTS).
@@ -180,6 +181,35 @@ RC_FN rc_u8 rc_f32_to_fp8(float f, bool fnuz) {
 
 RC_FN float rc_fp8_max(bool fnuz) { return fnuz ? 240.0f : 448.0f; }
 
+// ---- float8 e5m2 (OCP / vLLM's fp8_e5m2: bias 15, 2 mantissa bits, max 57344 = 0x7b, inf 0x7c,
+// NaN 0x7d-0x7f; the upper byte of an f16) ------------------------------------------------------
+RC_FN float rc_e5m2_to_f32(rc_u8 b) { return rc_f16_to_f32((rc_u16)((rc_u16)b << 8)); }
+
+// f32 -> e5m2 with saturation, as rc_f32_to_fp8: |x| beyond the largest finite value (inf
+// included) stores +-57344 (0x7b / 0xfb), never inf; NaN stores the canonical 0x7f; -0 and
+// negative values that round to zero keep the sign (0x80). Rounding to nearest even throughout.
+RC_FN rc_u8 rc_f32_to_e5m2(float f) {
+  rc_u32 x = rc_f32_bits(f);
+  rc_u8 sign = (rc_u8)((x >> 24) & 0x80u);
+  x &= 0x7fffffffu;
+  if (x > 0x7f800000u) return (rc_u8)0x7fu;  // NaN: the canonical pattern
+  rc_u32 code;
+  rc_u32 e = x >> 23;
+  if (e >= 113u) {  // normal e5m2: rebias exponent 127 -> 15, keep 2 mantissa bits
+    code = rc_shift_rne(x - (112u << 23), 21);  // x < 2^31: no wrap; inf gives 0x23c
+    if (code > 0x7bu) code = 0x7bu;
+  } else {  // subnormal e5m2: k * 2^-16
+    rc_u32 shift = 134u - e;  // >= 22
+    code = (shift > 25u || e == 0u) ? 0u : rc_shift_rne((x & 0x7fffffu) | 0x800000u, shift);
+  }
+  return (rc_u8)(sign | code);
+}
+
+// f32 -> the fp8 dtype `cdt` (RC_FP8_E4M3FN, RC_FP8_E4M3FNUZ or RC_FP8_E5M2), saturating.
+RC_FN rc_u8 rc_f32_to_fp8_as(float f, RcDtype cdt) {
+  return cdt == RC_FP8_E5M2 ? rc_f32_to_e5m2(f) : rc_f32_to_fp8(f, cdt == RC_FP8_E4M3FNUZ);
+}
+
 // ---- the rotation ---------------------------------------------------------------------------
 // One rotary pair (a, b) with the table values of each channel:
 //   a' = a*cos_a - b*sin_a,   b' = b*cos_b + a*sin_b
@@ -228,9 +258,10 @@ RC_FN float rc_inv_scale(float scale) {
   return (u & 0x7fffffffu) == 0x7f800000u ? rc_bits_f32((u & 0x80000000u) | 0x7f7fffffu) : rc_bits_f32(u);
 }
 
-// Quantises one value for an fp8 cache: saturate(x * inv_scale), inv_scale from rc_inv_scale.
-RC_FN rc_u8 rc_quantize_fp8(float x, float inv_scale, bool fnuz) {
-  return rc_f32_to_fp8(rc_mul(x, inv_scale), fnuz);
+// Quantises one value for an fp8 cache of dtype `cdt` (RC_FP8_*): saturate(x * inv_scale),
+// inv_scale from rc_inv_scale. `cdt` is an RcDtype so that a bool cannot be passed by mistake.
+RC_FN rc_u8 rc_quantize_fp8(float x, float inv_scale, RcDtype cdt) {
+  return rc_f32_to_fp8_as(rc_mul(x, inv_scale), cdt);
 }
 
 // ---- RMSNorm of one (token, head) row (Qwen3's q_norm / k_norm) --------------------

@@ -63,7 +63,7 @@ constexpr int LAYER_BLOCKS = MLA_LAYER_BLOCKS;
 constexpr int W = MLA_W, RW = MLA_RW, TPB = MLA_TPB, NT = MLA_NT, PARTS = MLA_PARTS, UNROLL = MLA_UNROLL;
 constexpr int ARITH = rc_arith(MLA_NATIVE != 0, DT, TAB_DT);
 constexpr bool FUSED = ARITH == RC_ARITH_FUSED;
-constexpr bool is_fp8(int c) { return c == RC_FP8_E4M3FN || c == RC_FP8_E4M3FNUZ; }
+constexpr bool is_fp8(int c) { return c == RC_FP8_E4M3FN || c == RC_FP8_E4M3FNUZ || c == RC_FP8_E5M2; }
 constexpr int size_of(int c) { return c == RC_F32 ? 4 : is_fp8(c) ? 1 : 2; }
 constexpr bool C_FP8 = is_fp8(CDT), Q_FP8 = is_fp8(QDT);
 constexpr int S_IN = size_of(DT), S_C = size_of(CDT), S_Q = size_of(QDT);
@@ -156,7 +156,7 @@ __device__ __forceinline__ unsigned int from_f32(float v, float inv) {
   if constexpr (C == RC_F32) return rc_f32_bits(rc_canonical_f32(v));
   else if constexpr (C == RC_BF16) return rc_f32_to_bf16(v);
   else if constexpr (C == RC_F16) return rc_f32_to_f16(v);
-  else return rc_quantize_fp8(v, inv, C == RC_FP8_E4M3FNUZ);
+  else return rc_quantize_fp8(v, inv, static_cast<RcDtype>(C));
 }
 
 // A chunk of inputs as an output of dtype C: the same bits (C == DT), else quantized.

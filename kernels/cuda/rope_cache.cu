@@ -186,11 +186,11 @@ constexpr int W = RC_WCH;
 constexpr int TPB = RC_TPB, NT = RC_NT, SPLIT = RC_SPLIT;
 constexpr bool NEOX = RC_NEOX != 0, FULL = RC_FULL_TABLE != 0, NATIVE = RC_NATIVE != 0;
 constexpr int DT = RC_DT, TAB_DT = RC_TAB_DT, CDT = RC_CACHE_DT, LAYOUT = RC_LAYOUT;
-constexpr bool FP8 = CDT == RC_FP8_E4M3FN || CDT == RC_FP8_E4M3FNUZ;
+constexpr bool FP8 = CDT == RC_FP8_E4M3FN || CDT == RC_FP8_E4M3FNUZ || CDT == RC_FP8_E5M2;
 constexpr int ARITH = rc_arith(NATIVE, DT, TAB_DT);  // RC_ARITH_FP32, "rounded" (DT) or RC_ARITH_FUSED
 // An fp8 key cache in "fused" arithmetic quantizes the rotated f32 values, not the rounded k_out.
 constexpr bool WIDE_K = FP8 && ARITH == RC_ARITH_FUSED;
-constexpr bool FNUZ = CDT == RC_FP8_E4M3FNUZ;
+constexpr RcDtype FP8_DT = static_cast<RcDtype>(CDT);  // the fp8 format rc_quantize_fp8 writes (FP8 only)
 constexpr bool XP = LAYOUT == RC_XPACKED || LAYOUT == RC_XPACKED_SHUFFLED;  // flash and hnd: rows of D
 constexpr int S_IN = DT == RC_F32 ? 4 : 2;
 constexpr int S_TAB = TAB_DT == RC_F32 ? 4 : 2;
@@ -401,7 +401,7 @@ __device__ __forceinline__ void store_chunk(void* base, i64 elem, const Chunk& c
 }
 
 __device__ __forceinline__ raw_cache to_cache(raw_in x, float inv_scale) {
-  if (FP8) return (raw_cache)rc_quantize_fp8(to_f32<DT>(x), inv_scale, FNUZ);
+  if (FP8) return (raw_cache)rc_quantize_fp8(to_f32<DT>(x), inv_scale, FP8_DT);
   return (raw_cache)x;
 }
 
@@ -416,7 +416,7 @@ __device__ __forceinline__ void store_cache_chunk(void* base, i64 elem, const Ch
 __device__ __forceinline__ void store_cache_chunk_f32(void* base, i64 elem, const float* x, float inv_scale) {
   CacheChunk o;
 #pragma unroll
-  for (int e = 0; e < W; ++e) o.e[e] = (raw_cache)rc_quantize_fp8(x[e], inv_scale, FNUZ);
+  for (int e = 0; e < W; ++e) o.e[e] = (raw_cache)rc_quantize_fp8(x[e], inv_scale, FP8_DT);
   *reinterpret_cast<VecOf<W * S_CACHE>::T*>(static_cast<char*>(base) + elem * S_CACHE) = o.v;
 }
 
@@ -479,7 +479,7 @@ __device__ __forceinline__ void store_key_chunk_f32(void* base, const KeyIndex& 
     for (int m = 0; m < W / KW; ++m) {
       KeyPiece o;
 #pragma unroll
-      for (int e = 0; e < KW; ++e) o.e[e] = (raw_cache)rc_quantize_fp8(x[m * KW + e], inv_scale, FNUZ);
+      for (int e = 0; e < KW; ++e) o.e[e] = (raw_cache)rc_quantize_fp8(x[m * KW + e], inv_scale, FP8_DT);
       *reinterpret_cast<VecOf<KW * S_CACHE>::T*>(static_cast<char*>(base) + at(m * KW) * S_CACHE) = o.v;
     }
   }

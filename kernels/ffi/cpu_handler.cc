@@ -42,6 +42,7 @@ int DtypeCode(ffi::DataType t) {
     case ffi::DataType::F16: return RC_F16;
     case ffi::DataType::F8E4M3FN: return RC_FP8_E4M3FN;
     case ffi::DataType::F8E4M3FNUZ: return RC_FP8_E4M3FNUZ;
+    case ffi::DataType::F8E5M2: return RC_FP8_E5M2;
     default: return -1;
   }
 }
@@ -193,18 +194,18 @@ void WriteRow(const Problem& p, const CacheRow& at, const typename Elem<DT>::T* 
       std::memcpy(kc + at.k_base + (d0 / at.k_group) * at.k_group_stride, k + d0, at.k_group * sizeof(*k));
     for (int64_t d = 0; d < p.D; ++d) vc[at.v_base + d * at.v_stride] = v[d];
   } else {
-    constexpr bool fnuz = CDT == RC_FP8_E4M3FNUZ;
+    constexpr RcDtype fp8 = static_cast<RcDtype>(CDT);
     auto* kc = static_cast<uint8_t*>(p.kc);
     auto* vc = static_cast<uint8_t*>(p.vc);
     for (int64_t d0 = 0; d0 < p.D; d0 += at.k_group) {
       uint8_t* dst = kc + at.k_base + (d0 / at.k_group) * at.k_group_stride;
       if (k_wide) {
-        for (int64_t j = 0; j < at.k_group; ++j) dst[j] = rc_quantize_fp8(k_wide[d0 + j], inv_k, fnuz);
+        for (int64_t j = 0; j < at.k_group; ++j) dst[j] = rc_quantize_fp8(k_wide[d0 + j], inv_k, fp8);
       } else {
-        for (int64_t j = 0; j < at.k_group; ++j) dst[j] = rc_quantize_fp8(E::Load(k[d0 + j]), inv_k, fnuz);
+        for (int64_t j = 0; j < at.k_group; ++j) dst[j] = rc_quantize_fp8(E::Load(k[d0 + j]), inv_k, fp8);
       }
     }
-    for (int64_t d = 0; d < p.D; ++d) vc[at.v_base + d * at.v_stride] = rc_quantize_fp8(E::Load(v[d]), inv_v, fnuz);
+    for (int64_t d = 0; d < p.D; ++d) vc[at.v_base + d * at.v_stride] = rc_quantize_fp8(E::Load(v[d]), inv_v, fp8);
   }
 }
 
@@ -307,6 +308,7 @@ void RunTokensCache(const Problem& p, int64_t t0, int64_t t1) {
   switch (p.cache_dt) {
     case RC_FP8_E4M3FN: return RunTokensNative<DT, RC_FP8_E4M3FN>(p, t0, t1);
     case RC_FP8_E4M3FNUZ: return RunTokensNative<DT, RC_FP8_E4M3FNUZ>(p, t0, t1);
+    case RC_FP8_E5M2: return RunTokensNative<DT, RC_FP8_E5M2>(p, t0, t1);
     default: return RunTokensNative<DT, DT>(p, t0, t1);
   }
 }
@@ -385,6 +387,7 @@ const char* TypeName(ffi::DataType t) {
     case ffi::DataType::F64: return "float64";
     case ffi::DataType::F8E4M3FN: return "float8_e4m3fn";
     case ffi::DataType::F8E4M3FNUZ: return "float8_e4m3fnuz";
+    case ffi::DataType::F8E5M2: return "float8_e5m2";
     case ffi::DataType::S8: return "int8";
     case ffi::DataType::S16: return "int16";
     case ffi::DataType::S32: return "int32";
@@ -414,7 +417,9 @@ bool IsInputType(ffi::DataType t) {
   return t == ffi::DataType::F32 || t == ffi::DataType::BF16 || t == ffi::DataType::F16;
 }
 
-bool IsFp8(ffi::DataType t) { return t == ffi::DataType::F8E4M3FN || t == ffi::DataType::F8E4M3FNUZ; }
+bool IsFp8(ffi::DataType t) {
+  return t == ffi::DataType::F8E4M3FN || t == ffi::DataType::F8E4M3FNUZ || t == ffi::DataType::F8E5M2;
+}
 
 // `name` must have dtype `want` (`as` says why, e.g. "as q").
 ffi::Error ExpectType(const char* name, const ffi::AnyBuffer& b, ffi::DataType want, const char* as) {
@@ -522,7 +527,7 @@ ffi::Error ValidateCall(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const 
   const ffi::DataType cdt = key_cache.element_type();
   if (cdt != dt && !IsFp8(cdt))
     return Invalid(std::string("key_cache: expected dtype ") + TypeName(dt) +
-                   " (as q), float8_e4m3fn or float8_e4m3fnuz, got " + TypeName(cdt));
+                   " (as q), float8_e4m3fn, float8_e4m3fnuz or float8_e5m2, got " + TypeName(cdt));
   JRC_CHECK(ExpectType("value_cache", value_cache, cdt, "as key_cache"));
   const bool packed = layout == RC_XPACKED || layout == RC_XPACKED_SHUFFLED;
   const size_t rank = packed ? 5 : 4;
@@ -656,7 +661,7 @@ ffi::Error CpuRopeAndCache(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
   p.cache_dt = DtypeCode(key_cache.element_type());
   if (p.dt < 0 || p.dt > RC_F16 || p.table_dt < 0 || p.table_dt > RC_F16 || p.cache_dt < 0)
     return ffi::Error::InvalidArgument("rope_and_cache cpu: unsupported dtype");
-  if (p.cache_dt != p.dt && p.cache_dt != RC_FP8_E4M3FN && p.cache_dt != RC_FP8_E4M3FNUZ)
+  if (p.cache_dt != p.dt && p.cache_dt != RC_FP8_E4M3FN && p.cache_dt != RC_FP8_E4M3FNUZ && p.cache_dt != RC_FP8_E5M2)
     return ffi::Error::InvalidArgument("rope_and_cache cpu: cache dtype must equal the input dtype or be fp8");
   if (p.layout < RC_FLASH || p.layout > RC_HND)
     return ffi::Error::InvalidArgument("rope_and_cache cpu: unknown layout " + std::to_string(layout));

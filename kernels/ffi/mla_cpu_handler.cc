@@ -35,6 +35,7 @@ int Code(ffi::DataType t) {
     case ffi::DataType::F16: return RC_F16;
     case ffi::DataType::F8E4M3FN: return RC_FP8_E4M3FN;
     case ffi::DataType::F8E4M3FNUZ: return RC_FP8_E4M3FNUZ;
+    case ffi::DataType::F8E5M2: return RC_FP8_E5M2;
     default: return -1;
   }
 }
@@ -46,11 +47,12 @@ const char* Name(int code) {
     case RC_F16: return "float16";
     case RC_FP8_E4M3FN: return "float8_e4m3fn";
     case RC_FP8_E4M3FNUZ: return "float8_e4m3fnuz";
+    case RC_FP8_E5M2: return "float8_e5m2";
     default: return "an unsupported type";
   }
 }
 
-bool IsFp8(int c) { return c == RC_FP8_E4M3FN || c == RC_FP8_E4M3FNUZ; }
+bool IsFp8(int c) { return c == RC_FP8_E4M3FN || c == RC_FP8_E4M3FNUZ || c == RC_FP8_E5M2; }
 int Size(int c) { return c == RC_F32 ? 4 : IsFp8(c) ? 1 : 2; }
 
 std::string Dims(ffi::Span<const int64_t> d) {
@@ -92,7 +94,7 @@ void Store(void* base, int64_t i, int dt, float v, float inv) {
     case RC_BF16: static_cast<uint16_t*>(base)[i] = rc_f32_to_bf16(v); break;
     case RC_F16: static_cast<uint16_t*>(base)[i] = rc_f32_to_f16(v); break;
     case RC_F32: static_cast<float*>(base)[i] = rc_canonical_f32(v); break;
-    default: static_cast<uint8_t*>(base)[i] = rc_quantize_fp8(v, inv, dt == RC_FP8_E4M3FNUZ);
+    default: static_cast<uint8_t*>(base)[i] = rc_quantize_fp8(v, inv, static_cast<RcDtype>(dt));
   }
 }
 

@@ -32,6 +32,7 @@ void RoundF32(nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cp
       case RC_F16: b[i] = rc_f32_to_f16(s[i]); break;
       case RC_FP8_E4M3FN: b[i] = rc_f32_to_fp8(s[i], false); break;
       case RC_FP8_E4M3FNUZ: b[i] = rc_f32_to_fp8(s[i], true); break;
+      case RC_FP8_E5M2: b[i] = rc_f32_to_e5m2(s[i]); break;
       default: throw nb::value_error("dt must be a 16- or 8-bit dtype code");
     }
   }
@@ -48,6 +49,7 @@ void WidenToF32(nb::ndarray<const uint32_t, nb::ndim<1>, nb::c_contig, nb::devic
       case RC_F16: dst.data()[i] = rc_f16_to_f32(static_cast<rc_u16>(b)); break;
       case RC_FP8_E4M3FN: dst.data()[i] = rc_fp8_to_f32(static_cast<rc_u8>(b), false); break;
       case RC_FP8_E4M3FNUZ: dst.data()[i] = rc_fp8_to_f32(static_cast<rc_u8>(b), true); break;
+      case RC_FP8_E5M2: dst.data()[i] = rc_e5m2_to_f32(static_cast<rc_u8>(b)); break;
       default: throw nb::value_error("dt must be a 16- or 8-bit dtype code");
     }
   }

@@ -65,9 +65,9 @@ def _base():
 
 
 _B = _base()
-F32, BF16, F16, FP8_FN, FP8_FNUZ = _B.F32, _B.BF16, _B.F16, _B.FP8_FN, _B.FP8_FNUZ
+F32, BF16, F16, FP8_FN, FP8_FNUZ, FP8_E5M2 = _B.F32, _B.BF16, _B.F16, _B.FP8_FN, _B.FP8_FNUZ, _B.FP8_E5M2
 ITEMSIZE = _B.ITEMSIZE
-FP8 = (FP8_FN, FP8_FNUZ)
+FP8 = _B.FP8_CODES
 
 KERNEL_BASENAME = "jrc_mla_cache"
 NUM_ARGS = 30  # what the launch function takes (the split layout's count; combined uses the first 27)

@@ -3,7 +3,7 @@
 Static configuration: a `RocmKernelConfig` (jax_rope_cache/rocm.py builds it from an OpSpec).
 Every option of the op contract is a compile-time parameter: NeoX / GPT-J pairing, partial
 rotary (R < D), "half" / "full" cos/sin tables, the four cache layouts (any power-of-two X of the
-x-packed ones: `pack_x`), bf16/f16/f32 inputs, bf16/f16/f32 tables, caches of the input dtype or float8 e4m3fn / e4m3fnuz (both formats on both
+x-packed ones: `pack_x`), bf16/f16/f32 inputs, bf16/f16/f32 tables, caches of the input dtype or float8 e4m3fn / e4m3fnuz / e5m2 (every format on both
 archs: the conversion is integer arithmetic, not the hardware's fp8 instructions), per-tensor
 k/v scales, "fp32" and "native" precision, int32/int64 slot_mapping and positions, one cache or
 stacked per-layer caches [L, NB, ...] (`layer_blocks` = NB) with the layer read on the device,
@@ -48,7 +48,7 @@ FMA/MAD); "fused" makes its first product an llvm.intr.fma (v_fma_f32, one round
 key cache then quantizes the f32 values before the final rounding. bf16 and fp8 rounding in
 integer arithmetic (round to nearest even, fp8 saturates), f16 by the hardware conversion (RNE);
 every NaN written is the canonical one of rope_cache_math.h (bf16/f16 0x7FFF, f32 0x7FFFFFFF,
-e4m3fn 0x7F, e4m3fnuz 0x80). 1/scale by a correctly rounded f32 division, an overflow to +-inf
+e4m3fn 0x7F, e4m3fnuz 0x80, e5m2 0x7F). 1/scale by a correctly rounded f32 division, an overflow to +-inf
 replaced by +-FLT_MAX (rc_inv_scale). Tables are never rounded. Per-head scales ([KH]): each
 lane computes 1/scale[h] once per head it visits (before the token loop).
 
@@ -90,8 +90,9 @@ NUM_ARGS = NUM_ADDRS + NUM_OPERANDS  # then each operand's dim0
 ARG_BYTES = 8
 
 # dtype codes: jax_rope_cache/_spec.py DTYPE_CODES
-F32, BF16, F16, FP8_FN, FP8_FNUZ = 0, 1, 2, 3, 4
-ITEMSIZE = {F32: 4, BF16: 2, F16: 2, FP8_FN: 1, FP8_FNUZ: 1}
+F32, BF16, F16, FP8_FN, FP8_FNUZ, FP8_E5M2 = 0, 1, 2, 3, 4, 5
+ITEMSIZE = {F32: 4, BF16: 2, F16: 2, FP8_FN: 1, FP8_FNUZ: 1, FP8_E5M2: 1}
+FP8_CODES = (FP8_FN, FP8_FNUZ, FP8_E5M2)
 FLASH, XPACKED, XPACKED_SHUFFLED, HND = 0, 1, 2, 3
 
 
@@ -719,6 +720,28 @@ class _Emitter:
         nan = c(0x80 if fnuz else 0x7F)  # canonical NaN
         return self.sel(self.cmp("ugt", x, c(0x7F800000)), nan, out)
 
+    def f32_to_e5m2_bits(self, f):
+        """rc_f32_to_e5m2 of rope_cache_math.h (saturating e5m2, RNE; NaN 0x7F, -0 kept). Integer
+        arithmetic on both archs: gfx942's bf8 conversions write e5m2fnuz (bias 16), and gfx950's
+        OCP ones are not used so that both archs run the same code."""
+        c = self.i32c
+        x0 = self.bitcast(self.i32, f)
+        sign = self.band(self.lshr(x0, c(24)), c(0x80))
+        x = self.band(x0, c(0x7FFFFFFF))
+        e = self.lshr(x, c(23))
+        # normal e5m2 range (e >= 113): rebias 127 -> 15, keep 2 mantissa bits, saturate at 0x7B
+        code_n = self.arith.minui(self._rne_shift(self.sub(x, c(112 << 23)), c(21)), c(0x7B))
+        # subnormal e5m2 range: shift = 134 - e, clamped to [1, 31] for the shift itself
+        shift = self.sub(c(134), e)
+        sh = self.arith.minui(self.arith.maxsi(shift, c(1)), c(31))
+        mant = self.bor(self.band(x, c(0x7FFFFF)), c(0x800000))
+        code_s = self._rne_shift(mant, sh)
+        zero_s = self.arith.ori(self.cmp("sgt", shift, c(25)), self.cmp("eq", e, c(0)))
+        code_s = self.sel(zero_s, c(0), code_s)
+        code = self.sel(self.cmp("uge", e, c(113)), code_n, code_s)
+        out = self.bor(sign, code)
+        return self.sel(self.cmp("ugt", x, c(0x7F800000)), c(0x7F), out)  # canonical NaN
+
     def pack_bits(self, bits: list, elem_bytes: int) -> list:
         """Element bit patterns (i32 each, low bits used) -> list of (bytes, word) for storing."""
         per = 4 // elem_bytes if elem_bytes < 4 else 1
@@ -752,6 +775,8 @@ class _Emitter:
             return self.f32_to_bf16_bits(f)
         if code == F16:
             return self.f32_to_f16_bits(f)
+        if code == FP8_E5M2:
+            return self.f32_to_e5m2_bits(self.arith.mulf(f, inv_scale))
         return self.f32_to_fp8_bits(self.arith.mulf(f, inv_scale), code == FP8_FNUZ)
 
     def store_elems_pieces(self, vals: list, code: int, inv_scale=None) -> list:
@@ -813,7 +838,7 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
     s_in = ITEMSIZE[cfg.dt]
     s_tab = ITEMSIZE[cfg.tab_dt]
     s_c = ITEMSIZE[cfg.cache_dt]
-    fp8 = cfg.cache_dt in (FP8_FN, FP8_FNUZ)
+    fp8 = cfg.cache_dt in FP8_CODES
     D, R, QH, KH, BS, X = cfg.d, cfg.r, cfg.qh, cfg.kh, cfg.bs, cfg.x
     RH = QH + KH
     TPB = cfg.tpb
