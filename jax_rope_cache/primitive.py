@@ -216,6 +216,25 @@ ad.primitive_jvps[rope_cache_p] = _not_differentiable
 batching.primitive_batchers[rope_cache_p] = _batch
 
 
+# impl="xla" is traced as jax.numpy code (XLA fuses and vmaps it as such), behind this identity
+# primitive, which carries the op's one differentiation rule (none). An identity primitive rather
+# than a jax.custom_jvp: primitives canonicalise their operands when bound, while vmap of a
+# custom_jvp hands a batched numpy input (a closed-over array the caller vmaps over) to the
+# enclosing jit's trace as is, which jax rejects as a non-canonical constant.
+not_differentiable_p = Primitive("rope_and_cache_not_differentiable")
+not_differentiable_p.multiple_results = True
+not_differentiable_p.def_impl(lambda *args: list(args))
+not_differentiable_p.def_abstract_eval(lambda *avals: list(avals))
+mlir.register_lowering(not_differentiable_p, lambda ctx, *args: list(args))
+ad.primitive_jvps[not_differentiable_p] = _not_differentiable
+batching.primitive_batchers[not_differentiable_p] = lambda args, dims: (not_differentiable_p.bind(*args), dims)
+
+
+def not_differentiable(*args) -> list:
+    """`args` unchanged; jax.grad / jvp / vjp through them raise NOT_DIFFERENTIABLE."""
+    return not_differentiable_p.bind(*args)
+
+
 def bind(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, k_scale, v_scale, layer,
          q_norm_weight, k_norm_weight, *, spec: contract.OpSpec, impl):
     return rope_cache_p.bind(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
