@@ -5,7 +5,9 @@ The launcher (kernels/ffi/gpu_launcher.cc) is generic: it loads the entry of the
 the device (cubin / PTX / AMDGPU ELF for the device's gcnArchName), once per device and table
 hash, and launches the named kernel on XLA's stream with the operand pointers and leading
 dimensions (see rope_cache.cu's ABI). The driver it binds follows the platform the target was
-registered for (CUDA -> libcuda.so.1, ROCM -> libamdhip64.so.7/.6).
+registered for (CUDA -> libcuda.so.1; ROCM -> the HIP runtime the process already loaded, any
+soname, else libamdhip64.so.7 / .so.6). On HIP a launch makes the call's device current and restores
+the thread's device after it.
 
 Environment:
   JAX_ROPE_CACHE_COMMAND_BUFFERS     which of the launcher's two targets the lowering uses: 1 the
