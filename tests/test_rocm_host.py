@@ -201,3 +201,45 @@ def test_flydsl_code_objects_are_version_6_needing_rocm_6_3():
     _, _, objs = rocm.build_code_table(cfg, ("gfx942",))
     assert amdgpu_elf.code_object_version(objs[0].code) == 6
     assert amdgpu_elf.MIN_ROCM[6] == (6, 3)
+
+
+# ---- a run asked for a GPU that jax did not load ---------------------------------------------------
+def _collect_with_a_failing_rocm_plugin(tmp_path, extra, rocm_root=None):
+    """`pytest --collect-only` of one test file in a fresh process whose jax finds a ROCm plugin that
+    fails to load the way a TheRock install's does (its initialize() cannot open a librocm_sysdeps_*
+    library): jax logs the error and runs on the CPU."""
+    import os
+    import subprocess
+    import sys
+
+    plugin = tmp_path / "plugins" / "jax_plugins" / "xla_rocm7"
+    plugin.mkdir(parents=True)
+    (plugin / "__init__.py").write_text(
+        "def initialize():\n"
+        "    raise OSError('librocm_sysdeps_drm.so.2: cannot open shared object file: No such file or directory')\n")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path / "plugins"), JRC_JAX_EXTRA=extra,
+               ROCM_PATH=str(rocm_root or tmp_path / "no-rocm"), LD_LIBRARY_PATH="")
+    env.pop("JAX_PLATFORMS", None)
+    tests = os.path.dirname(os.path.abspath(__file__))
+    return subprocess.run([sys.executable, "-P", "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                           os.path.join(tests, "test_cli_info.py")], env=env, capture_output=True, text=True,
+                          timeout=300, cwd=tests)
+
+
+def test_a_rocm_run_without_a_rocm_backend_fails_naming_the_plugin_error_and_the_fix(tmp_path):
+    root = tmp_path / "rocm"
+    (root / "lib" / "rocm_sysdeps" / "lib").mkdir(parents=True)
+    (root / "lib" / "rocm_sysdeps" / "lib" / "librocm_sysdeps_drm.so.2").write_bytes(b"")
+    r = _collect_with_a_failing_rocm_plugin(tmp_path, "rocm7-local", root)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0, out[-3000:]
+    assert "JRC_JAX_EXTRA=rocm7-local asks for a rocm run, but jax has no rocm backend here" in out, out[-3000:]
+    assert "librocm_sysdeps_drm.so.2: cannot open shared object file" in out  # the plugin's own load error
+    assert f"export LD_LIBRARY_PATH={root}/lib/rocm_sysdeps/lib:$LD_LIBRARY_PATH" in out  # the fix
+    assert "ROCm 7.x" in out
+
+
+def test_a_cpu_run_is_not_affected_by_a_failing_gpu_plugin(tmp_path):
+    r = _collect_with_a_failing_rocm_plugin(tmp_path, "")
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    assert "test_info_help" in r.stdout
