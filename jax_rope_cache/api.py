@@ -10,8 +10,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_rope_cache import contract, primitive
-from jax_rope_cache.backends import cpu, launcher, xla
+from jax_rope_cache import versions
+
+versions.check_jax()
+
+from jax_rope_cache import contract, primitive  # noqa: E402
+from jax_rope_cache.backends import cpu, launcher, xla  # noqa: E402
 
 IMPLS = (None, "kernel", "xla")
 ArrayLike = jax.typing.ArrayLike

@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 import jax_rope_cache as jrc
-from jax_rope_cache import primitive
 from jax_rope_cache.backends import launcher, native, rocm
 from jax_rope_cache.compilers import amdgpu_elf, flydsl
 
@@ -43,6 +42,7 @@ def registrations(monkeypatch):
 
     monkeypatch.setattr(native, "_registered", set())
     monkeypatch.setattr(native, "_rejected", {})
+    monkeypatch.setattr(launcher, "_warned", set())
     monkeypatch.setattr(jax.ffi, "register_ffi_target", register)
     monkeypatch.delenv("JAX_ROPE_CACHE_COMMAND_BUFFERS", raising=False)
     return state
@@ -91,7 +91,7 @@ def test_a_refused_trait_falls_back_to_the_no_graph_target_with_one_warning(regi
     assert (launcher.GPU_TARGET, "ROCM") not in native._registered
     # without the opt-in the no-graph target was ROCm's anyway: no warning
     monkeypatch.delenv("JAX_ROPE_CACHE_COMMAND_BUFFERS")
-    primitive._warned.clear()
+    launcher._warned.clear()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert launcher.register_gpu_targets(module, "ROCM") == launcher.GPU_TARGET_NO_GRAPH

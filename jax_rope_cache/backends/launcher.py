@@ -27,6 +27,8 @@ import functools
 import hashlib
 import os
 import struct
+import threading
+import warnings
 
 import jax
 import ml_dtypes
@@ -114,6 +116,20 @@ def handler_capsules(module, platform: str, command_buffers: bool):
     return module.gpu_handler(platform, command_buffers)
 
 
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def _warn_once(message: str) -> None:
+    """A RuntimeWarning once per process and message, pointing at the caller's code."""
+    with _warned_lock:
+        if message in _warned:
+            return
+        _warned.add(message)
+    internal = (os.path.dirname(jax.__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    warnings.warn(message, RuntimeWarning, skip_file_prefixes=internal)
+
+
 def register_gpu_targets(module, platform: str = "CUDA") -> str:
     """Registers both launcher targets for CUDA and ROCM (each platform gets the handlers that bind
     its own driver); returns the target a lowering for `platform` uses (command_buffers_enabled).
@@ -130,9 +146,7 @@ def register_gpu_targets(module, platform: str = "CUDA") -> str:
     if not command_buffers_enabled(platform):
         return GPU_TARGET_NO_GRAPH
     if platform in rejected:
-        from jax_rope_cache import primitive  # noqa: PLC0415 - primitive imports the backends
-
-        primitive.warn_once(
+        _warn_once(
             f"rope_and_cache: jax refused the command-buffer trait of the launcher target for {platform} "
             f"({rejected[platform]}); the call runs outside CUDA/HIP graphs (the launcher target without the trait). "
             f"jax >= 0.11.1 with a PJRT plugin that supports custom-call traits lifts this; "
