@@ -1,4 +1,4 @@
-"""Command line: `python -m jax_rope_cache {info,generate,demo,bench,compile}` (also `jax-rope-cache`)."""
+"""Command line: `python -m jax_rope_cache {info,generate,demo,bench,compile,check}` (also `jax-rope-cache`)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ COMMANDS = {
     "demo": "prefill + decode loop of the op alone over a preset's shapes, checked and timed",
     "bench": "kernel vs XLA path table (+ CSV/JSON/PNG) on the default device",
     "compile": "precompile code objects of presets into the disk cache (deployment hosts compile nothing)",
+    "check": "the AMD GPU hardware check (scripts/rocm_check.sh): environment, ROCm GPU tests, both launcher "
+             "targets, generate, bench; one report file (without an AMD GPU: says so)",
 }
 
 
@@ -116,6 +118,10 @@ def main(argv=None) -> None:
         bench.main(rest)
     elif command == "compile":
         compile_presets(rest)
+    elif command == "check":
+        from jax_rope_cache.cli import check
+
+        raise SystemExit(check.main(rest))
     else:  # as argparse reports a bad choice: usage and one error line on stderr, exit status 2
         print(f"{USAGE}\npython -m jax_rope_cache: error: unknown command {command!r}; expected one of "
               f"{', '.join(COMMANDS)}", file=sys.stderr)
