@@ -23,7 +23,7 @@ Also: (a) a jitted 32-layer unrolled decode step (T=1, 32 caches donated), wall 
 1000-step lax.fori_loop of T=1 updates vs the same loop writing K and V with
 lax.dynamic_update_slice.
 
-Optional AITER column (issue 14): when torch and AITER's Triton kernel
+Optional AITER column: when torch and AITER's Triton kernel
 `aiter.ops.triton.fusions.fused_kv_cache.fused_qk_rope_reshape_and_cache` import (an installed
 AITER, or `--peers DIR` holding ../shared/peers' bench_peers.py and an assembled AITER source in
 DIR/aiter_src, see ../shared/peers/README.md), every case also times AITER on inputs of the same

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Qwen3 QK-RMSNorm fused into rope_and_cache vs the norm as a separate jnp pass (issue 18).
+"""Qwen3 QK-RMSNorm fused into rope_and_cache vs the norm as a separate jnp pass.
 
     python benchmarks/bench_qk_norm.py OUT_DIR [--dry-run] [--tokens 1,128,8192,32768] ...
 

@@ -20,6 +20,10 @@ _LAZY = {
     "cache_shapes": "jax_rope_cache.contract",
     "rope_tables": "jax_rope_cache.models.tables",
     "rope_tables_from_hf_config": "jax_rope_cache.models.config",
+    "mla_rope_and_cache": "jax_rope_cache.mla.api",
+    "make_mla_cache": "jax_rope_cache.mla.api",
+    "read_mla_cache": "jax_rope_cache.mla.api",
+    "MLA_LAYOUTS": "jax_rope_cache.mla.contract",
 }
 
 __all__ = sorted(_LAZY)
@@ -29,3 +33,7 @@ def __getattr__(name):
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'jax_rope_cache' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 from collections.abc import Callable, Sequence
 
@@ -15,7 +16,7 @@ from jax_rope_cache import versions
 versions.check_jax()
 
 from jax_rope_cache import contract, primitive  # noqa: E402
-from jax_rope_cache.backends import cpu, launcher, xla  # noqa: E402
+from jax_rope_cache.backends import cpu, kernel_node, launcher, xla  # noqa: E402
 
 IMPLS = (None, "kernel", "xla")
 ArrayLike = jax.typing.ArrayLike
@@ -137,14 +138,16 @@ def _layer_operand(layer, spec: contract.OpSpec):
 
 
 def _prepare(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, *, layout, is_neox,
-             rotary_dim, k_scale, v_scale, precision, impl, layer, q_norm_weight, k_norm_weight, norm_eps):
+             rotary_dim, k_scale, v_scale, precision, impl, layer, q_norm_weight, k_norm_weight, norm_eps,
+             mrope_section=None, mrope_interleaved=False):
     """Every check of a call, in the same order for every entry point; returns the spec and the
     index arguments as they may be handed to JAX (host int64 indices given their meaning)."""
     _check_refs(key_cache, value_cache)
     spec = contract.check_op(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
                              layout=layout, is_neox=is_neox, rotary_dim=rotary_dim, k_scale=k_scale,
                              v_scale=v_scale, precision=precision, layer=layer, q_norm_weight=q_norm_weight,
-                             k_norm_weight=k_norm_weight, norm_eps=norm_eps)
+                             k_norm_weight=k_norm_weight, norm_eps=norm_eps, mrope_section=mrope_section,
+                             mrope_interleaved=mrope_interleaved)
     if impl not in IMPLS:
         raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
     _check_concrete(zip(contract.OPERANDS, (q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
@@ -160,7 +163,8 @@ def rope_and_cache(q: ArrayLike, k: ArrayLike, v: ArrayLike, key_cache: Cache, v
                    precision: str = "fp32", impl: str | None = None,
                    layer: int | ArrayLike | None = None, q_norm_weight: ArrayLike | None = None,
                    k_norm_weight: ArrayLike | None = None,
-                   norm_eps: float = 1e-6) -> tuple[jax.Array, jax.Array, Cache, Cache]:
+                   norm_eps: float = 1e-6, mrope_section: Sequence[int] | None = None,
+                   mrope_interleaved: bool = False) -> tuple[jax.Array, jax.Array, Cache, Cache]:
     """Rotates q and k with RoPE and writes k and v into a paged KV cache, in one kernel.
 
     Args:
@@ -172,8 +176,9 @@ def rope_and_cache(q: ArrayLike, k: ArrayLike, v: ArrayLike, key_cache: Cache, v
         the refs are written and also returned). With `layer`, stacked as [L, ...].
       slot_mapping: [T] int32/int64. Slot s is block s // BS, offset s % BS; slots outside
         [0, NB*BS) (e.g. -1 for padding) write nothing, whatever their width (numpy int64 slots
-        with jax_enable_x64 off are mapped before JAX narrows them; see README "Errors").
-      positions: [T] int32/int64 rows of cos/sin, clamped to [0, max_pos - 1].
+        with jax_enable_x64 off are mapped before JAX narrows them; see docs/errors.md).
+      positions: [T] int32/int64 rows of cos/sin, clamped to [0, max_pos - 1]; with
+        mrope_section, [3, T]: the temporal, height and width position of each token.
       cos, sin: [max_pos, R/2] ("half") or [max_pos, R] ("full") tables, bf16/f16/f32.
       layout: "flash"            K, V: [NB, BS, KH, D]
               "xpacked"          K: [NB, KH, D//X, BS, X], V: [NB, KH, D, BS]
@@ -200,6 +205,13 @@ def rope_and_cache(q: ArrayLike, k: ArrayLike, v: ArrayLike, key_cache: Cache, v
         rotated k; v is untouched.
       norm_eps: the norm's epsilon, a static float > 0 (used as float32); checked even when no
         weight is given.
+      mrope_section: None, or the multimodal RoPE sections (temporal, height, width): how many of
+        the R/2 rotary frequencies each position stream drives (summing to R/2; static), e.g.
+        (16, 24, 24) for Qwen2.5-VL, (24, 20, 20) for Qwen3-VL; positions are then [3, T].
+      mrope_interleaved: False: contiguous sections (Qwen2-VL / Qwen2.5-VL): frequency i < t is
+        temporal, then h height, then w width. True (Qwen3-VL): i % 3 == 1 and i < 3h height,
+        i % 3 == 2 and i < 3w width, the others temporal. A token with three equal positions
+        (text) gets exactly the result of positions [T].
 
     Returns:
       (q_out [T, QH, D], k_out [T, KH, D], key_cache, value_cache).
@@ -211,13 +223,15 @@ def rope_and_cache(q: ArrayLike, k: ArrayLike, v: ArrayLike, key_cache: Cache, v
         q_out, k_out, kc, vc = rope_and_cache(
             q, k, v, key_ref[...], value_ref[...], slot_mapping, positions, cos, sin, layout=layout,
             is_neox=is_neox, rotary_dim=rotary_dim, k_scale=k_scale, v_scale=v_scale, precision=precision,
-            impl=impl, layer=layer, q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, norm_eps=norm_eps)
+            impl=impl, layer=layer, q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, norm_eps=norm_eps,
+            mrope_section=mrope_section, mrope_interleaved=mrope_interleaved)
         key_ref[...], value_ref[...] = kc, vc
         return q_out, k_out, key_ref, value_ref
     spec, slot_mapping, positions, layer = _prepare(
         q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, layout=layout, is_neox=is_neox,
         rotary_dim=rotary_dim, k_scale=k_scale, v_scale=v_scale, precision=precision, impl=impl, layer=layer,
-        q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, norm_eps=norm_eps)
+        q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, norm_eps=norm_eps, mrope_section=mrope_section,
+        mrope_interleaved=mrope_interleaved)
     args = tuple(jnp.asarray(a) for a in (q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin))
     args += (_scale_operand(k_scale, spec.k_scale_heads), _scale_operand(v_scale, spec.v_scale_heads),
              _layer_operand(layer, spec), _weight_operand(q_norm_weight), _weight_operand(k_norm_weight))
@@ -228,7 +242,7 @@ def rope_and_cache(q: ArrayLike, k: ArrayLike, v: ArrayLike, key_cache: Cache, v
     return tuple(primitive.bind(*args, spec=spec, impl=impl))
 
 
-_STATIC = ("layout", "is_neox", "rotary_dim", "precision", "impl", "norm_eps")
+_STATIC = ("layout", "is_neox", "rotary_dim", "precision", "impl", "norm_eps", "mrope_section", "mrope_interleaved")
 
 _donating_jit = jax.jit(rope_and_cache, static_argnames=_STATIC, donate_argnames=("key_cache", "value_cache"))
 
@@ -247,17 +261,21 @@ _DONATED_RUNTIME_ERRORS = ("Invalid buffer passed to Execute", "Buffer has been 
 
 def _donated_call(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, *, layout="flash",
                   is_neox=True, rotary_dim=None, k_scale=None, v_scale=None, precision="fp32", impl=None,
-                  layer=None, q_norm_weight=None, k_norm_weight=None, norm_eps=1e-6):
+                  layer=None, q_norm_weight=None, k_norm_weight=None, norm_eps=1e-6, mrope_section=None,
+                  mrope_interleaved=False):
     """(jitted function, args, kwargs) of a rope_and_cache_donated call, validated as rope_and_cache does."""
     refs = _check_refs(key_cache, value_cache)
     _, slot_mapping, positions, layer = _prepare(
         q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, layout=layout, is_neox=is_neox,
         rotary_dim=rotary_dim, k_scale=k_scale, v_scale=v_scale, precision=precision, impl=impl, layer=layer,
-        q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, norm_eps=norm_eps)
+        q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, norm_eps=norm_eps, mrope_section=mrope_section,
+        mrope_interleaved=mrope_interleaved)
     # norm_eps is static: its float32 value as a Python float (hashable, the same meaning)
     kwargs = dict(layout=layout, is_neox=is_neox, rotary_dim=rotary_dim, k_scale=k_scale, v_scale=v_scale,
                   precision=precision, impl=impl, layer=layer, q_norm_weight=q_norm_weight,
-                  k_norm_weight=k_norm_weight, norm_eps=contract.check_norm_eps(norm_eps))
+                  k_norm_weight=k_norm_weight, norm_eps=contract.check_norm_eps(norm_eps),
+                  mrope_section=None if mrope_section is None else tuple(int(x) for x in mrope_section),
+                  mrope_interleaved=bool(mrope_interleaved))
     return (_refs_jit if refs else _donating_jit), (q, k, v, key_cache, value_cache, slot_mapping, positions,
                                                      cos, sin), kwargs
 
@@ -326,8 +344,9 @@ def make_kv_cache(num_blocks: int, block_size: int, kv_heads: int, head_dim: int
         make = lambda shape, _: jnp.zeros(shape, dtype, device=device)  # noqa: E731
     elif fill == "random":
         keys = jax.random.split(jax.random.key(seed), 2)
+        # drawn flat then reshaped: XLA's CPU compile of a rank-5 draw took ~14 s, the flat one < 0.5 s
         make = lambda shape, i: jax.device_put(  # noqa: E731
-            jax.random.normal(keys[i], shape, jnp.float32).astype(dtype), device)
+            jax.random.normal(keys[i], (math.prod(shape),), jnp.float32).reshape(shape).astype(dtype), device)
     else:
         raise ValueError(f"fill: expected 'zeros' or 'random', got {fill!r}")
     return make(shapes[0], 0), make(shapes[1], 1)
@@ -349,9 +368,10 @@ def read_kv(key_cache: jax.Array, value_cache: jax.Array, slot_mapping: ArrayLik
     return _read_kv_jit(key_cache, value_cache, slot_mapping, layout=layout)
 
 
-# jax.export refuses custom calls it does not know; these are every target the op lowers to (the
-# GPU launcher's two registrations included, whatever JAX_ROPE_CACHE_COMMAND_BUFFERS says).
-EXPORT_TARGETS = (cpu.TARGET, launcher.GPU_TARGET, launcher.GPU_TARGET_NO_GRAPH)
+# jax.export refuses custom calls it does not know; these are every target the ops lower to (both
+# ops' CPU handlers, the GPU launcher's two registrations whatever JAX_ROPE_CACHE_COMMAND_BUFFERS
+# says, and XLA's PTX custom call of the CUDA kernel-node route whatever JAX_ROPE_CACHE_KERNEL_NODE says).
+EXPORT_TARGETS = (cpu.TARGET, cpu.MLA_TARGET, launcher.GPU_TARGET, launcher.GPU_TARGET_NO_GRAPH, kernel_node.TARGET)
 DISABLED_EXPORT_CHECKS = tuple(jax.export.DisabledSafetyCheck.custom_call(t) for t in EXPORT_TARGETS)
 
 

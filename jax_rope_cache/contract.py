@@ -195,6 +195,9 @@ class OpSpec:
     norm_eps: float = 0.0  # float32(norm_eps) as a Python float; 0.0 when neither norm is on
     k_scale_heads: bool = False  # k_scale has shape [KH] (one scale per kv head), else a scalar
     v_scale_heads: bool = False
+    # multimodal RoPE: (temporal, height, width) frequency counts, summing to R/2; positions [3, T]
+    mrope_section: tuple[int, int, int] | None = None
+    mrope_interleaved: bool = False  # False: contiguous sections; True: frequencies interleaved T,H,W,...
 
     @property
     def norm(self) -> bool:
@@ -373,9 +376,78 @@ def _key_cache_geometry(key_cache, lay: CacheLayout, cache_dtype) -> tuple[tuple
     return (kshape, x) + lay.block_geometry(kshape, x)
 
 
+# ---- multimodal RoPE (M-RoPE): three position streams ---------------------------------------
+# positions [3, T] holds a temporal, a height and a width position per token. Rotary frequency i
+# (pair i, i < R/2) takes its cos/sin row from one stream, fixed per call site by
+# mrope_section = (t, h, w), t + h + w = R/2:
+#   sections (Qwen2-VL, Qwen2.5-VL):  i < t -> temporal, t <= i < t + h -> height, else width
+#   interleaved (Qwen3-VL):           i % 3 == 1 and i < 3h -> height, i % 3 == 2 and i < 3w -> width,
+#                                     every other i -> temporal
+# Each stream's position is clamped to [0, max_pos - 1] on its own. A token whose three positions
+# are equal (text) gets exactly the one-stream result.
+MROPE_STREAMS = ("temporal", "height", "width")
+
+
+def mrope_stream(i, section, interleaved: bool):
+    """Stream (0 temporal, 1 height, 2 width) of rotary frequency i (an int or an integer array)."""
+    t, h, w = section
+    i = np.asarray(i)
+    if interleaved:
+        return np.where((i % 3 == 1) & (i < 3 * h), 1, np.where((i % 3 == 2) & (i < 3 * w), 2, 0))
+    return np.where(i < t, 0, np.where(i < t + h, 1, 2))
+
+
+def mrope_frequency_streams(spec: "OpSpec") -> np.ndarray:
+    """Stream of each rotary frequency i < R/2 of an M-RoPE call (int array [R/2])."""
+    return mrope_stream(np.arange(spec.rotary_dim // 2), spec.mrope_section, spec.mrope_interleaved).astype(np.int64)
+
+
+def mrope_column_streams(spec: "OpSpec") -> np.ndarray:
+    """Stream of each cos/sin table column (int array [W]): a "half" column i is frequency i; a
+    "full" column c belongs to the pair it serves (NeoX: c mod R/2; GPT-J: c // 2)."""
+    freq = mrope_frequency_streams(spec)
+    half = spec.rotary_dim // 2
+    if not spec.table_full:
+        return freq
+    c = np.arange(spec.rotary_dim)
+    return freq[c % half] if spec.is_neox else freq[c // 2]
+
+
+def check_mrope(mrope_section, mrope_interleaved, rotary_dim: int) -> tuple[int, int, int] | None:
+    """Validates the static M-RoPE options; returns the sections as a tuple of ints, or None."""
+    if not isinstance(mrope_interleaved, (bool, np.bool_)):
+        raise TypeError(f"mrope_interleaved: expected a Python bool, got {describe(mrope_interleaved)}")
+    if mrope_section is None:
+        if mrope_interleaved:
+            raise ValueError("mrope_interleaved: True needs mrope_section (the temporal, height and width "
+                             "frequency counts), got mrope_section=None")
+        return None
+    try:
+        items = list(mrope_section)
+    except TypeError:
+        raise TypeError(f"mrope_section: expected a sequence of 3 ints (temporal, height, width), "
+                        f"got {describe(mrope_section)}") from None
+    if len(items) != 3 or any(isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral) for x in items):
+        raise TypeError(f"mrope_section: expected a sequence of 3 ints (temporal, height, width), "
+                        f"got {mrope_section!r}")
+    section = tuple(int(x) for x in items)
+    half = rotary_dim // 2
+    if min(section) < 0 or sum(section) != half:
+        raise ValueError(f"mrope_section: expected 3 counts >= 0 summing to rotary_dim/2 = {half} (one per rotary "
+                         f"frequency), got {list(section)} (sum {sum(section)})")
+    if mrope_interleaved:
+        got = np.bincount(mrope_stream(np.arange(half), section, True), minlength=3)
+        if tuple(int(n) for n in got) != section:
+            raise ValueError(f"mrope_section: interleaved sections must fit rotary_dim/2 = {half} (height h needs "
+                             f"3h - 2 < {half}, width w needs 3w - 1 < {half}); got {list(section)}, which assigns "
+                             f"{list(int(n) for n in got)} frequencies")
+    return section
+
+
 def check_op(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, *,
              layout="flash", is_neox=True, rotary_dim=None, k_scale=None, v_scale=None,
-             precision="fp32", layer=None, q_norm_weight=None, k_norm_weight=None, norm_eps=1e-6) -> OpSpec:
+             precision="fp32", layer=None, q_norm_weight=None, k_norm_weight=None, norm_eps=1e-6,
+             mrope_section=None, mrope_interleaved=False) -> OpSpec:
     """Validates one call of rope_and_cache and returns its static description.
 
     With `layer` given, the caches are stacked per layer ([L, ...]) and only layer `layer` is
@@ -410,11 +482,17 @@ def check_op(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
     if r < 2 or r % 2 or r > d:
         raise ValueError(f"rotary_dim: expected an even value in [2, D={d}], got {r}")
 
+    section = check_mrope(mrope_section, mrope_interleaved, r)
     for name, a in (("slot_mapping", slot_mapping), ("positions", positions)):
         idt = _dtype(name, a)
         if idt not in INDEX_DTYPES:
             raise TypeError(f"{name}: expected dtype int32 or int64, got {idt.name}")
-        _check_shape(name, a, (t,), "[T]")
+        if name == "positions" and section is not None:
+            _check_shape(name, a, (3, t), "[3, T] (temporal, height, width rows, as mrope_section is given)")
+        elif name == "positions" and len(a.shape) == 2:
+            _check_shape(name, a, (t,), "[T] (positions [3, T] need mrope_section)")
+        else:
+            _check_shape(name, a, (t,), "[T]")
 
     table_dtype = _dtype("cos", cos)
     if table_dtype not in INPUT_DTYPES:
@@ -466,7 +544,8 @@ def check_op(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
         table_dtype=table_dtype, cache_dtype=cache_dtype,
         slot_dtype=np.dtype(slot_mapping.dtype), pos_dtype=np.dtype(positions.dtype), num_layers=num_layers,
         q_norm_dtype=q_norm, k_norm_dtype=k_norm, norm_eps=eps32 if (q_norm is not None or k_norm is not None) else 0.0,
-        k_scale_heads=k_heads, v_scale_heads=v_heads)
+        k_scale_heads=k_heads, v_scale_heads=v_heads, mrope_section=section,
+        mrope_interleaved=bool(mrope_interleaved) if section is not None else False)
 
 
 def check_read_kv(key_cache, value_cache, slot_mapping, layout="flash") -> tuple[int, int]:
@@ -519,6 +598,10 @@ class KernelCodes:
     norm_eps: float = 0.0  # float32 value of eps (exact in f32); 0.0 when no norm
     k_scale_heads: bool = False  # k_scale has shape [KH] (False: one scale)
     v_scale_heads: bool = False
+    mrope: int = 0         # 0: positions [T]; 1: M-RoPE sections; 2: M-RoPE interleaved (positions [3, T])
+    mrope_t: int = 0       # the sections (temporal, height, width frequency counts), 0 without M-RoPE
+    mrope_h: int = 0
+    mrope_w: int = 0
 
 
 def kernel_codes(spec: OpSpec) -> KernelCodes:
@@ -532,20 +615,31 @@ def kernel_codes(spec: OpSpec) -> KernelCodes:
         layer_blocks=spec.num_blocks if spec.num_layers is not None else 0,
         q_norm=-1 if spec.q_norm_dtype is None else DTYPE_CODES[np.dtype(spec.q_norm_dtype)],
         k_norm=-1 if spec.k_norm_dtype is None else DTYPE_CODES[np.dtype(spec.k_norm_dtype)],
-        norm_eps=float(spec.norm_eps), k_scale_heads=bool(spec.k_scale_heads), v_scale_heads=bool(spec.v_scale_heads))
+        norm_eps=float(spec.norm_eps), k_scale_heads=bool(spec.k_scale_heads), v_scale_heads=bool(spec.v_scale_heads),
+        **mrope_codes(spec))
+
+
+def mrope_codes(spec: OpSpec) -> dict:
+    """The M-RoPE fields of KernelCodes (all 0 without M-RoPE)."""
+    if spec.mrope_section is None:
+        return dict(mrope=0, mrope_t=0, mrope_h=0, mrope_w=0)
+    t, h, w = spec.mrope_section
+    return dict(mrope=2 if spec.mrope_interleaved else 1, mrope_t=t, mrope_h=h, mrope_w=w)
 
 
 # Options a native kernel may not implement (yet): each backend lists the ones it does in SUPPORTS;
 # a call using another falls back to the XLA path (impl=None) or raises (impl="kernel").
-FEATURES = ("q_norm", "k_norm", "k_scale_heads", "v_scale_heads")
+FEATURES = ("q_norm", "k_norm", "k_scale_heads", "v_scale_heads", "mrope")
 
 
 def features(spec: OpSpec) -> frozenset[str]:
     """The FEATURES a call uses."""
     used = {"q_norm": spec.q_norm_dtype is not None, "k_norm": spec.k_norm_dtype is not None,
-            "k_scale_heads": spec.k_scale_heads, "v_scale_heads": spec.v_scale_heads}
+            "k_scale_heads": spec.k_scale_heads, "v_scale_heads": spec.v_scale_heads,
+            "mrope": spec.mrope_section is not None}
     return frozenset(f for f, on in used.items() if on)
 
 
 FEATURE_NAMES = {"q_norm": "the fused q RMSNorm (q_norm_weight)", "k_norm": "the fused k RMSNorm (k_norm_weight)",
-                 "k_scale_heads": "per-head k_scale ([KH])", "v_scale_heads": "per-head v_scale ([KH])"}
+                 "k_scale_heads": "per-head k_scale ([KH])", "v_scale_heads": "per-head v_scale ([KH])",
+                 "mrope": "multimodal RoPE (mrope_section, positions [3, T])"}

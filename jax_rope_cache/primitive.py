@@ -48,7 +48,8 @@ def _check_operands(avals, spec: contract.OpSpec) -> None:
             raise TypeError(f"rope_and_cache (internal): operand {name} is {np.dtype(aval.dtype).name}, but the "
                             f"call was specialised for {np.dtype(want[name]).name}")
     if tuple(avals[0].shape) != (spec.num_tokens, spec.q_heads, spec.head_dim) or \
-            tuple(avals[5].shape) != (spec.num_tokens,) or tuple(avals[6].shape) != (spec.num_tokens,):
+            tuple(avals[5].shape) != (spec.num_tokens,) or \
+            tuple(avals[6].shape) != ((spec.num_tokens,) if spec.mrope_section is None else (3, spec.num_tokens)):
         raise ValueError(f"rope_and_cache (internal): operand shapes {[list(a.shape) for a in avals[:7]]} do not "
                          "match the call's specialisation")
     # scales [] / [1] or [KH]; weights [D] when the norm is on, the [1] placeholder otherwise
@@ -118,58 +119,75 @@ def warn_once(message: str) -> None:
     warnings.warn(message, RuntimeWarning, skip_file_prefixes=_INTERNAL)
 
 
-def _kernel_unusable(ctx, *args, spec, impl, platform: str, problem: str):
+def _kernel_unusable(ctx, *args, spec, impl, platform: str, problem: str, op: str = "rope_and_cache",
+                     lower_xla=None):
     """A platform's kernel cannot be built here (`problem` says why): impl="kernel" raises,
     impl=None warns (once per platform and reason) and lowers the XLA path."""
     if impl == "kernel":
-        raise RuntimeError(f"rope_and_cache: impl='kernel' on {platform} needs {problem}")
-    warn_once(f"rope_and_cache: falling back to the XLA implementation on {platform}: it needs {problem}")
-    return _lower_xla(ctx, *args, spec=spec)
+        raise RuntimeError(f"{op}: impl='kernel' on {platform} needs {problem}")
+    warn_once(f"{op}: falling back to the XLA implementation on {platform}: it needs {problem}")
+    return (lower_xla or _lower_xla)(ctx, *args, spec=spec)
 
 
-def _kernel_lowering(backend):
+def kernel_lowering(backend, lower_kernel=None, lower_xla=None, op: str = "rope_and_cache"):
+    """The lowering rule of an op on `backend`'s platform, with the policy of the module docstring:
+    `lower_kernel(ctx, args, spec)` emits the custom call (default: backend.lower; it may raise
+    native.KernelUnavailable), `lower_xla(ctx, *args, spec=spec)` the XLA path (default: the main
+    op's), `op` names the op in messages. Every op of the package lowers through this."""
+    lower_kernel = lower_kernel or backend.lower
+    lower_xla = lower_xla or _lower_xla
+
     def lower(ctx, *args, spec, impl):
         if auto_partitioned(ctx):
             if impl == "kernel":
-                raise ValueError(f"rope_and_cache: impl='kernel' cannot be partitioned automatically by jit over "
+                raise ValueError(f"{op}: impl='kernel' cannot be partitioned automatically by jit over "
                                  f"several {backend.PLATFORM} devices; {SHARD_MAP_RECIPE}, or use impl='xla'")
-            warn_once(f"rope_and_cache: a jit over several {backend.PLATFORM} devices runs the XLA implementation "
+            warn_once(f"{op}: a jit over several {backend.PLATFORM} devices runs the XLA implementation "
                       f"(the kernel cannot be partitioned automatically); for the kernel, {SHARD_MAP_RECIPE}")
-            return _lower_xla(ctx, *args, spec=spec)
+            return lower_xla(ctx, *args, spec=spec)
         problem = backend.missing()
         if problem is None:
             try:
-                return backend.lower(ctx, args, spec)
+                return lower_kernel(ctx, args, spec)
             except native.KernelUnavailable as e:
                 if impl == "kernel":
                     raise e.__cause__ or e
                 problem = str(e)
-        return _kernel_unusable(ctx, *args, spec=spec, impl=impl, platform=backend.NAME, problem=problem)
+        return _kernel_unusable(ctx, *args, spec=spec, impl=impl, platform=backend.NAME, problem=problem, op=op,
+                                lower_xla=lower_xla)
 
     return lower
 
 
+def _kernel_lowering(backend):
+    return kernel_lowering(backend)
+
+
 @functools.lru_cache(maxsize=256)
-def _eager_callable(spec: contract.OpSpec, impl):
-    """The one-op jitted computation an eager call runs, compiled once per (spec, impl)."""
-    def rope_and_cache(*args):
-        return rope_cache_p.bind(*args, spec=spec, impl=impl)
-    return jax.jit(rope_and_cache)
+def _eager_callable(prim, spec, impl):
+    """The one-op jitted computation an eager call of `prim` runs, compiled once per (spec, impl)."""
+    def one_op(*args):
+        return prim.bind(*args, spec=spec, impl=impl)
+    one_op.__name__ = prim.name
+    return jax.jit(one_op)
 
 
-def _eager_impl(*args, spec, impl):
-    """Outside jit, and under jax.disable_jit() too, the primitive runs as its own small jitted
-    computation: the same lowering (kernel or XLA path) as inside a jit, never a Python loop. Under
-    disable_jit a plain jax.jit would call bind again, which would call this again, forever."""
-    with jax.disable_jit(False):
-        return _eager_callable(spec, impl)(*args)
+def eager_impl(prim):
+    """The impl rule of a primitive: outside jit, and under jax.disable_jit() too, it runs as its
+    own small jitted computation: the same lowering (kernel or XLA path) as inside a jit, never a
+    Python loop. Under disable_jit a plain jax.jit would call bind again, which would call this
+    again, forever."""
+    def impl_rule(*args, spec, impl):
+        with jax.disable_jit(False):
+            return _eager_callable(prim, spec, impl)(*args)
+    return impl_rule
 
 
 rope_cache_p.def_abstract_eval(_abstract_eval)
-rope_cache_p.def_impl(_eager_impl)
+rope_cache_p.def_impl(eager_impl(rope_cache_p))
 mlir.register_lowering(rope_cache_p, _lower_fallback)
 for _backend in backends.KERNEL_BACKENDS.values():
-    mlir.register_lowering(rope_cache_p, _kernel_lowering(_backend), platform=_backend.PLATFORM)
+    mlir.register_lowering(rope_cache_p, kernel_lowering(_backend), platform=_backend.PLATFORM)
 
 
 NOT_DIFFERENTIABLE = ("rope_and_cache is not differentiable: it writes a KV cache for inference. Apply "
@@ -180,36 +198,45 @@ def _not_differentiable(primals, tangents, **params):
     raise TypeError(NOT_DIFFERENTIABLE)
 
 
-def _batch(args, dims, *, spec, impl):
-    """vmap: a batch of independent problems, run sequentially (fori_loop). The batched caches are
-    written in place through the stacked-layer index (batch b, layer l -> stacked index b * L + l).
+def batch_sequentially(prim, args, dims, *, spec, impl, caches: tuple[int, ...], layer: int, n_front: int):
+    """vmap of an op writing caches: a batch of independent problems, run sequentially (fori_loop).
+    The batched caches (operands `caches`, results n_front, n_front + 1, ...) are written in place
+    through the stacked-layer index (operand `layer`: batch b, layer l -> stacked index b * L + l).
     An unbatched cache is broadcast first (a copy per batch element): vmap's semantics give every
-    element its own result cache; batch the caches to avoid that copy."""
+    element its own result cache; batch the caches to avoid that copy. The first n_front results
+    are per-problem outputs, stacked."""
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
     mapped = [d is not None for d in dims]
     args = [jnp.moveaxis(a, d, 0) if m else a for a, d, m in zip(args, dims, mapped)]
     layers = spec.num_layers
     per = 1 if layers is None else layers
-    caches = []
-    for i in (3, 4):
+    stacked = {}
+    for i in caches:
         c = args[i] if mapped[i] else jnp.broadcast_to(args[i], (size,) + args[i].shape)
-        caches.append(c.reshape((size * per,) + c.shape[(1 if layers is None else 2):]))
+        stacked[i] = c.reshape((size * per,) + c.shape[(1 if layers is None else 2):])
     inner = dataclasses.replace(spec, num_layers=size * per)
+    fronts = prim.abstract_eval(*[jax.core.ShapedArray(a.shape[int(m):], a.dtype) for a, m in zip(args, mapped)],
+                                spec=spec, impl=impl)[0][:n_front]
 
     def body(b, carry):
-        q_all, k_all, kc, vc = carry
+        outs, cache_vals = carry[:n_front], dict(zip(caches, carry[n_front:]))
         pick = lambda i: args[i][b] if mapped[i] else args[i]  # noqa: E731
-        layer = b if layers is None else jnp.where((pick(11) >= 0) & (pick(11) < layers), b * layers + pick(11), -1)
-        qo, ko, kc, vc = rope_cache_p.bind(*[pick(i) for i in range(3)], kc, vc, *[pick(i) for i in range(5, 11)],
-                                           jnp.asarray(layer, jnp.int32), pick(12), pick(13), spec=inner, impl=impl)
-        return q_all.at[b].set(qo), k_all.at[b].set(ko), kc, vc
+        lay = b if layers is None else jnp.where((pick(layer) >= 0) & (pick(layer) < layers),
+                                                 b * layers + pick(layer), -1)
+        operands = [cache_vals[i] if i in caches else jnp.asarray(lay, jnp.int32) if i == layer else pick(i)
+                    for i in range(len(args))]
+        res = prim.bind(*operands, spec=inner, impl=impl)
+        return tuple(o.at[b].set(r) for o, r in zip(outs, res[:n_front])) + tuple(res[n_front:])
 
-    q0 = jnp.zeros((size,) + args[0].shape[mapped[0]:], args[0].dtype)
-    k0 = jnp.zeros((size,) + args[1].shape[mapped[1]:], args[1].dtype)
-    q_all, k_all, kc, vc = jax.lax.fori_loop(0, size, body, (q0, k0, *caches))
-    kc = kc.reshape((size,) + args[3].shape[int(mapped[3]):])
-    vc = vc.reshape((size,) + args[4].shape[int(mapped[4]):])
-    return [q_all, k_all, kc, vc], [0, 0, 0, 0]
+    init = tuple(jnp.zeros((size,) + f.shape, f.dtype) for f in fronts) + tuple(stacked[i] for i in caches)
+    done = jax.lax.fori_loop(0, size, body, init)
+    out_caches = [c.reshape((size,) + args[i].shape[int(mapped[i]):]) for i, c in zip(caches, done[n_front:])]
+    return list(done[:n_front]) + out_caches, [0] * (n_front + len(caches))
+
+
+def _batch(args, dims, *, spec, impl):
+    return batch_sequentially(rope_cache_p, args, dims, spec=spec, impl=impl, caches=(3, 4),
+                              layer=contract.OPERANDS.index("layer"), n_front=2)
 
 
 ad.primitive_jvps[rope_cache_p] = _not_differentiable
@@ -221,18 +248,23 @@ batching.primitive_batchers[rope_cache_p] = _batch
 # than a jax.custom_jvp: primitives canonicalise their operands when bound, while vmap of a
 # custom_jvp hands a batched numpy input (a closed-over array the caller vmaps over) to the
 # enclosing jit's trace as is, which jax rejects as a non-canonical constant.
+def _refuse_jvp(primals, tangents, *, message):
+    raise TypeError(message)
+
+
 not_differentiable_p = Primitive("rope_and_cache_not_differentiable")
 not_differentiable_p.multiple_results = True
-not_differentiable_p.def_impl(lambda *args: list(args))
-not_differentiable_p.def_abstract_eval(lambda *avals: list(avals))
-mlir.register_lowering(not_differentiable_p, lambda ctx, *args: list(args))
-ad.primitive_jvps[not_differentiable_p] = _not_differentiable
-batching.primitive_batchers[not_differentiable_p] = lambda args, dims: (not_differentiable_p.bind(*args), dims)
+not_differentiable_p.def_impl(lambda *args, message: list(args))
+not_differentiable_p.def_abstract_eval(lambda *avals, message: list(avals))
+mlir.register_lowering(not_differentiable_p, lambda ctx, *args, message: list(args))
+ad.primitive_jvps[not_differentiable_p] = _refuse_jvp
+batching.primitive_batchers[not_differentiable_p] = lambda args, dims, *, message: (
+    not_differentiable_p.bind(*args, message=message), dims)
 
 
-def not_differentiable(*args) -> list:
-    """`args` unchanged; jax.grad / jvp / vjp through them raise NOT_DIFFERENTIABLE."""
-    return not_differentiable_p.bind(*args)
+def not_differentiable(*args, message: str = NOT_DIFFERENTIABLE) -> list:
+    """`args` unchanged; jax.grad / jvp / vjp through them raise TypeError(message)."""
+    return not_differentiable_p.bind(*args, message=message)
 
 
 def bind(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, k_scale, v_scale, layer,

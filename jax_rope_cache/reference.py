@@ -24,6 +24,13 @@ rounds float32 to the input dtype (nearest even), r32() is a float32 operation:
                                                float32 for a 16-bit weight: HF's 16-bit multiply)
   n replaces x as the input of everything below (rotation, pass-through channels >= R, k_out,
   the key cache); v is never normalised. Every NaN the norm computes is the canonical one;
+* multimodal RoPE (mrope_section = (t, h, w), t + h + w = R/2; positions [3, T]: temporal, height,
+  width): rotary frequency i (the pair below, i < R/2) takes its cos/sin values from the row of the
+  position of stream contract.mrope_stream(i): sections: i < t temporal, i < t + h height, else
+  width; interleaved (mrope_interleaved): i % 3 == 1 and i < 3h height, i % 3 == 2 and i < 3w
+  width, else temporal. Every stream's position is clamped on its own; a "full" table column
+  serves the pair of its frequency (NeoX c mod R/2, GPT-J c // 2). Only the rows change: equal
+  streams (text tokens) give exactly the one-stream result;
 * rotary pair (a, b) is (i, i + R/2) for NeoX and (2i, 2i+1) for GPT-J, i < R/2; channels >= R are
   copied unchanged (their bits, NaN payloads included). A "half" table gives both channels of
   pair i the value cos[p, i]; a "full" table gives channel c the value cos[p, c];
@@ -63,7 +70,7 @@ import numpy as np
 from jax_rope_cache import contract
 
 __all__ = ["rope_and_cache", "read_kv", "rotate", "rotate_values", "quantize", "write_tokens", "read_tokens",
-           "arithmetic", "fma32", "to_dtype", "inverse_scale", "tree_sum", "rms_norm", "CANONICAL_NAN"]
+           "arithmetic", "fma32", "to_dtype", "inverse_scale", "tree_sum", "rms_norm", "table_rows", "CANONICAL_NAN"]
 
 _F32 = np.float32
 # Bits of the one NaN every implementation writes, by dtype (see the module docstring).
@@ -148,6 +155,18 @@ def pair_channels(rotary_dim: int, is_neox: bool) -> tuple[np.ndarray, np.ndarra
     """Channel indices (a, b) of each rotary pair."""
     i = np.arange(rotary_dim // 2)
     return (i, i + rotary_dim // 2) if is_neox else (2 * i, 2 * i + 1)
+
+
+def table_rows(cos: np.ndarray, sin: np.ndarray, positions: np.ndarray, spec: contract.OpSpec):
+    """The cos/sin values [T, W] of every token: row clamp(p) of the tables; with M-RoPE, column c
+    from the row of its stream's position (module docstring)."""
+    pos = np.clip(np.asarray(positions).astype(np.int64), 0, spec.max_pos - 1)
+    if spec.mrope_section is None:
+        return cos[pos], sin[pos]
+    streams = contract.mrope_column_streams(spec)  # [W]
+    cols = np.arange(cos.shape[1])
+    rows = pos[streams]  # [W, T]: the position each column takes, per token
+    return cos[rows, cols[:, None]].T, sin[rows, cols[:, None]].T
 
 
 def rotate_values(x: np.ndarray, cos_rows: np.ndarray, sin_rows: np.ndarray, spec: contract.OpSpec):
@@ -236,7 +255,7 @@ def _valid_slots(slot_mapping: np.ndarray, num_slots: int) -> np.ndarray:
 def rope_and_cache(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, *,
                    layout="flash", is_neox=True, rotary_dim=None, k_scale=None, v_scale=None,
                    precision="fp32", impl=None, layer=None, q_norm_weight=None, k_norm_weight=None,
-                   norm_eps=1e-6):
+                   norm_eps=1e-6, mrope_section=None, mrope_interleaved=False):
     """numpy oracle; returns (q_out, k_out, new_key_cache, new_value_cache) as new arrays.
 
     With `layer`, the caches are stacked [L, ...] and only layer `layer` is written (a layer
@@ -248,13 +267,13 @@ def rope_and_cache(q, k, v, key_cache, value_cache, slot_mapping, positions, cos
     spec = contract.check_op(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
                           layout=layout, is_neox=is_neox, rotary_dim=rotary_dim, k_scale=k_scale,
                           v_scale=v_scale, precision=precision, layer=layer, q_norm_weight=q_norm_weight,
-                          k_norm_weight=k_norm_weight, norm_eps=norm_eps)
+                          k_norm_weight=k_norm_weight, norm_eps=norm_eps, mrope_section=mrope_section,
+                          mrope_interleaved=mrope_interleaved)
     if q_norm_weight is not None:
         q = rms_norm(q, q_norm_weight, spec.norm_eps)
     if k_norm_weight is not None:
         k = rms_norm(k, k_norm_weight, spec.norm_eps)
-    pos = np.clip(positions.astype(np.int64), 0, spec.max_pos - 1)
-    cos_rows, sin_rows = cos[pos], sin[pos]
+    cos_rows, sin_rows = table_rows(cos, sin, positions, spec)
     q_out = rotate(q, cos_rows, sin_rows, spec)
     k_out, k_wide = rotate_values(k, cos_rows, sin_rows, spec)
     # what the cache stores: k_out, but an fp8 cache in "fused" arithmetic quantizes the f32 values

@@ -13,7 +13,7 @@
 #             launcher with a one-store kernel vs XLA path vs jnp, our command buffers on/off (DC_ARGS),
 #             then T=64 again with XLA's command buffers off (decode_chain_xla_nograph/)
 #   decode_flags  decode_chain.py (stacked and loop forms, T=64, command buffers on) once per set of
-#             XLA command-buffer flags this jaxlib knows (scripts/xla_flag_sets.py; DF_SETS picks sets),
+#             XLA command-buffer flags this jaxlib knows (tools/xla_flag_sets.py; DF_SETS picks sets),
 #             and the demo under the sets named in DF_DEMO_SETS (default "default all")
 #   qk_norm   benchmarks/bench_qk_norm.py: fused Qwen3 QK-RMSNorm vs jnp RMSNorm + op (QN_ARGS)
 #   demo      the 32-layer decode demo, with and without command buffers
@@ -23,8 +23,8 @@
 #   kernel_speed  benchmarks/diagnostics/kernel_speed.py: the kernel launched directly, next to AITER
 #             (PEERS=.peers with AITER's source, see ../shared/peers/README.md), floors (KS_ARGS)
 #   peers     ../shared/peers/bench_peers.py copied into $PEERS (BP_ARGS, e.g. --tokens 8192 --slot-pattern prefill)
-#   model     the model client (issue 19): tiny Llama-3.1 / Qwen3 vs transformers' recorded tokens,
-#             tiny Llama bf16 decode at batch 64: kernel vs XLA path vs "off" (no RoPE / cache write:
+#   model     the model client: tiny Llama-3.1 / Qwen3 vs transformers' recorded tokens,
+#             tiny Llama bf16 decode at batch 64: kernel vs XLA path vs "baseline" (no RoPE, a one-element cache write:
 #             the op's share of a step)
 #   model_8b  the same timing for 32 layers of Llama-3.1-8B's shapes (bf16, random weights), batch 64
 STAGES="${STAGES:-install suite test_gpu memcheck bench}"
@@ -59,7 +59,7 @@ if has decode_chain; then
       --forms separate --what kernel,trivial,xla,jnp --no-trace --budget-s 35
 fi
 if has decode_flags; then
-  "$PY" -P "$ROOT/scripts/xla_flag_sets.py" ${DF_SETS:-} >"$OUT/decode_flags_sets.txt" 2>"$OUT/decode_flags_rejected.txt"
+  "$PY" -P "$ROOT/tools/xla_flag_sets.py" ${DF_SETS:-} >"$OUT/decode_flags_sets.txt" 2>"$OUT/decode_flags_rejected.txt"
   while IFS='|' read -r name flags; do
     [ -n "$name" ] || continue
     TAIL=1 run "decode_flags_$name" 150 env XLA_FLAGS="$flags" "$PY" -P "$ROOT/benchmarks/diagnostics/decode_chain.py" \
@@ -83,9 +83,9 @@ fi
 has soak && TAIL=7 run soak "$(( ${SOAK_LIMIT:-140} + 60 ))" "$PY" -P "$ROOT/benchmarks/soak.py" --platform cuda \
     --steps "${SOAK_STEPS:-1000000}" --time-limit "${SOAK_LIMIT:-140}" --report-every 50 --json "$OUT/soak_cuda.json"
 has model && TAIL=20 run model 240 "$PY" -P -m jax_rope_cache generate --reference "$ROOT/tests/data/hf_greedy.npz" \
-    --batch 64 --dtype bfloat16 --impls kernel,xla,off
+    --batch 64 --dtype bfloat16 --impls kernel,xla,baseline
 has model_8b && TAIL=9 run model_8b 420 "$PY" -P -m jax_rope_cache generate --model llama-3.1-8b --dtype bfloat16 \
-    --batch 64 --prompt-len 128 --steps 64 --impls kernel,xla,off --check none
+    --batch 64 --prompt-len 128 --steps 64 --impls kernel,xla,baseline --check none
 has kernel_speed && TAIL=45 run kernel_speed 400 bash -c "cd '$ROOT' && '$PY' benchmarks/diagnostics/kernel_speed.py \
     '$OUT' ${PEERS:+--peers '$PEERS'} ${KS_ARGS:-}"
 has peers && TAIL=60 run peers 500 env PYTHONPATH="${PEERS_DIR:-$ROOT/.peers}/aiter_src${PYTHONPATH:+:$PYTHONPATH}" \

@@ -1,5 +1,36 @@
 #!/usr/bin/env bash
 # The test suite on this machine's jax backends (CPU here; CUDA or ROCm where jax has them).
+usage() {
+  cat <<'USAGE'
+usage: ./scripts/run_tests.sh [--full] [pytest arguments]
+
+Makes .venv (or $JRC_VENV) on first use, installs jax and the test dependencies, builds the
+extension, then runs pytest. With no test path, all of tests/ runs.
+
+  (default)   the default tier: every op, layout, dtype and error test on this machine's
+              platforms (about 10 minutes on 2 CPU cores from a fresh clone)
+  --full      also the compile and emulation matrices (NVRTC for sm_80/sm_90, FlyDSL for
+              gfx942/gfx950, the ROCm lane emulator, the larger random sweeps): what CI runs
+  --help      this text; installs nothing
+
+Anything else goes to pytest: a file (tests/test_errors.py), -k EXPR, -x, -q ...
+Environment:
+  JRC_JAX_EXTRA=cuda13 | rocm7-local   jax's GPU plugin; the run then fails (naming jax's plugin
+                                       error and the fix) unless jax has that GPU backend
+  JRC_JAX_VERSION=0.11.1               pin jax and jaxlib to one release, in its own venv
+                                       (.venv-jax-0.11.1): CI tests the oldest supported jax so
+  JRC_VENV=DIR                         another venv
+USAGE
+}
+tier=default
+args=()
+for a in "$@"; do
+  case "$a" in
+    -h|--help) usage; exit 0 ;;
+    --full) tier=full ;;
+    *) args+=("$a") ;;
+  esac
+done
 source "$(dirname "${BASH_SOURCE[0]}")/_venv.sh"
 install_test_deps() {
   echo "# installing test-only dependencies (scripts/test-requirements.txt)"
@@ -7,5 +38,6 @@ install_test_deps() {
 }
 when_changed test-deps "$(sha256sum "$ROOT/scripts/test-requirements.txt" | cut -c1-16)" install_test_deps
 cd "$ROOT"
-# -P: import the installed package, not the source folder (which has no compiled extension).
-exec "$PY" -P -m pytest -q "$ROOT/tests" "$@"
+export JRC_TEST_TIER=$tier
+# -P: tests import the installed package (the source folder holds the same code and a link to its extension).
+exec "$PY" -P -m pytest -q "${args[@]}"

@@ -28,6 +28,20 @@ from jax_rope_cache.backends import native  # noqa: E402
 
 FULL_SWEEP = os.environ.get("JRC_FULL_SWEEP") == "1"
 
+# Test tiers (./scripts/run_tests.sh sets JRC_TEST_TIER; plain pytest runs the default tier). The
+# default tier runs every test function not marked `full`; of the compile and emulation matrices
+# below it runs every k-th case of each parametrized function (the first always); the full tier runs
+# all of them. A test named by its node id (file::test[case]) always runs.
+TIER = os.environ.get("JRC_TEST_TIER", "default")
+MATRIX_SAMPLE = {"test_rocm_compile.py": 8, "test_cuda_compile.py": 4, "test_rocm_emulated.py": 3,
+                 "test_qk_norm.py": 2, "test_rope_tables.py": 2}
+
+
+def tier_sample(seq, step: int = 4) -> list:
+    """A matrix that one test walks: every step-th entry in the default tier, all in the full tier."""
+    seq = list(seq)
+    return seq if TIER == "full" else seq[::step]
+
 # A suite that silently lost its native kernel would pass on the XLA path alone.
 if native.native_module() is None and os.environ.get("JRC_ALLOW_NO_NATIVE") != "1":
     raise RuntimeError("jax_rope_cache._native did not import: run the tests against the installed package "
@@ -68,6 +82,25 @@ if (_missing := _gpu_kernels_missing()) and os.environ.get("JRC_ALLOW_NO_GPU_KER
     raise RuntimeError("jax has a GPU backend here but its jax_rope_cache kernel cannot be built ("
                        + "; ".join(_missing) + "); install what is missing, or set JRC_ALLOW_NO_GPU_KERNEL=1 to test "
                        "the XLA path alone on it")
+
+
+def pytest_collection_modifyitems(config, items):
+    if TIER == "full" or any("::" in str(a) for a in config.args):
+        return
+    keep, drop, seen = [], [], {}
+    for item in items:
+        step = MATRIX_SAMPLE.get(item.path.name)
+        if item.get_closest_marker("full") is not None:
+            drop.append(item)
+        elif step and hasattr(item, "callspec"):
+            key = (item.path.name, item.originalname)
+            n = seen[key] = seen.get(key, -1) + 1
+            (keep if n % step == 0 else drop).append(item)
+        else:
+            keep.append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
 
 
 @pytest.fixture(autouse=True)

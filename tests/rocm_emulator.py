@@ -516,3 +516,23 @@ def run(kernel_module, cfg, operands: list[np.ndarray]) -> list[np.ndarray]:
 
 
 LAST_WRITERS: dict[str, set] = {}  # run(): each written output -> the grid.y parts that stored into it
+
+
+def launch(kernel_module, cfg, operands: list[np.ndarray], results: list[np.ndarray], aliases: dict[int, int],
+           grid: int, grid_y: int = 1) -> list[np.ndarray]:
+    """Launches any kernel of the launcher's ABI (operand addresses, result addresses, operand dim0)
+    on numpy arrays: `results` are the result buffers' initial contents, result i aliased to operand
+    aliases[i] (a cache updated in place); a (grid, grid_y) grid. Returns the results."""
+    global M, LAST_WRITERS
+    M = Machine(cfg.nt)
+    addrs = [M.alloc(a) for a in operands]
+    raddrs = [addrs[aliases[i]] if i in aliases else M.alloc(r) for i, r in enumerate(results)]
+    args_py = addrs + raddrs + [a.shape[0] if a.ndim else 1 for a in operands]
+    for b in range(grid):
+        for y in range(grid_y):
+            M.bid, M.bid_y = b, y
+            M.mask = [np.ones(cfg.nt, bool)]
+            args = [Val(I64, np.full(cfg.nt, x, np.uint64)) for x in args_py]
+            kernel_module.emit_kernel_body(cfg, args, dialects=DIALECTS)
+    LAST_WRITERS = {i: M.writers.get(M.buffer(a)[0], set()) for i, a in enumerate(raddrs)}
+    return [M.read(a, r) for a, r in zip(raddrs, results)]

@@ -27,7 +27,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from conftest import make_spec, special_problem
+from conftest import make_spec, special_problem, tier_sample
 from jax_rope_cache import contract, reference
 
 nvrtc = pytest.importorskip("jax_rope_cache.compilers.nvrtc")
@@ -85,6 +85,7 @@ def spill_failures(specs, ids, arch, cfgs=None):
     and ptxas' report of no spill stores, spill loads or stack frame. Returns the failures."""
     failures = []
     cfgs = cfgs or [cuda.kernel_config(spec) for spec in specs]
+    ids, cfgs = tier_sample(ids), tier_sample(cfgs)
     # separate NVRTC programs compile concurrently (ctypes drops the GIL); the disk cache makes reruns fast;
     # the build the lowering makes: a tight register budget that spills is rebuilt with its fallback
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as pool:
@@ -100,7 +101,7 @@ def spill_failures(specs, ids, arch, cfgs=None):
     return failures
 
 
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
 def test_nvrtc_compiles_every_variant_without_spills(arch):
     failures = spill_failures([make_spec(**kw) for kw in MATRIX], [_id(kw) for kw in MATRIX], arch)
     assert not failures, "\n".join(failures[:5])
@@ -686,7 +687,7 @@ def vch_compile_matrix():
     return out
 
 
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
 def test_nvrtc_compiles_v_channels_without_spills(arch):
     """RC_VCH 1, 2, 4, 8 (as far as the dtype allows) at the configurations kernel_config picks for
     real shapes (prefill, mid-size, decode): a cubin, no spills, no stack; the configuration's V
@@ -977,7 +978,7 @@ def test_v_select_configuration():
         cuda.compile_variant(bad, "compute_90")
 
 
-# ---- issue 18: QK-RMSNorm before the rotation, per-head fp8 scales ----------------------------------
+# ---- QK-RMSNorm before the rotation, per-head fp8 scales ----------------------------------
 # Keys of a matrix entry beyond make_spec's: the norm weights' dtypes, eps, per-head scales.
 _EXTRA = ("qn", "kn", "eps", "ksh", "vsh")
 
@@ -1020,7 +1021,7 @@ def norm_compile_matrix():
 NORM_MATRIX = norm_compile_matrix()
 
 
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
 def test_nvrtc_compiles_norm_variants_without_spills(arch):
     failures = spill_failures([spec_of(kw) for kw in NORM_MATRIX], [_id(kw) for kw in NORM_MATRIX], arch)
     assert not failures, "\n".join(failures[:5])
@@ -1404,7 +1405,7 @@ KP_SHAPES = [("llama8b", dict(QH=32, KH=8, D=128)), ("gptoss-tp8", dict(QH=8, KH
              ("llama8b-fp8-heads", dict(QH=32, KH=8, D=128, cdt=FN, ksh=True, vsh=True))]
 
 
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
 def test_nvrtc_compiles_kpairs_without_spills(arch):
     """RC_KPAIRS at the configurations kernel_config picks for real shapes (prefill, mid-size; both
     x-packed layouts): a cubin, no spills, no stack."""
@@ -1510,7 +1511,7 @@ def test_host_emulation_split_would_catch_a_wrong_partition(what, old, new, emu_
         _assert_bitwise(_emulate(args, opts, emu_dir, source=src.replace(old, new)), _reference(args, opts))
 
 
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
 def test_nvrtc_compiles_split_without_spills(arch):
     """The split decode configurations kernel_config picks for real shapes: a cubin, no spills."""
     matrix = [(f"{n}-{layout}-T{t}", spec_of(dict(kw, T=t, layout=layout)))
@@ -1560,3 +1561,155 @@ def test_every_fuzz_case_configures():
         c = cuda.kernel_config(spec)
         units = _units(c, spec)
         assert c.threads * c.parts >= units or c.threads == cuda.MAX_THREADS, (i, c)
+
+
+# ---- the kernel-node route (backends/kernel_node.py): XLA's PTX custom call, lowered here -----------
+from jax_rope_cache.backends import kernel_node  # noqa: E402
+
+
+def _node_export(monkeypatch, setting, t=4, layers=None, QH=8, KH=2, D=64):
+    import jax.numpy as jnp
+
+    import jax_rope_cache as jrc
+
+    monkeypatch.setenv(kernel_node.ENV, setting)
+    NB, BS = 8, 16
+    kshape = (NB, BS, KH, D) if layers is None else (layers, NB, BS, KH, D)
+    s = jax.ShapeDtypeStruct
+    args = (s((t, QH, D), jnp.bfloat16), s((t, KH, D), jnp.bfloat16), s((t, KH, D), jnp.bfloat16),
+            s(kshape, jnp.bfloat16), s(kshape, jnp.bfloat16), s((t,), jnp.int32), s((t,), jnp.int32),
+            s((40, D // 2), jnp.float32), s((40, D // 2), jnp.float32))
+    step = lambda *a: jrc.rope_and_cache(*a, impl="kernel", layer=None if layers is None else 1)  # noqa: E731
+    text = jrc.export(jax.jit(step, donate_argnums=(3, 4)), platforms=["cuda"])(*args).mlir_module()
+    spec = make_spec(T=t, QH=QH, KH=KH, D=D, NB=NB, BS=BS, max_pos=40, pos64=False, layers=layers)
+    return text, spec
+
+
+def _node_calls(text):
+    return [ln for ln in text.splitlines() if "stablehlo.custom_call @__gpu$xla.gpu.ptx" in ln]
+
+
+def _attr(line, name):
+    m = re.search(rf"\b{name} = (-?\d+) : i32", line)
+    return int(m.group(1)) if m else None
+
+
+@pytest.mark.parametrize("t,layers,heads", [(4, None, (8, 2, 64)), (1, None, (32, 8, 128)), (300, 3, (8, 2, 64)),
+                                             (1, 2, (32, 8, 128))])
+def test_kernel_node_lowering_is_one_ptx_call_with_its_launch(monkeypatch, t, layers, heads):
+    """Route on: exactly one `__gpu$xla.gpu.ptx` call, its config the kernel configuration's launch
+    (grid = (ceil(T / tokens per block), parts, 1), its threads, no shared memory), all 14 operands,
+    the caches aliased to results 2 and 3, and the PTX the node entry of 18 pointer parameters with the
+    call's dims compiled in; no launcher target."""
+    qh, kh, d = heads
+    text, spec = _node_export(monkeypatch, "1", t, layers, qh, kh, d)
+    calls = _node_calls(text)
+    assert len(calls) == 1, text[:2000]
+    assert "jax_rope_cache_gpu" not in text
+    line = calls[0]
+    cfg = cuda.kernel_config(spec)
+    node = cuda.build_node_ptx(cuda.node_config(cfg, (t, layers or 8, 40)), None)[0]
+    assert (_attr(line, "grid_x"), _attr(line, "grid_y"), _attr(line, "grid_z")) == (
+        -(-t // node.tokens_per_block), node.parts, 1)
+    assert (_attr(line, "block_x"), _attr(line, "block_y"), _attr(line, "block_z")) == (node.threads, 1, 1)
+    assert _attr(line, "shared_mem_bytes") == 0
+    assert 'kernel_type = "ptx"' in line and f'name = "{cuda.NODE_KERNEL_NAME}"' in line
+    operands = line.split("(", 1)[1].split(")", 1)[0]
+    assert operands.count("%") == len(contract.OPERANDS) == 14
+    aliases = re.findall(r"output_tuple_indices = \[(\d)\], operand_index = (\d+)", line)
+    assert sorted(aliases) == [("2", "3"), ("3", "4")], aliases
+    ptx = re.search(r'kernel_data = "((?:[^"\\]|\\.)*)"', line).group(1).encode().decode("unicode_escape")
+    entry = ptx[ptx.index(f".entry {cuda.NODE_KERNEL_NAME}("):]
+    assert entry[:entry.index(")")].count(".param .u64") == 18
+    assert f".maxntid {node.threads}, 1, 1" in entry
+    assert ".entry rope_cache_kernel" not in ptx
+
+
+def test_kernel_node_route_off_auto_and_fallbacks(monkeypatch):
+    """Off: the launcher's target. Auto: the node where the plugin compiles the target and the driver
+    takes the PTX's ISA, else the launcher; a call of zero tokens always takes the launcher; a bad
+    setting is an error naming the variable."""
+    text, _ = _node_export(monkeypatch, "0")
+    assert not _node_calls(text) and "stablehlo.custom_call @jax_rope_cache_gpu" in text
+    monkeypatch.setattr(kernel_node, "plugin_supports", lambda: True)
+    monkeypatch.setattr(kernel_node, "driver_version", lambda: None)
+    text, _ = _node_export(monkeypatch, "auto")
+    assert len(_node_calls(text)) == 1
+    monkeypatch.setattr(kernel_node, "driver_version", lambda: 12040)  # CUDA 12.4 loads PTX ISA <= 8.4
+    monkeypatch.setattr(kernel_node, "ptx_isa", lambda ptx: (9, 0))
+    text, _ = _node_export(monkeypatch, "auto")
+    assert not _node_calls(text) and "@jax_rope_cache_gpu" in text
+    text, _ = _node_export(monkeypatch, "1")  # forced: the route whatever the driver
+    assert len(_node_calls(text)) == 1
+    monkeypatch.setattr(kernel_node, "plugin_supports", lambda: False)
+    monkeypatch.setattr(kernel_node, "driver_version", lambda: None)
+    text, _ = _node_export(monkeypatch, "auto")
+    assert not _node_calls(text) and "@jax_rope_cache_gpu" in text
+    text, _ = _node_export(monkeypatch, "1", t=0)  # no launch of an empty grid (whatever lowers it)
+    assert not _node_calls(text)
+    with pytest.raises(ValueError, match=kernel_node.ENV):
+        _node_export(monkeypatch, "maybe")
+
+
+def test_kernel_node_plugin_detection_reads_the_library(tmp_path):
+    lib = tmp_path / "xla_cuda_plugin.so"
+    lib.write_bytes(b"\0" * 5000 + kernel_node.TARGET.encode() + b"\0" * 100)
+    assert kernel_node.library_has_target(str(lib))
+    other = tmp_path / "other_plugin.so"
+    other.write_bytes(b"\0" * 5000 + b"__gpu$xla.gpu.triton")
+    assert not kernel_node.library_has_target(str(other))
+    assert kernel_node.driver_isa(13000) == (9, 0) and kernel_node.driver_isa(12080) == (8, 7)
+    assert kernel_node.ptx_isa(b"//\n.version 8.5\n.target sm_90\n") == (8, 5)
+
+
+NODE_SPECS = [dict(T=1, QH=32, KH=8, D=128), dict(T=64, QH=32, KH=8, D=128), dict(T=8192, QH=32, KH=8, D=128),
+              dict(T=8192, QH=8, KH=1, D=64), dict(T=64, QH=64, KH=8, D=64, layout="xpacked"),
+              dict(T=300, QH=8, KH=1, D=128, layout="xpacked_shuffled", cdt=FN, prec="native"),
+              dict(T=1, QH=32, KH=8, D=128, layers=32), dict(T=4096, QH=16, KH=4, D=128, R=64, layers=4)]
+
+
+@pytest.mark.parametrize("kw", NODE_SPECS, ids=_id)
+def test_nvrtc_compiles_the_node_entry_without_spills(kw):
+    """The node build (sm_90, the register budget ptxas meets) has no spill or stack frame, and its PTX
+    holds only the node entry with the configuration's launch bound."""
+    spec = make_spec(**kw)
+    cfg = cuda.kernel_config(spec)
+    lead = spec.num_layers if spec.num_layers is not None else spec.num_blocks
+    ncfg, ptx = cuda.build_node_ptx(cuda.node_config(cfg, (spec.num_tokens, lead, spec.max_pos)), 90)
+    c = cuda.compile_variant(ncfg, "sm_90")  # the build whose ptxas report fit_registers read
+    assert c.code[:4] == b"\x7fELF" and cuda.NODE_KERNEL_NAME.encode() in c.code
+    assert "spill" in c.log and nvrtc.spill_bytes(c.log) == (0, 0, 0), c.log
+    text = ptx.code.decode(errors="replace")
+    assert text.count(".entry ") == 1 and f".entry {cuda.NODE_KERNEL_NAME}(" in text
+    assert f".maxntid {ncfg.threads}, 1, 1" in text
+    assert ncfg.threads == cfg.threads and ncfg.tokens_per_block == cfg.tokens_per_block
+
+
+@pytest.mark.parametrize("kw", emulation_matrix()[::3], ids=_id)
+def test_host_emulation_of_the_node_entry_matches_reference_bitwise(kw, emu_dir):
+    """The node entry (pointers in custom-call order, dims compiled in), run on the host over the same
+    random matrix: the same bits as the reference, no write outside the outputs."""
+    spec, args, ks, vs = _matrix_problem(kw)
+    want = reference.rope_and_cache(*args, layout=spec.layout, is_neox=spec.is_neox, rotary_dim=spec.rotary_dim,
+                                    precision=spec.precision, k_scale=ks, v_scale=vs)
+    node = {"RC_NODE": 1, "RC_NODE_T": spec.num_tokens, "RC_NODE_LEAD": spec.num_blocks,
+            "RC_NODE_MAX_POS": spec.max_pos}
+    got = run_emulation(spec, args, ks, vs, emu_dir, defines=node)
+    for name, g, w in zip(("q_out", "k_out", "key_cache", "value_cache"), got, want):
+        assert np.array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8)), name
+
+
+def test_host_emulation_of_the_node_entry_would_catch_swapped_pointers(emu_dir):
+    """The check has teeth: a node entry that passes the value cache where the key cache belongs
+    (same shapes in the flash layout, so nothing is written out of bounds) fails it."""
+    kw = next(k for k in emulation_matrix() if k.get("layout", "flash") == "flash")
+    spec, args, ks, vs = _matrix_problem(kw)
+    src = open(os.path.join(_kernel_dir(), "cuda", "rope_cache.cu")).read()
+    bad = src.replace("k_norm_w, q_out, k_out, kc, vc, {}}", "k_norm_w, q_out, k_out, vc, kc, {}}")
+    assert bad != src
+    node = {"RC_NODE": 1, "RC_NODE_T": spec.num_tokens, "RC_NODE_LEAD": spec.num_blocks,
+            "RC_NODE_MAX_POS": spec.max_pos}
+    want = reference.rope_and_cache(*args, layout=spec.layout, is_neox=spec.is_neox, rotary_dim=spec.rotary_dim,
+                                    precision=spec.precision, k_scale=ks, v_scale=vs)
+    got = run_emulation(spec, args, ks, vs, emu_dir, defines=node, source=bad)
+    assert not np.array_equal(np.asarray(got[2]).view(np.uint8), np.asarray(want[2]).view(np.uint8))

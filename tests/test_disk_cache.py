@@ -237,7 +237,7 @@ def fake_flydsl(cache, monkeypatch):
 
     monkeypatch.setattr(flydsl, "require", lambda: None)
     monkeypatch.setattr(flydsl, "_compile_now", compile_now)
-    monkeypatch.setattr(flydsl, "_source_hash", lambda: "test-source")
+    monkeypatch.setattr(flydsl, "_source_hash", lambda *kernel: "test-source")
     monkeypatch.setattr(flydsl, "flydsl_version", lambda: "0.0-test")
     monkeypatch.setattr(flydsl.amdgpu_elf, "kernel_info", lambda code: {"name": "jrc_rope_cache_0"})
     return compiles

@@ -76,7 +76,7 @@ BAD = [
      dict(k_scale=1.0, v_scale=np.ones((KH, 1), np.float32)), TypeError, ["v_scale", "[KH] = (2,)", "float32[2, 1]"]),
     ("scale-per-head-non-fp8", {}, dict(k_scale=np.ones(KH, np.float32)), ValueError,
      ["k_scale", "float8 caches only", "float32[2]"]),
-    # issue 18: the QK-RMSNorm weights and eps
+    # the QK-RMSNorm weights and eps
     ("q-norm-weight-rotary-width", {}, dict(q_norm_weight=np.ones(D // 2, BF16)), ValueError,
      ["q_norm_weight", "[D] = [64]", "[32]"]),
     ("q-norm-weight-per-head", {}, dict(q_norm_weight=np.ones((QH, D), BF16)), ValueError,

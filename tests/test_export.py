@@ -47,4 +47,44 @@ def test_export_without_the_helper_names_the_missing_check():
     step = jax.jit(lambda *a: jrc.rope_and_cache(*a, impl="kernel"))
     with pytest.raises(ValueError, match="jax_rope_cache_cpu"):
         jax.export.export(step, platforms=["cpu"])(*args)
-    assert len(jrc.DISABLED_EXPORT_CHECKS) == 3  # cpu, gpu, gpu without command buffers
+    assert len(jrc.DISABLED_EXPORT_CHECKS) == 5  # cpu, MLA cpu, gpu, gpu without command buffers, XLA's PTX call
+
+
+@pytest.mark.skipif("cuda" not in backends.kernel_platforms(), reason="the CUDA kernel cannot be built here")
+def test_export_of_the_kernel_node_route_round_trips(monkeypatch):
+    """With the kernel-node route on, the CUDA lowering is XLA's PTX custom call: jrc.export allows it,
+    plain jax.export names it as the check to disable, and the serialized module keeps the PTX."""
+    from jax_rope_cache.backends import kernel_node
+
+    monkeypatch.setenv(kernel_node.ENV, "1")
+    args, opts = make_problem(Case(T=6, QH=8, KH=2, D=64), seed=63)
+    step = jax.jit(lambda *a: jrc.rope_and_cache(*a, impl="kernel"), donate_argnums=(3, 4))
+    exp = jrc.export(step, platforms=["cuda"])(*args)
+    text = jax.export.deserialize(exp.serialize()).mlir_module()
+    assert text.count("stablehlo.custom_call @__gpu$xla.gpu.ptx") == 1
+    assert "jax_rope_cache_gpu" not in text and ".entry rope_cache_node" in text
+    with pytest.raises(ValueError, match=re.escape(kernel_node.TARGET)):
+        jax.export.export(jax.jit(lambda *a: jrc.rope_and_cache(*a, impl="kernel")), platforms=["cuda"])(*args)
+
+
+@pytest.mark.parametrize("layout", ["combined", "split"])
+def test_export_mla_on_cpu_round_trips(layout):
+    """`jrc.export` of a donated MLA step on CPU: the MLA handler's custom call is allowed, and the
+    deserialized program runs bit-exact to the MLA reference (fp8 cache and q_out in one layout)."""
+    from mla_cases import FN, FNUZ, MlaCase, flat_outputs, make_mla_problem
+    from jax_rope_cache.mla import reference as mla_reference
+
+    fp8 = layout == "split"
+    case = MlaCase(T=6, layout=layout, cache_dtype=FNUZ if fp8 else None, q_out_dtype=FN if fp8 else None,
+                   is_neox=fp8, layers=2 if fp8 else None)
+    args, opts = make_mla_problem(case, seed=63)
+    step = jax.jit(lambda *a: jrc.mla_rope_and_cache(*a, **opts, impl="kernel"), donate_argnums=(4,))
+    with pytest.raises(ValueError, match="jax_rope_cache_mla_cpu"):
+        jax.export.export(step, platforms=["cpu"])(*args)
+    exp = jrc.export(step, platforms=["cpu"])(*args)
+    assert re.findall(r"stablehlo\.custom_call @(\w+)", exp.mlir_module()) == ["jax_rope_cache_mla_cpu"]
+    restored = jax.export.deserialize(exp.serialize())
+    got = flat_outputs(restored.call(*args))
+    want = flat_outputs(mla_reference.mla_rope_and_cache(*args, **opts))
+    for name, g, w in zip(("q_out", "k_pe_out", "cache0", "cache1"), got, want):
+        assert_bits_equal(g, w, name)

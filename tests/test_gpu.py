@@ -30,7 +30,7 @@ import pytest
 
 import jax_rope_cache as jrc
 from jax_rope_cache import backends, contract, reference
-from jax_rope_cache.backends import cuda, launcher, native, rocm
+from jax_rope_cache.backends import cuda, kernel_node, launcher, native, rocm
 
 
 def _gpu_platforms() -> tuple[list[str], str]:
@@ -52,6 +52,14 @@ pytestmark = pytest.mark.skipif(not GPU_PLATFORMS, reason=f"no usable GPU kernel
 @pytest.fixture(params=GPU_PLATFORMS or ["none"])
 def platform(request):
     return request.param
+
+
+@pytest.fixture(autouse=True)
+def _launcher_route(monkeypatch, request):
+    """The tests of the FFI launcher (its launch counter, stages, messages, graph capture) lower CUDA
+    calls to the launcher; the kernel-node route's tests (test_kernel_node_*) lower to XLA's PTX
+    custom call."""
+    monkeypatch.setenv(kernel_node.ENV, "1" if request.node.name.startswith("test_kernel_node") else "0")
 
 
 def _dev(platform):
@@ -349,7 +357,7 @@ def _launch_raw(table: bytes, code_hash: int, platform: str, declared=(4,)):
 
 
 def test_initialize_checks_every_buffer_against_the_signature(platform):
-    """Issue 16 item 4: buffers other than the signature's are rejected at the initialize stage,
+    """Hardening: buffers other than the signature's are rejected at the initialize stage,
     naming the buffer, before any module is loaded (the table here would not even load)."""
     table = launcher.pack_code_table([(launcher.KIND_CUBIN, "sm_10", b"\x7fELF-not-a-real-cubin")])
     with pytest.raises(Exception, match=r"gpu launcher: x: expected element type 11 dims \[8\]"):
@@ -387,7 +395,7 @@ def test_driver_error_message_surfaces(platform):
         _launch_raw(table, 54321, platform)
 
 
-# ---- issue 18: QK-RMSNorm before the rotation, per-head fp8 scales ----------------------------------
+# ---- QK-RMSNorm before the rotation, per-head fp8 scales ----------------------------------
 # What only a GPU tests: the shuffle butterfly itself (masks, lanes, convergence; the host emulation
 # rebuilds the other lanes), the packed bf16 multiplies of "native" bf16 tables (sm_90) and the
 # hardware conversions on the normalised values, and several units per thread in large calls.
@@ -573,3 +581,109 @@ def test_split_decode_bitwise_one_launch(case, t, platform, monkeypatch):
     got, counts, _ = _run_norm(host, opts, platform, calls=2)
     assert counts == [1, 1], counts
     _bitwise(got, want)
+
+
+# ---- the kernel-node route (backends/kernel_node.py): XLA's PTX custom call --------------------------
+def _node_platform(platform):
+    if platform != "cuda":
+        pytest.skip("the kernel-node route is the CUDA lowering's")
+    if not kernel_node.plugin_supports():
+        pytest.skip(f"this jaxlib's CUDA plugin ({kernel_node.plugin_library()}) lacks {kernel_node.TARGET}")
+
+
+NODE_NB = 32  # cache blocks of the node tests (512 slots: room for T = 300 distinct slots)
+
+
+def _node_problem(t, seed, layers=None, shape=(QH, KH, D)):
+    qh, kh, d = shape
+    NB = NODE_NB
+    rng = np.random.default_rng(seed)
+    bf16 = jnp.bfloat16
+    q, k, v = (jnp.asarray(rng.standard_normal((t, h, d)), bf16) for h in (qh, kh, kh))
+    kc, vc = jrc.make_kv_cache(NB, BS, kh, d, bf16, fill="random", seed=seed, num_layers=layers)
+    slots = rng.permutation(NB * BS)[:t].astype(np.int32)
+    slots[::7] = np.resize(np.array([-1, NB * BS, 2**30, -(2**31)], np.int32), len(slots[::7]))
+    pos = rng.integers(-3, 70, t).astype(np.int32)
+    ang = rng.uniform(-np.pi, np.pi, (64, d // 2))
+    return [q, k, v, kc, vc, jnp.asarray(slots), jnp.asarray(pos), jnp.asarray(np.cos(ang), jnp.float32),
+            jnp.asarray(np.sin(ang), jnp.float32)]
+
+
+@pytest.mark.parametrize("layout", ["flash", "xpacked"])
+@pytest.mark.parametrize("t,shape", [(37, (QH, KH, D)), (1, (32, 8, 128)), (300, (32, 8, 128))])
+def test_kernel_node_is_one_ptx_call_aliased_and_bitwise(layout, t, shape, platform):
+    """One `__gpu$xla.gpu.ptx` custom call (nothing else launches in the entry computation), the caches
+    aliased in place, results bit-exact to the reference on fresh random data with out-of-range slots
+    and positions (T = 1: the decode split over several blocks; T = 300: several tokens per block)."""
+    _node_platform(platform)
+    qh, kh, d = shape
+    args = jax.device_put(_node_problem(t, 11 + t, shape=shape), _dev(platform))
+    if layout != "flash":
+        args[3], args[4] = jax.device_put(jrc.make_kv_cache(NODE_NB, BS, kh, d, jnp.bfloat16, layout=layout,
+                                                            fill="random", seed=t), _dev(platform))
+    f = jax.jit(lambda *a: jrc.rope_and_cache(*a, layout=layout, impl="kernel"), donate_argnums=(3, 4))
+    hlo = f.lower(*args).compile().as_text()
+    assert re.findall(r'custom_call_target="([^"]+)"', hlo) == [kernel_node.TARGET], hlo[:3000]
+    assert "input_output_alias" in hlo
+    entry = hlo[hlo.index("ENTRY"):]
+    assert not re.findall(r"= [^ ]+ (fusion|copy|scatter|gather|dynamic-update-slice|convert)\(", entry), entry
+    host = [np.asarray(a) for a in args]
+    want = reference.rope_and_cache(*host, layout=layout)
+    got = f(*args)
+    for name, g, w in zip(("q_out", "k_out", "key_cache", "value_cache"), got, want):
+        assert np.array_equal(np.asarray(g).view(np.uint16), np.asarray(w).view(np.uint16)), name
+
+
+def test_kernel_node_stacked_layers_read_on_the_device(platform):
+    """Stacked caches and a traced layer through the kernel node: one executable for every layer, an
+    out-of-range layer writes nothing."""
+    _node_platform(platform)
+    q, k, v, kc, vc, slots, pos, cos, sin = jax.device_put(_node_problem(29, 5, layers=4), _dev(platform))
+    f = jax.jit(lambda q, k, v, kc, vc, s, p, c, sn, layer: jrc.rope_and_cache(
+        q, k, v, kc, vc, s, p, c, sn, layer=layer, impl="kernel"), donate_argnums=(3, 4))
+    host = [np.asarray(a) for a in (q, k, v, kc, vc, slots, pos, cos, sin)]
+    for layer in (2, 0, 3, 4, -1):
+        want = reference.rope_and_cache(*host, layer=np.array(layer, np.int32))
+        out = f(q, k, v, kc, vc, slots, pos, cos, sin, jax.device_put(jnp.int32(layer), _dev(platform)))
+        kc, vc = out[2], out[3]
+        for name, g, w in zip(("q_out", "k_out", "key_cache", "value_cache"), out, want):
+            assert np.array_equal(np.asarray(g).view(np.uint16), np.asarray(w).view(np.uint16)), (layer, name)
+        host[3], host[4] = np.asarray(kc), np.asarray(vc)
+    text = f.lower(q, k, v, kc, vc, slots, pos, cos, sin, jnp.int32(0)).compile().as_text()
+    assert re.findall(r'custom_call_target="([^"]+)"', text) == [kernel_node.TARGET]
+
+
+def test_kernel_node_chain_replays_with_moving_inputs(platform):
+    """Eight calls in one jit (a command buffer: XLA records the kernel nodes once and updates their
+    arguments) executed with inputs rotating through 20 sets of buffers (addresses change every
+    execution): after every execution the caches and the last call's outputs equal the reference's."""
+    _node_platform(platform)
+    n, t, sets = 8, 16, 20
+    dev = _dev(platform)
+    caches = jax.device_put(list(jrc.make_kv_cache(NODE_NB, BS, KH, D, jnp.bfloat16, fill="random", seed=9)), dev)
+    pool = [jax.device_put(_node_problem(t, 100 + i)[:3] + _node_problem(t, 100 + i)[5:7], dev) for i in range(sets)]
+    cos, sin = jax.device_put(_node_problem(t, 1)[7:], dev)
+
+    def chain(q, k, v, s, p, kc, vc):
+        for i in range(n):  # call i writes the valid slots shifted by 16 i (distinct in a call), skips the rest
+            shifted = jnp.where((s >= 0) & (s < NODE_NB * BS), (s + 16 * i) % (NODE_NB * BS), s)
+            qo, ko, kc, vc = jrc.rope_and_cache(q, k, v, kc, vc, shifted, p, cos, sin, impl="kernel")
+        return qo, ko, kc, vc
+
+    f = jax.jit(chain, donate_argnums=(5, 6))
+    assert re.findall(r'custom_call_target="([^"]+)"', f.lower(*pool[0], *caches).compile().as_text()) == \
+        [kernel_node.TARGET] * n
+    hc = [np.asarray(c) for c in caches]
+    for step in range(sets + 4):
+        q, k, v, s, p = pool[step % sets]
+        hs = np.asarray(s)
+        for i in range(n):
+            want = reference.rope_and_cache(np.asarray(q), np.asarray(k), np.asarray(v), hc[0], hc[1],
+                                            np.where((hs >= 0) & (hs < NODE_NB * BS), (hs + 16 * i) % (NODE_NB * BS),
+                                                     hs), np.asarray(p),
+                                            np.asarray(cos), np.asarray(sin))
+            hc = [want[2], want[3]]
+        out = f(q, k, v, s, p, *caches)
+        caches = [out[2], out[3]]
+        for name, g, w in zip(("q_out", "k_out", "key_cache", "value_cache"), out, want):
+            assert np.array_equal(np.asarray(g).view(np.uint16), np.asarray(w).view(np.uint16)), (step, name)

@@ -1,5 +1,5 @@
-"""Hardening (issue 16): adversarial inputs to every entry point, each compared with the numpy
-reference where values matter, or checked for the documented error (README "Errors").
+"""Hardening: adversarial inputs to every entry point, each compared with the numpy
+reference where values matter, or checked for the documented error (docs/errors.md).
 
 Categories (each test's docstring says which item of the issue it covers):
   indices   int64 host slots/positions with x64 off, wide traced layers, >= 2**31-slot caches
@@ -333,7 +333,8 @@ def _raw_problem(layout="flash", dt=BF16, cdt=None, layers=None, T=5, QH=4, KH=2
     if T:
         ops["slot_mapping"][0] = -1
     attrs = dict(layout=np.int64(contract.LAYOUT_TABLE[layout].code), is_neox=True, rotary_dim=np.int64(D),
-                 native=False, q_norm="q" in norm, k_norm="k" in norm, norm_eps=np.float32(1e-6))
+                 native=False, q_norm="q" in norm, k_norm="k" in norm, norm_eps=np.float32(1e-6),
+                 mrope=np.int64(0), mrope_t=np.int64(0), mrope_h=np.int64(0), mrope_w=np.int64(0))
     return ops, attrs
 
 
@@ -364,7 +365,7 @@ def _reference_of(ops, attrs, layers=None):
 VALID_RAW = [dict(layout=lay, cdt=cdt, layers=layers) for lay in contract.LAYOUTS for cdt in (None, FP8Z)
              for layers in (None, 3)] + [dict(dt=F32), dict(dt=F16, layout="xpacked"), dict(full=True), dict(T=0),
                                          dict(idx64=True), dict(idx64=True, layout="xpacked", layers=2),
-                                         # issue 18: norms, f32 weights, per-head fp8 scales
+                                         # norms, f32 weights, per-head fp8 scales
                                          dict(norm="qk"), dict(norm="q", dt=F32), dict(norm="k", dt=F16, weight_dt=F32),
                                          dict(norm="qk", cdt=FP8, per_head=True, layout="xpacked_shuffled"),
                                          dict(cdt=FP8Z, per_head=True, layers=3)]
@@ -449,7 +450,7 @@ def _bad_raw_cases():
     add("k_scale-shape", lambda o: _with(o, k_scale=np.ones(3, np.float32)))  # neither 1 nor KH=2
     add("v_scale-empty", lambda o: _with(o, v_scale=np.ones(0, np.float32)))
     add("layer-shape", lambda o: _with(o, layer=np.zeros(3, np.int32)))
-    # issue 18: per-head scales, norm weights (placeholders when off), norm_eps
+    # per-head scales, norm weights (placeholders when off), norm_eps
     add("v_scale-rank2", lambda o: _with(o, v_scale=np.ones((2, 1), np.float32)))
     add("k_scale-per-head-f16", lambda o: _with(o, k_scale=np.ones(2, np.float16)))
     add("q_norm_weight-placeholder-shape", lambda o: _with(o, q_norm_weight=np.zeros(16, np.float32)))

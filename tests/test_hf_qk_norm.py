@@ -1,7 +1,7 @@
-"""Issue 18, independent check: the op's fused QK-RMSNorm + RoPE against Hugging Face transformers'
+"""Independent check: the op's fused QK-RMSNorm + RoPE against Hugging Face transformers'
 Qwen3 (`Qwen3RMSNorm` on q and k per head, then `apply_rotary_pos_emb`) at real Qwen3 shapes.
 
-tests/data/hf_qk_norm.npz holds transformers' inputs and outputs (`python scripts/record_hf_qk_norm.py`
+tests/data/hf_qk_norm.npz holds transformers' inputs and outputs (`python tools/record_hf_qk_norm.py`
 regenerates it); the test also re-runs transformers live when torch and transformers import
 (JRC_REQUIRE_TRANSFORMERS=1 makes their absence a failure). Our side gets transformers' own cos/sin
 rows (a "full" table, one row per token), so only the norm can differ:

@@ -1,10 +1,10 @@
-"""A real model on the op (issue 19): the decoder of jax_rope_cache/cli/decoder.py generates, on
+"""A real model on the op: the decoder of jax_rope_cache/decoder.py generates, on
 the paged caches the op writes, the same greedy tokens as Hugging Face transformers, with logits
 within decoder.HF_LOGIT_BOUND, for prompts of 1, 6, 16 and 21 tokens and 32 decode steps, with
 impl="kernel" and impl="xla", flash and x-packed caches, a tiny Llama-3.1 (llama3 RoPE scaling)
 and a tiny Qwen3 (q/k RMSNorm before RoPE, tied embeddings).
 
-The reference is the fixture tests/data/hf_greedy.npz (scripts/record_hf_model.py); the live
+The reference is the fixture tests/data/hf_greedy.npz (tools/record_hf_model.py); the live
 test re-runs transformers when torch and transformers import (only that test skips otherwise).
 The sensitivity tests show the comparison has teeth: tables one position off, or without the
 llama3 law, move the logits far beyond the bound.
@@ -23,7 +23,8 @@ import pytest
 
 import jax_rope_cache as jrc
 from conftest import impl_params
-from jax_rope_cache.cli import decoder, generate
+from jax_rope_cache import decoder
+from jax_rope_cache.cli import generate
 from jax_rope_cache.models import tables
 from test_structure import check_in_place
 
@@ -263,10 +264,11 @@ def test_config_errors():
 
 def test_generate_command_times_a_bfloat16_model(capsys):
     """The timing half of `python -m jax_rope_cache generate` (what the H200 benchmark runs), on a
-    bfloat16 model with the op removed ("off": one compile, the cheapest smoke test)."""
+    bfloat16 model with the op replaced by its timing baseline ("baseline": one compile, the cheapest
+    smoke test)."""
     with pytest.raises(SystemExit) as e:
-        generate.main(["--check", "none", "--impls", "off", "--batch", "3", "--prompt-len", "5", "--steps", "2",
+        generate.main(["--check", "none", "--impls", "baseline", "--batch", "3", "--prompt-len", "5", "--steps", "2",
                        "--repeats", "1", "--dtype", "bfloat16", "--block-size", "8"])
     assert e.value.code == 0
     out = capsys.readouterr().out
-    assert "bfloat16" in out and re.search(r"^off\s+[\d.]+ms\s+\d+us\s+[\d,]+$", out, re.M), out
+    assert "bfloat16" in out and re.search(r"^baseline\s+[\d.]+ms\s+\d+us\s+[\d,]+$", out, re.M), out

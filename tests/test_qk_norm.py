@@ -1,4 +1,4 @@
-"""Issue 18: the fused QK-RMSNorm before RoPE (q_norm_weight / k_norm_weight, norm_eps) and per-head
+"""The fused QK-RMSNorm before RoPE (q_norm_weight / k_norm_weight, norm_eps) and per-head
 fp8 scales (k_scale / v_scale of shape [KH]), every implementation present vs the numpy reference.
 
 Coverage: layouts, NeoX / GPT-J, partial rotary, half / full tables, bf16 / f16 / f32 inputs,

@@ -357,7 +357,7 @@ def test_launcher_passes_the_parameter_block_as_the_hip_kernarg_buffer():
     assert "HIP_LAUNCH_PARAM_BUFFER_POINTER" in hip or "(void*)0x01" in hip or "(0x01)" in hip, hip
 
 
-# ---- issue 18: QK-RMSNorm and per-head fp8 scales -------------------------------------------------
+# ---- QK-RMSNorm and per-head fp8 scales -------------------------------------------------------
 def norm_spec(q_norm=BF16, k_norm=BF16, eps=1e-6, heads=(False, False), **p) -> contract.OpSpec:
     """make_spec(**p) with norm weights of these dtypes (None: that norm off) and per-head scales."""
     spec = make_spec(**p)
@@ -410,7 +410,7 @@ def test_norm_variant_compiles_for_both_archs(p):
     table, symbol, objs = rocm.build_code_table(cfg, ARCHS)
     for o in objs:
         # a row the butterfly does not fit (every lane reloads it) may need more registers: correct,
-        # at lower occupancy (BUILD_NOTES lists them)
+        # at lower occupancy (docs/rocm.md, "Occupancy")
         reload = K_NORM.norm_layout(o.config).plan is None if o.config.norm else False
         info = check_code_object(o.code, o.arch, o.config, symbol, max_vgprs=128 if reload else MAX_VGPRS)
         assert info["kernarg_size"] == 256

@@ -242,7 +242,7 @@ def test_a_compile_error_in_the_child_is_reported(monkeypatch):
     assert flydsl.compile_config(cfg, "gfx942").code[:4] == b"\x7fELF"
 
 
-# ---- issue 18 options: what `compile` builds is what a call with them lowers to --------------------
+# ---- QK-norm options: what `compile` builds is what a call with them lowers to --------------------
 def _lowered_config(case, **opts):
     """The FlyDSL configuration a call of `case` with `opts` (norm weights, scales) lowers to."""
     import numpy as np

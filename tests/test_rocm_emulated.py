@@ -177,7 +177,7 @@ def test_emulated_kernel_subnormals_and_tiny_scales(dt, tdt, cdt, prec, scale):
         assert np.array_equal(g.view(np.uint8), w.view(np.uint8)), name
 
 
-# ---- issue 18: QK-RMSNorm before the rotation, per-head fp8 scales ------------------------------
+# ---- QK-RMSNorm before the rotation, per-head fp8 scales ------------------------------
 # Bitwise equality of bf16/f16 outputs barely depends on the last bits of the f32 sum (a 1-ulp change
 # of inv flips a 16-bit rounding rarely), so float32 inputs carry the checks of the reduction order:
 # their outputs hold inv's bits. Cases cover each way a lane gets its row's sum (NormLayout.plan):

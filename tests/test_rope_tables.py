@@ -6,7 +6,7 @@
 4. End to end: tables from real configs drive rope_and_cache (every impl here) like the reference,
    and the reference with these tables rotates like float64 RoPE maths.
 5. Hugging Face transformers, for every law and every preset: against its outputs recorded in
-   tests/data/hf_rope.npz (inv_freq and attention factor; `python scripts/record_hf_rope.py`
+   tests/data/hf_rope.npz (inv_freq and attention factor; `python tools/record_hf_rope.py`
    regenerates it) always, and live when torch and transformers import (the live part is skipped
    only when they are not installed; JRC_REQUIRE_TRANSFORMERS=1 makes that a failure), the live
    values also equal to the recorded ones:
@@ -497,7 +497,7 @@ def _hf_live(kind, key):
 
 
 def record_hf(path=HF_FIXTURE):
-    """Writes transformers' outputs for every law case and preset (scripts/record_hf_rope.py)."""
+    """Writes transformers' outputs for every law case and preset (tools/record_hf_rope.py)."""
     import torch
     import transformers
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Where the time of the demo's decode loop goes (issue 14: the 32-layer step, kernel vs XLA path).
+"""Where the time of the demo's decode loop goes (the 32-layer step, kernel vs XLA path).
 
     python benchmarks/diagnostics/demo_trace.py [--preset llama-3.1-8b --tp 1 --batch 64 --steps 64]
 

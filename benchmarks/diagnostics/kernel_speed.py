@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Kernel-level speed harness for the CUDA kernel (issue 14): device time per call of
+"""Kernel-level speed harness for the CUDA kernel: device time per call of
 kernels/cuda/rope_cache.cu launched directly through the driver API (torch allocates, ctypes
 launches, CUDA graphs of N calls time it, like ../shared/peers/bench_peers.py times AITER), next to
 AITER's Triton kernel on the same inputs (when its source is on sys.path), an older kernel source
@@ -11,7 +11,7 @@ instructions are checked against the integer code over all 2^32 inputs.
     python3 benchmarks/diagnostics/kernel_speed.py OUTDIR [--old path/to/old.cu] [--peers .peers] [--budget-s 300]
         [--norm] [--precs fp32,native] [--profile]
 
---norm (issue 18): every large case also runs the fused QK-RMSNorm kernel (bf16 q/k weights, eps
+--norm: every large case also runs the fused QK-RMSNorm kernel (bf16 q/k weights, eps
 1e-6; the configs q32-8 / q235-4 are Qwen3-32B TP8 / Qwen3-235B TP4), its --variants and --alt
 sources, next to the same call without the norm (column nrm/plain). --profile: each variant runs
 once, untimed, for `ncu -k rope_cache_kernel`.
@@ -75,7 +75,7 @@ class Fn:
 
 def params_type(n_ops: int):
     """The kernel's one parameter: pointers of the n_ops operands and 4 results, dim0 of each operand
-    (14 operands since issue 18's norm weights; the pre-issue-18 kernels of --old take 12)."""
+    (14 operands with the QK-norm weights; kernels of --old without them take 12)."""
     class Params(ctypes.Structure):
         _fields_ = [("ptr", ctypes.c_void_p * (n_ops + 4)), ("dim0", ctypes.c_int64 * n_ops)]
     return Params
@@ -99,7 +99,7 @@ def make_spec(T, QH, KH, D, layout, prec, NB, max_pos, BS=16, norm=False):
 
 
 def old_kernel_config(spec, num_sms=132):
-    """kernel_config of jax_rope_cache/cuda.py at d0e2734 (the kernel before issue 14)."""
+    """kernel_config of jax_rope_cache/cuda.py at d0e2734 (the kernel before the one-unit-per-thread design)."""
     from jax_rope_cache import contract
     from jax_rope_cache.backends import cuda
 
@@ -183,7 +183,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--old", default=None)
-    ap.add_argument("--old-operands", type=int, default=14, help="operands of the --old kernel's ABI (12 before issue 18)")
+    ap.add_argument("--old-operands", type=int, default=14, help="operands of the --old kernel's ABI (12 without the QK-norm weights)")
     ap.add_argument("--peers", default=None)
     ap.add_argument("--budget-s", type=float, default=300.0)
     ap.add_argument("--configs", default="oss-8,l70b8,l8b-1,oss-1")
@@ -193,7 +193,7 @@ def main():
     ap.add_argument("--alt", default="", help="other kernel sources run with the new configuration: name=path,...")
     ap.add_argument("--variants", default="", help="extra new-kernel variants: name:KEY=V/KEY*V/KEY+V;... (KEY: "
                     "an RC_ define, or a backends/cuda.py constant such as V_CHANNELS)")
-    ap.add_argument("--norm", action="store_true", help="also the fused QK-RMSNorm kernel (issue 18)")
+    ap.add_argument("--norm", action="store_true", help="also the fused QK-RMSNorm kernel")
     ap.add_argument("--norm-configs", default="q32-8,q235-4", help="the configs --norm applies to")
     ap.add_argument("--precs", default="fp32,native")
     ap.add_argument("--profile", action="store_true", help="one untimed launch per variant (for ncu)")

@@ -12,6 +12,7 @@ from jax_rope_cache.backends import native
 PLATFORM = "cpu"
 NAME = "CPU"
 TARGET = "jax_rope_cache_cpu"
+MLA_TARGET = "jax_rope_cache_mla_cpu"  # the MLA op's handler (kernels/ffi/mla_cpu_handler.cc)
 # contract.FEATURES the C++ handler implements (others: the XLA path, or an error with impl="kernel").
 SUPPORTS: frozenset[str] = frozenset(contract.FEATURES)
 
@@ -26,7 +27,8 @@ def kernel_attrs(spec: contract.OpSpec) -> dict:
     return dict(layout=np.int64(contract.LAYOUT_TABLE[spec.layout].code), is_neox=bool(spec.is_neox),
                 rotary_dim=np.int64(spec.rotary_dim), native=spec.precision == "native",
                 q_norm=spec.q_norm_dtype is not None, k_norm=spec.k_norm_dtype is not None,
-                norm_eps=np.float32(spec.norm_eps))
+                norm_eps=np.float32(spec.norm_eps),
+                **{k: np.int64(v) for k, v in contract.mrope_codes(spec).items()})
 
 
 def lower(ctx, args, spec: contract.OpSpec):

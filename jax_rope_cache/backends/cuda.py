@@ -4,10 +4,13 @@ At lowering time the CUDA kernel (kernels/cuda/rope_cache.cu, shipped inside the
 compiled by NVRTC for the local GPU's architecture (cubin) plus PTX of the same architecture as a
 fallback (a GPU of a newer architecture JIT-compiles it); without a visible CUDA device: sm_90 +
 compute_90. Compiled code objects are cached in memory and on disk (compilers/nvrtc.py). The code
-objects travel inside the executable as the `code` attribute of the custom call (backends/launcher.py).
+objects travel inside the executable: as the PTX of XLA's kernel-node custom call where the running
+jaxlib compiles it (backends/kernel_node.py: the kernel's `rope_cache_node` entry, the call's static
+dims compiled in), else as the `code` attribute of the FFI launcher's custom call (backends/launcher.py).
 
 Environment: JAX_ROPE_CACHE_NVRTC, a libnvrtc.so to use instead of searching; JAX_ROPE_CACHE_DIR
-(compilers/cache.py); JAX_ROPE_CACHE_COMMAND_BUFFERS (backends/launcher.py).
+(compilers/cache.py); JAX_ROPE_CACHE_KERNEL_NODE (backends/kernel_node.py); JAX_ROPE_CACHE_COMMAND_BUFFERS
+(backends/launcher.py).
 """
 
 from __future__ import annotations
@@ -19,16 +22,17 @@ import jax
 import numpy as np
 
 from jax_rope_cache import contract
-from jax_rope_cache.backends import launcher, native
+from jax_rope_cache.backends import kernel_node, launcher, native
 from jax_rope_cache.compilers import cache, nvrtc
 
 PLATFORM = "cuda"
 NAME = "CUDA"
 KERNEL_NAME = "rope_cache_kernel"
+NODE_KERNEL_NAME = "rope_cache_node"  # the kernel-node entry (RC_NODE builds)
 DEFAULT_ARCH = 90
 DEFAULT_SMS = 132
 # contract.FEATURES the CUDA kernel implements (others: the XLA path, or an error with impl="kernel").
-SUPPORTS: frozenset[str] = frozenset({"q_norm", "k_norm", "k_scale_heads", "v_scale_heads"})
+SUPPORTS: frozenset[str] = frozenset({"q_norm", "k_norm", "k_scale_heads", "v_scale_heads", "mrope"})
 
 
 @functools.cache
@@ -68,7 +72,8 @@ _DEFINES = (("QH", "qh"), ("KH", "kh"), ("D", "d"), ("R", "r"), ("BS", "bs"), ("
             ("NEOX", "neox"), ("FULL_TABLE", "full_table"), ("NATIVE", "native"), ("DT", "dt"),
             ("TAB_DT", "tab_dt"), ("CACHE_DT", "cache_dt"), ("SLOT64", "slot64"), ("POS64", "pos64"),
             ("LAYER_BLOCKS", "layer_blocks"), ("Q_NORM", "q_norm"), ("K_NORM", "k_norm"),
-            ("KS_HEADS", "k_scale_heads"), ("VS_HEADS", "v_scale_heads"))
+            ("KS_HEADS", "k_scale_heads"), ("VS_HEADS", "v_scale_heads"), ("MROPE", "mrope"),
+            ("MROPE_T", "mrope_t"), ("MROPE_H", "mrope_h"), ("MROPE_W", "mrope_w"))
 
 
 def _f32_bits(x: float) -> int:
@@ -101,7 +106,7 @@ UNITS_PER_BLOCK = 2048  # flash: a block's units (~4-6 per thread) where the gri
 # halved block leaves threads idle in its last round of units (busy < HALVED_BUSY_MIN). H200,
 # kernel_speed.py, fp32, rule on vs off in one run: Llama-70B TP8 T = 32768 49.1 vs 50.6 us, GPT-OSS
 # TP8 T = 8192 5.77 vs 6.16; halving a one-wave grid (Llama-70B TP8 T = 8192) was 14% slower, and
-# Qwen3-235B TP4 (79% busy) 1-2% slower (BUILD_NOTES "block size by waves").
+# Qwen3-235B TP4 (79% busy) 1-2% slower (docs/design.md, "Regimes").
 HALVE_BLOCKS_OFF_WAVE = True
 HALVED_BUSY_MIN = 0.85
 UNITS_PER_BLOCK_XP = 8192  # x-packed (up to 32 tokens: two whole runs of 16 slots per block)
@@ -111,7 +116,7 @@ UNITS_PER_BLOCK_XP = 8192  # x-packed (up to 32 tokens: two whole runs of 16 slo
 PACKED_NT, PACKED_MINB = 256, 4
 # Channels per x-packed V unit (RC_VCH): 1 is the one-channel writer; 2, 4 or 8 load a token's
 # channels as one vector and write a slot run as that many 16-byte pieces. H200 (kernel_speed.py,
-# session 5): prefill runs 3-12% faster at C = 2..8, random slots 17-100% slower, decode mixed; so
+# kernel_speed.py): prefill runs 3-12% faster at C = 2..8, random slots 17-100% slower, decode mixed; so
 # the static choice stays 1 and runs get their vector units per block (RC_VSEL below).
 V_CHANNELS = 1
 # RC_VSEL: 0 (off), or the channels (2, 4, 8) of the V units of a block whose groups are all aligned
@@ -260,6 +265,8 @@ def kernel_config(spec: contract.OpSpec, num_sms: int = DEFAULT_SMS, vch: int | 
     defines = tuple((f"RC_{name}", int(getattr(c, field))) for name, field in _DEFINES) + (
         ("RC_NORM_EPS_BITS", _f32_bits(c.norm_eps)), ("RC_WCH", w), ("RC_TPB", tpb), ("RC_NT", nt), ("RC_MINB", minb),
         ("RC_VPAIRS", 1), ("RC_VCH", vch), ("RC_VSEL", vsel), ("RC_EARLY_W", early_w))
+    if not c.mrope:  # positions [T]: the kernel's defaults (the variant and its cache key as without M-RoPE)
+        defines = tuple(d for d in defines if not d[0].startswith("RC_MROPE"))
     if (K_PAIRS if kpairs is None else kpairs) and xp and tpb % 2 == 0:
         defines += (("RC_KPAIRS", 1),)
     if parts > 1:
@@ -332,9 +339,64 @@ def missing() -> str | None:
     return None
 
 
+# ---- the kernel-node build (backends/kernel_node.py) -----------------------------------------------
+def node_dims(avals_in) -> tuple[int, int, int]:
+    """(T, the caches' leading dimension, table rows) of a call's operands: the values the launcher's
+    entry reads from its parameter block, compiled into the kernel-node entry."""
+    names = contract.OPERANDS
+    return (int(avals_in[names.index("q")].shape[0]), int(avals_in[names.index("key_cache")].shape[0]),
+            int(avals_in[names.index("cos")].shape[0]))
+
+
+def check_node_shapes(avals_in, spec: contract.OpSpec) -> None:
+    """Every operand's shape is the one `spec` compiles for (what the launcher's initialize stage checks
+    per execution, checked once here: the node's buffers are XLA's, of exactly these shapes)."""
+    kshape, vshape = contract.cache_shapes(spec.layout, spec.num_blocks, spec.block_size, spec.kv_heads,
+                                           spec.head_dim, spec.cache_dtype)
+    lead = () if spec.num_layers is None else (spec.num_layers,)
+    width = spec.rotary_dim if spec.table_full else spec.rotary_dim // 2
+    t, qh, kh, d = spec.num_tokens, spec.q_heads, spec.kv_heads, spec.head_dim
+    want = {"q": (t, qh, d), "k": (t, kh, d), "v": (t, kh, d), "key_cache": lead + kshape, "value_cache": lead + vshape,
+            "slot_mapping": (t,), "positions": (3, t) if spec.mrope_section else (t,),
+            "cos": (spec.max_pos, width), "sin": (spec.max_pos, width),
+            "layer": ()}
+    for name, aval in zip(contract.OPERANDS, avals_in):
+        if name in want and tuple(aval.shape) != want[name]:
+            raise ValueError(f"rope_and_cache (internal): operand {name} has shape {list(aval.shape)}, but the "
+                             f"kernel was specialised for {list(want[name])}")
+
+
+def node_config(cfg: KernelConfig, dims: tuple[int, int, int]) -> KernelConfig:
+    """cfg with the kernel-node entry: RC_NODE and the call's dims as constants."""
+    t, lead, max_pos = dims
+    extra = (("RC_NODE", 1), ("RC_NODE_T", t), ("RC_NODE_LEAD", lead), ("RC_NODE_MAX_POS", max_pos))
+    return dataclasses.replace(cfg, defines=cfg.defines + extra)
+
+
+def build_node_ptx(cfg: KernelConfig, cc: int | None) -> tuple[KernelConfig, nvrtc.Compiled]:
+    """(the configuration built, its PTX) for the kernel-node entry: the register budget is the one
+    ptxas meets without spilling for the GPU's arch (fit_registers: the sm_XY build's report), the PTX
+    of that arch (a GPU newer than this NVRTC: the newest arch it knows, as build_code_table)."""
+    supported = nvrtc.supported_archs() or [DEFAULT_ARCH]
+    target = cc if cc is not None else DEFAULT_ARCH
+    if target in supported:
+        ptx_arch = target
+    else:
+        ptx_arch = max(a for a in supported if a <= target) if any(a <= target for a in supported) else min(supported)
+    cfg, _ = fit_registers(cfg, f"sm_{ptx_arch}")
+    return cfg, compile_variant(cfg, f"compute_{ptx_arch}")
+
+
 def lower(ctx, args, spec: contract.OpSpec):
     native.refuse_unsupported(spec, SUPPORTS, NAME)
     cc, sms = _local_cuda_arch()
     cfg = kernel_config(spec, sms)
+    if spec.num_tokens > 0 and kernel_node.wanted()[0]:
+        check_node_shapes(ctx.avals_in, spec)
+        ncfg, ptx = build_node_ptx(node_config(cfg, node_dims(ctx.avals_in)), cc)
+        use, _ = kernel_node.decide(ptx.code)
+        if use:
+            grid = (-(-spec.num_tokens // ncfg.tokens_per_block), ncfg.parts, 1)
+            return kernel_node.lower(ctx, args, ptx=ptx.code, kernel=NODE_KERNEL_NAME, grid=grid, block=ncfg.threads)
     return launcher.lower_launch(ctx, args, table=build_code_table(cfg, cc), kernel=KERNEL_NAME,
                                  grid_div=cfg.tokens_per_block, block=cfg.threads, grid_y=cfg.parts)

@@ -179,28 +179,35 @@ BUFFER_NAMES = ",".join(contract.OPERANDS + tuple(f"{r} result" if r in contract
 _FENCED = tuple(contract.OPERANDS.index(n) for n in contract.FENCED_OPERANDS)
 
 
-def fence_small_operands(args):
-    """args with the FENCED_OPERANDS passed through one optimization barrier. XLA otherwise folds a
+def fence_small_operands(args, fenced=_FENCED):
+    """args with the FENCED_OPERANDS (or the operands at indices `fenced`) passed through one
+    optimization barrier. XLA otherwise folds a
     dynamic slice feeding the call (slots[n] in a decode loop) into a dynamic-slice fusion around
     it, whose operand address changes every iteration: the command buffer is then re-recorded
     (our handler re-traced) for every call of every step. H200, the demo's decode loop (32 layers,
     Llama-3.1-8B, batch 64): 32 launcher executes and 219 us per step with the fusion, 0 and 177 us
     without (benchmarks/diagnostics/demo_trace.py). The barrier costs no copy of its own; the slice
     becomes an ordinary small fusion."""
-    barrier = stablehlo.OptimizationBarrierOp([args[i] for i in _FENCED])
+    barrier = stablehlo.OptimizationBarrierOp([args[i] for i in fenced])
     out = list(args)
-    for j, i in enumerate(_FENCED):
+    for j, i in enumerate(fenced):
         out[i] = barrier.results[j]
     return out
 
 
 def lower_launch(ctx, args, *, table: bytes, kernel: str, grid_div: int, block: int, grid_y: int = 1,
-                 platform: str = "CUDA"):
+                 aliases: dict[int, int] | None = None, fenced: tuple[int, ...] | None = None,
+                 buffer_names: str | None = None, platform: str = "CUDA"):
     """The launcher's custom call running `kernel` of the code-object `table` (caches in place) on a
-    grid of (ceil(T / grid_div), grid_y) blocks of `block` threads; `platform` ("CUDA" / "ROCM"):
-    the platform lowered for (which of the two targets it uses by default)."""
+    grid of (ceil(T / grid_div), grid_y) blocks of `block` threads. Another op than rope_and_cache
+    passes its cache `aliases` (operand -> result), the indices of its `fenced` small operands and
+    its `buffer_names` (operands, then results, comma-separated). `platform` ("CUDA" / "ROCM"): the
+    platform lowered for (which of the launcher's two targets it uses by default)."""
+    aliases = contract.CACHE_ALIASES if aliases is None else aliases
     target = register_gpu_targets(launcher_module(), platform)
-    rule = jax.ffi.ffi_lowering(target, operand_output_aliases=contract.CACHE_ALIASES)
-    return rule(ctx, *fence_small_operands(args), code=table, code_hash=np.int64(code_hash(table)), kernel=kernel,
+    rule = jax.ffi.ffi_lowering(target, operand_output_aliases=aliases)
+    return rule(ctx, *fence_small_operands(args, _FENCED if fenced is None else fenced), code=table,
+                code_hash=np.int64(code_hash(table)), kernel=kernel,
                 grid_div=np.int64(grid_div), grid_y=np.int64(grid_y), block=np.int64(block), smem=np.int64(0),
-                signature=buffer_signature(ctx.avals_in, ctx.avals_out), buffer_names=BUFFER_NAMES)
+                signature=buffer_signature(ctx.avals_in, ctx.avals_out),
+                buffer_names=BUFFER_NAMES if buffer_names is None else buffer_names)

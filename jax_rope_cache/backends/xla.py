@@ -84,9 +84,12 @@ def to_dtype(y, dtype):
 
 def table_rows(cos, sin, positions, spec: contract.OpSpec):
     """(cos_a, cos_b, sin_a, sin_b) as f32 [T, 1, R/2], gathered once per token (exactly:
-    tables are never rounded)."""
+    tables are never rounded); with M-RoPE, each column from its stream's row (reference.table_rows)."""
     pos = jnp.clip(positions, 0, spec.max_pos - 1)
-    cs = jnp.take(jnp.stack([cos, sin]), pos, axis=1, mode="clip").astype(_F32)  # [2, T, W]
+    cs = jnp.take(jnp.stack([cos, sin]), pos, axis=1, mode="clip").astype(_F32)  # [2, T, W]; M-RoPE [2, 3, T, W]
+    if spec.mrope_section is not None:  # column c from the row of its stream (a static choice per column)
+        streams = contract.mrope_column_streams(spec)
+        cs = jnp.where(streams == 0, cs[:, 0], jnp.where(streams == 1, cs[:, 1], cs[:, 2]))
     c, s = cs[0][:, None, :], cs[1][:, None, :]
     if spec.table_full:
         (ca, cb), (sa, sb) = _pairs(c, spec), _pairs(s, spec)

@@ -21,7 +21,7 @@ import numpy as np
 import jax_rope_cache as jrc
 from jax_rope_cache import reference
 from jax_rope_cache.cli import _args
-from jax_rope_cache.cli._fmt import progress, relative_speed
+from jax_rope_cache.cli._fmt import compare_runs, progress
 from jax_rope_cache.models import presets, tables
 
 POOL = 4  # distinct decode input sets, cycled over steps
@@ -146,7 +146,7 @@ def run(preset="llama-3.1-8b", tp=8, batch=64, prefill=128, steps=256, layers=32
     progress(phase, phases, "numpy reference")
     want_k, want_v = reference_caches(data, caches, check, steps, norm_eps)
     want_k, want_v = want_k[check], want_v[check]
-    timing, exact = {}, {}
+    timing, runs, exact = {}, {}, {}
     for impl in ("kernel", "xla"):
         prefill_fn, decode_fn = make_programs(layers, steps, impl, unroll, norm_eps)
         phase += 1
@@ -173,6 +173,7 @@ def run(preset="llama-3.1-8b", tp=8, batch=64, prefill=128, steps=256, layers=32
             t_pre.append(t1 - t0)
             t_dec.append(time.perf_counter() - t1)
         timing[impl] = (float(np.median(t_pre)), float(np.median(t_dec)))
+        runs[impl] = (t_pre, t_dec)
         del kc, vc
 
     progress(phases, phases, "done")
@@ -183,8 +184,8 @@ def run(preset="llama-3.1-8b", tp=8, batch=64, prefill=128, steps=256, layers=32
     for impl, (tp_, td) in timing.items():
         print(f"{impl:<8}{tp_ * 1e3:>10.1f}ms{td / steps * 1e6:>12.0f}us{td / steps / layers * 1e6:>8.1f}us"
               f"{batch * steps / td:>15,.0f}")
-    k, x = timing["kernel"], timing["xla"]
-    print(f"kernel vs xla: decode step {relative_speed(x[1], k[1])}, prefill {relative_speed(x[0], k[0])}")
+    k, x = runs["kernel"], runs["xla"]
+    print(f"kernel vs xla: decode step {compare_runs(x[1], k[1])}; prefill {compare_runs(x[0], k[0])}")
     return ok
 
 

@@ -1,13 +1,14 @@
 """The main job: greedy generation (batched prefill of prompts of different lengths, then decode)
-with a small Llama-3.1 / Qwen3 decoder on the default device (jax_rope_cache/cli/decoder.py).
+with a small Llama-3.1 / Qwen3 decoder on the default device (jax_rope_cache/decoder.py).
 
 1. Check: the tiny random-weight models of the fixture (tests/data/hf_greedy.npz, recorded from
-   Hugging Face transformers by scripts/record_hf_model.py) generate their prompts' tokens with
+   Hugging Face transformers by tools/record_hf_model.py) generate their prompts' tokens with
    impl="kernel" and impl="xla"; prints the token ids and whether tokens and logits match.
 2. Timing: a batch of random prompts, prefill + `--steps` decode steps of `--model`, for each
-   of `--impls` in one process; prints decode step time and tokens/s, and with "off" in --impls
-   (the model with RoPE and the cache write removed: wrong output, timing only) the share of the
-   step that RoPE + cache write take.
+   of `--impls` in one process; prints decode step time and tokens/s, and with "baseline" in
+   --impls (the model with RoPE and the cache write replaced by a one-element in-place write of each
+   cache, so attention still depends on a write every layer: wrong output, timing only) the share of
+   the step that RoPE + cache write take.
 
     python -m jax_rope_cache generate                                # tiny Llama: check + timing
     python -m jax_rope_cache generate --model llama-3.1-8b --dtype bfloat16 --batch 64 --check none
@@ -23,8 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_rope_cache.cli import decoder
-from jax_rope_cache.cli._fmt import progress, relative_speed
+from jax_rope_cache import decoder
+from jax_rope_cache.cli._fmt import compare_runs, progress
 
 MODELS = {**decoder.TINY_CONFIGS, "llama-3.1-8b": decoder.LLAMA_31_8B_CONFIG}
 FIXTURE_NAME = os.path.join("tests", "data", "hf_greedy.npz")
@@ -55,7 +56,7 @@ def reference_decoder(entry: dict, impl: str, layout: str = "flash", block_size:
         params = decoder.random_params(decoder.DecoderConfig.from_hf(config), entry["seed"])
         if decoder.params_digest(params) != entry["digest"]:
             raise RuntimeError("the weights from the fixture's seed differ from the recorded ones (the initialiser "
-                               "changed?): regenerate with scripts/record_hf_model.py")
+                               "changed?): regenerate with tools/record_hf_model.py")
         max_len = -(-(max(map(len, entry["prompts"])) + new) // block_size) * block_size
         # a pool 4x what the prompts need: most blocks belong to nobody (and must stay untouched)
         m = decoder.Decoder(config, params, layout=layout, block_size=block_size, impl=impl,
@@ -118,7 +119,7 @@ def timing(model: str, impls, layout: str, batch: int, prompt_len: int, steps: i
           f"heads {cfg.q_heads}/{cfg.kv_heads} x {cfg.head_dim}, vocab {cfg.vocab_size}), {np.dtype(dtype).name}, "
           f"{layout} cache, batch {batch}, prompts {lengths.min()}-{lengths.max()} tokens, {steps} decode steps, "
           f"layer scan unroll={unroll or 'all'} (weights ready in {time.perf_counter() - t0:.1f} s)")
-    rows = {}
+    rows, runs = {}, {}
     for impl in impls:
         m = decoder.Decoder(config, params, layout=layout, block_size=block_size, impl=impl, max_seqs=batch,
                             max_len=max_len, dtype=dtype, unroll=unroll or cfg.num_layers, cache_fill="zeros")
@@ -139,6 +140,7 @@ def timing(model: str, impls, layout: str, batch: int, prompt_len: int, steps: i
                 t_pre.append(t2 - t1)
                 t_dec.append(t3 - t2)
         rows[impl] = (float(np.median(t_pre)), float(np.median(t_dec)) / steps)
+        runs[impl] = (t_pre, t_dec)
         if impl == impls[-1]:
             progress(len(impls) * (repeats + 1), len(impls) * (repeats + 1), "done")
         del m
@@ -146,10 +148,10 @@ def timing(model: str, impls, layout: str, batch: int, prompt_len: int, steps: i
     for impl, (tp, td) in rows.items():
         print(f"{impl:<8}{tp * 1e3:>9.2f}ms{td * 1e6:>12.0f}us{batch / td:>15,.0f}")
     if "kernel" in rows and "xla" in rows:
-        k, x = rows["kernel"], rows["xla"]
-        print(f"kernel vs xla: decode step {relative_speed(x[1], k[1])}, prefill {relative_speed(x[0], k[0])}")
-    if "off" in rows:
-        off = rows["off"][1]
+        k, x = runs["kernel"], runs["xla"]
+        print(f"kernel vs xla: decode step {compare_runs(x[1], k[1])}; prefill {compare_runs(x[0], k[0])}")
+    if "baseline" in rows:
+        off = rows["baseline"][1]
         for impl in ("kernel", "xla"):
             if impl in rows:
                 share = 1 - off / rows[impl][1]
@@ -168,7 +170,8 @@ def main(argv=None):
                    help="compare the fixture's tiny models with transformers' tokens (auto: if the fixture is found)")
     p.add_argument("--reference", default=None, help=f"the fixture (default {FIXTURE_NAME} here or in the source tree)")
     p.add_argument("--check-layouts", default="flash,xpacked")
-    p.add_argument("--impls", default="kernel,xla", help="comma list of kernel, xla, off (off: no RoPE/cache write)")
+    p.add_argument("--impls", default="kernel,xla",
+                   help="comma list of kernel, xla, baseline (baseline: no RoPE, a one-element cache write)")
     p.add_argument("--layout", default="flash", choices=("flash", "xpacked", "xpacked_shuffled"))
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=64, help="longest prompt; the others are 1/2 to all of it")
@@ -195,7 +198,7 @@ def main(argv=None):
         if ref is None:
             print(f"no recorded reference ({FIXTURE_NAME} not found here; pass --reference): check skipped")
         else:
-            ok = check(ref, [i for i in impls if i != "off"] or ["kernel", "xla"],
+            ok = check(ref, [i for i in impls if i != "baseline"] or ["kernel", "xla"],
                        [s for s in a.check_layouts.split(",") if s])
     timing(a.model, impls, a.layout, a.batch, a.prompt_len, a.steps, jnp.dtype(a.dtype), a.repeats, a.unroll,
            a.block_size, layers=a.layers)

@@ -93,9 +93,27 @@ class CodeObject:
     hints: dict | None = None  # FlyDSL compile hints it was compiled with (e.g. {"waves_per_eu": 8})
 
 
+# The FlyDSL kernels: name -> their source files under kernels/. The first is the builder the compile
+# driver loads; every file listed is part of the kernel's cache key (the MLA builder emits with the
+# main kernel's helpers). A configuration names its kernel by the class attribute KERNEL (the main
+# kernel's RocmKernelConfig has none).
+MAIN_KERNEL = "rope_cache"
+KERNEL_SOURCES = {
+    MAIN_KERNEL: ("rocm/rope_cache_flydsl.py",),
+    "mla_cache": ("rocm/mla_cache_flydsl.py", "rocm/rope_cache_flydsl.py"),
+}
+
+
+def kernel_of(cfg) -> str:
+    """The kernel (KERNEL_SOURCES) a configuration belongs to."""
+    return getattr(type(cfg), "KERNEL", MAIN_KERNEL)
+
+
 @functools.cache
-def kernel_source_path() -> str:
-    return cache.find_source("rocm/rope_cache_flydsl.py")
+def kernel_source_path(kernel: str = MAIN_KERNEL) -> str:
+    if kernel not in KERNEL_SOURCES:
+        raise ValueError(f"kernel: expected one of {sorted(KERNEL_SOURCES)}, got {kernel!r}")
+    return cache.find_source(KERNEL_SOURCES[kernel][0])
 
 
 def worker_path() -> str:
@@ -103,10 +121,12 @@ def worker_path() -> str:
 
 
 @functools.cache
-def kernel_module(path: str | None = None):
-    """The kernel builder module (kernels/rocm/rope_cache_flydsl.py), importable without flydsl."""
-    path = path or kernel_source_path()
-    spec = importlib.util.spec_from_file_location("jax_rope_cache._rocm_kernel", path)
+def kernel_module(path: str | None = None, kernel: str = MAIN_KERNEL):
+    """The builder module of `kernel` (default kernels/rocm/rope_cache_flydsl.py; `path`: that file
+    elsewhere), importable without flydsl."""
+    path = path or kernel_source_path(kernel)
+    name = "jax_rope_cache._rocm_kernel" + ("" if kernel == MAIN_KERNEL else "_" + kernel)
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)
@@ -232,7 +252,7 @@ def _write_wrapper(root: str, script: str) -> None:
 @contextlib.contextmanager
 def _compile_env(arch: str):
     """FlyDSL's environment for compiling `arch` IN THIS PROCESS (process-wide; for scripts that run
-    FlyDSL themselves, e.g. scripts/rocm_build_notes.py --upstream; the package compiles in the child)."""
+    FlyDSL themselves, e.g. tools/rocm_build_notes.py --upstream; the package compiles in the child)."""
     keys = ("ROCM_PATH", "FLYDSL_GPU_ARCH", "ARCH", "COMPILE_ONLY", "FLYDSL_RUNTIME_ENABLE_CACHE")
     saved = {k: os.environ.get(k) for k in keys}
     try:
@@ -352,7 +372,7 @@ def worker_pid() -> int | None:
 
 def _run_compile(cfg, arch: str, isa: bool = False, hints: dict | None = None) -> dict:
     require()
-    req = dict(op="compile", kernel=kernel_source_path(), config=dataclasses.asdict(cfg), arch=arch,
+    req = dict(op="compile", kernel=kernel_source_path(kernel_of(cfg)), config=dataclasses.asdict(cfg), arch=arch,
                rocm_path=toolkit_root(), isa=bool(isa), hints=dict(hints or {}))
     with _lock:
         w = _get_worker()
@@ -377,14 +397,17 @@ def _file_sha(path: str) -> str:
 
 
 @functools.cache
-def _source_hash() -> str:
-    """What determines the bytes besides the config and arch: the kernel source and the compile driver."""
-    return hashlib.sha256((_file_sha(kernel_source_path()) + _file_sha(worker_path())).encode()).hexdigest()
+def _source_hash(kernel: str = MAIN_KERNEL) -> str:
+    """What determines the bytes besides the config and arch: the kernel's sources and the compile
+    driver (for the main kernel: sha256(sha(rope_cache_flydsl.py) + sha(flydsl_worker.py)), as
+    before the MLA kernel existed, so its keys and bundles stay valid)."""
+    shas = "".join(_file_sha(cache.find_source(f)) for f in KERNEL_SOURCES[kernel])
+    return hashlib.sha256((shas + _file_sha(worker_path())).encode()).hexdigest()
 
 
 def _key(cfg, arch: str, hints: dict | None = None) -> str:
     h = hashlib.sha256()
-    parts = [KEY_TAG, _source_hash(), cfg.key(), arch] + ([json.dumps(hints, sort_keys=True)] if hints else [])
+    parts = [KEY_TAG, _source_hash(kernel_of(cfg)), cfg.key(), arch] + ([json.dumps(hints, sort_keys=True)] if hints else [])
     for part in parts:
         h.update(part.encode() + b"\0\1")
     return h.hexdigest()

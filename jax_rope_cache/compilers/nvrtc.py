@@ -14,6 +14,7 @@ JAX_ROPE_CACHE_DIR to an empty string to disable the disk cache.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import glob
@@ -41,6 +42,8 @@ _lock = threading.Lock()
 _lib = None
 _lib_error: str | None = None
 _mem_cache: dict[str, "Compiled"] = {}
+_verbose_lock = threading.Lock()
+_no_lock = contextlib.nullcontext()
 
 
 def _candidate_paths() -> list[tuple[str, str | None]]:
@@ -212,7 +215,10 @@ def _compile_now(source: str, headers: dict[str, str], options: list[str], arch:
     try:
         opts = [f"--gpu-architecture={arch}"] + list(options)
         copts = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
-        err = lib.nvrtcCompileProgram(prog, len(opts), copts)
+        # ptxas' -v report (read for spills) went missing from some logs when NVRTC 13.0 compiled
+        # several programs at once on a 16-core host: programs that ask for it compile one at a time.
+        with _verbose_lock if any(o.startswith("--ptxas-options") and "-v" in o for o in opts) else _no_lock:
+            err = lib.nvrtcCompileProgram(prog, len(opts), copts)
         n = ctypes.c_size_t()
         lib.nvrtcGetProgramLogSize(prog, ctypes.byref(n))
         buf = ctypes.create_string_buffer(n.value)

@@ -19,11 +19,25 @@ import numpy as np
 
 from jax_rope_cache.models import tables
 
-__all__ = ["RopeInfo", "ModelShape", "GPTJ_STYLE_MODEL_TYPES", "hf_rope_settings", "rope_tables_from_hf_config",
-           "shard_shape"]
+__all__ = ["RopeInfo", "ModelShape", "MlaShape", "GPTJ_STYLE_MODEL_TYPES", "MLA_MODEL_TYPES", "hf_rope_settings",
+           "rope_tables_from_hf_config", "shard_shape", "mla_shard_shape", "mla_softmax_scale", "default_is_neox"]
 
+# Keys of a RoPE parameter dict that say how multimodal positions split the frequencies (not a law's).
+MROPE_KEYS = {"mrope_section", "mrope_interleaved"}
 # Hugging Face model types whose attention rotates interleaved pairs (2i, 2i+1) (GPT-J style).
 GPTJ_STYLE_MODEL_TYPES = ("gptj", "codegen")
+# MLA model types (multi-head latent attention): RoPE covers the decoupled rope dims only
+# (qk_rope_head_dim), with interleaved pairs unless the config says rope_interleave = false.
+MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2")
+
+
+def default_is_neox(config: Mapping) -> bool:
+    """The rotation style a config's model uses: GPT-J pairs for GPT-J-style and (interleaved) MLA
+    model types, NeoX pairs otherwise."""
+    model_type = config.get("model_type")
+    if model_type in MLA_MODEL_TYPES:
+        return not bool(config.get("rope_interleave", True))
+    return model_type not in GPTJ_STYLE_MODEL_TYPES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +74,17 @@ class RopeInfo:
     attention_scaling: float  # already folded into cos and sin
     scaling: dict | None = None  # the normalised scaling parameters the tables were built with
     shape: object | None = None  # per-shard `ModelShape` at the requested tp (config input only)
+    # multimodal RoPE (Qwen2-VL / Qwen2.5-VL sections, Qwen3-VL interleaved): positions are [3, T]
+    mrope_section: tuple[int, int, int] | None = None
+    mrope_interleaved: bool = False
+
+    def op_options(self) -> dict:
+        """The options of `rope_and_cache` these tables need: rotary_dim, is_neox and, for a
+        multimodal model, mrope_section and mrope_interleaved."""
+        out = dict(rotary_dim=self.rotary_dim, is_neox=self.is_neox)
+        if self.mrope_section is not None:
+            out.update(mrope_section=self.mrope_section, mrope_interleaved=self.mrope_interleaved)
+        return out
 
 
 
@@ -76,6 +101,33 @@ def _cfg_int(config: Mapping, key: str, *, required=True):
     return int(v)
 
 
+def text_config(config: Mapping) -> Mapping:
+    """The language model's part of a config: a vision-language config (Qwen2.5-VL, Qwen3-VL) nests
+    it under "text_config"; its keys win over the top level's."""
+    if isinstance(config, Mapping) and isinstance(config.get("text_config"), Mapping):
+        return {**{k: v for k, v in config.items() if k != "text_config"}, **config["text_config"]}
+    return config
+
+
+def _mrope(params: Mapping, key: str, rotary_dim: int):
+    """(mrope_section tuple or None, interleaved) of a RoPE parameter dict."""
+    section, interleaved = params.get("mrope_section"), params.get("mrope_interleaved", False)
+    if not isinstance(interleaved, bool):
+        raise ValueError(f"config[{key!r}]['mrope_interleaved']: expected true or false, got {interleaved!r}")
+    if section is None:
+        if interleaved:
+            raise ValueError(f"config[{key!r}]['mrope_section']: missing, and mrope_interleaved is true")
+        return None, False
+    if not isinstance(section, (list, tuple)) or len(section) != 3 or any(
+            isinstance(x, bool) or not isinstance(x, (int, np.integer)) or x < 0 for x in section):
+        raise ValueError(f"config[{key!r}]['mrope_section']: expected 3 integers >= 0 (temporal, height, width), "
+                         f"got {section!r}")
+    if sum(section) != rotary_dim // 2:
+        raise ValueError(f"config[{key!r}]['mrope_section']: expected a sum of rotary_dim/2 = {rotary_dim // 2}, "
+                         f"got {list(section)} (sum {sum(section)})")
+    return tuple(int(x) for x in section), interleaved
+
+
 def hf_rope_settings(config: Mapping) -> dict:
     """Reads the RoPE settings of a Hugging Face-style config dict, as transformers does.
 
@@ -87,6 +139,7 @@ def hf_rope_settings(config: Mapping) -> dict:
     """
     if not isinstance(config, Mapping):
         raise ValueError(f"config: expected a dict (a model's config.json), got {type(config).__name__}")
+    config = text_config(config)
     params = config.get("rope_parameters")
     key = "rope_parameters"
     if params is None:
@@ -100,6 +153,8 @@ def hf_rope_settings(config: Mapping) -> dict:
                          f"pass one layer type's dict as the config's {key}")
     params = dict(params)
     law = params.get("rope_type", params.get("type")) or "default"
+    if law == "mrope":  # Qwen2-VL's legacy name of default RoPE with mrope_section (transformers maps it so)
+        law = "default"
     if law not in tables.ROPE_TYPES:
         raise ValueError(f"config[{key!r}]['rope_type']: expected one of {tables.ROPE_TYPES}, got {law!r}")
 
@@ -109,7 +164,11 @@ def hf_rope_settings(config: Mapping) -> dict:
     if isinstance(base, bool) or not isinstance(base, (int, float)) or not math.isfinite(base) or base <= 1:
         raise ValueError(f"config['rope_theta']: expected a finite number > 1, got {base!r}")
 
-    head_dim = _cfg_int(config, "head_dim", required=False)
+    # MLA configs (DeepSeek-V2/V3, Kimi-K2): RoPE runs on the qk_rope_head_dim decoupled dims (transformers
+    # sets the config's head_dim to it)
+    head_dim = _cfg_int(config, "qk_rope_head_dim", required=False)
+    if head_dim is None:
+        head_dim = _cfg_int(config, "head_dim", required=False)
     if head_dim is None:
         hidden = config.get("hidden_size")
         heads = config.get("num_attention_heads")
@@ -128,7 +187,8 @@ def hf_rope_settings(config: Mapping) -> dict:
                          f"{rotary_dim}, which must be even and >= 2")
     mpe = _cfg_int(config, "max_position_embeddings", required=False)
 
-    scaling = {k: v for k, v in params.items() if k not in tables.COMMON_KEYS}
+    mrope_section, mrope_interleaved = _mrope(params, key, rotary_dim)
+    scaling = {k: v for k, v in params.items() if k not in tables.COMMON_KEYS | MROPE_KEYS}
     if law in ("llama3", "yarn", "longrope"):
         top = config.get("original_max_position_embeddings")
         if top is not None:
@@ -150,7 +210,8 @@ def hf_rope_settings(config: Mapping) -> dict:
         scaling["original_max_position_embeddings"] = mpe
     scaling = None if law == "default" else {"rope_type": law, **scaling}
     return dict(rope_type=law, base=float(base), head_dim=head_dim, rotary_dim=rotary_dim,
-                partial_rotary_factor=float(prf), max_position_embeddings=mpe, scaling=scaling, source=key)
+                partial_rotary_factor=float(prf), max_position_embeddings=mpe, scaling=scaling, source=key,
+                mrope_section=mrope_section, mrope_interleaved=mrope_interleaved)
 
 
 def rope_tables_from_hf_config(config: Mapping, *, max_pos: int | None = None, tp: int = 1, dtype=np.float32,
@@ -171,14 +232,22 @@ def rope_tables_from_hf_config(config: Mapping, *, max_pos: int | None = None, t
         num_attention_heads.
       dtype, form: as in `rope_tables`.
       is_neox: rotation style; default True (rotate_half: Llama, Qwen, GPT-OSS, ...) except for the
-        GPT-J-style model types in GPTJ_STYLE_MODEL_TYPES.
+        GPT-J-style model types in GPTJ_STYLE_MODEL_TYPES and the MLA model types (MLA_MODEL_TYPES:
+        DeepSeek-V2/V3, Kimi-K2), which rotate interleaved pairs unless rope_interleave is false.
+        For MLA configs the rotary dimension is qk_rope_head_dim.
+
+    A vision-language config (Qwen2.5-VL: rope_scaling {"type": "mrope", "mrope_section": [...]};
+    Qwen3-VL: text_config.rope_scaling with "mrope_section" and "mrope_interleaved") gives the same
+    tables (one row per position) and the sections in info.mrope_section / info.mrope_interleaved.
 
     Returns:
-      (cos, sin, RopeInfo): pass info.rotary_dim and info.is_neox to `rope_and_cache`.
+      (cos, sin, RopeInfo): pass info.op_options() (rotary_dim, is_neox and, for a multimodal
+      model, mrope_section and mrope_interleaved) to `rope_and_cache`.
     """
+    config = text_config(config) if isinstance(config, Mapping) else config
     s = hf_rope_settings(config)
     if is_neox is None:
-        is_neox = config.get("model_type") not in GPTJ_STYLE_MODEL_TYPES
+        is_neox = default_is_neox(config)
     if max_pos is None:
         mpe = s["max_position_embeddings"]
         if mpe is None:
@@ -198,7 +267,8 @@ def rope_tables_from_hf_config(config: Mapping, *, max_pos: int | None = None, t
         raise
     info = RopeInfo(rope_type=s["rope_type"], rotary_dim=s["rotary_dim"], head_dim=s["head_dim"],
                     is_neox=bool(is_neox), base=s["base"], max_pos=int(max_pos), form=form,
-                    attention_scaling=attention, scaling=s["scaling"], shape=shape)
+                    attention_scaling=attention, scaling=s["scaling"], shape=shape,
+                    mrope_section=s["mrope_section"], mrope_interleaved=s["mrope_interleaved"])
     return cos, sin, info
 
 
@@ -215,6 +285,7 @@ def shard_shape(config, tp: int = 1, *, name: str | None = None, is_neox: bool |
     if isinstance(tp, bool) or not isinstance(tp, (int, np.integer)) or tp < 1:
         raise ValueError(f"tp: expected an integer >= 1, got {tp!r}")
     tp = int(tp)
+    config = text_config(config)
     settings = hf_rope_settings(config)
     heads = _positive_int(config, "num_attention_heads")
     kv = _positive_int(config, "num_key_value_heads") if config.get("num_key_value_heads") is not None else heads
@@ -227,8 +298,65 @@ def shard_shape(config, tp: int = 1, *, name: str | None = None, is_neox: bool |
     if kv < tp and tp % kv:
         raise ValueError(f"tp: must be a multiple of num_key_value_heads ({kv}) to replicate KV heads, got {tp}")
     if is_neox is None:
-        is_neox = config.get("model_type") not in GPTJ_STYLE_MODEL_TYPES
+        is_neox = default_is_neox(config)
     if name is None:
         name = str(config.get("_name_or_path") or config.get("model_type") or "model")
     return ModelShape(name if tp == 1 else f"{name}-tp{tp}", heads // tp, max(1, kv // tp),
                       settings["head_dim"], settings["rotary_dim"], bool(is_neox))
+
+
+@dataclasses.dataclass(frozen=True)
+class MlaShape:
+    """Per-shard shape of an MLA model (DeepSeek-V2/V3, Kimi-K2) at a tensor-parallel degree: query
+    heads split over the shards, the one latent row per token on every shard (replicated)."""
+
+    name: str
+    q_heads: int
+    nope_dim: int     # qk_nope_head_dim
+    rope_dim: int     # qk_rope_head_dim: the rotated dims of q and of the latent row
+    latent_dim: int   # kv_lora_rank
+    v_head_dim: int
+    is_neox: bool = False
+
+    @property
+    def absorbed_nope_dim(self) -> int:
+        """q_nope's width once W_UK is absorbed into the query (decode): kv_lora_rank."""
+        return self.latent_dim
+
+    def bytes_per_token(self, in_size=2, table_size=4, cache_size=2, q_out_size=None, index_size=4,
+                        nope_dim=None, table_full=False) -> int:
+        """The fewest bytes one token of mla_rope_and_cache moves: read q_nope, q_pe, kv_c, k_pe, the
+        table row and two indices; write q_out, k_pe_out and one latent row."""
+        dn = self.absorbed_nope_dim if nope_dim is None else nope_dim
+        q_out_size = in_size if q_out_size is None else q_out_size
+        qh, dr, dc = self.q_heads, self.rope_dim, self.latent_dim
+        width = dr if table_full else dr // 2
+        return ((qh * (dn + dr) + dc + dr) * in_size + 2 * width * table_size + 2 * index_size
+                + qh * (dn + dr) * q_out_size + dr * in_size + (dc + dr) * cache_size)
+
+
+def mla_shard_shape(config, tp: int = 1, *, name: str | None = None) -> MlaShape:
+    """The per-shard `MlaShape` of an MLA config dict at tensor-parallel degree tp."""
+    if isinstance(tp, bool) or not isinstance(tp, (int, np.integer)) or tp < 1:
+        raise ValueError(f"tp: expected an integer >= 1, got {tp!r}")
+    heads = _positive_int(config, "num_attention_heads")
+    if heads % tp:
+        raise ValueError(f"tp: must divide num_attention_heads ({heads}), got {tp}")
+    if name is None:
+        name = str(config.get("_name_or_path") or config.get("model_type") or "model")
+    return MlaShape(name if tp == 1 else f"{name}-tp{tp}", heads // int(tp), _positive_int(config, "qk_nope_head_dim"),
+                    _positive_int(config, "qk_rope_head_dim"), _positive_int(config, "kv_lora_rank"),
+                    _positive_int(config, "v_head_dim"), default_is_neox(config))
+
+
+def mla_softmax_scale(config) -> float:
+    """The attention softmax scale of an MLA model: (qk_nope_head_dim + qk_rope_head_dim) ** -0.5, times
+    YaRN's mscale(factor, mscale_all_dim) squared when the config has a YaRN mscale_all_dim (DeepSeek-V3's
+    rule; the tables' own attention factor is mscale / mscale_all_dim, 1 for DeepSeek-V3 and Kimi-K2)."""
+    scale = (_positive_int(config, "qk_nope_head_dim") + _positive_int(config, "qk_rope_head_dim")) ** -0.5
+    s = hf_rope_settings(config)
+    if s["rope_type"] == "yarn" and (s["scaling"] or {}).get("mscale_all_dim"):
+        factor = float(s["scaling"]["factor"])
+        m = 1.0 if factor <= 1 else 0.1 * float(s["scaling"]["mscale_all_dim"]) * math.log(factor) + 1.0
+        scale *= m * m
+    return scale

@@ -14,10 +14,10 @@ import dataclasses
 
 import numpy as np
 
-from jax_rope_cache.models.config import ModelShape, rope_tables_from_hf_config, shard_shape
+from jax_rope_cache.models.config import MlaShape, ModelShape, mla_shard_shape, rope_tables_from_hf_config, shard_shape
 
-__all__ = ["PRESETS", "MODELS", "TP_DEGREES", "QK_NORM_MODEL_TYPES", "preset_config", "preset_shape",
-           "preset_tables", "preset_qk_norm_eps", "model_shape"]
+__all__ = ["PRESETS", "MROPE_PRESETS", "MLA_PRESETS", "MODELS", "TP_DEGREES", "QK_NORM_MODEL_TYPES", "preset_config",
+           "preset_shape", "preset_tables", "preset_qk_norm_eps", "model_shape", "mla_shape"]
 
 TP_DEGREES = (1, 2, 4, 8)
 # Model types that normalise q and k per head (RMSNorm over head_dim) before RoPE: the op's
@@ -63,12 +63,70 @@ PRESETS: dict[str, dict] = {
 }
 
 
+# Vision-language models (multimodal RoPE, positions [3, T]): the language model's config fields
+# (their config.json's text_config, or its top level for Qwen2.5-VL). rope_tables_from_hf_config
+# returns the sections in info.mrope_section / info.mrope_interleaved (info.op_options()).
+MROPE_PRESETS: dict[str, dict] = {
+    "qwen2.5-vl-7b": {
+        "model_type": "qwen2_5_vl", "hidden_size": 3584, "num_hidden_layers": 28, "num_attention_heads": 28,
+        "num_key_value_heads": 4, "max_position_embeddings": 128000, "rope_theta": 1000000.0,
+        "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}, "rms_norm_eps": 1e-6,
+    },
+    "qwen3-vl-8b": {
+        "model_type": "qwen3_vl_text", "hidden_size": 4096, "num_hidden_layers": 36, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 262144, "rope_theta": 5000000,
+        "rope_scaling": {"rope_type": "default", "mrope_section": [24, 20, 20], "mrope_interleaved": True},
+        "rms_norm_eps": 1e-6,
+    },
+    "qwen3-vl-235b-a22b": {
+        "model_type": "qwen3_vl_moe_text", "hidden_size": 4096, "num_hidden_layers": 94, "num_attention_heads": 64,
+        "num_key_value_heads": 4, "head_dim": 128, "max_position_embeddings": 262144, "rope_theta": 5000000,
+        "rope_scaling": {"rope_type": "default", "mrope_section": [24, 20, 20], "mrope_interleaved": True},
+        "rms_norm_eps": 1e-6,
+    },
+}
+# Vision-language model types with Qwen3's QK-RMSNorm (q_norm_weight / k_norm_weight).
+MROPE_QK_NORM_MODEL_TYPES = ("qwen3_vl_text", "qwen3_vl_moe_text")
+
+
+# MLA models (mla_rope_and_cache): values from the models' public config.json files. DeepSeek-R1 has
+# DeepSeek-V3's attention and RoPE. Their shapes come from `mla_shape` (query heads split, the one
+# latent row replicated on every shard), not from MODELS.
+MLA_PRESETS: dict[str, dict] = {
+    "deepseek-v3": {
+        "model_type": "deepseek_v3", "hidden_size": 7168, "num_hidden_layers": 61, "num_attention_heads": 128,
+        "num_key_value_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64, "v_head_dim": 128, "max_position_embeddings": 163840, "rope_theta": 10000,
+        "rope_scaling": {"type": "yarn", "factor": 40, "beta_fast": 32, "beta_slow": 1, "mscale": 1.0,
+                         "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096},
+    },
+    "kimi-k2": {
+        "model_type": "kimi_k2", "hidden_size": 7168, "num_hidden_layers": 61, "num_attention_heads": 64,
+        "num_key_value_heads": 64, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64, "v_head_dim": 128, "max_position_embeddings": 131072, "rope_theta": 50000.0,
+        "rope_scaling": {"type": "yarn", "factor": 32.0, "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0,
+                         "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096},
+    },
+}
+
+
 def preset_config(name: str) -> dict:
-    """A copy of the preset's config dict (case-insensitive name)."""
+    """A copy of the preset's config dict (case-insensitive name; PRESETS, MROPE_PRESETS or MLA_PRESETS)."""
     key = str(name).lower()
-    if key not in PRESETS:
-        raise ValueError(f"name: expected one of {sorted(PRESETS)}, got {name!r}")
-    return copy.deepcopy(PRESETS[key])
+    for table in (PRESETS, MROPE_PRESETS, MLA_PRESETS):
+        if key in table:
+            return copy.deepcopy(table[key])
+    raise ValueError(f"name: expected one of {sorted(PRESETS) + sorted(MROPE_PRESETS) + sorted(MLA_PRESETS)}, "
+                     f"got {name!r}")
+
+
+def mla_shape(name: str, tp: int = 1) -> MlaShape:
+    """Per-shard MLA shape of an MLA preset at tp (e.g. mla_shape("deepseek-v3", 8): 16 query heads,
+    Dn 128 (512 absorbed), Dr 64, Dc 512)."""
+    key = str(name).lower()
+    if key not in MLA_PRESETS:
+        raise ValueError(f"name: expected one of {sorted(MLA_PRESETS)}, got {name!r}")
+    return mla_shard_shape(preset_config(key), tp, name=key)
 
 
 def preset_shape(name: str, tp: int = 1) -> ModelShape:
@@ -80,10 +138,11 @@ def preset_qk_norm_eps(name: str) -> float | None:
     """The QK-RMSNorm epsilon of a preset (its config's rms_norm_eps), or None for a model without
     the norm (or the "tiny" shape)."""
     key = str(name).lower()
-    if key not in PRESETS:
+    if key not in PRESETS and key not in MROPE_PRESETS:
         return None
-    cfg = PRESETS[key]
-    return float(cfg["rms_norm_eps"]) if cfg.get("model_type") in QK_NORM_MODEL_TYPES else None
+    cfg = PRESETS.get(key) or MROPE_PRESETS[key]
+    norm_types = QK_NORM_MODEL_TYPES + MROPE_QK_NORM_MODEL_TYPES
+    return float(cfg["rms_norm_eps"]) if cfg.get("model_type") in norm_types else None
 
 
 def preset_tables(name: str, max_pos=None, *, tp: int = 1, dtype=np.float32, form="half"):

@@ -233,7 +233,7 @@ RC_FN rc_u8 rc_quantize_fp8(float x, float inv_scale, bool fnuz) {
   return rc_f32_to_fp8(rc_mul(x, inv_scale), fnuz);
 }
 
-// ---- RMSNorm of one (token, head) row (issue 18, Qwen3's q_norm / k_norm) --------------------
+// ---- RMSNorm of one (token, head) row (Qwen3's q_norm / k_norm) --------------------
 // S = tree(r32(x_i * x_i)) over the row with the pairwise halving tree of the spec
 // (jax_rope_cache/reference.py):
 //   tree(a[lo, lo+n)) = a[lo]                                   n == 1
@@ -259,4 +259,19 @@ RC_FN float rc_tree_sum(const Leaf& leaf) {
 RC_FN float rc_rms_inv(float sum_sq, int d, float eps) {
   const float ms = (d & (d - 1)) == 0 ? rc_mul(sum_sq, 1.0f / (float)d) : rc_div(sum_sq, (float)d);
   return rc_recip(rc_sqrt(rc_add(ms, eps)));
+}
+
+// ---- multimodal RoPE (M-RoPE) ---------------------------------------------------------------------
+// Modes of the position streams (jax_rope_cache/contract.py: KernelCodes.mrope): off (positions [T]),
+// contiguous sections (Qwen2-VL / Qwen2.5-VL) or interleaved (Qwen3-VL); positions [3, T] otherwise.
+enum RcMrope { RC_MROPE_OFF = 0, RC_MROPE_SECTIONS = 1, RC_MROPE_INTERLEAVED = 2 };
+
+// The stream (0 temporal, 1 height, 2 width) whose position drives rotary frequency i, for
+// sections (t, h, w) with t + h + w = R/2 (contract.mrope_stream):
+//   sections:    i < t -> 0, i < t + h -> 1, else 2
+//   interleaved: i % 3 == 1 and i < 3h -> 1, i % 3 == 2 and i < 3w -> 2, else 0
+RC_FN constexpr int rc_mrope_stream(rc_i64 i, int mode, rc_i64 t, rc_i64 h, rc_i64 w) {
+  return mode == RC_MROPE_INTERLEAVED
+             ? ((i % 3 == 1 && i < 3 * h) ? 1 : ((i % 3 == 2 && i < 3 * w) ? 2 : 0))
+             : (i < t ? 0 : (i < t + h ? 1 : 2));
 }

@@ -1,4 +1,4 @@
-// rope_and_cache as ONE CUDA kernel, compiled at lowering time by NVRTC (jax_rope_cache/_nvrtc.py).
+// rope_and_cache as ONE CUDA kernel, compiled at lowering time by NVRTC (jax_rope_cache/compilers/nvrtc.py).
 //
 // Static configuration (one compiled variant per call-site shape, all required, set with -D by
 // jax_rope_cache/backends/cuda.py: kernel_config):
@@ -42,8 +42,13 @@
 //   RC_EARLY_W                   1 (default): with a norm whose weight has q's dtype, a rotation unit
 //                                loads its weight chunk(s) with its q/k chunks (no load after the
 //                                sum); 0: after the sum (fewer live registers)
+//   RC_MROPE                     0 (default): positions [T]; 1 (sections) / 2 (interleaved): multimodal
+//                                RoPE, positions [3, T] (temporal, height, width at s * T + t)
+//   RC_MROPE_T, _H, _W           the sections: rotary frequency i takes its table values from the row
+//                                of stream rc_mrope_stream(i, RC_MROPE, T, H, W) (rope_cache_math.h);
+//                                each stream's position is clamped on its own
 // Without the norm and per-head scales (all at their defaults) the kernel is the same code as
-// before them (every issue-18 path is behind `if constexpr`).
+// before them (every norm / per-head-scale path is behind `if constexpr`).
 //
 // Kernel ABI (what kernels/ffi/gpu_launcher.cc passes; the launcher is generic and knows nothing of
 // this op): one kernel parameter, a struct by value holding
@@ -129,7 +134,7 @@
 #ifndef RC_VSEL
 #define RC_VSEL 0
 #endif
-#ifndef RC_Q_NORM  // issue 18 options; their defaults are the kernel without them
+#ifndef RC_Q_NORM  // QK-norm and per-head scale options; their defaults are the kernel without them
 #define RC_Q_NORM (-1)
 #endif
 #ifndef RC_K_NORM
@@ -152,6 +157,12 @@
 #endif
 #ifndef RC_SPLIT
 #define RC_SPLIT 1
+#endif
+#ifndef RC_MROPE  // multimodal RoPE off: positions [T]
+#define RC_MROPE 0
+#define RC_MROPE_T 0
+#define RC_MROPE_H 0
+#define RC_MROPE_W 0
 #endif
 
 namespace rc {
@@ -179,10 +190,11 @@ constexpr int CH = D / W;                // chunks per head row
 constexpr int P = NEOX ? HALF / W : R / W;  // rotation units per head
 constexpr int CPASS = (D - R) / W;       // pass-through chunks per head
 constexpr int PASS0 = R / W;             // first pass-through chunk
-// QK-RMSNorm (issue 18): -1, or the RcDtype of the weight (q's dtype or f32).
+// QK-RMSNorm: -1, or the RcDtype of the weight (q's dtype or f32).
 constexpr int Q_NORM = RC_Q_NORM, K_NORM = RC_K_NORM;
 constexpr bool NORM = Q_NORM >= 0 || K_NORM >= 0;
 constexpr bool KS_HEADS = RC_KS_HEADS != 0, VS_HEADS = RC_VS_HEADS != 0;  // scale[kv head]
+constexpr int MROPE = RC_MROPE;  // RcMrope: positions [3, T], one stream per rotary frequency
 constexpr bool is_pow2(int n) { return n > 0 && (n & (n - 1)) == 0; }
 // The P lanes of a head's rotation units hold whole subtrees of the sum-of-squares tree (R == D,
 // D a power of two; NeoX: chunks j and j + P are subtrees of the two halves of the row): each
@@ -531,6 +543,33 @@ __device__ __forceinline__ void load_tab(const void* base, i64 idx, float* out) 
   }
 }
 
+// M-RoPE: the stream of table column c (a "half" column is frequency c; a "full" column serves the
+// pair of its frequency: NeoX c mod R/2, GPT-J c / 2).
+__device__ __forceinline__ int col_stream(i64 c) {
+  const i64 f = !FULL ? c : (NEOX ? c % HALF : c / 2);
+  return rc_mrope_stream(f, MROPE, RC_MROPE_T, RC_MROPE_H, RC_MROPE_W);
+}
+
+// load_tab for M-RoPE: out[e] = table[rows[stream of column c0 + e] + c0 + e]. Stream 0's values
+// first, then each other stream's row, loaded only where one of the chunk's columns takes it,
+// replaces its columns (one vector load per stream used, one temporary row in registers).
+template <int N, int A>
+__device__ __forceinline__ void load_tab3(const void* base, const i64* rows, i64 c0, float* out) {
+  load_tab<N, A>(base, rows[0] + c0, out);
+#pragma unroll
+  for (int st = 1; st < 3; ++st) {
+    bool used = false;
+#pragma unroll
+    for (int e = 0; e < N; ++e) used |= col_stream(c0 + e) == st;
+    if (used) {
+      float r[N];
+      load_tab<N, A>(base, rows[st] + c0, r);
+#pragma unroll
+      for (int e = 0; e < N; ++e) out[e] = col_stream(c0 + e) == st ? r[e] : out[e];
+    }
+  }
+}
+
 // ---- native precision with packed multiplies (CUDA: bf16 on sm_90+, f16 on sm_53+) -------------
 // NeoX, table dtype == input dtype: r(r(a*c) - r(b*s)), r(r(b*c) + r(a*s)) with the products done by
 // mul.rn.{bf16,f16}x2, two per instruction: a product of two bf16 (f16) values is exact in f32,
@@ -542,7 +581,7 @@ __device__ __forceinline__ void load_tab(const void* base, i64 idx, float* out) 
 #endif
 constexpr bool PACKED_NATIVE =
 #ifdef RC_PACKED_NATIVE
-    ARITH == DT && NEOX && S_IN == 2 && W % 2 == 0;  // "rounded" arithmetic
+    ARITH == DT && NEOX && S_IN == 2 && W % 2 == 0 && MROPE == 0;  // "rounded" arithmetic, one row
 #else
     false;
 #endif
@@ -593,7 +632,7 @@ __device__ __forceinline__ void rot_native_packed(const Chunk& a, const Chunk& b
 }
 // ---- end of native precision with packed multiplies ---------------------------------------------
 
-// ---- QK-RMSNorm (issue 18) -----------------------------------------------------------------------
+// ---- QK-RMSNorm ------------------------------------------------------------------------------
 // Per (token, head) row x of q (RC_Q_NORM) or k (RC_K_NORM), before the rotation:
 //   S = tree(r32(x_i^2)) (rc_tree_sum: the spec's halving tree), inv = rc_rms_inv(S, D, eps),
 //   n_i = r(r32(w_i * r(r32(x_i * inv))))
@@ -848,6 +887,15 @@ __device__ __forceinline__ void rot_unit(const Params& p, i64 T, i64 max_pos, i6
   i64 prow = load_index_after(p.pos, t, RC_POS64 != 0, src);
   prow = prow < 0 ? 0 : (prow >= max_pos ? max_pos - 1 : prow);
   const i64 trow = prow * TW;
+  i64 trows[MROPE ? 3 : 1] = {trow};  // M-RoPE: the row of each stream (stream 0 is `trow`)
+  if constexpr (MROPE != 0) {
+#pragma unroll
+    for (int st = 1; st < 3; ++st) {
+      i64 r = load_index_after(p.pos, st * T + t, RC_POS64 != 0, src);
+      r = r < 0 ? 0 : (r >= max_pos ? max_pos - 1 : r);
+      trows[st] = r * TW;
+    }
+  }
   const i64 s_raw = load_index_after(p.slots, t, RC_SLOT64 != 0, src);  // q heads too: no branch
   const i64 s_any = (s_raw >= 0 && s_raw < sr.n) ? sr.base + s_raw : -1;
   if constexpr (KS_HEADS) inv_k = head_inv(p.k_scale, is_k ? h - QH : 0, inv_k, true);
@@ -867,11 +915,20 @@ __device__ __forceinline__ void rot_unit(const Params& p, i64 T, i64 max_pos, i6
     rot_native_packed(a, b, c, sn, c2, s2, oa, ob);
   } else {
     float tc[NTV], ts[NTV], tc2[NEOX && FULL ? W : 1], ts2[NEOX && FULL ? W : 1];
-    load_tab<NTV, NTV>(p.cos, trow + c0, tc);
-    load_tab<NTV, NTV>(p.sin, trow + c0, ts);
-    if (NEOX && FULL) {
-      load_tab<W, W>(p.cos, trow + HALF + j * W, tc2);
-      load_tab<W, W>(p.sin, trow + HALF + j * W, ts2);
+    if constexpr (MROPE != 0) {
+      load_tab3<NTV, NTV>(p.cos, trows, c0, tc);
+      load_tab3<NTV, NTV>(p.sin, trows, c0, ts);
+      if (NEOX && FULL) {
+        load_tab3<W, W>(p.cos, trows, HALF + j * W, tc2);
+        load_tab3<W, W>(p.sin, trows, HALF + j * W, ts2);
+      }
+    } else {
+      load_tab<NTV, NTV>(p.cos, trow + c0, tc);
+      load_tab<NTV, NTV>(p.sin, trow + c0, ts);
+      if (NEOX && FULL) {
+        load_tab<W, W>(p.cos, trow + HALF + j * W, tc2);
+        load_tab<W, W>(p.sin, trow + HALF + j * W, ts2);
+      }
     }
     if constexpr (NORM) norm_rot_unit(p, t0, u, is_k, src, j, a, b, ew);  // while the table row is in flight
     if (NEOX) {
@@ -1186,16 +1243,15 @@ __device__ __forceinline__ void v_unit_run(const Params& p, i64 t0, int u, SlotR
   store_run<C>(p, x, s0, h, d0, inv_v);
 }
 
-}  // namespace rc
-
-extern "C" __global__ void __launch_bounds__(RC_NT, RC_MINB) rope_cache_kernel(const rc::Params p) {
-  using namespace rc;
-  const i64 T = p.dim0[0], max_pos = p.dim0[7];
+// One block's work. T: tokens, n_lead: the caches' leading dimension (NB, or L when stacked),
+// max_pos: rows of the tables; the launcher's entry reads them from the parameter block, the
+// kernel-node entry has them as compile-time constants.
+__device__ __forceinline__ void run_block(const Params& p, const i64 T, const i64 n_lead, const i64 max_pos) {
   const i64 t0 = (i64)blockIdx.x * TPB;
-  SlotRange sr{p.dim0[3] * BS, 0};
+  SlotRange sr{n_lead * BS, 0};
   if (LAYER_BLOCKS > 0) {  // stacked [L, NB, ...]: a layer outside [0, L) writes nothing
     const i64 layer = *p.layer, per_layer = (i64)LAYER_BLOCKS * BS;
-    sr = (layer >= 0 && layer < p.dim0[3]) ? SlotRange{per_layer, layer * per_layer} : SlotRange{0, 0};
+    sr = (layer >= 0 && layer < n_lead) ? SlotRange{per_layer, layer * per_layer} : SlotRange{0, 0};
   }
   const float inv_k = FP8 && !KS_HEADS ? rc_inv_scale(*p.k_scale) : 1.0f;  // per head: in the units
   const float inv_v = FP8 && !VS_HEADS ? rc_inv_scale(*p.v_scale) : 1.0f;
@@ -1229,6 +1285,30 @@ extern "C" __global__ void __launch_bounds__(RC_NT, RC_MINB) rope_cache_kernel(c
     }
   }
 }
+}  // namespace rc
+
+#ifndef RC_NODE
+// The launcher's entry: one parameter block (see "Kernel ABI" above).
+extern "C" __global__ void __launch_bounds__(RC_NT, RC_MINB) rope_cache_kernel(const rc::Params p) {
+  rc::run_block(p, p.dim0[0], p.dim0[3], p.dim0[7]);
+}
+#else
+// The kernel-node entry (XLA's PTX custom call, backends/kernel_node.py): one pointer parameter per
+// buffer, the 14 operands then the 4 results in custom-call order (the aliased caches appear twice,
+// as operand and as result: the same address); T, the caches' leading dimension and the table rows
+// are the call's static shapes, compiled in (RC_NODE_T, RC_NODE_LEAD, RC_NODE_MAX_POS).
+#if !defined(RC_NODE_T) || !defined(RC_NODE_LEAD) || !defined(RC_NODE_MAX_POS)
+#error "RC_NODE needs RC_NODE_T, RC_NODE_LEAD and RC_NODE_MAX_POS"
+#endif
+extern "C" __global__ void __launch_bounds__(RC_NT, RC_MINB) rope_cache_node(
+    const void* q, const void* k, const void* v, const void* key_cache, const void* value_cache, const void* slots,
+    const void* pos, const void* cos, const void* sin, const float* k_scale, const float* v_scale, const int* layer,
+    const void* q_norm_w, const void* k_norm_w, void* q_out, void* k_out, void* kc, void* vc) {
+  const rc::Params p{q, k, v, key_cache, value_cache, slots, pos, cos, sin, k_scale, v_scale, layer, q_norm_w,
+                     k_norm_w, q_out, k_out, kc, vc, {}};
+  rc::run_block(p, (rc::i64)RC_NODE_T, (rc::i64)RC_NODE_LEAD, (rc::i64)RC_NODE_MAX_POS);
+}
+#endif
 
 #ifdef RC_EMULATE
 // Runs the whole grid on the host, block after block (each block's RC_SPLIT parts in turn);
@@ -1242,7 +1322,13 @@ extern "C" int rc_emulate(const rc::Params* p, long long grid) {
     for (int y = 0; y < rc::SPLIT; ++y) {
       blockIdx.x = (unsigned)b, blockIdx.y = (unsigned)y;
       threadIdx.x = 0;
+#ifndef RC_NODE
       rope_cache_kernel(*p);
+#else  // the kernel-node entry, its pointers in custom-call order (the dims are its constants)
+      const rc::Params& w = *p;
+      rope_cache_node(w.q, w.k, w.v, w.key_cache_in, w.value_cache_in, w.slots, w.pos, w.cos, w.sin, w.k_scale,
+                      w.v_scale, w.layer, w.q_norm_w, w.k_norm_w, w.q_out, w.k_out, w.kc, w.vc);
+#endif
     }
     // every unit of the block exactly once over its parts
     const long long n = rc::rc_emu_block_n;

@@ -27,6 +27,7 @@
 
 #include "kernels/common/rope_cache_math.h"
 #include "kernels/ffi/handlers.h"
+#include "kernels/ffi/ieee_denormals.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -44,39 +45,6 @@ int DtypeCode(ffi::DataType t) {
     default: return -1;
   }
 }
-
-// IEEE subnormals for the scope of one thread's work: saves the floating-point control register,
-// clears flush-to-zero and denormals-are-zero (x86 MXCSR FTZ/DAZ; aarch64 FPCR FZ/FZ16), and
-// restores the saved value on exit. Rounding mode and exception masks are left as they are.
-class ScopedIeeeDenormals {
- public:
-  ScopedIeeeDenormals() {
-#if defined(__x86_64__) || defined(__i386__)
-    saved_ = _mm_getcsr();
-    _mm_setcsr(saved_ & ~(kFtz | kDaz));
-#elif defined(__aarch64__)
-    uint64_t fpcr;
-    __asm__ __volatile__("mrs %0, fpcr" : "=r"(fpcr));
-    saved_ = fpcr;
-    fpcr &= ~(kFz | kFz16);
-    __asm__ __volatile__("msr fpcr, %0" : : "r"(fpcr) : "memory");
-#endif
-  }
-  ~ScopedIeeeDenormals() {
-#if defined(__x86_64__) || defined(__i386__)
-    _mm_setcsr(static_cast<unsigned>(saved_));
-#elif defined(__aarch64__)
-    __asm__ __volatile__("msr fpcr, %0" : : "r"(saved_) : "memory");
-#endif
-  }
-  ScopedIeeeDenormals(const ScopedIeeeDenormals&) = delete;
-  ScopedIeeeDenormals& operator=(const ScopedIeeeDenormals&) = delete;
-
- private:
-  static constexpr unsigned kFtz = 1u << 15, kDaz = 1u << 6;         // MXCSR
-  static constexpr uint64_t kFz = uint64_t{1} << 24, kFz16 = uint64_t{1} << 19;  // FPCR
-  uint64_t saved_ = 0;
-};
 
 int64_t LoadIndex(const void* base, int64_t i, bool is64) {
   return is64 ? static_cast<const int64_t*>(base)[i] : static_cast<const int32_t*>(base)[i];
@@ -126,6 +94,7 @@ struct Problem {
   const float *inv_k_scale, *inv_v_scale;  // per kv head (one scale: KH copies)
   const float *q_norm_w, *k_norm_w;        // the norm weights widened to f32 [D]; nullptr: no norm
   float norm_eps;
+  const int8_t* col_stream;  // M-RoPE: the position stream of each table column [width]; nullptr: off
 };
 
 // Sum of a[0..n) in reference.tree_sum's order (n even: the halves, then one add; n odd: the
@@ -248,6 +217,8 @@ JRC_CPU_CLONES void RunTokensT(const Problem& p, int64_t t0, int64_t t1) {
   const int64_t half = p.R / 2;
   // Per token: the cos and sin rows as float32, then the per-pair views ca/cb/sa/sb into them.
   std::unique_ptr<float[]> table(new float[2 * p.width + 4 * half]);
+  // M-RoPE: the three streams' rows of cos and sin, from which each column takes its own.
+  std::unique_ptr<float[]> streams(p.col_stream ? new float[6 * p.width] : nullptr);
   std::unique_ptr<float[]> k_wide(kWide ? new float[p.KH * p.D] : nullptr);
   // The normalised row of one head (the rotation's input) and the norm's scratch.
   const bool norm = p.q_norm_w || p.k_norm_w;
@@ -264,9 +235,22 @@ JRC_CPU_CLONES void RunTokensT(const Problem& p, int64_t t0, int64_t t1) {
   T* q_out = static_cast<T*>(p.q_out);
   T* k_out = static_cast<T*>(p.k_out);
   for (int64_t t = t0; t < t1; ++t) {
-    const int64_t row = std::clamp<int64_t>(LoadIndex(p.pos, t, p.pos64), 0, p.max_pos - 1) * p.width;
-    LoadRow(p.cos, row, p.width, p.table_dt, cos_row);
-    LoadRow(p.sin, row, p.width, p.table_dt, sin_row);
+    if (p.col_stream) {  // positions [3, T]: stream s of token t at s * T + t, each clamped on its own
+      float* rows = streams.get();
+      for (int64_t st = 0; st < 3; ++st) {
+        const int64_t row = std::clamp<int64_t>(LoadIndex(p.pos, st * p.T + t, p.pos64), 0, p.max_pos - 1) * p.width;
+        LoadRow(p.cos, row, p.width, p.table_dt, rows + (2 * st) * p.width);
+        LoadRow(p.sin, row, p.width, p.table_dt, rows + (2 * st + 1) * p.width);
+      }
+      for (int64_t c = 0; c < p.width; ++c) {
+        const int64_t st = p.col_stream[c];
+        cos_row[c] = rows[(2 * st) * p.width + c], sin_row[c] = rows[(2 * st + 1) * p.width + c];
+      }
+    } else {
+      const int64_t row = std::clamp<int64_t>(LoadIndex(p.pos, t, p.pos64), 0, p.max_pos - 1) * p.width;
+      LoadRow(p.cos, row, p.width, p.table_dt, cos_row);
+      LoadRow(p.sin, row, p.width, p.table_dt, sin_row);
+    }
     if (p.full_table && !kNeox) {
       for (int64_t i = 0; i < half; ++i) {
         ca[i] = cos_row[2 * i], cb[i] = cos_row[2 * i + 1], sa[i] = sin_row[2 * i], sb[i] = sin_row[2 * i + 1];
@@ -486,7 +470,8 @@ ffi::Error ValidateCall(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const 
                         const ffi::AnyBuffer& layer, const ffi::AnyBuffer& q_norm_weight,
                         const ffi::AnyBuffer& k_norm_weight, const ffi::AnyBuffer& q_out, const ffi::AnyBuffer& k_out,
                         const ffi::AnyBuffer& key_cache_out, const ffi::AnyBuffer& value_cache_out,
-                        int64_t layout, int64_t rotary_dim, bool q_norm, bool k_norm, float norm_eps) {
+                        int64_t layout, int64_t rotary_dim, bool q_norm, bool k_norm, float norm_eps, int64_t mrope,
+                        int64_t mrope_t, int64_t mrope_h, int64_t mrope_w) {
   if (layout < RC_FLASH || layout > RC_XPACKED_SHUFFLED)
     return Invalid("attribute layout: expected 0 (flash), 1 (xpacked) or 2 (xpacked_shuffled), got " +
                    std::to_string(layout));
@@ -556,7 +541,24 @@ ffi::Error ValidateCall(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const 
                          std::pair<const char*, const ffi::AnyBuffer*>{"positions", &positions}}) {
     if (b->element_type() != ffi::DataType::S32 && b->element_type() != ffi::DataType::S64)
       return Invalid(std::string(name) + ": expected dtype int32 or int64, got " + TypeName(b->element_type()));
-    JRC_CHECK(ExpectDims(name, *b, {T}, "[T]"));
+    if (b == &positions && mrope != RC_MROPE_OFF)
+      JRC_CHECK(ExpectDims(name, *b, {3, T}, "[3, T] (M-RoPE streams)"));
+    else
+      JRC_CHECK(ExpectDims(name, *b, {T}, "[T]"));
+  }
+  if (mrope < RC_MROPE_OFF || mrope > RC_MROPE_INTERLEAVED)
+    return Invalid("attribute mrope: expected 0 (off), 1 (sections) or 2 (interleaved), got " + std::to_string(mrope));
+  if (mrope != RC_MROPE_OFF) {
+    // Every stream must drive exactly its section's count of the R/2 frequencies.
+    int64_t count[3] = {0, 0, 0};
+    const int64_t sec[3] = {mrope_t, mrope_h, mrope_w};
+    bool ok = mrope_t >= 0 && mrope_h >= 0 && mrope_w >= 0 && mrope_t + mrope_h + mrope_w == rotary_dim / 2;
+    for (int64_t i = 0; ok && i < rotary_dim / 2; ++i) ++count[rc_mrope_stream(i, int(mrope), mrope_t, mrope_h, mrope_w)];
+    for (int s = 0; ok && s < 3; ++s) ok = count[s] == sec[s];
+    if (!ok)
+      return Invalid("attributes mrope_t/h/w: expected 3 counts >= 0 summing to R/2=" + std::to_string(rotary_dim / 2) +
+                     ", each stream driving its count, got [" + std::to_string(mrope_t) + ", " + std::to_string(mrope_h) +
+                     ", " + std::to_string(mrope_w) + "]");
   }
   if (!IsInputType(cos.element_type()))
     return Invalid(std::string("cos: expected dtype float32, bfloat16 or float16, got ") +
@@ -601,10 +603,11 @@ ffi::Error CpuRopeAndCache(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                            ffi::Result<ffi::AnyBuffer> q_out,
                            ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> key_cache_out,
                            ffi::Result<ffi::AnyBuffer> value_cache_out, int64_t layout, bool is_neox,
-                           int64_t rotary_dim, bool native, bool q_norm, bool k_norm, float norm_eps) {
+                           int64_t rotary_dim, bool native, bool q_norm, bool k_norm, float norm_eps,
+                           int64_t mrope, int64_t mrope_t, int64_t mrope_h, int64_t mrope_w) {
   if (auto e = ValidateCall(q, k, v, key_cache, value_cache, slots, positions, cos, sin, k_scale, v_scale, layer,
                             q_norm_weight, k_norm_weight, *q_out, *k_out, *key_cache_out, *value_cache_out, layout,
-                            rotary_dim, q_norm, k_norm, norm_eps);
+                            rotary_dim, q_norm, k_norm, norm_eps, mrope, mrope_t, mrope_h, mrope_w);
       e.failure())
     return e;
   Problem p{};
@@ -645,7 +648,8 @@ ffi::Error CpuRopeAndCache(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
   if (layer.element_count() != 1 || layer.element_type() != ffi::DataType::S32)
     return ffi::Error::InvalidArgument("rope_and_cache cpu: layer must be an int32 scalar");
   if (auto e = CheckSame("slot_mapping elements", slots.element_count(), p.T); e.failure()) return e;
-  if (auto e = CheckSame("positions elements", positions.element_count(), p.T); e.failure()) return e;
+  if (auto e = CheckSame("positions elements", positions.element_count(), (mrope ? 3 : 1) * p.T); e.failure())
+    return e;
   if (p.R < 2 || p.R % 2 || p.R > p.D || (p.width != p.R && p.width != p.R / 2) || p.max_pos < 1)
     return ffi::Error::InvalidArgument("rope_and_cache cpu: inconsistent rotary_dim / table width");
   if (p.layout != RC_FLASH && (p.D % p.X || (p.layout == RC_XPACKED_SHUFFLED && p.BS % p.X)))
@@ -679,6 +683,13 @@ ffi::Error CpuRopeAndCache(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
   p.q_norm_w = q_norm ? weights.data() : nullptr;
   p.k_norm_w = k_norm ? weights.data() + (q_norm ? p.D : 0) : nullptr;
   p.norm_eps = norm_eps;
+  std::vector<int8_t> col_stream(mrope ? p.width : 0);
+  for (int64_t c = 0; c < static_cast<int64_t>(col_stream.size()); ++c) {
+    // a "full" column serves the pair of its frequency: NeoX c mod R/2, GPT-J c / 2
+    const int64_t f = p.width == p.R / 2 ? c : (p.neox ? c % (p.R / 2) : c / 2);
+    col_stream[c] = static_cast<int8_t>(rc_mrope_stream(f, int(mrope), mrope_t, mrope_h, mrope_w));
+  }
+  p.col_stream = mrope ? col_stream.data() : nullptr;
   const int64_t layer_index = stacked ? *static_cast<const int32_t*>(layer.untyped_data()) : 0;
   // Outputs alias the caches; should XLA ever hand separate buffers, start from the inputs' bits.
   if (p.kc != key_cache.untyped_data()) std::memcpy(p.kc, key_cache.untyped_data(), key_cache.size_bytes());
@@ -720,6 +731,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuRopeAndCache, CpuRopeAndCache,
                                   .Attr<bool>("native")
                                   .Attr<bool>("q_norm")
                                   .Attr<bool>("k_norm")
-                                  .Attr<float>("norm_eps"));
+                                  .Attr<float>("norm_eps")
+                                  .Attr<int64_t>("mrope")     // RcMrope; positions [3, T] unless off
+                                  .Attr<int64_t>("mrope_t")   // sections: frequencies per stream
+                                  .Attr<int64_t>("mrope_h")
+                                  .Attr<int64_t>("mrope_w"));
 
 }  // namespace jax_rope_cache

@@ -7,6 +7,8 @@ namespace jax_rope_cache {
 
 // Platform "cpu": computes the op directly into the aliased caches.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kCpuRopeAndCache);
+// Platform "cpu": mla_rope_and_cache (kernels/ffi/mla_cpu_handler.cc), into the aliased latent cache(s).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kCpuMlaRopeAndCache);
 
 // Platforms "CUDA" and "ROCM": the generic code-object launcher (kernels/ffi/gpu_launcher.cc).
 // Stages instantiate / initialize / execute; initialize and execute exist once per driver (*Cuda

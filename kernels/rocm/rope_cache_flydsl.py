@@ -6,7 +6,8 @@ rotary (R < D), "half" / "full" cos/sin tables, the three cache layouts, bf16/f1
 bf16/f16/f32 tables, caches of the input dtype or float8 e4m3fn / e4m3fnuz (both formats on both
 archs: the conversion is integer arithmetic, not the hardware's fp8 instructions), per-tensor
 k/v scales, "fp32" and "native" precision, int32/int64 slot_mapping and positions, one cache or
-stacked per-layer caches [L, NB, ...] (`layer_blocks` = NB) with the layer read on the device.
+stacked per-layer caches [L, NB, ...] (`layer_blocks` = NB) with the layer read on the device,
+multimodal RoPE (`mrope`: positions [3, T], see below).
 
 Kernel ABI (what kernels/ffi/gpu_launcher.cc packs): 32 kernel arguments of 8 bytes each, at
 byte offsets 0, 8, ..., 248 (kernarg segment 256 bytes, no hidden arguments):
@@ -14,7 +15,8 @@ byte offsets 0, 8, ..., 248 (kernarg segment 256 bytes, no hidden arguments):
           positions, cos, sin, k_scale, v_scale (f32 [] or [KH]), layer (int32 scalar),
           q_norm_weight, k_norm_weight ([D], or an f32[1] placeholder when absent)
   14..17  device addresses of the results   q_out, k_out, key_cache_out, value_cache_out
-  18..31  int64 dim0 of each operand (T = dim0[0], NB = dim0[3] (stacked: L), max_pos = dim0[7])
+  18..31  int64 dim0 of each operand (T = dim0[0], NB = dim0[3] (stacked: L), max_pos = dim0[7]);
+          T is q's dim0 (positions has dim0 3 with M-RoPE)
 Grid: (ceil(T / TPB), SPLIT, 1) workgroups of NT threads (NT is the required workgroup size).
 
 Work decomposition. A workgroup owns TPB consecutive tokens (latency regime, small T: one token,
@@ -35,9 +37,9 @@ the tables are accessed with 32-bit-offset buffer instructions through descripto
 workgroup's first token row, whose size covers only the valid rows (the hardware drops accesses
 past T). The caches (any size) are written with 64-bit global stores.
 
-Bounds: positions clamped to [0, max_pos - 1] (in 64-bit); a cache row is written only when the
-token exists (t < T) and 0 <= slot < NB*BS (64-bit compare; stacked: and 0 <= layer < L, the row
-then lands in layer `layer`). Offsets into the caches are 64-bit.
+Bounds: positions clamped to [0, max_pos - 1] (in 64-bit; M-RoPE: each stream on its own); a cache
+row is written only when the token exists (t < T) and 0 <= slot < NB*BS (64-bit compare; stacked:
+and 0 <= layer < L, the row then lands in layer `layer`). Offsets into the caches are 64-bit.
 Arithmetic (bit-exact with jax_rope_cache.reference and kernels/common/rope_cache_math.h):
 `arith_mode` picks "fp32", native "rounded" (tables in the input dtype) or native "fused" (any
 other table dtype, or f32 inputs). fp32 and "rounded" use separate f32 multiply / add / subtract
@@ -50,7 +52,7 @@ e4m3fn 0x7F, e4m3fnuz 0x80). 1/scale by a correctly rounded f32 division, an ove
 replaced by +-FLT_MAX (rc_inv_scale). Tables are never rounded. Per-head scales ([KH]): each
 lane computes 1/scale[h] once per head it visits (before the token loop).
 
-QK-RMSNorm (q_norm / k_norm: weight dtype codes; issue 18, reference.rms_norm). The rotation
+QK-RMSNorm (q_norm / k_norm: weight dtype codes; reference.rms_norm). The rotation
 phase's lanes of a (token, head) hold its whole row (`norm_layout`): the rotation chunks and, when
 R < D, the channels >= R as the tree's nodes spread evenly over the same lanes (the pass-through
 phase then has nothing left to do). S follows the reference's halving tree exactly: each lane
@@ -65,6 +67,17 @@ branch yielding the packed words, so their channels keep their bits. Where the c
 with the tree (D = 80, R = 3D/4, ...) every lane reloads its row piece by piece (correct; more
 registers). The weights load after the sum (latency regime: with the q/k chunks) and the tables
 after the norm (not live across it).
+
+Multimodal RoPE (`mrope` 1: sections, 2: interleaved; `mrope_t/h/w` the frequency counts; 0: off,
+positions [T], and the code is that of a kernel without the option). positions is [3, T]: stream s
+of token t at element s*T + t, read through one descriptor per stream (based at the workgroup's
+first token of that stream, sized to its valid rows, as the one-stream descriptor). A lane's pairs
+are rotary frequencies i = c*npairs + k (chunk c, pair k < npairs) in every style and table kind
+(NeoX: column i, and R/2 + i of a "full" table; GPT-J "full": columns 2i, 2i + 1), so the lane loads
+its chunk of the cos/sin row of every stream the sections use (each clamped on its own) and picks
+pair k's values by integer compares on i (mrope_selector: sections i < t, i < t + h; interleaved
+i mod 3 from one remainder per lane, and i < 3h / i < 3w). Only the rows change: the rotation,
+norm and stores are those of the one-stream kernel.
 """
 
 import dataclasses
@@ -111,6 +124,10 @@ class RocmKernelConfig:
     v_scale_heads: bool = False
     latency: bool = False  # the latency regime (make_config): one token per workgroup, norm weights early
     split: int = 1  # workgroups per token block (grid.y): part y runs phase y (phases(): rot, [pass], v)
+    mrope: int = 0     # 0: positions [T]; 1: M-RoPE sections; 2: M-RoPE interleaved (positions [3, T])
+    mrope_t: int = 0   # the sections (temporal, height, width frequency counts; 0 without M-RoPE)
+    mrope_h: int = 0
+    mrope_w: int = 0
 
     @property
     def x(self) -> int:
@@ -122,9 +139,22 @@ class RocmKernelConfig:
 
     def key(self) -> str:
         out = []
-        for v in dataclasses.astuple(self):  # floats by their f32 bits: eps values must not collide
+        for f in dataclasses.fields(self):
+            if f.name.startswith("mrope") and not self.mrope:
+                continue  # M-RoPE off: the key of a configuration without the option
+            v = getattr(self, f.name)  # floats by their f32 bits: eps values must not collide
             out.append(struct.pack("<f", v).hex() if isinstance(v, float) else str(int(v)))
         return "_".join(out)
+
+
+def mrope_streams(cfg: RocmKernelConfig) -> list[int]:
+    """The stream (0 temporal, 1 height, 2 width) of each rotary frequency i < R/2 of an M-RoPE
+    configuration (contract.mrope_stream): sections i < t temporal, i < t + h height, else width;
+    interleaved i % 3 == 1 and i < 3h height, i % 3 == 2 and i < 3w width, else temporal."""
+    t, h, w = cfg.mrope_t, cfg.mrope_h, cfg.mrope_w
+    if cfg.mrope == 2:
+        return [1 if i % 3 == 1 and i < 3 * h else (2 if i % 3 == 2 and i < 3 * w else 0) for i in range(cfg.r // 2)]
+    return [0 if i < t else (1 if i < t + h else 2) for i in range(cfg.r // 2)]
 
 
 def arith_mode(cfg: RocmKernelConfig) -> str:
@@ -182,11 +212,14 @@ def latency_regime(num_tokens: int | None) -> bool:
 
 def make_config(*, qh, kh, d, r, bs, layout, neox, full_table, native, dt, tab_dt, cache_dt, slot64,
                 pos64, layer_blocks: int = 0, q_norm: int = -1, k_norm: int = -1, norm_eps: float = 0.0,
-                k_scale_heads: bool = False, v_scale_heads: bool = False, nt: int = 256,
-                rot_cap: int | None = None, width_cap: int | None = None, latency: bool = False) -> RocmKernelConfig:
+                k_scale_heads: bool = False, v_scale_heads: bool = False, mrope: int = 0, mrope_t: int = 0,
+                mrope_h: int = 0, mrope_w: int = 0, nt: int = 256, rot_cap: int | None = None,
+                width_cap: int | None = None, latency: bool = False) -> RocmKernelConfig:
     """`rot_cap` / `width_cap`: at most that many elements per rotation chunk / per pass-through and
     V chunk (narrower accesses, fewer values in flight per lane: the occupancy candidates of
     jax_rope_cache/backends/rocm.py; None = as wide as 16 bytes and the shape allow).
+    `mrope` (1 sections, 2 interleaved) with `mrope_t/h/w` summing to R/2: multimodal RoPE; the
+    geometry is that of the same shape without it (only the table rows differ).
 
     Two regimes (`latency`, from latency_regime(T)):
       * bandwidth (large or unknown T): `nt` threads, as many tokens per workgroup as its lanes hold;
@@ -198,6 +231,17 @@ def make_config(*, qh, kh, d, r, bs, layout, neox, full_table, native, dt, tab_d
     s = ITEMSIZE[dt]
     vmax = 16 // s
     norm = q_norm >= 0 or k_norm >= 0
+    if mrope not in (0, 1, 2):
+        raise ValueError(f"mrope: expected 0 (off), 1 (sections) or 2 (interleaved), got {mrope}")
+    section = (int(mrope_t), int(mrope_h), int(mrope_w)) if mrope else (0, 0, 0)
+    if mrope and (min(section) < 0 or sum(section) != r // 2):
+        raise ValueError(f"mrope_t/h/w: expected counts >= 0 summing to R/2 = {r // 2}, got {list(section)}")
+    if mrope == 2:
+        h_, w_ = section[1], section[2]
+        got = [sum(1 for i in range(r // 2) if i % 3 == 1 and i < 3 * h_),
+               sum(1 for i in range(r // 2) if i % 3 == 2 and i < 3 * w_)]
+        if got != [h_, w_]:
+            raise ValueError(f"mrope_t/h/w: interleaved sections {list(section)} do not fit R/2 = {r // 2}")
 
     def rot_width(cap):
         cap = min(vmax, cap)
@@ -221,7 +265,8 @@ def make_config(*, qh, kh, d, r, bs, layout, neox, full_table, native, dt, tab_d
                                 w_pass=w_pass, w_v=w_v, tpb=tpb, nt=nt, layer_blocks=int(layer_blocks),
                                 q_norm=int(q_norm), k_norm=int(k_norm),
                                 norm_eps=float(norm_eps) if norm else 0.0, k_scale_heads=bool(k_scale_heads),
-                                v_scale_heads=bool(v_scale_heads), latency=bool(latency))
+                                v_scale_heads=bool(v_scale_heads), latency=bool(latency), mrope=int(mrope),
+                                mrope_t=section[0], mrope_h=section[1], mrope_w=section[2])
 
     def cpx(w):
         return (r // 2) // w if neox else r // w
@@ -345,6 +390,46 @@ def norm_layout(cfg: RocmKernelConfig) -> NormLayout:
     else:
         plan = _butterfly_plan(D, fams, lanes)
     return NormLayout(lanes=lanes, families=tuple(fams), n_rot=n_rot, merged=bool(pfams), w_psub=w_psub, plan=plan)
+
+
+# ------------------------------------------------------------------------------------------------
+# M-RoPE: which stream's table values a pair takes
+# ------------------------------------------------------------------------------------------------
+def mrope_selector(E, cfg: RocmKernelConfig, i0):
+    """(order, take) for folding the used streams' table values into one value per pair: the lane
+    starts from stream order[0]'s values and, for each later stream st of `order`, pair k takes
+    st's value where take(k, st) (an i1) holds. i0: the lane's first rotary frequency (i32); pair
+    k is frequency i = i0 + k (k static). Sections (monotone, folded width, height, temporal):
+    height where i < t + h, temporal where i < t. Interleaved (from temporal): height where
+    i mod 3 == 1 and i < 3h, width where i mod 3 == 2 and i < 3w (i mod 3 from one remainder per
+    lane, then static steps)."""
+    t, h, w = cfg.mrope_t, cfg.mrope_h, cfg.mrope_w
+    c32 = E.i32c
+    used = sorted(set(mrope_streams(cfg)))
+    if cfg.mrope == 1:
+        order = used[::-1]
+    else:
+        order = ([0] if 0 in used else []) + [st for st in used if st != 0]
+    conds, rems = {}, {}
+    m = E.arith.remui(i0, c32(3)) if cfg.mrope == 2 and len(used) > 1 else None
+
+    def rem(k):  # (i0 + k) mod 3, from m = i0 mod 3
+        if k % 3 not in rems:
+            v = E.add(m, c32(k % 3)) if k % 3 else m
+            rems[k % 3] = E.sel(E.cmp("uge", v, c32(3)), E.sub(v, c32(3)), v) if k % 3 else v
+        return rems[k % 3]
+
+    def take(k, st):
+        if (k, st) not in conds:
+            i = E.add(i0, c32(k)) if k else i0
+            if cfg.mrope == 1:
+                conds[k, st] = E.cmp("slt", i, c32(t if st == 0 else t + h))
+            else:
+                n = h if st == 1 else w
+                conds[k, st] = E.and1(E.cmp("eq", rem(k), c32(st)), E.cmp("slt", i, c32(3 * n)))
+        return conds[k, st]
+
+    return order, take
 
 
 # ------------------------------------------------------------------------------------------------
@@ -729,6 +814,10 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
     rs_ko = row_rsrc(p_ko, KH * D * s_in)
     rs_slot = row_rsrc(p_slot, 8 if cfg.slot64 else 4)
     rs_pos = row_rsrc(p_pos, 8 if cfg.pos64 else 4)
+    if cfg.mrope:  # positions [3, T]: stream s of the workgroup's tokens at rows s*T + t0 ...
+        pes = 8 if cfg.pos64 else 4
+        rs_pos_streams = [rs_pos] + [E.rsrc(E.add(p_pos, E.mul(E.add(E.mul(T, c64(st)), t0), c64(pes))),
+                                            E.mul(rows, c64(pes))) for st in (1, 2)]
     tab_bytes = E.mul(MAXPOS, c64(tw * s_tab))
     rs_cos = E.rsrc(p_cos, tab_bytes)
     rs_sin = E.rsrc(p_sin, tab_bytes)
@@ -1082,12 +1171,38 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
 
     def rot_token(tl, tvalid, c, heads, chunks):
         n_rot = 2 if cfg.neox else 1
-        pos = load_index(rs_pos, tl, cfg.pos64)
-        pos = E.arith.maxsi(E.arith.minsi(pos, E.sub(MAXPOS, c64(1))), c64(0))
-        row = E.mul(E.trunc32(pos), c32(tw * s_tab))
+
+        def table_row(rs):
+            """Byte offset of the table row of the position at tl of `rs` (clamped, in 64-bit)."""
+            pos = load_index(rs, tl, cfg.pos64)
+            pos = E.arith.maxsi(E.arith.minsi(pos, E.sub(MAXPOS, c64(1))), c64(0))
+            return E.mul(E.trunc32(pos), c32(tw * s_tab))
+
+        if cfg.mrope:  # the row of every stream a frequency takes (each clamped on its own)
+            stream_rows = {st: table_row(rs_pos_streams[st]) for st in sorted(set(mrope_streams(cfg)))}
+        else:
+            row = table_row(rs_pos)
 
         def tables():
             """(cos_a, sin_a, cos_b, sin_b) of this lane's pairs (f32, exact)."""
+            if not cfg.mrope:
+                return tables_at(row)
+            # M-RoPE: one stream's chunk at a time, folded into the pairs that take it (one stream's
+            # values in flight next to the result, not all three)
+            order, take = mrope_selector(E, cfg, E.mul(c, c32(npairs)))
+            nv = 4 if cfg.full_table else 2  # a "half" table: the b values are the a values
+            acc = None
+            for st in order:
+                vals = tables_at(stream_rows[st])
+                if acc is None:
+                    acc = [list(v) for v in vals[:nv]]
+                    continue
+                for j in range(nv):
+                    acc[j] = [E.sel(take(k, st), vals[j][k], acc[j][k]) for k in range(npairs)]
+            return tuple(acc) if nv == 4 else (acc[0], acc[1], acc[0], acc[1])
+
+        def tables_at(row):
+            """tables() from the table row at byte offset `row`."""
             def tab(rs, first_elem, n):
                 off = E.add(row, E.add(E.mul(c, c32(n * s_tab)), c32(first_elem * s_tab)))
                 return E.elems_from_pieces(E.buf_load_words(rs, off, n * s_tab), cfg.tab_dt, n)  # exact

@@ -31,7 +31,7 @@
  *                        address the word holds (CI runs on a CPU backend, where buffers are host
  *                        memory: the test checks each pointer reaches the right operand)
  * hipDeviceProp_tR0600 facts used: 1472 bytes, char name[256] at 0, char gcnArchName[256] at 1160
- * (the ROCm 6.x / 7.x headers; see BUILD_NOTES.md, "The launcher's HIP launch").
+ * (the ROCm 6.x / 7.x headers; see docs/rocm.md, "Arch selection").
  */
 #include <stdint.h>
 #include <stdio.h>

@@ -2,7 +2,7 @@
 apply_rotary_pos_emb on seeded inputs at Qwen3-32B TP8 and Qwen3-235B-A22B TP4 shapes, bfloat16
 and float32 (needs torch + transformers; the cases and inputs are tests/test_hf_qk_norm.py's).
 
-    python scripts/record_hf_qk_norm.py
+    python tools/record_hf_qk_norm.py
 """
 import os
 import sys

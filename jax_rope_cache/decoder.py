@@ -13,17 +13,14 @@ argument); prefill (a padded batch of prompts of different lengths, padding slot
 hands each sequence its cache blocks (from a shuffled free list, so a sequence's blocks are not
 contiguous); the block table maps (sequence, position) to a slot.
 
-Why this module is in `cli/`: the package is a one-way import stack (tests/test_package_layout.py)
-with `models/` at layer 1 (numpy only, below the op); a decoder that calls the op must sit above
-`api`, and `cli/` is that layer. Shipping it inside the package (not in a top-level `examples/`
-folder, which the wheel does not install) lets `python -m jax_rope_cache generate` and
-`./scripts/run_demo.sh` run it from any install.
+Where it sits: above `api` (it calls the op) and below `cli/` (the `generate` command and
+`./scripts/run_demo.sh` drive it), inside the package so that every install can run it.
 
 Attention reads the caches with its own block gather, written from the layout table in the README
 (not from the library's index helpers), so a layout bug in the op shows as a wrong token.
 
 Qwen3's q_norm / k_norm are the op's own fused QK-RMSNorm (q_norm_weight / k_norm_weight with the
-config's rms_norm_eps): no separate pass over q and k. impl="off" skips them with the rest of the op.
+config's rms_norm_eps): no separate pass over q and k. impl="baseline" skips them with the rest of the op.
 """
 
 from __future__ import annotations
@@ -77,7 +74,7 @@ LLAMA_31_8B_CONFIG = {
     "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
 }
 
-# The recorded models' seeds (scripts/record_hf_model.py draws their weights with these).
+# The recorded models' seeds (tools/record_hf_model.py draws their weights with these).
 TINY_SEEDS = {"tiny-llama-3.1": 1, "tiny-qwen3": 2}
 
 # Logits of this decoder vs transformers', float32 on both sides, same weights: max |difference|
@@ -342,6 +339,18 @@ def gather_blocks(key_cache, value_cache, layer, block_table, layout: str):
 
 
 # ---- the model ------------------------------------------------------------------------------------
+def touch_caches(kc, vc, k, v, slots, layer, block_size: int):
+    """The "baseline" impl's stand-in for the op: element [layer, block of slots[0], 0, ...] of each
+    stacked cache set in place (dynamic_update_slice) to k[0, 0, 0] / v[0, 0, 0], any layout. One
+    tiny kernel per cache; the caches depend on k and v, and what reads them next on the write."""
+    blk = jnp.maximum(slots[0], 0) // block_size
+    out = []
+    for c, x in ((kc, k), (vc, v)):
+        start = (layer, blk) + (0,) * (c.ndim - 2)
+        out.append(jax.lax.dynamic_update_slice(c, x[:1, :1, :1].astype(c.dtype).reshape((1,) * c.ndim), start))
+    return out[0], out[1]
+
+
 def rms_norm(x, weight, eps):
     """Hugging Face's order: in float32, normalised, rounded to x's dtype, then times the weight."""
     x32 = x.astype(jnp.float32)
@@ -349,13 +358,17 @@ def rms_norm(x, weight, eps):
     return weight * y.astype(x.dtype)
 
 
-IMPLS = ("kernel", "xla", "off")
+IMPLS = ("kernel", "xla", "baseline")
 
 
 class Decoder:
     """A decoder and its paged caches. `impl`: "kernel" or "xla" (the op's implementations), or
-    "off" (no RoPE and no cache write at all: a wrong model, only for timing how much of a step
-    the op takes).
+    "baseline" (a wrong model, only for timing how much of a step the op takes): no RoPE and no
+    QK-norm, and instead of the cache write one element of each cache in the block of the step's
+    first slot is overwritten in place with a value of k / v (touch_caches). Attention then depends
+    on the layer's cache write as it does with the op (the caches change every layer of every step),
+    so XLA schedules the step as it does with the op; a model with no write at all would let XLA
+    treat the caches as loop invariants of the decode loop.
 
     The caches live in `self.key_cache` / `self.value_cache` ([L, ...] in `layout`); every jitted
     call donates them and stores the returned ones. The tables (cos, sin) and the weights are
@@ -438,7 +451,9 @@ class Decoder:
             q = self._mm(h, w["wq"]).reshape(B * P, cfg.q_heads, cfg.head_dim)
             k = self._mm(h, w["wk"]).reshape(B * P, cfg.kv_heads, cfg.head_dim)
             v = self._mm(h, w["wv"]).reshape(B * P, cfg.kv_heads, cfg.head_dim)
-            if self.impl != "off":
+            if self.impl == "baseline":
+                kc, vc = touch_caches(kc, vc, k, v, slots, i, self.block_size)
+            else:
                 norm = dict(q_norm_weight=w["q_norm"], k_norm_weight=w["k_norm"],
                             norm_eps=cfg.rms_norm_eps) if cfg.qk_norm else {}
                 q, k, kc, vc = jrc.rope_and_cache(q, k, v, kc, vc, slots, flat_pos, cos, sin, layout=self.layout,
@@ -525,7 +540,7 @@ class Decoder:
 
 
 def load_hf_reference(path: str) -> dict:
-    """The fixture of scripts/record_hf_model.py: {model name: {config, seed, digest, prompts
+    """The fixture of tools/record_hf_model.py: {model name: {config, seed, digest, prompts
     (token lists), tokens [B, N], logits [B, N, V]}, "meta": {versions, new_tokens}}."""
     import json
 

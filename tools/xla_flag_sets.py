@@ -2,9 +2,9 @@
 """Prints `name|XLA_FLAGS` lines: the XLA command-buffer flag sets that the installed jaxlib accepts
 (XLA aborts on an unknown flag or enum value, so each set is first parsed in a CPU-only child).
 
-    python scripts/xla_flag_sets.py [NAME ...]     (default: every set found; "default" = no flags)
+    python tools/xla_flag_sets.py [NAME ...]     (default: every set found; "default" = no flags)
 
-Used by scripts/gpu.sh stage decode_flags (issue 14: what a custom call costs inside XLA's graphs).
+Used by scripts/gpu.sh stage decode_flags (what a custom call costs inside XLA's graphs).
 """
 import os
 import subprocess

@@ -10,7 +10,7 @@ formula AITER computes, hence what "native" precision must be to be bit-compatib
 AITER's source is third-party: it is never part of this repository. Put a copy of the files listed
 in ../shared/peers/README.md (step 2, ROCm/aiter at the commit measured there) plus empty
 __init__.py files in a git-ignored folder and run:
-    PYTHONPATH=.peers/aiter_src python scripts/aiter_isa.py [--archs gfx942,gfx950,90]
+    PYTHONPATH=.peers/aiter_src python tools/aiter_isa.py [--archs gfx942,gfx950,90]
 AMD targets need an ld.lld: TRITON_HIP_LLD_PATH (the ROCm FlyDSL toolkit wrapper works, e.g.
 ~/.cache/jax_rope_cache/rocm-toolkit-*/llvm/bin/ld.lld).
 """

@@ -1,7 +1,7 @@
 """Regenerates tests/data/hf_rope.npz: Hugging Face transformers' RoPE inverse frequencies and attention
 factors for every scaling-law case and preset of tests/test_rope_tables.py (needs torch + transformers).
 
-    python scripts/record_hf_rope.py
+    python tools/record_hf_rope.py
 """
 import os
 import sys

@@ -2,9 +2,9 @@
 tests/data/hf_greedy.npz: the independent reference of tests/test_model.py and of the
 `generate` command (./scripts/run_demo.sh).
 
-    python scripts/record_hf_model.py [--out tests/data/hf_greedy.npz]   # needs torch + transformers
+    python tools/record_hf_model.py [--out tests/data/hf_greedy.npz]   # needs torch + transformers
 
-For each model of jax_rope_cache.cli.decoder.TINY_CONFIGS: weights from numpy (`random_params`,
+For each model of jax_rope_cache.decoder.TINY_CONFIGS: weights from numpy (`random_params`,
 seed below) loaded into LlamaForCausalLM / Qwen3ForCausalLM (eager attention, float32), and for
 each prompt NEW_TOKENS greedy tokens, every one from a full forward pass over the whole sequence
 so far (no KV cache on this side at all). Stored per model, under "<name>/...": the config (JSON),
@@ -42,7 +42,7 @@ def hf_model(config: dict, params: dict):
     import torch
     import transformers
 
-    from jax_rope_cache.cli.decoder import DecoderConfig, hf_state_dict
+    from jax_rope_cache.decoder import DecoderConfig, hf_state_dict
 
     cfg = DecoderConfig.from_hf(config)
     cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
@@ -103,7 +103,7 @@ def record(out: str = FIXTURE) -> dict:
     import torch
     import transformers
 
-    from jax_rope_cache.cli.decoder import (HF_LOGIT_BOUND, TINY_CONFIGS, TINY_SEEDS, DecoderConfig, params_digest,
+    from jax_rope_cache.decoder import (HF_LOGIT_BOUND, TINY_CONFIGS, TINY_SEEDS, DecoderConfig, params_digest,
                                             random_params)
 
     data = {"meta": np.array(json.dumps({"torch": torch.__version__, "transformers": transformers.__version__,

@@ -1,9 +1,9 @@
 """Prints the ROCm build-notes tables: per variant and arch, VGPR/SGPR counts (code-object
 metadata) and the global memory instructions of the ISA with their widths.
 
-    python scripts/rocm_build_notes.py --regimes --write BUILD_NOTES.md   # the regime table, in place
-    python scripts/rocm_build_notes.py            # the per-variant and occupancy tables
-    python scripts/rocm_build_notes.py --upstream /path/to/FlyDSL/checkout   # + upstream kernel
+    python tools/rocm_build_notes.py --regimes --write docs/rocm.md   # the regime table, in place
+    python tools/rocm_build_notes.py            # the per-variant and occupancy tables
+    python tools/rocm_build_notes.py --upstream /path/to/FlyDSL/checkout   # + upstream kernel
 (needs flydsl; compiles only, never launches; the regime table's instruction counts come from the
 lane emulator, tests/rocm_emulator.py)
 """

@@ -1,0 +1,165 @@
+"""impl="kernel" of the MLA op per platform: the CPU handler, the CUDA kernel (NVRTC), the FlyDSL
+kernel (ROCm). Availability (`missing()`) is each platform backend's own (backends/cpu.py, cuda.py,
+rocm.py): the same extension, NVRTC and FlyDSL serve both ops. The GPU kernels launch through the
+main op's launcher and lowering helper (backends/launcher.lower_launch), so the MLA op takes
+whatever route the main op's GPU lowering takes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+
+from jax_rope_cache.backends import cpu, cuda, launcher, native, rocm
+from jax_rope_cache.compilers import cache, nvrtc
+from jax_rope_cache.mla import contract as mla_contract
+from jax_rope_cache.mla.contract import MlaSpec
+
+MLA_BACKENDS = {"cpu": cpu, "cuda": cuda, "rocm": rocm}
+
+
+# ---- CPU -------------------------------------------------------------------------------------------
+CPU_TARGET = cpu.MLA_TARGET
+
+
+def lower_cpu(ctx, args, spec: MlaSpec):
+    native.register_target(CPU_TARGET, native.native_module().mla_cpu_handler, "cpu")
+    rule = jax.ffi.ffi_lowering(CPU_TARGET, operand_output_aliases=mla_contract.cache_aliases(spec.layout))
+    return rule(ctx, *args, is_neox=bool(spec.is_neox), native=spec.precision == "native")
+
+
+# ---- CUDA ------------------------------------------------------------------------------------------
+CUDA_KERNEL = "mla_cache_kernel"
+MAX_PARTS = 64
+# Latency regime (fewer than ~2 tokens per SM): one token per block, its units spread over up to
+# MAX_PARTS blocks of LATENCY_NT threads (one unit per thread where the grid allows). Bandwidth
+# regime: BANDWIDTH_NT threads, ~UNITS_PER_BLOCK units per block (several per thread), copy units
+# issued UNROLL at a time (loads, then stores).
+LATENCY_NT = 128
+BANDWIDTH_NT = 256
+UNITS_PER_BLOCK = 2048
+UNROLL = 4
+
+
+@functools.cache
+def cuda_sources() -> tuple[str, dict[str, str]]:
+    """(mla_cache.cu text, {include name: header text})."""
+    with open(cache.find_source("cuda/mla_cache.cu")) as f:
+        src = f.read()
+    with open(cache.find_source("common/rope_cache_math.h")) as f:
+        hdr = f.read()
+    return src, {"rope_cache_math.h": hdr}
+
+
+@dataclasses.dataclass(frozen=True)
+class MlaCudaConfig:
+    defines: tuple[tuple[str, int], ...]
+    tokens_per_block: int
+    threads: int
+    parts: int
+
+    def options(self) -> list[str]:
+        return [f"-D{k}={v}" for k, v in self.defines]
+
+
+def _width(max_elems: int, *divides: int, even: bool = False) -> int:
+    w = max_elems
+    while w > 1 and any(d % w for d in divides):
+        w //= 2
+    return max(w, 2) if even else w
+
+
+def chunk_widths(spec: MlaSpec) -> tuple[int, int]:
+    """(MLA_W, MLA_RW): 16 bytes of input where the widths allow."""
+    m = 16 // spec.dtype.itemsize
+    w = _width(m, spec.nope_dim, spec.latent_dim, spec.rope_dim)
+    rw = _width(m, spec.rope_dim // 2) if spec.is_neox else _width(m, spec.rope_dim, even=True)
+    return w, rw
+
+
+def units_per_token(spec: MlaSpec, w: int, rw: int) -> int:
+    p = (spec.rope_dim // 2) // rw if spec.is_neox else spec.rope_dim // rw
+    return spec.q_heads * (spec.nope_dim // w) + spec.latent_dim // w + (spec.q_heads + 1) * p
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
+
+
+def mla_kernel_config(spec: MlaSpec, num_sms: int = cuda.DEFAULT_SMS, unroll: int | None = None) -> MlaCudaConfig:
+    """The static configuration of one call (kernels/cuda/mla_cache.cu's header lists the -D names)."""
+    w, rw = chunk_widths(spec)
+    upt = units_per_token(spec, w, rw)
+    t = max(1, spec.num_tokens)
+    if t < 2 * num_sms:  # latency: one token per block, its units over several blocks
+        nt, tpb = LATENCY_NT, 1
+        parts = max(1, min(MAX_PARTS, -(-upt // nt), -(-2 * num_sms // t)))
+        per_part = -(-upt // parts)
+        nt = min(nt, max(32, -(-per_part // 32) * 32))
+    else:
+        nt, parts = BANDWIDTH_NT, 1
+        tpb = max(1, min(64, _pow2_floor(UNITS_PER_BLOCK // upt)))
+    minb = max(1, 1024 // nt)  # at most 64 registers per thread
+    c = mla_contract.kernel_codes(spec)
+    defines = (("MLA_QH", c.qh), ("MLA_DN", c.dn), ("MLA_DC", c.dc), ("MLA_DR", c.dr), ("MLA_BS", c.bs),
+               ("MLA_SPLIT_CACHE", int(c.split)), ("MLA_NEOX", int(c.neox)), ("MLA_FULL_TABLE", int(c.full_table)),
+               ("MLA_NATIVE", int(c.native)), ("MLA_DT", c.dt), ("MLA_TAB_DT", c.tab_dt), ("MLA_CACHE_DT", c.cache_dt),
+               ("MLA_Q_DT", c.q_dt), ("MLA_SLOT64", int(c.slot64)), ("MLA_POS64", int(c.pos64)),
+               ("MLA_LAYER_BLOCKS", c.layer_blocks), ("MLA_W", w), ("MLA_RW", rw), ("MLA_TPB", tpb), ("MLA_NT", nt),
+               ("MLA_PARTS", parts), ("MLA_MINB", minb), ("MLA_UNROLL", UNROLL if unroll is None else unroll))
+    return MlaCudaConfig(defines=defines, tokens_per_block=tpb, threads=nt, parts=parts)
+
+
+def compile_mla(cfg: MlaCudaConfig, arch: str) -> nvrtc.Compiled:
+    """NVRTC-compiles one variant for `arch` ("sm_90" or "compute_90"), through the package's caches."""
+    src, headers = cuda_sources()
+    opts = list(cuda.BASE_OPTIONS) + cfg.options()
+    if arch.startswith("compute_"):
+        opts.remove("--ptxas-options=-v")
+    return nvrtc.compile_cuda(src, arch=arch, options=opts, headers=headers, name="mla_cache.cu")
+
+
+def build_cuda_table(cfg: MlaCudaConfig, cc: int | None) -> bytes:
+    """cubin for the GPU's arch (sm_90 without a GPU) + PTX fallback, as the main op's table."""
+    supported = nvrtc.supported_archs() or [cuda.DEFAULT_ARCH]
+    target = cc if cc is not None else cuda.DEFAULT_ARCH
+    entries = []
+    if target in supported:
+        entries.append((launcher.KIND_CUBIN, f"sm_{target}", compile_mla(cfg, f"sm_{target}").code))
+        ptx_arch = target
+    else:
+        ptx_arch = max((a for a in supported if a <= target), default=min(supported))
+    entries.append((launcher.KIND_PTX, f"compute_{ptx_arch}", compile_mla(cfg, f"compute_{ptx_arch}").code))
+    return launcher.pack_code_table(entries)
+
+
+def _launch_options(spec: MlaSpec) -> dict:
+    names = mla_contract.operands(spec.layout)
+    res = tuple(f"{r} result" if r in names else r for r in mla_contract.results(spec.layout))
+    return dict(aliases=mla_contract.cache_aliases(spec.layout), fenced=mla_contract.fenced_operands(spec.layout),
+                buffer_names=",".join(names + res))
+
+
+def lower_cuda(ctx, args, spec: MlaSpec):
+    cc, sms = cuda._local_cuda_arch()
+    cfg = mla_kernel_config(spec, sms)
+    return launcher.lower_launch(ctx, args, table=build_cuda_table(cfg, cc), kernel=CUDA_KERNEL,
+                                 grid_div=cfg.tokens_per_block, block=cfg.threads, grid_y=cfg.parts,
+                                 **_launch_options(spec))
+
+
+# ---- ROCm ------------------------------------------------------------------------------------------
+def lower_rocm(ctx, args, spec: MlaSpec):
+    from jax_rope_cache.mla import rocm_kernel
+
+    return rocm_kernel.lower(ctx, args, spec, _launch_options(spec))
+
+
+def lowering(platform: str):
+    """The kernel lowering `(ctx, args, spec)` of the MLA op on `platform`."""
+    return {"cpu": lower_cpu, "cuda": lower_cuda, "rocm": lower_rocm}[platform]
+
+
+__all__ = ["MLA_BACKENDS", "lowering", "mla_kernel_config", "compile_mla", "build_cuda_table"]
