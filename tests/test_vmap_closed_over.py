@@ -77,3 +77,35 @@ def test_jit_of_vmap_over_closed_over_numpy_inputs(platform, impl, caches):
             got = jax.jit(with_refs)(kc, vc)
     exact = impl == "kernel" or (impl is None and platform in backends.kernel_platforms())
     _check([np.asarray(g) for g in got], elems, opts, exact, f"{platform}, impl={impl}, caches {caches}")
+
+
+@pytest.mark.parametrize("caches", ["jit-arguments", "closed-over"])
+@pytest.mark.parametrize("platform,impl", _params())
+def test_mla_jit_of_vmap_over_closed_over_numpy_inputs(platform, impl, caches):
+    """The MLA op's XLA path had the same no-differentiation wrapper: the same check against its
+    numpy reference."""
+    from mla_cases import MlaCase, make_mla_problem
+    from test_mla import assert_mla_close
+
+    from jax_rope_cache.mla import reference as mla_reference
+
+    probs = [make_mla_problem(MlaCase(T=5), seed=40 + b) for b in range(BATCH)]
+    opts = probs[0][1]
+    cos, sin = probs[0][0][7], probs[0][0][8]
+    stacked = [np.stack([p[0][i] for p in probs]) for i in range(7)]
+    assert np.abs(stacked[4].astype(np.float32)).min() > 0  # random caches
+
+    def batched(cache):
+        per = lambda a, b, c, d, kv, s, p: jrc.mla_rope_and_cache(a, b, c, d, kv, s, p, cos, sin, **opts,  # noqa
+                                                                     impl=impl)
+        return jax.vmap(per)(*stacked[:4], cache, *stacked[5:7])
+
+    with jax.default_device(jax.devices(platform)[0]):
+        got = jax.jit(batched)(stacked[4]) if caches == "jit-arguments" else jax.jit(lambda: batched(stacked[4]))()
+    exact = impl == "kernel" or (impl is None and platform in backends.kernel_platforms())
+    for b in range(BATCH):
+        args = list(probs[b][0])
+        args[7], args[8] = cos, sin
+        want = mla_reference.mla_rope_and_cache(*args, **opts)
+        assert_mla_close(jax.tree.map(lambda x: np.asarray(x)[b], got), want, args, opts,
+                         "kernel" if exact else "xla", f"[{platform}, impl={impl}, {caches}, element {b}] ")
