@@ -72,6 +72,9 @@ class MlaSpec:
     slot_dtype: np.dtype
     pos_dtype: np.dtype
     num_layers: int | None = None
+    # One position stream (no multimodal RoPE): read by the main op's table helpers.
+    mrope_section = None
+    mrope_interleaved = False
 
     @property
     def rotary_dim(self) -> int:
