@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import numbers
 from collections.abc import Callable, Sequence
@@ -12,8 +11,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_rope_cache import contract, primitive
-from jax_rope_cache.backends import cpu, kernel_node, launcher, xla
+from jax_rope_cache import versions
+
+versions.check_jax()
+
+from jax_rope_cache import contract, primitive  # noqa: E402
+from jax_rope_cache.backends import cpu, kernel_node, launcher, xla  # noqa: E402
 
 IMPLS = (None, "kernel", "xla")
 ArrayLike = jax.typing.ArrayLike
@@ -156,22 +159,6 @@ def _prepare(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
     return spec, slot_mapping, positions, _host_layer(layer, spec)
 
 
-def _xla_not_differentiable(spec, primals, tangents):
-    del spec, primals, tangents
-    raise TypeError(primitive.NOT_DIFFERENTIABLE)
-
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=(len(contract.OPERANDS),))
-def _xla_impl(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, k_scale, v_scale, layer,
-              q_norm_weight, k_norm_weight, spec):
-    """impl="xla" under the op's one differentiation rule (none: jax.grad raises, as for the kernel)."""
-    return xla.rope_and_cache(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, k_scale,
-                              v_scale, layer, q_norm_weight, k_norm_weight, spec=spec)
-
-
-_xla_impl.defjvp(_xla_not_differentiable)
-
-
 def rope_and_cache(q: ArrayLike, k: ArrayLike, v: ArrayLike, key_cache: Cache, value_cache: Cache,
                    slot_mapping: ArrayLike, positions: ArrayLike, cos: ArrayLike, sin: ArrayLike, *,
                    layout: str = "flash", is_neox: bool = True, rotary_dim: int | None = None,
@@ -266,7 +253,7 @@ def _run(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, *, 
             return args[0][:, :spec.q_heads], args[0][:, :spec.kv_heads], args[3], args[4]
         return args[:2] + args[3:5]
     if impl == "xla":
-        return tuple(_xla_impl(*args, spec))
+        return tuple(xla.rope_and_cache(*primitive.not_differentiable(*args), spec=spec))
     return tuple(primitive.bind(*args, spec=spec, impl=impl))
 
 

@@ -246,6 +246,30 @@ ad.primitive_jvps[rope_cache_p] = _not_differentiable
 batching.primitive_batchers[rope_cache_p] = _batch
 
 
+# impl="xla" is traced as jax.numpy code (XLA fuses and vmaps it as such), behind this identity
+# primitive, which carries the op's one differentiation rule (none). An identity primitive rather
+# than a jax.custom_jvp: primitives canonicalise their operands when bound, while vmap of a
+# custom_jvp hands a batched numpy input (a closed-over array the caller vmaps over) to the
+# enclosing jit's trace as is, which jax rejects as a non-canonical constant.
+def _refuse_jvp(primals, tangents, *, message):
+    raise TypeError(message)
+
+
+not_differentiable_p = Primitive("rope_and_cache_not_differentiable")
+not_differentiable_p.multiple_results = True
+not_differentiable_p.def_impl(lambda *args, message: list(args))
+not_differentiable_p.def_abstract_eval(lambda *avals, message: list(avals))
+mlir.register_lowering(not_differentiable_p, lambda ctx, *args, message: list(args))
+ad.primitive_jvps[not_differentiable_p] = _refuse_jvp
+batching.primitive_batchers[not_differentiable_p] = lambda args, dims, *, message: (
+    not_differentiable_p.bind(*args, message=message), dims)
+
+
+def not_differentiable(*args, message: str = NOT_DIFFERENTIABLE) -> list:
+    """`args` unchanged; jax.grad / jvp / vjp through them raise TypeError(message)."""
+    return not_differentiable_p.bind(*args, message=message)
+
+
 def bind(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, k_scale, v_scale, layer,
          q_norm_weight, k_norm_weight, *, spec: contract.OpSpec, impl):
     return rope_cache_p.bind(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,

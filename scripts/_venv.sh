@@ -2,11 +2,41 @@
 # it, installs the dependencies and builds + installs this project into it. Sets $PY.
 # Each step runs only when needed: dependencies when their list changed, the build when a source
 # file changed (a hash of the tracked sources is kept in the venv). The build folder lives in the
-# venv, never in the source tree; the source folder gets a link to the built extension, so Python
-# started in the checkout imports a working package. JRC_REBUILD=1 forces the build.
+# venv, never in the source tree; the source folder gets a link to the extension built in .venv, so
+# Python started in the checkout imports a working package. JRC_REBUILD=1 forces the build.
+#
+# Which jax (the supported range and the pins are jax_rope_cache/versions.py's; tests/test_venv_script.py
+# checks that the numbers here agree):
+#   default               jax and jaxlib >=0.11.1,<0.13 (pip takes the newest), in .venv
+#   JRC_JAX_VERSION=X     jax and jaxlib ==X (CI: the oldest supported, 0.11.1), in .venv-jax-X
+#   JRC_JAX_EXTRA=rocm*   jax[rocm7-local]==0.12.0 (the newest jax with a ROCm plugin release: 0.12.0.1's
+#                         extra asks for a plugin that does not exist); JRC_JAX_EXTRA=cuda13: jax[cuda13]
+#   JRC_VENV=DIR          the venv folder, whatever the above
+#   JRC_PRINT_PLAN=1      print the venv folder and the jax / jaxlib / pip requirements, install nothing
+# pip itself is upgraded first: pip 23 cannot resolve jax[rocm7-local] when the newest jax has no
+# plugin release of its own version.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-VENV="${JRC_VENV:-$ROOT/.venv}"
+JAX_OLDEST=0.11.1 JAX_BELOW=0.13 JAX_ROCM=0.12.0 PIP_REQ="pip>=24"
+if [ -n "${JRC_JAX_VERSION:-}" ]; then
+  if [ "$(printf '%s\n' "$JAX_OLDEST" "$JRC_JAX_VERSION" | sort -V | head -n 1)" != "$JAX_OLDEST" ]; then
+    echo "error: JRC_JAX_VERSION: expected a jax release from $JAX_OLDEST on (jax_rope_cache/versions.py), got $JRC_JAX_VERSION" >&2
+    exit 1
+  fi
+  JAX_SPEC="==$JRC_JAX_VERSION"
+else
+  case "${JRC_JAX_EXTRA:-}" in
+    rocm*) JAX_SPEC="==$JAX_ROCM" ;;
+    *) JAX_SPEC=">=$JAX_OLDEST,<$JAX_BELOW" ;;
+  esac
+fi
+VENV="${JRC_VENV:-$ROOT/.venv${JRC_JAX_VERSION:+-jax-$JRC_JAX_VERSION}}"
+JAX_REQ="jax${JRC_JAX_EXTRA:+[$JRC_JAX_EXTRA]}$JAX_SPEC"
+JAXLIB_REQ="jaxlib$JAX_SPEC"
+if [ "${JRC_PRINT_PLAN:-0}" = 1 ]; then
+  printf 'venv=%s\njax=%s\njaxlib=%s\npip=%s\n' "$VENV" "$JAX_REQ" "$JAXLIB_REQ" "$PIP_REQ"
+  exit 0
+fi
 
 find_python() {
   local c p
@@ -41,11 +71,16 @@ when_changed() {
   echo "$key" >"$stamp"
 }
 
+upgrade_pip() {
+  echo "# upgrading pip in $VENV ($PIP_REQ)"
+  pip_install --upgrade "$PIP_REQ"
+}
+when_changed pip "$PIP_REQ" upgrade_pip
+
 # JRC_JAX_EXTRA=cuda13 installs jax[cuda13] (NVIDIA GPUs); JRC_JAX_EXTRA=rocm7-local installs jax with its
 # ROCm 7 plugin (AMD GPUs; the host's ROCm 7 install provides the libraries, as jax documents); the
 # default is the CPU build.
-JAX_REQ="jax${JRC_JAX_EXTRA:+[$JRC_JAX_EXTRA]}>=0.11"
-DEPS=("$JAX_REQ" "jaxlib>=0.11" numpy "ml_dtypes>=0.5" "pytest>=8" "scikit-build-core>=0.11" "nanobind>=2.4")
+DEPS=("$JAX_REQ" "$JAXLIB_REQ" numpy "ml_dtypes>=0.5" "pytest>=8" "scikit-build-core>=0.11" "nanobind>=2.4")
 case "${JRC_JAX_EXTRA:-}" in rocm*) ;; *) DEPS+=(nvidia-cuda-nvrtc) ;; esac  # NVRTC: the CUDA kernel's compiler
 install_deps() {
   echo "# installing dependencies into $VENV: ${DEPS[*]}"
@@ -76,4 +111,5 @@ link_extension() {
   rm -f "$ROOT"/jax_rope_cache/_native*.so
   ln -s "$built" "$ROOT/jax_rope_cache/$(basename "$built")"
 }
-link_extension
+# Only the checkout's own venv: a pinned jax's venv (.venv-jax-X) or another JRC_VENV leaves the link alone.
+if [ "$VENV" = "$ROOT/.venv" ]; then link_extension; fi

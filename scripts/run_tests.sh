@@ -14,9 +14,14 @@ extension, then runs pytest. With no test path, all of tests/ runs.
   --help      this text; installs nothing
 
 Anything else goes to pytest: a file (tests/test_errors.py), -k EXPR, -x, -q ...
-Environment: JRC_JAX_EXTRA=cuda13 | rocm7-local picks jax's GPU plugin (and runs the tests in one
-process); JRC_TEST_WORKERS sets the number of test processes of a CPU run (default: one per core);
-JRC_VENV another venv.
+Environment:
+  JRC_JAX_EXTRA=cuda13 | rocm7-local   jax's GPU plugin; the run then fails (naming jax's plugin
+                                       error and the fix) unless jax has that GPU backend; the
+                                       tests then run in one process
+  JRC_JAX_VERSION=0.11.1               pin jax and jaxlib to one release, in its own venv
+                                       (.venv-jax-0.11.1): CI tests the oldest supported jax so
+  JRC_TEST_WORKERS=N                   test processes of a CPU run (default: one per core)
+  JRC_VENV=DIR                         another venv
 USAGE
 }
 tier=default

@@ -14,6 +14,11 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 
 import jax  # noqa: E402
+
+from jax_rope_cache import gpu_env  # noqa: E402
+
+gpu_env.capture_plugin_errors()  # before jax loads its backends: a GPU plugin's load error is only logged
+
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -64,6 +69,12 @@ def _gpu_kernels_missing() -> list[str]:
         if problem is not None:
             out.append(f"{name}: needs {problem}")
     return out
+
+
+# A run asked for a GPU (JRC_JAX_EXTRA=rocm* / cuda*, as scripts/run_tests.sh installs it) must not
+# pass on the CPU because jax's GPU plugin failed to load (jax logs that and carries on).
+if (_asked := gpu_env.asked_platform()) and (_why := gpu_env.missing_backend_message(_asked)):
+    raise RuntimeError(_why)
 
 
 # On a GPU host, a kernel that cannot be built must fail the run, not shrink it.

@@ -26,3 +26,19 @@ def test_info_json_reports_version_and_kernels_of_present_platforms():
 
 def test_info_help():
     assert _info("--help").startswith("usage: python -m jax_rope_cache info")  # argparse help, exit 0
+
+
+def test_info_says_which_rocm_setups_are_supported_when_there_is_no_amd_gpu():
+    import jax
+
+    data = json.loads(_info("--json"))
+    try:
+        has_rocm = bool(jax.devices("rocm"))
+    except RuntimeError:
+        has_rocm = False
+    if has_rocm:
+        assert "gfx" in data["rocm"], data["rocm"]
+    else:
+        assert data["rocm"].startswith("no AMD GPU found"), data["rocm"]
+        for fact in ("ROCm 7.x", "gfx942", "gfx950", "jax[rocm7-local]", "code-object v6", "ROCm >= 6.3"):
+            assert fact in data["rocm"], (fact, data["rocm"])

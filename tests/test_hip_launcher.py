@@ -18,7 +18,10 @@ runtime that reports no arch falls back to trying each entry); for real FlyDSL c
 several variants, the kernarg buffer matches the code object's metadata (kernarg size, each
 argument's offset: operand pointers, result pointers = the aliased caches, dim0 values), the grid
 is ceil(T / tokens per block), the block is the required workgroup size, for the graph and
-no-graph targets alike and on two devices.
+no-graph targets alike and on two devices; each launch runs with the call's device current (the
+thread's device restored after it); a HIP runtime already loaded under a soname the launcher does
+not list is bound; a code object the runtime refuses is named with its code-object version, the
+ROCm that loads it and the runtime found.
 """
 
 from __future__ import annotations
@@ -62,6 +65,11 @@ def stubs(tmp_path_factory):
     run = lambda *cmd: subprocess.run(cmd, check=True, capture_output=True, text=True)  # noqa: E731
     run(cc, "-shared", "-fPIC", "-O1", "-Wall", "-Werror", "-Wl,-soname,libamdhip64.so.7", "-o",
         str(d / "libamdhip64.so.7"), os.path.join(_TESTS, "stubs", "hip_stub.c"))
+    # a HIP runtime of a soname the launcher's list does not name, alone in its folder
+    (d / "rocm10").mkdir()
+    run(cc, "-shared", "-fPIC", "-O1", "-Wall", "-Werror", '-DSTUB_SONAME="libamdhip64.so.10"',
+        "-Wl,-soname,libamdhip64.so.10", "-o", str(d / "rocm10" / "libamdhip64.so.10"),
+        os.path.join(_TESTS, "stubs", "hip_stub.c"))
     run(cc, "-shared", "-fPIC", "-O1", "-Wall", "-Werror", "-Wl,-soname,libcuda.so.1", "-o", str(d / "libcuda.so.1"),
         os.path.join(_TESTS, "stubs", "cuda_stub.c"))
     run(cxx, "-std=c++17", "-O1", "-w", "-shared", "-fPIC", "-DJRC_LAUNCHER_TEST", f"-I{_ROOT}",
@@ -139,12 +147,15 @@ def fnv1a64(data: bytes) -> str:
     return f"{h:016x}"
 
 
-def fake_code_object(arch: str, symbol: str = "jrc_rope_cache_0") -> bytes:
+def fake_code_object(arch: str, symbol: str = "jrc_rope_cache_0", co_version: int | None = None) -> bytes:
     """A minimal ELF64 image (header with the arch's EF_AMDGPU_MACH, the symbol as a string) whose
-    section-header end marks its size, as the stub computes it."""
+    section-header end marks its size, as the stub computes it; with `co_version`, an AMDHSA code
+    object of that version (EI_OSABI 64, EI_ABIVERSION version - 2)."""
     body = b"\0" + symbol.encode() + b"\0" + arch.encode() + b"\0"
     h = bytearray(64)
     h[:6] = b"\x7fELF\x02\x01"
+    if co_version is not None:
+        h[6:9] = bytes([1, 64, co_version - 2])
     struct.pack_into("<HH", h, 0x10, 3, 0xE0)  # ET_DYN, EM_AMDGPU
     struct.pack_into("<Q", h, 0x28, 64 + len(body))  # e_shoff: no section headers, right after the body
     struct.pack_into("<I", h, 0x30, MACH.get(arch, 0x3F))
@@ -242,6 +253,60 @@ def test_modules_load_once_per_device(stubs, tmp_path):
     assert all(o["error"] is None for o in out), out
     assert [ld["device"] for ld in calls_of(rec, "hipModuleLoadData")] == [0, 3]
     assert [x["module_device"] for x in calls_of(rec, "hipModuleLaunchKernel")] == [0, 3, 0, 3, 3]
+
+
+def test_each_launch_runs_with_its_device_current_and_restores_the_thread_device(stubs, tmp_path):
+    """Newer HIP runtimes refuse a launch (hipErrorInvalidResourceHandle) when the calling thread's
+    current device is not the stream's; the stub does too. XLA's thread may sit on any device: the
+    launcher makes the call's device current for the launch and switches back after it."""
+    calls = [simple_call(TABLE, device=d) for d in (5, 2, 0, 5)] + [simple_call(TABLE, "jrc_test_hip_nograph", 2)]
+    out, rec = run_harness(stubs, tmp_path, calls, env={"HIP_STUB_ARCH": "gfx942"})
+    assert [o["error"] for o in out] == [None] * len(calls), out
+    launches = calls_of(rec, "hipModuleLaunchKernel")
+    assert [x["module_device"] for x in launches] == [5, 2, 0, 5, 2]
+    assert all(x["device"] == x["module_device"] and x["result"] == 0 for x in launches), launches
+    # around every launch on a device other than the thread's (0): set it, launch, set 0 back
+    for i, r in enumerate(rec):
+        if r["call"] == "hipModuleLaunchKernel" and r["device"] != 0:
+            assert rec[i - 1] == {"call": "hipSetDevice", "device": r["device"]}, rec[i - 3:i + 2]
+            assert rec[i + 1] == {"call": "hipSetDevice", "device": 0}, rec[i - 1:i + 3]
+    # on the thread's own device no switch happens
+    i = next(i for i, r in enumerate(rec) if r["call"] == "hipModuleLaunchKernel" and r["device"] == 0)
+    assert rec[i - 1]["call"] != "hipSetDevice" or rec[i - 1]["device"] == 0
+
+
+def test_a_hip_runtime_already_loaded_under_another_soname_is_bound(stubs, tmp_path):
+    """A process whose PJRT plugin loaded libamdhip64.so.10 (a ROCm newer than the launcher's name
+    list): the launcher binds that copy, found among the loaded objects, not a name on disk."""
+    rocm10 = stubs / "rocm10" / "libamdhip64.so.10"
+    out, rec = run_harness(stubs, tmp_path, [simple_call(TABLE)], preload=(str(rocm10),),
+                           env={"HIP_STUB_ARCH": "gfx942", "LD_LIBRARY_PATH": str(stubs / "rocm10")})
+    assert out[0]["error"] is None, out[0]["error"]
+    assert [r["lib"] for r in calls_of(rec, "hipInit")] == ["libamdhip64.so.10"]
+    assert len(calls_of(rec, "hipModuleLaunchKernel")) == 1
+    # not loaded and not on the name list: an error naming what was looked for
+    out, rec = run_harness(stubs, tmp_path, [simple_call(TABLE)],
+                           env={"HIP_STUB_ARCH": "gfx942", "LD_LIBRARY_PATH": str(stubs / "rocm10")})
+    assert "the HIP runtime (libamdhip64.so, loaded or .so.7 / .so.6) could not be loaded" in out[0]["error"]
+    assert not rec
+
+
+@pytest.mark.parametrize("reported", ["gfx942", ""])
+def test_a_refused_code_object_names_its_version_and_the_rocm_it_needs(stubs, tmp_path, reported):
+    """A ROCm < 6.3 runtime refuses code-object v6: the error says which version the code object is,
+    which ROCm loads it, and which runtime this process has (version, path)."""
+    table = launcher.pack_code_table([(launcher.KIND_AMDGPU, a, fake_code_object(a, co_version=6))
+                                      for a in ("gfx942", "gfx950")])
+    env = {"HIP_STUB_ARCH": reported, "HIP_STUB_MAX_CO_VERSION": "5", "HIP_STUB_RUNTIME_VERSION": "60241134"}
+    out, rec = run_harness(stubs, tmp_path, [simple_call(table)], env=env)
+    err = out[0]["error"]
+    assert err and "hipErrorNoBinaryForGpu" in err, err
+    assert "AMDHSA code-object v6, which the HIP runtime of ROCm >= 6.3 loads" in err, err
+    assert "this process's HIP runtime: 6.2.41134 (libamdhip64.so.7)" in err, err
+    assert not calls_of(rec, "hipModuleLaunchKernel")
+    env["HIP_STUB_MAX_CO_VERSION"] = "6"  # a ROCm >= 6.3 runtime loads it
+    out, _ = run_harness(stubs, tmp_path, [simple_call(table)], env=env)
+    assert out[0]["error"] is None, out[0]["error"]
 
 
 # ---- real FlyDSL code objects: the kernarg buffer against the metadata -----------------------------

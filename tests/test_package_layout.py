@@ -17,8 +17,8 @@ _SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", _PKG)
 
 # Layer of each module or subpackage; a module imports only lower layers and its own subpackage.
 LAYERS = {
-    "contract": 0,
-    "reference": 1, "compilers": 1, "models": 1,
+    "contract": 0, "versions": 0,
+    "reference": 1, "compilers": 1, "models": 1, "gpu_env": 1,
     "backends": 2,
     "primitive": 3,
     "api": 4,

@@ -12,6 +12,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import jaxlib
 import numpy as np
 import pytest
 
@@ -30,7 +31,21 @@ def _dims(shape) -> str:
     return "[" + ",".join(str(d) for d in shape) + "]"
 
 
-def check_in_place(compiled, cache_shapes, cache_bytes, n_params_before_caches=3):
+def widens_bf16_scatter(platform, impl, cache_dtype) -> bool:
+    """Whether the XLA path copies a bf16 cache here: the CPU compiler of jaxlib < 0.12 has no bf16
+    scatter (it would widen the whole cache to f32 and back, rewriting NaN payloads), so the XLA
+    path scatters the cache's uint16 bits there, and that XLA copies each cache into its integer view
+    (jaxlib 0.11.1, measured: temp memory 1.06 caches for one call, 2.09 in a fori_loop, where both
+    copies are live; the caches still aliased in and out).
+    Only the XLA path on CPU; jaxlib >= 0.12 and GPUs scatter bf16 in place."""
+    old = tuple(int(x) for x in jaxlib.__version__.split(".")[:2]) < (0, 12)
+    return old and platform == "cpu" and impl == "xla" and np.dtype(cache_dtype) == np.dtype(jnp.bfloat16)
+
+
+def check_in_place(compiled, cache_shapes, cache_bytes, n_params_before_caches=3, widened=False):
+    """The caches are aliased in and out, never copied, and temp memory holds less than one cache;
+    `widened` (widens_bf16_scatter): a copy of each cache into its bit view is expected, and no more
+    than that (temp memory below 2.25 caches)."""
     text = compiled.as_text()
     aliases = {int(p) for _, p in re.findall(r"\{(\d*)\}: \((\d+), \{\}, (?:may|must)-alias\)", text)}
     assert "input_output_alias=" in text, "no input_output_alias in the compiled module"
@@ -40,6 +55,9 @@ def check_in_place(compiled, cache_shapes, cache_bytes, n_params_before_caches=3
             for shape in cache_shapes:
                 assert _dims(shape) not in line, f"cache-shaped copy: {line.strip()}"
     temp = compiled.memory_analysis().temp_size_in_bytes
+    if widened:
+        assert temp < 2.25 * cache_bytes, f"temp memory {temp} B holds more than a copy of each cache ({cache_bytes} B)"
+        return text
     assert temp < cache_bytes, f"temp memory {temp} B holds a cache-sized buffer ({cache_bytes} B)"
     return text
 
@@ -57,7 +75,8 @@ def test_donated_jit_updates_caches_in_place(platform, impl):
     step = jax.jit(lambda *a: jrc.rope_and_cache(*a, **static, impl=impl), donate_argnums=(3, 4))
     dargs = _on(platform, args)
     compiled = step.lower(*dargs).compile()
-    text = check_in_place(compiled, [args[3].shape, args[4].shape], args[3].nbytes)
+    text = check_in_place(compiled, [args[3].shape, args[4].shape], args[3].nbytes,
+                          widened=widens_bf16_scatter(platform, impl, args[3].dtype))
     if impl == "kernel":
         calls = re.findall(r"custom_call_target=\"(jax_rope_cache[a-z_]*)\"", text)
         assert len(calls) == 1, f"expected one kernel custom call, found {calls}"
@@ -91,7 +110,7 @@ def test_fori_loop_decode_keeps_caches_in_place(platform, impl):
     dargs = _on(platform, (q, k, v, kc, vc, cos, sin))
     compiled = loop.lower(*dargs).compile()
     text = compiled.as_text()
-    check_in_place(compiled, [kc.shape, vc.shape], kc.nbytes)
+    check_in_place(compiled, [kc.shape, vc.shape], kc.nbytes, widened=widens_bf16_scatter(platform, impl, kc.dtype))
     assert not re.search(r"dynamic-update-slice\(|\bdynamic-slice\(", text) or impl == "xla"
     got_kc, got_vc, _ = compiled(*dargs)
 
@@ -114,7 +133,8 @@ def test_library_donating_entry_point(platform, impl):
     static, dynamic = _split(args, opts)
     dargs = _on(platform, args)
     lowered = jrc.rope_and_cache_donated.lower(*dargs, **static, **dynamic, impl=impl)
-    check_in_place(lowered.compile(), [args[3].shape, args[4].shape], args[3].nbytes)
+    check_in_place(lowered.compile(), [args[3].shape, args[4].shape], args[3].nbytes,
+                   widened=widens_bf16_scatter(platform, impl, args[3].dtype))
     out = jrc.rope_and_cache_donated(*dargs, **static, **dynamic, impl=impl)
     assert dargs[3].is_deleted() and dargs[4].is_deleted()
     want = reference_op(*args, **opts)

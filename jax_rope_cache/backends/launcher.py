@@ -5,12 +5,20 @@ The launcher (kernels/ffi/gpu_launcher.cc) is generic: it loads the entry of the
 the device (cubin / PTX / AMDGPU ELF for the device's gcnArchName), once per device and table
 hash, and launches the named kernel on XLA's stream with the operand pointers and leading
 dimensions (see rope_cache.cu's ABI). The driver it binds follows the platform the target was
-registered for (CUDA -> libcuda.so.1, ROCM -> libamdhip64.so.7/.6).
+registered for (CUDA -> libcuda.so.1; ROCM -> the HIP runtime the process already loaded, any
+soname, else libamdhip64.so.7 / .so.6). On HIP a launch makes the call's device current and restores
+the thread's device after it.
 
 Environment:
-  JAX_ROPE_CACHE_COMMAND_BUFFERS=0   use the launcher target WITHOUT the command-buffer trait (XLA
-                                     then never captures the call into a CUDA/HIP graph; for hosts
-                                     where graph replay misbehaves)
+  JAX_ROPE_CACHE_COMMAND_BUFFERS     which of the launcher's two targets the lowering uses: 1 the
+                                     target with the command-buffer trait (XLA may capture the call
+                                     into a CUDA/HIP graph and replay it), 0 the target without it
+                                     (XLA never captures the call; the call runs as its own launch
+                                     every time). Unset: 1 on CUDA, 0 on ROCm (XLA's HIP-graph
+                                     replay is not trusted yet: openxla/xla#46952, a segfault
+                                     replaying a HIP graph on gfx950 / ROCm 7.1). Read at lowering.
+Where jax refuses the trait for a platform (a PJRT plugin without custom-call trait support), the
+lowering uses the target without it and warns once.
 """
 
 from __future__ import annotations
@@ -19,6 +27,8 @@ import functools
 import hashlib
 import os
 import struct
+import threading
+import warnings
 
 import jax
 import ml_dtypes
@@ -38,8 +48,20 @@ MISSING = ("the compiled extension jax_rope_cache._native (with the GPU launcher
            "reinstall the package")
 
 
-def command_buffers_enabled() -> bool:
-    return os.environ.get("JAX_ROPE_CACHE_COMMAND_BUFFERS", "1").strip().lower() not in ("0", "false", "off", "no")
+COMMAND_BUFFERS_DEFAULT = {"CUDA": True, "ROCM": False}  # XLA platform name -> graph target by default
+_ON, _OFF = ("1", "true", "on", "yes"), ("0", "false", "off", "no")
+
+
+def command_buffers_enabled(platform: str = "CUDA") -> bool:
+    """Whether a lowering for `platform` ("CUDA" / "ROCM", any case) uses the graph target."""
+    value = os.environ.get("JAX_ROPE_CACHE_COMMAND_BUFFERS", "").strip().lower()
+    if not value:
+        return COMMAND_BUFFERS_DEFAULT[platform.upper()]
+    if value in _ON or value in _OFF:
+        return value in _ON
+    raise ValueError(f"JAX_ROPE_CACHE_COMMAND_BUFFERS: expected 1 (the launcher target XLA may capture into "
+                     f"CUDA/HIP graphs) or 0 (the target it never captures), or unset (1 on CUDA, 0 on ROCm), got "
+                     f"{value!r}")
 
 
 def launcher_module():
@@ -94,15 +116,43 @@ def handler_capsules(module, platform: str, command_buffers: bool):
     return module.gpu_handler(platform, command_buffers)
 
 
-def register_gpu_targets(module) -> str:
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def _warn_once(message: str) -> None:
+    """A RuntimeWarning once per process and message, pointing at the caller's code."""
+    with _warned_lock:
+        if message in _warned:
+            return
+        _warned.add(message)
+    internal = (os.path.dirname(jax.__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    warnings.warn(message, RuntimeWarning, skip_file_prefixes=internal)
+
+
+def register_gpu_targets(module, platform: str = "CUDA") -> str:
     """Registers both launcher targets for CUDA and ROCM (each platform gets the handlers that bind
-    its own driver); returns the target to use."""
-    for platform in GPU_PLATFORMS:
-        native.register_target(GPU_TARGET, functools.partial(handler_capsules, module, platform, True), platform,
-                               command_buffers=True)
-        native.register_target(GPU_TARGET_NO_GRAPH, functools.partial(handler_capsules, module, platform, False),
-                               platform)
-    return GPU_TARGET if command_buffers_enabled() else GPU_TARGET_NO_GRAPH
+    its own driver); returns the target a lowering for `platform` uses (command_buffers_enabled).
+    Where jax refuses the command-buffer trait, that is the target without it, with a warning."""
+    rejected = {}
+    for p in GPU_PLATFORMS:
+        native.register_target(GPU_TARGET_NO_GRAPH, functools.partial(handler_capsules, module, p, False), p)
+        try:
+            native.register_target(GPU_TARGET, functools.partial(handler_capsules, module, p, True), p,
+                                   command_buffers=True)
+        except native.TraitsRejected as e:
+            rejected[p] = str(e)
+    platform = platform.upper()
+    if not command_buffers_enabled(platform):
+        return GPU_TARGET_NO_GRAPH
+    if platform in rejected:
+        _warn_once(
+            f"rope_and_cache: jax refused the command-buffer trait of the launcher target for {platform} "
+            f"({rejected[platform]}); the call runs outside CUDA/HIP graphs (the launcher target without the trait). "
+            f"jax >= 0.11.1 with a PJRT plugin that supports custom-call traits lifts this; "
+            f"JAX_ROPE_CACHE_COMMAND_BUFFERS=0 selects that target without this warning")
+        return GPU_TARGET_NO_GRAPH
+    return GPU_TARGET
 
 
 # XLA element type numbers (xla::PrimitiveType, = ffi::DataType) of the dtypes the op's buffers use.
@@ -148,13 +198,15 @@ def fence_small_operands(args, fenced=_FENCED):
 
 def lower_launch(ctx, args, *, table: bytes, kernel: str, grid_div: int, block: int, grid_y: int = 1,
                  aliases: dict[int, int] | None = None, fenced: tuple[int, ...] | None = None,
-                 buffer_names: str | None = None):
+                 buffer_names: str | None = None, platform: str = "CUDA"):
     """The launcher's custom call running `kernel` of the code-object `table` (caches in place) on a
     grid of (ceil(T / grid_div), grid_y) blocks of `block` threads. Another op than rope_and_cache
     passes its cache `aliases` (operand -> result), the indices of its `fenced` small operands and
-    its `buffer_names` (operands, then results, comma-separated)."""
+    its `buffer_names` (operands, then results, comma-separated). `platform` ("CUDA" / "ROCM"): the
+    platform lowered for (which of the launcher's two targets it uses by default)."""
     aliases = contract.CACHE_ALIASES if aliases is None else aliases
-    rule = jax.ffi.ffi_lowering(register_gpu_targets(launcher_module()), operand_output_aliases=aliases)
+    target = register_gpu_targets(launcher_module(), platform)
+    rule = jax.ffi.ffi_lowering(target, operand_output_aliases=aliases)
     return rule(ctx, *fence_small_operands(args, _FENCED if fenced is None else fenced), code=table,
                 code_hash=np.int64(code_hash(table)), kernel=kernel,
                 grid_div=np.int64(grid_div), grid_y=np.int64(grid_y), block=np.int64(block), smem=np.int64(0),

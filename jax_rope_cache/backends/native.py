@@ -45,16 +45,33 @@ def native_module():
     return _native
 
 
+class TraitsRejected(RuntimeError):
+    """jax refused a target's command-buffer trait (the PJRT plugin does not support custom-call
+    traits: jax-rocm7-plugin 0.11.0 never does, later ones when the plugin does not advertise them)."""
+
+
+_rejected: dict[tuple[str, str], str] = {}
+
+
 def register_target(name: str, capsules, platform: str, *, command_buffers: bool = False) -> None:
     """Registers an FFI target once per process (for a platform jax lacks, registration is queued).
     XLA takes a target's command-buffer trait from its registration, so a graph-compatible target
-    says so here (its execute handler declares it too)."""
+    says so here (its execute handler declares it too). Raises TraitsRejected (every time) when jax
+    refuses the trait for this platform; the target is then not registered."""
     with _lock:
         if (name, platform) in _registered:
             return
+        if (name, platform) in _rejected:
+            raise TraitsRejected(_rejected[(name, platform)])
         kwargs = {}
         trait = getattr(getattr(xla_client, "CustomCallTargetTraits", None), "COMMAND_BUFFER_COMPATIBLE", None)
         if command_buffers and trait is not None:
             kwargs["traits"] = trait
-        jax.ffi.register_ffi_target(name, capsules(), platform=platform, api_version=1, **kwargs)
+        try:
+            jax.ffi.register_ffi_target(name, capsules(), platform=platform, api_version=1, **kwargs)
+        except Exception as e:  # noqa: BLE001 - jaxlib raises its own runtime error types
+            if not kwargs:
+                raise
+            _rejected[(name, platform)] = f"{type(e).__name__}: {e}"
+            raise TraitsRejected(_rejected[(name, platform)]) from e
         _registered.add((name, platform))

@@ -20,7 +20,8 @@ lowers to the XLA implementation. `python -m jax_rope_cache compile ...` (cli/ao
 
 Environment: JAX_ROPE_CACHE_ROCM_ARCHS, comma-separated targets for exports and device-less
 lowerings (default "gfx942,gfx950"); JAX_ROPE_CACHE_DIR (compilers/cache.py);
-JAX_ROPE_CACHE_ROCM_BUNDLE (compilers/flydsl.py); JAX_ROPE_CACHE_COMMAND_BUFFERS (backends/launcher.py).
+JAX_ROPE_CACHE_ROCM_BUNDLE (compilers/flydsl.py); JAX_ROPE_CACHE_COMMAND_BUFFERS (backends/launcher.py: on
+ROCm the lowering uses the launcher target that XLA never captures into a HIP graph unless it is 1).
 """
 
 from __future__ import annotations
@@ -211,6 +212,11 @@ def _has_disk_entries() -> bool:
 
 def lower(ctx, args, spec: contract.OpSpec):
     native.refuse_unsupported(spec, SUPPORTS, NAME)
+    try:  # here, so that a jax that refuses the registration falls back (impl=None) like any other miss
+        launcher.register_gpu_targets(launcher.launcher_module(), "ROCM")
+    except Exception as e:  # noqa: BLE001
+        raise native.KernelUnavailable(
+            f"its launcher target registered with jax, which failed ({type(e).__name__}: {e})") from e
     try:
         archs = lowering_archs(ctx)
     except UnsupportedArch as e:
@@ -225,4 +231,4 @@ def lower(ctx, args, spec: contract.OpSpec):
         raise native.KernelUnavailable(
             f"its kernel, but compiling the kernel failed ({type(e).__name__}: {e})") from e
     return launcher.lower_launch(ctx, args, table=table, kernel=symbol, grid_div=cfg.tpb, block=cfg.nt,
-                                 grid_y=getattr(cfg, "split", 1))
+                                 grid_y=getattr(cfg, "split", 1), platform="ROCM")

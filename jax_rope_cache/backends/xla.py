@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import jaxlib
 import numpy as np
 
 from jax_rope_cache import contract, reference
@@ -66,14 +67,19 @@ def round_to(y, dtype):
     return y
 
 
+_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}  # the unsigned integer of each itemsize
+
+
 def to_dtype(y, dtype):
     """f32 values converted to `dtype` (nearest even), every NaN the canonical one
     (reference.CANONICAL_NAN)."""
     dtype = np.dtype(dtype)
-    out = y.astype(dtype)
-    uint = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[dtype.itemsize]
-    nan = jax.lax.bitcast_convert_type(jnp.asarray(reference.CANONICAL_NAN[dtype], uint), dtype)
-    return jnp.where(jnp.isnan(y), nan, out)
+    uint = _UINT[dtype.itemsize]
+    # chosen among bit patterns, not floats: XLA's CPU compiler of jax 0.11 widens a bf16 select to
+    # f32 and back, which turns the canonical NaN's payload into another NaN
+    bits = jax.lax.bitcast_convert_type(y.astype(dtype), uint)
+    bits = jnp.where(jnp.isnan(y), jnp.asarray(reference.CANONICAL_NAN[dtype], uint), bits)
+    return jax.lax.bitcast_convert_type(bits, dtype)
 
 
 def table_rows(cos, sin, positions, spec: contract.OpSpec):
@@ -204,12 +210,31 @@ def scatter_kv(key_cache, value_cache, kq, vq, blk, off, spec: contract.OpSpec, 
         vals = vals.reshape((spec.num_tokens,) + shape).transpose(perm)
         index = lead + lay.token_index(which, blk, off, x)
         if spec.fp8:  # scatter the bytes: XLA would otherwise convert the WHOLE fp8 cache to f16 and back
-            bits = jax.lax.bitcast_convert_type(cache, jnp.uint8).at[index].set(
-                jax.lax.bitcast_convert_type(vals, jnp.uint8), mode="drop", unique_indices=True)
-            out.append(jax.lax.bitcast_convert_type(bits, cache.dtype))
+            out.append(_scatter_bits(cache, index, vals))
+        elif _CPU_WIDENS_BF16_SCATTER and np.dtype(cache.dtype) == np.dtype(jnp.bfloat16):
+            out.append(jax.lax.platform_dependent(
+                cpu=lambda c=cache, i=index, x=vals: _scatter_bits(c, i, x),
+                default=lambda c=cache, i=index, x=vals: c.at[i].set(x, mode="drop", unique_indices=True)))
         else:
             out.append(cache.at[index].set(vals, mode="drop", unique_indices=True))
     return tuple(out)
+
+
+# The CPU compiler of jaxlib < 0.12 has no bf16 scatter: it widens the whole cache to f32, scatters
+# and narrows it back, which also rewrites the NaN payloads of entries the call never wrote. There,
+# a bf16 cache on CPU is scattered as uint16 bits: bit-exact, at the cost of one cache-sized copy
+# (that XLA does not fold the bit casts; jaxlib 0.12 scatters bf16 in place, and the bit casts
+# would cost it the copy, so it keeps the plain scatter).
+_CPU_WIDENS_BF16_SCATTER = tuple(int(p) for p in jaxlib.__version__.split(".")[:2]) < (0, 12)
+
+
+def _scatter_bits(cache, index, vals):
+    """cache.at[index].set(vals) on the caches' bit patterns (same-width unsigned integers): a scatter
+    only moves values, so this is the same write with no float conversion XLA could insert."""
+    uint = _UINT[np.dtype(cache.dtype).itemsize]
+    bits = jax.lax.bitcast_convert_type(cache, uint).at[index].set(
+        jax.lax.bitcast_convert_type(vals, uint), mode="drop", unique_indices=True)
+    return jax.lax.bitcast_convert_type(bits, cache.dtype)
 
 
 def rope_and_cache(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,

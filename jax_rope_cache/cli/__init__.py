@@ -1,4 +1,4 @@
-"""Command line: `python -m jax_rope_cache {info,generate,demo,bench,compile}` (also `jax-rope-cache`)."""
+"""Command line: `python -m jax_rope_cache {info,generate,demo,bench,compile,check}` (also `jax-rope-cache`)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ COMMANDS = {
     "demo": "prefill + decode loop of the op alone over a preset's shapes, checked and timed",
     "bench": "kernel vs XLA path table (+ CSV/JSON/PNG) on the default device",
     "compile": "precompile code objects of presets into the disk cache (deployment hosts compile nothing)",
+    "check": "the AMD GPU hardware check (scripts/rocm_check.sh): environment, ROCm GPU tests, both launcher "
+             "targets, generate, bench; one report file (without an AMD GPU: says so)",
 }
 
 
@@ -29,12 +31,32 @@ def _backend_platforms() -> list[str]:
     return out
 
 
+def rocm_summary() -> str:
+    """The ROCm devices jax has, or that none was found (with jax's plugin error) and what is supported."""
+    from jax_rope_cache import gpu_env
+
+    why = gpu_env.backend_error("rocm")
+    if why is None:
+        import jax
+
+        archs = sorted({str(getattr(d, "compute_capability", "?")) for d in jax.devices("rocm")})
+        return f"{len(jax.devices('rocm'))} device(s), {', '.join(archs)}; ROCm {gpu_env.rocm_version() or '?'}"
+    errors = [m for m in gpu_env.plugin_errors() if "rocm" in m.lower()]
+    plugin = gpu_env.installed("jax-rocm7-plugin")
+    found = (f"jax-rocm7-plugin {plugin} did not load ({' | '.join(errors) or why})" if plugin
+             else "jax-rocm7-plugin is not installed")
+    return f"no AMD GPU found ({found}); supported: {gpu_env.SUPPORTED_ROCM}"
+
+
 def info(argv) -> None:
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m jax_rope_cache info", description=COMMANDS["info"])
     parser.add_argument("--json", action="store_true", help="print the facts as JSON")
     args = parser.parse_args(argv)
+    from jax_rope_cache import gpu_env
+
+    gpu_env.capture_plugin_errors()  # before jax loads its backends
     import jax
 
     import jax_rope_cache
@@ -52,7 +74,7 @@ def info(argv) -> None:
     data = dict(
         jax_rope_cache=jax_rope_cache.__version__, jax=jax.__version__, default_backend=jax.default_backend(),
         devices=[f"{d.platform}:{d.device_kind}" for d in devices], arch=arch[0] if arch else None,
-        kernels=kernels, code_object_cache=cache_dir() or "off (JAX_ROPE_CACHE_DIR='')",
+        kernels=kernels, rocm=rocm_summary(), code_object_cache=cache_dir() or "off (JAX_ROPE_CACHE_DIR='')",
         presets=sorted(presets.MODELS), tp_degrees=list(presets.TP_DEGREES))
     if args.json:
         print(json.dumps(data, indent=1))
@@ -96,6 +118,10 @@ def main(argv=None) -> None:
         bench.main(rest)
     elif command == "compile":
         compile_presets(rest)
+    elif command == "check":
+        from jax_rope_cache.cli import check
+
+        raise SystemExit(check.main(rest))
     else:  # as argparse reports a bad choice: usage and one error line on stderr, exit status 2
         print(f"{USAGE}\npython -m jax_rope_cache: error: unknown command {command!r}; expected one of "
               f"{', '.join(COMMANDS)}", file=sys.stderr)

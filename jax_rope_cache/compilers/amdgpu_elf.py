@@ -8,6 +8,18 @@ import struct
 
 NT_AMDGPU_METADATA = 32
 EM_AMDGPU = 0xE0
+ELFOSABI_AMDGPU_HSA = 64
+# The oldest ROCm whose loader takes a code-object version (FlyDSL 0.5.0 emits v6). The launcher's
+# load error (kernels/ffi/gpu_launcher.cc) names the same facts.
+MIN_ROCM = {6: (6, 3)}
+
+
+def code_object_version(code: bytes) -> int | None:
+    """The AMDHSA code-object version of an AMDGPU ELF (EI_ABIVERSION 2, 3, 4 = v4, v5, v6), or
+    None when the image is not an AMDHSA code object."""
+    if len(code) < 16 or code[:4] != b"\x7fELF" or code[7] != ELFOSABI_AMDGPU_HSA:
+        return None
+    return code[8] + 2
 
 
 class CodeObjectError(ValueError):

@@ -44,7 +44,11 @@ import warnings
 from jax_rope_cache.compilers import amdgpu_elf, cache
 
 SUPPORTED_ARCHS = ("gfx942", "gfx950")
-INSTALL_HINT = ("pip install 'flydsl==0.5.0' ziglang  (or: pip install 'jax_rope_cache[rocm]'); "
+# The one FlyDSL release the kernel builds with: the compile process (flydsl_worker.py) uses its
+# internal APIs (_compile_only, _last_compiled, _ir_text, _create_mlir_context), which change
+# between releases without notice. pyproject.toml's `rocm` extra pins the same version.
+FLYDSL_VERSION = "0.5.0"
+INSTALL_HINT = (f"pip install 'flydsl=={FLYDSL_VERSION}' ziglang  (or: pip install 'jax_rope_cache[rocm]'); "
                 "torch is not needed")
 PRECOMPILE_HINT = ("or precompile on a build machine (`python -m jax_rope_cache compile ... --bundle FILE`) and "
                    "point JAX_ROPE_CACHE_ROCM_BUNDLE at the file")
@@ -138,6 +142,9 @@ def _probe() -> tuple[bool, str]:
         return False, str(e)
     if importlib.util.find_spec("flydsl") is None:
         return False, "the Python package 'flydsl' is not installed"
+    problem = version_problem(flydsl_version())
+    if problem:
+        return False, problem
     if _find_lld() is None:
         return False, "no ld.lld found (no ROCm LLVM, no `ziglang` package, no ld.lld on PATH)"
     return True, ""
@@ -156,6 +163,17 @@ def require() -> None:
     if not available():
         raise FlyDSLUnavailable(f"compiling the ROCm kernel needs FlyDSL ({unavailable_reason()}); install it with: "
                                 f"{INSTALL_HINT}")
+
+
+def version_problem(installed: str) -> str | None:
+    """Why an installed FlyDSL release cannot build the kernel (None for the supported one)."""
+    if installed == FLYDSL_VERSION:
+        return None
+    return (f"FlyDSL {installed} is installed, but the kernel is built with FlyDSL {FLYDSL_VERSION} exactly (the "
+            f"compile step uses internal FlyDSL APIs that differ between releases): pip install "
+            f"'flydsl=={FLYDSL_VERSION}' (a separate virtual environment works), or precompile on a machine that has "
+            f"it (`python -m jax_rope_cache compile ... --bundle FILE`) and point JAX_ROPE_CACHE_ROCM_BUNDLE at the "
+            "file here")
 
 
 def flydsl_version() -> str:

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_rope_cache import api, contract
+from jax_rope_cache import api, contract, primitive
 from jax_rope_cache.mla import contract as mla_contract
 from jax_rope_cache.mla import primitive as mla_primitive
 from jax_rope_cache.mla import xla as mla_xla
@@ -27,20 +27,6 @@ def _distinct_buffers(caches) -> None:
     if len(caches) == 2 and all(api._is_concrete(c) for c in caches) and caches[0].nbytes \
             and api._first_buffer(caches[0]) is not None and api._first_buffer(caches[0]) == api._first_buffer(caches[1]):
         raise ValueError("kv_cache: expected two different buffers (ckv_cache, kpe_cache), got arrays sharing one")
-
-
-def _not_differentiable(spec, primals, tangents):
-    del spec, primals, tangents
-    raise TypeError(mla_primitive.NOT_DIFFERENTIABLE)
-
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
-def _xla_impl(spec, *operands):
-    """impl="xla" under the op's one differentiation rule (none: jax.grad raises, as for the kernel)."""
-    return mla_xla.mla_rope_and_cache(*operands, spec=spec)
-
-
-_xla_impl.defjvp(_not_differentiable)
 
 
 def mla_rope_and_cache(q_nope: ArrayLike, q_pe: ArrayLike, kv_c: ArrayLike, k_pe: ArrayLike, kv_cache,
@@ -112,7 +98,8 @@ def mla_rope_and_cache(q_nope: ArrayLike, q_pe: ArrayLike, kv_c: ArrayLike, k_pe
         return (jnp.zeros((0, spec.q_heads, spec.q_dim), spec.q_out_dtype), jnp.zeros((0, spec.rope_dim), spec.dtype),
                 pack(operands[4:4 + len(caches)]))
     if impl == "xla":
-        out = _xla_impl(spec, *operands)
+        out = mla_xla.mla_rope_and_cache(*primitive.not_differentiable(*operands, message=mla_primitive.NOT_DIFFERENTIABLE),
+                                         spec=spec)
     else:
         out = mla_primitive.bind(*operands, spec=spec, impl=impl)
     return out[0], out[1], pack(tuple(out[2:]))

@@ -62,6 +62,11 @@ def build_code_table(cfg, archs=None) -> tuple[bytes, str, list]:
 
 
 def lower(ctx, args, spec, launch_options):
+    try:  # here, so that a jax that refuses the registration falls back (impl=None) like any other miss
+        launcher.register_gpu_targets(launcher.launcher_module(), "ROCM")
+    except Exception as e:  # noqa: BLE001
+        raise native.KernelUnavailable(
+            f"its launcher target registered with jax, which failed ({type(e).__name__}: {e})") from e
     try:
         archs = rocm.lowering_archs(ctx)
     except rocm.UnsupportedArch as e:
@@ -76,4 +81,4 @@ def lower(ctx, args, spec, launch_options):
         raise native.KernelUnavailable(
             f"its MLA kernel, but compiling the kernel failed ({type(e).__name__}: {e})") from e
     return launcher.lower_launch(ctx, args, table=table, kernel=symbol, grid_div=cfg.tpb, block=cfg.nt,
-                                 grid_y=cfg.parts, **launch_options)
+                                 grid_y=cfg.parts, platform="ROCM", **launch_options)

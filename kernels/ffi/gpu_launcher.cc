@@ -2,8 +2,15 @@
 // whose code object travels inside the executable as a bytes attribute. No vendor headers: the
 // driver API is reached through dlopen, binding first with RTLD_NOLOAD to the copy the PJRT plugin
 // already loaded. The driver is chosen by the platform the handler was registered for, never by
-// what happens to be installed: the "CUDA" handlers (kGpuRopeCache*Cuda) bind libcuda.so.1, the
-// "ROCM" handlers (kGpuRopeCache*Hip) bind libamdhip64.so.7 (then .6, then the bare name).
+// what happens to be installed: the "CUDA" handlers (kGpuRopeCache*Cuda) bind libcuda, the "ROCM"
+// handlers (kGpuRopeCache*Hip) the HIP runtime libamdhip64. First a copy already loaded into the
+// process, whatever its soname (found with dl_iterate_phdr: the one jax's PJRT plugin uses, e.g. a
+// libamdhip64.so.10 of a newer ROCm), then by name: libcuda.so.1 / libcuda.so, libamdhip64.so.7 /
+// .so.6 / .so.
+//
+// HIP code objects: AMDHSA code-object v6 (what FlyDSL 0.5.0 emits) loads with the HIP runtime of
+// ROCm >= 6.3 only; a load failure's error names the code object's version, the ROCm it needs and
+// the runtime this process bound (version and path).
 //
 // Attributes (all read in every stage):
 //   code       bytes  a code-object table (format below) holding one or more code objects
@@ -49,8 +56,10 @@
 // on that path. kGpuRopeCacheExecute{Cuda,Hip} are registered command-buffer compatible (XLA may
 // capture them into a CUDA/HIP graph and replay the launch without calling the handler: every
 // index the kernel uses is read from device buffers); kGpuRopeCacheExecuteNoGraph{Cuda,Hip} are
-// the same without that trait, selected by jax_rope_cache when JAX_ROPE_CACHE_COMMAND_BUFFERS=0.
+// the same without that trait: what jax_rope_cache lowers to on ROCm unless
+// JAX_ROPE_CACHE_COMMAND_BUFFERS=1, and on CUDA when it is 0 (backends/launcher.py).
 #include <dlfcn.h>
+#include <link.h>
 
 #include <atomic>
 #include <cstdint>
@@ -100,6 +109,8 @@ struct Driver {
                                   Handle, void**, void**) = nullptr;
   const char* (*hipGetErrorString)(Result) = nullptr;
   Result (*hipGetDevicePropertiesR0600)(void*, int) = nullptr;  // optional (ROCm >= 6)
+  Result (*hipRuntimeGetVersion)(int*) = nullptr;               // optional: for messages
+  std::string path;  // the library bound (for messages)
 
   std::string ErrorString(Result r) const {
     const char* s = nullptr;
@@ -138,7 +149,25 @@ bool BindHip(Driver& d, void* lib) {
          Sym(lib, "hipModuleGetFunction", &d.hipModuleGetFunction) &&
          Sym(lib, "hipModuleLaunchKernel", &d.hipModuleLaunchKernel) &&
          Sym(lib, "hipGetErrorString", &d.hipGetErrorString) &&
-         (Sym(lib, "hipGetDevicePropertiesR0600", &d.hipGetDevicePropertiesR0600), true);
+         (Sym(lib, "hipGetDevicePropertiesR0600", &d.hipGetDevicePropertiesR0600), true) &&
+         (Sym(lib, "hipRuntimeGetVersion", &d.hipRuntimeGetVersion), true);
+}
+
+// Paths of the loaded objects whose file name starts with `prefix` ("libamdhip64.so"), in load order.
+struct LoadedScan {
+  const char* prefix = nullptr;
+  std::string paths[8];
+  int n = 0;
+};
+
+int CollectLoaded(struct dl_phdr_info* info, size_t, void* data) {
+  auto* scan = static_cast<LoadedScan*>(data);
+  const char* path = info->dlpi_name;
+  if (!path || !*path || scan->n == 8) return 0;
+  const char* slash = std::strrchr(path, '/');
+  const char* base = slash ? slash + 1 : path;
+  if (std::strncmp(base, scan->prefix, std::strlen(scan->prefix)) == 0) scan->paths[scan->n++] = path;
+  return 0;
 }
 
 // The vendor a handler was registered for ("CUDA" -> kCuda, "ROCM" -> kHip).
@@ -153,6 +182,20 @@ const Driver* MakeDriver(Vendor vendor) {
   static const char* hip_names[] = {"libamdhip64.so.7", "libamdhip64.so.6", "libamdhip64.so", nullptr};
   const char* const* names = hip ? hip_names : cuda_names;
   std::string why;
+  auto bind = [&](void* h) { return hip ? BindHip(*d, h) : BindCuda(*d, h); };
+  auto init = [&](const std::string& path) {
+    d->path = path;
+    const Result r = hip ? d->hipInit(0) : d->cuInit(0);
+    if (r != 0) d->error = std::string(hip ? "hipInit: " : "cuInit: ") + d->ErrorString(r);
+    return d;
+  };
+  LoadedScan scan;
+  scan.prefix = hip ? "libamdhip64.so" : "libcuda.so";
+  dl_iterate_phdr(CollectLoaded, &scan);  // any soname already in the process, first
+  for (int i = 0; i < scan.n; ++i) {
+    void* h = dlopen(scan.paths[i].c_str(), RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD);
+    if (h && bind(h)) return init(scan.paths[i]);
+  }
   for (int pass = 0; pass < 2; ++pass) {  // pass 0: only libraries already loaded
     const int flags = RTLD_NOW | RTLD_LOCAL | (pass == 0 ? RTLD_NOLOAD : 0);
     for (int i = 0; names[i]; ++i) {
@@ -164,17 +207,13 @@ const Driver* MakeDriver(Vendor vendor) {
         }
         continue;
       }
-      if (hip ? BindHip(*d, h) : BindCuda(*d, h)) {
-        const Result r = hip ? d->hipInit(0) : d->cuInit(0);
-        if (r != 0) d->error = std::string(hip ? "hipInit: " : "cuInit: ") + d->ErrorString(r);
-        return d;
-      }
+      if (bind(h)) return init(names[i]);
       why += std::string(why.empty() ? "" : "; ") + names[i] + " lacks a driver API symbol";
     }
   }
   d->lib = nullptr;
   d->hip = hip;
-  d->error = std::string(hip ? "the HIP runtime (libamdhip64.so.7 or .6) could not be loaded: "
+  d->error = std::string(hip ? "the HIP runtime (libamdhip64.so, loaded or .so.7 / .so.6) could not be loaded: "
                              : "the CUDA driver (libcuda.so.1) could not be loaded: ") + why;
   return d;
 }
@@ -211,6 +250,28 @@ std::string HipDeviceArch(const Driver& d, int device) {
   if (n == 256 || n < 4 || std::strncmp(name, "gfx", 3) != 0) return "";
   std::string arch(name, n);
   return arch.substr(0, arch.find(':'));
+}
+
+// Why a HIP runtime may refuse an AMDGPU code object: its AMDHSA code-object version (ELF
+// EI_OSABI 64, EI_ABIVERSION 2/3/4 = v4/v5/v6), the oldest ROCm that loads v6, and the runtime this
+// process bound. "" when the image is not an AMDHSA code object.
+std::string HipRuntimeText(const Driver& d) {
+  int v = 0;
+  std::string text = "this process's HIP runtime: ";
+  if (d.hipRuntimeGetVersion && d.hipRuntimeGetVersion(&v) == 0 && v > 0)
+    text += std::to_string(v / 10000000) + "." + std::to_string(v / 100000 % 100) + "." + std::to_string(v % 100000);
+  else
+    text += "version not reported";
+  return text + " (" + d.path + ")";
+}
+
+std::string CodeObjectNeeds(const Driver& d, const void* image, uint64_t size) {
+  const auto* p = static_cast<const unsigned char*>(image);
+  if (size < 16 || std::memcmp(p, "\x7f" "ELF", 4) != 0 || p[7] != 64) return "";
+  const int version = p[8] + 2;
+  std::string text = "; the code object is AMDHSA code-object v" + std::to_string(version);
+  if (version >= 6) text += ", which the HIP runtime of ROCm >= 6.3 loads (older ones refuse it)";
+  return text + "; " + HipRuntimeText(d) + ". Supported: ROCm 7.x with jax's ROCm 7 plugin (see docs/rocm.md)";
 }
 
 // ---- the code-object table --------------------------------------------------------------------
@@ -436,9 +497,11 @@ ffi::Error LoadFunction(const Driver& d, const Table& t, std::string_view kernel
   std::string tried;
   Result last = 0;
   bool any = false;
+  const Entry* first_amdgpu = nullptr;
   for (int i = 0; i < t.n; ++i) {
     if (t.e[i].kind != kAmdgpu) continue;
     any = true;
+    if (!first_amdgpu) first_amdgpu = &t.e[i];
     if (!arch.empty() && t.e[i].arch != arch) continue;  // a known arch loads only its own entry
     Handle module = nullptr;
     last = d.hipModuleLoadData(&module, t.e[i].data);
@@ -451,7 +514,8 @@ ffi::Error LoadFunction(const Driver& d, const Table& t, std::string_view kernel
     }
     if (!arch.empty()) {
       d.hipSetDevice(prev);
-      return DriverError(d, ("hipModuleLoadData (" + arch + ")").c_str(), last);
+      return ffi::Error::Internal("gpu launcher: hipModuleLoadData (" + arch + ") failed: " + d.ErrorString(last) +
+                                  CodeObjectNeeds(d, t.e[i].data, t.e[i].size));
     }
     tried += (tried.empty() ? "" : ", ") + t.e[i].arch;
   }
@@ -464,7 +528,7 @@ ffi::Error LoadFunction(const Driver& d, const Table& t, std::string_view kernel
   return ffi::Error::InvalidArgument("gpu launcher: no code object loads on HIP device " + std::to_string(device) +
                                      " (its arch is not reported; tried: " + tried +
                                      "; last error: " + d.ErrorString(last) + "); the executable holds: " +
-                                     TableArchs(t));
+                                     TableArchs(t) + CodeObjectNeeds(d, first_amdgpu->data, first_amdgpu->size));
 }
 
 ffi::Error EnsureLoaded(Vendor vendor, std::string_view code, int64_t code_hash, std::string_view kernel,
@@ -580,9 +644,18 @@ ffi::Error Execute(Vendor vendor, void* stream, int32_t device, ffi::RemainingAr
     void* extra[] = {reinterpret_cast<void*>(0x01), params,          // HIP_LAUNCH_PARAM_BUFFER_POINTER
                      reinterpret_cast<void*>(0x02), &kernarg_bytes,  // HIP_LAUNCH_PARAM_BUFFER_SIZE
                      reinterpret_cast<void*>(0x03)};                 // HIP_LAUNCH_PARAM_END
+    // The calling thread's current device must be the stream's (newer HIP runtimes refuse the launch
+    // with hipErrorInvalidResourceHandle otherwise): switched to `device` for the launch when it is
+    // another, and switched back. The common case costs one hipGetDevice (thread-local).
+    int current = -1;
+    const bool switched = d.hipGetDevice(&current) != 0 || current != device;
+    if (switched) {
+      if (Result rs = d.hipSetDevice(device); rs) return DriverError(d, "hipSetDevice (before the launch)", rs);
+    }
     r = d.hipModuleLaunchKernel(slot->function, static_cast<unsigned>(grid), static_cast<unsigned>(grid_y), 1,
                                 static_cast<unsigned>(block), 1, 1, static_cast<unsigned>(smem), stream, nullptr,
                                 extra);
+    if (switched && current >= 0) d.hipSetDevice(current);
     if (r) return DriverError(d, "hipModuleLaunchKernel", r);
   } else {
     Handle current = nullptr;

@@ -4,11 +4,16 @@
  *     cc -shared -fPIC -O1 -Wl,-soname,libamdhip64.so.7 -o libamdhip64.so.7 hip_stub.c
  *
  * It implements exactly the entry points the launcher binds (hipInit, hipGetDevice, hipSetDevice,
- * hipGetDevicePropertiesR0600, hipModuleLoadData, hipModuleGetFunction, hipModuleLaunchKernel,
- * hipGetErrorString) and appends one JSON line per call to $HIP_STUB_LOG, with what a test needs
+ * hipGetDevicePropertiesR0600, hipRuntimeGetVersion, hipModuleLoadData, hipModuleGetFunction,
+ * hipModuleLaunchKernel, hipGetErrorString) and appends one JSON line per call to $HIP_STUB_LOG
+ * (hipInit's names the library: -DSTUB_SONAME="\"libamdhip64.so.N\"" at build), with what a test needs
  * to check: the code object loaded (size, FNV-1a 64 hash, ELF e_flags), the symbol asked for, and
  * for each launch the grid, block, dynamic shared memory, stream, the current device and the
  * bytes of the `extra` kernarg buffer (HIP_LAUNCH_PARAM_BUFFER_POINTER / _SIZE / _END).
+ *
+ * As a real runtime, the current device is per thread (each thread starts on device 0), and (as
+ * newer HIP runtimes do) hipModuleLaunchKernel fails with hipErrorInvalidResourceHandle when the
+ * calling thread's current device is not the device the module was loaded on.
  *
  * Behaviour knobs (environment):
  *   HIP_STUB_ARCH        gcnArchName the device reports ("gfx942:sramecc+:xnack-"); "" = do not
@@ -18,6 +23,10 @@
  *   HIP_STUB_DEVICES     number of devices (default 8); hipSetDevice beyond it fails
  *   HIP_STUB_INIT_ERROR  hipInit returns this error code
  *   HIP_STUB_LAUNCH_ERROR hipModuleLaunchKernel returns this error code
+ *   HIP_STUB_RUNTIME_VERSION what hipRuntimeGetVersion reports (HIP_VERSION encoding, major * 10^7 +
+ *                        minor * 10^5 + patch; default 70100000 = 7.1.0)
+ *   HIP_STUB_MAX_CO_VERSION hipModuleLoadData refuses (hipErrorNoBinaryForGpu) AMDHSA code objects of
+ *                        a higher code-object version, as a ROCm < 6.3 runtime refuses v6
  *   HIP_STUB_PEEK_WORDS  for the first N 8-byte kernarg words, also log the first 4 bytes at the
  *                        address the word holds (CI runs on a CPU backend, where buffers are host
  *                        memory: the test checks each pointer reaches the right operand)
@@ -31,12 +40,16 @@
 
 typedef int hipError_t;
 enum { kSuccess = 0, kInvalidValue = 1, kInvalidDevice = 101, kInvalidImage = 200, kNoBinaryForGpu = 209,
-       kNotFound = 500, kNotSupported = 801 };
+       kInvalidHandle = 400, kNotFound = 500, kNotSupported = 801 };
 
 #define PROP_SIZE 1472
 #define PROP_GCN_ARCH_NAME 1160
 
-static int g_device = 0;
+#ifndef STUB_SONAME
+#define STUB_SONAME "libamdhip64.so.7"
+#endif
+
+static __thread int g_device = 0; /* the calling thread's current device */
 
 static void log_line(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
 #include <stdarg.h>
@@ -59,7 +72,7 @@ static int env_int(const char* name, int dflt) {
 }
 
 hipError_t hipInit(unsigned flags) {
-  log_line("{\"call\": \"hipInit\", \"flags\": %u}", flags);
+  log_line("{\"call\": \"hipInit\", \"flags\": %u, \"lib\": \"%s\"}", flags, STUB_SONAME);
   return env_int("HIP_STUB_INIT_ERROR", 0);
 }
 
@@ -73,6 +86,12 @@ hipError_t hipSetDevice(int device) {
   log_line("{\"call\": \"hipSetDevice\", \"device\": %d}", device);
   if (device < 0 || device >= env_int("HIP_STUB_DEVICES", 8)) return kInvalidDevice;
   g_device = device;
+  return kSuccess;
+}
+
+hipError_t hipRuntimeGetVersion(int* version) {
+  if (!version) return kInvalidValue;
+  *version = env_int("HIP_STUB_RUNTIME_VERSION", 70100000);
   return kSuccess;
 }
 
@@ -131,6 +150,8 @@ hipError_t hipModuleLoadData(void** module, const void* image) {
   m->hash = h;
   int accept = env_int("HIP_STUB_ACCEPT_MACH", -1);
   hipError_t r = (accept >= 0 && (int)(m->flags & 0xff) != accept) ? kNoBinaryForGpu : kSuccess;
+  int max_co = env_int("HIP_STUB_MAX_CO_VERSION", 99);
+  if (p[7] == 64 && p[8] + 2 > max_co) r = kNoBinaryForGpu; /* EI_OSABI AMDGPU_HSA, EI_ABIVERSION */
   log_line("{\"call\": \"hipModuleLoadData\", \"device\": %d, \"size\": %llu, \"fnv1a64\": \"%016llx\", "
            "\"e_flags\": %u, \"result\": %d}",
            m->device, (unsigned long long)m->size, (unsigned long long)m->hash, m->flags, r);
@@ -194,6 +215,7 @@ hipError_t hipModuleLaunchKernel(void* function, unsigned gx, unsigned gy, unsig
   *q++ = ']';
   *q = 0;
   hipError_t r = env_int("HIP_STUB_LAUNCH_ERROR", 0);
+  if (r == kSuccess && g_device != f->module->device) r = kInvalidHandle;
   log_line("{\"call\": \"hipModuleLaunchKernel\", \"name\": \"%s\", \"module_fnv1a64\": \"%016llx\", "
            "\"module_device\": %d, \"device\": %d, \"grid\": [%u, %u, %u], \"block\": [%u, %u, %u], \"shmem\": %u, "
            "\"stream\": %llu, \"kernel_params\": %s, \"extra_ended\": %s, \"kernarg_size\": %zu, "
@@ -213,6 +235,7 @@ const char* hipGetErrorString(hipError_t e) {
     case kInvalidDevice: return "hipErrorInvalidDevice";
     case kInvalidImage: return "hipErrorInvalidImage";
     case kNoBinaryForGpu: return "hipErrorNoBinaryForGpu";
+    case kInvalidHandle: return "hipErrorInvalidResourceHandle";
     case kNotFound: return "hipErrorNotFound";
     case kNotSupported: return "hipErrorNotSupported";
     default: return "hipErrorUnknown (stub)";
