@@ -38,7 +38,7 @@ if not nvrtc.available():
 
 import jax  # noqa: E402
 
-from jax_rope_cache.backends import cuda, launcher  # noqa: E402
+from jax_rope_cache.backends import cuda, kernel_node, launcher  # noqa: E402
 
 BF16, F16, F32 = np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16), np.dtype(np.float32)
 FN, FNUZ = np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e4m3fnuz)
@@ -1403,10 +1403,11 @@ def test_cuda_lowering_without_nvrtc_falls_back_or_raises(monkeypatch):
 
 
 @pytest.mark.parametrize("layers", [None, 3])
-def test_cuda_lowering_is_one_custom_call_with_every_operand(layers):
+def test_cuda_lowering_is_one_custom_call_with_every_operand(layers, monkeypatch):
     """The CUDA kernel takes all 14 operands, the layer and the norm weights' placeholders included:
-    stacked caches [L, NB, ...] go to
-    the one custom call as they are (no folding, no op on the slots before it)."""
+    stacked caches [L, NB, ...] go to the one custom call as they are (no folding, no op on the slots
+    before it). The launcher route (the kernel node's own test is below)."""
+    monkeypatch.setenv(kernel_node.ENV, "0")
     text = _export_cuda("kernel", layers).mlir_module()
     calls = [ln for ln in text.splitlines() if "stablehlo.custom_call @jax_rope_cache_gpu" in ln]
     assert len(calls) == 1, calls
@@ -1708,7 +1709,6 @@ def test_every_fuzz_case_configures():
 
 
 # ---- the kernel-node route (backends/kernel_node.py): XLA's PTX custom call, lowered here -----------
-from jax_rope_cache.backends import kernel_node  # noqa: E402
 
 
 def _node_export(monkeypatch, setting, t=4, layers=None, QH=8, KH=2, D=64):

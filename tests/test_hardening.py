@@ -346,8 +346,9 @@ def _raw_call(ops, attrs, results=None, aliases=True):
     native.register_target(cpu_backend.TARGET, native.native_module().cpu_handler, "cpu")
     fn = jax.ffi.ffi_call(cpu_backend.TARGET, results or _results_like(ops),
                           input_output_aliases=dict(contract.CACHE_ALIASES) if aliases else None)
-    out = fn(*[ops[name] for name in contract.OPERANDS], **attrs)
-    return [np.asarray(o) for o in jax.block_until_ready(out)]
+    with jax.default_device(jax.devices("cpu")[0]):  # the CPU handler: run there also on a GPU host
+        out = fn(*[ops[name] for name in contract.OPERANDS], **attrs)
+        return [np.asarray(o) for o in jax.block_until_ready(out)]
 
 
 def _reference_of(ops, attrs, layers=None):
@@ -671,10 +672,14 @@ def test_gpu_lowering_declares_the_signature_of_its_buffers():
     assert len(launcher.BUFFER_NAMES.split(",")) == 18
 
 
-def test_cuda_lowering_carries_the_buffer_signature():
-    """Item 4: the CUDA custom call (exported on this CPU machine) carries `signature` and
-    `buffer_names`, and the signature is the call's 18 buffers."""
+def test_cuda_lowering_carries_the_buffer_signature(monkeypatch):
+    """The launcher's CUDA custom call (exported here; the launcher route, also on a GPU host whose
+    plugin takes the kernel node) carries `signature` and `buffer_names`, and the signature is the
+    call's 18 buffers."""
+    from jax_rope_cache.backends import kernel_node
     from jax_rope_cache.compilers import nvrtc
+
+    monkeypatch.setenv(kernel_node.ENV, "0")
 
     if not nvrtc.available():
         pytest.skip("NVRTC not installed")

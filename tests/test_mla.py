@@ -252,7 +252,9 @@ def test_cpu_handler_checks_its_operands():
     T, QH, Dn, Dr, Dc = 4, 4, 32, 16, 64
     outs = [jax.ShapeDtypeStruct((T, QH, Dn + Dr), BF16), jax.ShapeDtypeStruct((T, Dr), BF16),
             jax.ShapeDtypeStruct(args[4].shape, BF16)]
-    call = lambda ops, outs: jax.ffi.ffi_call(kernels.CPU_TARGET, outs)(*ops, is_neox=False, native=False)  # noqa: E731
+    def call(ops, outs):  # the CPU handler: run on the CPU also on a GPU host
+        with jax.default_device(jax.devices("cpu")[0]):
+            return jax.block_until_ready(jax.ffi.ffi_call(kernels.CPU_TARGET, outs)(*ops, is_neox=False, native=False))
     got = call(ops, outs)
     want = mla_reference.mla_rope_and_cache(*args, **opts)
     assert_bits_equal(np.asarray(got[0]), want[0], "q_out")

@@ -108,7 +108,7 @@ def test_greedy_generation_matches_transformers(platform, impl, name, layout):
 
 
 def _load_recorder():
-    spec = importlib.util.spec_from_file_location("record_hf_model", os.path.join(HERE, "..", "scripts",
+    spec = importlib.util.spec_from_file_location("record_hf_model", os.path.join(HERE, "..", "tools",
                                                                                   "record_hf_model.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

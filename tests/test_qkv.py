@@ -192,7 +192,10 @@ def sliced_step(x, w, kc, vc, slots, pos):
 
 
 def _compiled(fn, *args):
-    return jax.jit(fn, donate_argnums=(2, 3)).lower(*args).compile().as_text()
+    """The program XLA compiles for the CPU (the handler's target), also on a GPU host."""
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu):
+        return jax.jit(fn, donate_argnums=(2, 3)).lower(*jax.device_put(args, cpu)).compile().as_text()
 
 
 def test_fused_step_passes_the_projection_to_the_call_without_a_copy():
@@ -332,7 +335,8 @@ def test_export_keeps_one_call_reading_the_fused_buffer():
     call = re.search(r"stablehlo.custom_call @jax_rope_cache_cpu\(([^)]*)\)", text).group(1)
     first = [a.strip() for a in call.split(",")][:3]
     assert len(set(first)) == 1, first  # the one fused value in the q, k and v slots
-    got = exp.call(qkv, kc, vc, slots, pos, cos, sin)
+    with jax.default_device(jax.devices("cpu")[0]):  # exported for the CPU: run there also on a GPU host
+        got = exp.call(qkv, kc, vc, slots, pos, cos, sin)
     want = reference.rope_and_cache_qkv(qkv, kc, vc, slots, pos, cos, sin, num_q_heads=4, num_kv_heads=2)
     assert all(np.array_equal(np.asarray(g), w) for g, w in zip(got, want))
 
@@ -388,9 +392,11 @@ def _direct(q, k, v, q_out_heads, k_out_heads, kc, vc, slots, pos, cos, sin):
             jax.ShapeDtypeStruct(kc.shape, kc.dtype), jax.ShapeDtypeStruct(vc.shape, vc.dtype))
     call = jax.ffi.ffi_call(cpu.TARGET, outs, input_output_aliases={3: 2, 4: 3})
     one, lay, none = np.ones((), np.float32), np.zeros((), np.int32), np.zeros(1, np.float32)
-    return call(q, k, v, kc, vc, slots, pos, cos, sin, one, one, lay, none, none, layout=np.int64(0), is_neox=True,
-                rotary_dim=np.int64(d), native=False, q_norm=False, k_norm=False, norm_eps=np.float32(0),
-                mrope=np.int64(0), mrope_t=np.int64(0), mrope_h=np.int64(0), mrope_w=np.int64(0))
+    with jax.default_device(jax.devices("cpu")[0]):  # the CPU handler: run there also on a GPU host
+        return jax.block_until_ready(call(
+            q, k, v, kc, vc, slots, pos, cos, sin, one, one, lay, none, none, layout=np.int64(0), is_neox=True,
+            rotary_dim=np.int64(d), native=False, q_norm=False, k_norm=False, norm_eps=np.float32(0),
+            mrope=np.int64(0), mrope_t=np.int64(0), mrope_h=np.int64(0), mrope_w=np.int64(0)))
 
 
 def test_cpu_handler_reads_a_direct_fused_call_and_refuses_bad_dims():
