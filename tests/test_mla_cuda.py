@@ -49,7 +49,7 @@ def _compile_ok(cfg, arch):
     c = kernels.compile_mla(cfg, arch)
     assert c.code[:4] == b"\x7fELF" and kernels.CUDA_KERNEL.encode() in c.code
     assert "spill" in c.log, c.log
-    assert not any(nvrtc.spill_bytes(c.log)), c.log
+    assert not any(nvrtc.spills(c)), c.log
     return c
 
 

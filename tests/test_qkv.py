@@ -461,7 +461,7 @@ def test_cuda_fused_variant_is_its_own_key_and_compiles():
     if nvrtc.unavailable_reason():
         pytest.skip(f"no NVRTC here: {nvrtc.unavailable_reason()}")
     c = cuda.compile_variant(fused, "sm_90")
-    assert not any(nvrtc.spill_bytes(c.log)), c.log
+    assert not any(nvrtc.spills(c)), c.log
 
 
 @pytest.mark.parametrize("regime", ["latency", "bandwidth"])

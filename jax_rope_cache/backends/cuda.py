@@ -298,7 +298,7 @@ def fit_registers(cfg: KernelConfig, arch: str) -> tuple[KernelConfig, nvrtc.Com
     """(cfg, its sm_XY build), or the configuration with cfg's fallback register budget and its
     build where ptxas spills under the tighter one (the launch geometry is the same)."""
     c = compile_variant(cfg, arch)
-    if cfg.fallback_minb and any(nvrtc.spill_bytes(c.log)):
+    if cfg.fallback_minb and any(nvrtc.spills(c)):
         defines = tuple((k, cfg.fallback_minb if k == "RC_MINB" else v) for k, v in cfg.defines)
         cfg = dataclasses.replace(cfg, defines=defines, fallback_minb=0)
         c = compile_variant(cfg, arch)

@@ -20,13 +20,14 @@ import glob
 import hashlib
 import os
 import re
+import struct
 import sys
 import threading
 
 from jax_rope_cache.compilers import cache
 
 __all__ = ["NvrtcError", "NvrtcUnavailable", "Compiled", "available", "version", "supported_archs",
-           "compile_cuda", "spill_bytes"]
+           "compile_cuda", "spill_bytes", "spills", "stack_frame_bytes"]
 
 
 class NvrtcUnavailable(RuntimeError):
@@ -41,10 +42,6 @@ _lock = threading.Lock()
 _lib = None
 _lib_error: str | None = None
 _mem_cache: dict[str, "Compiled"] = {}
-# NVRTC 13.0 prints no ptxas report (-v) for a program it already built in this process (measured on
-# the H200 host: a second build of each of 40 programs had none). The first build's log is kept per
-# key, so a rebuild (a cleared memory cache, two threads asking at once) still reports its spills.
-_reports: dict[str, str] = {}
 _key_locks: dict[str, threading.Lock] = {}
 
 
@@ -178,6 +175,52 @@ def spill_bytes(log: str) -> tuple[int, int, int]:
     return st, ld, stack
 
 
+_EIATTR_FRAME_SIZE = 0x11  # .nv.info attribute: (function symbol, stack frame bytes); spills live in the frame
+
+
+def stack_frame_bytes(cubin: bytes) -> int | None:
+    """The largest stack frame of the cubin's functions, from its .nv.info sections (what ptxas -v
+    reports as "bytes stack frame"; spilled registers live there, so 0 means no spills), or None
+    when the ELF holds no such record."""
+    if cubin[:5] != b"\x7fELF\x02":
+        return None
+    shoff, = struct.unpack_from("<Q", cubin, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    heads = [struct.unpack_from("<IIQQQQ", cubin, shoff + i * shentsize) for i in range(shnum)]
+    names_at = heads[shstrndx][4]
+    frames = []
+    for name, _, _, _, off, size in heads:
+        if not cubin[names_at + name:].startswith(b".nv.info"):
+            continue
+        data, i = cubin[off:off + size], 0
+        while i + 4 <= len(data):  # entries: format, attribute, then a value by format
+            fmt, attr = data[i], data[i + 1]
+            if fmt == 4:  # size-prefixed value
+                n, = struct.unpack_from("<H", data, i + 2)
+                if attr == _EIATTR_FRAME_SIZE and n == 8:
+                    frames.append(struct.unpack_from("<I", data, i + 8)[0])
+                i += 4 + n
+            elif fmt in (2, 3):
+                i += 4
+            elif fmt == 1:
+                i += 2
+            else:
+                break
+    return max(frames) if frames else None
+
+
+def spills(c: "Compiled") -> tuple[int, int, int]:
+    """(spill stores, spill loads, stack frame) of an sm_XY build: ptxas' -v report where the log has
+    one, else (0, 0, frame) from the cubin. NVRTC 13.0 prints no report for a program it already
+    built in this process (measured on the H200 host), so a rebuild's log can be empty of it."""
+    if "ptxas" in c.log:
+        return spill_bytes(c.log)
+    frame = stack_frame_bytes(c.code)
+    if frame is None:
+        raise NvrtcError(f"no ptxas report in the log and no stack-frame record in the {c.arch} cubin")
+    return 0, 0, frame
+
+
 def _key(source: str, headers: dict[str, str], options: list[str], arch: str) -> str:
     h = hashlib.sha256()
     ver = version()
@@ -254,11 +297,7 @@ def compile_cuda(source: str, *, arch: str, options=(), headers: dict[str, str] 
         c = _disk_read(key)
         if c is None:
             code, log = _compile_now(source, headers, options, arch, name)
-            if "ptxas" not in log and key in _reports:
-                log = _reports[key]
             c = Compiled(arch=arch, code=code, log=log, key=key)
             _disk_write(c)
-        if "ptxas" in c.log:
-            _reports.setdefault(key, c.log)
         _mem_cache[key] = c
         return c
