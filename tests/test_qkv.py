@@ -198,6 +198,15 @@ def _compiled(fn, *args):
         return jax.jit(fn, donate_argnums=(2, 3)).lower(*jax.device_put(args, cpu)).compile().as_text()
 
 
+def _the_projection(line: str) -> bool:
+    """The producer is the matmul: the dot itself, or (jaxlib 0.11 on CPU, whose bf16 dot yields
+    f32) the fusion that converts the dot's output to bf16; never a slice or a copy of it."""
+    if "dot" in line:  # the dot, or the fusion holding it (its metadata names dot_general)
+        return True
+    head = line.split("=")[0]
+    return "convert" in head and "fusion(" in line and "slice" not in line and "copy" not in line
+
+
 def test_fused_step_passes_the_projection_to_the_call_without_a_copy():
     args = _step_inputs()
     fused = _compiled(fused_step, *args)
@@ -205,8 +214,9 @@ def test_fused_step_passes_the_projection_to_the_call_without_a_copy():
     names = {n for _, n in producers}
     assert len(names) == 1, producers  # one buffer in the q, k and v slots
     (n,) = names
-    assert "dot" in lines[0] or "dot_general" in lines[0], lines[0]  # the matmul's own output
-    assert f"[{T},{(QH + 2 * KH) * D}]" in lines[0].split("=")[1].split()[0], lines[0]
+    assert _the_projection(lines[0]), lines[0]  # the matmul's own output
+    shape = lines[0].split("=")[1].split()[0]
+    assert f"[{T},{(QH + 2 * KH) * D}]" in shape or f"[{T},{QH + 2 * KH},{D}]" in shape, lines[0]
     # nothing else reads the projection: no copy, slice or fusion of it anywhere
     readers = [l for l in fused.splitlines() if re.search(rf"%{re.escape(n)}[,)]", l) and not l.lstrip().startswith(
         ("%" + n + " ", "ROOT %" + n + " "))]
@@ -240,7 +250,7 @@ def test_fused_call_in_a_layer_scan_reads_the_projection_in_place():
 
     hlo = _compiled(layers, x, ws, kcs, vcs, slots, pos)
     producers, lines = input_producers(hlo)
-    assert len({n for _, n in producers}) == 1 and "dot" in lines[0], (producers, lines)
+    assert len({n for _, n in producers}) == 1 and _the_projection(lines[0]), (producers, lines)
     (kc_out, vc_out), q_outs = jax.jit(layers)(x, ws, kcs, vcs, slots, pos)
     host = [np.asarray(a) for a in (kcs, vcs)]
     for i in range(L):

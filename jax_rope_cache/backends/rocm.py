@@ -210,8 +210,10 @@ def _has_disk_entries() -> bool:
         return False
 
 
-def lower(ctx, args, spec: contract.OpSpec):
-    native.refuse_unsupported(spec, SUPPORTS, NAME)
+def prepare_launch(ctx, build, what: str):
+    """(code table, kernel symbol, configuration) of a ROCm lowering: registers the launcher's
+    targets, picks the archs, and calls `build(archs)` -> (table, symbol, config). Every miss is a
+    KernelUnavailable naming `what` is needed, so impl=None falls back to the XLA path."""
     try:  # here, so that a jax that refuses the registration falls back (impl=None) like any other miss
         launcher.register_gpu_targets(launcher.launcher_module(), "ROCM")
     except Exception as e:  # noqa: BLE001
@@ -222,13 +224,22 @@ def lower(ctx, args, spec: contract.OpSpec):
     except UnsupportedArch as e:
         raise native.KernelUnavailable(f"a gfx942 or gfx950 GPU ({e})") from e
     try:
-        cfg = kernel_config(spec)
-        table, symbol, objs = build_code_table(cfg, archs)
-        cfg = objs[0].config or cfg
+        return build(archs)
     except flydsl.FlyDSLUnavailable as e:
         raise native.KernelUnavailable(str(e).replace("compiling the ROCm kernel needs ", "", 1)) from e
     except Exception as e:  # noqa: BLE001 - a broken toolchain must not break impl=None users
         raise native.KernelUnavailable(
-            f"its kernel, but compiling the kernel failed ({type(e).__name__}: {e})") from e
+            f"{what}, but compiling the kernel failed ({type(e).__name__}: {e})") from e
+
+
+def lower(ctx, args, spec: contract.OpSpec):
+    native.refuse_unsupported(spec, SUPPORTS, NAME)
+
+    def build(archs):
+        cfg = kernel_config(spec)
+        table, symbol, objs = build_code_table(cfg, archs)
+        return table, symbol, objs[0].config or cfg
+
+    table, symbol, cfg = prepare_launch(ctx, build, "its kernel")
     return launcher.lower_launch(ctx, args, table=table, kernel=symbol, grid_div=cfg.tpb, block=cfg.nt,
                                  grid_y=getattr(cfg, "split", 1), platform="ROCM")

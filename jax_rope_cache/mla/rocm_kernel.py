@@ -62,23 +62,11 @@ def build_code_table(cfg, archs=None) -> tuple[bytes, str, list]:
 
 
 def lower(ctx, args, spec, launch_options):
-    try:  # here, so that a jax that refuses the registration falls back (impl=None) like any other miss
-        launcher.register_gpu_targets(launcher.launcher_module(), "ROCM")
-    except Exception as e:  # noqa: BLE001
-        raise native.KernelUnavailable(
-            f"its launcher target registered with jax, which failed ({type(e).__name__}: {e})") from e
-    try:
-        archs = rocm.lowering_archs(ctx)
-    except rocm.UnsupportedArch as e:
-        raise native.KernelUnavailable(f"a gfx942 or gfx950 GPU ({e})") from e
-    try:
+    def build(archs):
         cfg = kernel_config(spec)
         table, symbol, objs = build_code_table(cfg, archs)
-        cfg = objs[0].config or cfg
-    except flydsl.FlyDSLUnavailable as e:
-        raise native.KernelUnavailable(str(e).replace("compiling the ROCm kernel needs ", "", 1)) from e
-    except Exception as e:  # noqa: BLE001 - a broken toolchain must not break impl=None users
-        raise native.KernelUnavailable(
-            f"its MLA kernel, but compiling the kernel failed ({type(e).__name__}: {e})") from e
+        return table, symbol, objs[0].config or cfg
+
+    table, symbol, cfg = rocm.prepare_launch(ctx, build, "its MLA kernel")
     return launcher.lower_launch(ctx, args, table=table, kernel=symbol, grid_div=cfg.tpb, block=cfg.nt,
                                  grid_y=cfg.parts, platform="ROCM", **launch_options)

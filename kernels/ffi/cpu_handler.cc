@@ -26,6 +26,7 @@
 #endif
 
 #include "kernels/common/rope_cache_math.h"
+#include "kernels/ffi/dtypes.h"
 #include "kernels/ffi/handlers.h"
 #include "kernels/ffi/ieee_denormals.h"
 #include "xla/ffi/api/ffi.h"
@@ -34,18 +35,6 @@ namespace ffi = xla::ffi;
 
 namespace jax_rope_cache {
 namespace {
-
-int DtypeCode(ffi::DataType t) {
-  switch (t) {
-    case ffi::DataType::F32: return RC_F32;
-    case ffi::DataType::BF16: return RC_BF16;
-    case ffi::DataType::F16: return RC_F16;
-    case ffi::DataType::F8E4M3FN: return RC_FP8_E4M3FN;
-    case ffi::DataType::F8E4M3FNUZ: return RC_FP8_E4M3FNUZ;
-    case ffi::DataType::F8E5M2: return RC_FP8_E5M2;
-    default: return -1;
-  }
-}
 
 int64_t LoadIndex(const void* base, int64_t i, bool is64) {
   return is64 ? static_cast<const int64_t*>(base)[i] : static_cast<const int32_t*>(base)[i];

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "kernels/common/rope_cache_math.h"
+#include "kernels/ffi/dtypes.h"
 #include "kernels/ffi/handlers.h"
 #include "kernels/ffi/ieee_denormals.h"
 #include "xla/ffi/api/ffi.h"
@@ -27,18 +28,6 @@ namespace ffi = xla::ffi;
 
 namespace jax_rope_cache {
 namespace {
-
-int Code(ffi::DataType t) {
-  switch (t) {
-    case ffi::DataType::F32: return RC_F32;
-    case ffi::DataType::BF16: return RC_BF16;
-    case ffi::DataType::F16: return RC_F16;
-    case ffi::DataType::F8E4M3FN: return RC_FP8_E4M3FN;
-    case ffi::DataType::F8E4M3FNUZ: return RC_FP8_E4M3FNUZ;
-    case ffi::DataType::F8E5M2: return RC_FP8_E5M2;
-    default: return -1;
-  }
-}
 
 const char* Name(int code) {
   switch (code) {
@@ -140,7 +129,7 @@ ffi::Error Validate(ffi::RemainingArgs& args, ffi::RemainingRets& rets, Geometry
   const char* cname0 = g->split ? "ckv_cache" : "kv_cache";
   const ffi::AnyBuffer &q_nope = in[0], &q_pe = in[1], &kv_c = in[2], &k_pe = in[3];
   const ffi::AnyBuffer &slots = in[4 + nc], &pos = in[5 + nc], &cos = in[6 + nc], &sin = in[7 + nc];
-  g->dt = Code(q_pe.element_type());
+  g->dt = DtypeCode(q_pe.element_type());
   if (g->dt < 0 || IsFp8(g->dt))
     return Invalid(std::string("q_pe: expected dtype float32, bfloat16 or float16, got ") + Name(g->dt));
   auto qd = q_pe.dimensions();
@@ -149,9 +138,9 @@ ffi::Error Validate(ffi::RemainingArgs& args, ffi::RemainingRets& rets, Geometry
   if (g->Dr < 2 || g->Dr % 2) return Invalid("q_pe: expected an even Dr >= 2, got " + std::to_string(g->Dr));
   const char* in_names[] = {"q_nope", "q_pe", "kv_c", "k_pe"};
   for (int i = 0; i < 4; ++i)
-    if (Code(in[i].element_type()) != g->dt)
+    if (DtypeCode(in[i].element_type()) != g->dt)
       return Invalid(std::string(in_names[i]) + ": expected dtype " + Name(g->dt) + " (q_pe's), got " +
-                     Name(Code(in[i].element_type())));
+                     Name(DtypeCode(in[i].element_type())));
   auto nd = q_nope.dimensions();
   if (nd.size() != 3) return Invalid("q_nope: expected rank 3 [T, QH, Dn], got dims " + Dims(nd));
   g->Dn = nd[2];
@@ -169,7 +158,7 @@ ffi::Error Validate(ffi::RemainingArgs& args, ffi::RemainingRets& rets, Geometry
   g->stacked = k0.size() == 4;
   g->L = g->stacked ? k0[0] : 1;
   g->NB = k0[k0.size() - 3], g->BS = k0[k0.size() - 2];
-  g->cache_dt = Code(c0.element_type());
+  g->cache_dt = DtypeCode(c0.element_type());
   if (g->cache_dt != g->dt && !IsFp8(g->cache_dt))
     return Invalid(std::string(cname0) + ": expected dtype " + Name(g->dt) + " or a float8 dtype, got " +
                    Name(g->cache_dt));
@@ -181,9 +170,9 @@ ffi::Error Validate(ffi::RemainingArgs& args, ffi::RemainingRets& rets, Geometry
   want1.push_back(g->Dr);
   if (auto e = ExpectDims(cname0, c0, want0); e.failure()) return e;
   if (g->split) {
-    if (Code(in[5].element_type()) != g->cache_dt)
+    if (DtypeCode(in[5].element_type()) != g->cache_dt)
       return Invalid(std::string("kpe_cache: expected dtype ") + Name(g->cache_dt) + ", got " +
-                     Name(Code(in[5].element_type())));
+                     Name(DtypeCode(in[5].element_type())));
     if (auto e = ExpectDims("kpe_cache", in[5], want1); e.failure()) return e;
   }
   if (g->L < 1 || g->NB < 1 || g->BS < 1) return Invalid(std::string(cname0) + ": empty cache dims " + Dims(k0));
@@ -196,9 +185,9 @@ ffi::Error Validate(ffi::RemainingArgs& args, ffi::RemainingRets& rets, Geometry
   }
   g->slot64 = slots.element_type() == ffi::DataType::S64;
   g->pos64 = pos.element_type() == ffi::DataType::S64;
-  g->tab_dt = Code(cos.element_type());
+  g->tab_dt = DtypeCode(cos.element_type());
   if (g->tab_dt < 0 || IsFp8(g->tab_dt)) return Invalid("cos: expected dtype float32, bfloat16 or float16");
-  if (Code(sin.element_type()) != g->tab_dt) return Invalid(std::string("sin: expected dtype ") + Name(g->tab_dt));
+  if (DtypeCode(sin.element_type()) != g->tab_dt) return Invalid(std::string("sin: expected dtype ") + Name(g->tab_dt));
   auto td = cos.dimensions();
   if (td.size() != 2 || td[0] < 1 || (td[1] != g->Dr && td[1] != g->Dr / 2))
     return Invalid("cos: expected dims [max_pos >= 1, Dr/2 or Dr] with Dr=" + std::to_string(g->Dr) + ", got " + Dims(td));
@@ -209,11 +198,11 @@ ffi::Error Validate(ffi::RemainingArgs& args, ffi::RemainingRets& rets, Geometry
   if (auto e = ExpectScalar("q_scale", in[9 + nc], ffi::DataType::F32, "float32"); e.failure()) return e;
   if (auto e = ExpectScalar("layer", in[10 + nc], ffi::DataType::S32, "int32"); e.failure()) return e;
   // results
-  g->q_dt = Code(out[0].element_type());
+  g->q_dt = DtypeCode(out[0].element_type());
   if (g->q_dt != g->dt && !IsFp8(g->q_dt))
     return Invalid(std::string("q_out: expected dtype ") + Name(g->dt) + " or a float8 dtype, got " + Name(g->q_dt));
   if (auto e = ExpectDims("q_out", out[0], {g->T, g->QH, g->Dn + g->Dr}); e.failure()) return e;
-  if (Code(out[1].element_type()) != g->dt) return Invalid(std::string("k_pe_out: expected dtype ") + Name(g->dt));
+  if (DtypeCode(out[1].element_type()) != g->dt) return Invalid(std::string("k_pe_out: expected dtype ") + Name(g->dt));
   if (auto e = ExpectDims("k_pe_out", out[1], {g->T, g->Dr}); e.failure()) return e;
   for (int i = 0; i < nc; ++i) {
     const char* n = i ? "kpe_cache result" : "cache result";
