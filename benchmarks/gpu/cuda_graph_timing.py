@@ -1,5 +1,5 @@
 """Device time per call of a torch-launched kernel: a CUDA graph of n_calls calls, replayed and timed
-with CUDA events (median). Shared by bench_gpu.py (the AITER column) and diagnostics/kernel_speed.py."""
+with CUDA events (median). Shared by the op and MLA suites (the AITER column) and diagnostics/kernel_speed.py."""
 from __future__ import annotations
 
 import statistics

@@ -34,6 +34,9 @@ import jax_rope_cache as jrc
 from jax_rope_cache.mla import reference as mla_reference
 from jax_rope_cache.models import presets
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run as a suite or on its own
+from cuda_graph_timing import graph_us  # noqa: E402  (benchmarks/gpu/)
+
 BF16, FN = np.dtype(ml_dtypes.bfloat16), np.dtype(ml_dtypes.float8_e4m3fn)
 CHECK_TOKENS = 64
 
@@ -122,30 +125,6 @@ def load_aiter(root):
     return importlib.import_module("aiter.ops.triton.fusions.fused_kv_cache")
 
 
-def graph_time_us(call, n_calls, reps=20):
-    import torch
-
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            call()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(n_calls):
-            call()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    ts = []
-    for _ in range(reps):
-        e0.record()
-        g.replay()
-        e1.record()
-        e1.synchronize()
-        ts.append(e0.elapsed_time(e1))
-    return float(np.median(ts)) * 1e3 / n_calls
-
-
 def aiter_case(W, host, cos, sin, cache_dtype, kv_scale, n):
     """(device us per call, q_out and cache rows of the first tokens) of AITER's MLA kernel."""
     import torch
@@ -164,7 +143,7 @@ def aiter_case(W, host, cos, sin, cache_dtype, kv_scale, n):
             t(pos.astype(np.int64)), t(cos), t(sin), torch.tensor([kv_scale], dtype=torch.float32, device="cuda"))
     out = W.fused_qk_rope_cat_and_cache_mla(*args, is_neox=False, apply_scale=cache_dtype == FN)
     torch.cuda.synchronize()
-    us = graph_time_us(lambda: W.fused_qk_rope_cat_and_cache_mla(*args, is_neox=False,
+    us = graph_us(lambda: W.fused_qk_rope_cat_and_cache_mla(*args, is_neox=False,
                                                                  apply_scale=cache_dtype == FN), n)
     q = out[0][:CHECK_TOKENS].float().cpu().numpy().astype(BF16)
     rows = kvc.view(torch.uint8 if cache_dtype == FN else torch.int16)[torch.from_numpy(slots[:CHECK_TOKENS]).long().cuda()]
