@@ -143,8 +143,8 @@ def aiter_case(W, host, cos, sin, cache_dtype, kv_scale, n):
             t(pos.astype(np.int64)), t(cos), t(sin), torch.tensor([kv_scale], dtype=torch.float32, device="cuda"))
     out = W.fused_qk_rope_cat_and_cache_mla(*args, is_neox=False, apply_scale=cache_dtype == FN)
     torch.cuda.synchronize()
-    us = graph_us(lambda: W.fused_qk_rope_cat_and_cache_mla(*args, is_neox=False,
-                                                                 apply_scale=cache_dtype == FN), n)
+    us = graph_us(lambda: W.fused_qk_rope_cat_and_cache_mla(*args, is_neox=False, apply_scale=cache_dtype == FN),
+                  n)
     q = out[0][:CHECK_TOKENS].float().cpu().numpy().astype(BF16)
     rows = kvc.view(torch.uint8 if cache_dtype == FN else torch.int16)[torch.from_numpy(slots[:CHECK_TOKENS]).long().cuda()]
     rows = rows.cpu().numpy().view(cache_dtype).reshape(min(CHECK_TOKENS, len(slots)), -1)
