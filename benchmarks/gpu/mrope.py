@@ -35,7 +35,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from qk_norm import LOG, copy_ceiling, device_us_per_call, log, slot_pattern  # noqa: E402
+from qk_norm import (LOG, add_timing_args, copy_ceiling, device_us_per_call, log,  # noqa: E402
+                     slot_pattern, start_run)
 
 BS = 16
 EPS = 1e-6
@@ -194,24 +195,14 @@ def main(argv=None):
     ap.add_argument("--layouts", default="flash,xpacked")
     ap.add_argument("--models", default="qwen3-vl-8b:1,qwen3-vl-235b-a22b:4", help="preset:tp,...")
     ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--calls", type=int, default=None, help="calls per jit (default 16; dry run 2)")
-    ap.add_argument("--reps", type=int, default=None, help="timed executions (median; default 5)")
-    ap.add_argument("--trace-execs", type=int, default=3)
-    ap.add_argument("--no-profile", dest="profile", action="store_false", help="wall time only")
+    add_timing_args(ap)
     a = ap.parse_args(argv)
-    if a.dry_run:
-        os.environ["JAX_PLATFORMS"] = "cpu"
+    tokens = start_run(a, dry_tokens="1,64", tokens="1,8192")
     import jax
 
     from jax_rope_cache.models import config, presets
 
-    if jax.default_backend() != "gpu" and not a.dry_run:
-        log(f"no GPU backend ({jax.default_backend()}): running as --dry-run")
-        a.dry_run = True
     small = a.dry_run
-    a.calls = a.calls or (2 if small else 16)
-    a.reps = a.reps or (2 if small else 5)
-    tokens = [int(x) for x in (a.tokens or ("1,64" if small else "1,8192")).split(",")]
     variants = a.variants.split(",")
     os.makedirs(a.out_dir, exist_ok=True)
     workdir = tempfile.mkdtemp(prefix="mrope_")

@@ -238,6 +238,29 @@ def check_variants(inp, variants):
     return dict(diff, **{f"{v} error": e for v, e in errors.items()})
 
 
+def add_timing_args(ap) -> None:
+    """The timing options every suite of this harness shares."""
+    ap.add_argument("--calls", type=int, default=None, help="calls per jit (default 16; dry run 2)")
+    ap.add_argument("--reps", type=int, default=None, help="timed executions (median; default 5)")
+    ap.add_argument("--trace-execs", type=int, default=3, help="executions in the profiler trace")
+    ap.add_argument("--no-profile", dest="profile", action="store_false", help="wall time only")
+
+
+def start_run(a, *, dry_tokens: str, tokens: str) -> list[int]:
+    """Before jax starts: a dry run is pinned to the CPU; without a GPU the run becomes a dry run.
+    Fills the timing defaults in `a` and returns the token counts."""
+    if a.dry_run:
+        os.environ["JAX_PLATFORMS"] = "cpu"
+    import jax
+
+    if jax.default_backend() != "gpu" and not a.dry_run:
+        log(f"no GPU backend ({jax.default_backend()}): running as --dry-run")
+        a.dry_run = True
+    a.calls = a.calls or (2 if a.dry_run else 16)
+    a.reps = a.reps or (2 if a.dry_run else 5)
+    return [int(x) for x in (a.tokens or (dry_tokens if a.dry_run else tokens)).split(",")]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("out_dir")
@@ -247,27 +270,17 @@ def main(argv=None):
     ap.add_argument("--models", default="qwen3-32b:8,qwen3-235b-a22b:4", help="preset:tp,...")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--slots", default="auto", help="random, prefill, or auto (prefill for T >= 2048)")
-    ap.add_argument("--calls", type=int, default=None, help="calls per jit (default 16; dry run 2)")
-    ap.add_argument("--reps", type=int, default=None, help="timed executions (median; default 5)")
-    ap.add_argument("--trace-execs", type=int, default=3, help="executions in the profiler trace")
-    ap.add_argument("--no-profile", dest="profile", action="store_false", help="wall time only")
+    add_timing_args(ap)
     ap.add_argument("--budget-s", type=float, default=165.0, help="stop starting new cases after this")
     ap.add_argument("--check", action="store_true",
                     help="compare one call's q_out/k_out across the variants per case (on by default in --dry-run)")
     a = ap.parse_args(argv)
-    if a.dry_run:
-        os.environ["JAX_PLATFORMS"] = "cpu"
+    tokens = start_run(a, dry_tokens="1,32", tokens="1,128,8192,32768")
     import jax
 
     from jax_rope_cache.models import presets
 
-    if jax.default_backend() != "gpu" and not a.dry_run:
-        log(f"no GPU backend ({jax.default_backend()}): running as --dry-run")
-        a.dry_run = True
     small = a.dry_run
-    a.calls = a.calls or (2 if small else 16)
-    a.reps = a.reps or (2 if small else 5)
-    tokens = [int(x) for x in (a.tokens or ("1,32" if small else "1,128,8192,32768")).split(",")]
     models = []
     for m in a.models.split(","):
         name, tp = m.split(":")
