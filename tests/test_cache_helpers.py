@@ -38,17 +38,24 @@ def test_make_kv_cache_zeros():
 @pytest.mark.parametrize("platform", platforms())
 @pytest.mark.parametrize("layout", contract.LAYOUTS)
 @pytest.mark.parametrize("cache_dtype", [None, "float8_e4m3fn", "float8_e5m2"])
-def test_read_kv_matches_reference(platform, layout, cache_dtype):
-    args, opts = make_problem(Case(T=20, D=128, layout=layout, cache_dtype=cache_dtype), seed=21)
+def _read_kv_checked(platform, case, seed):
+    """(K read back, key cache, slots): read_kv on `platform` after the reference wrote `case`, equal
+    to the reference's read_kv bit for bit."""
+    args, opts = make_problem(case, seed=seed)
     _, _, kc, vc = reference.rope_and_cache(*args, **opts)
     slots = args[5]
     dev = jax.devices(platform)[0]
     got_k, got_v = jrc.read_kv(jax.device_put(kc, dev), jax.device_put(vc, dev), jax.device_put(slots, dev),
-                               layout=layout)
-    want_k, want_v = reference.read_kv(kc, vc, slots, layout=layout)
+                               layout=case.layout)
+    want_k, want_v = reference.read_kv(kc, vc, slots, layout=case.layout)
     assert_bits_equal(np.asarray(got_k), want_k, "K")
     assert_bits_equal(np.asarray(got_v), want_v, "V")
-    assert np.asarray(got_k).astype(np.float32)[slots >= 0].any()
+    return np.asarray(got_k), kc, slots
+
+
+def test_read_kv_matches_reference(platform, layout, cache_dtype):
+    got_k, _, slots = _read_kv_checked(platform, Case(T=20, D=128, layout=layout, cache_dtype=cache_dtype), 21)
+    assert got_k.astype(np.float32)[slots >= 0].any()
 
 
 @pytest.mark.parametrize("layout,x,dtype", [("xpacked", 4, jnp.bfloat16), ("xpacked_shuffled", 16, jnp.bfloat16),
@@ -66,17 +73,9 @@ def test_make_kv_cache_x(layout, x, dtype):
 @pytest.mark.parametrize("platform", platforms())
 @pytest.mark.parametrize("layout,x", [("xpacked", 4), ("xpacked_shuffled", 2), ("xpacked", 16)])
 def test_read_kv_takes_x_from_the_cache(platform, layout, x):
-    args, opts = make_problem(Case(T=20, D=64, layout=layout, X=x), seed=22)
-    _, _, kc, vc = reference.rope_and_cache(*args, **opts)
-    slots = args[5]
-    dev = jax.devices(platform)[0]
-    got_k, got_v = jrc.read_kv(jax.device_put(kc, dev), jax.device_put(vc, dev), jax.device_put(slots, dev),
-                               layout=layout)
-    want_k, want_v = reference.read_kv(kc, vc, slots, layout=layout)
-    assert_bits_equal(np.asarray(got_k), want_k, "K")
-    assert_bits_equal(np.asarray(got_v), want_v, "V")
+    got_k, kc, slots = _read_kv_checked(platform, Case(T=20, D=64, layout=layout, X=x), 22)
     # the element of (token t, head h, channel d) sits at kc[blk, h, d // X, off, d % X]
     t = int(np.flatnonzero((slots >= 0) & (slots < kc.shape[0] * 16))[0])
     blk, off = divmod(int(slots[t]), 16)
     d = np.arange(64)
-    assert_bits_equal(kc[blk, 1, d // x, off, d % x], want_k[t, 1], "K placement")
+    assert_bits_equal(kc[blk, 1, d // x, off, d % x], got_k[t, 1], "K placement")
