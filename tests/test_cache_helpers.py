@@ -35,9 +35,6 @@ def test_make_kv_cache_zeros():
     assert not np.asarray(kc).astype(np.float32).any() and not np.asarray(vc).astype(np.float32).any()
 
 
-@pytest.mark.parametrize("platform", platforms())
-@pytest.mark.parametrize("layout", contract.LAYOUTS)
-@pytest.mark.parametrize("cache_dtype", [None, "float8_e4m3fn", "float8_e5m2"])
 def _read_kv_checked(platform, case, seed):
     """(K read back, key cache, slots): read_kv on `platform` after the reference wrote `case`, equal
     to the reference's read_kv bit for bit."""
@@ -53,6 +50,9 @@ def _read_kv_checked(platform, case, seed):
     return np.asarray(got_k), kc, slots
 
 
+@pytest.mark.parametrize("platform", platforms())
+@pytest.mark.parametrize("layout", contract.LAYOUTS)
+@pytest.mark.parametrize("cache_dtype", [None, "float8_e4m3fn", "float8_e5m2"])
 def test_read_kv_matches_reference(platform, layout, cache_dtype):
     got_k, _, slots = _read_kv_checked(platform, Case(T=20, D=128, layout=layout, cache_dtype=cache_dtype), 21)
     assert got_k.astype(np.float32)[slots >= 0].any()
