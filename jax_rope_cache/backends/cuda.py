@@ -36,9 +36,10 @@ SUPPORTS: frozenset[str] = frozenset({"q_norm", "k_norm", "k_scale_heads", "v_sc
 
 
 @functools.cache
-def kernel_sources() -> tuple[str, dict[str, str]]:
-    """(rope_cache.cu text, {include name: header text})."""
-    with open(cache.find_source("cuda/rope_cache.cu")) as f:
+def kernel_sources(name: str = "rope_cache.cu") -> tuple[str, dict[str, str]]:
+    """(the text of kernels/cuda/<name>, {include name: header text}); the MLA op's kernel is
+    mla_cache.cu."""
+    with open(cache.find_source(f"cuda/{name}")) as f:
         src = f.read()
     with open(cache.find_source("common/rope_cache_math.h")) as f:
         hdr = f.read()

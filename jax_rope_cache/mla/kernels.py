@@ -8,12 +8,11 @@ whatever route the main op's GPU lowering takes.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 
 from jax_rope_cache.backends import cpu, cuda, launcher, native, rocm
-from jax_rope_cache.compilers import cache, nvrtc
+from jax_rope_cache.compilers import nvrtc
 from jax_rope_cache.mla import contract as mla_contract
 from jax_rope_cache.mla.contract import MlaSpec
 
@@ -41,16 +40,6 @@ LATENCY_NT = 128
 BANDWIDTH_NT = 256
 UNITS_PER_BLOCK = 2048
 UNROLL = 4
-
-
-@functools.cache
-def cuda_sources() -> tuple[str, dict[str, str]]:
-    """(mla_cache.cu text, {include name: header text})."""
-    with open(cache.find_source("cuda/mla_cache.cu")) as f:
-        src = f.read()
-    with open(cache.find_source("common/rope_cache_math.h")) as f:
-        hdr = f.read()
-    return src, {"rope_cache_math.h": hdr}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +103,7 @@ def mla_kernel_config(spec: MlaSpec, num_sms: int = cuda.DEFAULT_SMS, unroll: in
 
 def compile_mla(cfg: MlaCudaConfig, arch: str) -> nvrtc.Compiled:
     """NVRTC-compiles one variant for `arch` ("sm_90" or "compute_90"), through the package's caches."""
-    src, headers = cuda_sources()
+    src, headers = cuda.kernel_sources("mla_cache.cu")
     opts = list(cuda.BASE_OPTIONS) + cfg.options()
     if arch.startswith("compute_"):
         opts.remove("--ptxas-options=-v")
