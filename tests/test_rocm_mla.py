@@ -22,7 +22,6 @@ import hashlib
 import importlib.util
 import os
 import re
-import shutil
 
 import jax
 import numpy as np
@@ -162,14 +161,21 @@ def test_emulated_occupancy_candidates(candidate):
 
 
 def _mutant(tmp_path, old, new):
-    """The kernel module with `old` replaced by `new` in its source (beside a copy of its base)."""
+    """The kernel module with `old` replaced by `new` in its source or, where it is not there, in
+    the copy of its base (rope_cache_flydsl.py: the rotation both kernels share) beside it."""
     src_dir = os.path.dirname(K.__file__)
     with open(K.__file__) as f:
         src = f.read()
-    assert src.count(old) == 1, old
-    shutil.copy(os.path.join(src_dir, "rope_cache_flydsl.py"), tmp_path / "rope_cache_flydsl.py")
+    with open(os.path.join(src_dir, "rope_cache_flydsl.py")) as f:
+        base = f.read()
+    if src.count(old) == 1:
+        src = src.replace(old, new)
+    else:
+        assert src.count(old) == 0 and base.count(old) == 1, old
+        base = base.replace(old, new)
+    (tmp_path / "rope_cache_flydsl.py").write_text(base)
     path = tmp_path / "mla_cache_flydsl.py"
-    path.write_text(src.replace(old, new))
+    path.write_text(src)
     spec = importlib.util.spec_from_file_location(f"_mla_mutant_{abs(hash(new))}", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

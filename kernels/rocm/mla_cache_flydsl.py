@@ -169,24 +169,6 @@ def make_config(*, qh, dn, dc, dr, bs, split, neox, full_table, native, dt, tab_
     return MlaRocmConfig(**base, tpb=tpb, nt=BANDWIDTH_NT, parts=1)
 
 
-def _rotate(E, mode, native_dt, xa, xb, ca, sa, cb, sb):
-    """(ya, yb) of pairs (a, b): a*cos_a - b*sin_a, b*cos_b + a*sin_b in the arithmetic `mode`
-    (reference.rotate_values; rc_rotate_pair of rope_cache_math.h)."""
-    ya, yb = [], []
-    for i in range(len(xa)):
-        if mode == "fused":  # fma(a, cos_a, -(b*sin_a)), fma(b, cos_b, a*sin_b)
-            ya.append(E.llvm.intr_fma(xa[i], ca[i], E.arith.negf(E.arith.mulf(xb[i], sa[i]))))
-            yb.append(E.llvm.intr_fma(xb[i], cb[i], E.arith.mulf(xa[i], sb[i])))
-        elif native_dt is None:
-            ya.append(E.arith.subf(E.arith.mulf(xa[i], ca[i]), E.arith.mulf(xb[i], sa[i])))
-            yb.append(E.arith.addf(E.arith.mulf(xb[i], cb[i]), E.arith.mulf(xa[i], sb[i])))
-        else:
-            r = lambda v: E.round_to(v, native_dt)  # noqa: E731
-            ya.append(r(E.arith.subf(r(E.arith.mulf(xa[i], ca[i])), r(E.arith.mulf(xb[i], sa[i])))))
-            yb.append(r(E.arith.addf(r(E.arith.mulf(xb[i], cb[i])), r(E.arith.mulf(xa[i], sb[i])))))
-    return ya, yb
-
-
 def emit_kernel_body(cfg: MlaRocmConfig, args: list, dialects=None) -> None:
     """Emits the kernel body. `args`: the kernel_args(cfg) i64 kernel arguments as MLIR values.
     `dialects`: (ir, arith, gpu, llvm, rocdl, scf, vector) modules to emit with (default FlyDSL's)."""
@@ -409,7 +391,7 @@ def emit_kernel_body(cfg: MlaRocmConfig, args: list, dialects=None) -> None:
                 cb, sb = ca, sa
             x = E.elems_from_pieces(st["data"][0], cfg.dt, RW)
             xa, xb = x[0::2], x[1::2]
-        ya, yb = _rotate(E, mode, native_dt, xa, xb, ca, sa, cb, sb)
+        ya, yb = _base().rotate_pairs(E, mode, native_dt, xa, xb, ca, sa, cb, sb)
         if cfg.neox:
             chunks = [(0, ya), (HALF, yb)]  # (first channel, values)
         else:

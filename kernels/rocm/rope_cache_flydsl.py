@@ -824,6 +824,25 @@ class _Emitter:
         return self.arith.index_cast(self.i32, self.gpu.block_id(self.gpu.Dimension.y))
 
 
+def rotate_pairs(E, mode, native_dt, xa, xb, ca, sa, cb, sb):
+    """(ya, yb) of pairs (a, b): a*cos_a - b*sin_a, b*cos_b + a*sin_b in the arithmetic `mode`
+    (reference.rotate_values; rc_rotate_pair of rope_cache_math.h). Shared with the MLA kernel."""
+    ya, yb = [], []
+    for i in range(len(xa)):
+        if mode == "fused":  # fma(a, cos_a, -(b*sin_a)), fma(b, cos_b, a*sin_b)
+            neg = E.arith.negf(E.arith.mulf(xb[i], sa[i]))
+            ya.append(E.llvm.intr_fma(xa[i], ca[i], neg))
+            yb.append(E.llvm.intr_fma(xb[i], cb[i], E.arith.mulf(xa[i], sb[i])))
+        elif native_dt is None:
+            ya.append(E.arith.subf(E.arith.mulf(xa[i], ca[i]), E.arith.mulf(xb[i], sa[i])))
+            yb.append(E.arith.addf(E.arith.mulf(xb[i], cb[i]), E.arith.mulf(xa[i], sb[i])))
+        else:
+            r = lambda v: E.round_to(v, native_dt)  # noqa: E731
+            ya.append(r(E.arith.subf(r(E.arith.mulf(xa[i], ca[i])), r(E.arith.mulf(xb[i], sa[i])))))
+            yb.append(r(E.arith.addf(r(E.arith.mulf(xb[i], cb[i])), r(E.arith.mulf(xa[i], sb[i])))))
+    return ya, yb
+
+
 def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
     """Emits the kernel body. `args`: the NUM_ARGS i64 kernel arguments as MLIR values.
     `dialects`: (ir, arith, gpu, llvm, rocdl, scf, vector) modules to emit with (default FlyDSL's)."""
@@ -1371,19 +1390,7 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
                 xa, xb = fam_x[0], fam_x[1]
             else:
                 xa, xb = fam_x[0][0::2], fam_x[0][1::2]
-            ya, yb = [], []
-            for i in range(npairs):
-                if mode == "fused":  # fma(a, cos_a, -(b*sin_a)), fma(b, cos_b, a*sin_b)
-                    neg = E.arith.negf(E.arith.mulf(xb[i], sa[i]))
-                    ya.append(E.llvm.intr_fma(xa[i], ca[i], neg))
-                    yb.append(E.llvm.intr_fma(xb[i], cb[i], E.arith.mulf(xa[i], sb[i])))
-                elif native_dt is None:
-                    ya.append(E.arith.subf(E.arith.mulf(xa[i], ca[i]), E.arith.mulf(xb[i], sa[i])))
-                    yb.append(E.arith.addf(E.arith.mulf(xb[i], cb[i]), E.arith.mulf(xa[i], sb[i])))
-                else:
-                    r = lambda v: E.round_to(v, native_dt)  # noqa: E731
-                    ya.append(r(E.arith.subf(r(E.arith.mulf(xa[i], ca[i])), r(E.arith.mulf(xb[i], sa[i])))))
-                    yb.append(r(E.arith.addf(r(E.arith.mulf(xb[i], cb[i])), r(E.arith.mulf(xa[i], sb[i])))))
+            ya, yb = rotate_pairs(E, mode, native_dt, xa[:npairs], xb[:npairs], ca, sa, cb, sb)
             # output values (rounded to the input dtype once)
             if cfg.neox:
                 outs = [ya, yb]
