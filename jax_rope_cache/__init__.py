@@ -13,6 +13,7 @@ _LAZY = {
     "rope_and_cache_donated": "jax_rope_cache.api",
     "rope_and_cache_qkv": "jax_rope_cache.api",
     "make_kv_cache": "jax_rope_cache.api",
+    "make_kv_scale_cache": "jax_rope_cache.api",
     "read_kv": "jax_rope_cache.api",
     "export": "jax_rope_cache.api",
     "DISABLED_EXPORT_CHECKS": "jax_rope_cache.api",

@@ -50,12 +50,17 @@ def _is_concrete(a) -> bool:
     return isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer)
 
 
-def _check_refs(key_cache, value_cache) -> bool:
-    """True when the caches are jax.Refs (both or neither, never the same one)."""
+def _check_refs(key_cache, value_cache, k_scale_cache=None, v_scale_cache=None) -> bool:
+    """True when the caches are jax.Refs (both or neither, never the same one; scale caches given
+    alongside: the same kind as the caches)."""
     refs = [isinstance(c, jax.Ref) for c in (key_cache, value_cache)]
     if any(refs) and not all(refs):
         raise TypeError(f"value_cache: expected {'a jax.Ref' if refs[0] else 'an array'} like key_cache, "
                         f"got {type(value_cache).__name__}")
+    for name, c in (("k_scale_cache", k_scale_cache), ("v_scale_cache", v_scale_cache)):
+        if c is not None and isinstance(c, jax.Ref) != refs[0]:
+            raise TypeError(f"{name}: expected {'a jax.Ref' if refs[0] else 'an array'} like key_cache, "
+                            f"got {type(c).__name__}")
     contract.check_distinct_caches(key_cache, value_cache)
     return refs[0]
 
@@ -139,21 +144,23 @@ def _layer_operand(layer, spec: contract.OpSpec):
 
 def _prepare(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, *, layout, is_neox,
              rotary_dim, k_scale, v_scale, precision, impl, layer, q_norm_weight, k_norm_weight, norm_eps,
-             mrope_section=None, mrope_interleaved=False, inputs=None):
+             mrope_section=None, mrope_interleaved=False, inputs=None, k_scale_cache=None, v_scale_cache=None):
     """Every check of a call, in the same order for every entry point; returns the spec and the
     index arguments as they may be handed to JAX (host int64 indices given their meaning).
     `inputs`: (name, array) of the arrays q, k and v were read from, when not q, k and v themselves
     (the fused tensor of rope_and_cache_qkv)."""
-    _check_refs(key_cache, value_cache)
+    _check_refs(key_cache, value_cache, k_scale_cache, v_scale_cache)
     spec = contract.check_op(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
                              layout=layout, is_neox=is_neox, rotary_dim=rotary_dim, k_scale=k_scale,
                              v_scale=v_scale, precision=precision, layer=layer, q_norm_weight=q_norm_weight,
                              k_norm_weight=k_norm_weight, norm_eps=norm_eps, mrope_section=mrope_section,
-                             mrope_interleaved=mrope_interleaved)
+                             mrope_interleaved=mrope_interleaved, k_scale_cache=k_scale_cache,
+                             v_scale_cache=v_scale_cache)
     if impl not in IMPLS:
         raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
     named = list(zip(contract.OPERANDS, (q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
                                          k_scale, v_scale, layer, q_norm_weight, k_norm_weight)))
+    named += [("k_scale_cache", k_scale_cache), ("v_scale_cache", v_scale_cache)]
     _check_concrete(named if inputs is None else list(inputs) + named[3:])
     slot_mapping, positions, spec = _narrow_indices(slot_mapping, positions, spec)
     return spec, slot_mapping, positions, _host_layer(layer, spec)
@@ -167,7 +174,8 @@ def rope_and_cache(q: ArrayLike, k: ArrayLike, v: ArrayLike, key_cache: Cache, v
                    layer: int | ArrayLike | None = None, q_norm_weight: ArrayLike | None = None,
                    k_norm_weight: ArrayLike | None = None,
                    norm_eps: float = 1e-6, mrope_section: Sequence[int] | None = None,
-                   mrope_interleaved: bool = False) -> tuple[jax.Array, jax.Array, Cache, Cache]:
+                   mrope_interleaved: bool = False, k_scale_cache: Cache | None = None,
+                   v_scale_cache: Cache | None = None) -> tuple:
     """Rotates q and k with RoPE and writes k and v into a paged KV cache, in one kernel.
 
     Args:
@@ -194,6 +202,13 @@ def rope_and_cache(q: ArrayLike, k: ArrayLike, v: ArrayLike, key_cache: Cache, v
       k_scale, v_scale: float8 caches only (None otherwise): a float scalar (shape () or (1,)) or
         one scale per kv head (shape [KH]), any float dtype, used as float32; each may be traced.
         Stored = fp8(sat(x * (1/scale))), kv head h with scale[h].
+      k_scale_cache, v_scale_cache: per-token fp8 quantization (float8 caches, k_scale = v_scale =
+        None): float32 scale caches [NB, KH, BS] (stacked [L, NB, KH, BS] with `layer`; see
+        make_kv_scale_cache). Each (token, kv head) row of k (after the norm and the rotation) and
+        of v gets scale = max(amax(|row|), 1e-8) / FP8_MAX (448 e4m3fn, 240 e4m3fnuz, 57344
+        e5m2; NaN and inf left out of the amax), is stored as fp8(sat(row * (1/scale))), and the
+        scale goes to [block, h, offset] of the token's slot. Updated in place like the caches
+        (donate them too; jax.Refs when the caches are). jax_rope_cache.reference states every step.
       precision: "fp32" (rotate in float32, round once) or "native" (AITER's arithmetic on ROCm:
         tables in the input dtype round every product and the sum; other tables promote to
         float32 with the first product fused). jax_rope_cache.reference states every rule.
@@ -219,39 +234,57 @@ def rope_and_cache(q: ArrayLike, k: ArrayLike, v: ArrayLike, key_cache: Cache, v
         (text) gets exactly the result of positions [T].
 
     Returns:
-      (q_out [T, QH, D], k_out [T, KH, D], key_cache, value_cache).
+      (q_out [T, QH, D], k_out [T, KH, D], key_cache, value_cache), then (k_scale_cache,
+      v_scale_cache) when the scale caches are given.
 
     Not differentiable (every impl): jax.grad through it raises a TypeError.
     """
-    if _check_refs(key_cache, value_cache):
-        key_ref, value_ref = key_cache, value_cache
-        q_out, k_out, kc, vc = rope_and_cache(
-            q, k, v, key_ref[...], value_ref[...], slot_mapping, positions, cos, sin, layout=layout,
+    if _check_refs(key_cache, value_cache, k_scale_cache, v_scale_cache):
+        refs = (key_cache, value_cache) + tuple(c for c in (k_scale_cache, v_scale_cache) if c is not None)
+        out = rope_and_cache(
+            q, k, v, key_cache[...], value_cache[...], slot_mapping, positions, cos, sin, layout=layout,
             is_neox=is_neox, rotary_dim=rotary_dim, k_scale=k_scale, v_scale=v_scale, precision=precision,
             impl=impl, layer=layer, q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, norm_eps=norm_eps,
-            mrope_section=mrope_section, mrope_interleaved=mrope_interleaved)
-        key_ref[...], value_ref[...] = kc, vc
-        return q_out, k_out, key_ref, value_ref
+            mrope_section=mrope_section, mrope_interleaved=mrope_interleaved,
+            **_read_refs(k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache))
+        return _write_refs(out, refs)
     spec, slot_mapping, positions, layer = _prepare(
         q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, layout=layout, is_neox=is_neox,
         rotary_dim=rotary_dim, k_scale=k_scale, v_scale=v_scale, precision=precision, impl=impl, layer=layer,
         q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, norm_eps=norm_eps, mrope_section=mrope_section,
-        mrope_interleaved=mrope_interleaved)
+        mrope_interleaved=mrope_interleaved, k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache)
     return _run(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, k_scale=k_scale,
                 v_scale=v_scale, layer=layer, q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, spec=spec,
-                impl=impl)
+                impl=impl, k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache)
+
+
+def _read_refs(**refs) -> dict:
+    """The current values of the jax.Refs given (None stays None)."""
+    return {name: None if r is None else r[...] for name, r in refs.items()}
+
+
+def _write_refs(out, refs) -> tuple:
+    """Writes the op's cache results into the refs they came from; returns (q_out, k_out, *refs)."""
+    for ref, value in zip(refs, out[2:]):
+        ref[...] = value
+    return tuple(out[:2]) + tuple(refs)
 
 
 def _run(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, *, k_scale, v_scale, layer,
-         q_norm_weight, k_norm_weight, spec: contract.OpSpec, impl):
-    """The op on checked arguments: the operands (contract.OPERANDS), then the XLA path or the primitive."""
+         q_norm_weight, k_norm_weight, spec: contract.OpSpec, impl, k_scale_cache=None, v_scale_cache=None):
+    """The op on checked arguments: the operands (contract.OPERANDS), then the XLA path or the primitive.
+    With per-token scales the scale caches take the k_scale / v_scale operand slots."""
     args = tuple(jnp.asarray(a) for a in (q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin))
-    args += (_scale_operand(k_scale, spec.k_scale_heads), _scale_operand(v_scale, spec.v_scale_heads),
-             _layer_operand(layer, spec), _weight_operand(q_norm_weight), _weight_operand(k_norm_weight))
+    if spec.token_scales:
+        args += (jnp.asarray(k_scale_cache), jnp.asarray(v_scale_cache))
+    else:
+        args += (_scale_operand(k_scale, spec.k_scale_heads), _scale_operand(v_scale, spec.v_scale_heads))
+    args += (_layer_operand(layer, spec), _weight_operand(q_norm_weight), _weight_operand(k_norm_weight))
     if spec.num_tokens == 0:
+        caches = args[3:5] + (args[9:11] if spec.token_scales else ())
         if spec.qkv:  # empty q_out [0, QH, D] and k_out [0, KH, D]
-            return args[0][:, :spec.q_heads], args[0][:, :spec.kv_heads], args[3], args[4]
-        return args[:2] + args[3:5]
+            return (args[0][:, :spec.q_heads], args[0][:, :spec.kv_heads]) + caches
+        return args[:2] + caches
     if impl == "xla":
         return tuple(xla.rope_and_cache(*primitive.not_differentiable(*args), spec=spec))
     return tuple(primitive.bind(*args, spec=spec, impl=impl))
@@ -265,7 +298,8 @@ def rope_and_cache_qkv(qkv: ArrayLike, key_cache: Cache, value_cache: Cache, slo
                        layer: int | ArrayLike | None = None, q_norm_weight: ArrayLike | None = None,
                        k_norm_weight: ArrayLike | None = None, norm_eps: float = 1e-6,
                        mrope_section: Sequence[int] | None = None,
-                       mrope_interleaved: bool = False) -> tuple[jax.Array, jax.Array, Cache, Cache]:
+                       mrope_interleaved: bool = False, k_scale_cache: Cache | None = None,
+                       v_scale_cache: Cache | None = None) -> tuple:
     """rope_and_cache of a fused QKV projection, read in place: no slice of `qkv` is copied.
 
     Args:
@@ -276,7 +310,8 @@ def rope_and_cache_qkv(qkv: ArrayLike, key_cache: Cache, value_cache: Cache, slo
       Everything else: as rope_and_cache, whose result this is for q, k, v = the three slices.
 
     Returns:
-      (q_out [T, QH, D], k_out [T, KH, D], key_cache, value_cache), as rope_and_cache.
+      (q_out [T, QH, D], k_out [T, KH, D], key_cache, value_cache), then the scale caches when
+      given, as rope_and_cache.
 
     Every implementation reads q, k and v at their head offsets in the fused rows: the kernels take
     the fused buffer itself (the same buffer in the q, k and v operand slots, specialised on the row
@@ -285,37 +320,39 @@ def rope_and_cache_qkv(qkv: ArrayLike, key_cache: Cache, value_cache: Cache, slo
     shard's slice holds its own q, k and v heads, as a column-parallel QKV projection gives); see
     the README.
     """
-    if _check_refs(key_cache, value_cache):
-        key_ref, value_ref = key_cache, value_cache
-        q_out, k_out, kc, vc = rope_and_cache_qkv(
-            qkv, key_ref[...], value_ref[...], slot_mapping, positions, cos, sin, num_q_heads=num_q_heads,
+    if _check_refs(key_cache, value_cache, k_scale_cache, v_scale_cache):
+        refs = (key_cache, value_cache) + tuple(c for c in (k_scale_cache, v_scale_cache) if c is not None)
+        out = rope_and_cache_qkv(
+            qkv, key_cache[...], value_cache[...], slot_mapping, positions, cos, sin, num_q_heads=num_q_heads,
             num_kv_heads=num_kv_heads, layout=layout, is_neox=is_neox, rotary_dim=rotary_dim, k_scale=k_scale,
             v_scale=v_scale, precision=precision, impl=impl, layer=layer, q_norm_weight=q_norm_weight,
             k_norm_weight=k_norm_weight, norm_eps=norm_eps, mrope_section=mrope_section,
-            mrope_interleaved=mrope_interleaved)
-        key_ref[...], value_ref[...] = kc, vc
-        return q_out, k_out, key_ref, value_ref
+            mrope_interleaved=mrope_interleaved, **_read_refs(k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache))
+        return _write_refs(out, refs)
     t, qh, kh, d = contract.check_qkv(qkv, num_q_heads, num_kv_heads)
     q, k, v = (jax.ShapeDtypeStruct((t, h, d), qkv.dtype) for h in (qh, kh, kh))
     spec, slot_mapping, positions, layer = _prepare(
         q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, layout=layout, is_neox=is_neox,
         rotary_dim=rotary_dim, k_scale=k_scale, v_scale=v_scale, precision=precision, impl=impl, layer=layer,
         q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, norm_eps=norm_eps, mrope_section=mrope_section,
-        mrope_interleaved=mrope_interleaved, inputs=(("qkv", qkv),))
+        mrope_interleaved=mrope_interleaved, inputs=(("qkv", qkv),), k_scale_cache=k_scale_cache,
+        v_scale_cache=v_scale_cache)
     fused = jnp.reshape(jnp.asarray(qkv), (t, qh + 2 * kh, d))  # a bitcast: rows stay where the matmul wrote them
     return _run(fused, fused, fused, key_cache, value_cache, slot_mapping, positions, cos, sin, k_scale=k_scale,
                 v_scale=v_scale, layer=layer, q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight,
-                spec=dataclasses.replace(spec, qkv=True), impl=impl)
+                spec=dataclasses.replace(spec, qkv=True), impl=impl, k_scale_cache=k_scale_cache,
+                v_scale_cache=v_scale_cache)
 
 
 _STATIC = ("layout", "is_neox", "rotary_dim", "precision", "impl", "norm_eps", "mrope_section", "mrope_interleaved")
 
-_donating_jit = jax.jit(rope_and_cache, static_argnames=_STATIC, donate_argnames=("key_cache", "value_cache"))
+_donating_jit = jax.jit(rope_and_cache, static_argnames=_STATIC,
+                        donate_argnames=("key_cache", "value_cache", "k_scale_cache", "v_scale_cache"))
 
 
 def _rope_and_cache_refs(q, k, v, key_cache, value_cache, *args, **options):
     """With jax.Ref caches: writes the refs in place and returns (q_out, k_out); a jit may not return refs."""
-    return rope_and_cache(q, k, v, key_cache, value_cache, *args, **options)[:2]
+    return tuple(rope_and_cache(q, k, v, key_cache, value_cache, *args, **options)[:2])
 
 
 _refs_jit = jax.jit(_rope_and_cache_refs, static_argnames=_STATIC)  # jax.Refs: nothing to donate
@@ -328,20 +365,20 @@ _DONATED_RUNTIME_ERRORS = ("Invalid buffer passed to Execute", "Buffer has been 
 def _donated_call(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, *, layout="flash",
                   is_neox=True, rotary_dim=None, k_scale=None, v_scale=None, precision="fp32", impl=None,
                   layer=None, q_norm_weight=None, k_norm_weight=None, norm_eps=1e-6, mrope_section=None,
-                  mrope_interleaved=False):
+                  mrope_interleaved=False, k_scale_cache=None, v_scale_cache=None):
     """(jitted function, args, kwargs) of a rope_and_cache_donated call, validated as rope_and_cache does."""
-    refs = _check_refs(key_cache, value_cache)
+    refs = _check_refs(key_cache, value_cache, k_scale_cache, v_scale_cache)
     _, slot_mapping, positions, layer = _prepare(
         q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, layout=layout, is_neox=is_neox,
         rotary_dim=rotary_dim, k_scale=k_scale, v_scale=v_scale, precision=precision, impl=impl, layer=layer,
         q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, norm_eps=norm_eps, mrope_section=mrope_section,
-        mrope_interleaved=mrope_interleaved)
+        mrope_interleaved=mrope_interleaved, k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache)
     # norm_eps is static: its float32 value as a Python float (hashable, the same meaning)
     kwargs = dict(layout=layout, is_neox=is_neox, rotary_dim=rotary_dim, k_scale=k_scale, v_scale=v_scale,
                   precision=precision, impl=impl, layer=layer, q_norm_weight=q_norm_weight,
                   k_norm_weight=k_norm_weight, norm_eps=contract.check_norm_eps(norm_eps),
                   mrope_section=None if mrope_section is None else tuple(int(x) for x in mrope_section),
-                  mrope_interleaved=bool(mrope_interleaved))
+                  mrope_interleaved=bool(mrope_interleaved), k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache)
     return (_refs_jit if refs else _donating_jit), (q, k, v, key_cache, value_cache, slot_mapping, positions,
                                                      cos, sin), kwargs
 
@@ -349,15 +386,16 @@ def _donated_call(q, k, v, key_cache, value_cache, slot_mapping, positions, cos,
 def rope_and_cache_donated(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, **options):
     """`rope_and_cache` under `jax.jit` with both caches donated (same arguments, same errors).
 
-    The caches passed in are consumed (updated in place, then deleted on the caller's side): use the
-    returned ones. `jax.Ref` caches are written in place and not donated. Inside your own jit, call
+    The caches (and scale caches) passed in are consumed (updated in place, then deleted on the
+    caller's side): use the returned ones. `jax.Ref` caches are written in place and not donated. Inside your own jit, call
     `rope_and_cache` and donate the caches at the outermost jit instead. `.lower(...)` lowers the
     same jitted call.
     """
     fn, args, kwargs = _donated_call(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, **options)
     try:
         if fn is _refs_jit:
-            return tuple(fn(*args, **kwargs)) + (key_cache, value_cache)
+            scales = tuple(c for c in (kwargs["k_scale_cache"], kwargs["v_scale_cache"]) if c is not None)
+            return tuple(fn(*args, **kwargs)) + (key_cache, value_cache) + scales
         return fn(*args, **kwargs)
     except (jax.errors.JaxRuntimeError, ValueError, RuntimeError) as e:  # XLA's INVALID_ARGUMENT is a ValueError
         if any(m in str(e) for m in _DONATED_RUNTIME_ERRORS):
@@ -426,20 +464,49 @@ def make_kv_cache(num_blocks: int, block_size: int, kv_heads: int, head_dim: int
     return make(shapes[0], 0), make(shapes[1], 1)
 
 
+def make_kv_scale_cache(num_blocks: int, block_size: int, kv_heads: int, *, num_layers: int | None = None,
+                        device=None) -> tuple[jax.Array, jax.Array]:
+    """Allocates (k_scale_cache, v_scale_cache) for per-token fp8 scales: float32 [NB, KH, BS], or
+    [L, NB, KH, BS] with num_layers, filled with 1.0 (an unwritten slot dequantizes to its stored
+    value). One scale per slot and kv head; AITER's layout: the BS scales of one block and head are
+    contiguous, as an attention kernel reads them next to that block's rows."""
+    for name, value in (("num_blocks", num_blocks), ("block_size", block_size), ("kv_heads", kv_heads),
+                        ("num_layers", num_layers)):
+        if value is None and name == "num_layers":
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise ValueError(f"{name}: expected an integer >= 1, got {contract.describe(value)}")
+    shape = ((num_layers,) if num_layers is not None else ()) + (num_blocks, kv_heads, block_size)
+    return tuple(jnp.ones(shape, jnp.float32, device=device) for _ in range(2))
+
+
 _read_kv_jit = jax.jit(xla.read_kv, static_argnames=("layout",))
 
 
 def read_kv(key_cache: jax.Array, value_cache: jax.Array, slot_mapping: ArrayLike, *,
-            layout: str = "flash") -> tuple[jax.Array, jax.Array]:
+            layout: str = "flash", k_scale: ArrayLike | None = None, v_scale: ArrayLike | None = None,
+            k_scale_cache: jax.Array | None = None,
+            v_scale_cache: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Gathers cached K and V for each slot as [T, KH, D] in the cache dtype (zeros where the slot
     is outside the cache, whatever its width: numpy int64 slots with jax_enable_x64 off are
-    mapped before JAX narrows them)."""
-    nb, bs = contract.check_read_kv(key_cache, value_cache, slot_mapping, layout)
-    _check_concrete((("key_cache", key_cache), ("value_cache", value_cache), ("slot_mapping", slot_mapping)),
-                    distinct=False)
+    mapped before JAX narrows them).
+
+    Dequantization of fp8 caches: with k_scale / v_scale (a scalar or [KH], as given to
+    rope_and_cache) or the per-token scale caches [NB, KH, BS] (one layer), the values are float32
+    float32(stored) * scale."""
+    nb, bs, mode = contract.check_read_kv(key_cache, value_cache, slot_mapping, layout, k_scale=k_scale,
+                                          v_scale=v_scale, k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache)
+    _check_concrete((("key_cache", key_cache), ("value_cache", value_cache), ("slot_mapping", slot_mapping),
+                     ("k_scale_cache", k_scale_cache), ("v_scale_cache", v_scale_cache)), distinct=False)
     if _is_host(slot_mapping) and jax.dtypes.canonicalize_dtype(slot_mapping.dtype) != slot_mapping.dtype:
         slot_mapping = contract.narrow_slots(slot_mapping, nb * bs)
-    return _read_kv_jit(key_cache, value_cache, slot_mapping, layout=layout)
+    if mode == "token":
+        scales = (k_scale_cache, v_scale_cache)
+    elif mode == "static":
+        scales = tuple(jnp.asarray(s, jnp.float32).reshape((-1,)) for s in (k_scale, v_scale))
+    else:
+        scales = None
+    return _read_kv_jit(key_cache, value_cache, slot_mapping, scales, layout=layout)
 
 
 # jax.export refuses custom calls it does not know; these are every target the ops lower to (both

@@ -27,6 +27,9 @@ DTYPE_CODES = {
     np.dtype(ml_dtypes.float8_e5m2): 5,
 }
 FP8_MAX = {FP8_DTYPES[0]: 448.0, FP8_DTYPES[1]: 240.0, FP8_DTYPES[2]: 57344.0}
+# Per-token fp8 scales (k_scale_cache / v_scale_cache): the floor of a row's absolute maximum, so
+# an all-zero (or all non-finite) row gets a finite, nonzero scale (AITER's floor).
+TOKEN_AMAX_FLOOR = float(np.float32(1e-8))
 
 
 def dtype_names(dtypes) -> str:
@@ -200,6 +203,26 @@ OPERANDS = ("q", "k", "v", "key_cache", "value_cache", "slot_mapping", "position
             "k_scale", "v_scale", "layer", "q_norm_weight", "k_norm_weight")
 RESULTS = ("q_out", "k_out", "key_cache", "value_cache")
 CACHE_ALIASES = {OPERANDS.index("key_cache"): 2, OPERANDS.index("value_cache"): 3}  # operand -> result
+# Per-token scales (OpSpec.token_scales): the k_scale / v_scale operand slots carry the scale caches,
+# which are two more results aliased to them; the operand list is the same.
+TOKEN_SCALE_RESULTS = ("k_scale_cache", "v_scale_cache")
+TOKEN_SCALE_ALIASES = {**CACHE_ALIASES, OPERANDS.index("k_scale"): 4, OPERANDS.index("v_scale"): 5}
+
+
+def results(spec: "OpSpec") -> tuple[str, ...]:
+    """The primitive's results: RESULTS, then the scale caches with per-token scales."""
+    return RESULTS + (TOKEN_SCALE_RESULTS if spec.token_scales else ())
+
+
+def cache_aliases(spec: "OpSpec") -> dict[int, int]:
+    """operand -> result aliases of a kernel lowering: the caches, and the scale caches when written."""
+    return TOKEN_SCALE_ALIASES if spec.token_scales else CACHE_ALIASES
+
+
+def scale_cache_shape(spec: "OpSpec") -> tuple[int, ...]:
+    """[NB, KH, BS] (stacked: [L, NB, KH, BS]): one float32 scale per slot and kv head."""
+    lead = () if spec.num_layers is None else (spec.num_layers,)
+    return lead + (spec.num_blocks, spec.kv_heads, spec.block_size)
 # Small operands a decode loop typically indexes per step (slots[n], positions[n], weights[layer]):
 # the GPU lowering passes them through an optimization barrier (backends/launcher.lower_launch).
 FENCED_OPERANDS = ("slot_mapping", "positions", "k_scale", "v_scale", "layer", "q_norm_weight", "k_norm_weight")
@@ -242,6 +265,9 @@ class OpSpec:
     # [T, QH + 2 KH, D] (q heads, then k heads, then v heads of a token in one row); False: q [T, QH, D],
     # k and v [T, KH, D]
     qkv: bool = False
+    # per-token fp8 quantization: the k_scale / v_scale operands are the scale caches [NB, KH, BS]
+    # (stacked [L, NB, KH, BS]) and the op writes one scale per (token, kv head) into them
+    token_scales: bool = False
 
     @property
     def norm(self) -> bool:
@@ -549,7 +575,7 @@ def check_mrope(mrope_section, mrope_interleaved, rotary_dim: int) -> tuple[int,
 def check_op(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, *,
              layout="flash", is_neox=True, rotary_dim=None, k_scale=None, v_scale=None,
              precision="fp32", layer=None, q_norm_weight=None, k_norm_weight=None, norm_eps=1e-6,
-             mrope_section=None, mrope_interleaved=False) -> OpSpec:
+             mrope_section=None, mrope_interleaved=False, k_scale_cache=None, v_scale_cache=None) -> OpSpec:
     """Validates one call of rope_and_cache and returns its static description.
 
     With `layer` given, the caches are stacked per layer ([L, ...]) and only layer `layer` is
@@ -634,8 +660,10 @@ def check_op(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
         raise ValueError(f"key_cache: too many slots ({nb}*{bs})")
 
     fp8 = cache_dtype in FP8_DTYPES
-    k_heads = check_scale("k_scale", k_scale, fp8, cache_dtype, kh)
-    v_heads = check_scale("v_scale", v_scale, fp8, cache_dtype, kh)
+    token = check_scale_caches(k_scale_cache, v_scale_cache, k_scale, v_scale, cache_dtype,
+                               (nb, kh, bs) if num_layers is None else (num_layers, nb, kh, bs))
+    k_heads = False if token else check_scale("k_scale", k_scale, fp8, cache_dtype, kh)
+    v_heads = False if token else check_scale("v_scale", v_scale, fp8, cache_dtype, kh)
     q_norm = check_norm_weight("q_norm_weight", q_norm_weight, d, dtype)
     k_norm = check_norm_weight("k_norm_weight", k_norm_weight, d, dtype)
     eps32 = check_norm_eps(norm_eps)
@@ -649,11 +677,42 @@ def check_op(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
         q_norm_dtype=q_norm, k_norm_dtype=k_norm, norm_eps=eps32 if (q_norm is not None or k_norm is not None) else 0.0,
         k_scale_heads=k_heads, v_scale_heads=v_heads, mrope_section=section,
         mrope_interleaved=bool(mrope_interleaved) if section is not None else False,
-        pack_x=x if lay.packed and x != pack_width(cache_dtype) else 0)
+        pack_x=x if lay.packed and x != pack_width(cache_dtype) else 0, token_scales=token)
 
 
-def check_read_kv(key_cache, value_cache, slot_mapping, layout="flash") -> tuple[int, int]:
-    """Validates a read_kv call (one layer of caches in `layout`, [T] integer slots); returns (NB, BS)."""
+def check_scale_caches(k_scale_cache, v_scale_cache, k_scale, v_scale, cache_dtype, shape: tuple[int, ...]) -> bool:
+    """The per-token scale caches: both None (False), or both float32 arrays of `shape` ([NB, KH, BS],
+    stacked [L, NB, KH, BS]) next to an fp8 cache and without static scales (True)."""
+    if k_scale_cache is None and v_scale_cache is None:
+        return False
+    for name, other, given in (("k_scale_cache", "v_scale_cache", k_scale_cache),
+                               ("v_scale_cache", "k_scale_cache", v_scale_cache)):
+        if given is None:
+            raise ValueError(f"{name}: per-token scales need both scale caches; expected an array like {other}, "
+                             "got None")
+    cdt = np.dtype(cache_dtype)
+    if cdt not in FP8_DTYPES:
+        raise ValueError(f"k_scale_cache: per-token scales apply to float8 caches only; expected None for a "
+                         f"{cdt.name} cache, got {describe(k_scale_cache)}")
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scale is not None:
+            raise ValueError(f"{name}: expected None with per-token scales (k_scale_cache / v_scale_cache: the op "
+                             f"computes one scale per token and kv head), got {describe(scale)}")
+    dims = "[NB, KH, BS]" if len(shape) == 3 else "[L, NB, KH, BS] (stacked layers, as layer is given)"
+    for name, sc in (("k_scale_cache", k_scale_cache), ("v_scale_cache", v_scale_cache)):
+        if _dtype(name, sc) != np.float32:
+            raise TypeError(f"{name}: expected dtype float32, got {np.dtype(sc.dtype).name}")
+        _check_shape(name, sc, shape, dims)
+    if k_scale_cache is v_scale_cache:
+        raise ValueError("v_scale_cache: expected a different array from k_scale_cache, got the same "
+                         f"{type(v_scale_cache).__name__} for both (the V scales would overwrite the K scales)")
+    return True
+
+
+def check_read_kv(key_cache, value_cache, slot_mapping, layout="flash", *, k_scale=None, v_scale=None,
+                  k_scale_cache=None, v_scale_cache=None) -> tuple[int, int, str | None]:
+    """Validates a read_kv call (one layer of caches in `layout`, [T] integer slots, optional scales);
+    returns (NB, BS, dequantization: None (values as stored), "static" or "token")."""
     lay = cache_layout(layout)
     cdt = _dtype("key_cache", key_cache)
     if cdt not in INPUT_DTYPES + FP8_DTYPES:
@@ -675,7 +734,13 @@ def check_read_kv(key_cache, value_cache, slot_mapping, layout="flash") -> tuple
     if idt not in INDEX_DTYPES:
         raise TypeError(f"slot_mapping: expected dtype int32 or int64, got {idt.name}")
     _check_rank("slot_mapping", slot_mapping, 1, "[T]")
-    return nb, bs
+    if check_scale_caches(k_scale_cache, v_scale_cache, k_scale, v_scale, cdt, (nb, kh, bs)):
+        return nb, bs, "token"
+    if k_scale is None and v_scale is None:
+        return nb, bs, None
+    check_scale("k_scale", k_scale, cdt in FP8_DTYPES, cdt, kh)
+    check_scale("v_scale", v_scale, cdt in FP8_DTYPES, cdt, kh)
+    return nb, bs, "static"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -709,6 +774,7 @@ class KernelCodes:
     mrope_w: int = 0
     x: int = 0             # X of an x-packed layout when not 16 // cache itemsize (OpSpec.pack_x); 0: default
     qkv: bool = False      # q, k and v read from the fused [T, QH + 2 KH, D] tensor (OpSpec.qkv)
+    token_scales: bool = False  # per-token fp8 scales written to the scale caches (OpSpec.token_scales)
 
 
 def kernel_codes(spec: OpSpec) -> KernelCodes:
@@ -723,7 +789,7 @@ def kernel_codes(spec: OpSpec) -> KernelCodes:
         q_norm=-1 if spec.q_norm_dtype is None else DTYPE_CODES[np.dtype(spec.q_norm_dtype)],
         k_norm=-1 if spec.k_norm_dtype is None else DTYPE_CODES[np.dtype(spec.k_norm_dtype)],
         norm_eps=float(spec.norm_eps), k_scale_heads=bool(spec.k_scale_heads), v_scale_heads=bool(spec.v_scale_heads),
-        x=int(spec.pack_x), qkv=bool(spec.qkv), **mrope_codes(spec))
+        x=int(spec.pack_x), qkv=bool(spec.qkv), token_scales=bool(spec.token_scales), **mrope_codes(spec))
 
 
 def mrope_codes(spec: OpSpec) -> dict:
@@ -736,17 +802,18 @@ def mrope_codes(spec: OpSpec) -> dict:
 
 # Options a native kernel may not implement (yet): each backend lists the ones it does in SUPPORTS;
 # a call using another falls back to the XLA path (impl=None) or raises (impl="kernel").
-FEATURES = ("q_norm", "k_norm", "k_scale_heads", "v_scale_heads", "mrope")
+FEATURES = ("q_norm", "k_norm", "k_scale_heads", "v_scale_heads", "mrope", "token_scales")
 
 
 def features(spec: OpSpec) -> frozenset[str]:
     """The FEATURES a call uses."""
     used = {"q_norm": spec.q_norm_dtype is not None, "k_norm": spec.k_norm_dtype is not None,
             "k_scale_heads": spec.k_scale_heads, "v_scale_heads": spec.v_scale_heads,
-            "mrope": spec.mrope_section is not None}
+            "mrope": spec.mrope_section is not None, "token_scales": spec.token_scales}
     return frozenset(f for f, on in used.items() if on)
 
 
 FEATURE_NAMES = {"q_norm": "the fused q RMSNorm (q_norm_weight)", "k_norm": "the fused k RMSNorm (k_norm_weight)",
                  "k_scale_heads": "per-head k_scale ([KH])", "v_scale_heads": "per-head v_scale ([KH])",
-                 "mrope": "multimodal RoPE (mrope_section, positions [3, T])"}
+                 "mrope": "multimodal RoPE (mrope_section, positions [3, T])",
+                 "token_scales": "per-token fp8 scales (k_scale_cache / v_scale_cache)"}

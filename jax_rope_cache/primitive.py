@@ -56,7 +56,10 @@ def _check_operands(avals, spec: contract.OpSpec) -> None:
     # scales [] / [1] or [KH]; weights [D] when the norm is on, the [1] placeholder otherwise
     per = dict(zip(contract.OPERANDS, avals))
     for name, heads in (("k_scale", spec.k_scale_heads), ("v_scale", spec.v_scale_heads)):
-        ok = tuple(per[name].shape) == (spec.kv_heads,) if heads else tuple(per[name].shape) in ((), (1,))
+        if spec.token_scales:  # the scale caches
+            ok = tuple(per[name].shape) == contract.scale_cache_shape(spec)
+        else:
+            ok = tuple(per[name].shape) == (spec.kv_heads,) if heads else tuple(per[name].shape) in ((), (1,))
         if not ok:
             raise ValueError(f"rope_and_cache (internal): operand {name} has shape {list(per[name].shape)}")
     for name, on in (("q_norm_weight", spec.q_norm_dtype), ("k_norm_weight", spec.k_norm_dtype)):
@@ -68,8 +71,11 @@ def _abstract_eval(q, k, v, key_cache, value_cache, *rest, spec, impl):
     del impl
     _check_operands((q, k, v, key_cache, value_cache) + tuple(rest), spec)
     t, d = spec.num_tokens, spec.head_dim
-    return [q.update(shape=(t, spec.q_heads, d)), k.update(shape=(t, spec.kv_heads, d)), key_cache.update(),
-            value_cache.update()]
+    out = [q.update(shape=(t, spec.q_heads, d)), k.update(shape=(t, spec.kv_heads, d)), key_cache.update(),
+           value_cache.update()]
+    if spec.token_scales:  # the scale caches, in the k_scale / v_scale operand slots
+        out += [rest[4].update(), rest[5].update()]
+    return out
 
 
 def _xla_fallback(*args, spec, impl):
@@ -238,7 +244,10 @@ def batch_sequentially(prim, args, dims, *, spec, impl, caches: tuple[int, ...],
 
 
 def _batch(args, dims, *, spec, impl):
-    return batch_sequentially(rope_cache_p, args, dims, spec=spec, impl=impl, caches=(3, 4),
+    caches = tuple(contract.OPERANDS.index(n) for n in ("key_cache", "value_cache"))
+    if spec.token_scales:  # the scale caches are written in place the same way
+        caches += tuple(contract.OPERANDS.index(n) for n in ("k_scale", "v_scale"))
+    return batch_sequentially(rope_cache_p, args, dims, spec=spec, impl=impl, caches=caches,
                               layer=contract.OPERANDS.index("layer"), n_front=2)
 
 

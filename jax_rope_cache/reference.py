@@ -58,6 +58,18 @@ rounds float32 to the input dtype (nearest even), r32() is a float32 operation:
   (max 57344; e4m3fn 448, e4m3fnuz 240). The k value quantized is the rounded
   k_out, except in "fused" native arithmetic, where it is the float32 value before the final
   rounding (what AITER quantizes with float32 tables).
+* per-token scales (k_scale_cache / v_scale_cache given, fp8 caches, no k_scale / v_scale): every
+  (token, kv head) row y[0..D) of the float32 values an fp8 cache would quantize (the k value
+  above, after the norm and the rotation; v widened) gets its own scale, computed from the row:
+    amax  = max over d of |y_d|, NaN and +-inf left out (0 when nothing is left)
+    scale = r32(max(amax, 1e-8f) / FP8_MAX)        (1e-8f = contract.TOKEN_AMAX_FLOOR: an all-zero
+                                                    row gets a tiny nonzero scale, never 0 or NaN)
+    stored_d = fp8(clamp(y_d * r32(1 / scale), -max, max))   (the static rule with this scale)
+  and `scale` is written to the scale caches at [block, h, offset] ([layer, block, h, offset]
+  stacked) of the token's slot, with the same slot rule as the caches. The max is exact, so the
+  order of the reduction does not matter. A NaN stores the canonical NaN and +-inf saturates to
+  +-max, as with static scales; they never make the row's scale inf or NaN. Dequantized:
+  float32(stored) * scale (read_kv);
 * NaN: every NaN the op computes (rotated channels, fp8 conversions) is the canonical quiet NaN,
   positive, all mantissa bits set: bf16/f16 0x7FFF, float32 0x7FFFFFFF, e4m3fn 0x7F, e4m3fnuz
   0x80, e5m2 0x7F (what Triton's bf16 conversion and NVIDIA's cvt write). Copies keep their bits.
@@ -71,7 +83,8 @@ import numpy as np
 
 from jax_rope_cache import contract
 
-__all__ = ["rope_and_cache", "read_kv", "rotate", "rotate_values", "quantize", "write_tokens", "read_tokens",
+__all__ = ["rope_and_cache", "read_kv", "rotate", "rotate_values", "quantize", "token_scale", "quantize_rows",
+           "write_tokens", "read_tokens",
            "arithmetic", "fma32", "to_dtype", "inverse_scale", "tree_sum", "rms_norm", "table_rows", "CANONICAL_NAN"]
 
 _F32 = np.float32
@@ -235,6 +248,23 @@ def quantize(x: np.ndarray, cache_dtype, scale) -> np.ndarray:
     return to_dtype(y, cache_dtype)
 
 
+def token_scale(y: np.ndarray, cache_dtype) -> np.ndarray:
+    """The per-token scales [..., KH] of float32 rows y [..., KH, D] (module docstring)."""
+    a = np.abs(np.asarray(y, _F32))
+    with np.errstate(invalid="ignore"):
+        a = np.where(a <= _F32_MAX, a, _F32(0))  # NaN and inf left out
+    amax = np.maximum(a.max(axis=-1, initial=_F32(0)), _F32(contract.TOKEN_AMAX_FLOOR))
+    return (amax / _F32(contract.FP8_MAX[np.dtype(cache_dtype)])).astype(_F32)
+
+
+def quantize_rows(y: np.ndarray, cache_dtype, scale: np.ndarray) -> np.ndarray:
+    """Rows y [..., KH, D] quantized with one scale per row (scale [..., KH]): the static rule."""
+    m = contract.FP8_MAX[np.dtype(cache_dtype)]
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        inv = np.clip(_F32(1.0) / np.asarray(scale, _F32), -_F32_MAX, _F32_MAX).astype(_F32)
+        return to_dtype(np.clip(np.asarray(y, _F32) * inv[..., None], -m, m), cache_dtype)
+
+
 def write_tokens(cache: np.ndarray, which: str, layout: str, blk, off, values: np.ndarray) -> None:
     """Stores values [n, KH, D] (cache dtype) of n tokens at (blk, off) of one layer, in place."""
     lay = contract.LAYOUT_TABLE[layout]
@@ -260,8 +290,10 @@ def _valid_slots(slot_mapping: np.ndarray, num_slots: int) -> np.ndarray:
 def rope_and_cache(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, *,
                    layout="flash", is_neox=True, rotary_dim=None, k_scale=None, v_scale=None,
                    precision="fp32", impl=None, layer=None, q_norm_weight=None, k_norm_weight=None,
-                   norm_eps=1e-6, mrope_section=None, mrope_interleaved=False):
-    """numpy oracle; returns (q_out, k_out, new_key_cache, new_value_cache) as new arrays.
+                   norm_eps=1e-6, mrope_section=None, mrope_interleaved=False, k_scale_cache=None,
+                   v_scale_cache=None):
+    """numpy oracle; returns (q_out, k_out, new_key_cache, new_value_cache) as new arrays, and with
+    per-token scales also (new_k_scale_cache, new_value_scale_cache).
 
     With `layer`, the caches are stacked [L, ...] and only layer `layer` is written (a layer
     outside [0, L) writes nothing, as an invalid slot)."""
@@ -269,11 +301,13 @@ def rope_and_cache(q, k, v, key_cache, value_cache, slot_mapping, positions, cos
     contract.check_distinct_caches(key_cache, value_cache)
     q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin = (
         np.asarray(a) for a in (q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin))
+    k_scale_cache, v_scale_cache = (None if c is None else np.asarray(c) for c in (k_scale_cache, v_scale_cache))
     spec = contract.check_op(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
                           layout=layout, is_neox=is_neox, rotary_dim=rotary_dim, k_scale=k_scale,
                           v_scale=v_scale, precision=precision, layer=layer, q_norm_weight=q_norm_weight,
                           k_norm_weight=k_norm_weight, norm_eps=norm_eps, mrope_section=mrope_section,
-                          mrope_interleaved=mrope_interleaved)
+                          mrope_interleaved=mrope_interleaved, k_scale_cache=k_scale_cache,
+                          v_scale_cache=v_scale_cache)
     if q_norm_weight is not None:
         q = rms_norm(q, q_norm_weight, spec.norm_eps)
     if k_norm_weight is not None:
@@ -284,27 +318,38 @@ def rope_and_cache(q, k, v, key_cache, value_cache, slot_mapping, positions, cos
     # what the cache stores: k_out, but an fp8 cache in "fused" arithmetic quantizes the f32 values
     k_stored = k_wide if spec.fp8 and arithmetic(spec) == "fused" else k_out
 
-    kc, vc = key_cache.copy(), value_cache.copy()
+    caches = [key_cache.copy(), value_cache.copy()]
+    if spec.token_scales:
+        caches += [k_scale_cache.copy(), v_scale_cache.copy()]
+    out = (q_out, k_out, *caches)
     if spec.num_layers is not None:
         layer = int(np.asarray(layer))
         if not 0 <= layer < spec.num_layers:
-            return q_out, k_out, kc, vc
-        kc_all, vc_all = kc, vc
-        kc, vc = kc_all[layer], vc_all[layer]  # views: writes land in the stacked copies
+            return out
+        caches = [c[layer] for c in caches]  # views: writes land in the stacked copies
     valid = _valid_slots(slot_mapping, spec.num_slots)
     slots = slot_mapping.astype(np.int64)[valid]
     blk, off = slots // spec.block_size, slots % spec.block_size
-    write_tokens(kc, "key", layout, blk, off, quantize(k_stored[valid], spec.cache_dtype, k_scale))
-    write_tokens(vc, "value", layout, blk, off, quantize(v[valid], spec.cache_dtype, v_scale))
-    if spec.num_layers is not None:
-        return q_out, k_out, kc_all, vc_all
-    return q_out, k_out, kc, vc
+    if spec.token_scales:
+        ks, vs = token_scale(k_stored[valid], spec.cache_dtype), token_scale(v[valid], spec.cache_dtype)
+        kq, vq = quantize_rows(k_stored[valid], spec.cache_dtype, ks), quantize_rows(v[valid], spec.cache_dtype, vs)
+        caches[2][blk, :, off] = ks
+        caches[3][blk, :, off] = vs
+    else:
+        kq = quantize(k_stored[valid], spec.cache_dtype, k_scale)
+        vq = quantize(v[valid], spec.cache_dtype, v_scale)
+    write_tokens(caches[0], "key", layout, blk, off, kq)
+    write_tokens(caches[1], "value", layout, blk, off, vq)
+    return out
 
 
-def read_kv(key_cache, value_cache, slot_mapping, *, layout="flash"):
+def read_kv(key_cache, value_cache, slot_mapping, *, layout="flash", k_scale=None, v_scale=None,
+            k_scale_cache=None, v_scale_cache=None):
     """Gathers the cached K and V of each slot as [T, KH, D] in the cache dtype (zeros for
-    slots outside [0, NB*BS))."""
-    contract.check_read_kv(key_cache, value_cache, slot_mapping, layout)
+    slots outside [0, NB*BS)). With scales (static k_scale / v_scale, or the per-token scale
+    caches) an fp8 cache is dequantized: float32 values float32(stored) * scale."""
+    mode = contract.check_read_kv(key_cache, value_cache, slot_mapping, layout, k_scale=k_scale, v_scale=v_scale,
+                                  k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache)[2]
     key_cache, value_cache = np.asarray(key_cache), np.asarray(value_cache)
     lay = contract.cache_layout(layout)
     x = lay.cache_x("key", key_cache.shape, key_cache.dtype)
@@ -316,7 +361,13 @@ def read_kv(key_cache, value_cache, slot_mapping, *, layout="flash"):
     blk, off = safe // bs, safe % bs
     kk = read_tokens(key_cache, "key", layout, blk, off, kh, d)
     vv = read_tokens(value_cache, "value", layout, blk, off, kh, d)
-    zero = np.zeros((), key_cache.dtype)
+    if mode == "token":
+        kk = kk.astype(_F32) * np.asarray(k_scale_cache, _F32)[blk, :, off][..., None]
+        vv = vv.astype(_F32) * np.asarray(v_scale_cache, _F32)[blk, :, off][..., None]
+    elif mode == "static":
+        kk = kk.astype(_F32) * np.asarray(k_scale, _F32).reshape(-1, 1)
+        vv = vv.astype(_F32) * np.asarray(v_scale, _F32).reshape(-1, 1)
+    zero = np.zeros((), kk.dtype)
     return np.where(valid[:, None, None], kk, zero), np.where(valid[:, None, None], vv, zero)
 
 

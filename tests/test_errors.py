@@ -26,6 +26,11 @@ def _xpacked(dt=BF16, x=8, d=D):
     return dict(key_cache=np.ones((NB, KH, d // x, BS, x), dt), value_cache=np.ones((NB, KH, d, BS), dt))
 
 
+def _fp8(layers=None):
+    lead = () if layers is None else (layers,)
+    return dict(key_cache=np.ones(lead + (NB, BS, KH, D), FP8), value_cache=np.ones(lead + (NB, BS, KH, D), FP8))
+
+
 # (id, argument overrides, option overrides, exception, substrings the message must contain)
 BAD = [
     ("q-rank", dict(q=np.ones((T, QH * D), BF16)), {}, ValueError, ["q", "rank 3", "[4, 512]"]),
@@ -84,6 +89,24 @@ BAD = [
      dict(k_scale=1.0, v_scale=np.ones((KH, 1), np.float32)), TypeError, ["v_scale", "[KH] = (2,)", "float32[2, 1]"]),
     ("scale-per-head-non-fp8", {}, dict(k_scale=np.ones(KH, np.float32)), ValueError,
      ["k_scale", "float8 caches only", "float32[2]"]),
+    # per-token scales: the scale caches
+    ("scale-cache-non-fp8", {}, dict(k_scale_cache=np.ones((NB, KH, BS), np.float32),
+                                     v_scale_cache=np.ones((NB, KH, BS), np.float32)), ValueError,
+     ["k_scale_cache", "float8 caches only", "bfloat16 cache", "float32[3, 2, 16]"]),
+    ("scale-cache-and-static", _fp8(), dict(k_scale=1.0, k_scale_cache=np.ones((NB, KH, BS), np.float32),
+                                            v_scale_cache=np.ones((NB, KH, BS), np.float32)), ValueError,
+     ["k_scale", "None with per-token scales", "1.0"]),
+    ("scale-cache-only-k", _fp8(), dict(k_scale_cache=np.ones((NB, KH, BS), np.float32)), ValueError,
+     ["v_scale_cache", "both scale caches", "None"]),
+    ("scale-cache-shape", _fp8(), dict(k_scale_cache=np.ones((NB, BS, KH), np.float32),
+                                       v_scale_cache=np.ones((NB, KH, BS), np.float32)), ValueError,
+     ["k_scale_cache", "[NB, KH, BS] = [3, 2, 16]", "[3, 16, 2]"]),
+    ("scale-cache-dtype", _fp8(), dict(k_scale_cache=np.ones((NB, KH, BS), np.float32),
+                                       v_scale_cache=np.ones((NB, KH, BS), BF16)), TypeError,
+     ["v_scale_cache", "float32", "bfloat16"]),
+    ("scale-cache-stacked-shape", _fp8(layers=2), dict(layer=1, k_scale_cache=np.ones((NB, KH, BS), np.float32),
+                                                       v_scale_cache=np.ones((NB, KH, BS), np.float32)), ValueError,
+     ["k_scale_cache", "rank 4 [L, NB, KH, BS]", "[3, 2, 16]"]),
     # the QK-RMSNorm weights and eps
     ("q-norm-weight-rotary-width", {}, dict(q_norm_weight=np.ones(D // 2, BF16)), ValueError,
      ["q_norm_weight", "[D] = [64]", "[32]"]),

@@ -14,7 +14,7 @@ NAME = "CPU"
 TARGET = "jax_rope_cache_cpu"
 MLA_TARGET = "jax_rope_cache_mla_cpu"  # the MLA op's handler (kernels/ffi/mla_cpu_handler.cc)
 # contract.FEATURES the C++ handler implements (others: the XLA path, or an error with impl="kernel").
-SUPPORTS: frozenset[str] = frozenset(contract.FEATURES)
+SUPPORTS: frozenset[str] = frozenset(contract.FEATURES) - {"token_scales"}
 
 
 def missing() -> str | None:

@@ -41,7 +41,7 @@ NAME = "ROCm"
 DEFAULT_ARCHS = ("gfx942", "gfx950")
 ARCH_NAMES = {"gfx942": "MI300", "gfx950": "MI350/MI355"}
 # contract.FEATURES the FlyDSL kernel implements (others: the XLA path, or an error with impl="kernel").
-SUPPORTS: frozenset[str] = frozenset(contract.FEATURES)  # norm, per-head scales, M-RoPE: every feature
+SUPPORTS: frozenset[str] = frozenset(contract.FEATURES) - {"token_scales"}  # all but per-token scales
 
 
 class UnsupportedArch(RuntimeError):

@@ -169,6 +169,32 @@ def quantize(x, cache_dtype, scale, per_head: bool = False):
     return to_dtype(jnp.clip(x.astype(_F32) * inv, -m, m), cache_dtype)
 
 
+def token_scale(y, cache_dtype):
+    """reference.token_scale: one scale [..., KH] per row of f32 y [..., KH, D]."""
+    a = jnp.abs(y.astype(_F32))
+    a = jnp.where(a <= np.finfo(np.float32).max, a, _F32(0))  # NaN and inf left out
+    amax = jnp.maximum(jnp.max(a, axis=-1), _F32(contract.TOKEN_AMAX_FLOOR))
+    # a divisor XLA cannot see as a constant (it would multiply by a rounded 1/FP8_MAX instead): one
+    # barrier with the non-constant amax, which XLA cannot fold away as it can a barrier of a constant
+    amax, m = jax.lax.optimization_barrier((amax, jnp.full(amax.shape, contract.FP8_MAX[np.dtype(cache_dtype)], _F32)))
+    return amax / m
+
+
+def quantize_rows(y, cache_dtype, scale):
+    """reference.quantize_rows: rows [..., KH, D] with one scale per row (scale [..., KH])."""
+    m = contract.FP8_MAX[np.dtype(cache_dtype)]
+    inv = (_F32(1.0) / scale)[..., None]  # scale >= 1e-8 / 57344: never overflows
+    return to_dtype(jnp.clip(y.astype(_F32) * inv, -m, m), cache_dtype)
+
+
+def scatter_scales(k_scale_cache, v_scale_cache, ks, vs, blk, off, spec: contract.OpSpec, layer=None):
+    """Writes the per-token scales [T, KH] at [block, :, offset] (stacked: [layer, block, :, offset])."""
+    lead = () if spec.num_layers is None else (jnp.full_like(blk, jnp.clip(layer, 0, spec.num_layers - 1)),)
+    index = lead + (blk, slice(None), off)
+    return tuple(c.at[index].set(v, mode="drop", unique_indices=True)
+                 for c, v in ((k_scale_cache, ks), (v_scale_cache, vs)))
+
+
 _I32_MAX = 2**31 - 1
 
 
@@ -251,14 +277,24 @@ def rope_and_cache(q, k, v, key_cache, value_cache, slot_mapping, positions, cos
     k_out, k_wide = rotate_values(k, rows, spec)
     blk, off = slot_coords(slot_mapping, spec, layer)
     fused = spec.fp8 and reference.arithmetic(spec) == "fused"  # fp8 quantizes the f32 values there
-    kq = quantize(k_wide if fused else k_out, spec.cache_dtype, k_scale, spec.k_scale_heads)
-    vq = quantize(v, spec.cache_dtype, v_scale, spec.v_scale_heads)
+    k_stored = k_wide if fused else k_out
+    if spec.token_scales:  # k_scale / v_scale are the scale caches
+        ks, vs = token_scale(k_stored, spec.cache_dtype), token_scale(v, spec.cache_dtype)
+        kq, vq = quantize_rows(k_stored, spec.cache_dtype, ks), quantize_rows(v, spec.cache_dtype, vs)
+        k_scale, v_scale = scatter_scales(k_scale, v_scale, ks, vs, blk, off, spec, layer)
+    else:
+        kq = quantize(k_stored, spec.cache_dtype, k_scale, spec.k_scale_heads)
+        vq = quantize(v, spec.cache_dtype, v_scale, spec.v_scale_heads)
     key_cache, value_cache = scatter_kv(key_cache, value_cache, kq, vq, blk, off, spec, layer)
+    if spec.token_scales:
+        return q_out, k_out, key_cache, value_cache, k_scale, v_scale
     return q_out, k_out, key_cache, value_cache
 
 
-def read_kv(key_cache, value_cache, slot_mapping, *, layout="flash"):
-    """Cached K and V of each slot as [T, KH, D] in the cache dtype; zeros for invalid slots."""
+def read_kv(key_cache, value_cache, slot_mapping, scales=None, *, layout="flash"):
+    """Cached K and V of each slot as [T, KH, D] in the cache dtype; zeros for invalid slots.
+    `scales` (k, v): per-token scale caches [NB, KH, BS] or static scales [1] / [KH]: dequantized
+    float32 values float32(stored) * scale instead."""
     lay = contract.cache_layout(layout)
     x = lay.cache_x("key", key_cache.shape, key_cache.dtype)
     nb, bs = lay.block_geometry(key_cache.shape, x)
@@ -268,8 +304,12 @@ def read_kv(key_cache, value_cache, slot_mapping, *, layout="flash"):
     blk, off = safe // bs, safe % bs
     keep = valid[:, None, None]
     out = []
-    for cache, which in ((key_cache, "key"), (value_cache, "value")):
+    for i, (cache, which) in enumerate(((key_cache, "key"), (value_cache, "value"))):
         shape, perm = lay.token_split(which, kh, d, x)
         got = cache[lay.token_index(which, blk, off, x)].transpose(np.argsort(perm)).reshape(s.shape[0], kh, d)
+        if scales is not None:
+            sc = scales[i]
+            sc = sc[blk, :, off] if sc.ndim == 3 else jnp.broadcast_to(sc, (kh,))  # [T, KH] or [KH]
+            got = got.astype(_F32) * sc[..., None]
         out.append(jnp.where(keep, got, jnp.zeros((), got.dtype)))
     return tuple(out)
