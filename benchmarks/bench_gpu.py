@@ -6,6 +6,7 @@ by side with the baseline it must beat, in one process, on the default GPU.
     python benchmarks/bench_gpu.py mrope OUT_DIR [--dry-run] ...           multimodal RoPE vs jnp M-RoPE
     python benchmarks/bench_gpu.py mla [--dry-run] [--aiter-src DIR] ...   the MLA op vs jnp (+ AITER)
     python benchmarks/bench_gpu.py tp [--layers 32 --steps 64 ...]          tensor-parallel decode over every GPU
+    python benchmarks/bench_gpu.py fp8 OUT_DIR [--dry-run] ...             per-token vs per-tensor fp8 vs bf16 caches
 
 `python benchmarks/bench_gpu.py SUITE --help` lists a suite's options. The suites live in
 benchmarks/gpu/; the CPU harness is benchmarks/bench_cpu.py, one-off probes benchmarks/diagnostics/.
@@ -17,7 +18,7 @@ import importlib
 import os
 import sys
 
-SUITES = {"op": "op", "qk_norm": "qk_norm", "mrope": "mrope", "mla": "mla", "tp": "tp_decode"}
+SUITES = {"op": "op", "qk_norm": "qk_norm", "mrope": "mrope", "mla": "mla", "tp": "tp_decode", "fp8": "fp8"}
 
 
 def main(argv=None) -> int:

@@ -512,7 +512,7 @@ def read_kv(key_cache: jax.Array, value_cache: jax.Array, slot_mapping: ArrayLik
 # jax.export refuses custom calls it does not know; these are every target the ops lower to (both
 # ops' CPU handlers, the GPU launcher's two registrations whatever JAX_ROPE_CACHE_COMMAND_BUFFERS
 # says, and XLA's PTX custom call of the CUDA kernel-node route whatever JAX_ROPE_CACHE_KERNEL_NODE says).
-EXPORT_TARGETS = (cpu.TARGET, cpu.MLA_TARGET, launcher.GPU_TARGET, launcher.GPU_TARGET_NO_GRAPH, kernel_node.TARGET)
+EXPORT_TARGETS = (cpu.TARGET, cpu.TOKEN_SCALES_TARGET, cpu.MLA_TARGET, launcher.GPU_TARGET, launcher.GPU_TARGET_NO_GRAPH, kernel_node.TARGET)
 DISABLED_EXPORT_CHECKS = tuple(jax.export.DisabledSafetyCheck.custom_call(t) for t in EXPORT_TARGETS)
 
 

@@ -356,6 +356,22 @@ def gather_blocks(key_cache, value_cache, layer, block_table, layout: str):
     return k.reshape(B, MB * BS, KH, D), v.reshape(B, MB * BS, KH, D)
 
 
+def dequantize_blocks(keys, values, scale_caches, layer, block_table, dtype):
+    """keys, values [B, S, KH, D] (fp8, from gather_blocks) times their per-token scales from the
+    stacked scale caches [L, NB, KH, BS] ([block, head, offset] of each slot), as `dtype`."""
+    bt = jnp.maximum(jnp.asarray(block_table), 0)
+    B, MB = bt.shape
+    out = []
+    for x, sc in zip((keys, values), scale_caches):
+        s = sc[layer, bt]                                   # [B, MB, KH, BS]
+        s = s.transpose(0, 1, 3, 2).reshape(B, -1, s.shape[2])  # [B, MB * BS, KH]
+        out.append((x.astype(jnp.float32) * s[..., None]).astype(dtype))
+    return tuple(out)
+
+
+KV_QUANTS = (None, "per_token")
+
+
 # ---- the model ------------------------------------------------------------------------------------
 def touch_caches(kc, vc, k, v, slots, layer, block_size: int):
     """The "baseline" impl's stand-in for the op: element [layer, block of slots[0], 0, ...] of each
@@ -389,15 +405,20 @@ class Decoder:
     treat the caches as loop invariants of the decode loop.
 
     The caches live in `self.key_cache` / `self.value_cache` ([L, ...] in `layout`); every jitted
-    call donates them and stores the returned ones. The tables (cos, sin) and the weights are
+    call donates them and stores the returned ones. kv_quant="per_token": float8_e4m3fn caches with
+    one scale per (token, kv head) computed by the op, kept in `self.scale_caches` ([L, NB, KH, BS]
+    each, donated likewise); attention reads the caches dequantized (stored * scale). The tables (cos, sin) and the weights are
     arguments of the jitted steps, not constants baked into them.
     """
 
     def __init__(self, config: Mapping, params: dict, *, layout="flash", block_size=16, num_blocks=None,
                  max_seqs=8, max_len=None, impl="kernel", dtype=jnp.float32, unroll=1, seed=0, tables=None,
-                 device=None, cache_fill="random"):
+                 device=None, cache_fill="random", kv_quant=None):
         if impl not in IMPLS:
             raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
+        if kv_quant not in KV_QUANTS:
+            raise ValueError(f"kv_quant: expected one of {KV_QUANTS}, got {kv_quant!r}")
+        self.kv_quant = kv_quant
         self.hf_config = dict(config)
         self.cfg = cfg = DecoderConfig.from_hf(config)
         self.layout, self.block_size, self.impl, self.unroll = layout, block_size, impl, unroll
@@ -415,23 +436,27 @@ class Decoder:
         num_blocks = num_blocks or max_seqs * self.blocks_per_seq
         self.allocator = BlockAllocator(num_blocks, block_size, seed=seed)
         self.params = fuse_qkv(jax.device_put(jax.tree.map(lambda a: jnp.asarray(a, self.dtype), params), self.device))
+        self.cache_dtype = np.dtype(jnp.float8_e4m3fn) if kv_quant else self.dtype
         self.key_cache, self.value_cache = self._new_caches(num_blocks, cache_fill, seed)
+        self.scale_caches = jrc.make_kv_scale_cache(num_blocks, block_size, cfg.kv_heads, num_layers=cfg.num_layers,
+                                                    device=self.device) if kv_quant else ()
         # Matmuls in full float32 where the model is float32 (GPUs would otherwise use TF32).
         self._precision = jax.lax.Precision.HIGHEST if self.dtype == np.float32 else None
-        self.prefill_fn = jax.jit(self._prefill, donate_argnums=(2, 3))
-        self.decode_fn = jax.jit(self._decode, static_argnames=("steps", "with_logits"), donate_argnums=(2, 3))
+        self.prefill_fn = jax.jit(self._prefill, donate_argnums=(2, 3, 4))
+        self.decode_fn = jax.jit(self._decode, static_argnames=("steps", "with_logits"), donate_argnums=(2, 3, 4))
 
     def _new_caches(self, num_blocks, fill, seed):
         """Stacked [L, ...] caches in the layout. fill="random" (numpy normals, seeded): a read of a
         slot nobody wrote shows as a wrong token, not as a harmless zero; "zeros" for large pools."""
         cfg = self.cfg
-        shapes = jrc.cache_shapes(self.layout, num_blocks, self.block_size, cfg.kv_heads, cfg.head_dim, self.dtype)
+        cdt = self.cache_dtype
+        shapes = jrc.cache_shapes(self.layout, num_blocks, self.block_size, cfg.kv_heads, cfg.head_dim, cdt)
         if fill == "zeros":
-            return tuple(jnp.zeros((cfg.num_layers,) + tuple(s), self.dtype, device=self.device) for s in shapes)
+            return tuple(jnp.zeros((cfg.num_layers,) + tuple(s), cdt, device=self.device) for s in shapes)
         if fill != "random":
             raise ValueError(f"cache_fill: expected 'random' or 'zeros', got {fill!r}")
         rng = np.random.default_rng(seed)
-        return tuple(jax.device_put(rng.standard_normal((cfg.num_layers,) + tuple(s), np.float32).astype(self.dtype),
+        return tuple(jax.device_put(rng.standard_normal((cfg.num_layers,) + tuple(s), np.float32).astype(cdt),
                                     self.device) for s in shapes)
 
     # -- building blocks (traced) --
@@ -452,8 +477,9 @@ class Decoder:
         o = jnp.einsum("bkgps,bskd->bpkgd", p, v, precision=self._precision, preferred_element_type=jnp.float32)
         return o.reshape(B, P, QH * D).astype(q.dtype)
 
-    def _forward(self, params, tables, kc, vc, tokens, positions, block_table):
-        """tokens, positions [B, P] (position -1: padding, writes nothing) -> hidden [B, P, H]."""
+    def _forward(self, params, tables, kc, vc, sc, tokens, positions, block_table):
+        """tokens, positions [B, P] (position -1: padding, writes nothing) -> hidden [B, P, H].
+        sc: the scale caches (k, v) with kv_quant, else ()."""
         cfg = self.cfg
         B, P = tokens.shape
         cos, sin = tables
@@ -463,7 +489,7 @@ class Decoder:
         x = params["embed"][tokens]
 
         def layer(carry, xs):
-            x, kc, vc = carry
+            x, kc, vc, sc = carry
             w, i = xs
             h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
             qkv = self._mm(h, w["wqkv"]).reshape(B * P, -1)  # [B*P, (QH + 2 KH) * D]: one projection
@@ -475,47 +501,52 @@ class Decoder:
             else:
                 norm = dict(q_norm_weight=w["q_norm"], k_norm_weight=w["k_norm"],
                             norm_eps=cfg.rms_norm_eps) if cfg.qk_norm else {}
-                q, k, kc, vc = jrc.rope_and_cache_qkv(qkv, kc, vc, slots, flat_pos, cos, sin,
-                                                      num_q_heads=cfg.q_heads, num_kv_heads=cfg.kv_heads,
-                                                      layout=self.layout, is_neox=self.is_neox,
-                                                      rotary_dim=self.rotary_dim, impl=self.impl, layer=i, **norm)
+                scales = dict(k_scale_cache=sc[0], v_scale_cache=sc[1]) if sc else {}
+                q, k, kc, vc, *sc = jrc.rope_and_cache_qkv(qkv, kc, vc, slots, flat_pos, cos, sin,
+                                                           num_q_heads=cfg.q_heads, num_kv_heads=cfg.kv_heads,
+                                                           layout=self.layout, is_neox=self.is_neox,
+                                                           rotary_dim=self.rotary_dim, impl=self.impl, layer=i,
+                                                           **norm, **scales)
+                sc = tuple(sc)
             keys, values = gather_blocks(kc, vc, i, block_table, self.layout)
+            if sc:
+                keys, values = dequantize_blocks(keys, values, sc, i, block_table, self.dtype)
             o = self._attend(q.reshape(B, P, cfg.q_heads, cfg.head_dim), keys, values, q_pos)
             x = x + self._mm(o, w["wo"])
             h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
             x = x + self._mm(jax.nn.silu(self._mm(h, w["w_gate"])) * self._mm(h, w["w_up"]), w["w_down"])
-            return (x, kc, vc), None
+            return (x, kc, vc, sc), None
 
-        (x, kc, vc), _ = jax.lax.scan(layer, (x, kc, vc), (params["layers"], jnp.arange(cfg.num_layers)),
-                                      unroll=self.unroll)
-        return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), kc, vc
+        (x, kc, vc, sc), _ = jax.lax.scan(layer, (x, kc, vc, sc), (params["layers"], jnp.arange(cfg.num_layers)),
+                                          unroll=self.unroll)
+        return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), kc, vc, sc
 
     def _logits(self, params, h):
         w = params["embed"].T if self.cfg.tie_word_embeddings else params["lm_head"]
         return jnp.matmul(h, w, precision=self._precision, preferred_element_type=jnp.float32)
 
-    def _prefill(self, params, tables, kc, vc, tokens, lengths, block_table):
+    def _prefill(self, params, tables, kc, vc, sc, tokens, lengths, block_table):
         """tokens [B, P] (padded), lengths [B] -> (first generated token [B], its logits [B, V], caches)."""
         B, P = tokens.shape
         pos = jnp.arange(P)[None, :]
         positions = jnp.where(pos < lengths[:, None], pos, -1)
-        h, kc, vc = self._forward(params, tables, kc, vc, tokens, positions, block_table)
+        h, kc, vc, sc = self._forward(params, tables, kc, vc, sc, tokens, positions, block_table)
         last = jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)[:, 0]
         logits = self._logits(params, last)
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32), logits, kc, vc
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32), logits, kc, vc, sc
 
-    def _decode(self, params, tables, kc, vc, tokens, positions, block_table, *, steps, with_logits=True):
+    def _decode(self, params, tables, kc, vc, sc, tokens, positions, block_table, *, steps, with_logits=True):
         """`steps` greedy steps: the token at positions[b] goes in, the next comes out.
         -> (tokens [steps, B], logits [steps, B, V] or None, caches)."""
         def step(carry, _):
-            tok, pos, kc, vc = carry
-            h, kc, vc = self._forward(params, tables, kc, vc, tok[:, None], pos[:, None], block_table)
+            tok, pos, kc, vc, sc = carry
+            h, kc, vc, sc = self._forward(params, tables, kc, vc, sc, tok[:, None], pos[:, None], block_table)
             logits = self._logits(params, h[:, 0])
             nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-            return (nxt, pos + 1, kc, vc), (nxt, logits if with_logits else None)
+            return (nxt, pos + 1, kc, vc, sc), (nxt, logits if with_logits else None)
 
-        (_, _, kc, vc), (toks, logits) = jax.lax.scan(step, (tokens, positions, kc, vc), None, length=steps)
-        return toks, logits, kc, vc
+        (_, _, kc, vc, sc), (toks, logits) = jax.lax.scan(step, (tokens, positions, kc, vc, sc), None, length=steps)
+        return toks, logits, kc, vc, sc
 
     # -- host side --
     def prefill(self, prompts, block_table):
@@ -523,14 +554,14 @@ class Decoder:
         grid = np.zeros((len(prompts), int(lengths.max())), np.int32)
         for i, p in enumerate(prompts):
             grid[i, : len(p)] = p
-        tok, logits, self.key_cache, self.value_cache = self.prefill_fn(
-            self.params, self.tables, self.key_cache, self.value_cache, grid, lengths, block_table)
+        tok, logits, self.key_cache, self.value_cache, self.scale_caches = self.prefill_fn(
+            self.params, self.tables, self.key_cache, self.value_cache, self.scale_caches, grid, lengths, block_table)
         return tok, logits, lengths
 
     def decode(self, tokens, positions, block_table, steps, with_logits=True):
-        toks, logits, self.key_cache, self.value_cache = self.decode_fn(
-            self.params, self.tables, self.key_cache, self.value_cache, tokens, positions, block_table,
-            steps=steps, with_logits=with_logits)
+        toks, logits, self.key_cache, self.value_cache, self.scale_caches = self.decode_fn(
+            self.params, self.tables, self.key_cache, self.value_cache, self.scale_caches, tokens, positions,
+            block_table, steps=steps, with_logits=with_logits)
         return toks, logits
 
     def generate(self, prompts, new_tokens: int):

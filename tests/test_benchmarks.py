@@ -10,7 +10,7 @@ import sys
 import pytest
 
 HARNESS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", "bench_gpu.py")
-SUITES = ["op", "qk_norm", "mrope", "mla", "tp"]
+SUITES = ["op", "qk_norm", "mrope", "mla", "tp", "fp8"]
 
 
 def _run(*args):
@@ -28,4 +28,4 @@ def test_the_harness_lists_its_suites_and_refuses_an_unknown_one():
     r = _run("--help")
     assert r.returncode == 0 and all(f"bench_gpu.py {s}" in r.stdout for s in SUITES)
     r = _run("bogus")
-    assert r.returncode == 2 and "suite: expected one of op, qk_norm, mrope, mla, tp, got 'bogus'" in r.stderr
+    assert r.returncode == 2 and "suite: expected one of op, qk_norm, mrope, mla, tp, fp8, got 'bogus'" in r.stderr

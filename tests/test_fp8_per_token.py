@@ -364,14 +364,3 @@ def test_read_kv_scale_errors():
         jrc.read_kv(bf, bf.copy(), slots, k_scale=1.0, v_scale=1.0)
     with pytest.raises(ValueError, match="^k_scale_cache: per-token scales apply to float8 caches only"):
         jrc.read_kv(bf, bf.copy(), slots, k_scale_cache=np.ones((3, 2, 16), F32), v_scale_cache=np.ones((3, 2, 16), F32))
-
-
-def test_unsupported_kernel_falls_back_or_refuses():
-    """A kernel without the feature: impl=None runs the XLA path (same bits), impl='kernel' says why."""
-    from jax_rope_cache.backends import cpu
-    tc = TokenCase(Case(T=5, KH=2, D=64, cache_dtype="float8_e4m3fn"))
-    args, opts = _token_call(tc, seed=43)
-    if "token_scales" in cpu.SUPPORTS:
-        pytest.skip("the CPU handler implements per-token scales")
-    with pytest.raises(NotImplementedError, match="per-token fp8 scales"):
-        jax.block_until_ready(jrc.rope_and_cache(*args, impl="kernel", **opts))

@@ -12,9 +12,10 @@ from jax_rope_cache.backends import native
 PLATFORM = "cpu"
 NAME = "CPU"
 TARGET = "jax_rope_cache_cpu"
+TOKEN_SCALES_TARGET = "jax_rope_cache_cpu_token_scales"  # the same handler with the scale caches as 2 more results
 MLA_TARGET = "jax_rope_cache_mla_cpu"  # the MLA op's handler (kernels/ffi/mla_cpu_handler.cc)
 # contract.FEATURES the C++ handler implements (others: the XLA path, or an error with impl="kernel").
-SUPPORTS: frozenset[str] = frozenset(contract.FEATURES) - {"token_scales"}
+SUPPORTS: frozenset[str] = frozenset(contract.FEATURES)
 
 
 def missing() -> str | None:
@@ -33,6 +34,10 @@ def kernel_attrs(spec: contract.OpSpec) -> dict:
 
 def lower(ctx, args, spec: contract.OpSpec):
     native.refuse_unsupported(spec, SUPPORTS, NAME)
-    native.register_target(TARGET, native.native_module().cpu_handler, "cpu")
-    rule = jax.ffi.ffi_lowering(TARGET, operand_output_aliases=contract.CACHE_ALIASES)
+    if spec.token_scales:
+        target, handler = TOKEN_SCALES_TARGET, native.native_module().cpu_token_scales_handler
+    else:
+        target, handler = TARGET, native.native_module().cpu_handler
+    native.register_target(target, handler, "cpu")
+    rule = jax.ffi.ffi_lowering(target, operand_output_aliases=contract.cache_aliases(spec))
     return rule(ctx, *args, **kernel_attrs(spec))

@@ -44,13 +44,13 @@ def find_reference(path: str | None) -> str | None:
 
 
 def reference_decoder(entry: dict, impl: str, layout: str = "flash", block_size: int = 8, device=None,
-                      decoder_cache=None) -> decoder.Decoder:
+                      decoder_cache=None, kv_quant=None) -> decoder.Decoder:
     """The decoder of a fixture entry (weights from its seed, checked against its digest); block
     size 8 puts the longest sequence (21 + 33 tokens) in 7 blocks. `decoder_cache`: a dict that
     keeps compiled decoders between calls."""
     config = entry["config"]
     new = entry["tokens"].shape[1]
-    key = (str(config), impl, layout, block_size, str(device))
+    key = (str(config), impl, layout, block_size, str(device), kv_quant)
     m = None if decoder_cache is None else decoder_cache.get(key)
     if m is None:
         params = decoder.random_params(decoder.DecoderConfig.from_hf(config), entry["seed"])
@@ -60,7 +60,7 @@ def reference_decoder(entry: dict, impl: str, layout: str = "flash", block_size:
         max_len = -(-(max(map(len, entry["prompts"])) + new) // block_size) * block_size
         # a pool 4x what the prompts need: most blocks belong to nobody (and must stay untouched)
         m = decoder.Decoder(config, params, layout=layout, block_size=block_size, impl=impl,
-                            max_seqs=4 * len(entry["prompts"]), max_len=max_len, device=device)
+                            max_seqs=4 * len(entry["prompts"]), max_len=max_len, device=device, kv_quant=kv_quant)
         if decoder_cache is not None:
             decoder_cache[key] = m
     return m
@@ -71,7 +71,7 @@ def reference_generation(entry: dict, impl: str, layout: str = "flash", **kw):
     return reference_decoder(entry, impl, layout, **kw).generate(entry["prompts"], entry["tokens"].shape[1])
 
 
-def check(ref_path: str, impls, layouts, show_tokens=True) -> bool:
+def check(ref_path: str, impls, layouts, show_tokens=True, kv_quant=None) -> bool:
     ref = decoder.load_hf_reference(ref_path)
     meta = ref.pop("meta")
     print(f"check against transformers {meta['transformers']} (torch {meta['torch']}), recorded in {ref_path}; "
@@ -90,6 +90,10 @@ def check(ref_path: str, impls, layouts, show_tokens=True) -> bool:
                 print(f"  {name:<15} impl={impl:<7}{layout:<17} prompts of {lens} tokens, {toks.shape[1]} tokens "
                       f"each: tokens {'match' if same else 'DIFFER'}, max |dlogit| {err:.1e} -> "
                       f"{'OK' if good else 'MISMATCH'}")
+                if kv_quant:  # the same run with quantized caches: how far it moves (not held to the bound)
+                    qt, ql = reference_generation(entry, impl, layout, kv_quant=kv_quant)
+                    print(f"  {'':<15} kv_quant={kv_quant}: tokens equal {int((qt == toks).sum())}/{toks.size}, "
+                          f"max |dlogit| vs unquantized {float(np.abs(ql - logits).max()):.1e}")
                 if show_tokens and not shown:
                     for p, t in zip(entry["prompts"], toks):
                         print(f"      prompt[{len(p):>2}] -> {' '.join(map(str, t))}")
@@ -98,7 +102,7 @@ def check(ref_path: str, impls, layouts, show_tokens=True) -> bool:
 
 
 def timing(model: str, impls, layout: str, batch: int, prompt_len: int, steps: int, dtype, repeats: int,
-           unroll: int, block_size: int, seed: int = 0, layers: int | None = None):
+           unroll: int, block_size: int, seed: int = 0, layers: int | None = None, kv_quant=None):
     config = dict(MODELS[model])
     if layers:
         config["num_hidden_layers"] = layers
@@ -117,12 +121,13 @@ def timing(model: str, impls, layout: str, batch: int, prompt_len: int, steps: i
     max_len = -(-(prompt_len + steps + 1) // block_size) * block_size
     print(f"\ntiming {model} ({n_params / 1e6:,.1f}M parameters, {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
           f"heads {cfg.q_heads}/{cfg.kv_heads} x {cfg.head_dim}, vocab {cfg.vocab_size}), {np.dtype(dtype).name}, "
-          f"{layout} cache, batch {batch}, prompts {lengths.min()}-{lengths.max()} tokens, {steps} decode steps, "
+          f"{layout} cache{' (fp8, ' + kv_quant + ' scales)' if kv_quant else ''}, batch {batch}, prompts {lengths.min()}-{lengths.max()} tokens, {steps} decode steps, "
           f"layer scan unroll={unroll or 'all'} (weights ready in {time.perf_counter() - t0:.1f} s)")
     rows, runs = {}, {}
     for impl in impls:
         m = decoder.Decoder(config, params, layout=layout, block_size=block_size, impl=impl, max_seqs=batch,
-                            max_len=max_len, dtype=dtype, unroll=unroll or cfg.num_layers, cache_fill="zeros")
+                            max_len=max_len, dtype=dtype, unroll=unroll or cfg.num_layers, cache_fill="zeros",
+                            kv_quant=kv_quant if impl != "baseline" else None)
         seqs = [m.allocator.allocate(len(p) + steps + 1) for p in prompts]
         bt = m.allocator.block_table(seqs, m.blocks_per_seq)
         t_pre, t_dec = [], []
@@ -181,6 +186,9 @@ def main(argv=None):
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--unroll", type=int, default=0, help="layer scan unroll factor (0: all layers, straight-line)")
+    p.add_argument("--kv-quant", default=None, choices=("per_token",),
+                   help="float8_e4m3fn caches with per-token scales (the check then also reports how far the "
+                        "quantized run moves from the unquantized one)")
     a = p.parse_args(argv)
     impls = [s for s in a.impls.split(",") if s]
     for s in impls:
@@ -199,7 +207,7 @@ def main(argv=None):
             print(f"no recorded reference ({FIXTURE_NAME} not found here; pass --reference): check skipped")
         else:
             ok = check(ref, [i for i in impls if i != "baseline"] or ["kernel", "xla"],
-                       [s for s in a.check_layouts.split(",") if s])
+                       [s for s in a.check_layouts.split(",") if s], kv_quant=a.kv_quant)
     timing(a.model, impls, a.layout, a.batch, a.prompt_len, a.steps, jnp.dtype(a.dtype), a.repeats, a.unroll,
-           a.block_size, layers=a.layers)
+           a.block_size, layers=a.layers, kv_quant=a.kv_quant)
     raise SystemExit(0 if ok else 1)

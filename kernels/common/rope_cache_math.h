@@ -264,6 +264,23 @@ RC_FN rc_u8 rc_quantize_fp8(float x, float inv_scale, RcDtype cdt) {
   return rc_f32_to_fp8_as(rc_mul(x, inv_scale), cdt);
 }
 
+// ---- per-token scales (k_scale_cache / v_scale_cache) -------------------------------------------
+// One row's scale = r32(max(amax, 1e-8f) / FP8_MAX), amax = max |y| over the row's finite values
+// (NaN and +-inf left out; jax_rope_cache/reference.py). The max is exact, so any reduction order
+// (a loop, a lane butterfly) gives the same bits. The row is then quantised with rc_inv_scale(scale).
+RC_FN float rc_amax_step(float m, float y) {
+  const float a = rc_bits_f32(rc_f32_bits(y) & 0x7fffffffu);
+  return (a <= 3.40282347e38f && a > m) ? a : m;  // NaN compares false; inf is above the largest finite
+}
+
+RC_FN float rc_fp8_max_of(RcDtype cdt) {
+  return cdt == RC_FP8_E5M2 ? 57344.0f : rc_fp8_max(cdt == RC_FP8_E4M3FNUZ);
+}
+
+RC_FN float rc_token_scale(float amax, RcDtype cdt) {
+  return rc_div(amax > 1e-8f ? amax : 1e-8f, rc_fp8_max_of(cdt));
+}
+
 // ---- RMSNorm of one (token, head) row (Qwen3's q_norm / k_norm) --------------------
 // S = tree(r32(x_i * x_i)) over the row with the pairwise halving tree of the spec
 // (jax_rope_cache/reference.py):

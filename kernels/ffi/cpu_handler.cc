@@ -87,6 +87,7 @@ struct Problem {
   int dt, table_dt, cache_dt, layout, arith;  // arith: rc_arith(native, dt, table_dt)
   bool neox, slots64, pos64, full_table;
   const float *inv_k_scale, *inv_v_scale;  // per kv head (one scale: KH copies)
+  float *k_sc, *v_sc;  // per-token scales: the scale caches [NB, KH, BS] of the layer; nullptr: static scales
   const float *q_norm_w, *k_norm_w;        // the norm weights widened to f32 [D]; nullptr: no norm
   float norm_eps;
   const int8_t* col_stream;  // M-RoPE: the position stream of each table column [width]; nullptr: off
@@ -271,8 +272,22 @@ JRC_CPU_CLONES void RunTokensT(const Problem& p, int64_t t0, int64_t t1) {
     if (slot < 0 || slot >= p.NB * p.BS) continue;
     for (int64_t h = 0; h < p.KH; ++h) {
       const int64_t o = (t * p.KH + h) * p.D;
-      WriteRow<DT, CDT>(p, Locate(p, slot / p.BS, slot % p.BS, h), k_out + o, v + t * p.kv_row + p.v_off + h * p.D,
-                        kWide ? k_wide.get() + h * p.D : nullptr, p.inv_k_scale[h], p.inv_v_scale[h]);
+      const T* vrow = v + t * p.kv_row + p.v_off + h * p.D;
+      const float* kw = kWide ? k_wide.get() + h * p.D : nullptr;
+      float inv_k = p.inv_k_scale[h], inv_v = p.inv_v_scale[h];
+      if constexpr (CDT != DT) {
+        if (p.k_sc) {  // per-token scales from the values the cache quantizes (kw, else k_out's)
+          float km = 0.0f, vm = 0.0f;
+          for (int64_t d = 0; d < p.D; ++d) km = rc_amax_step(km, kw ? kw[d] : Elem<DT>::Load(k_out[o + d]));
+          for (int64_t d = 0; d < p.D; ++d) vm = rc_amax_step(vm, Elem<DT>::Load(vrow[d]));
+          const float ks = rc_token_scale(km, static_cast<RcDtype>(CDT));
+          const float vs = rc_token_scale(vm, static_cast<RcDtype>(CDT));
+          const int64_t at = (slot / p.BS * p.KH + h) * p.BS + slot % p.BS;
+          p.k_sc[at] = ks, p.v_sc[at] = vs;
+          inv_k = rc_inv_scale(ks), inv_v = rc_inv_scale(vs);
+        }
+      }
+      WriteRow<DT, CDT>(p, Locate(p, slot / p.BS, slot % p.BS, h), k_out + o, vrow, kw, inv_k, inv_v);
     }
   }
 }
@@ -474,7 +489,9 @@ ffi::Error ValidateCall(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const 
                         const ffi::AnyBuffer& k_norm_weight, const ffi::AnyBuffer& q_out, const ffi::AnyBuffer& k_out,
                         const ffi::AnyBuffer& key_cache_out, const ffi::AnyBuffer& value_cache_out,
                         int64_t layout, int64_t rotary_dim, bool q_norm, bool k_norm, float norm_eps, int64_t mrope,
-                        int64_t mrope_t, int64_t mrope_h, int64_t mrope_w) {
+                        int64_t mrope_t, int64_t mrope_h, int64_t mrope_w, const ffi::AnyBuffer* k_sc_out,
+                        const ffi::AnyBuffer* v_sc_out) {
+  const bool scale_caches = k_sc_out != nullptr;  // the handler with per-token scales (6 results)
   if (layout < RC_FLASH || layout > RC_HND)
     return Invalid("attribute layout: expected 0 (flash), 1 (xpacked), 2 (xpacked_shuffled) or 3 (hnd), got " +
                    std::to_string(layout));
@@ -592,8 +609,21 @@ ffi::Error ValidateCall(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const 
     return Invalid("cos: expected dims [max_pos >= 1, R/2=" + std::to_string(rotary_dim / 2) + " or R=" +
                    std::to_string(rotary_dim) + "], got " + DimsString(cd));
   JRC_CHECK(ExpectDims("sin", sin, {cd[0], cd[1]}, "as cos"));
-  JRC_CHECK(ExpectScale("k_scale", k_scale, KH));
-  JRC_CHECK(ExpectScale("v_scale", v_scale, KH));
+  if (scale_caches) {  // per-token scales: the k_scale / v_scale operands are the scale caches
+    const std::string dims = "[" + l + "NB, KH, BS]";
+    JRC_CHECK(ExpectType("k_scale_cache", k_scale, ffi::DataType::F32, "float32"));
+    JRC_CHECK(ExpectType("v_scale_cache", v_scale, ffi::DataType::F32, "float32"));
+    JRC_CHECK(ExpectDims("k_scale_cache", k_scale, with_lead({NB, KH, BS}), dims));
+    JRC_CHECK(ExpectDims("v_scale_cache", v_scale, with_lead({NB, KH, BS}), dims));
+    if (!IsFp8(cdt)) return Invalid(std::string("k_scale_cache: per-token scales need a float8 cache, got ") + TypeName(cdt));
+    JRC_CHECK(ExpectType("k_scale_cache result", *k_sc_out, ffi::DataType::F32, "as k_scale_cache"));
+    JRC_CHECK(ExpectType("v_scale_cache result", *v_sc_out, ffi::DataType::F32, "as v_scale_cache"));
+    JRC_CHECK(ExpectDims("k_scale_cache result", *k_sc_out, with_lead({NB, KH, BS}), "as k_scale_cache"));
+    JRC_CHECK(ExpectDims("v_scale_cache result", *v_sc_out, with_lead({NB, KH, BS}), "as v_scale_cache"));
+  } else {
+    JRC_CHECK(ExpectScale("k_scale", k_scale, KH));
+    JRC_CHECK(ExpectScale("v_scale", v_scale, KH));
+  }
   JRC_CHECK(ExpectScalar("layer", layer, ffi::DataType::S32));
   JRC_CHECK(ExpectNormWeight("q_norm_weight", q_norm_weight, q_norm, dt, D));
   JRC_CHECK(ExpectNormWeight("k_norm_weight", k_norm_weight, k_norm, dt, D));
@@ -620,19 +650,19 @@ ffi::Error ValidateCall(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const 
 
 #undef JRC_CHECK
 
-ffi::Error CpuRopeAndCache(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                           ffi::AnyBuffer key_cache, ffi::AnyBuffer value_cache, ffi::AnyBuffer slots,
-                           ffi::AnyBuffer positions, ffi::AnyBuffer cos, ffi::AnyBuffer sin,
-                           ffi::AnyBuffer k_scale, ffi::AnyBuffer v_scale, ffi::AnyBuffer layer,
-                           ffi::AnyBuffer q_norm_weight, ffi::AnyBuffer k_norm_weight,
-                           ffi::Result<ffi::AnyBuffer> q_out,
-                           ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> key_cache_out,
-                           ffi::Result<ffi::AnyBuffer> value_cache_out, int64_t layout, bool is_neox,
-                           int64_t rotary_dim, bool native, bool q_norm, bool k_norm, float norm_eps,
-                           int64_t mrope, int64_t mrope_t, int64_t mrope_h, int64_t mrope_w) {
+// The op; k_sc_out / v_sc_out: the scale-cache results of a call with per-token scales (the
+// k_scale / v_scale operands are then the scale caches), else nullptr.
+ffi::Error RopeAndCache(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer key_cache,
+                        ffi::AnyBuffer value_cache, ffi::AnyBuffer slots, ffi::AnyBuffer positions, ffi::AnyBuffer cos,
+                        ffi::AnyBuffer sin, ffi::AnyBuffer k_scale, ffi::AnyBuffer v_scale, ffi::AnyBuffer layer,
+                        ffi::AnyBuffer q_norm_weight, ffi::AnyBuffer k_norm_weight, ffi::AnyBuffer* q_out,
+                        ffi::AnyBuffer* k_out, ffi::AnyBuffer* key_cache_out, ffi::AnyBuffer* value_cache_out,
+                        ffi::AnyBuffer* k_sc_out, ffi::AnyBuffer* v_sc_out, int64_t layout, bool is_neox,
+                        int64_t rotary_dim, bool native, bool q_norm, bool k_norm, float norm_eps, int64_t mrope,
+                        int64_t mrope_t, int64_t mrope_h, int64_t mrope_w) {
   if (auto e = ValidateCall(q, k, v, key_cache, value_cache, slots, positions, cos, sin, k_scale, v_scale, layer,
                             q_norm_weight, k_norm_weight, *q_out, *k_out, *key_cache_out, *value_cache_out, layout,
-                            rotary_dim, q_norm, k_norm, norm_eps, mrope, mrope_t, mrope_h, mrope_w);
+                            rotary_dim, q_norm, k_norm, norm_eps, mrope, mrope_t, mrope_h, mrope_w, k_sc_out, v_sc_out);
       e.failure())
     return e;
   Problem p{};
@@ -703,15 +733,17 @@ ffi::Error CpuRopeAndCache(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
   // Per-call tables: inverse scales per kv head, the norm weights in f32 ([D] each, checked above).
   for (auto [name, b] : {std::pair<const char*, const ffi::AnyBuffer*>{"k_scale", &k_scale},
                          std::pair<const char*, const ffi::AnyBuffer*>{"v_scale", &v_scale}})
-    if (b->element_count() != 1 && b->element_count() != p.KH)
+    if (!k_sc_out && b->element_count() != 1 && b->element_count() != p.KH)
       return ffi::Error::InvalidArgument(std::string("rope_and_cache cpu: ") + name + " must have 1 or KH elements");
   if ((q_norm && q_norm_weight.element_count() != p.D) || (k_norm && k_norm_weight.element_count() != p.D))
     return ffi::Error::InvalidArgument("rope_and_cache cpu: a norm weight must have D elements");
   std::vector<float> inv_scales(2 * p.KH), weights((q_norm + k_norm) * p.D);
   {
     ScopedIeeeDenormals ieee;  // a subnormal scale is a scale, not zero; subnormal weights stay too
-    InverseScales(k_scale, p.KH, inv_scales.data());
-    InverseScales(v_scale, p.KH, inv_scales.data() + p.KH);
+    if (!k_sc_out) {  // per-token scales: computed per row instead
+      InverseScales(k_scale, p.KH, inv_scales.data());
+      InverseScales(v_scale, p.KH, inv_scales.data() + p.KH);
+    }
     if (q_norm) WidenWeight(q_norm_weight, weights.data());
     if (k_norm) WidenWeight(k_norm_weight, weights.data() + (q_norm ? p.D : 0));
   }
@@ -733,44 +765,96 @@ ffi::Error CpuRopeAndCache(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
   if (layer_index < 0 || layer_index >= num_layers) p.NB = 0;  // no slot is valid: nothing is written
   const int64_t cache_offset = (p.NB ? layer_index : 0) * layer_elems * ffi::ByteWidth(key_cache.element_type());
   p.kc = static_cast<char*>(p.kc) + cache_offset, p.vc = static_cast<char*>(p.vc) + cache_offset;
+  if (k_sc_out) {
+    if (auto e = CheckSame("k_scale_cache elements", k_scale.element_count(), num_layers * p.NB * p.KH * p.BS);
+        p.NB && e.failure())
+      return e;
+    float* ks = static_cast<float*>(k_sc_out->untyped_data());
+    float* vs = static_cast<float*>(v_sc_out->untyped_data());
+    if (ks != k_scale.untyped_data()) std::memcpy(ks, k_scale.untyped_data(), k_scale.size_bytes());
+    if (vs != v_scale.untyped_data()) std::memcpy(vs, v_scale.untyped_data(), v_scale.size_bytes());
+    const int64_t scale_offset = (p.NB ? layer_index : 0) * p.NB * p.KH * p.BS;
+    p.k_sc = ks + scale_offset, p.v_sc = vs + scale_offset;
+  }
   AdviseHugePages(p.q_out, q_out->size_bytes());
   AdviseHugePages(p.k_out, k_out->size_bytes());
   if (p.T > 0) ParallelOverTokens(p);
   return ffi::Error::Success();
 }
 
+ffi::Error CpuRopeAndCache(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer key_cache,
+                           ffi::AnyBuffer value_cache, ffi::AnyBuffer slots, ffi::AnyBuffer positions, ffi::AnyBuffer cos,
+                           ffi::AnyBuffer sin, ffi::AnyBuffer k_scale, ffi::AnyBuffer v_scale, ffi::AnyBuffer layer,
+                           ffi::AnyBuffer q_norm_weight, ffi::AnyBuffer k_norm_weight, ffi::Result<ffi::AnyBuffer> q_out,
+                           ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> key_cache_out,
+                           ffi::Result<ffi::AnyBuffer> value_cache_out, int64_t layout, bool is_neox,
+                           int64_t rotary_dim, bool native, bool q_norm, bool k_norm, float norm_eps,
+                           int64_t mrope, int64_t mrope_t, int64_t mrope_h, int64_t mrope_w) {
+  return RopeAndCache(q, k, v, key_cache, value_cache, slots, positions, cos, sin, k_scale, v_scale, layer,
+                      q_norm_weight, k_norm_weight, &*q_out, &*k_out, &*key_cache_out, &*value_cache_out, nullptr,
+                      nullptr, layout, is_neox, rotary_dim, native, q_norm, k_norm, norm_eps, mrope, mrope_t, mrope_h,
+                      mrope_w);
+}
+
+// Per-token scales: two more results, the scale caches (aliased to the k_scale / v_scale operands).
+ffi::Error CpuRopeAndCacheTokenScales(
+    ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer key_cache, ffi::AnyBuffer value_cache,
+    ffi::AnyBuffer slots, ffi::AnyBuffer positions, ffi::AnyBuffer cos, ffi::AnyBuffer sin, ffi::AnyBuffer k_scale,
+    ffi::AnyBuffer v_scale, ffi::AnyBuffer layer, ffi::AnyBuffer q_norm_weight, ffi::AnyBuffer k_norm_weight,
+    ffi::Result<ffi::AnyBuffer> q_out, ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> key_cache_out,
+    ffi::Result<ffi::AnyBuffer> value_cache_out, ffi::Result<ffi::AnyBuffer> k_sc_out,
+    ffi::Result<ffi::AnyBuffer> v_sc_out, int64_t layout, bool is_neox, int64_t rotary_dim, bool native, bool q_norm,
+    bool k_norm, float norm_eps, int64_t mrope, int64_t mrope_t, int64_t mrope_h, int64_t mrope_w) {
+  return RopeAndCache(q, k, v, key_cache, value_cache, slots, positions, cos, sin, k_scale, v_scale, layer,
+                      q_norm_weight, k_norm_weight, &*q_out, &*k_out, &*key_cache_out, &*value_cache_out, &*k_sc_out,
+                      &*v_sc_out, layout, is_neox, rotary_dim, native, q_norm, k_norm, norm_eps, mrope, mrope_t,
+                      mrope_h, mrope_w);
+}
+
+// The operands and attributes of both handlers; `rets` adds the results.
+auto BindArgs() {
+  return ffi::Ffi::Bind()
+      .Arg<ffi::AnyBuffer>()   // q
+      .Arg<ffi::AnyBuffer>()   // k
+      .Arg<ffi::AnyBuffer>()   // v
+      .Arg<ffi::AnyBuffer>()   // key_cache
+      .Arg<ffi::AnyBuffer>()   // value_cache
+      .Arg<ffi::AnyBuffer>()   // slot_mapping
+      .Arg<ffi::AnyBuffer>()   // positions
+      .Arg<ffi::AnyBuffer>()   // cos
+      .Arg<ffi::AnyBuffer>()   // sin
+      .Arg<ffi::AnyBuffer>()   // k_scale (f32[] / [1] / [KH], 1 when unused; the scale cache with per-token scales)
+      .Arg<ffi::AnyBuffer>()   // v_scale
+      .Arg<ffi::AnyBuffer>()   // layer (i32[], used with stacked caches)
+      .Arg<ffi::AnyBuffer>()   // q_norm_weight ([D]; f32[1] when q_norm is off)
+      .Arg<ffi::AnyBuffer>()   // k_norm_weight
+      .Ret<ffi::AnyBuffer>()   // q_out
+      .Ret<ffi::AnyBuffer>()   // k_out
+      .Ret<ffi::AnyBuffer>()   // key_cache (aliased)
+      .Ret<ffi::AnyBuffer>();  // value_cache (aliased)
+}
+
+template <class B>
+auto BindAttrs(B&& b) {
+  return std::forward<B>(b)
+      .template Attr<int64_t>("layout")
+      .template Attr<bool>("is_neox")
+      .template Attr<int64_t>("rotary_dim")
+      .template Attr<bool>("native")
+      .template Attr<bool>("q_norm")
+      .template Attr<bool>("k_norm")
+      .template Attr<float>("norm_eps")
+      .template Attr<int64_t>("mrope")     // RcMrope; positions [3, T] unless off
+      .template Attr<int64_t>("mrope_t")   // sections: frequencies per stream
+      .template Attr<int64_t>("mrope_h")
+      .template Attr<int64_t>("mrope_w");
+}
+
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuRopeAndCache, CpuRopeAndCache,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()  // q
-                                  .Arg<ffi::AnyBuffer>()  // k
-                                  .Arg<ffi::AnyBuffer>()  // v
-                                  .Arg<ffi::AnyBuffer>()  // key_cache
-                                  .Arg<ffi::AnyBuffer>()  // value_cache
-                                  .Arg<ffi::AnyBuffer>()  // slot_mapping
-                                  .Arg<ffi::AnyBuffer>()  // positions
-                                  .Arg<ffi::AnyBuffer>()  // cos
-                                  .Arg<ffi::AnyBuffer>()  // sin
-                                  .Arg<ffi::AnyBuffer>()  // k_scale (f32[] / [1] / [KH], 1 when unused)
-                                  .Arg<ffi::AnyBuffer>()  // v_scale
-                                  .Arg<ffi::AnyBuffer>()  // layer (i32[], used with stacked caches)
-                                  .Arg<ffi::AnyBuffer>()  // q_norm_weight ([D]; f32[1] when q_norm is off)
-                                  .Arg<ffi::AnyBuffer>()  // k_norm_weight
-                                  .Ret<ffi::AnyBuffer>()  // q_out
-                                  .Ret<ffi::AnyBuffer>()  // k_out
-                                  .Ret<ffi::AnyBuffer>()  // key_cache (aliased)
-                                  .Ret<ffi::AnyBuffer>()  // value_cache (aliased)
-                                  .Attr<int64_t>("layout")
-                                  .Attr<bool>("is_neox")
-                                  .Attr<int64_t>("rotary_dim")
-                                  .Attr<bool>("native")
-                                  .Attr<bool>("q_norm")
-                                  .Attr<bool>("k_norm")
-                                  .Attr<float>("norm_eps")
-                                  .Attr<int64_t>("mrope")     // RcMrope; positions [3, T] unless off
-                                  .Attr<int64_t>("mrope_t")   // sections: frequencies per stream
-                                  .Attr<int64_t>("mrope_h")
-                                  .Attr<int64_t>("mrope_w"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuRopeAndCache, CpuRopeAndCache, BindAttrs(BindArgs()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuRopeAndCacheTokenScales, CpuRopeAndCacheTokenScales,
+                              BindAttrs(BindArgs().Ret<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>()));  // the scale caches
+
 
 }  // namespace jax_rope_cache

@@ -7,6 +7,8 @@ namespace jax_rope_cache {
 
 // Platform "cpu": computes the op directly into the aliased caches.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kCpuRopeAndCache);
+// The same with per-token fp8 scales: two more results, the scale caches (aliased to k_scale / v_scale).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kCpuRopeAndCacheTokenScales);
 // Platform "cpu": mla_rope_and_cache (kernels/ffi/mla_cpu_handler.cc), into the aliased latent cache(s).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kCpuMlaRopeAndCache);
 

@@ -59,6 +59,7 @@ void WidenToF32(nb::ndarray<const uint32_t, nb::ndim<1>, nb::c_contig, nb::devic
 
 NB_MODULE(_native, m) {
   m.def("cpu_handler", [] { return HandlerCapsule(jax_rope_cache::kCpuRopeAndCache); });
+  m.def("cpu_token_scales_handler", [] { return HandlerCapsule(jax_rope_cache::kCpuRopeAndCacheTokenScales); });
   m.def("mla_cpu_handler", [] { return HandlerCapsule(jax_rope_cache::kCpuMlaRopeAndCache); });
   // GPU launcher: dicts of stage capsules, as jax.ffi.register_ffi_target takes them, for the
   // platform they are registered for ("CUDA" binds libcuda, "ROCM" binds libamdhip64).
