@@ -72,8 +72,8 @@ def hlo_kernels(hlo: str):
             if op == "custom-call" and any(f'custom_call_target="{t}"' in line for t in op_targets()):
                 args = re.search(r"custom-call\((.*?)\), custom_call_target", line).group(1)
                 for n in [x.strip().split("%")[-1] for x in args.split(",")][:3]:
-                    while defs.get(n, ("", ""))[0] == "bitcast":
-                        n = re.search(r"bitcast\(%([\w.\-]+)\)", defs[n][1]).group(1)
+                    while defs.get(n, ("", ""))[0] in ("bitcast", "get-tuple-element"):  # to the real producer
+                        n = re.search(r"(?:bitcast|get-tuple-element)\(%([\w.\-]+)\)", defs[n][1]).group(1)
                     producers.append(defs.get(n, ("parameter", n)))
     return counts, producers
 
