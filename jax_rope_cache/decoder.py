@@ -95,6 +95,14 @@ HF_LOGIT_BOUND = 2e-4
 _SUPPORTED = ("llama", "qwen3")
 
 
+def config_int(config: Mapping, key: str) -> int:
+    """config[key] as a positive integer, else a ValueError naming the key."""
+    v = config.get(key)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"config[{key!r}]: expected a positive integer, got {v!r}")
+    return v
+
+
 @dataclasses.dataclass(frozen=True)
 class DecoderConfig:
     model_type: str
@@ -127,12 +135,7 @@ class DecoderConfig:
         if config.get("hidden_act", "silu") != "silu":
             raise ValueError(f"config['hidden_act']: expected 'silu', got {config['hidden_act']!r}")
 
-        def need(key):
-            v = config.get(key)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"config[{key!r}]: expected a positive integer, got {v!r}")
-            return v
-
+        need = functools.partial(config_int, config)
         heads = need("num_attention_heads")
         kv = need("num_key_value_heads") if config.get("num_key_value_heads") is not None else heads
         if heads % kv:

@@ -78,11 +78,7 @@ _GAIN = {"wq_a": 1.0, "wq_b": 2.0, "wkv_a": 1.0, "wkv_b": 2.0, "wo": 1.0, "w_gat
          "shared_gate": 1.0, "shared_up": 1.0, "shared_down": 1.0}
 
 
-def _need(config, key):
-    v = config.get(key)
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ValueError(f"config[{key!r}]: expected a positive integer, got {v!r}")
-    return v
+_need = decoder.config_int
 
 
 @dataclasses.dataclass(frozen=True)

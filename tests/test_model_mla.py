@@ -14,7 +14,6 @@ without mscale_all_dim all move the logits far beyond the bound.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import os
 import re
 
@@ -28,6 +27,7 @@ from conftest import impl_params
 from jax_rope_cache import decoder, decoder_mla
 from jax_rope_cache.cli import generate
 from jax_rope_cache.models import tables
+from test_model import _load_recorder
 from test_structure import check_in_place
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -94,14 +94,6 @@ def test_yarn_law_and_mscale_matter_at_these_positions():
 @pytest.mark.parametrize("platform,impl", impl_params())
 def test_greedy_generation_matches_transformers(platform, impl, layout):
     _compare(*_decoder(platform, impl, layout).generate(ENTRY["prompts"], ENTRY["tokens"].shape[1]))
-
-
-def _load_recorder():
-    spec = importlib.util.spec_from_file_location("record_hf_model", os.path.join(HERE, "..", "tools",
-                                                                                  "record_hf_model.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def test_live_transformers_agrees_with_fixture_and_decoder():
