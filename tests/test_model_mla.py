@@ -234,17 +234,19 @@ def test_config_errors():
 
 def test_generate_command_checks_and_times_the_mla_model(capsys):
     """`generate`: the check runs the MLA fixture in its own layouts only (not the GQA ones), and
-    --model tiny-deepseek-v3 times the model on a split latent cache."""
+    --model tiny-deepseek-v3 times the model (bfloat16, with its timing baseline) on a split latent cache."""
     assert generate.check(FIXTURE, ["xla"], ["flash", "split"], show_tokens=False)
     out = capsys.readouterr().out
     assert re.search(r"tiny-deepseek-v3\s+impl=xla\s+split .* tokens match, .* OK", out) and "flash" not in out, out
     with pytest.raises(SystemExit) as e:
-        generate.main(["--model", NAME, "--check", "none", "--impls", "kernel", "--layout", "split", "--batch", "2",
-                       "--prompt-len", "5", "--steps", "2", "--repeats", "1", "--block-size", "8"])
+        generate.main(["--model", NAME, "--check", "none", "--impls", "baseline,kernel", "--layout", "split",
+                       "--batch", "2", "--prompt-len", "5", "--steps", "2", "--repeats", "1", "--block-size", "8",
+                       "--dtype", "bfloat16"])
     assert e.value.code == 0
     out = capsys.readouterr().out
-    assert "MLA heads 4, latent 64 + 16" in out and "split cache" in out
-    assert re.search(r"^kernel\s+[\d.]+ms\s+\d+us\s+[\d,]+$", out, re.M), out
+    assert "MLA heads 4, latent 64 + 16" in out and "split cache" in out and "bfloat16" in out
+    for impl in ("baseline", "kernel"):
+        assert re.search(rf"^{impl}\s+[\d.]+ms\s+\d+us\s+[\d,]+$", out, re.M), out
     with pytest.raises(SystemExit):
         generate.main(["--model", NAME, "--check", "none", "--layout", "flash"])
     assert "tiny-deepseek-v3 caches in one of ('combined', 'split')" in capsys.readouterr().err
