@@ -31,6 +31,7 @@ config's rms_norm_eps): no separate pass over q and k. impl="baseline" skips the
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import math
 from collections.abc import Mapping
@@ -85,12 +86,21 @@ TINY_SEEDS = {"tiny-llama-3.1": 1, "tiny-qwen3": 2}
 # Logits of this decoder vs transformers', float32 on both sides, same weights: max |difference|
 # allowed. Measured on CPU over every impl x layout: tiny Llama (logits up to |9.1|) 4.8e-5 with the
 # kernel, 3.4e-5 with the XLA path (2.8e-5 / 2.6e-5 with transformers' own float32 RoPE tables
-# swapped in: the rest is summation order); tiny Qwen3 (logits up to |1.5|) 2.5e-6.
+# swapped in: the rest is summation order); tiny Qwen3 (logits up to |1.5|) 2.5e-6; tiny DeepSeek-V3
+# (decoder_mla; logits up to |8|, absorbed MLA) 4.2e-5 kernel, 4.5e-5 XLA path, either cache layout.
 # The fixture's models have a top-1 / top-2 logit gap >= 10x this bound at every step, so equal
 # greedy tokens are a property of correct code, not luck.
 HF_LOGIT_BOUND = 2e-4
 
 _SUPPORTED = ("llama", "qwen3")
+
+
+def config_int(config: Mapping, key: str) -> int:
+    """config[key] as a positive integer, else a ValueError naming the key."""
+    v = config.get(key)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"config[{key!r}]: expected a positive integer, got {v!r}")
+    return v
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +117,11 @@ class DecoderConfig:
     tie_word_embeddings: bool
     qk_norm: bool  # Qwen3: RMSNorm over head_dim of every q and k head before RoPE
 
+    @property
+    def gains(self) -> dict:
+        """{weight name: gain} of `random_params` (std = gain / sqrt(fan_in))."""
+        return _GAIN
+
     @classmethod
     def from_hf(cls, config: Mapping) -> DecoderConfig:
         """Reads a Hugging Face-style config dict; raises ValueError naming a key this decoder
@@ -120,12 +135,7 @@ class DecoderConfig:
         if config.get("hidden_act", "silu") != "silu":
             raise ValueError(f"config['hidden_act']: expected 'silu', got {config['hidden_act']!r}")
 
-        def need(key):
-            v = config.get(key)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"config[{key!r}]: expected a positive integer, got {v!r}")
-            return v
-
+        need = functools.partial(config_int, config)
         heads = need("num_attention_heads")
         kv = need("num_key_value_heads") if config.get("num_key_value_heads") is not None else heads
         if heads % kv:
@@ -173,16 +183,18 @@ def _leaves(shapes: dict, prefix=()):
             yield prefix + (name,), shapes[name]
 
 
-def _init_value(name: str, shape, normal):
+def _init_value(name: str, shape, normal, gains: Mapping):
     if name.endswith("norm"):
         mean, std = _norm_init(name)
         return mean + std * normal(shape)
+    if name.endswith("bias"):  # e.g. a router's score correction: small, so it shifts choices, not decides them
+        return 0.05 * normal(shape)
     if name == "embed":
         # small next to the layers' outputs (~1 per channel): with tied embeddings a dominant
         # residual would make every token its own argmax (a model that repeats one token)
         return 0.03 * normal(shape)
     fan_in = shape[-2]
-    return (_GAIN[name] / math.sqrt(fan_in)) * normal(shape)
+    return (gains[name] / math.sqrt(fan_in)) * normal(shape)
 
 
 def _set(tree: dict, path, value):
@@ -197,7 +209,7 @@ def random_params(cfg: DecoderConfig, seed: int, dtype=np.float32) -> dict:
     rng = np.random.default_rng(seed)
     out: dict = {}
     for path, shape in _leaves(cfg.param_shapes()):
-        value = _init_value(path[-1], shape, lambda s: rng.standard_normal(s, dtype=np.float64))
+        value = _init_value(path[-1], shape, lambda s: rng.standard_normal(s, dtype=np.float64), cfg.gains)
         _set(out, path, value.astype(np.float32).astype(dtype))
     return out
 
@@ -210,8 +222,8 @@ def random_params_on_device(cfg: DecoderConfig, seed: int, dtype=jnp.bfloat16, d
     keys = jax.random.split(jax.random.key(seed), len(leaves))
 
     def drawer(name, shape):
-        return jax.jit(lambda key: _init_value(name, shape, lambda s: jax.random.normal(key, s, jnp.float32))
-                       .astype(dtype))
+        return jax.jit(lambda key: _init_value(name, shape, lambda s: jax.random.normal(key, s, jnp.float32),
+                                               cfg.gains).astype(dtype))
 
     with jax.default_device(device or jax.devices()[0]):
         for key, (path, shape) in zip(keys, leaves):
@@ -357,16 +369,16 @@ def gather_blocks(key_cache, value_cache, layer, block_table, layout: str):
 
 
 # ---- the model ------------------------------------------------------------------------------------
-def touch_caches(kc, vc, k, v, slots, layer, block_size: int):
+def touch_caches(caches, values, slots, layer, block_size: int):
     """The "baseline" impl's stand-in for the op: element [layer, block of slots[0], 0, ...] of each
-    stacked cache set in place (dynamic_update_slice) to k[0, 0, 0] / v[0, 0, 0], any layout. One
-    tiny kernel per cache; the caches depend on k and v, and what reads them next on the write."""
+    stacked cache set in place (dynamic_update_slice) to the first element of its value, any layout.
+    One tiny kernel per cache; the caches depend on the values, and what reads them next on the write."""
     blk = jnp.maximum(slots[0], 0) // block_size
     out = []
-    for c, x in ((kc, k), (vc, v)):
+    for c, x in zip(caches, values):
         start = (layer, blk) + (0,) * (c.ndim - 2)
-        out.append(jax.lax.dynamic_update_slice(c, x[:1, :1, :1].astype(c.dtype).reshape((1,) * c.ndim), start))
-    return out[0], out[1]
+        out.append(jax.lax.dynamic_update_slice(c, x.reshape(-1)[:1].astype(c.dtype).reshape((1,) * c.ndim), start))
+    return tuple(out)
 
 
 def rms_norm(x, weight, eps):
@@ -388,18 +400,27 @@ class Decoder:
     so XLA schedules the step as it does with the op; a model with no write at all would let XLA
     treat the caches as loop invariants of the decode loop.
 
-    The caches live in `self.key_cache` / `self.value_cache` ([L, ...] in `layout`); every jitted
-    call donates them and stores the returned ones. The tables (cos, sin) and the weights are
-    arguments of the jitted steps, not constants baked into them.
+    The caches live in `self.caches` (a tuple of stacked [L, ...] arrays; here (key_cache,
+    value_cache) in `layout`); every jitted call donates them and stores the returned ones. The
+    tables (cos, sin) and the weights are arguments of the jitted steps, not constants baked into them.
+
+    Subclasses (decoder_mla.MlaDecoder) change the model through `config_class`, `layouts`,
+    `_prepare_params`, `_new_caches`, `_segments`, `_attention` and `_mlp`; the steps and the host
+    side are shared.
     """
+
+    config_class = DecoderConfig
+    layouts = jrc.LAYOUTS
 
     def __init__(self, config: Mapping, params: dict, *, layout="flash", block_size=16, num_blocks=None,
                  max_seqs=8, max_len=None, impl="kernel", dtype=jnp.float32, unroll=1, seed=0, tables=None,
                  device=None, cache_fill="random"):
         if impl not in IMPLS:
             raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
+        if layout not in self.layouts:
+            raise ValueError(f"layout: expected one of {self.layouts}, got {layout!r}")
         self.hf_config = dict(config)
-        self.cfg = cfg = DecoderConfig.from_hf(config)
+        self.cfg = self.config_class.from_hf(config)
         self.layout, self.block_size, self.impl, self.unroll = layout, block_size, impl, unroll
         self.dtype = np.dtype(dtype)
         max_len = max_len or config["max_position_embeddings"]
@@ -414,25 +435,49 @@ class Decoder:
         self.blocks_per_seq = -(-self.max_len // block_size)
         num_blocks = num_blocks or max_seqs * self.blocks_per_seq
         self.allocator = BlockAllocator(num_blocks, block_size, seed=seed)
-        self.params = fuse_qkv(jax.device_put(jax.tree.map(lambda a: jnp.asarray(a, self.dtype), params), self.device))
-        self.key_cache, self.value_cache = self._new_caches(num_blocks, cache_fill, seed)
+        self.params = self._prepare_params(
+            jax.device_put(jax.tree.map(lambda a: jnp.asarray(a, self.dtype), params), self.device))
+        if cache_fill not in ("random", "zeros"):
+            raise ValueError(f"cache_fill: expected 'random' or 'zeros', got {cache_fill!r}")
+        self.caches = self._new_caches(num_blocks, cache_fill, seed)
         # Matmuls in full float32 where the model is float32 (GPUs would otherwise use TF32).
         self._precision = jax.lax.Precision.HIGHEST if self.dtype == np.float32 else None
-        self.prefill_fn = jax.jit(self._prefill, donate_argnums=(2, 3))
-        self.decode_fn = jax.jit(self._decode, static_argnames=("steps", "with_logits"), donate_argnums=(2, 3))
+        self.prefill_fn = jax.jit(self._prefill, donate_argnums=(2,))
+        self.decode_fn = jax.jit(self._decode, static_argnames=("steps", "with_logits"), donate_argnums=(2,))
+
+    @property
+    def key_cache(self):
+        return self.caches[0]
+
+    @key_cache.setter
+    def key_cache(self, value):
+        self.caches = (value,) + tuple(self.caches[1:])
+
+    @property
+    def value_cache(self):
+        return self.caches[1]
+
+    @value_cache.setter
+    def value_cache(self, value):
+        self.caches = (self.caches[0], value) + tuple(self.caches[2:])
+
+    def _prepare_params(self, params):
+        return fuse_qkv(params)
 
     def _new_caches(self, num_blocks, fill, seed):
         """Stacked [L, ...] caches in the layout. fill="random" (numpy normals, seeded): a read of a
         slot nobody wrote shows as a wrong token, not as a harmless zero; "zeros" for large pools."""
         cfg = self.cfg
         shapes = jrc.cache_shapes(self.layout, num_blocks, self.block_size, cfg.kv_heads, cfg.head_dim, self.dtype)
+        return self._filled([(cfg.num_layers,) + tuple(s) for s in shapes], fill, seed)
+
+    def _filled(self, shapes, fill, seed):
+        """Arrays of these shapes on the device: zeros, or seeded numpy normals."""
         if fill == "zeros":
-            return tuple(jnp.zeros((cfg.num_layers,) + tuple(s), self.dtype, device=self.device) for s in shapes)
-        if fill != "random":
-            raise ValueError(f"cache_fill: expected 'random' or 'zeros', got {fill!r}")
+            return tuple(jnp.zeros(s, self.dtype, device=self.device) for s in shapes)
         rng = np.random.default_rng(seed)
-        return tuple(jax.device_put(rng.standard_normal((cfg.num_layers,) + tuple(s), np.float32).astype(self.dtype),
-                                    self.device) for s in shapes)
+        return tuple(jax.device_put(rng.standard_normal(s, np.float32).astype(self.dtype), self.device)
+                     for s in shapes)
 
     # -- building blocks (traced) --
     def _mm(self, x, w):
@@ -452,70 +497,86 @@ class Decoder:
         o = jnp.einsum("bkgps,bskd->bpkgd", p, v, precision=self._precision, preferred_element_type=jnp.float32)
         return o.reshape(B, P, QH * D).astype(q.dtype)
 
-    def _forward(self, params, tables, kc, vc, tokens, positions, block_table):
+    def _attention(self, w, i, h, caches, step, tables):
+        """One layer's attention of the normalised hidden states h [B, P, H]: -> (output [B, P, H], caches).
+        `step`: the call's slots [B*P], flat positions [B*P], query positions [B, P] and block table."""
+        cfg = self.cfg
+        B, P = h.shape[:2]
+        kc, vc = caches
+        cos, sin = tables
+        qkv = self._mm(h, w["wqkv"]).reshape(B * P, -1)  # [B*P, (QH + 2 KH) * D]: one projection
+        if self.impl == "baseline":
+            qh, kh, d = cfg.q_heads, cfg.kv_heads, cfg.head_dim
+            q = qkv[:, :qh * d].reshape(B * P, qh, d)
+            k, v = (qkv[:, (qh + j * kh) * d:(qh + (j + 1) * kh) * d].reshape(B * P, kh, d) for j in (0, 1))
+            kc, vc = touch_caches((kc, vc), (k, v), step["slots"], i, self.block_size)
+        else:
+            norm = dict(q_norm_weight=w["q_norm"], k_norm_weight=w["k_norm"],
+                        norm_eps=cfg.rms_norm_eps) if cfg.qk_norm else {}
+            q, k, kc, vc = jrc.rope_and_cache_qkv(qkv, kc, vc, step["slots"], step["flat_pos"], cos, sin,
+                                                  num_q_heads=cfg.q_heads, num_kv_heads=cfg.kv_heads,
+                                                  layout=self.layout, is_neox=self.is_neox,
+                                                  rotary_dim=self.rotary_dim, impl=self.impl, layer=i, **norm)
+        keys, values = gather_blocks(kc, vc, i, step["block_table"], self.layout)
+        o = self._attend(q.reshape(B, P, cfg.q_heads, cfg.head_dim), keys, values, step["q_pos"])
+        return self._mm(o, w["wo"]), (kc, vc)
+
+    def _mlp(self, w, h):
+        """SwiGLU of the normalised hidden states."""
+        return self._mm(jax.nn.silu(self._mm(h, w["w_gate"])) * self._mm(h, w["w_up"]), w["w_down"])
+
+    def _segments(self, params):
+        """[(stacked weights [n, ...], first layer index, mlp)]: runs of layers one `lax.scan` each."""
+        return [(params["layers"], 0, self._mlp)]
+
+    def _forward(self, params, tables, caches, tokens, positions, block_table):
         """tokens, positions [B, P] (position -1: padding, writes nothing) -> hidden [B, P, H]."""
         cfg = self.cfg
-        B, P = tokens.shape
-        cos, sin = tables
-        slots = slot_mapping(block_table, positions, self.block_size).reshape(-1)
-        flat_pos = jnp.maximum(positions, 0).reshape(-1)
-        q_pos = jnp.maximum(positions, 0)
+        step = dict(slots=slot_mapping(block_table, positions, self.block_size).reshape(-1),
+                    flat_pos=jnp.maximum(positions, 0).reshape(-1), q_pos=jnp.maximum(positions, 0),
+                    block_table=block_table)
         x = params["embed"][tokens]
 
-        def layer(carry, xs):
-            x, kc, vc = carry
+        def layer(mlp, carry, xs):
+            x, caches = carry
             w, i = xs
-            h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
-            qkv = self._mm(h, w["wqkv"]).reshape(B * P, -1)  # [B*P, (QH + 2 KH) * D]: one projection
-            if self.impl == "baseline":
-                qh, kh, d = cfg.q_heads, cfg.kv_heads, cfg.head_dim
-                q = qkv[:, :qh * d].reshape(B * P, qh, d)
-                k, v = (qkv[:, (qh + j * kh) * d:(qh + (j + 1) * kh) * d].reshape(B * P, kh, d) for j in (0, 1))
-                kc, vc = touch_caches(kc, vc, k, v, slots, i, self.block_size)
-            else:
-                norm = dict(q_norm_weight=w["q_norm"], k_norm_weight=w["k_norm"],
-                            norm_eps=cfg.rms_norm_eps) if cfg.qk_norm else {}
-                q, k, kc, vc = jrc.rope_and_cache_qkv(qkv, kc, vc, slots, flat_pos, cos, sin,
-                                                      num_q_heads=cfg.q_heads, num_kv_heads=cfg.kv_heads,
-                                                      layout=self.layout, is_neox=self.is_neox,
-                                                      rotary_dim=self.rotary_dim, impl=self.impl, layer=i, **norm)
-            keys, values = gather_blocks(kc, vc, i, block_table, self.layout)
-            o = self._attend(q.reshape(B, P, cfg.q_heads, cfg.head_dim), keys, values, q_pos)
-            x = x + self._mm(o, w["wo"])
-            h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
-            x = x + self._mm(jax.nn.silu(self._mm(h, w["w_gate"])) * self._mm(h, w["w_up"]), w["w_down"])
-            return (x, kc, vc), None
+            o, caches = self._attention(w, i, rms_norm(x, w["attn_norm"], cfg.rms_norm_eps), caches, step, tables)
+            x = x + o
+            x = x + mlp(w, rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps))
+            return (x, caches), None
 
-        (x, kc, vc), _ = jax.lax.scan(layer, (x, kc, vc), (params["layers"], jnp.arange(cfg.num_layers)),
-                                      unroll=self.unroll)
-        return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), kc, vc
+        for weights, first, mlp in self._segments(params):
+            n = jax.tree.leaves(weights)[0].shape[0]
+            (x, caches), _ = jax.lax.scan(functools.partial(layer, mlp), (x, caches),
+                                          (weights, first + jnp.arange(n)), unroll=self.unroll)
+        return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), caches
 
     def _logits(self, params, h):
         w = params["embed"].T if self.cfg.tie_word_embeddings else params["lm_head"]
         return jnp.matmul(h, w, precision=self._precision, preferred_element_type=jnp.float32)
 
-    def _prefill(self, params, tables, kc, vc, tokens, lengths, block_table):
+    def _prefill(self, params, tables, caches, tokens, lengths, block_table):
         """tokens [B, P] (padded), lengths [B] -> (first generated token [B], its logits [B, V], caches)."""
         B, P = tokens.shape
         pos = jnp.arange(P)[None, :]
         positions = jnp.where(pos < lengths[:, None], pos, -1)
-        h, kc, vc = self._forward(params, tables, kc, vc, tokens, positions, block_table)
+        h, caches = self._forward(params, tables, caches, tokens, positions, block_table)
         last = jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)[:, 0]
         logits = self._logits(params, last)
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32), logits, kc, vc
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32), logits, caches
 
-    def _decode(self, params, tables, kc, vc, tokens, positions, block_table, *, steps, with_logits=True):
+    def _decode(self, params, tables, caches, tokens, positions, block_table, *, steps, with_logits=True):
         """`steps` greedy steps: the token at positions[b] goes in, the next comes out.
         -> (tokens [steps, B], logits [steps, B, V] or None, caches)."""
         def step(carry, _):
-            tok, pos, kc, vc = carry
-            h, kc, vc = self._forward(params, tables, kc, vc, tok[:, None], pos[:, None], block_table)
+            tok, pos, caches = carry
+            h, caches = self._forward(params, tables, caches, tok[:, None], pos[:, None], block_table)
             logits = self._logits(params, h[:, 0])
             nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-            return (nxt, pos + 1, kc, vc), (nxt, logits if with_logits else None)
+            return (nxt, pos + 1, caches), (nxt, logits if with_logits else None)
 
-        (_, _, kc, vc), (toks, logits) = jax.lax.scan(step, (tokens, positions, kc, vc), None, length=steps)
-        return toks, logits, kc, vc
+        (_, _, caches), (toks, logits) = jax.lax.scan(step, (tokens, positions, caches), None, length=steps)
+        return toks, logits, caches
 
     # -- host side --
     def prefill(self, prompts, block_table):
@@ -523,14 +584,12 @@ class Decoder:
         grid = np.zeros((len(prompts), int(lengths.max())), np.int32)
         for i, p in enumerate(prompts):
             grid[i, : len(p)] = p
-        tok, logits, self.key_cache, self.value_cache = self.prefill_fn(
-            self.params, self.tables, self.key_cache, self.value_cache, grid, lengths, block_table)
+        tok, logits, self.caches = self.prefill_fn(self.params, self.tables, self.caches, grid, lengths, block_table)
         return tok, logits, lengths
 
     def decode(self, tokens, positions, block_table, steps, with_logits=True):
-        toks, logits, self.key_cache, self.value_cache = self.decode_fn(
-            self.params, self.tables, self.key_cache, self.value_cache, tokens, positions, block_table,
-            steps=steps, with_logits=with_logits)
+        toks, logits, self.caches = self.decode_fn(self.params, self.tables, self.caches, tokens, positions,
+                                                   block_table, steps=steps, with_logits=with_logits)
         return toks, logits
 
     def generate(self, prompts, new_tokens: int):
