@@ -4,7 +4,8 @@ by side with the baseline it must beat, in one process, on the default GPU.
     python benchmarks/bench_gpu.py op OUT_DIR [--quick] [--peers .peers]   the op: kernel vs XLA path (+ AITER)
     python benchmarks/bench_gpu.py qk_norm OUT_DIR [--dry-run] ...         fused QK-RMSNorm vs the separate norm
     python benchmarks/bench_gpu.py mrope OUT_DIR [--dry-run] ...           multimodal RoPE vs jnp M-RoPE
-    python benchmarks/bench_gpu.py mla [--dry-run] [--aiter-src DIR] ...   the MLA op vs jnp (+ AITER)
+    python benchmarks/bench_gpu.py mla OUT_DIR [--dry-run] ...             the MLA op vs jnp and AITER
+    python benchmarks/bench_gpu.py qkv OUT_DIR [--dry-run] ...             fused QKV input vs sliced q/k/v
     python benchmarks/bench_gpu.py tp [--layers 32 --steps 64 ...]          tensor-parallel decode over every GPU
     python benchmarks/bench_gpu.py fp8 OUT_DIR [--dry-run] ...             per-token vs per-tensor fp8 vs bf16 caches
 
@@ -18,7 +19,8 @@ import importlib
 import os
 import sys
 
-SUITES = {"op": "op", "qk_norm": "qk_norm", "mrope": "mrope", "mla": "mla", "tp": "tp_decode", "fp8": "fp8"}
+SUITES = {"op": "op", "qk_norm": "qk_norm", "mrope": "mrope", "mla": "mla", "qkv": "qkv", "tp": "tp_decode",
+          "fp8": "fp8"}
 
 
 def main(argv=None) -> int:

@@ -31,6 +31,7 @@ config's rms_norm_eps): no separate pass over q and k. impl="baseline" skips the
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import math
 from collections.abc import Mapping
@@ -85,12 +86,21 @@ TINY_SEEDS = {"tiny-llama-3.1": 1, "tiny-qwen3": 2}
 # Logits of this decoder vs transformers', float32 on both sides, same weights: max |difference|
 # allowed. Measured on CPU over every impl x layout: tiny Llama (logits up to |9.1|) 4.8e-5 with the
 # kernel, 3.4e-5 with the XLA path (2.8e-5 / 2.6e-5 with transformers' own float32 RoPE tables
-# swapped in: the rest is summation order); tiny Qwen3 (logits up to |1.5|) 2.5e-6.
+# swapped in: the rest is summation order); tiny Qwen3 (logits up to |1.5|) 2.5e-6; tiny DeepSeek-V3
+# (decoder_mla; logits up to |8|, absorbed MLA) 4.2e-5 kernel, 4.5e-5 XLA path, either cache layout.
 # The fixture's models have a top-1 / top-2 logit gap >= 10x this bound at every step, so equal
 # greedy tokens are a property of correct code, not luck.
 HF_LOGIT_BOUND = 2e-4
 
 _SUPPORTED = ("llama", "qwen3")
+
+
+def config_int(config: Mapping, key: str) -> int:
+    """config[key] as a positive integer, else a ValueError naming the key."""
+    v = config.get(key)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"config[{key!r}]: expected a positive integer, got {v!r}")
+    return v
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +117,11 @@ class DecoderConfig:
     tie_word_embeddings: bool
     qk_norm: bool  # Qwen3: RMSNorm over head_dim of every q and k head before RoPE
 
+    @property
+    def gains(self) -> dict:
+        """{weight name: gain} of `random_params` (std = gain / sqrt(fan_in))."""
+        return _GAIN
+
     @classmethod
     def from_hf(cls, config: Mapping) -> DecoderConfig:
         """Reads a Hugging Face-style config dict; raises ValueError naming a key this decoder
@@ -120,12 +135,7 @@ class DecoderConfig:
         if config.get("hidden_act", "silu") != "silu":
             raise ValueError(f"config['hidden_act']: expected 'silu', got {config['hidden_act']!r}")
 
-        def need(key):
-            v = config.get(key)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"config[{key!r}]: expected a positive integer, got {v!r}")
-            return v
-
+        need = functools.partial(config_int, config)
         heads = need("num_attention_heads")
         kv = need("num_key_value_heads") if config.get("num_key_value_heads") is not None else heads
         if heads % kv:
@@ -173,16 +183,18 @@ def _leaves(shapes: dict, prefix=()):
             yield prefix + (name,), shapes[name]
 
 
-def _init_value(name: str, shape, normal):
+def _init_value(name: str, shape, normal, gains: Mapping):
     if name.endswith("norm"):
         mean, std = _norm_init(name)
         return mean + std * normal(shape)
+    if name.endswith("bias"):  # e.g. a router's score correction: small, so it shifts choices, not decides them
+        return 0.05 * normal(shape)
     if name == "embed":
         # small next to the layers' outputs (~1 per channel): with tied embeddings a dominant
         # residual would make every token its own argmax (a model that repeats one token)
         return 0.03 * normal(shape)
     fan_in = shape[-2]
-    return (_GAIN[name] / math.sqrt(fan_in)) * normal(shape)
+    return (gains[name] / math.sqrt(fan_in)) * normal(shape)
 
 
 def _set(tree: dict, path, value):
@@ -197,7 +209,7 @@ def random_params(cfg: DecoderConfig, seed: int, dtype=np.float32) -> dict:
     rng = np.random.default_rng(seed)
     out: dict = {}
     for path, shape in _leaves(cfg.param_shapes()):
-        value = _init_value(path[-1], shape, lambda s: rng.standard_normal(s, dtype=np.float64))
+        value = _init_value(path[-1], shape, lambda s: rng.standard_normal(s, dtype=np.float64), cfg.gains)
         _set(out, path, value.astype(np.float32).astype(dtype))
     return out
 
@@ -210,8 +222,8 @@ def random_params_on_device(cfg: DecoderConfig, seed: int, dtype=jnp.bfloat16, d
     keys = jax.random.split(jax.random.key(seed), len(leaves))
 
     def drawer(name, shape):
-        return jax.jit(lambda key: _init_value(name, shape, lambda s: jax.random.normal(key, s, jnp.float32))
-                       .astype(dtype))
+        return jax.jit(lambda key: _init_value(name, shape, lambda s: jax.random.normal(key, s, jnp.float32),
+                                               cfg.gains).astype(dtype))
 
     with jax.default_device(device or jax.devices()[0]):
         for key, (path, shape) in zip(keys, leaves):
@@ -373,16 +385,16 @@ KV_QUANTS = (None, "per_token")
 
 
 # ---- the model ------------------------------------------------------------------------------------
-def touch_caches(kc, vc, k, v, slots, layer, block_size: int):
+def touch_caches(caches, values, slots, layer, block_size: int):
     """The "baseline" impl's stand-in for the op: element [layer, block of slots[0], 0, ...] of each
-    stacked cache set in place (dynamic_update_slice) to k[0, 0, 0] / v[0, 0, 0], any layout. One
-    tiny kernel per cache; the caches depend on k and v, and what reads them next on the write."""
+    stacked cache set in place (dynamic_update_slice) to the first element of its value, any layout.
+    One tiny kernel per cache; the caches depend on the values, and what reads them next on the write."""
     blk = jnp.maximum(slots[0], 0) // block_size
     out = []
-    for c, x in ((kc, k), (vc, v)):
+    for c, x in zip(caches, values):
         start = (layer, blk) + (0,) * (c.ndim - 2)
-        out.append(jax.lax.dynamic_update_slice(c, x[:1, :1, :1].astype(c.dtype).reshape((1,) * c.ndim), start))
-    return out[0], out[1]
+        out.append(jax.lax.dynamic_update_slice(c, x.reshape(-1)[:1].astype(c.dtype).reshape((1,) * c.ndim), start))
+    return tuple(out)
 
 
 def rms_norm(x, weight, eps):
@@ -404,23 +416,34 @@ class Decoder:
     so XLA schedules the step as it does with the op; a model with no write at all would let XLA
     treat the caches as loop invariants of the decode loop.
 
-    The caches live in `self.key_cache` / `self.value_cache` ([L, ...] in `layout`); every jitted
-    call donates them and stores the returned ones. kv_quant="per_token": float8_e4m3fn caches with
-    one scale per (token, kv head) computed by the op, kept in `self.scale_caches` ([L, NB, KH, BS]
-    each, donated likewise); attention reads the caches dequantized (stored * scale). The tables (cos, sin) and the weights are
-    arguments of the jitted steps, not constants baked into them.
+    The caches live in `self.caches` (a tuple of stacked [L, ...] arrays; here (key_cache,
+    value_cache) in `layout`); every jitted call donates them and stores the returned ones. The
+    tables (cos, sin) and the weights are arguments of the jitted steps, not constants baked into them.
+    kv_quant="per_token": float8_e4m3fn caches with one scale per (token, kv head) computed by the op;
+    the scale caches ([L, NB, KH, BS] each) follow the two caches in `self.caches` and attention reads
+    the caches dequantized (stored * scale).
+
+    Subclasses (decoder_mla.MlaDecoder) change the model through `config_class`, `layouts`,
+    `_prepare_params`, `_new_caches`, `_segments`, `_attention` and `_mlp`; the steps and the host
+    side are shared.
     """
+
+    config_class = DecoderConfig
+    layouts = jrc.LAYOUTS
+    kv_quants = KV_QUANTS
 
     def __init__(self, config: Mapping, params: dict, *, layout="flash", block_size=16, num_blocks=None,
                  max_seqs=8, max_len=None, impl="kernel", dtype=jnp.float32, unroll=1, seed=0, tables=None,
                  device=None, cache_fill="random", kv_quant=None):
         if impl not in IMPLS:
             raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
-        if kv_quant not in KV_QUANTS:
-            raise ValueError(f"kv_quant: expected one of {KV_QUANTS}, got {kv_quant!r}")
+        if kv_quant not in self.kv_quants:
+            raise ValueError(f"kv_quant: expected one of {self.kv_quants}, got {kv_quant!r}")
         self.kv_quant = kv_quant
+        if layout not in self.layouts:
+            raise ValueError(f"layout: expected one of {self.layouts}, got {layout!r}")
         self.hf_config = dict(config)
-        self.cfg = cfg = DecoderConfig.from_hf(config)
+        self.cfg = self.config_class.from_hf(config)
         self.layout, self.block_size, self.impl, self.unroll = layout, block_size, impl, unroll
         self.dtype = np.dtype(dtype)
         max_len = max_len or config["max_position_embeddings"]
@@ -435,15 +458,47 @@ class Decoder:
         self.blocks_per_seq = -(-self.max_len // block_size)
         num_blocks = num_blocks or max_seqs * self.blocks_per_seq
         self.allocator = BlockAllocator(num_blocks, block_size, seed=seed)
-        self.params = fuse_qkv(jax.device_put(jax.tree.map(lambda a: jnp.asarray(a, self.dtype), params), self.device))
-        self.cache_dtype = np.dtype(jnp.float8_e4m3fn) if kv_quant else self.dtype
-        self.key_cache, self.value_cache = self._new_caches(num_blocks, cache_fill, seed)
-        self.scale_caches = jrc.make_kv_scale_cache(num_blocks, block_size, cfg.kv_heads, num_layers=cfg.num_layers,
-                                                    device=self.device) if kv_quant else ()
+        self.params = self._prepare_params(
+            jax.device_put(jax.tree.map(lambda a: jnp.asarray(a, self.dtype), params), self.device))
+        if cache_fill not in ("random", "zeros"):
+            raise ValueError(f"cache_fill: expected 'random' or 'zeros', got {cache_fill!r}")
+        self.caches = self._new_caches(num_blocks, cache_fill, seed)
+        if kv_quant:
+            self.caches += jrc.make_kv_scale_cache(num_blocks, block_size, self.cfg.kv_heads,
+                                                   num_layers=self.cfg.num_layers, device=self.device)
         # Matmuls in full float32 where the model is float32 (GPUs would otherwise use TF32).
         self._precision = jax.lax.Precision.HIGHEST if self.dtype == np.float32 else None
-        self.prefill_fn = jax.jit(self._prefill, donate_argnums=(2, 3, 4))
-        self.decode_fn = jax.jit(self._decode, static_argnames=("steps", "with_logits"), donate_argnums=(2, 3, 4))
+        self.prefill_fn = jax.jit(self._prefill, donate_argnums=(2,))
+        self.decode_fn = jax.jit(self._decode, static_argnames=("steps", "with_logits"), donate_argnums=(2,))
+
+    @property
+    def cache_dtype(self):
+        """The caches' dtype: float8_e4m3fn with kv_quant, else the model's."""
+        return np.dtype(jnp.float8_e4m3fn) if self.kv_quant else self.dtype
+
+    @property
+    def scale_caches(self):
+        """(k_scale_cache, v_scale_cache) with kv_quant, else ()."""
+        return tuple(self.caches[2:4]) if self.kv_quant else ()
+
+    @property
+    def key_cache(self):
+        return self.caches[0]
+
+    @key_cache.setter
+    def key_cache(self, value):
+        self.caches = (value,) + tuple(self.caches[1:])
+
+    @property
+    def value_cache(self):
+        return self.caches[1]
+
+    @value_cache.setter
+    def value_cache(self, value):
+        self.caches = (self.caches[0], value) + tuple(self.caches[2:])
+
+    def _prepare_params(self, params):
+        return fuse_qkv(params)
 
     def _new_caches(self, num_blocks, fill, seed):
         """Stacked [L, ...] caches in the layout. fill="random" (numpy normals, seeded): a read of a
@@ -451,13 +506,16 @@ class Decoder:
         cfg = self.cfg
         cdt = self.cache_dtype
         shapes = jrc.cache_shapes(self.layout, num_blocks, self.block_size, cfg.kv_heads, cfg.head_dim, cdt)
+        return self._filled([(cfg.num_layers,) + tuple(s) for s in shapes], fill, seed, cdt)
+
+    def _filled(self, shapes, fill, seed, dtype=None):
+        """Arrays of these shapes on the device (`dtype`, default the model's): zeros, or seeded numpy normals."""
+        dtype = self.dtype if dtype is None else dtype
         if fill == "zeros":
-            return tuple(jnp.zeros((cfg.num_layers,) + tuple(s), cdt, device=self.device) for s in shapes)
-        if fill != "random":
-            raise ValueError(f"cache_fill: expected 'random' or 'zeros', got {fill!r}")
+            return tuple(jnp.zeros(s, dtype, device=self.device) for s in shapes)
         rng = np.random.default_rng(seed)
-        return tuple(jax.device_put(rng.standard_normal((cfg.num_layers,) + tuple(s), np.float32).astype(cdt),
-                                    self.device) for s in shapes)
+        return tuple(jax.device_put(rng.standard_normal(s, np.float32).astype(dtype), self.device)
+                     for s in shapes)
 
     # -- building blocks (traced) --
     def _mm(self, x, w):
@@ -477,76 +535,90 @@ class Decoder:
         o = jnp.einsum("bkgps,bskd->bpkgd", p, v, precision=self._precision, preferred_element_type=jnp.float32)
         return o.reshape(B, P, QH * D).astype(q.dtype)
 
-    def _forward(self, params, tables, kc, vc, sc, tokens, positions, block_table):
-        """tokens, positions [B, P] (position -1: padding, writes nothing) -> hidden [B, P, H].
-        sc: the scale caches (k, v) with kv_quant, else ()."""
+    def _attention(self, w, i, h, caches, step, tables):
+        """One layer's attention of the normalised hidden states h [B, P, H]: -> (output [B, P, H], caches).
+        `step`: the call's slots [B*P], flat positions [B*P], query positions [B, P] and block table."""
         cfg = self.cfg
-        B, P = tokens.shape
+        B, P = h.shape[:2]
+        kc, vc, *sc = caches  # sc: the scale caches with kv_quant
         cos, sin = tables
-        slots = slot_mapping(block_table, positions, self.block_size).reshape(-1)
-        flat_pos = jnp.maximum(positions, 0).reshape(-1)
-        q_pos = jnp.maximum(positions, 0)
+        qkv = self._mm(h, w["wqkv"]).reshape(B * P, -1)  # [B*P, (QH + 2 KH) * D]: one projection
+        if self.impl == "baseline":
+            qh, kh, d = cfg.q_heads, cfg.kv_heads, cfg.head_dim
+            q = qkv[:, :qh * d].reshape(B * P, qh, d)
+            k, v = (qkv[:, (qh + j * kh) * d:(qh + (j + 1) * kh) * d].reshape(B * P, kh, d) for j in (0, 1))
+            kc, vc = touch_caches((kc, vc), (k, v), step["slots"], i, self.block_size)
+        else:
+            norm = dict(q_norm_weight=w["q_norm"], k_norm_weight=w["k_norm"],
+                        norm_eps=cfg.rms_norm_eps) if cfg.qk_norm else {}
+            scales = dict(k_scale_cache=sc[0], v_scale_cache=sc[1]) if sc else {}
+            q, k, kc, vc, *sc = jrc.rope_and_cache_qkv(qkv, kc, vc, step["slots"], step["flat_pos"], cos, sin,
+                                                       num_q_heads=cfg.q_heads, num_kv_heads=cfg.kv_heads,
+                                                       layout=self.layout, is_neox=self.is_neox,
+                                                       rotary_dim=self.rotary_dim, impl=self.impl, layer=i,
+                                                       **norm, **scales)
+        keys, values = gather_blocks(kc, vc, i, step["block_table"], self.layout)
+        if sc:
+            keys, values = dequantize_blocks(keys, values, sc, i, step["block_table"], self.dtype)
+        o = self._attend(q.reshape(B, P, cfg.q_heads, cfg.head_dim), keys, values, step["q_pos"])
+        return self._mm(o, w["wo"]), (kc, vc, *sc)
+
+    def _mlp(self, w, h):
+        """SwiGLU of the normalised hidden states."""
+        return self._mm(jax.nn.silu(self._mm(h, w["w_gate"])) * self._mm(h, w["w_up"]), w["w_down"])
+
+    def _segments(self, params):
+        """[(stacked weights [n, ...], first layer index, mlp)]: runs of layers one `lax.scan` each."""
+        return [(params["layers"], 0, self._mlp)]
+
+    def _forward(self, params, tables, caches, tokens, positions, block_table):
+        """tokens, positions [B, P] (position -1: padding, writes nothing) -> hidden [B, P, H]."""
+        cfg = self.cfg
+        step = dict(slots=slot_mapping(block_table, positions, self.block_size).reshape(-1),
+                    flat_pos=jnp.maximum(positions, 0).reshape(-1), q_pos=jnp.maximum(positions, 0),
+                    block_table=block_table)
         x = params["embed"][tokens]
 
-        def layer(carry, xs):
-            x, kc, vc, sc = carry
+        def layer(mlp, carry, xs):
+            x, caches = carry
             w, i = xs
-            h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
-            qkv = self._mm(h, w["wqkv"]).reshape(B * P, -1)  # [B*P, (QH + 2 KH) * D]: one projection
-            if self.impl == "baseline":
-                qh, kh, d = cfg.q_heads, cfg.kv_heads, cfg.head_dim
-                q = qkv[:, :qh * d].reshape(B * P, qh, d)
-                k, v = (qkv[:, (qh + j * kh) * d:(qh + (j + 1) * kh) * d].reshape(B * P, kh, d) for j in (0, 1))
-                kc, vc = touch_caches(kc, vc, k, v, slots, i, self.block_size)
-            else:
-                norm = dict(q_norm_weight=w["q_norm"], k_norm_weight=w["k_norm"],
-                            norm_eps=cfg.rms_norm_eps) if cfg.qk_norm else {}
-                scales = dict(k_scale_cache=sc[0], v_scale_cache=sc[1]) if sc else {}
-                q, k, kc, vc, *sc = jrc.rope_and_cache_qkv(qkv, kc, vc, slots, flat_pos, cos, sin,
-                                                           num_q_heads=cfg.q_heads, num_kv_heads=cfg.kv_heads,
-                                                           layout=self.layout, is_neox=self.is_neox,
-                                                           rotary_dim=self.rotary_dim, impl=self.impl, layer=i,
-                                                           **norm, **scales)
-                sc = tuple(sc)
-            keys, values = gather_blocks(kc, vc, i, block_table, self.layout)
-            if sc:
-                keys, values = dequantize_blocks(keys, values, sc, i, block_table, self.dtype)
-            o = self._attend(q.reshape(B, P, cfg.q_heads, cfg.head_dim), keys, values, q_pos)
-            x = x + self._mm(o, w["wo"])
-            h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
-            x = x + self._mm(jax.nn.silu(self._mm(h, w["w_gate"])) * self._mm(h, w["w_up"]), w["w_down"])
-            return (x, kc, vc, sc), None
+            o, caches = self._attention(w, i, rms_norm(x, w["attn_norm"], cfg.rms_norm_eps), caches, step, tables)
+            x = x + o
+            x = x + mlp(w, rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps))
+            return (x, caches), None
 
-        (x, kc, vc, sc), _ = jax.lax.scan(layer, (x, kc, vc, sc), (params["layers"], jnp.arange(cfg.num_layers)),
-                                          unroll=self.unroll)
-        return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), kc, vc, sc
+        for weights, first, mlp in self._segments(params):
+            n = jax.tree.leaves(weights)[0].shape[0]
+            (x, caches), _ = jax.lax.scan(functools.partial(layer, mlp), (x, caches),
+                                          (weights, first + jnp.arange(n)), unroll=self.unroll)
+        return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), caches
 
     def _logits(self, params, h):
         w = params["embed"].T if self.cfg.tie_word_embeddings else params["lm_head"]
         return jnp.matmul(h, w, precision=self._precision, preferred_element_type=jnp.float32)
 
-    def _prefill(self, params, tables, kc, vc, sc, tokens, lengths, block_table):
+    def _prefill(self, params, tables, caches, tokens, lengths, block_table):
         """tokens [B, P] (padded), lengths [B] -> (first generated token [B], its logits [B, V], caches)."""
         B, P = tokens.shape
         pos = jnp.arange(P)[None, :]
         positions = jnp.where(pos < lengths[:, None], pos, -1)
-        h, kc, vc, sc = self._forward(params, tables, kc, vc, sc, tokens, positions, block_table)
+        h, caches = self._forward(params, tables, caches, tokens, positions, block_table)
         last = jnp.take_along_axis(h, (lengths - 1)[:, None, None], axis=1)[:, 0]
         logits = self._logits(params, last)
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32), logits, kc, vc, sc
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32), logits, caches
 
-    def _decode(self, params, tables, kc, vc, sc, tokens, positions, block_table, *, steps, with_logits=True):
+    def _decode(self, params, tables, caches, tokens, positions, block_table, *, steps, with_logits=True):
         """`steps` greedy steps: the token at positions[b] goes in, the next comes out.
         -> (tokens [steps, B], logits [steps, B, V] or None, caches)."""
         def step(carry, _):
-            tok, pos, kc, vc, sc = carry
-            h, kc, vc, sc = self._forward(params, tables, kc, vc, sc, tok[:, None], pos[:, None], block_table)
+            tok, pos, caches = carry
+            h, caches = self._forward(params, tables, caches, tok[:, None], pos[:, None], block_table)
             logits = self._logits(params, h[:, 0])
             nxt = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-            return (nxt, pos + 1, kc, vc, sc), (nxt, logits if with_logits else None)
+            return (nxt, pos + 1, caches), (nxt, logits if with_logits else None)
 
-        (_, _, kc, vc, sc), (toks, logits) = jax.lax.scan(step, (tokens, positions, kc, vc, sc), None, length=steps)
-        return toks, logits, kc, vc, sc
+        (_, _, caches), (toks, logits) = jax.lax.scan(step, (tokens, positions, caches), None, length=steps)
+        return toks, logits, caches
 
     # -- host side --
     def prefill(self, prompts, block_table):
@@ -554,14 +626,12 @@ class Decoder:
         grid = np.zeros((len(prompts), int(lengths.max())), np.int32)
         for i, p in enumerate(prompts):
             grid[i, : len(p)] = p
-        tok, logits, self.key_cache, self.value_cache, self.scale_caches = self.prefill_fn(
-            self.params, self.tables, self.key_cache, self.value_cache, self.scale_caches, grid, lengths, block_table)
+        tok, logits, self.caches = self.prefill_fn(self.params, self.tables, self.caches, grid, lengths, block_table)
         return tok, logits, lengths
 
     def decode(self, tokens, positions, block_table, steps, with_logits=True):
-        toks, logits, self.key_cache, self.value_cache, self.scale_caches = self.decode_fn(
-            self.params, self.tables, self.key_cache, self.value_cache, self.scale_caches, tokens, positions,
-            block_table, steps=steps, with_logits=with_logits)
+        toks, logits, self.caches = self.decode_fn(self.params, self.tables, self.caches, tokens, positions,
+                                                   block_table, steps=steps, with_logits=with_logits)
         return toks, logits
 
     def generate(self, prompts, new_tokens: int):

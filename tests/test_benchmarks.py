@@ -1,20 +1,25 @@
 """The GPU benchmark harness (benchmarks/bench_gpu.py) reaches every suite: each suite's module
-imports on any machine and answers --help; an unknown suite is refused by name."""
+imports on any machine and answers --help; an unknown suite is refused by name. The suites the
+H200 runs (mla, mrope, qkv) go through their whole code path in a --dry-run on the CPU backend:
+the reference checks, the timing, the files and the table they print last."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
-HARNESS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", "bench_gpu.py")
-SUITES = ["op", "qk_norm", "mrope", "mla", "tp", "fp8"]
+BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks")
+HARNESS = os.path.join(BENCH, "bench_gpu.py")
+SUITES = ["op", "qk_norm", "mrope", "mla", "qkv", "tp", "fp8"]
 
 
-def _run(*args):
-    return subprocess.run([sys.executable, "-P", HARNESS, *args], capture_output=True, text=True, timeout=120)
+def _run(*args, timeout=120):
+    return subprocess.run([sys.executable, "-P", HARNESS, *args], capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.mark.parametrize("suite", SUITES)
@@ -28,4 +33,69 @@ def test_the_harness_lists_its_suites_and_refuses_an_unknown_one():
     r = _run("--help")
     assert r.returncode == 0 and all(f"bench_gpu.py {s}" in r.stdout for s in SUITES)
     r = _run("bogus")
-    assert r.returncode == 2 and "suite: expected one of op, qk_norm, mrope, mla, tp, fp8, got 'bogus'" in r.stderr
+    assert r.returncode == 2 and "suite: expected one of op, qk_norm, mrope, mla, qkv, tp, fp8, got 'bogus'" in r.stderr
+
+
+def _dry(suite, tmp_path, *extra):
+    r = _run(suite, str(tmp_path), "--dry-run", "--aiter-src", "off", *extra) if suite == "mla" else \
+        _run(suite, str(tmp_path), "--dry-run", *extra)
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    return r.stdout, json.load(open(tmp_path / f"bench_{suite}.json"))
+
+
+def test_mla_dry_run_checks_ours_exactly_and_prints_the_ratios_last(tmp_path):
+    out, res = _dry("mla", tmp_path, "--tokens", "1,8")
+    rows = res["rows"]
+    assert [(r["cache"], r["T"]) for r in rows] == [("bf16", 1), ("bf16", 8), ("fp8", 1), ("fp8", 8)]
+    for r in rows:
+        assert r["check"]["kernel"] == "exact" and r["check"]["xla"] in ("exact", "<=1 step"), r["check"]
+        assert all(r[k]["time_us"] > 0 for k in ("kernel", "xla", "copy")), r
+    # bytes: every input read once, every output written once (2 q heads in the dry run)
+    assert rows[0]["bytes"] == (2 * 576 + 576) * 2 + 2 * 32 * 4 + 2 * 4 + 2 * 576 * 2 + 64 * 2 + 576 * 2
+    table = out[out.index("targets: x/A"):].splitlines()
+    assert table[1].split()[:6] == ["cache", "T", "ours", "of", "copy", "of"]
+    assert len(table) == 2 + len(rows) and all("kernel exact" in ln for ln in table[2:])
+    assert (tmp_path / "bench_mla.log").read_text().rstrip().endswith(table[-1])
+
+
+def test_mla_check_tells_a_wrong_result(tmp_path):
+    """The comparison the suite's checks use fails on a one-step change (exact) and on a two-step one."""
+    sys.path.insert(0, os.path.join(BENCH, "gpu"))
+    import mla
+
+    rng = np.random.default_rng(3)
+    want = rng.standard_normal(200).astype(mla.BF16)
+    assert mla.compare([want.copy()], [want], exact=True) == "exact"
+    up = (want.view(np.uint16) + 1).view(mla.BF16)  # one ulp
+    assert mla.compare([up], [want], exact=True) == "NOT exact" and mla.compare([up], [want], exact=False) == "<=1 step"
+    two = (want.view(np.uint16) + 2).view(mla.BF16)
+    worst = mla.compare([two], [want], exact=False)  # 2 ulps, 3 of want's where it crosses a binade
+    assert worst in ("2.0 steps", "3.0 steps"), worst
+    f8 = rng.standard_normal(200).astype(mla.FN)
+    assert mla.compare([(f8.view(np.uint8) ^ 2).view(mla.FN)], [f8], exact=False).endswith("steps")
+
+
+def test_mrope_dry_run_checks_the_kernels_exactly(tmp_path):
+    out, res = _dry("mrope", tmp_path, "--models", "qwen3-vl-8b:1", "--layouts", "flash", "--tokens", "1,8")
+    assert [c["fused"] for c in res["checks"].values()] == ["exact", "exact"]
+    assert [c["front"] for c in res["checks"].values()] == ["exact", "exact"]
+    assert {r["variant"] for r in res["rows"]} == {"fused", "jnp", "front", "plain"}
+    assert all(r["time_us"] > 0 for r in res["rows"])
+    last = out.rstrip().splitlines()[-2:]
+    assert all(ln.startswith("qwen3-vl-8b TP1") and "exact, " in ln for ln in last), last
+
+
+def test_qkv_dry_run_counts_the_slices_the_fused_input_removes(tmp_path):
+    out, res = _dry("qkv", tmp_path, "--models", "llama-3.1-8b:1", "--tokens", "4")
+    (row,) = res["rows"]
+    fu, sl = row["fused"], row["sliced"]
+    assert fu["qkv_producers"] == ["projection"] * 3, fu
+    assert sl["qkv_producers"] == ["slice"] * 3, sl
+    assert sl["hlo_kernels"] - fu["hlo_kernels"] == 3, (fu["hlo_opcodes"], sl["hlo_opcodes"])
+    assert row["same_bits"] is True
+    assert out.rstrip().splitlines()[-1].startswith("llama-3.1-8b TP1")
+
+
+def test_budget_skips_cases_and_says_so(tmp_path):
+    out, res = _dry("qkv", tmp_path, "--models", "llama-3.1-8b:1", "--tokens", "1,4", "--budget-s", "0")
+    assert res["rows"] == [] and "budget (0 s): skipped llama-3.1-8b TP1 T=1" in out

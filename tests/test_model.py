@@ -268,7 +268,7 @@ def test_compiled_steps_donate_caches_and_call_the_op_once_per_layer():
     n_params = len(jax.tree.leaves(m.params)) + 2  # params, then the two tables, then the caches
     bt = np.zeros((4, m.blocks_per_seq), np.int32)
     shapes = [m.key_cache.shape, m.value_cache.shape]
-    args = (m.params, m.tables, m.key_cache, m.value_cache, m.scale_caches)  # no scale caches: ()
+    args = (m.params, m.tables, m.caches)
     for fn, rest, kw in ((m.prefill_fn, (np.zeros((4, 21), np.int32), np.full(4, 21, np.int32), bt), {}),
                          (m.decode_fn, (np.zeros(4, np.int32), np.full(4, 21, np.int32), bt), dict(steps=3))):
         compiled = fn.lower(*args, *rest, **kw).compile()

@@ -370,3 +370,59 @@ def test_code_object_keys():
                            + _sha(flydsl.worker_path())).encode()).hexdigest()
     assert flydsl._source_hash("mla_cache") == both
     assert len({flydsl.key_for(mla, a) for a in ARCHS} | {flydsl.key_for(cfg, a) for a in ARCHS}) == 4
+
+
+# ---- ahead-of-time compilation (`compile --mla-preset / --mla-heads`) --------------------------------
+def test_mla_presets_compile_what_their_calls_look_up():
+    """`compile --mla-preset deepseek-v3 --tp 8` builds the configurations a decode call (absorbed q_nope,
+    T <= 256: latency) and a prefill-sized call (bandwidth) of that shard look up, both layouts."""
+    from jax_rope_cache.cli import aot
+
+    built = aot.mla_preset_configs("deepseek-v3", 8)
+    assert len(built) == 4 and {(c.qh, c.dn, c.dc, c.dr, c.neox) for c in built} == {(16, 512, 512, 64, False)}
+    for layout in ("combined", "split"):
+        case = MlaCase(QH=16, Dn=512, Dc=512, Dr=64, BS=16, layout=layout)
+        for T in (4, 4096):
+            assert rocm_kernel.kernel_config(spec_of(case, T), K) in built, (layout, T)
+    plain = aot.mla_preset_configs("deepseek-v3", 8, nope=("plain",), layouts=("combined",), regimes=("latency",))
+    assert [c.dn for c in plain] == [128]
+    fp8 = aot.mla_configs_for(q_heads=4, nope_dim=32, latent_dim=64, rope_dim=16, layouts=("split",), block_sizes=(8,),
+                              cache_dtypes=("float8_e4m3fn",), q_out_dtypes=("same", "float8_e4m3fn"),
+                              regimes=("bandwidth",))
+    fp8_case = MlaCase(layout="split", cache_dtype=FN, q_out_dtype=FN)
+    assert len(fp8) == 2 and rocm_kernel.kernel_config(spec_of(fp8_case, 4096), K) in fp8
+    with pytest.raises(ValueError, match="cache_dtypes: expected 'same'"):
+        aot.mla_configs_for(q_heads=4, nope_dim=32, latent_dim=64, rope_dim=16, cache_dtypes=("float16",))
+    with pytest.raises(ValueError, match="layout"):
+        aot.mla_configs_for(q_heads=4, nope_dim=32, latent_dim=64, rope_dim=16, layouts=("flash",))
+
+
+@needs_flydsl
+def test_compile_cli_precompiles_mla_shapes(tmp_path, monkeypatch, capsys):
+    """`compile --mla-heads` fills the disk cache and a bundle; then a host without FlyDSL lowers that
+    shape's calls (decode- and prefill-sized) from them, compiling nothing."""
+    from jax_rope_cache.cli import aot
+
+    monkeypatch.setenv("JAX_ROPE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(flydsl, "_mem", {})
+    bundle = tmp_path / "mla.jrcbundle"
+    aot.main(["--arch", ",".join(ARCHS), "--mla-heads", "4,32,64,16", "--mla-layout", "split", "--block-size", "8",
+              "--bundle", str(bundle)])
+    err = capsys.readouterr().err
+    assert "4 code objects (2 configurations x 2 archs)" in err, err
+    assert len(list((tmp_path / "cache" / "rocm").glob("*.hsaco.jrc"))) == 4 and bundle.stat().st_size > 0
+    monkeypatch.setattr(flydsl, "_compile_now", lambda *a, **k: pytest.fail("compiled instead of using the cache"))
+    monkeypatch.setattr(flydsl, "available", lambda: False)
+    for source, env in (("disk", {}), ("bundle", {"JAX_ROPE_CACHE_DIR": str(tmp_path / "empty"),
+                                                  "JAX_ROPE_CACHE_ROCM_BUNDLE": str(bundle)})):
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        for T in (3, 4096):
+            monkeypatch.setattr(flydsl, "_mem", {})
+            cfg = rocm_kernel.kernel_config(spec_of(MlaCase(layout="split"), T), K)
+            _, _, objs = rocm_kernel.build_code_table(cfg, ARCHS)
+            assert [o.arch for o in objs] == list(ARCHS) and all(o.from_disk for o in objs), (source, T)
+            assert all(o.origin.startswith(source) for o in objs), [o.origin for o in objs]
+    with pytest.raises(SystemExit):
+        aot.main(["--mla-heads", "4,32,64"])
+    assert "--mla-heads: expected QH,Dn,Dc,Dr" in capsys.readouterr().err

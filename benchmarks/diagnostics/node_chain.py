@@ -38,7 +38,7 @@ ROUTES = ("node", "ffi", "xla")
 VMODULE = "command_buffer_thunk=3,traced_command_buffer=6,command_buffer_cmd=6"
 
 
-def build(route, n, t, pool, nb, seed=0):
+def build(route, n, t, pool, nb, seed=0, form="layers"):
     import jax
     import jax.numpy as jnp
 
@@ -56,6 +56,8 @@ def build(route, n, t, pool, nb, seed=0):
         v = jax.random.normal(keys[3 * p + 2], (n, t, kh, d), jnp.float32).astype(jnp.bfloat16)
         slots = jnp.asarray(np.stack([rng.choice(nb * bs, t, replace=False) for _ in range(n)]).astype(np.int32))
         pos = jnp.asarray(rng.integers(0, 8192, (n, t)).astype(np.int32))
+        if form == "layers":  # one array per call, as a model's projections hand them over
+            q, k, v, slots, pos = (list(x) for x in (q, k, v, slots, pos))
         inputs.append((q, k, v, slots, pos))
     caches = jrc.make_kv_cache(nb, bs, kh, d, jnp.bfloat16, fill="random", seed=seed, num_layers=n)
 
@@ -81,11 +83,12 @@ def worker(a):
                jax=jax.__version__, plugin=kernel_node.plugin_library(), plugin_has_target=kernel_node.plugin_supports(),
                driver=kernel_node.driver_version(), xla_flags=os.environ.get("XLA_FLAGS", ""))
     for n in (1, a.chain):
-        f, inputs, caches, tables = build(a.route, n, a.tokens, a.pool, a.num_blocks)
+        f, inputs, caches, tables = build(a.route, n, a.tokens, a.pool, a.num_blocks, form=a.inputs)
         t0 = time.perf_counter()
         compiled = f.lower(*inputs[0], caches).compile()
         hlo = compiled.as_text() or ""
-        row = dict(compile_s=round(time.perf_counter() - t0, 2),
+        row = dict(compile_s=round(time.perf_counter() - t0, 2), inputs=a.inputs,
+                   fusions=len(re.findall(r"\sfusion\(", hlo)),
                    targets=dict(collections.Counter(re.findall(r'custom_call_target="([^"]+)"', hlo))),
                    copies=len(re.findall(r"\scopy(-start)?\(", hlo)),
                    command_buffers=len(re.findall(r"command_buffer", hlo)))
@@ -111,11 +114,43 @@ def worker(a):
             jax.block_until_ready((out, caches))
             per.append((time.perf_counter() - t0) / a.steps * 1e6)
         row.update(step_us=statistics.median(per), reps=[round(x, 2) for x in per])
+        if a.trace and n == a.chain:
+            row["trace"] = trace_chain(compiled, inputs, caches, a.pool, a.steps)
+            caches = row["trace"].pop("caches")
         if n == a.chain:  # one call's q_out against the reference (fresh random inputs, random caches)
             row["q_out_matches_reference"] = check_one(a.route, a.tokens, tables)
         res["rows"][n] = row
         del compiled, caches, inputs
     print("RESULT_JSON " + json.dumps(res), flush=True)
+
+
+def trace_chain(compiled, inputs, caches, pool, steps):
+    """GPU busy time, events and executions per step from a profiler trace of `steps` steps."""
+    import tempfile
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from decode_chain import trace_steps
+
+    class R:  # the runner decode_chain.trace_steps drives
+        def __init__(self):
+            self.j, self.caches = 0, caches
+
+        def step(self):
+            out, self.caches = compiled(*inputs[self.j % pool], self.caches)
+            self.j += 1
+            return out
+
+        def block(self, out):
+            import jax
+            jax.block_until_ready((out, self.caches))
+
+    r = R()
+    res = trace_steps(r, steps, tempfile.gettempdir())
+    keep = ("gpu_busy_us_per_step", "gpu_span_us_per_step", "gpu_events_per_step", "executions", "exec_span_us",
+            "exec_idle_us", "our_kernel_us", "xla_kernel_us", "inner_gap_us", "top_gpu_events", "host_events")
+    out = {k: res.get(k) for k in keep}
+    out["caches"] = r.caches
+    return out
 
 
 def check_one(route, t, tables):
@@ -163,6 +198,10 @@ def main():
     ap.add_argument("--routes", default=",".join(ROUTES))
     ap.add_argument("--tokens", default="64")
     ap.add_argument("--pools", default="1,32")
+    ap.add_argument("--inputs", default="layers", choices=("layers", "stacked"),
+                    help="layers: one array per call (a model's projection outputs); stacked: call i slices "
+                         "[N, ...] arrays (XLA copies each slice into its own buffer before a custom call)")
+    ap.add_argument("--trace", action="store_true", help="also trace the N-call step: GPU busy, kernels per step")
     ap.add_argument("--chain", type=int, default=32)
     ap.add_argument("--num-blocks", type=int, default=1024)
     ap.add_argument("--reps", type=int, default=7)
@@ -183,7 +222,7 @@ def main():
             for pool in [int(x) for x in a.pools.split(",")]:
                 base = [sys.executable, os.path.abspath(__file__), "--route", route, "--tokens", str(t), "--pool",
                         str(pool), "--chain", str(a.chain), "--num-blocks", str(a.num_blocks), "--reps", str(a.reps),
-                        "--steps", str(a.steps)]
+                        "--steps", str(a.steps), "--inputs", a.inputs] + (["--trace"] if a.trace else [])
                 t0 = time.perf_counter()
                 p = subprocess.run(base, capture_output=True, text=True, timeout=a.timeout)
                 out = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT_JSON ")]
@@ -206,7 +245,7 @@ def main():
         json.dump(results, fh, indent=1)
     print(f"\nmarginal per call = (t({a.chain}) - t(1)) / {a.chain - 1}; t = pipelined step time (median of reps)")
     print(f"{'route':6s} {'T':>5s} {'pool':>4s} {'t(1) us':>9s} {'t(N) us':>9s} {'marg us':>8s} {'ok':>3s} "
-          f"{'copies':>6s}  targets / re-traces per step")
+          f"{'copies':>6s} {'fus':>4s} {'busy us':>8s} {'ev/step':>7s}  targets / re-traces per step")
     for r in results:
         rows = r.get("rows") or {}
         r1, rn = rows.get("1") or {}, rows.get(str(a.chain)) or {}
@@ -215,7 +254,9 @@ def main():
         f = lambda x, w=9, p=1: f"{x:{w}.{p}f}" if isinstance(x, (int, float)) else f"{'-':>{w}}"  # noqa: E731
         vm = r.get("vmodule_per_step") or {}
         print(f"{r['route']:6s} {r['T']:5d} {r['pool']:4d} {f(t1)} {f(tn)} {f(marg, 8, 2)} "
-              f"{str(rn.get('q_out_matches_reference', '-'))[:3]:>3s} {f(rn.get('copies'), 6, 0)}  "
+              f"{str(rn.get('q_out_matches_reference', '-'))[:3]:>3s} {f(rn.get('copies'), 6, 0)} {f(rn.get('fusions'), 4, 0)} "
+              f"{f((rn.get('trace') or {}).get('gpu_busy_us_per_step'), 8)} "
+              f"{f((rn.get('trace') or {}).get('gpu_events_per_step'), 7)}  "
               f"{rn.get('targets')} {dict((k, round(v, 1)) for k, v in vm.items() if 'trace' in k)}"
               + (f" ERROR {r['error'][-300:]}" if r.get("error") else ""))
     return 0

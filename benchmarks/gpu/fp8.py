@@ -26,7 +26,8 @@ import tempfile
 
 import numpy as np
 
-from qk_norm import LOG, add_timing_args, log, slot_pattern, start_run, time_run
+from qk_norm import slot_pattern
+from timing import LOG, add_timing_args, log, measure, over_budget, start_run
 
 BS = 16
 MAX_POS = 4096
@@ -106,7 +107,7 @@ def run_variant(variant, inp, a, workdir):
             inp.scale_caches = caches[2:]
         return outs
 
-    return time_run(run, a, workdir)
+    return measure(run, a, workdir)
 
 
 def main(argv=None):
@@ -117,7 +118,7 @@ def main(argv=None):
     ap.add_argument("--layouts", default="flash")
     ap.add_argument("--models", default="llama-3.1-8b:1,qwen3-235b-a22b:4", help="preset:tp,...")
     ap.add_argument("--variants", default=",".join(VARIANTS))
-    add_timing_args(ap)
+    add_timing_args(ap, budget_s=150.0)
     a = ap.parse_args(argv)
     tokens = start_run(a, dry_tokens="1,8", tokens="1,64,8192")
     import jax
@@ -143,6 +144,8 @@ def main(argv=None):
         for t in tokens:
             pattern = "prefill" if t >= 2048 else "random"
             for layout in a.layouts.split(","):
+                if over_budget(a, f"{mname} T={t} {layout}"):
+                    continue
                 inp = Inputs(shape, t, layout, pattern, seed=len(rows) + 1, n_sets=a.calls)
                 for variant in variants:
                     rec = dict(model=mname, shape="/".join(map(str, shape)), T=t, layout=layout, variant=variant)

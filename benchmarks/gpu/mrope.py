@@ -14,11 +14,13 @@ q/k/v/caches/weights, f32 half tables, NeoX, BS = 16, interleaved sections (24, 
          gathers and a per-frequency select, [T, R/2]), then the 1-D fused op (norm included) on
          that per-token table with positions arange(T)
   plain  the 1-D op (positions [T], the norm fused), impl="kernel": the M-RoPE op's yardstick
-Timing as benchmarks/gpu/qk_norm.py: N calls unrolled in one jit, each on its own input set,
-caches donated and carried; "device" = GPU busy time per call from a jax.profiler trace, else
-"wall" = median wall time / N. Prints a table last (jnp/fused: target >= 1.5 at T = 8192;
-fused/plain: target <= 1.10 at every T); writes OUT_DIR/bench_mrope.json and .log.
---dry-run: tiny shapes on the CPU backend (wall time; checks that the variants agree).
+Timing (benchmarks/gpu/timing.py): N calls unrolled in one jit, each on its own input set, caches
+donated and carried; "device" = GPU busy time per call from a jax.profiler trace, else "wall" =
+median wall time / N. Every case first checks one call of each variant on its first 64 tokens
+against the numpy reference (fused and front must match bit for bit, else the exit code is 1).
+Prints a table last (jnp/fused: target >= 1.5 at T = 8192; fused/plain: target <= 1.10 at every
+T); writes OUT_DIR/bench_mrope.json and .log. --budget-s (150) bounds the run: about 100 s on an
+H200 by estimate. --dry-run: tiny shapes on the CPU backend (wall time, the same checks).
 """
 from __future__ import annotations
 
@@ -26,17 +28,16 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import sys
 import tempfile
-import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from qk_norm import (LOG, add_timing_args, copy_ceiling, device_us_per_call, log,  # noqa: E402
-                     slot_pattern, start_run)
+from qk_norm import slot_pattern  # noqa: E402
+from timing import (add_timing_args, copy_ceiling, fmt, log, measure, over_budget, ratio,  # noqa: E402
+                    start_run, write_log)
 
 BS = 16
 EPS = 1e-6
@@ -131,8 +132,6 @@ def make_chain(variant, inp, n_calls):
 
 
 def run_variant(variant, inp, a, workdir):
-    import jax
-
     f = make_chain(variant, inp, a.calls)
     args = (inp.q, inp.k, inp.v, inp.slots, inp.pos3, inp.ar, inp.cos, inp.sin)
 
@@ -141,49 +140,43 @@ def run_variant(variant, inp, a, workdir):
         inp.caches[-1] = (kc, vc)
         return outs
 
-    t0 = time.perf_counter()
-    jax.block_until_ready(run())
-    compile_s = time.perf_counter() - t0
-    ts = []
-    for _ in range(a.reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(run())
-        ts.append(time.perf_counter() - t0)
-    rec = dict(wall_us=statistics.median(ts) / a.calls * 1e6, compile_s=round(compile_s, 2))
-    if a.profile and not a.dry_run:
-        try:
-            rec["device_us"], rec["gpu_events_per_call"] = device_us_per_call(run, a.trace_execs, a.calls, workdir)
-        except Exception as e:  # noqa: BLE001 - wall time still stands
-            rec["trace_error"] = f"{type(e).__name__}: {e}"[:200]
-    return rec
+    return measure(run, a, workdir)
 
 
-def check_variants(inp):
-    """max |q_out, k_out| difference of one call of each M-RoPE variant vs the numpy reference."""
+def check_variants(inp, m=64):
+    """One call of each M-RoPE variant on the first m tokens of input set 0 and a small fresh cache,
+    against the numpy reference: "exact" when q_out, k_out and both caches match bit for bit, else
+    the largest |difference| (the kernels must be exact; the jnp version may round differently)."""
     import jax
     import jax.numpy as jnp
 
     import jax_rope_cache as jrc
     from jax_rope_cache import reference
 
-    q, k, v, s, p3 = inp.q[0], inp.k[0], inp.v[0], inp.slots[0], inp.pos3[0]
-    kc, vc = inp.caches[-1]
+    m = min(m, inp.t)
+    qh, kh, d = inp.shape
+    q, k, v, p3 = inp.q[0][:m], inp.k[0][:m], inp.v[0][:m], inp.pos3[0][:, :m]
+    s = jnp.asarray(np.random.default_rng(m).permutation(64 * BS)[:m].astype(np.int32))
+    kc, vc = jrc.make_kv_cache(64, BS, kh, d, jnp.bfloat16, layout=inp.layout, fill="random", seed=m)
+    norm = dict(q_norm_weight=inp.wq, k_norm_weight=inp.wk, norm_eps=EPS)
     host = [np.asarray(jax.device_get(x)) for x in (q, k, v, kc, vc, s, p3, inp.cos, inp.sin, inp.wq, inp.wk)]
     want = reference.rope_and_cache(*host[:9], layout=inp.layout, mrope_section=inp.section, mrope_interleaved=True,
                                     q_norm_weight=host[9], k_norm_weight=host[10], norm_eps=EPS)
     out = {}
     for variant in ("fused", "jnp", "front"):
-        kc2, vc2 = jnp.copy(kc), jnp.copy(vc)
         if variant == "front":
             c, sn = mrope_rows(inp.cos, inp.sin, p3, inp.section)
-            r = jrc.rope_and_cache(q, k, v, kc2, vc2, s, inp.ar, c, sn, layout=inp.layout, impl="kernel",
-                                   q_norm_weight=inp.wq, k_norm_weight=inp.wk, norm_eps=EPS)
+            r = jrc.rope_and_cache(q, k, v, kc, vc, s, inp.ar[:m], c, sn, layout=inp.layout, impl="kernel", **norm)
         else:
-            r = jrc.rope_and_cache(q, k, v, kc2, vc2, s, p3, inp.cos, inp.sin, layout=inp.layout,
-                                   mrope_section=inp.section, mrope_interleaved=True, q_norm_weight=inp.wq,
-                                   k_norm_weight=inp.wk, norm_eps=EPS, impl="kernel" if variant == "fused" else "xla")
-        out[variant] = max(float(np.max(np.abs(np.asarray(g, np.float32) - np.asarray(w, np.float32))))
-                           for g, w in zip(r[:2], want[:2]))
+            r = jrc.rope_and_cache(q, k, v, kc, vc, s, p3, inp.cos, inp.sin, layout=inp.layout,
+                                   mrope_section=inp.section, mrope_interleaved=True,
+                                   impl="kernel" if variant == "fused" else "xla", **norm)
+        got = [np.asarray(jax.device_get(x)) for x in r]
+        if all(np.array_equal(g.view(np.uint8), w.view(np.uint8)) for g, w in zip(got, want)):
+            out[variant] = "exact"
+        else:
+            out[variant] = max(float(np.max(np.abs(g.astype(np.float32) - w.astype(np.float32))))
+                               for g, w in zip(got, want))
     return out
 
 
@@ -195,7 +188,7 @@ def main(argv=None):
     ap.add_argument("--layouts", default="flash,xpacked")
     ap.add_argument("--models", default="qwen3-vl-8b:1,qwen3-vl-235b-a22b:4", help="preset:tp,...")
     ap.add_argument("--variants", default=",".join(VARIANTS))
-    add_timing_args(ap)
+    add_timing_args(ap, budget_s=150.0)
     a = ap.parse_args(argv)
     tokens = start_run(a, dry_tokens="1,64", tokens="1,8192")
     import jax
@@ -211,7 +204,7 @@ def main(argv=None):
     meta = dict(device=getattr(dev, "device_kind", str(dev)), platform=dev.platform, jax=jax.__version__,
                 copy_GBps=ceiling / 1e9, calls=a.calls, reps=a.reps, dry_run=a.dry_run)
     log("bench_mrope:", json.dumps(meta))
-    rows = []
+    rows, checks = [], {}
     for m in a.models.split(","):
         name, tp = m.split(":")
         cfg = presets.preset_config(name)
@@ -224,9 +217,15 @@ def main(argv=None):
             shape, section = (min(s.q_heads, 4), 1, 32), (6, 5, 5)
         for t in tokens:
             for layout in a.layouts.split(","):
+                if over_budget(a, f"{name} TP{tp} T={t} {layout}"):
+                    continue
                 inp = Inputs(shape, t, layout, section, seed=len(rows) + 1, n_sets=a.calls, max_pos=max_pos)
-                if small:
-                    log(f"check {name} TP{tp} T={t} {layout}: max |q_out, k_out - reference| = {check_variants(inp)}")
+                try:
+                    chk = check_variants(inp)
+                except Exception as e:  # noqa: BLE001 - the timings still stand
+                    chk = {"error": f"{type(e).__name__}: {e}"[:200]}
+                checks[(f"{name} TP{tp}", t, layout)] = chk
+                log(f"check {name} TP{tp} T={t} {layout} vs the reference (exact or max |diff|): {chk}")
                 for variant in variants:
                     rec = dict(model=f"{name} TP{tp}", shape="/".join(map(str, shape)), T=t, layout=layout,
                                variant=variant, bytes=s.bytes_per_token() * t)
@@ -234,35 +233,34 @@ def main(argv=None):
                         rec.update(run_variant(variant, inp, a, workdir))
                     except Exception as e:  # noqa: BLE001 - keep the other variants
                         rec["error"] = f"{type(e).__name__}: {e}"[:300]
-                    rec["time_us"] = rec.get("device_us") or rec.get("wall_us")
                     rows.append(rec)
                     log(json.dumps(rec))
                 del inp
     with open(os.path.join(a.out_dir, "bench_mrope.json"), "w") as fh:
-        json.dump(dict(meta=meta, rows=rows), fh, indent=1)
+        json.dump(dict(meta=meta, rows=rows, checks={" ".join(map(str, k)): v for k, v in checks.items()}), fh,
+                  indent=1)
     shutil.rmtree(workdir, ignore_errors=True)
-
-    def f(x, w=9, p=2):
-        return f"{x:{w}.{p}f}" if isinstance(x, (int, float)) else f"{'-':>{w}}"
+    f = fmt
 
     timing = "device (profiler GPU busy per call)" if any(r.get("device_us") for r in rows) else "wall per call"
     log(f"\ntime = {timing}, us; {a.calls} calls per jit; targets: jnp/fused >= 1.5 at T = 8192, "
         f"fused/plain <= 1.10 at every T")
     log(f"{'model':26s} {'T':>6s} {'layout':8s} " + " ".join(f"{v:>9s}" for v in VARIANTS)
-        + f" {'jnp/fu':>7s} {'fu/plain':>8s} {'fu/front':>8s}")
+        + f" {'jnp/fu':>7s} {'fu/plain':>8s} {'fu/front':>8s}  check (fused, jnp, front)")
     by = {}
     for r in rows:
         by.setdefault((r["model"], r["T"], r["layout"]), {})[r["variant"]] = r
     for (m, t, lay), dd in by.items():
         tm = {v: dd.get(v, {}).get("time_us") for v in VARIANTS}
         fu = tm["fused"]
-        ratio = lambda x, y: x / y if x and y else None  # noqa: E731
+        chk = checks.get((m, t, lay), {})
         log(f"{m:26s} {t:6d} {lay:8s} " + " ".join(f(tm[v]) for v in VARIANTS)
-            + f" {f(ratio(tm['jnp'], fu), 7)} {f(ratio(fu, tm['plain']), 8)} {f(ratio(fu, tm['front']), 8)}"
+            + f" {f(ratio(tm['jnp'], fu), 7)} {f(ratio(fu, tm['plain']), 8)} {f(ratio(fu, tm['front']), 8)}  "
+            + ", ".join(str(chk.get(v, chk.get("error", "-")))[:12] for v in ("fused", "jnp", "front"))
             + "".join(f"  [{v}: {dd[v]['error'][:60]}]" for v in dd if dd[v].get("error")))
-    with open(os.path.join(a.out_dir, "bench_mrope.log"), "w") as fh:
-        fh.write("\n".join(LOG) + "\n")
-    return 0 if all("error" not in r for r in rows) else 1
+    write_log(os.path.join(a.out_dir, "bench_mrope.log"))
+    kernels_exact = all(c.get("fused") == "exact" and c.get("front") == "exact" for c in checks.values())
+    return 0 if kernels_exact and all("error" not in r for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -23,29 +23,23 @@ from __future__ import annotations
 
 import argparse
 import csv
-import glob
 import inspect
 import json
 import os
 import shutil
-import statistics
 import sys
 import tempfile
-import time
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run as a suite or on its own
+from timing import (add_timing_args, copy_ceiling, fmt, log, measure, over_budget, start_run,  # noqa: E402
+                    write_log)
 
 BS = 16
 MAX_POS = 40960  # Qwen3 max_position_embeddings
 EPS = 1e-6
 VARIANTS = ("fused", "sep_kernel", "sep_xla", "fused_xla", "plain")
-LOG = []
-
-
-def log(*a):
-    s = " ".join(str(x) for x in a)
-    LOG.append(s)
-    print(s, flush=True)
 
 
 def rms_norm_hf(x, w, eps=EPS):
@@ -71,23 +65,6 @@ def slot_pattern(pattern, t, num_slots, rng):
     blocks = rng.permutation(num_slots // BS)  # prefill: consecutive slots filling random blocks
     tok = np.arange(t)
     return (blocks[tok // BS] * BS + tok % BS).astype(np.int32)
-
-
-def copy_ceiling(n_bytes, reps=5):
-    import jax
-    import jax.numpy as jnp
-
-    n = n_bytes // 4
-    x = jax.random.normal(jax.random.key(0), (n,), jnp.float32)
-    steps = 10
-    f = jax.jit(lambda x: jax.lax.fori_loop(0, steps, lambda i, y: y + 1.0, x))
-    jax.block_until_ready(f(x))
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(x))
-        ts.append(time.perf_counter() - t0)
-    return 2 * n * 4 * steps / statistics.median(ts)
 
 
 class Inputs:
@@ -149,38 +126,7 @@ def make_chain(variant, inp, n_calls):
     return jax.jit(chain, donate_argnums=(9, 10))
 
 
-def device_us_per_call(run, n_exec, n_calls, workdir):
-    """GPU busy time per call from a profiler trace (None without GPU events)."""
-    import jax
-
-    d = tempfile.mkdtemp(dir=workdir)
-    jax.profiler.start_trace(d)
-    for _ in range(n_exec):
-        out = run()
-    jax.block_until_ready(out)
-    jax.profiler.stop_trace()
-    files = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
-    busy, events = 0.0, 0
-    if files:
-        pd = jax.profiler.ProfileData.from_file(files[0])
-        for plane in pd.planes:
-            if not plane.name.startswith("/device:GPU"):
-                continue
-            for ln in plane.lines:
-                if "stream" not in ln.name.lower():
-                    continue
-                for ev in ln.events:
-                    busy += float(ev.duration_ns)
-                    events += 1
-    shutil.rmtree(d, ignore_errors=True)
-    if not events:
-        return None, 0
-    return busy / 1e3 / (n_exec * n_calls), events / (n_exec * n_calls)
-
-
 def run_variant(variant, inp, a, workdir):
-    import jax
-
     f = make_chain(variant, inp, a.calls)
     args = (inp.q, inp.k, inp.v, inp.slots, inp.pos, inp.cos, inp.sin, inp.wq, inp.wk)
 
@@ -189,30 +135,7 @@ def run_variant(variant, inp, a, workdir):
         inp.caches[-1] = (kc, vc)
         return outs
 
-    return time_run(run, a, workdir)
-
-
-def time_run(run, a, workdir) -> dict:
-    """Times `run` (one execution of a jit of a.calls calls): compile + first run, one warm run,
-    then the median of a.reps wall times per call, and the profiler's device time per call."""
-    import jax
-
-    t0 = time.perf_counter()
-    jax.block_until_ready(run())
-    compile_s = time.perf_counter() - t0
-    jax.block_until_ready(run())
-    ts = []
-    for _ in range(a.reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(run())
-        ts.append(time.perf_counter() - t0)
-    rec = dict(wall_us=statistics.median(ts) / a.calls * 1e6, compile_s=round(compile_s, 2))
-    if a.profile:
-        try:
-            rec["device_us"], rec["gpu_events_per_call"] = device_us_per_call(run, a.trace_execs, a.calls, workdir)
-        except Exception as e:  # noqa: BLE001 - wall time still stands
-            rec["trace_error"] = f"{type(e).__name__}: {e}"[:200]
-    return rec
+    return measure(run, a, workdir)
 
 
 def check_variants(inp, variants):
@@ -246,29 +169,6 @@ def check_variants(inp, variants):
     return dict(diff, **{f"{v} error": e for v, e in errors.items()})
 
 
-def add_timing_args(ap) -> None:
-    """The timing options every suite of this harness shares."""
-    ap.add_argument("--calls", type=int, default=None, help="calls per jit (default 16; dry run 2)")
-    ap.add_argument("--reps", type=int, default=None, help="timed executions (median; default 5)")
-    ap.add_argument("--trace-execs", type=int, default=3, help="executions in the profiler trace")
-    ap.add_argument("--no-profile", dest="profile", action="store_false", help="wall time only")
-
-
-def start_run(a, *, dry_tokens: str, tokens: str) -> list[int]:
-    """Before jax starts: a dry run is pinned to the CPU; without a GPU the run becomes a dry run.
-    Fills the timing defaults in `a` and returns the token counts."""
-    if a.dry_run:
-        os.environ["JAX_PLATFORMS"] = "cpu"
-    import jax
-
-    if jax.default_backend() != "gpu" and not a.dry_run:
-        log(f"no GPU backend ({jax.default_backend()}): running as --dry-run")
-        a.dry_run = True
-    a.calls = a.calls or (2 if a.dry_run else 16)
-    a.reps = a.reps or (2 if a.dry_run else 5)
-    return [int(x) for x in (a.tokens or (dry_tokens if a.dry_run else tokens)).split(",")]
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("out_dir")
@@ -278,8 +178,7 @@ def main(argv=None):
     ap.add_argument("--models", default="qwen3-32b:8,qwen3-235b-a22b:4", help="preset:tp,...")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--slots", default="auto", help="random, prefill, or auto (prefill for T >= 2048)")
-    add_timing_args(ap)
-    ap.add_argument("--budget-s", type=float, default=165.0, help="stop starting new cases after this")
+    add_timing_args(ap, budget_s=165.0)
     ap.add_argument("--check", action="store_true",
                     help="compare one call's q_out/k_out across the variants per case (on by default in --dry-run)")
     a = ap.parse_args(argv)
@@ -309,7 +208,6 @@ def main(argv=None):
                 copy_GBps=ceiling / 1e9, calls=a.calls, reps=a.reps, norm_api=norm_api, eps=EPS,
                 dry_run=a.dry_run)
     log("bench_qk_norm:", json.dumps(meta))
-    t_start = time.time()
     rows = []
     for mname, s in models:
         shape = (s.q_heads, s.kv_heads, s.head_dim)
@@ -320,8 +218,7 @@ def main(argv=None):
             # once per set (CSE across calls on the same q/k), which undercounts the separate pass.
             n_sets = a.calls
             for layout in a.layouts.split(","):
-                if time.time() - t_start > a.budget_s:
-                    log(f"budget: skipped {mname} T={t} {layout}")
+                if over_budget(a, f"{mname} T={t} {layout}"):
                     continue
                 try:
                     inp = Inputs(shape, t, layout, pattern, seed=len(rows) + 1, n_sets=n_sets)
@@ -343,9 +240,8 @@ def main(argv=None):
                         rec.update(run_variant(variant, inp, a, workdir))
                     except Exception as e:  # noqa: BLE001 - keep the other variants
                         rec["error"] = f"{type(e).__name__}: {e}"[:300]
-                    us = rec.get("device_us") or rec.get("wall_us")
+                    us = rec.get("time_us")
                     if us:
-                        rec["time_us"] = us
                         rec["GBps"] = rec["bytes"] / (us * 1e-6) / 1e9
                         rec["frac_copy"] = rec["GBps"] * 1e9 / ceiling
                     res[variant] = rec
@@ -365,9 +261,7 @@ def main(argv=None):
             w.writeheader()
             w.writerows(rows)
     shutil.rmtree(workdir, ignore_errors=True)
-
-    def f(x, w=9, p=2):
-        return f"{x:{w}.{p}f}" if isinstance(x, (int, float)) else f"{'-':>{w}}"
+    f = fmt
 
     timing = "device (profiler GPU busy per call)" if any(r.get("device_us") for r in rows) else "wall per call"
     log(f"\ntime = {timing}, us; {a.calls} calls per jit; sep/fused = separate-norm time / fused time "
@@ -387,8 +281,7 @@ def main(argv=None):
             f"{f(fu / pl if fu and pl else None, 8)} "
             f"{f(d.get('fused', {}).get('frac_copy'), 7, 3)}"
             + "".join(f"  [{v}: {d[v]['error'][:60]}]" for v in d if d[v].get("error")))
-    with open(os.path.join(a.out_dir, "bench_qk_norm.log"), "w") as fh:
-        fh.write("\n".join(LOG) + "\n")
+    write_log(os.path.join(a.out_dir, "bench_qk_norm.log"))
     return 0 if all("error" not in r for r in rows) else 1
 
 

@@ -1,6 +1,6 @@
-"""`python -m jax_rope_cache compile`: precompile the ROCm kernel into the disk cache and/or ONE
-bundle file, so a deployment host lowers without a compiler (`precompile` is the same as a
-function).
+"""`python -m jax_rope_cache compile`: precompile the ROCm kernels (rope_and_cache's and
+mla_rope_and_cache's) into the disk cache and/or ONE bundle file, so a deployment host lowers
+without a compiler (`precompile` is the same as a function).
 
 The entries are keyed by what determines their bytes (kernel source, compile driver, kernel
 configuration, arch; compilers/flydsl.py), so a host with the same jax_rope_cache finds them with
@@ -11,6 +11,7 @@ process; this process never imports it (or torch)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import sys
 import time
@@ -23,7 +24,9 @@ from jax_rope_cache.backends import rocm
 from jax_rope_cache.cli import _args
 from jax_rope_cache.cli._fmt import plural
 from jax_rope_cache.compilers import cache, flydsl
-from jax_rope_cache.models.presets import MODELS, model_shape, preset_qk_norm_eps
+from jax_rope_cache.mla import contract as mla_contract
+from jax_rope_cache.mla import rocm_kernel
+from jax_rope_cache.models.presets import MLA_PRESETS, MODELS, mla_shape, model_shape, preset_qk_norm_eps
 
 QK_NORM_CHOICES = ("auto", "off", "both")
 # The kernel's regimes (backends/rocm.kernel_config): "bandwidth" for calls of more than
@@ -81,6 +84,53 @@ def configs_for(*, q_heads, kv_heads, head_dim, rotary_dim=None, block_sizes=(16
     return out
 
 
+def mla_configs_for(*, q_heads, nope_dim, latent_dim, rope_dim, block_sizes=(16,), layouts=mla_contract.MLA_LAYOUTS,
+                    dtypes=("bfloat16",), cache_dtypes=None, q_out_dtypes=None, table_dtypes=("float32",),
+                    neox=(False,), tables=("half",), precisions=("fp32",), index_dtypes=("int32",),
+                    regimes=REGIMES):
+    """MLA kernel configurations (kernels/rocm/mla_cache_flydsl.py) of every combination of the given
+    options (one MLA shape: q heads, Dn, Dc, Dr). Cache and q_out dtypes: None or "same" (the input's)
+    or float8 names (the call then passes kv_scale / q_scale). Unstacked caches, as `configs_for`."""
+    for g in regimes:
+        if g not in REGIMES:
+            raise ValueError(f"regimes: expected a subset of {REGIMES}, got {g!r}")
+    for layout in layouts:
+        mla_contract.check_layout(layout)
+    out = []
+    for bs, layout, dt, tdt, nx, table, prec, idx in itertools.product(
+            block_sizes, layouts, dtypes, table_dtypes, neox, tables, precisions, index_dtypes):
+        for cdt, qdt in itertools.product(cache_dtypes or ("same",), q_out_dtypes or ("same",)):
+            cdt, qdt = (dt if x == "same" else x for x in (cdt, qdt))
+            for what, x in (("cache_dtypes", cdt), ("q_out_dtypes", qdt)):
+                if x != dt and np.dtype(_DTYPES[x]) not in contract.FP8_DTYPES:
+                    raise ValueError(f"{what}: expected 'same' ({dt}) or a float8 dtype, got {x!r}")
+            codes = mla_contract.MlaKernelCodes(
+                qh=q_heads, dn=nope_dim, dc=latent_dim, dr=rope_dim, bs=bs, split=layout == "split", neox=nx,
+                full_table=table == "full", native=prec == "native", dt=_code(dt), tab_dt=_code(tdt),
+                cache_dt=_code(cdt), q_dt=_code(qdt), slot64=idx == "int64", pos64=idx == "int64")
+            for g in regimes:
+                cfg = rocm_kernel.kernel_config(codes, num_tokens=_REGIME_TOKENS[g])
+                if cfg not in out:
+                    out.append(cfg)
+    return out
+
+
+def mla_preset_configs(name: str, tp: int = 1, nope=("absorbed",), **options) -> list:
+    """`mla_configs_for` of an MLA preset at tp: q_nope absorbed (Dn = kv_lora_rank, what decode runs)
+    and/or "plain" (Dn = qk_nope_head_dim)."""
+    m = mla_shape(name, tp)
+    out = []
+    for form in nope:
+        if form not in ("absorbed", "plain"):
+            raise ValueError(f"nope: expected 'absorbed' and/or 'plain', got {form!r}")
+        dn = m.absorbed_nope_dim if form == "absorbed" else m.nope_dim
+        for cfg in mla_configs_for(**({"neox": (m.is_neox,)} | options), q_heads=m.q_heads, nope_dim=dn,
+                                   latent_dim=m.latent_dim, rope_dim=m.rope_dim):
+            if cfg not in out:
+                out.append(cfg)
+    return out
+
+
 def preset_norms(name: str, qk_norm: str = "auto") -> tuple:
     """The QK-RMSNorm epsilons (None: without the norm) `compile` builds a preset with."""
     if qk_norm not in QK_NORM_CHOICES:
@@ -92,11 +142,14 @@ def preset_norms(name: str, qk_norm: str = "auto") -> tuple:
 
 
 def precompile(archs=rocm.DEFAULT_ARCHS, configs=None, *, presets=(), tp: int = 1, verbose=False, bundle=None,
-               qk_norm="auto", **options):
+               qk_norm="auto", mla_presets=(), mla_options=None, **options):
     """Compiles kernel configurations into the disk cache; returns [(config, CodeObject)].
 
-    `configs`: RocmKernelConfig objects; `presets`: names of models.presets.MODELS (a model at tensor
+    `configs`: RocmKernelConfig objects (rope_and_cache) and/or MLA ones (`mla_configs_for`);
+    `presets`: names of models.presets.MODELS (a model at tensor
     parallelism `tp` divides its heads by tp), each expanded with `options` (see `configs_for`);
+    `mla_presets`: names of models.presets.MLA_PRESETS at `tp`, expanded with `mla_options`
+    (`mla_preset_configs`);
     `qk_norm`: "auto" gives a preset with a QK-RMSNorm (Qwen3) its fused norm (its config's eps),
     "off" never, "both" the variants with and without it.
     `bundle`: also write every code object into this ONE file (compilers/flydsl.write_bundle).
@@ -111,18 +164,23 @@ def precompile(archs=rocm.DEFAULT_ARCHS, configs=None, *, presets=(), tp: int = 
         for e in preset_norms(name, qk_norm):
             cfgs += configs_for(q_heads=m.q_heads, kv_heads=m.kv_heads, head_dim=m.head_dim,
                                 rotary_dim=m.rotary_dim, **({"neox": (m.is_neox,)} | options | {"norm_eps": e}))
+    for name in mla_presets:
+        cfgs += mla_preset_configs(name, tp, **(mla_options or {}))
+    mla_type = rocm_kernel.kernel_module().MlaRocmConfig
     out = []
     for cfg in cfgs:
         t = time.perf_counter()
-        _, _, objs = rocm.build_code_table(cfg, archs)  # the occupancy candidate that fits on every arch
+        build = rocm_kernel.build_code_table if isinstance(cfg, mla_type) else rocm.build_code_table
+        _, _, objs = build(cfg, archs)  # the occupancy candidate that fits on every arch
         for co in objs:
             flydsl.ensure_on_disk(co, co.config or cfg)
             if verbose:
                 i = co.info
                 built = co.config or cfg
+                narrowed = [f"{f.name}={getattr(built, f.name)}" for f in dataclasses.fields(built)
+                             if getattr(built, f.name) != getattr(cfg, f.name)]  # the chunk widths narrowed
                 how = "" if built == cfg and not co.hints else (
-                    f" (occupancy: w_rot={built.w_rot} w_pass={built.w_pass} w_v={built.w_v}"
-                    f"{' ' + str(co.hints) if co.hints else ''})")
+                    f" (occupancy: {' '.join(narrowed)}{' ' + str(co.hints) if co.hints else ''})")
                 print(f"{co.arch} {cfg.key()}: {len(co.code)} B, {i['vgpr_count']} VGPR, {i['sgpr_count']} SGPR{how}, "
                       f"{co.origin if co.from_disk else f'compiled in {time.perf_counter() - t:.2f} s'}")
             out.append((cfg, co))
@@ -173,6 +231,18 @@ def main(argv=None) -> None:
     p.add_argument("--regimes", type=csv(REGIMES, "regime"), default=REGIMES,
                    help="bandwidth (calls of more tokens than a decode step), latency (decode-sized calls); "
                         "default both")
+    p.add_argument("--mla-preset", action="append", default=[], type=_args.one_of(sorted(MLA_PRESETS), "MLA preset"),
+                   help=f"MLA model (mla_rope_and_cache; repeatable): {', '.join(sorted(MLA_PRESETS))}")
+    p.add_argument("--mla-heads", type=_args.csv_of(_args.positive_int, "QH,Dn,Dc,Dr"),
+                   help="explicit MLA shape instead of an MLA preset: QH,Dn,Dc,Dr")
+    p.add_argument("--mla-layout", type=csv(mla_contract.MLA_LAYOUTS, "MLA layout"), default=mla_contract.MLA_LAYOUTS,
+                   help="MLA cache layouts (default combined,split)")
+    p.add_argument("--mla-nope", type=csv(("absorbed", "plain"), "q_nope form"), default=("absorbed",),
+                   help="MLA presets: q_nope absorbed (Dn = kv_lora_rank, decode; default) and/or plain "
+                        "(Dn = qk_nope_head_dim)")
+    p.add_argument("--q-out-dtype", type=csv(("same",) + tuple(n for n in _DTYPES if n.startswith("float8")),
+                                             "q_out dtype"), default=None,
+                   help="MLA q_out dtypes: same (the input's; default) and/or float8 names")
     p.add_argument("--bundle", metavar="FILE",
                    help=f"also write all code objects into ONE file (name it *{flydsl.BUNDLE_SUFFIX}); a deployment "
                         "host reads it through JAX_ROPE_CACHE_ROCM_BUNDLE=FILE or from the cache folder's rocm/")
@@ -191,18 +261,30 @@ def main(argv=None) -> None:
         p.error(f"argument --norm-eps: expected a finite value > 0 (as float32), got {a.norm_eps!r}")
     if a.style:
         opts["neox"] = tuple(s == "neox" for s in a.style)
+    if a.mla_heads is not None and (len(a.mla_heads) != 4 or a.mla_heads[3] % 2):
+        p.error(f"argument --mla-heads: expected QH,Dn,Dc,Dr with an even Dr, got {a.mla_heads}")
+    mla_opts = dict(block_sizes=a.block_size, layouts=a.mla_layout, dtypes=a.dtype, cache_dtypes=a.cache_dtype,
+                    q_out_dtypes=a.q_out_dtype, table_dtypes=a.table_dtype, tables=a.table, precisions=a.precision,
+                    index_dtypes=a.index_dtype, regimes=a.regimes) | ({"neox": opts["neox"]} if a.style else {})
     configs = []
+    if a.mla_heads:
+        qh, dn, dc, dr = a.mla_heads
+        try:
+            configs += mla_configs_for(q_heads=qh, nope_dim=dn, latent_dim=dc, rope_dim=dr, **mla_opts)
+        except ValueError as e:
+            p.error(str(e))
     if a.heads:
         vals = list(a.heads)
         qh, kh, d = vals[:3]
-        configs = configs_for(q_heads=qh, kv_heads=kh, head_dim=d, rotary_dim=vals[3] if len(vals) > 3 else None,
-                              norm_eps=a.norm_eps, **opts)
-    if not configs and not a.preset:
-        p.error("give --preset NAME (repeatable) or --heads QH,KH,D[,R]")
+        configs += configs_for(q_heads=qh, kv_heads=kh, head_dim=d, rotary_dim=vals[3] if len(vals) > 3 else None,
+                               norm_eps=a.norm_eps, **opts)
+    if not configs and not a.preset and not a.mla_preset:
+        p.error("give --preset NAME or --mla-preset NAME (repeatable), --heads QH,KH,D[,R] or --mla-heads QH,Dn,Dc,Dr")
     t = time.perf_counter()
     try:
         out = precompile(archs, configs, presets=a.preset, tp=a.tp, verbose=True, bundle=a.bundle,
-                         qk_norm=a.qk_norm, **opts)
+                         qk_norm=a.qk_norm, mla_presets=a.mla_preset, mla_options=mla_opts | {"nope": a.mla_nope},
+                         **opts)
     except (flydsl.FlyDSLUnavailable, ValueError) as e:
         raise SystemExit(f"compile: {e}") from None
     where = cache.cache_dir() or "memory only (JAX_ROPE_CACHE_DIR='')"

@@ -1,9 +1,11 @@
 """The main job: greedy generation (batched prefill of prompts of different lengths, then decode)
-with a small Llama-3.1 / Qwen3 decoder on the default device (jax_rope_cache/decoder.py).
+with a small Llama-3.1 / Qwen3 decoder (jax_rope_cache/decoder.py) or DeepSeek-V3 on the MLA latent
+cache (jax_rope_cache/decoder_mla.py) on the default device.
 
-1. Check: the tiny random-weight models of the fixture (tests/data/hf_greedy.npz, recorded from
-   Hugging Face transformers by tools/record_hf_model.py) generate their prompts' tokens with
-   impl="kernel" and impl="xla"; prints the token ids and whether tokens and logits match.
+1. Check: the tiny random-weight models of the fixtures (tests/data/hf_greedy.npz and
+   hf_greedy_mla.npz, recorded from Hugging Face transformers by tools/record_hf_model.py) generate
+   their prompts' tokens with impl="kernel" and impl="xla"; prints the token ids and whether tokens
+   and logits match.
 2. Timing: a batch of random prompts, prefill + `--steps` decode steps of `--model`, for each
    of `--impls` in one process; prints decode step time and tokens/s, and with "baseline" in
    --impls (the model with RoPE and the cache write replaced by a one-element in-place write of each
@@ -12,6 +14,7 @@ with a small Llama-3.1 / Qwen3 decoder on the default device (jax_rope_cache/dec
 
     python -m jax_rope_cache generate                                # tiny Llama: check + timing
     python -m jax_rope_cache generate --model llama-3.1-8b --dtype bfloat16 --batch 64 --check none
+    python -m jax_rope_cache generate --model tiny-deepseek-v3 --layout split
 """
 
 from __future__ import annotations
@@ -24,20 +27,31 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_rope_cache import decoder
+from jax_rope_cache import decoder, decoder_mla
 from jax_rope_cache.cli._fmt import compare_runs, progress
 
-MODELS = {**decoder.TINY_CONFIGS, "llama-3.1-8b": decoder.LLAMA_31_8B_CONFIG}
+MODELS = {**decoder.TINY_CONFIGS, **decoder_mla.TINY_MLA_CONFIGS, "llama-3.1-8b": decoder.LLAMA_31_8B_CONFIG}
+SEEDS = {**decoder.TINY_SEEDS, **decoder_mla.TINY_MLA_SEEDS}
 FIXTURE_NAME = os.path.join("tests", "data", "hf_greedy.npz")
+MLA_FIXTURE_NAME = os.path.join("tests", "data", "hf_greedy_mla.npz")
+LAYOUTS = ("flash", "xpacked", "xpacked_shuffled", "combined", "split")
 
 
-def find_reference(path: str | None) -> str | None:
-    """The fixture: `path`, else $JRC_HF_REFERENCE, else tests/data/hf_greedy.npz under the current
+def model_classes(config) -> tuple:
+    """(config dataclass, decoder class) of a config dict: MLA models (DeepSeek-V3) or the others."""
+    if config.get("model_type") in decoder_mla.MlaDecoderConfig.supported:
+        return decoder_mla.MlaDecoderConfig, decoder_mla.MlaDecoder
+    return decoder.DecoderConfig, decoder.Decoder
+
+
+def find_reference(path: str | None, name: str = FIXTURE_NAME) -> str | None:
+    """A fixture: `path`, else $JRC_HF_REFERENCE (the Llama/Qwen3 one), else `name` under the current
     directory or under the source tree this package was imported from."""
     if path:
         return path
     here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    for cand in (os.environ.get("JRC_HF_REFERENCE"), FIXTURE_NAME, os.path.join(here, FIXTURE_NAME)):
+    env = os.environ.get("JRC_HF_REFERENCE") if name == FIXTURE_NAME else None
+    for cand in (env, name, os.path.join(here, name)):
         if cand and os.path.exists(cand):
             return cand
     return None
@@ -53,14 +67,15 @@ def reference_decoder(entry: dict, impl: str, layout: str = "flash", block_size:
     key = (str(config), impl, layout, block_size, str(device), kv_quant)
     m = None if decoder_cache is None else decoder_cache.get(key)
     if m is None:
-        params = decoder.random_params(decoder.DecoderConfig.from_hf(config), entry["seed"])
+        config_class, decoder_class = model_classes(config)
+        params = decoder.random_params(config_class.from_hf(config), entry["seed"])
         if decoder.params_digest(params) != entry["digest"]:
             raise RuntimeError("the weights from the fixture's seed differ from the recorded ones (the initialiser "
                                "changed?): regenerate with tools/record_hf_model.py")
         max_len = -(-(max(map(len, entry["prompts"])) + new) // block_size) * block_size
         # a pool 4x what the prompts need: most blocks belong to nobody (and must stay untouched)
-        m = decoder.Decoder(config, params, layout=layout, block_size=block_size, impl=impl,
-                            max_seqs=4 * len(entry["prompts"]), max_len=max_len, device=device, kv_quant=kv_quant)
+        m = decoder_class(config, params, layout=layout, block_size=block_size, impl=impl,
+                          max_seqs=4 * len(entry["prompts"]), max_len=max_len, device=device, kv_quant=kv_quant)
         if decoder_cache is not None:
             decoder_cache[key] = m
     return m
@@ -72,6 +87,8 @@ def reference_generation(entry: dict, impl: str, layout: str = "flash", **kw):
 
 
 def check(ref_path: str, impls, layouts, show_tokens=True, kv_quant=None) -> bool:
+    """The fixture's models with each impl and each of `layouts` their decoder has; with `kv_quant`
+    also how far quantized caches move the run (models whose decoder has no kv_quant: skipped)."""
     ref = decoder.load_hf_reference(ref_path)
     meta = ref.pop("meta")
     print(f"check against transformers {meta['transformers']} (torch {meta['torch']}), recorded in {ref_path}; "
@@ -80,17 +97,18 @@ def check(ref_path: str, impls, layouts, show_tokens=True, kv_quant=None) -> boo
     for name, entry in ref.items():
         lens = ", ".join(str(len(p)) for p in entry["prompts"])
         shown = False
+        own = model_classes(entry["config"])[1].layouts
         for impl in impls:
-            for layout in layouts:
+            for layout in [s for s in layouts if s in own]:
                 toks, logits = reference_generation(entry, impl, layout)
                 same = np.array_equal(toks, entry["tokens"])
                 err = float(np.abs(logits - entry["logits"]).max())
                 good = same and err <= decoder.HF_LOGIT_BOUND
                 ok &= good
-                print(f"  {name:<15} impl={impl:<7}{layout:<17} prompts of {lens} tokens, {toks.shape[1]} tokens "
+                print(f"  {name:<17} impl={impl:<7}{layout:<17} prompts of {lens} tokens, {toks.shape[1]} tokens "
                       f"each: tokens {'match' if same else 'DIFFER'}, max |dlogit| {err:.1e} -> "
                       f"{'OK' if good else 'MISMATCH'}")
-                if kv_quant:  # the same run with quantized caches: how far it moves (not held to the bound)
+                if kv_quant in model_classes(entry["config"])[1].kv_quants[1:]:  # the same run with quantized caches: how far it moves (not held to the bound)
                     qt, ql = reference_generation(entry, impl, layout, kv_quant=kv_quant)
                     print(f"  {'':<15} kv_quant={kv_quant}: tokens equal {int((qt == toks).sum())}/{toks.size}, "
                           f"max |dlogit| vs unquantized {float(np.abs(ql - logits).max()):.1e}")
@@ -106,28 +124,34 @@ def timing(model: str, impls, layout: str, batch: int, prompt_len: int, steps: i
     config = dict(MODELS[model])
     if layers:
         config["num_hidden_layers"] = layers
-    cfg = decoder.DecoderConfig.from_hf(config)
+    config_class, decoder_class = model_classes(config)
+    if layout not in decoder_class.layouts:
+        raise ValueError(f"layout: {model} caches in one of {decoder_class.layouts}, got {layout!r}")
+    cfg = config_class.from_hf(config)
     t0 = time.perf_counter()
     n_params = sum(int(np.prod(s)) for s in jax.tree.leaves(cfg.param_shapes(), is_leaf=lambda x: isinstance(x, tuple)))
     if n_params > 5e7:
         params = decoder.random_params_on_device(cfg, seed, dtype)
     else:
-        params = decoder.random_params(cfg, decoder.TINY_SEEDS.get(model, seed), np.dtype(dtype))
+        params = decoder.random_params(cfg, SEEDS.get(model, seed), np.dtype(dtype))
     jax.block_until_ready(params)
     rng = np.random.default_rng(seed)
     lengths = rng.integers(max(1, prompt_len // 2), prompt_len + 1, batch)
     lengths[0] = prompt_len
     prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in lengths]
     max_len = -(-(prompt_len + steps + 1) // block_size) * block_size
+    heads = f"MLA heads {cfg.q_heads}, latent {cfg.latent_dim} + {cfg.rope_dim}" if hasattr(cfg, "latent_dim") \
+        else f"heads {cfg.q_heads}/{cfg.kv_heads} x {cfg.head_dim}"
     print(f"\ntiming {model} ({n_params / 1e6:,.1f}M parameters, {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
-          f"heads {cfg.q_heads}/{cfg.kv_heads} x {cfg.head_dim}, vocab {cfg.vocab_size}), {np.dtype(dtype).name}, "
-          f"{layout} cache{' (fp8, ' + kv_quant + ' scales)' if kv_quant else ''}, batch {batch}, prompts {lengths.min()}-{lengths.max()} tokens, {steps} decode steps, "
+          f"{heads}, vocab {cfg.vocab_size}), {np.dtype(dtype).name}, "
+          f"{layout} cache{' (fp8, ' + kv_quant + ' scales)' if kv_quant else ''}, batch {batch}, "
+          f"prompts {lengths.min()}-{lengths.max()} tokens, {steps} decode steps, "
           f"layer scan unroll={unroll or 'all'} (weights ready in {time.perf_counter() - t0:.1f} s)")
     rows, runs = {}, {}
     for impl in impls:
-        m = decoder.Decoder(config, params, layout=layout, block_size=block_size, impl=impl, max_seqs=batch,
-                            max_len=max_len, dtype=dtype, unroll=unroll or cfg.num_layers, cache_fill="zeros",
-                            kv_quant=kv_quant if impl != "baseline" else None)
+        m = decoder_class(config, params, layout=layout, block_size=block_size, impl=impl, max_seqs=batch,
+                          max_len=max_len, dtype=dtype, unroll=unroll or cfg.num_layers, cache_fill="zeros",
+                          kv_quant=kv_quant if impl != "baseline" else None)
         seqs = [m.allocator.allocate(len(p) + steps + 1) for p in prompts]
         bt = m.allocator.block_table(seqs, m.blocks_per_seq)
         t_pre, t_dec = [], []
@@ -139,7 +163,7 @@ def timing(model: str, impls, layout: str, batch: int, prompt_len: int, steps: i
             jax.block_until_ready(first)
             t2 = time.perf_counter()
             toks, _ = m.decode(first, lens, bt, steps, with_logits=False)
-            jax.block_until_ready((toks, m.key_cache))
+            jax.block_until_ready((toks, m.caches))
             t3 = time.perf_counter()
             if r:
                 t_pre.append(t2 - t1)
@@ -173,11 +197,15 @@ def main(argv=None):
     p.add_argument("--model", default="tiny-llama-3.1", choices=sorted(MODELS), help="model to time")
     p.add_argument("--check", default="auto", choices=("auto", "none"),
                    help="compare the fixture's tiny models with transformers' tokens (auto: if the fixture is found)")
-    p.add_argument("--reference", default=None, help=f"the fixture (default {FIXTURE_NAME} here or in the source tree)")
-    p.add_argument("--check-layouts", default="flash,xpacked")
+    p.add_argument("--reference", default=None,
+                   help=f"the Llama/Qwen3 fixture (default {FIXTURE_NAME} here or in the source tree); "
+                        f"{MLA_FIXTURE_NAME} is found the same way")
+    p.add_argument("--check-layouts", default="flash,xpacked,combined,split",
+                   help="layouts checked, each with the models whose caches have it")
     p.add_argument("--impls", default="kernel,xla",
                    help="comma list of kernel, xla, baseline (baseline: no RoPE, a one-element cache write)")
-    p.add_argument("--layout", default="flash", choices=("flash", "xpacked", "xpacked_shuffled"))
+    p.add_argument("--layout", default=None, choices=LAYOUTS,
+                   help="cache layout timed (default: flash, or combined for an MLA model)")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=64, help="longest prompt; the others are 1/2 to all of it")
     p.add_argument("--steps", type=int, default=128, help="decode steps timed")
@@ -201,13 +229,20 @@ def main(argv=None):
     dev = jax.devices()[0]
     print(f"device {dev.platform} ({dev.device_kind}), jax {jax.__version__}")
     ok = True
+    layout = a.layout or model_classes(MODELS[a.model])[1].layouts[0]
+    if layout not in model_classes(MODELS[a.model])[1].layouts:
+        p.error(f"--layout: {a.model} caches in one of {model_classes(MODELS[a.model])[1].layouts}, got {layout!r}")
+    if a.kv_quant not in model_classes(MODELS[a.model])[1].kv_quants:
+        p.error(f"--kv-quant: {a.model} takes one of {model_classes(MODELS[a.model])[1].kv_quants}, got {a.kv_quant!r}")
     if a.check == "auto":
-        ref = find_reference(a.reference)
-        if ref is None:
-            print(f"no recorded reference ({FIXTURE_NAME} not found here; pass --reference): check skipped")
-        else:
-            ok = check(ref, [i for i in impls if i != "baseline"] or ["kernel", "xla"],
-                       [s for s in a.check_layouts.split(",") if s], kv_quant=a.kv_quant)
-    timing(a.model, impls, a.layout, a.batch, a.prompt_len, a.steps, jnp.dtype(a.dtype), a.repeats, a.unroll,
+        for path, name in ((a.reference, FIXTURE_NAME), (None, MLA_FIXTURE_NAME)):
+            ref = find_reference(path, name)
+            if ref is None:
+                print(f"no recorded reference ({name} not found here{'; pass --reference' * (name == FIXTURE_NAME)}):"
+                      f" its check skipped")
+            else:
+                ok &= check(ref, [i for i in impls if i != "baseline"] or ["kernel", "xla"],
+                            [s for s in a.check_layouts.split(",") if s], kv_quant=a.kv_quant)
+    timing(a.model, impls, layout, a.batch, a.prompt_len, a.steps, jnp.dtype(a.dtype), a.repeats, a.unroll,
            a.block_size, layers=a.layers, kv_quant=a.kv_quant)
     raise SystemExit(0 if ok else 1)

@@ -30,12 +30,15 @@ def config_fields(codes) -> dict:
                 pos64=bool(codes.pos64), layer_blocks=codes.layer_blocks)
 
 
-def kernel_config(spec, module=None, num_tokens: int | None = None):
-    """The configuration of an MlaSpec; its regime follows the call's token count (latency for
-    T <= 256)."""
+def kernel_config(spec_or_codes, module=None, num_tokens: int | None = None):
+    """The configuration of an MlaSpec or MlaKernelCodes; its regime follows the call's token count
+    (an MlaSpec's, or `num_tokens`: latency for T <= 256); MlaKernelCodes alone (no T) the bandwidth one."""
     K = module or kernel_module()
-    t = spec.num_tokens if num_tokens is None else num_tokens
-    return K.make_config(**config_fields(mla_contract.kernel_codes(spec)), latency=K.latency_regime(t))
+    codes = spec_or_codes
+    if isinstance(codes, mla_contract.MlaSpec):
+        num_tokens = codes.num_tokens if num_tokens is None else num_tokens
+        codes = mla_contract.kernel_codes(codes)
+    return K.make_config(**config_fields(codes), latency=K.latency_regime(num_tokens))
 
 
 def occupancy_candidates(cfg, module=None) -> list:
