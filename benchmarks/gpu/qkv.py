@@ -146,7 +146,7 @@ class Case:
         return outs
 
 
-def check_form(f, case, qh, kh, d):
+def check_form(f, case, qh, kh):
     """One run of `f` (make_step with with_proj) from the initial caches against the reference fed
     its own projection outputs, layer after layer: (verdict, that projection output [L, T, *])."""
     import jax
@@ -227,7 +227,7 @@ def main(argv=None):
                     fresh = [jax.numpy.copy(c) for c in case.init]  # the same start for both forms
                     results[form] = jax.device_get(f(case.x, case.w, *fresh, *case.args()[4:]))
                     rec["check"], projections[form] = check_form(make_step(form, qh, kh, d, with_proj=True), case,
-                                                                 qh, kh, d)
+                                                                 qh, kh)
                     ok &= rec["check"] == "exact"
                     rec.update(measure(lambda: case.run(f), a, workdir, calls=layers))
                 except Exception as e:  # noqa: BLE001 - keep the other form
