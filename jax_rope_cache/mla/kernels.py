@@ -100,7 +100,7 @@ def mla_kernel_config(spec: MlaSpec, num_sms: int = cuda.DEFAULT_SMS, unroll: in
         parts = 1
         tpb = max(1, min(64, _pow2_floor(UNITS_PER_BLOCK // upt)))
         nt = max(MIN_NT, min(MAX_NT, -(-tpb * copy_units_per_token(spec, w) // (UNROLL * 32)) * 32))
-    minb = max(1, 1024 // nt)  # at most 64 registers per thread (256 threads or more)
+    minb = max(1, 1024 // nt)  # registers for 1024 resident threads per SM (64 each at 256 threads)
     if unroll is None:  # each thread's copy units in one round
         unroll = max(1, min(MAX_UNROLL, -(-tpb * copy_units_per_token(spec, w) // (nt * parts))))
     c = mla_contract.kernel_codes(spec)
