@@ -92,8 +92,57 @@ def test_qkv_dry_run_counts_the_slices_the_fused_input_removes(tmp_path):
     assert fu["qkv_producers"] == ["projection"] * 3, fu
     assert sl["qkv_producers"] == ["slice"] * 3, sl
     assert sl["hlo_kernels"] - fu["hlo_kernels"] == 3, (fu["hlo_opcodes"], sl["hlo_opcodes"])
-    assert row["same_bits"] is True
+    assert fu["check"] == sl["check"] == "exact" and row["same_bits"] is True and row["same_projection"] is True
     assert out.rstrip().splitlines()[-1].startswith("llama-3.1-8b TP1")
+
+
+def test_qkv_check_uses_each_forms_own_projection_and_tells_a_wrong_output():
+    """The reference is fed the projection output given, so another projection (as XLA may compile
+    for the sliced form) is checked against its own reference; a one-bit change is a mismatch."""
+    sys.path.insert(0, os.path.join(BENCH, "gpu"))
+    import ml_dtypes
+    import qkv
+
+    from jax_rope_cache import reference
+
+    bf = ml_dtypes.bfloat16
+    rng = np.random.default_rng(5)
+    qh, kh, d, t, layers, nb, bs = 2, 1, 16, 3, 2, 2, 16
+
+    class Case:
+        slots = rng.permutation(nb * bs)[:t].astype(np.int32)
+        pos = rng.integers(0, 64, t).astype(np.int32)
+        cos, sin = (rng.standard_normal((64, d // 2)).astype(np.float32) for _ in range(2))
+
+    init = [rng.standard_normal((layers, nb, bs, kh, d)).astype(bf) for _ in range(2)]
+    proj = rng.standard_normal((layers, t, (qh + 2 * kh) * d)).astype(bf)
+
+    def run(p):  # the op on projection outputs p, layer after layer
+        kc, vc, qs, ks = init[0], init[1], [], []
+        for i in range(layers):
+            q, k, kc, vc = reference.rope_and_cache_qkv(p[i], kc, vc, Case.slots, Case.pos, Case.cos, Case.sin,
+                                                        num_q_heads=qh, num_kv_heads=kh, layer=i)
+            qs.append(q), ks.append(k)
+        return np.stack(qs), np.stack(ks), kc, vc
+
+    other = (proj.view(np.uint16) ^ 1).view(bf)  # another projection's last bits
+    assert qkv.compare_layers(run(proj), proj, init, Case, qh, kh, reference) == "exact"
+    assert qkv.compare_layers(run(other), other, init, Case, qh, kh, reference) == "exact"
+    assert qkv.compare_layers(run(other), proj, init, Case, qh, kh, reference).startswith("NOT exact (q, layer 0)")
+    q, k, kc, vc = run(proj)
+    kc = kc.copy()
+    kc.view(np.uint16)[1, Case.slots[0] // bs, Case.slots[0] % bs, 0, 0] ^= 1
+    assert qkv.compare_layers((q, k, kc, vc), proj, init, Case, qh, kh, reference) == "NOT exact (key cache)"
+
+
+def test_a_row_without_device_time_says_wall_time():
+    sys.path.insert(0, os.path.join(BENCH, "gpu"))
+    import timing
+
+    lost = dict(wall_us=50.0, time_us=50.0, timing="wall", trace_error="the profile has no GPU events")
+    assert timing.wall_note(lost, expect_device=True) == "WALL time (the profile has no GPU events)"
+    assert timing.wall_note(dict(device_us=1.5, time_us=1.5, timing="device"), expect_device=True) == ""
+    assert timing.wall_note(lost, expect_device=False) == ""  # a dry run has wall time only
 
 
 def test_budget_skips_cases_and_says_so(tmp_path):

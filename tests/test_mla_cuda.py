@@ -174,6 +174,32 @@ def test_host_emulation_both_regimes(regime, emu_dir):
     _check(args, opts, emu_dir, cfg)
 
 
+@pytest.mark.parametrize("T", [8192, 32768])
+def test_deepseek_bandwidth_config_gives_each_thread_one_round_of_copies(T):
+    """DeepSeek-V3 TP8 at large T: one token per block, its 1088 copy units (16 x 64 q_nope chunks +
+    64 kv_c chunks of 16 bytes) in one round of at most UNROLL per thread, no thread left with a
+    second round (256 threads took 4 + 1)."""
+    for cdt in (None, FN):
+        cfg = kernels.mla_kernel_config(spec_of(MlaCase(**DEEPSEEK_TP8, cache_dtype=cdt), T=T), num_sms=132)
+        d = dict(cfg.defines)
+        copy_units = d["MLA_TPB"] * (16 * 512 + 512) // d["MLA_W"]
+        assert (d["MLA_TPB"], d["MLA_W"], cfg.parts) == (1, 8, 1) and copy_units == 1088
+        assert cfg.threads % 32 == 0 and d["MLA_UNROLL"] <= kernels.UNROLL
+        assert cfg.threads * d["MLA_UNROLL"] >= copy_units > (cfg.threads - 32) * d["MLA_UNROLL"], cfg
+
+
+def test_host_emulation_deepseek_bandwidth_config(emu_dir):
+    """The configuration of the H200's large calls (one token per block, 288 threads, the position and
+    slot loaded in the prologue) on a few tokens, invalid slots included."""
+    case = MlaCase(T=6, **DEEPSEEK_TP8, cache_dtype=FN)
+    args, opts = make_mla_problem(case, seed=27)
+    spec = mla_contract.check_mla(*args, **opts)
+    cfg = kernels.mla_kernel_config(spec, num_sms=2)
+    assert cfg.tokens_per_block == 1 and cfg.parts == 1 and cfg.threads == 288, cfg
+    assert dict(cfg.defines)["MLA_UNROLL"] == 4
+    _check(args, opts, emu_dir, cfg)
+
+
 @pytest.mark.parametrize("layer", [1, -1, 3])
 def test_host_emulation_stacked_layer(layer, emu_dir):
     case = MlaCase(T=6, layers=3, layout="split", cache_dtype=FN)
@@ -186,6 +212,8 @@ def test_host_emulation_stacked_layer(layer, emu_dir):
     ("sin's sign", "rc_rotate_pair(a, b, tab(p.ptr[A_COS], trow + ca), tab(p.ptr[A_SIN], trow + ca)",
      "rc_rotate_pair(a, b, tab(p.ptr[A_COS], trow + ca), -tab(p.ptr[A_SIN], trow + ca)"),
     ("latent chunk offset", "u.src = t * DC + j * W;", "u.src = t * DC;"),
+    ("the prologue's slot", "load_index(p.ptr[A_SLOT], t0, MLA_SLOT64 != 0)}", "load_index(p.ptr[A_SLOT], 0, MLA_SLOT64 != 0)}"),
+    ("the prologue's position", "pre = TokenIdx{load_index(p.ptr[A_POS], t0,", "pre = TokenIdx{load_index(p.ptr[A_POS], T - 1,"),
 ])
 def test_host_emulation_would_catch_a_wrong_kernel(what, old, new, emu_dir):
     src = open(os.path.join(_KDIR, "cuda", "mla_cache.cu")).read()

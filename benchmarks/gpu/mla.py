@@ -8,9 +8,11 @@ Dc = 512, Dr = 64), combined latent cache [NB, 64, 576] in bf16 and fp8 (kv_scal
 
 Timing (benchmarks/gpu/timing.py): ours and jnp as N calls unrolled in one jit, each call on its own
 input set, the cache carried and donated, every output returned; "device" = the profiler's GPU busy
-time per call. AITER (benchmarks/gpu/aiter_mla.py): its kernel's own time per call from torch's
-profiler ("A us") and a CUDA graph of N calls / N ("A graph", which adds the graph node's gap), on
-random inputs of the same shapes. x/A = A us / ours, x/J = jnp / ours (> 1: ours is faster).
+time per call; a row whose profile had no GPU events says "WALL time" at its end (wall time of a
+small call is host time, not the kernel's). AITER (benchmarks/gpu/aiter_mla.py), after every JAX
+measurement of the run (torch's profiler takes CUPTI from jax.profiler): its kernel's own time per
+call from torch's profiler ("A us") and a CUDA graph of N calls / N ("A graph", which adds the graph
+node's gap), on random inputs of the same shapes. x/A = A us / ours, x/J = jnp / ours (> 1: ours is faster).
 Bytes: MlaShape.bytes_per_token (every input read once, every output written once). "of copy" =
 the time of a device copy moving the same bytes (N copies in one jit, timed as the op) / ours;
 "of ceil" = bytes / ours / the bandwidth of a 2 GiB copy. Targets: x/A >= 1.2 at T = 1 and
@@ -39,7 +41,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # run as a suite or on its own
 import aiter_mla  # noqa: E402
 from timing import (add_timing_args, copy_ceiling, copy_chain, fmt, log, measure, over_budget, ratio,  # noqa: E402
-                    start_run, write_log)
+                    start_run, wall_note, write_log)
 
 BF16, FN = np.dtype(ml_dtypes.bfloat16), np.dtype(ml_dtypes.float8_e4m3fn)
 KV_SCALE = 0.25
@@ -105,12 +107,11 @@ def compare(got, want, exact):
     return "<=1 step" if worst <= 1.0 else f"{worst:.1f} steps"
 
 
-def check_case(inp, cos, sin, opts, W, dry_run):
-    """Ours (kernel, xla) and AITER on the first CHECK_TOKENS tokens of set 0 and a small fresh cache,
-    against the reference: {impl: "exact" | "<=1 step" | "N steps" | error}."""
+def check_inputs(inp, cos, sin, opts):
+    """(host inputs, reference outputs) of the check: the first CHECK_TOKENS tokens of set 0 and a
+    small fresh cache (random), kept for AITER's check after every JAX measurement."""
     import jax
 
-    import jax_rope_cache as jrc
     from jax_rope_cache.mla import reference
 
     m = min(inp.t, CHECK_TOKENS)
@@ -121,19 +122,26 @@ def check_case(inp, cos, sin, opts, W, dry_run):
     slots = rng.permutation(nb * inp.block_size)[:m].astype(np.int32)
     host = [np.asarray(jax.device_get(x[0][:m])) for x in (inp.q_nope, inp.q_pe, inp.kv_c, inp.k_pe)]
     host += [cache, slots, np.asarray(jax.device_get(inp.pos[0][:m]))]
-    want = reference.mla_rope_and_cache(*host, cos, sin, **opts)
+    return host, reference.mla_rope_and_cache(*host, cos, sin, **opts)
+
+
+def check_ours(host, want, cos, sin, opts):
+    """Ours (kernel, xla) against the reference: {impl: "exact" | "<=1 step" | "N steps"}."""
+    import jax_rope_cache as jrc
+
     out = {}
     for impl in ("kernel", "xla"):
         got = jrc.mla_rope_and_cache(*host, cos, sin, impl=impl, **opts)
         out[impl] = compare([np.asarray(g) for g in got], want, exact=impl == "kernel")
-    if W is not None:
-        try:
-            got = aiter_mla.run_numpy(W, host, cos, sin, KV_SCALE, dev="cpu" if dry_run else "cuda",
-                                      inputs_f32=dry_run)
-            out["aiter"] = compare(got, want, exact=False)
-        except Exception as e:  # noqa: BLE001 - AITER's own failure is a result, not ours
-            out["aiter"] = f"failed: {type(e).__name__}: {e}"[:200]
     return out
+
+
+def check_aiter(W, host, want, cos, sin, dry_run):
+    try:
+        got = aiter_mla.run_numpy(W, host, cos, sin, KV_SCALE, dev="cpu" if dry_run else "cuda", inputs_f32=dry_run)
+        return compare(got, want, exact=False)
+    except Exception as e:  # noqa: BLE001 - AITER's own failure is a result, not ours
+        return f"failed: {type(e).__name__}: {e}"[:200]
 
 
 def main(argv=None):
@@ -178,7 +186,9 @@ def main(argv=None):
                 shape=dataclasses.asdict(shape), copy_GBps=ceiling / 1e9, calls=a.calls, reps=a.reps, dry_run=a.dry_run,
                 aiter=(W.__file__ if W else None), aiter_unavailable=None if W else why)
     log("bench_mla:", json.dumps(meta))
-    rows = []
+    rows, aiter_cases = [], []
+    # Every JAX measurement first, AITER (torch) after them all: torch's profiler takes CUPTI, and
+    # a jax.profiler trace started after it in the same process sees no GPU events (timing.py).
     for cname in a.caches.split(","):
         cdt = FN if cname == "fp8" else BF16
         opts = dict(kv_scale=np.float32(KV_SCALE)) if cdt == FN else {}
@@ -189,11 +199,12 @@ def main(argv=None):
             nbytes = t * shape.bytes_per_token(cache_size=cdt.itemsize, table_size=cos.dtype.itemsize)
             row = dict(cache=cname, T=t, bytes=nbytes)
             inp = Inputs(shape, t, a.calls, jnp.dtype(cdt), num_slots, a.block_size, seed=len(rows) + 1)
+            host = want = None
             try:
-                row["check"] = check_case(inp, cos, sin, opts, W, a.dry_run)
+                host, want = check_inputs(inp, cos, sin, opts)
+                row["check"] = check_ours(host, want, cos, sin, opts)
             except Exception as e:  # noqa: BLE001 - the timings still stand
                 row["check"] = {"error": f"{type(e).__name__}: {e}"[:200]}
-            log(f"check {cname} T={t} vs the reference: {row['check']}")
             dcos, dsin = jnp.asarray(cos), jnp.asarray(sin)
             for impl in ("kernel", "xla"):
                 f = make_chain(impl, a.calls, a.calls, opts)
@@ -212,22 +223,28 @@ def main(argv=None):
                 row["copy"] = measure(copy_chain(nbytes, a.calls), a, workdir)
             except Exception as e:  # noqa: BLE001
                 row["copy"] = {"error": f"{type(e).__name__}: {e}"[:300]}
-            if W is not None:
-                try:  # a dry run's interpreter ran AITER in the check only
-                    if not a.dry_run:
-                        k_us, k_n, g_us = aiter_mla.timed(W, shape, t, num_slots, a.block_size, cname, cos, sin,
-                                                          KV_SCALE, a.calls, seed=len(rows) + 1)
-                        row["aiter"] = dict(kernel_us=k_us, kernels_per_call=k_n, graph_us=g_us)
-                except Exception as e:  # noqa: BLE001 - AITER's own failure is a result, not ours
-                    row["aiter"] = {"error": f"{type(e).__name__}: {e}"[:300]}
             rows.append(row)
+            aiter_cases.append((row, num_slots, host, want))
             log(json.dumps(row))
+    for k, (row, num_slots, host, want) in enumerate(aiter_cases if W is not None else []):
+        if host is not None:
+            row["check"]["aiter"] = check_aiter(W, host, want, cos, sin, a.dry_run)
+        try:  # a dry run's interpreter ran AITER in the check only
+            if not a.dry_run:
+                k_us, k_n, g_us = aiter_mla.timed(W, shape, row["T"], num_slots, a.block_size, row["cache"], cos, sin,
+                                                  KV_SCALE, a.calls, seed=k + 1)
+                row["aiter"] = dict(kernel_us=k_us, kernels_per_call=k_n, graph_us=g_us)
+        except Exception as e:  # noqa: BLE001 - AITER's own failure is a result, not ours
+            row["aiter"] = {"error": f"{type(e).__name__}: {e}"[:300]}
+        log(f"aiter {row['cache']} T={row['T']}: check {row['check'].get('aiter')}, {json.dumps(row.get('aiter'))}")
+    for row in rows:
+        log(f"check {row['cache']} T={row['T']} vs the reference: {row['check']}")
     with open(os.path.join(a.out_dir, "bench_mla.json"), "w") as fh:
         json.dump(dict(meta=meta, rows=rows), fh, indent=1)
     shutil.rmtree(workdir, ignore_errors=True)
 
-    timing = "device (profiler GPU busy per call)" if any(r.get("kernel", {}).get("device_us") for r in rows) \
-        else "wall per call"
+    expect_device = a.profile and not a.dry_run
+    timing = "device (profiler GPU busy per call)" if expect_device else "wall per call"
     log(f"\nMLA {shape.name}: {shape.q_heads} q heads, Dc {shape.latent_dim}, Dr {shape.rope_dim}; time = {timing}, "
         f"us; {a.calls} calls per jit; copy ceiling {ceiling / 1e9:.0f} GB/s; AITER: "
         + (W.__file__ if W else why))
@@ -243,7 +260,9 @@ def main(argv=None):
             f"{fmt(ratio(ai.get('kernel_us'), us), 6)} {fmt(ai.get('graph_us'))} {fmt(ratio(ai.get('graph_us'), us), 6)}"
             f"  {', '.join(f'{k} {v}' for k, v in r.get('check', {}).items())}"
             + "".join(f"  [{k}: {r[k]['error'][:80]}]" for k in ("kernel", "xla", "copy", "aiter")
-                      if isinstance(r.get(k), dict) and r[k].get("error")))
+                      if isinstance(r.get(k), dict) and r[k].get("error"))
+            + "".join(f"  [{k}: {note}]" for k in ("kernel", "xla", "copy")
+                      if (note := wall_note(r.get(k, {}), expect_device))))
     write_log(os.path.join(a.out_dir, "bench_mla.log"))
     ours_ok = all(r.get("check", {}).get("kernel") == "exact" for r in rows)
     return 0 if ours_ok and all("error" not in r.get(k, {}) for r in rows for k in ("kernel", "xla")) else 1

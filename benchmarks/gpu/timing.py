@@ -4,7 +4,9 @@ takes, the copy ceiling, and the device time of one jitted executable of N unrol
 Device time = the GPU busy time of a few executions in a jax.profiler trace (sum of the events on
 the GPU's stream lines) / (executions * calls); wall = median wall time of one execution / calls.
 On the CPU (a dry run) only wall time exists. torch-launched kernels (AITER) are timed in
-cuda_graph_timing.py.
+cuda_graph_timing.py, after every JAX measurement of a suite or in another process: torch's profiler
+takes CUPTI, and a jax.profiler trace started after it in the same process records no GPU events.
+measure() says which time it returns ("timing": device or wall) and why device time is missing.
 """
 from __future__ import annotations
 
@@ -147,10 +149,21 @@ def measure(run, a, workdir, calls=None) -> dict:
     if a.profile and not a.dry_run:
         try:
             rec["device_us"], rec["gpu_events_per_call"] = device_us_per_call(run, a.trace_execs, calls, workdir)
+            if rec["device_us"] is None:  # e.g. CUPTI held by another profiler (torch's) in this process
+                rec["trace_error"] = "the profile has no GPU events"
         except Exception as e:  # noqa: BLE001 - wall time still stands
             rec["trace_error"] = f"{type(e).__name__}: {e}"[:200]
     rec["time_us"] = rec.get("device_us") or rec["wall_us"]
+    rec["timing"] = "device" if rec.get("device_us") else "wall"
     return rec
+
+
+def wall_note(rec: dict, expect_device: bool) -> str:
+    """"" where `rec` (measure's record) has the time asked for; else why its time is wall time: a
+    table must not pass a wall time (host-bound for small calls) off as device time."""
+    if not expect_device or rec.get("timing") != "wall":
+        return ""
+    return f"WALL time ({rec.get('trace_error', 'no device time')})"
 
 
 def fmt(x, w=9, p=2):

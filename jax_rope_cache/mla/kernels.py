@@ -34,12 +34,17 @@ CUDA_KERNEL = "mla_cache_kernel"
 MAX_PARTS = 64
 # Latency regime (fewer than ~2 tokens per SM): one token per block, its units spread over up to
 # MAX_PARTS blocks of LATENCY_NT threads (one unit per thread where the grid allows). Bandwidth
-# regime: BANDWIDTH_NT threads, ~UNITS_PER_BLOCK units per block (several per thread), copy units
-# issued UNROLL at a time (loads, then stores).
+# regime: ~UNITS_PER_BLOCK units per block, threads sized so that every thread's copy units are one
+# round of at most UNROLL (every load, then every store: MLA_UNROLL = the round's units), between
+# MIN_NT and MAX_NT threads. A round left over for a few threads (DeepSeek-V3 TP8 with 256 threads:
+# 1088 copy units, 4 + 1 per thread) adds a whole memory latency to the block's life with few bytes
+# in flight; 288 threads take them in one round of 4 (an UNROLL of 5 instead costs 51-56 registers
+# against 39-43: four resident blocks per SM instead of five or six).
 LATENCY_NT = 128
-BANDWIDTH_NT = 256
+MIN_NT, MAX_NT = 128, 512
 UNITS_PER_BLOCK = 2048
 UNROLL = 4
+MAX_UNROLL = 8  # where MAX_NT threads are too few for rounds of UNROLL
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,9 +73,13 @@ def chunk_widths(spec: MlaSpec) -> tuple[int, int]:
     return w, rw
 
 
+def copy_units_per_token(spec: MlaSpec, w: int) -> int:
+    return spec.q_heads * (spec.nope_dim // w) + spec.latent_dim // w
+
+
 def units_per_token(spec: MlaSpec, w: int, rw: int) -> int:
     p = (spec.rope_dim // 2) // rw if spec.is_neox else spec.rope_dim // rw
-    return spec.q_heads * (spec.nope_dim // w) + spec.latent_dim // w + (spec.q_heads + 1) * p
+    return copy_units_per_token(spec, w) + (spec.q_heads + 1) * p
 
 
 def _pow2_floor(n: int) -> int:
@@ -88,16 +97,19 @@ def mla_kernel_config(spec: MlaSpec, num_sms: int = cuda.DEFAULT_SMS, unroll: in
         per_part = -(-upt // parts)
         nt = min(nt, max(32, -(-per_part // 32) * 32))
     else:
-        nt, parts = BANDWIDTH_NT, 1
+        parts = 1
         tpb = max(1, min(64, _pow2_floor(UNITS_PER_BLOCK // upt)))
-    minb = max(1, 1024 // nt)  # at most 64 registers per thread
+        nt = max(MIN_NT, min(MAX_NT, -(-tpb * copy_units_per_token(spec, w) // (UNROLL * 32)) * 32))
+    minb = max(1, 1024 // nt)  # registers for 1024 resident threads per SM (64 each at 256 threads)
+    if unroll is None:  # each thread's copy units in one round
+        unroll = max(1, min(MAX_UNROLL, -(-tpb * copy_units_per_token(spec, w) // (nt * parts))))
     c = mla_contract.kernel_codes(spec)
     defines = (("MLA_QH", c.qh), ("MLA_DN", c.dn), ("MLA_DC", c.dc), ("MLA_DR", c.dr), ("MLA_BS", c.bs),
                ("MLA_SPLIT_CACHE", int(c.split)), ("MLA_NEOX", int(c.neox)), ("MLA_FULL_TABLE", int(c.full_table)),
                ("MLA_NATIVE", int(c.native)), ("MLA_DT", c.dt), ("MLA_TAB_DT", c.tab_dt), ("MLA_CACHE_DT", c.cache_dt),
                ("MLA_Q_DT", c.q_dt), ("MLA_SLOT64", int(c.slot64)), ("MLA_POS64", int(c.pos64)),
                ("MLA_LAYER_BLOCKS", c.layer_blocks), ("MLA_W", w), ("MLA_RW", rw), ("MLA_TPB", tpb), ("MLA_NT", nt),
-               ("MLA_PARTS", parts), ("MLA_MINB", minb), ("MLA_UNROLL", UNROLL if unroll is None else unroll))
+               ("MLA_PARTS", parts), ("MLA_MINB", minb), ("MLA_UNROLL", unroll))
     return MlaCudaConfig(defines=defines, tokens_per_block=tpb, threads=nt, parts=parts)
 
 

@@ -20,7 +20,8 @@
 //                                            dividing Dr for GPT-J)
 //   MLA_TPB, MLA_NT, MLA_PARTS, MLA_MINB     tokens per block, threads, blocks per token block
 //                                            (grid.y), blocks per SM of the register budget
-//   MLA_UNROLL                               copy units a thread loads before it stores (1, 2, 4)
+//   MLA_UNROLL                               copy units a thread loads before it stores (1..8; the
+//                                            configuration gives each thread's copy units one round)
 //
 // Kernel ABI (kernels/ffi/gpu_launcher.cc, generic): one struct by value holding the device pointers
 // of the NA operands then the NR results, then int64 dim0 of every operand:
@@ -34,6 +35,8 @@
 // then kv_c chunks: one MLA_W-element vector each, consecutive lanes on consecutive chunks), issued
 // MLA_UNROLL at a time (all loads, then all stores); then the rotation units (token, head h <= QH, chunk
 // j; h == QH is k_pe), each loading its chunk(s), its position and its table values.
+// One token per block (MLA_TPB 1): its position and slot are loaded once, before any unit, so no
+// unit's table loads or cache stores wait on an index load of their own.
 // Bounds: positions clamped to [0, max_pos - 1]; a slot writes only if 0 <= slot < NB*BS (and, stacked,
 // 0 <= layer < L); offsets are 64-bit. q_out and k_pe_out are written for every token.
 // Arithmetic: kernels/common/rope_cache_math.h (NVRTC with --fmad=false), bit-exact to the reference;
@@ -186,6 +189,19 @@ struct SlotRange {
   i64 n, base;
 };
 
+// Position and slot of the block's token, loaded in the prologue where the block has one token.
+struct TokenIdx {
+  i64 pos, slot;
+};
+
+__device__ __forceinline__ i64 token_pos(const Params& p, i64 t, TokenIdx pre) {
+  return TPB == 1 ? pre.pos : load_index(p.ptr[A_POS], t, MLA_POS64 != 0);
+}
+
+__device__ __forceinline__ i64 token_slot(const Params& p, i64 t, TokenIdx pre) {
+  return TPB == 1 ? pre.slot : load_index(p.ptr[A_SLOT], t, MLA_SLOT64 != 0);
+}
+
 // Rotated values of one chunk, stored to `dst` (dtype C) at the element offsets of the pairs.
 template <int C>
 __device__ __forceinline__ void store_rot(void* dst, i64 row, int j, const float* ya, const float* yb, float inv) {
@@ -208,8 +224,8 @@ __device__ __forceinline__ void store_rot(void* dst, i64 row, int j, const float
 
 constexpr int NP = NEOX ? RW : RW / 2;  // pairs per rotation unit
 
-__device__ __forceinline__ void rot_unit(const Params& p, i64 T, i64 t0, int u, SlotRange sr, float inv_q,
-                                         float inv_kv) {
+__device__ __forceinline__ void rot_unit(const Params& p, i64 T, i64 t0, int u, SlotRange sr, TokenIdx pre,
+                                         float inv_q, float inv_kv) {
   const int tt = u / RU, r = u % RU, h = r / P, j = r % P;
   const i64 t = t0 + tt;
   if (t >= T) return;
@@ -221,7 +237,7 @@ __device__ __forceinline__ void rot_unit(const Params& p, i64 T, i64 t0, int u, 
   xa = load<RW, S_IN>(x, xrow + j * RW);
   if (NEOX) xb = load<RW, S_IN>(x, xrow + HALF + j * RW);
   const i64 max_pos = p.dim0[A_COS];
-  i64 pos = load_index(p.ptr[A_POS], t, MLA_POS64 != 0);
+  i64 pos = token_pos(p, t, pre);
   pos = pos < 0 ? 0 : (pos >= max_pos ? max_pos - 1 : pos);
   const i64 trow = pos * TW;
   float ya[NP], yb[NP];
@@ -239,7 +255,7 @@ __device__ __forceinline__ void rot_unit(const Params& p, i64 T, i64 t0, int u, 
     return;
   }
   store_rot<DT>(p.ptr[R_KPE], t * DR, j, ya, yb, 1.0f);
-  const i64 s = load_index(p.ptr[A_SLOT], t, MLA_SLOT64 != 0);
+  const i64 s = token_slot(p, t, pre);
   if (s < 0 || s >= sr.n) return;
   const i64 slot = sr.base + s;
   if (SPLIT_CACHE) store_rot<CDT>(p.ptr[R_C1], slot * DR, j, ya, yb, inv_kv);
@@ -252,7 +268,7 @@ struct CopyUnit {
   bool latent;
 };
 
-__device__ __forceinline__ CopyUnit copy_unit(const Params& p, i64 T, i64 t0, int c, SlotRange sr) {
+__device__ __forceinline__ CopyUnit copy_unit(const Params& p, i64 T, i64 t0, int c, SlotRange sr, TokenIdx pre) {
   const int tt = c / CU, r = c % CU;
   const i64 t = t0 + tt;
   CopyUnit u{0, -1, false};
@@ -265,7 +281,7 @@ __device__ __forceinline__ CopyUnit copy_unit(const Params& p, i64 T, i64 t0, in
     const int j = r - QH * CN;
     u.latent = true;
     u.src = t * DC + j * W;
-    const i64 s = load_index(p.ptr[A_SLOT], t, MLA_SLOT64 != 0);
+    const i64 s = token_slot(p, t, pre);
     u.dst = (s >= 0 && s < sr.n) ? (sr.base + s) * ROW0 + j * W : -1;
   }
   return u;
@@ -282,6 +298,9 @@ extern "C" __global__ void __launch_bounds__(MLA_NT, MLA_MINB) mla_cache_kernel(
     const i64 layer = *static_cast<const int*>(p.ptr[A_LAYER]), per_layer = (i64)LAYER_BLOCKS * BS;
     sr = (layer >= 0 && layer < p.dim0[A_C0]) ? SlotRange{per_layer, layer * per_layer} : SlotRange{0, 0};
   }
+  TokenIdx pre{0, -1};
+  if (TPB == 1 && t0 < T)
+    pre = TokenIdx{load_index(p.ptr[A_POS], t0, MLA_POS64 != 0), load_index(p.ptr[A_SLOT], t0, MLA_SLOT64 != 0)};
   const float inv_q = Q_FP8 ? rc_inv_scale(*static_cast<const float*>(p.ptr[A_QS])) : 1.0f;
   const float inv_kv = C_FP8 ? rc_inv_scale(*static_cast<const float*>(p.ptr[A_KVS])) : 1.0f;
   const int u0 = (PARTS > 1 ? (int)blockIdx.y * NT : 0) + (int)threadIdx.x;
@@ -294,7 +313,7 @@ extern "C" __global__ void __launch_bounds__(MLA_NT, MLA_MINB) mla_cache_kernel(
 #pragma unroll
     for (int k = 0; k < UNROLL; ++k) {
       const int c = u + k * STRIDE;
-      cu[k] = c < N_COPY ? copy_unit(p, T, t0, c, sr) : CopyUnit{0, -1, false};
+      cu[k] = c < N_COPY ? copy_unit(p, T, t0, c, sr, pre) : CopyUnit{0, -1, false};
       if (cu[k].dst >= 0) x[k] = load<W, S_IN>(cu[k].latent ? p.ptr[A_KVC] : p.ptr[A_QNOPE], cu[k].src);
 #ifdef RC_EMULATE
       if (c < N_COPY) emu_count(c);
@@ -314,7 +333,7 @@ extern "C" __global__ void __launch_bounds__(MLA_NT, MLA_MINB) mla_cache_kernel(
 #ifdef RC_EMULATE
     emu_count(u);
 #endif
-    rot_unit(p, T, t0, u - N_COPY, sr, inv_q, inv_kv);
+    rot_unit(p, T, t0, u - N_COPY, sr, pre, inv_q, inv_kv);
   }
 }
 
