@@ -274,7 +274,7 @@ COMPILE = [
     ("xpacked", BF16, BF16, FNUZ, "native", 128, None, True, 32, 8, False, None, None),
     ("xpacked_shuffled", F16, F16, E5, "native", 64, None, False, 16, 4, False, 4, None),
     ("hnd", BF16, F32D, FN, "native", 128, 64, True, 8, 2, False, None, None),
-    ("flash", BF16, F32D, FNUZ, "fp32", 128, None, True, 64, 8, True, 4, None),  # Qwen3-like, stacked
+    ("flash", BF16, F32D, FNUZ, "fp32", 128, None, True, 16, 2, True, 4, None),  # Qwen3-32B TP4, stacked
     ("xpacked", BF16, F32D, FN, "fp32", 128, 64, False, 16, 4, True, None, 4),
     ("flash", F32D, F32D, E5, "fp32", 256, None, True, 4, 2, False, None, None),
     ("xpacked_shuffled", BF16, F32D, FN, "fp32", 64, None, True, 64, 8, False, None, None),

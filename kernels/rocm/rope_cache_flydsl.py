@@ -17,6 +17,8 @@ byte offsets 0, 8, ..., 248 (kernarg segment 256 bytes, no hidden arguments):
   14..17  device addresses of the results   q_out, k_out, key_cache_out, value_cache_out
   18..31  int64 dim0 of each operand (T = dim0[0], NB = dim0[3] (stacked: L), max_pos = dim0[7]);
           T is q's dim0 (positions has dim0 3 with M-RoPE)
+With per-token scales (`token_scales`) k_scale / v_scale are the scale caches and the results
+k_scale_cache_out, v_scale_cache_out follow at 18, 19: 34 arguments (272 bytes), dim0s at 20..33.
 Grid: (ceil(T / TPB), SPLIT, 1) workgroups of NT threads (NT is the required workgroup size).
 
 Work decomposition. A workgroup owns TPB consecutive tokens (latency regime, small T: one token,
@@ -67,6 +69,13 @@ branch yielding the packed words, so their channels keep their bits. Where the c
 with the tree (D = 80, R = 3D/4, ...) every lane reloads its row piece by piece (correct; more
 registers). The weights load after the sum (latency regime: with the q/k chunks) and the tables
 after the norm (not live across it).
+
+Per-token fp8 scales (`token_scales`; reference.token_scale): the rotation lanes of a (token, head)
+hold its whole K row as with the norm (norm_layout; no pass-through phase), the V phase's lanes its
+V row. Each row's absolute maximum is an unsigned max of |x|'s bits (NaN and inf as 0), then the
+norm's xor butterfly with that max (token_scale_row); scale and 1/scale by correctly rounded
+divisions; the row's first lane writes the scale. Rows that are no power-of-two lane group of one
+wave are refused (token_scales_problem).
 
 Multimodal RoPE (`mrope` 1: sections, 2: interleaved; `mrope_t/h/w` the frequency counts; 0: off,
 positions [T], and the code is that of a kernel without the option). positions is [3, T]: stream s
