@@ -21,14 +21,12 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import sys
 import tempfile
-import time
 
 import numpy as np
 
-from qk_norm import LOG, add_timing_args, device_us_per_call, log, slot_pattern, start_run
+from qk_norm import LOG, add_timing_args, log, slot_pattern, start_run, time_run
 
 BS = 16
 MAX_POS = 4096
@@ -95,8 +93,6 @@ def make_chain(variant, layout, n_calls, n_sets):
 
 
 def run_variant(variant, inp, a, workdir):
-    import jax
-
     f = make_chain(variant, inp.layout, a.calls, len(inp.q))
     key = "bf16" if variant == "bf16" else "fp8"
     token = variant in ("fp8_token", "token_xla")
@@ -110,21 +106,7 @@ def run_variant(variant, inp, a, workdir):
             inp.scale_caches = caches[2:]
         return outs
 
-    t0 = time.perf_counter()
-    jax.block_until_ready(run())
-    compile_s = time.perf_counter() - t0
-    ts = []
-    for _ in range(a.reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(run())
-        ts.append(time.perf_counter() - t0)
-    rec = dict(wall_us=statistics.median(ts) / a.calls * 1e6, compile_s=round(compile_s, 2))
-    if a.profile:
-        try:
-            rec["device_us"], rec["gpu_events_per_call"] = device_us_per_call(run, a.trace_execs, a.calls, workdir)
-        except Exception as e:  # noqa: BLE001 - wall time still stands
-            rec["trace_error"] = f"{type(e).__name__}: {e}"[:200]
-    return rec
+    return time_run(run, a, workdir)
 
 
 def main(argv=None):

@@ -189,6 +189,14 @@ def run_variant(variant, inp, a, workdir):
         inp.caches[-1] = (kc, vc)
         return outs
 
+    return time_run(run, a, workdir)
+
+
+def time_run(run, a, workdir) -> dict:
+    """Times `run` (one execution of a jit of a.calls calls): compile + first run, one warm run,
+    then the median of a.reps wall times per call, and the profiler's device time per call."""
+    import jax
+
     t0 = time.perf_counter()
     jax.block_until_ready(run())
     compile_s = time.perf_counter() - t0
