@@ -215,6 +215,10 @@ class arith:  # noqa: N801
         return Val(a.ty, np.minimum(_u(a), _u(b)))
 
     @staticmethod
+    def maxui(a, b):
+        return Val(a.ty, np.maximum(_u(a), _u(b)))
+
+    @staticmethod
     def minsi(a, b):
         return Val(a.ty, np.minimum(_s(a), _s(b)).view(_u(a).dtype))
 
@@ -479,10 +483,14 @@ DIALECTS = (ir, arith, gpu, llvm, rocdl, scf, vector)
 
 def custom_call_operands(args, opts, layer=0) -> list[np.ndarray]:
     """The custom call's 14 operands of a call (args, opts as for the reference): scales as f32 []
-    or [KH] (1 without an fp8 cache), layer, absent norm weights as an f32[1] placeholder."""
+    or [KH] (1 without an fp8 cache), or the scale caches (k_scale_cache / v_scale_cache) in their
+    slots, layer, absent norm weights as an f32[1] placeholder."""
     fp8 = np.dtype(args[3].dtype).itemsize == 1
     scales = []
     for name in ("k_scale", "v_scale"):
+        if opts.get(name + "_cache") is not None:
+            scales.append(np.asarray(opts[name + "_cache"], np.float32))
+            continue
         s = np.asarray(opts.get(name, 1.0) if fp8 else 1.0, np.float32)
         scales.append(s.reshape(()) if s.size == 1 else s.reshape(-1))
     none = np.zeros(1, np.float32)
@@ -492,7 +500,8 @@ def custom_call_operands(args, opts, layer=0) -> list[np.ndarray]:
 
 def run(kernel_module, cfg, operands: list[np.ndarray]) -> list[np.ndarray]:
     """Launches the kernel on numpy operands (the custom call's 14, in order); returns the 4
-    results (q_out, k_out, key_cache, value_cache), caches updated in place semantics."""
+    results (q_out, k_out, key_cache, value_cache), caches updated in place semantics; with
+    per-token scales (cfg.token_scales) also the scale caches (aliased to operands 9 and 10)."""
     global M
     q, k, v, kc, vc = operands[:5]
     T = q.shape[0]
@@ -503,7 +512,9 @@ def run(kernel_module, cfg, operands: list[np.ndarray]) -> list[np.ndarray]:
     q_out, k_out = np.zeros((T, cfg.qh, cfg.d), q.dtype), np.zeros((T, cfg.kh, cfg.d), k.dtype)
     a_qo, a_ko = M.alloc(q_out), M.alloc(k_out)
     # the caches are aliased: results = operands 3 and 4
-    args_py = addrs + [a_qo, a_ko, addrs[3], addrs[4]] + [a.shape[0] if a.ndim else 1 for a in operands]
+    scale_caches = [addrs[9], addrs[10]] if getattr(cfg, "token_scales", False) else []
+    args_py = (addrs + [a_qo, a_ko, addrs[3], addrs[4]] + scale_caches
+               + [a.shape[0] if a.ndim else 1 for a in operands])
     for b in range(grid):
         for y in range(getattr(cfg, "split", 1)):  # grid.y: a split configuration's parts
             M.bid, M.bid_y = b, y
@@ -512,8 +523,10 @@ def run(kernel_module, cfg, operands: list[np.ndarray]) -> list[np.ndarray]:
             kernel_module.emit_kernel_body(cfg, args, dialects=DIALECTS)
     global LAST_WRITERS
     names = {a_qo: "q_out", a_ko: "k_out", addrs[3]: "key_cache", addrs[4]: "value_cache"}
+    names.update(zip(scale_caches, ("k_scale_cache", "v_scale_cache")))
     LAST_WRITERS = {names.get(base, hex(base)): parts for base, parts in M.writers.items()}
-    return [M.read(a_qo, q_out), M.read(a_ko, k_out), M.read(addrs[3], kc), M.read(addrs[4], vc)]
+    out = [M.read(a_qo, q_out), M.read(a_ko, k_out), M.read(addrs[3], kc), M.read(addrs[4], vc)]
+    return out + [M.read(a, operands[i]) for a, i in zip(scale_caches, (9, 10))]
 
 
 LAST_WRITERS: dict[str, set] = {}  # run(): each written output -> the grid.y parts that stored into it

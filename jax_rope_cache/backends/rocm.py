@@ -41,7 +41,8 @@ NAME = "ROCm"
 DEFAULT_ARCHS = ("gfx942", "gfx950")
 ARCH_NAMES = {"gfx942": "MI300", "gfx950": "MI350/MI355"}
 # contract.FEATURES the FlyDSL kernel implements (others: the XLA path, or an error with impl="kernel").
-SUPPORTS: frozenset[str] = frozenset(contract.FEATURES) - {"token_scales"}  # all but per-token scales
+# Per-token scales: for shapes where a row is a power-of-two lane group (refuse_token_scales).
+SUPPORTS: frozenset[str] = frozenset(contract.FEATURES)
 
 
 class UnsupportedArch(RuntimeError):
@@ -171,6 +172,8 @@ def occupancy_candidates(cfg, module=None) -> list:
         out.append((narrower, None))
     if latency:
         out += [c for c in occupancy_candidates(K.make_config(**codes), K) if c not in out]
+    if getattr(cfg, "token_scales", False):  # narrower chunks may spread a row over too many lanes
+        out = [(c, h) for c, h in out if K.token_scales_problem(c) is None]
     return out
 
 
@@ -232,8 +235,33 @@ def prepare_launch(ctx, build, what: str):
             f"{what}, but compiling the kernel failed ({type(e).__name__}: {e})") from e
 
 
+def refuse_token_scales(cfg, module=None) -> None:
+    """KernelUnavailable where per-token scales do not fit the shape (the kernel's
+    token_scales_problem: a row's lanes are not a power-of-two group of one wave)."""
+    K = module or flydsl.kernel_module()
+    problem = K.token_scales_problem(cfg) if getattr(cfg, "token_scales", False) else None
+    if problem is None:
+        return
+    raise native.KernelUnavailable(f"a kernel with per-token fp8 scales for this shape ({problem})") from (
+        NotImplementedError(f"rope_and_cache: impl='kernel' on {NAME}: the kernel does not implement per-token fp8 "
+                            f"scales (k_scale_cache / v_scale_cache) for this shape: {problem}; use impl=None (the "
+                            "XLA implementation then runs) or impl='xla'"))
+
+
+def launch_buffers(spec: contract.OpSpec) -> dict:
+    """lower_launch's aliases, fenced operands and buffer names: with per-token scales the scale
+    caches are 2 more results aliased to the k_scale / v_scale slots, and (donated, updated in place)
+    are not fenced."""
+    if not spec.token_scales:
+        return {}
+    fenced = tuple(contract.OPERANDS.index(n) for n in contract.FENCED_OPERANDS if n not in ("k_scale", "v_scale"))
+    names = contract.OPERANDS + tuple(f"{r} result" if r in contract.OPERANDS else r for r in contract.results(spec))
+    return dict(aliases=contract.cache_aliases(spec), fenced=fenced, buffer_names=",".join(names))
+
+
 def lower(ctx, args, spec: contract.OpSpec):
     native.refuse_unsupported(spec, SUPPORTS, NAME)
+    refuse_token_scales(kernel_config(spec))
 
     def build(archs):
         cfg = kernel_config(spec)
@@ -242,4 +270,4 @@ def lower(ctx, args, spec: contract.OpSpec):
 
     table, symbol, cfg = prepare_launch(ctx, build, "its kernel")
     return launcher.lower_launch(ctx, args, table=table, kernel=symbol, grid_div=cfg.tpb, block=cfg.nt,
-                                 grid_y=getattr(cfg, "split", 1), platform="ROCM")
+                                 grid_y=getattr(cfg, "split", 1), platform="ROCM", **launch_buffers(spec))

@@ -17,6 +17,8 @@ byte offsets 0, 8, ..., 248 (kernarg segment 256 bytes, no hidden arguments):
   14..17  device addresses of the results   q_out, k_out, key_cache_out, value_cache_out
   18..31  int64 dim0 of each operand (T = dim0[0], NB = dim0[3] (stacked: L), max_pos = dim0[7]);
           T is q's dim0 (positions has dim0 3 with M-RoPE)
+With per-token scales (`token_scales`) k_scale / v_scale are the scale caches and the results
+k_scale_cache_out, v_scale_cache_out follow at 18, 19: 34 arguments (272 bytes), dim0s at 20..33.
 Grid: (ceil(T / TPB), SPLIT, 1) workgroups of NT threads (NT is the required workgroup size).
 
 Work decomposition. A workgroup owns TPB consecutive tokens (latency regime, small T: one token,
@@ -68,6 +70,13 @@ with the tree (D = 80, R = 3D/4, ...) every lane reloads its row piece by piece 
 registers). The weights load after the sum (latency regime: with the q/k chunks) and the tables
 after the norm (not live across it).
 
+Per-token fp8 scales (`token_scales`; reference.token_scale): the rotation lanes of a (token, head)
+hold its whole K row as with the norm (norm_layout; no pass-through phase), the V phase's lanes its
+V row. Each row's absolute maximum is an unsigned max of |x|'s bits (NaN and inf as 0), then the
+norm's xor butterfly with that max (token_scale_row); scale and 1/scale by correctly rounded
+divisions; the row's first lane writes the scale. Rows that are no power-of-two lane group of one
+wave are refused (token_scales_problem).
+
 Multimodal RoPE (`mrope` 1: sections, 2: interleaved; `mrope_t/h/w` the frequency counts; 0: off,
 positions [T], and the code is that of a kernel without the option). positions is [3, T]: stream s
 of token t at element s*T + t, read through one descriptor per stream (based at the workgroup's
@@ -85,14 +94,16 @@ import struct
 
 KERNEL_BASENAME = "jrc_rope_cache"
 NUM_OPERANDS = 14  # the custom call's operands
-NUM_ADDRS = NUM_OPERANDS + 4  # then its 4 results
-NUM_ARGS = NUM_ADDRS + NUM_OPERANDS  # then each operand's dim0
+NUM_ADDRS = NUM_OPERANDS + 4  # then its 4 results (6 with per-token scales: num_results)
+NUM_ARGS = NUM_OPERANDS + 6 + NUM_OPERANDS  # what the launch function takes (the kernel: kernel_args)
 ARG_BYTES = 8
 
 # dtype codes: jax_rope_cache/_spec.py DTYPE_CODES
 F32, BF16, F16, FP8_FN, FP8_FNUZ, FP8_E5M2 = 0, 1, 2, 3, 4, 5
 ITEMSIZE = {F32: 4, BF16: 2, F16: 2, FP8_FN: 1, FP8_FNUZ: 1, FP8_E5M2: 1}
 FP8_CODES = (FP8_FN, FP8_FNUZ, FP8_E5M2)
+FP8_MAX = {FP8_FN: 448.0, FP8_FNUZ: 240.0, FP8_E5M2: 57344.0}  # contract.FP8_MAX
+TOKEN_AMAX_FLOOR_BITS = struct.unpack("<I", struct.pack("<f", 1e-8))[0]  # contract.TOKEN_AMAX_FLOOR (f32)
 FLASH, XPACKED, XPACKED_SHUFFLED, HND = 0, 1, 2, 3
 
 
@@ -135,6 +146,9 @@ class RocmKernelConfig:
     # the q, k and v operands are each the fused QKV tensor [T, QH + 2 KH, D] (q heads, then k heads,
     # then v heads of a token): inputs read at those head offsets with that row stride
     qkv: bool = False
+    # per-token fp8 scales: k_scale / v_scale are the scale caches [NB, KH, BS] (stacked [L, NB, KH, BS],
+    # f32), results 4 and 5; each (token, kv head) row is quantized with its own scale (token_scale_row)
+    token_scales: bool = False
 
     @property
     def x(self) -> int:
@@ -157,9 +171,22 @@ class RocmKernelConfig:
                 continue  # the default X: the key of a configuration without the option
             if f.name == "qkv" and not self.qkv:
                 continue  # separate q, k, v: the key of a configuration without the option
+            if f.name == "token_scales" and not self.token_scales:
+                continue  # static scales: the key of a configuration without the option
             v = getattr(self, f.name)  # floats by their f32 bits: eps values must not collide
             out.append(struct.pack("<f", v).hex() if isinstance(v, float) else str(int(v)))
         return "_".join(out)
+
+
+def num_results(cfg: RocmKernelConfig) -> int:
+    """The custom call's results: q_out, k_out, the caches, and with per-token scales the scale caches."""
+    return 6 if cfg.token_scales else 4
+
+
+def kernel_args(cfg: RocmKernelConfig) -> int:
+    """The kernel's 8-byte arguments: operand addresses, result addresses, operand dim0s (32, or 34
+    with per-token scales)."""
+    return NUM_OPERANDS + num_results(cfg) + NUM_OPERANDS
 
 
 def mrope_streams(cfg: RocmKernelConfig) -> list[int]:
@@ -207,8 +234,33 @@ SPLIT_MIN_LANES = 320
 
 def phases(cfg: "RocmKernelConfig") -> list[str]:
     """The kernel's phases in order (part y of a split configuration runs phases(cfg)[y])."""
-    merged = cfg.norm and norm_layout(cfg).merged
+    merged = whole_rows(cfg) and norm_layout(cfg).merged
     return ["rot"] + (["pass"] if cfg.r < cfg.d and not merged else []) + ["v"]
+
+
+def whole_rows(cfg: "RocmKernelConfig") -> bool:
+    """Whether the rotation phase's lanes of a (token, head) hold its whole row (norm_layout): the
+    QK-norm's sum of squares and the per-token scale's absolute maximum are reduced over them."""
+    return cfg.norm or cfg.token_scales
+
+
+def token_scales_problem(cfg: "RocmKernelConfig") -> str | None:
+    """Why per-token scales do not fit `cfg` (None: they do). A row's absolute maximum is an xor
+    butterfly over the lanes holding the row, so a K row (rotation phase, pass-through channels
+    merged in) and a V row (V phase) must each be a power-of-two group of at most 64 lanes holding
+    every channel."""
+    if not cfg.token_scales:
+        return None
+    nl = norm_layout(cfg)
+    covered = sorted(ch for off, w in nl.families for ch in range(off, off + w * nl.lanes))
+    cpx_v = cfg.d // cfg.w_v
+    for what, n in (("a K row", nl.lanes), ("a V row", cpx_v)):
+        if n & (n - 1) or n > 64:
+            return f"{what} spans {n} lanes (D={cfg.d}, R={cfg.r}): not a power of two of at most 64"
+    if covered != list(range(cfg.d)):
+        return (f"the rotation lanes of a K row ({nl.lanes} lanes, R={cfg.r}) cannot hold its {cfg.d - cfg.r} "
+                f"pass-through channels evenly")
+    return None
 
 
 def phase_lanes(cfg: "RocmKernelConfig") -> dict[str, int]:
@@ -228,8 +280,9 @@ def latency_regime(num_tokens: int | None) -> bool:
 def make_config(*, qh, kh, d, r, bs, layout, neox, full_table, native, dt, tab_dt, cache_dt, slot64,
                 pos64, layer_blocks: int = 0, q_norm: int = -1, k_norm: int = -1, norm_eps: float = 0.0,
                 k_scale_heads: bool = False, v_scale_heads: bool = False, mrope: int = 0, mrope_t: int = 0,
-                mrope_h: int = 0, mrope_w: int = 0, x: int = 0, qkv: bool = False, nt: int = 256, rot_cap: int | None = None,
-                width_cap: int | None = None, latency: bool = False) -> RocmKernelConfig:
+                mrope_h: int = 0, mrope_w: int = 0, x: int = 0, qkv: bool = False, token_scales: bool = False,
+                nt: int = 256, rot_cap: int | None = None, width_cap: int | None = None,
+                latency: bool = False) -> RocmKernelConfig:
     """`rot_cap` / `width_cap`: at most that many elements per rotation chunk / per pass-through and
     V chunk (narrower accesses, fewer values in flight per lane: the occupancy candidates of
     jax_rope_cache/backends/rocm.py; None = as wide as 16 bytes and the shape allow).
@@ -239,6 +292,8 @@ def make_config(*, qh, kh, d, r, bs, layout, neox, full_table, native, dt, tab_d
     16 // cache itemsize: the default.
     `qkv`: q, k and v are each the fused [T, QH + 2 KH, D] tensor (the geometry is unchanged; only the
     input rows' stride and head offsets differ).
+    `token_scales`: per-token fp8 scales (an fp8 cache, no static per-head scales); the rotation
+    lanes hold whole K rows as with the norm (token_scales_problem says where that cannot be).
 
     Two regimes (`latency`, from latency_regime(T)):
       * bandwidth (large or unknown T): `nt` threads, as many tokens per workgroup as its lanes hold;
@@ -250,6 +305,10 @@ def make_config(*, qh, kh, d, r, bs, layout, neox, full_table, native, dt, tab_d
     s = ITEMSIZE[dt]
     vmax = 16 // s
     norm = q_norm >= 0 or k_norm >= 0
+    whole = norm or token_scales  # the rotation lanes hold whole rows (norm_layout)
+    if token_scales and (cache_dt not in FP8_CODES or k_scale_heads or v_scale_heads):
+        raise ValueError(f"token_scales: expected an fp8 cache ({FP8_CODES}) without per-head static scales, got "
+                         f"cache_dt={cache_dt}, k_scale_heads={k_scale_heads}, v_scale_heads={v_scale_heads}")
     x = int(x)
     if x and layout in (XPACKED, XPACKED_SHUFFLED):
         if x & (x - 1) or d % x or (layout == XPACKED_SHUFFLED and bs % x):
@@ -270,8 +329,8 @@ def make_config(*, qh, kh, d, r, bs, layout, neox, full_table, native, dt, tab_d
 
     def rot_width(cap):
         cap = min(vmax, cap)
-        if norm and r < d:
-            # the norm's lanes also hold the channels >= R: narrower rotation chunks keep a lane's
+        if whole and r < d:
+            # the norm's (or the row scale's) lanes also hold the channels >= R: narrower rotation chunks keep a lane's
             # share of the row at 2 x 16 bytes (more lanes per head, one butterfly step more)
             share = max(1, (vmax * r // d) * (1 if neox else 2))
             cap = min(cap, max(1 if neox else 2, 1 << (share.bit_length() - 1)))  # a power of two
@@ -292,7 +351,7 @@ def make_config(*, qh, kh, d, r, bs, layout, neox, full_table, native, dt, tab_d
                                 norm_eps=float(norm_eps) if norm else 0.0, k_scale_heads=bool(k_scale_heads),
                                 v_scale_heads=bool(v_scale_heads), latency=bool(latency), mrope=int(mrope),
                                 mrope_t=section[0], mrope_h=section[1], mrope_w=section[2], pack_x=pack_x,
-                                qkv=bool(qkv))
+                                qkv=bool(qkv), token_scales=bool(token_scales))
 
     def cpx(w):
         return (r // 2) // w if neox else r // w
@@ -314,8 +373,13 @@ def make_config(*, qh, kh, d, r, bs, layout, neox, full_table, native, dt, tab_d
     half = rot_width(w_rot // 2) if rot_cap is None else w_rot
     if half < w_rot and cpx(half) * rh <= MAX_NT:
         narrow = one_token(half)
-        nl = norm_layout(narrow) if narrow.norm else None
-        if nl is None or (nl.plan is not None and norm_layout(cfg).plan is not None and nl.lanes <= 32):
+        nl = norm_layout(narrow) if whole_rows(narrow) else None
+        ok = nl is None or nl.lanes <= 32  # a row's butterfly within 32 lanes (DPP and ds_swizzle)
+        if narrow.norm:
+            ok = ok and nl.plan is not None and norm_layout(cfg).plan is not None
+        if narrow.token_scales:
+            ok = ok and token_scales_problem(narrow) is None
+        if ok:
             cfg = narrow
     if sum(phase_lanes(cfg).values()) > SPLIT_MIN_LANES:
         cfg = dataclasses.replace(cfg, split=len(phases(cfg)))
@@ -401,7 +465,7 @@ def norm_layout(cfg: RocmKernelConfig) -> NormLayout:
     fams = [(0, W), (R // 2, W)] if cfg.neox else [(0, W)]
     n_rot = len(fams)
     pfams = []
-    if cfg.norm and R < D:
+    if whole_rows(cfg) and R < D:
         if lanes == 1:  # the lane holds the row: one segment
             pfams = [(R, D - R)]
         else:
@@ -796,7 +860,10 @@ class _Emitter:
         DPP quad_perm; 4, 8: DPP row_half_mirror / row_mirror (lane 7-i / 15-i: the same value as
         lane i^4 / i^8 given that equality); 16: ds_swizzle (bitmask mode, xor 16 within 32 lanes);
         32: ds_bpermute."""
-        i = self.bitcast(self.i32, v)
+        return self.bitcast(self.f32, self.lane_xor_bits(self.bitcast(self.i32, v), mask, tid))
+
+    def lane_xor_bits(self, i, mask: int, tid):
+        """lane_xor of an i32 value."""
         if mask in (1, 2, 4, 8):
             ctrl = {1: 0xB1, 2: 0x4E, 4: 0x141, 8: 0x140}[mask]
             r = self.rocdl.update_dpp(self.i32, self.i32c(0), i, ctrl, 0xF, 0xF, True)
@@ -806,7 +873,28 @@ class _Emitter:
             assert mask == 32, mask
             addr = self.shl(self.band(self.arith.xori(tid, self.i32c(32)), self.i32c(63)), self.i32c(2))
             r = self.rocdl.ds_bpermute(self.i32, addr, i)
-        return self.bitcast(self.f32, r)
+        return r
+
+    def token_scale_row(self, vals: list, lanes: int, tid):
+        """(scale, r32(1 / scale)) of a row whose f32 values `vals` (this lane's share) are spread
+        over an aligned group of `lanes` lanes (a power of two, one wave): reference.token_scale.
+        The absolute maximum is taken on bits (|x| with the sign cleared orders as an unsigned
+        integer; NaN and +-inf count as 0), so it is exact and the reduction order is free: a max
+        over the lane's values, then the xor butterfly of lane_xor; then the floor, and the scale
+        by a correctly rounded f32 division."""
+        c = self.i32c
+        amax = None
+        for v in vals:
+            a = self.band(self.bitcast(self.i32, v), c(0x7FFFFFFF))
+            a = self.sel(self.cmp("ult", a, c(0x7F800000)), a, c(0))
+            amax = a if amax is None else self.arith.maxui(amax, a)
+        m = 1
+        while m < lanes:
+            amax = self.arith.maxui(amax, self.lane_xor_bits(amax, m, tid))
+            m *= 2
+        amax = self.arith.maxui(amax, c(TOKEN_AMAX_FLOOR_BITS))
+        scale = self.arith.divf(self.bitcast(self.f32, amax), self.c(FP8_MAX[self.cfg.cache_dt], self.f32))
+        return scale, self.inv_scale(scale)
 
     def sqrt(self, f):
         """Correctly rounded f32 sqrt (llvm.sqrt without fast-math flags: the AMDGPU backend expands
@@ -851,7 +939,8 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
     c32, c64 = E.i32c, E.i64c
     (p_q, p_k, p_v, _p_kc, _p_vc, p_slot, p_pos, p_cos, p_sin, p_ks, p_vs, p_layer, p_wq, p_wk,
      p_qo, p_ko, p_kco, p_vco) = args[:NUM_ADDRS]
-    dims = args[NUM_ADDRS:NUM_ARGS]
+    p_ksc, p_vsc = args[NUM_ADDRS:NUM_ADDRS + 2] if cfg.token_scales else (None, None)  # the scale caches
+    dims = args[NUM_OPERANDS + num_results(cfg):kernel_args(cfg)]
     T, NB, MAXPOS = dims[0], dims[3], dims[7]
 
     s_in = ITEMSIZE[cfg.dt]
@@ -865,7 +954,9 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
     mode = arith_mode(cfg)
     native_dt = cfg.dt if mode == "rounded" else None
     QN, KN = cfg.q_norm >= 0, cfg.k_norm >= 0
-    NL = norm_layout(cfg) if cfg.norm else None
+    NL = norm_layout(cfg) if whole_rows(cfg) else None
+    if cfg.token_scales:
+        assert token_scales_problem(cfg) is None, token_scales_problem(cfg)
 
     tid = E.tid()
     bid = E.bid()
@@ -912,7 +1003,7 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
 
     # fp8 scales: one inverse per kernel, or per kv head (the head's lanes compute it once per phase)
     rs_ks = rs_vs = inv_k1 = inv_v1 = None
-    if fp8:
+    if fp8 and not cfg.token_scales:  # (per-token scales: computed per row, token_scale_row)
         rs_ks = E.rsrc(p_ks, c64(4 * KH if cfg.k_scale_heads else 4))
         rs_vs = E.rsrc(p_vs, c64(4 * KH if cfg.v_scale_heads else 4))
         if not cfg.k_scale_heads:
@@ -996,6 +1087,15 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
                 pieces = E.store_elems_pieces(vals[m:m + g], cfg.cache_dt, inv_k)
                 E.global_store_pieces(pieces, k_cache_addr(s, h_k, None, dvar=E.add(d0, c64(m)) if m else d0))
         guarded(s_ok, body)
+
+    def store_row_scale(wr, c, s, h, scale, p_sc):
+        """A row's scale (f32) into its scale cache [.., KH, BS] at (block, head h (i32), offset) of
+        slot s, by the row's first lane (c == 0), where the row is written (wr)."""
+        def body():
+            blk, off = E.arith.divui(s, c64(BS)), E.arith.remui(s, c64(BS))
+            el = E.add(E.mul(E.add(E.mul(blk, c64(KH)), E.ext64(h)), c64(BS)), off)
+            E.global_store_pieces([(4, E.bitcast(E.i32, scale))], E.add(p_sc, E.mul(el, c64(4))))
+        guarded(E.and1(wr, E.cmp("eq", c, c32(0))), body)
 
     def k_group(n):
         """Elements per key-cache store of a chunk of n channels (starting at a multiple of n): the
@@ -1285,7 +1385,7 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
     W = cfg.w_rot
     cpx_rot = (R // 2) // W if cfg.neox else R // W
     merged = NL is not None and NL.merged
-    early_w = cfg.latency and NL is not None and NL.plan is not None
+    early_w = cfg.latency and cfg.norm and NL.plan is not None
     npairs = W if cfg.neox else W // 2
 
     def rot_chunks(c):
@@ -1418,11 +1518,14 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
                     if cfg.cache_dt != cfg.dt and not (cfg.dt == F32 or mode == "fused"):
                         vals = [E.round_to(v, cfg.dt) for v in vals]
                 else:
-                    vals, pieces = fam_x[j], new_pieces[j]
+                    vals, pieces = fam_x[j], (new_pieces[j] if new_pieces else src[0])
                 store_qk(is_q, pieces, src[1], src[2])
                 stores.append((pieces, vals, ch))
             if KH == 0:
                 continue
+            if cfg.token_scales:  # the row's scale, from the values the cache quantizes (every lane of the row)
+                scale, inv_k = E.token_scale_row([v for _, vals, _ in stores for v in vals], NL.lanes, tid)
+                store_row_scale(wr, c, s, hk, scale, p_ksc)
             for pieces, vals, ch in stores:
                 d0 = chunk_d0(ch)
                 if cfg.cache_dt == cfg.dt:
@@ -1487,17 +1590,22 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
             wr = s_ok if hvalid is None else E.and1(s_ok, hvalid)
             d0 = E.ext64(E.mul(c, c32(WV)))
             hh = E.ext64(h)
+            vals = None
+            if cfg.token_scales:  # the row's scale (every lane of the row, outside the store's branch)
+                vals = E.elems_from_pieces(pv, cfg.dt, WV)
+                scale, inv_v = E.token_scale_row(vals, cpx_v, tid)
+                store_row_scale(wr, c, s, h, scale, p_vsc)
 
-            def body(pv=pv, d0=d0, hh=hh, inv_v=inv_v):
+            def body(pv=pv, d0=d0, hh=hh, inv_v=inv_v, vals=vals):
                 if cfg.layout in (FLASH, HND):  # rows of D channels
                     if cfg.cache_dt == cfg.dt:
                         pieces = pv
                     else:
-                        vals = E.elems_from_pieces(pv, cfg.dt, WV)
+                        vals = vals or E.elems_from_pieces(pv, cfg.dt, WV)
                         pieces = E.store_elems_pieces(vals, cfg.cache_dt, inv_v)
                     E.global_store_pieces(pieces, v_cache_addr(s, hh, d0))
                 else:  # one element per row of the value cache
-                    vals = E.elems_from_pieces(pv, cfg.dt, WV)
+                    vals = vals or E.elems_from_pieces(pv, cfg.dt, WV)
                     for i, v in enumerate(vals):
                         bits = E.to_bits(v, cfg.cache_dt, inv_v)
                         words = E.pack_bits([bits], s_c)
@@ -1508,23 +1616,38 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
 
 
 def build_launcher(cfg: RocmKernelConfig):
-    """A @flyc.jit function (NUM_ARGS Int64 arguments) that launches the kernel for `cfg`."""
+    """A @flyc.jit function (NUM_ARGS Int64 arguments) that launches the kernel for `cfg`, which takes
+    the first kernel_args(cfg) of them (32; 34 with per-token scales)."""
     import flydsl.compiler as flyc
     import flydsl.expr as fx
 
     def _raw(v):
         return v.ir_value() if hasattr(v, "ir_value") else v
 
-    @flyc.kernel(known_block_size=(cfg.nt, 1, 1))
-    def jrc_rope_cache(a0: fx.Int64, a1: fx.Int64, a2: fx.Int64, a3: fx.Int64, a4: fx.Int64, a5: fx.Int64,
-                       a6: fx.Int64, a7: fx.Int64, a8: fx.Int64, a9: fx.Int64, a10: fx.Int64, a11: fx.Int64,
-                       a12: fx.Int64, a13: fx.Int64, a14: fx.Int64, a15: fx.Int64, a16: fx.Int64, a17: fx.Int64,
-                       a18: fx.Int64, a19: fx.Int64, a20: fx.Int64, a21: fx.Int64, a22: fx.Int64, a23: fx.Int64,
-                       a24: fx.Int64, a25: fx.Int64, a26: fx.Int64, a27: fx.Int64, a28: fx.Int64, a29: fx.Int64,
-                       a30: fx.Int64, a31: fx.Int64):
-        emit_kernel_body(cfg, [_raw(a) for a in (a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13,
-                                                 a14, a15, a16, a17, a18, a19, a20, a21, a22, a23, a24, a25, a26, a27,
-                                                 a28, a29, a30, a31)])
+    if cfg.token_scales:
+        @flyc.kernel(known_block_size=(cfg.nt, 1, 1))
+        def jrc_rope_cache(a0: fx.Int64, a1: fx.Int64, a2: fx.Int64, a3: fx.Int64, a4: fx.Int64, a5: fx.Int64,
+                           a6: fx.Int64, a7: fx.Int64, a8: fx.Int64, a9: fx.Int64, a10: fx.Int64, a11: fx.Int64,
+                           a12: fx.Int64, a13: fx.Int64, a14: fx.Int64, a15: fx.Int64, a16: fx.Int64, a17: fx.Int64,
+                           a18: fx.Int64, a19: fx.Int64, a20: fx.Int64, a21: fx.Int64, a22: fx.Int64, a23: fx.Int64,
+                           a24: fx.Int64, a25: fx.Int64, a26: fx.Int64, a27: fx.Int64, a28: fx.Int64, a29: fx.Int64,
+                           a30: fx.Int64, a31: fx.Int64, a32: fx.Int64, a33: fx.Int64):
+            emit_kernel_body(cfg, [_raw(a) for a in (a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13,
+                                                     a14, a15, a16, a17, a18, a19, a20, a21, a22, a23, a24, a25,
+                                                     a26, a27, a28, a29, a30, a31, a32, a33)])
+    else:
+        @flyc.kernel(known_block_size=(cfg.nt, 1, 1))
+        def jrc_rope_cache(a0: fx.Int64, a1: fx.Int64, a2: fx.Int64, a3: fx.Int64, a4: fx.Int64, a5: fx.Int64,
+                           a6: fx.Int64, a7: fx.Int64, a8: fx.Int64, a9: fx.Int64, a10: fx.Int64, a11: fx.Int64,
+                           a12: fx.Int64, a13: fx.Int64, a14: fx.Int64, a15: fx.Int64, a16: fx.Int64, a17: fx.Int64,
+                           a18: fx.Int64, a19: fx.Int64, a20: fx.Int64, a21: fx.Int64, a22: fx.Int64, a23: fx.Int64,
+                           a24: fx.Int64, a25: fx.Int64, a26: fx.Int64, a27: fx.Int64, a28: fx.Int64, a29: fx.Int64,
+                           a30: fx.Int64, a31: fx.Int64):
+            emit_kernel_body(cfg, [_raw(a) for a in (a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13,
+                                                     a14, a15, a16, a17, a18, a19, a20, a21, a22, a23, a24, a25,
+                                                     a26, a27, a28, a29, a30, a31)])
+
+    n = kernel_args(cfg)
 
     @flyc.jit
     def jrc_launch(a0: fx.Int64, a1: fx.Int64, a2: fx.Int64, a3: fx.Int64, a4: fx.Int64, a5: fx.Int64,
@@ -1532,9 +1655,9 @@ def build_launcher(cfg: RocmKernelConfig):
                    a12: fx.Int64, a13: fx.Int64, a14: fx.Int64, a15: fx.Int64, a16: fx.Int64, a17: fx.Int64,
                    a18: fx.Int64, a19: fx.Int64, a20: fx.Int64, a21: fx.Int64, a22: fx.Int64, a23: fx.Int64,
                    a24: fx.Int64, a25: fx.Int64, a26: fx.Int64, a27: fx.Int64, a28: fx.Int64, a29: fx.Int64,
-                   a30: fx.Int64, a31: fx.Int64):
-        jrc_rope_cache(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13,
-                       a14, a15, a16, a17, a18, a19, a20, a21, a22, a23, a24, a25, a26, a27,
-                       a28, a29, a30, a31).launch(grid=(1, 1, 1), block=(cfg.nt, 1, 1))
+                   a30: fx.Int64, a31: fx.Int64, a32: fx.Int64, a33: fx.Int64):
+        every = (a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, a16, a17, a18, a19, a20, a21,
+                 a22, a23, a24, a25, a26, a27, a28, a29, a30, a31, a32, a33)
+        jrc_rope_cache(*every[:n]).launch(grid=(1, 1, 1), block=(cfg.nt, 1, 1))
 
     return jrc_launch
