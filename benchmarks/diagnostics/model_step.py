@@ -66,6 +66,7 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--hlo", action="store_true", help="with --out: write each decode program's optimized HLO")
     a = ap.parse_args(argv)
     import jax
 
@@ -87,6 +88,13 @@ def main(argv=None):
         r.block(r.step())
         compile_s[impl] = time.perf_counter() - t0
         runners[impl] = r
+        if a.hlo and a.out:
+            os.makedirs(a.out, exist_ok=True)
+            m = r.m
+            text = m.decode_fn.lower(m.params, m.tables, m.caches, r.first, r.lens, r.bt, steps=a.steps,
+                                     with_logits=False).compile().as_text()
+            with open(os.path.join(a.out, f"hlo_{a.model}_{impl}.txt"), "w") as fh:
+                fh.write(text or "")
     walls = {impl: [] for impl in impls}
     for _ in range(a.repeats):  # interleaved: every repeat runs each implementation once
         for impl in impls:
