@@ -146,16 +146,19 @@ def _without_mrow(cfg):
 
 @pytest.mark.parametrize("case,section,interleaved,norm", _cases(CUDA_DEFAULT))
 def test_cuda_host_emulation_merged_rows_bitwise(case, section, interleaved, norm, emu_dir):
-    """On one SM the blocks hold several tokens (the last one partly past T), so the kernel merges
-    the rows in shared memory (RC_MROW): the same bits as the reference. Also RC_MROW forced on at
-    one token per block (and RC_SPLIT parts, where the configuration splits)."""
+    """On one SM the blocks hold several tokens (the last one often partly past T), so the kernel merges
+    the rows in shared memory (RC_MROW; forced where the rows exceed the configuration's cap): the
+    same bits as the reference. Also RC_MROW at one token per block (and RC_SPLIT parts, where the
+    configuration splits)."""
     from jax_rope_cache.backends import cuda
 
     tcc = _cuda()
     args, opts, want = _problem(case, section, interleaved, norm, seed=case.T + 1)
-    cfg = cuda.kernel_config(contract.check_op(*args, **opts), num_sms=1)
-    assert _mrow(cfg) == 1 and cfg.tokens_per_block >= 2 and case.T % cfg.tokens_per_block, cfg
-    tcc._assert_bitwise(tcc._emulate(args, opts, emu_dir, num_sms=1), want)
+    spec = contract.check_op(*args, **opts)
+    cfg = cuda.kernel_config(spec, num_sms=1)
+    tpb = cfg.tokens_per_block
+    assert tpb >= 2 and _mrow(cfg) == (cuda.mrow_bytes(spec, tpb) <= cuda.MROW_MAX_BYTES), cfg
+    tcc._assert_bitwise(tcc._emulate(args, opts, emu_dir, num_sms=1, defines={"RC_MROW": 1}), want)
     tcc._assert_bitwise(tcc._emulate(args, opts, emu_dir, defines={"RC_MROW": 1}), want)
 
 

@@ -670,6 +670,12 @@ struct MRows {
   alignas(16) raw_tab sin[MROW_N];  // loads stay aligned as in the tables)
 };
 
+#ifdef RC_EMULATE
+// The host's merged rows: a namespace-scope static, one per emulation library (a static local of an
+// inline function is one object process-wide, shared by every loaded library of any TPB and TW).
+static MRows rc_emu_rows;
+#endif
+
 // One arrival at barrier 0 of the block. Not `.aligned`: the threads of a warp may arrive from
 // different instructions (a rotation unit, or before the first unit), which sm_70+ allows; the
 // barrier orders the shared-memory stores before it against the loads after it.
@@ -1421,8 +1427,12 @@ __device__ __forceinline__ void run_block(const Params& p, const i64 T, const i6
   MRows* mr = nullptr;
   bool share = MROW;
   if constexpr (MROW) {
+#ifdef RC_EMULATE
+    mr = &rc_emu_rows;
+#else
     __shared__ MRows rows;
     mr = &rows;
+#endif
     if (u0 + (int)threadIdx.x >= N_ROT) mrow_share(p, T, max_pos, t0, mr), share = false;
   }
 #pragma unroll 1
