@@ -688,19 +688,35 @@ __device__ __forceinline__ void block_arrive() {
 }
 
 // This thread's share of the merged rows of tokens t0 .. t0 + TPB - 1 (tokens >= T: none), then its
-// one arrival at the barrier.
+// one arrival at the barrier. Entries in batches of MROW_K: every position load of a batch, then
+// every table load, then the stores (one dependent round trip per batch, not per entry).
+enum : int { MROW_K = (MROW_N + NT - 1) / NT < 4 ? (MROW_N + NT - 1) / NT : 4 };  // entries per batch
 __device__ __forceinline__ void mrow_share(const Params& p, i64 T, i64 max_pos, i64 t0, MRows* m) {
   const raw_tab* cos = static_cast<const raw_tab*>(p.cos);
   const raw_tab* sin = static_cast<const raw_tab*>(p.sin);
 #pragma unroll 1
-  for (int i = (int)threadIdx.x; i < MROW_N; i += NT) {
-    const int tt = i / TW, c = i % TW;
-    const i64 t = t0 + tt;
-    if (t >= T) break;  // entries are token-major: the rest are past T too
-    i64 r = load_index(p.pos, col_stream(c) * T + t, RC_POS64 != 0);
-    r = r < 0 ? 0 : (r >= max_pos ? max_pos - 1 : r);
-    m->cos[i] = cos[r * TW + c];
-    m->sin[i] = sin[r * TW + c];
+  for (int i0 = (int)threadIdx.x; i0 < MROW_N; i0 += MROW_K * NT) {
+    i64 at[MROW_K];  // table index of each entry, -1: none
+#pragma unroll
+    for (int k = 0; k < MROW_K; ++k) {
+      const int i = i0 + k * NT, c = i % TW;
+      const i64 t = t0 + i / TW;
+      at[k] = -1;
+      if (i < MROW_N && t < T) {
+        i64 r = load_index(p.pos, col_stream(c) * T + t, RC_POS64 != 0);
+        r = r < 0 ? 0 : (r >= max_pos ? max_pos - 1 : r);
+        at[k] = r * TW + c;
+      }
+    }
+    raw_tab vc[MROW_K], vs[MROW_K];
+#pragma unroll
+    for (int k = 0; k < MROW_K; ++k) {
+      if (at[k] >= 0) vc[k] = cos[at[k]], vs[k] = sin[at[k]];
+    }
+#pragma unroll
+    for (int k = 0; k < MROW_K; ++k) {
+      if (at[k] >= 0) m->cos[i0 + k * NT] = vc[k], m->sin[i0 + k * NT] = vs[k];
+    }
   }
   block_arrive();
 }
