@@ -191,6 +191,25 @@ def test_matches_reference(platform, impl, case, section, interleaved, norm):
     check(platform, impl, args, opts, reference_op(*args, **opts), case.id)
 
 
+# Calls large enough that CUDA blocks hold several tokens on any GPU of up to 256 SMs: the kernel
+# merges each token's cos/sin rows in shared memory (RC_MROW); the second takes the packed bf16 path.
+LARGE = [(Case(T=1024, QH=8, KH=2, D=128, max_pos=3000), QWEN3_VL, True, "qk"),
+         (Case(T=1024, QH=8, KH=2, D=128, max_pos=3000, layout="xpacked", precision="native",
+               table_dtype="bfloat16"), QWEN25_VL, False, "")]
+
+
+@pytest.mark.parametrize("platform,impl", [p for p in impl_params() if p.values[1] == "kernel"])
+@pytest.mark.parametrize("case,section,interleaved,norm", LARGE, ids=["il-qk", "sec-native"])
+def test_large_calls_match_reference(platform, impl, case, section, interleaved, norm):
+    args, opts = make_mrope_problem(case, section, interleaved, seed=21, norm=norm)
+    if platform == "cuda":  # the configuration this GPU gets merges the rows
+        from jax_rope_cache.backends import cuda
+
+        cfg = cuda.kernel_config(contract.check_op(*args, **opts), num_sms=cuda._local_cuda_arch()[1])
+        assert dict(cfg.defines).get("RC_MROW") == 1, cfg
+    check(platform, impl, args, opts, reference_op(*args, **opts), case.id)
+
+
 @pytest.mark.parametrize("platform,impl", impl_params())
 @pytest.mark.parametrize("interleaved,section", [(False, QWEN25_VL), (True, QWEN3_VL)])
 @pytest.mark.parametrize("is_neox,table", [(True, "half"), (False, "full")])

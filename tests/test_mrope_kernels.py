@@ -14,7 +14,9 @@ The default tier runs a handful of cases; the rest carry the `full` marker (JRC_
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 
 import ml_dtypes
 import numpy as np
@@ -98,7 +100,8 @@ def _spec(T, QH, KH, D, layout, section, interleaved, norm=True, dt=BF16, tdt=F3
     kc, vc = contract.cache_shapes(layout, 64, 16, KH, D, dt)
     w = None if not norm else s((D,), dt)
     return contract.check_op(s((T, QH, D), dt), s((T, KH, D), dt), s((T, KH, D), dt), s(kc, dt), s(vc, dt),
-                             s((T,), np.int32), s((3, T), np.int32), s((4096, D // 2), tdt), s((4096, D // 2), tdt),
+                             s((T,), np.int32), s((3, T) if section else (T,), np.int32), s((4096, D // 2), tdt),
+                             s((4096, D // 2), tdt),
                              layout=layout, precision=prec, q_norm_weight=w, k_norm_weight=w,
                              mrope_section=section, mrope_interleaved=interleaved)
 
@@ -127,6 +130,108 @@ def test_nvrtc_compiles_qwen3_vl_without_spills(kw):
 
     # without M-RoPE the variant (and its cache key) has no M-RoPE define: the kernel's defaults
     assert not any(k.startswith("RC_MROPE") for k, _ in cuda.kernel_config(make_spec(T=kw["T"])).defines)
+
+
+    assert "RC_MROW" not in dict(cuda.kernel_config(make_spec(T=kw["T"])).defines)
+
+
+# ---- CUDA merged rows (RC_MROW): a block of several tokens builds each token's cos/sin row once ---
+def _mrow(cfg) -> int:
+    return dict(cfg.defines).get("RC_MROW", 0)
+
+
+def _without_mrow(cfg):
+    return dataclasses.replace(cfg, defines=tuple(d for d in cfg.defines if d[0] != "RC_MROW"))
+
+
+@pytest.mark.parametrize("case,section,interleaved,norm", _cases(CUDA_DEFAULT))
+def test_cuda_host_emulation_merged_rows_bitwise(case, section, interleaved, norm, emu_dir):
+    """On one SM the blocks hold several tokens (the last one often partly past T), so the kernel merges
+    the rows in shared memory (RC_MROW; forced where the rows exceed the configuration's cap): the
+    same bits as the reference. Also RC_MROW at one token per block (and RC_SPLIT parts, where the
+    configuration splits)."""
+    from jax_rope_cache.backends import cuda
+
+    tcc = _cuda()
+    args, opts, want = _problem(case, section, interleaved, norm, seed=case.T + 1)
+    spec = contract.check_op(*args, **opts)
+    cfg = cuda.kernel_config(spec, num_sms=1)
+    tpb = cfg.tokens_per_block
+    assert tpb >= 2 and _mrow(cfg) == (cuda.mrow_bytes(spec, tpb) <= cuda.MROW_MAX_BYTES), cfg
+    tcc._assert_bitwise(tcc._emulate(args, opts, emu_dir, num_sms=1, defines={"RC_MROW": 1}), want)
+    tcc._assert_bitwise(tcc._emulate(args, opts, emu_dir, defines={"RC_MROW": 1}), want)
+
+
+def test_cuda_host_emulation_merged_rows_would_catch_a_wrong_stream(emu_dir):
+    """A kernel whose merged rows take the temporal and width streams the wrong way round fails with
+    RC_MROW and passes without it (the one-token blocks' load_tab3 never reads the merged rows)."""
+    tcc = _cuda()
+    args, opts, want = _problem(*KERNEL_CASES[0], seed=2)
+    src = open(os.path.join(tcc._kernel_dir(), "cuda", "rope_cache.cu")).read()
+    old = "load_index(p.pos, col_stream(c) * T + t,"
+    assert src.count(old) == 1
+    mutant = src.replace(old, "load_index(p.pos, (2 - col_stream(c)) * T + t,")
+    got = tcc._emulate(args, opts, emu_dir, num_sms=1, source=mutant)
+    assert not np.array_equal(got[0].view(np.uint8), np.asarray(want[0]).view(np.uint8))
+    tcc._assert_bitwise(tcc._emulate(args, opts, emu_dir, source=mutant), want)
+
+
+@pytest.mark.parametrize("layout", ["flash", "xpacked"])
+@pytest.mark.parametrize("QH,KH", [(32, 8), (16, 1)])
+def test_kernel_config_merges_rows_in_multi_token_blocks(QH, KH, layout):
+    """Qwen3-VL-8B TP1 and 235B TP4 at T = 8192 (the benchmark's shapes): merged rows, within the
+    shared-memory cap; decode (one token per block) and the 1-D op: no RC_MROW define."""
+    from conftest import make_spec
+    from jax_rope_cache.backends import cuda
+
+    spec = _spec(8192, QH, KH, 128, layout, QWEN3_VL, True)
+    cfg = cuda.kernel_config(spec)
+    assert _mrow(cfg) == 1 and cfg.tokens_per_block >= cuda.MROW_MIN_TPB, cfg
+    assert cuda.mrow_bytes(spec, cfg.tokens_per_block) == 2 * cfg.tokens_per_block * 64 * 4 <= cuda.MROW_MAX_BYTES
+    one = cuda.kernel_config(_spec(1, QH, KH, 128, layout, QWEN3_VL, True))
+    assert one.tokens_per_block == 1 and "RC_MROW" not in dict(one.defines)
+    assert "RC_MROW" not in dict(cuda.kernel_config(make_spec(T=8192, QH=QH, KH=KH, layout=layout)).defines)
+
+
+def _ptx_count(cfg, what: str) -> int:
+    from jax_rope_cache.backends import cuda
+
+    ptx = cuda.compile_variant(cfg, "compute_90").code.decode(errors="replace")
+    return len(re.findall(r"^\s*(@%p\d+\s+)?" + re.escape(what), ptx, re.M))
+
+
+def test_nvrtc_merged_rows_read_the_table_from_shared_memory():
+    """PTX of Qwen3-VL-8B TP1 at T = 8192 (flash, f32 tables, fp32): the merged-row kernel reads
+    the table values from shared memory after one barrier, and has as many global loads as the 1-D
+    kernel plus one (the rows' build loads a position and a cos and a sin value; a rotation unit loads
+    no position and no table value); the kernel without merged rows has ten more (load_tab3)."""
+    from jax_rope_cache.backends import cuda
+
+    cfg = cuda.kernel_config(_spec(8192, 32, 8, 128, "flash", QWEN3_VL, True))
+    plain = cuda.kernel_config(_spec(8192, 32, 8, 128, "flash", None, False))  # the same op, positions [T]
+    assert _mrow(cfg) == 1
+    assert _ptx_count(cfg, "barrier.sync 0") >= 1 and _ptx_count(cfg, "ld.shared.v4.f32") == 4
+    assert _ptx_count(cfg, "ld.global") == _ptx_count(plain, "ld.global") + 1
+    assert _ptx_count(_without_mrow(cfg), "ld.global") == _ptx_count(cfg, "ld.global") + 9
+    assert _ptx_count(_without_mrow(cfg), "ld.shared") == 0
+
+
+@pytest.mark.parametrize("layout", ["flash", "xpacked"])
+def test_nvrtc_merged_rows_take_the_packed_native_path(layout):
+    """"native" precision with bf16 tables (Qwen2.5-VL sections, no norm): with merged rows the
+    rotation multiplies in packed bf16 (mul.rn.bf16x2, the 1-D op's sm_90 path; the merged row holds
+    the table's bytes, so the exhaustive check of that path covers it), reading shared memory; without
+    them, the scalar path. Both build for sm_90 without spills."""
+    from jax_rope_cache.backends import cuda
+
+    spec = _spec(8192, 28, 4, 128, layout, QWEN25_VL, False, norm=False, tdt=BF16, prec="native")
+    cfg = cuda.kernel_config(spec)
+    assert _mrow(cfg) == 1
+    assert _ptx_count(cfg, "mul.rn.bf16x2") > 0 and _ptx_count(cfg, "ld.shared") > 0
+    assert _ptx_count(_without_mrow(cfg), "mul.rn.bf16x2") == 0
+    tcc = _cuda()
+    for name, c in (("mrow", cfg), ("no-mrow", _without_mrow(cfg))):
+        assert not tcc.spill_failures([spec], [name], "sm_90", cfgs=[c])
 
 
 # ---- FlyDSL (AMD): the lane emulator, the compile matrix, the lowering --------------------------

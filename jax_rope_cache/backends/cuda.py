@@ -120,6 +120,13 @@ PACKED_NT, PACKED_MINB = 256, 4
 # kernel_speed.py): prefill runs 3-12% faster at C = 2..8, random slots 17-100% slower, decode mixed; so
 # the static choice stays 1 and runs get their vector units per block (RC_VSEL below).
 V_CHANNELS = 1
+# M-RoPE blocks of several tokens build each token's merged cos/sin row once in shared memory
+# (RC_MROW), so a rotation unit reads one row as in the 1-D op instead of the three streams' rows
+# (load_tab3: 3x the table loads and a select per value, for every head). One-token blocks (decode)
+# keep load_tab3: there the build would only add its barrier to the latency. Rows above
+# MROW_MAX_BYTES (cos and sin together) of shared memory per block keep load_tab3 too.
+MROW_MIN_TPB = 2
+MROW_MAX_BYTES = 16384
 # RC_VSEL: 0 (off), or the channels (2, 4, 8) of the V units of a block whose groups are all aligned
 # slot runs, chosen per block at run time (other blocks: the one-channel units). Applies where
 # whole runs can exist (x-packed, RC_VCH 1, tokens per block and BS multiples of X); the thread
@@ -284,6 +291,8 @@ def kernel_config(spec: contract.OpSpec, num_sms: int = DEFAULT_SMS, vch: int | 
         ("RC_VPAIRS", 1), ("RC_VCH", vch), ("RC_VSEL", vsel), ("RC_EARLY_W", early_w))
     if not c.mrope:  # positions [T]: the kernel's defaults (the variant and its cache key as without M-RoPE)
         defines = tuple(d for d in defines if not d[0].startswith("RC_MROPE"))
+    elif tpb >= MROW_MIN_TPB and mrow_bytes(spec, tpb) <= MROW_MAX_BYTES:
+        defines += (("RC_MROW", 1),)
     if c.x:  # a non-default X (the default: no RC_X, the variant and its cache key as before)
         defines += (("RC_X", c.x),)
     if c.qkv:  # the fused QKV input (the default: no RC_QKV, the variant and its cache key as before)
@@ -293,6 +302,12 @@ def kernel_config(spec: contract.OpSpec, num_sms: int = DEFAULT_SMS, vch: int | 
     if parts > 1:
         defines += (("RC_SPLIT", parts),)
     return KernelConfig(defines=defines, tokens_per_block=tpb, threads=nt, fallback_minb=fallback)
+
+
+def mrow_bytes(spec: contract.OpSpec, tpb: int) -> int:
+    """Shared memory of RC_MROW's merged rows: cos and sin rows of the block's tpb tokens."""
+    tw = spec.rotary_dim if spec.table_full else spec.rotary_dim // 2
+    return 2 * tpb * tw * np.dtype(spec.table_dtype).itemsize
 
 
 def fit_registers(cfg: KernelConfig, arch: str) -> tuple[KernelConfig, nvrtc.Compiled]:

@@ -52,6 +52,10 @@
 //   RC_MROPE_T, _H, _W           the sections: rotary frequency i takes its table values from the row
 //                                of stream rc_mrope_stream(i, RC_MROPE, T, H, W) (rope_cache_math.h);
 //                                each stream's position is clamped on its own
+//   RC_MROW                      0 (default): an M-RoPE rotation unit takes its columns from the
+//                                three streams' rows itself (load_tab3); 1 (M-RoPE only): the block
+//                                merges each of its tokens' cos/sin rows once into shared memory
+//                                ("merged rows" below) and rotation units read them as a 1-D row
 //   RC_QKV                       0 (default): q [T, QH, D], k and v [T, KH, D]; 1: the q, k and v operands
 //                                are each the fused QKV tensor [T, QH + 2 KH, D] (rope_and_cache_qkv):
 //                                q head h of token t at row t, head h; k head h at head QH + h; v head h
@@ -66,13 +70,15 @@
 //                    v_scale (f32 [] or [KH]), layer (int32), q_norm_weight, k_norm_weight ([D], or
 //                    an f32[1] placeholder when absent) | q_out, k_out, key_cache_out, value_cache_out
 //   int64  dim0[14]  the leading dimension of each operand (rank-0 operands: 1)
-// Grid: (ceil(T / RC_TPB), RC_SPLIT, 1) blocks of RC_NT threads, T = dim0[0]; no shared memory.
+// Grid: (ceil(T / RC_TPB), RC_SPLIT, 1) blocks of RC_NT threads, T = dim0[0]; static shared memory
+// only with RC_MROW (no dynamic shared memory).
 // Runtime values: T = dim0[0], NB = dim0[3] (stacked: L = dim0[3]), max_pos = dim0[7]; every index
 // (slots, positions, layer) comes from device buffers, so a captured CUDA graph replays correctly
 // whatever the slots and positions hold.
 //
-// Work decomposition: no shared memory and no barrier. A block owns RC_TPB consecutive tokens and
-// a list of independent units, each done by one thread from its first load to its last store
+// Work decomposition: no shared memory and no barrier (RC_MROW: one, see "merged rows"). A block owns
+// RC_TPB consecutive tokens and a list of independent units, each done by one thread from its first
+// load to its last store
 // (threads take units tid, tid + NT, ...; the configuration makes NT >= the unit count where it
 // can, so most threads do exactly one):
 //   * rot units   (token, q/k head, pair-chunk j), j fastest: NeoX loads chunk j and chunk j + R/2,
@@ -176,6 +182,9 @@
 #define RC_MROPE_H 0
 #define RC_MROPE_W 0
 #endif
+#ifndef RC_MROW
+#define RC_MROW 0
+#endif
 
 namespace rc {
 
@@ -210,6 +219,7 @@ constexpr int Q_NORM = RC_Q_NORM, K_NORM = RC_K_NORM;
 constexpr bool NORM = Q_NORM >= 0 || K_NORM >= 0;
 constexpr bool KS_HEADS = RC_KS_HEADS != 0, VS_HEADS = RC_VS_HEADS != 0;  // scale[kv head]
 constexpr int MROPE = RC_MROPE;  // RcMrope: positions [3, T], one stream per rotary frequency
+enum : bool { MROW = MROPE != 0 && RC_MROW != 0 };  // M-RoPE rows merged per block (an enum: no symbol)
 constexpr bool is_pow2(int n) { return n > 0 && (n & (n - 1)) == 0; }
 // The P lanes of a head's rotation units hold whole subtrees of the sum-of-squares tree (R == D,
 // D a power of two; NeoX: chunks j and j + P are subtrees of the two halves of the row): each
@@ -643,6 +653,74 @@ __device__ __forceinline__ void load_tab3(const void* base, const i64* rows, i64
   }
 }
 
+// ---- M-RoPE merged rows (RC_MROW) --------------------------------------------------------------
+// The block's tokens' cos and sin rows, column c of token t being table[clamp(pos[stream(c), t]) *
+// TW + c] (the value load_tab3 selects), copied to shared memory once per block; a rotation unit
+// then reads its token's row there as the 1-D op reads table row `position` (load_tab, and the
+// packed native path's load_words): the same bytes in the same arithmetic, so the same bits. The
+// stream choice and the three row loads happen once per (token, column), not once per (token, head,
+// column). Each thread builds its share (entries tid, tid + NT, ...; every RC_SPLIT part the whole
+// rows) and then arrives once at the block's barrier 0 (mrow_share): a thread whose first unit is a
+// rotation unit does so in that unit after issuing its q/k loads (they overlap the build), any
+// other before its first unit; a rotation unit reads the rows only after its thread's arrival.
+enum : int { MROW_N = MROW ? TPB * TW : 1 };  // entries per table
+static_assert(!MROW || 2 * MROW_N * S_TAB <= 32768, "RC_MROW: the merged rows fit 32 KiB of shared memory");
+struct MRows {
+  alignas(16) raw_tab cos[MROW_N];  // token tt's row at tt * TW (rows of TW values: the vector
+  alignas(16) raw_tab sin[MROW_N];  // loads stay aligned as in the tables)
+};
+
+#ifdef RC_EMULATE
+// The host's merged rows: a namespace-scope static, one per emulation library (a static local of an
+// inline function is one object process-wide, shared by every loaded library of any TPB and TW).
+static MRows rc_emu_rows;
+#endif
+
+// One arrival at barrier 0 of the block. Not `.aligned`: the threads of a warp may arrive from
+// different instructions (a rotation unit, or before the first unit), which sm_70+ allows; the
+// barrier orders the shared-memory stores before it against the loads after it.
+__device__ __forceinline__ void block_arrive() {
+#ifdef __CUDA_ARCH__
+  asm volatile("barrier.sync 0;" ::: "memory");
+#else
+  __syncthreads();
+#endif
+}
+
+// This thread's share of the merged rows of tokens t0 .. t0 + TPB - 1 (tokens >= T: none), then its
+// one arrival at the barrier. Entries in batches of MROW_K: every position load of a batch, then
+// every table load, then the stores (one dependent round trip per batch, not per entry).
+enum : int { MROW_K = (MROW_N + NT - 1) / NT < 4 ? (MROW_N + NT - 1) / NT : 4 };  // entries per batch
+__device__ __forceinline__ void mrow_share(const Params& p, i64 T, i64 max_pos, i64 t0, MRows* m) {
+  const raw_tab* cos = static_cast<const raw_tab*>(p.cos);
+  const raw_tab* sin = static_cast<const raw_tab*>(p.sin);
+#pragma unroll 1
+  for (int i0 = (int)threadIdx.x; i0 < MROW_N; i0 += MROW_K * NT) {
+    i64 at[MROW_K];  // table index of each entry, -1: none
+#pragma unroll
+    for (int k = 0; k < MROW_K; ++k) {
+      const int i = i0 + k * NT, c = i % TW;
+      const i64 t = t0 + i / TW;
+      at[k] = -1;
+      if (i < MROW_N && t < T) {
+        i64 r = load_index(p.pos, col_stream(c) * T + t, RC_POS64 != 0);
+        r = r < 0 ? 0 : (r >= max_pos ? max_pos - 1 : r);
+        at[k] = r * TW + c;
+      }
+    }
+    raw_tab vc[MROW_K], vs[MROW_K];
+#pragma unroll
+    for (int k = 0; k < MROW_K; ++k) {
+      if (at[k] >= 0) vc[k] = cos[at[k]], vs[k] = sin[at[k]];
+    }
+#pragma unroll
+    for (int k = 0; k < MROW_K; ++k) {
+      if (at[k] >= 0) m->cos[i0 + k * NT] = vc[k], m->sin[i0 + k * NT] = vs[k];
+    }
+  }
+  block_arrive();
+}
+
 // ---- native precision with packed multiplies (CUDA: bf16 on sm_90+, f16 on sm_53+) -------------
 // NeoX, table dtype == input dtype: r(r(a*c) - r(b*s)), r(r(b*c) + r(a*s)) with the products done by
 // mul.rn.{bf16,f16}x2, two per instruction: a product of two bf16 (f16) values is exact in f32,
@@ -654,7 +732,7 @@ __device__ __forceinline__ void load_tab3(const void* base, const i64* rows, i64
 #endif
 constexpr bool PACKED_NATIVE =
 #ifdef RC_PACKED_NATIVE
-    ARITH == DT && NEOX && S_IN == 2 && W % 2 == 0 && MROPE == 0;  // "rounded" arithmetic, one row
+    ARITH == DT && NEOX && S_IN == 2 && W % 2 == 0 && (MROPE == 0 || MROW);  // "rounded", one row
 #else
     false;
 #endif
@@ -936,8 +1014,9 @@ __device__ __forceinline__ float head_inv(const float* scale, int h, float block
 }
 // ---- end of QK-RMSNorm ---------------------------------------------------------------------------
 
+// mr, share (RC_MROW): the block's merged rows, and whether this thread still has its share to do.
 __device__ __forceinline__ void rot_unit(const Params& p, i64 T, i64 max_pos, i64 t0, int u, SlotRange sr,
-                                         float inv_k) {
+                                         float inv_k, MRows* mr, bool& share) {
   const RotIdx ix = rot_idx(u);
   const int h = ix.h, j = ix.j;
   const i64 t = t0 + ix.tt;
@@ -957,11 +1036,16 @@ __device__ __forceinline__ void rot_unit(const Params& p, i64 T, i64 max_pos, i6
       if (NEOX) ew.b = load_chunk(wp, HALF + j * W);
     }
   }
-  i64 prow = load_index_after(p.pos, t, RC_POS64 != 0, src);
-  prow = prow < 0 ? 0 : (prow >= max_pos ? max_pos - 1 : prow);
-  const i64 trow = prow * TW;
-  i64 trows[MROPE ? 3 : 1] = {trow};  // M-RoPE: the row of each stream (stream 0 is `trow`)
-  if constexpr (MROPE != 0) {
+  // The cos/sin row: table row `position`, or (RC_MROW) the token's merged row in shared memory.
+  i64 trow, trows[MROPE && !MROW ? 3 : 1];  // M-RoPE: the row of each stream (stream 0 is `trow`)
+  if constexpr (MROW) {
+    trow = (i64)ix.tt * TW;
+  } else {
+    i64 prow = load_index_after(p.pos, t, RC_POS64 != 0, src);
+    prow = prow < 0 ? 0 : (prow >= max_pos ? max_pos - 1 : prow);
+    trow = trows[0] = prow * TW;
+  }
+  if constexpr (MROPE != 0 && !MROW) {
 #pragma unroll
     for (int st = 1; st < 3; ++st) {
       i64 r = load_index_after(p.pos, st * T + t, RC_POS64 != 0, src);
@@ -972,23 +1056,28 @@ __device__ __forceinline__ void rot_unit(const Params& p, i64 T, i64 max_pos, i6
   const i64 s_raw = load_index_after(p.slots, t, RC_SLOT64 != 0, src);  // q heads too: no branch
   const i64 s_any = (s_raw >= 0 && s_raw < sr.n) ? sr.base + s_raw : -1;
   if constexpr (KS_HEADS) inv_k = head_inv(p.k_scale, is_k ? h - QH : 0, inv_k, true);
+  if constexpr (MROW) {  // the loads above are in flight: this thread's share of the rows, if still due
+    if (share) mrow_share(p, T, max_pos, t0, mr), share = false;
+  }
   // The table values of this chunk (the one dependent load), then the arithmetic.
+  const void* const tcos = MROW ? static_cast<const void*>(mr->cos) : p.cos;
+  const void* const tsin = MROW ? static_cast<const void*>(mr->sin) : p.sin;
   const int c0 = NEOX ? j * W : (FULL ? j * W : j * W / 2);
   Chunk oa, ob;
   float ya[W], yb[NEOX ? W : 1];  // the rotated f32 values (WIDE_K: quantized from these)
   (void)yb;
   if (PACKED_NATIVE) {
-    const TabWords c = load_words(p.cos, trow + c0), sn = load_words(p.sin, trow + c0);
+    const TabWords c = load_words(tcos, trow + c0), sn = load_words(tsin, trow + c0);
     TabWords c2 = c, s2 = sn;
     if (FULL) {
-      c2 = load_words(p.cos, trow + HALF + j * W);
-      s2 = load_words(p.sin, trow + HALF + j * W);
+      c2 = load_words(tcos, trow + HALF + j * W);
+      s2 = load_words(tsin, trow + HALF + j * W);
     }
     if constexpr (NORM) norm_rot_unit(p, t0, u, is_k, src, j, a, b, ew);  // while the table row is in flight
     rot_native_packed(a, b, c, sn, c2, s2, oa, ob);
   } else {
     float tc[NTV], ts[NTV], tc2[NEOX && FULL ? W : 1], ts2[NEOX && FULL ? W : 1];
-    if constexpr (MROPE != 0) {
+    if constexpr (MROPE != 0 && !MROW) {
       load_tab3<NTV, NTV>(p.cos, trows, c0, tc);
       load_tab3<NTV, NTV>(p.sin, trows, c0, ts);
       if (NEOX && FULL) {
@@ -996,11 +1085,11 @@ __device__ __forceinline__ void rot_unit(const Params& p, i64 T, i64 max_pos, i6
         load_tab3<W, W>(p.sin, trows, HALF + j * W, ts2);
       }
     } else {
-      load_tab<NTV, NTV>(p.cos, trow + c0, tc);
-      load_tab<NTV, NTV>(p.sin, trow + c0, ts);
+      load_tab<NTV, NTV>(tcos, trow + c0, tc);
+      load_tab<NTV, NTV>(tsin, trow + c0, ts);
       if (NEOX && FULL) {
-        load_tab<W, W>(p.cos, trow + HALF + j * W, tc2);
-        load_tab<W, W>(p.sin, trow + HALF + j * W, ts2);
+        load_tab<W, W>(tcos, trow + HALF + j * W, tc2);
+        load_tab<W, W>(tsin, trow + HALF + j * W, ts2);
       }
     }
     if constexpr (NORM) norm_rot_unit(p, t0, u, is_k, src, j, a, b, ew);  // while the table row is in flight
@@ -1349,13 +1438,26 @@ __device__ __forceinline__ void run_block(const Params& p, const i64 T, const i6
   // Units tid, tid + NT, ... (RC_SPLIT: part y from y * NT, stride NT * SPLIT; a part boundary is a
   // multiple of NT, so a head's norm lanes stay in one warp): rotation, then pass-through, then V.
   const int u0 = SPLIT > 1 ? (int)blockIdx.y * NT : 0;
+  // RC_MROW: this thread's share of the merged rows, in its first rotation unit (after that unit's
+  // loads), else now; a thread whose rotation units all lie past T does it after its units.
+  MRows* mr = nullptr;
+  bool share = MROW;
+  if constexpr (MROW) {
+#ifdef RC_EMULATE
+    mr = &rc_emu_rows;
+#else
+    __shared__ MRows rows;
+    mr = &rows;
+#endif
+    if (u0 + (int)threadIdx.x >= N_ROT) mrow_share(p, T, max_pos, t0, mr), share = false;
+  }
 #pragma unroll 1
   for (int u = u0 + (int)threadIdx.x; u < n_units; u += NT * SPLIT) {
 #ifdef RC_EMULATE
     ++rc_emu_block_units, rc_emu_block_sum += u, rc_emu_block_n = n_units;
 #endif
     if (u < N_ROT) {
-      rot_unit(p, T, max_pos, t0, u, sr, inv_k);
+      rot_unit(p, T, max_pos, t0, u, sr, inv_k, mr, share);
     } else if (u < N_ROT + N_PASS) {
       pass_unit(p, T, t0, u - N_ROT, sr, inv_k);
     } else if (XP) {
@@ -1370,6 +1472,9 @@ __device__ __forceinline__ void run_block(const Params& p, const i64 T, const i6
     } else {
       v_unit_flash(p, T, t0, u - N_ROT - N_PASS, sr, inv_v);
     }
+  }
+  if constexpr (MROW) {
+    if (share) mrow_share(p, T, max_pos, t0, mr);
   }
 }
 }  // namespace rc
