@@ -56,6 +56,11 @@
 //                                are each the fused QKV tensor [T, QH + 2 KH, D] (rope_and_cache_qkv):
 //                                q head h of token t at row t, head h; k head h at head QH + h; v head h
 //                                at head QH + KH + h (in_row_of, v_row_of); outputs as with 0
+//   RC_TOKEN_SCALES              0 (default): static scales; 1 (fp8 caches): per-token scales: the
+//                                k_scale / v_scale operands are the scale caches [.., NB, KH, BS] f32,
+//                                two more results (k_sc, v_sc: the same buffers) receive one scale per
+//                                (token, kv head) at the token's slot (block "per-token scales"); V
+//                                units are row units (token, kv head, chunk) in every layout
 // Without the norm and per-head scales (all at their defaults) the kernel is the same code as
 // before them (every norm / per-head-scale path is behind `if constexpr`).
 //
@@ -65,6 +70,8 @@
 //                    q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, k_scale,
 //                    v_scale (f32 [] or [KH]), layer (int32), q_norm_weight, k_norm_weight ([D], or
 //                    an f32[1] placeholder when absent) | q_out, k_out, key_cache_out, value_cache_out
+//                    (RC_TOKEN_SCALES: ptr[20], k_scale / v_scale the scale caches, then the results
+//                    k_scale_cache_out, v_scale_cache_out after value_cache_out)
 //   int64  dim0[14]  the leading dimension of each operand (rank-0 operands: 1)
 // Grid: (ceil(T / RC_TPB), RC_SPLIT, 1) blocks of RC_NT threads, T = dim0[0]; no shared memory.
 // Runtime values: T = dim0[0], NB = dim0[3] (stacked: L = dim0[3]), max_pos = dim0[7]; every index
@@ -112,7 +119,9 @@
 //                 order). The unit loop's bound is the block's count (the same in all its threads).
 //
 // Bounds: positions are clamped to [0, max_pos-1]; a slot writes only if 0 <= slot < NB*BS (and,
-// stacked, 0 <= layer < L); all offsets are 64-bit. q_out/k_out are written for every token.
+// stacked, 0 <= layer < L); all offsets are 64-bit. RC_TOKEN_SCALES: the same slot indexes the scale
+// caches, and the launcher's entry takes NB (L) as the least leading dimension of the caches and both
+// scale caches. q_out/k_out are written for every token.
 // Arithmetic: kernels/common/rope_cache_math.h (rc_mul/rc_add/rc_sub/rc_fma are the _rn intrinsics,
 // and NVRTC runs with --fmad=false, so the only FMA is rc_fma of "fused" native arithmetic),
 // bit-exact to jax_rope_cache.reference in both precisions; subnormals kept (no --ftz); every NaN
