@@ -56,6 +56,20 @@ def _config(spec, num_sms, defines):
     return dataclasses.replace(cfg, defines=tuple(d.items()), threads=d["RC_NT"])
 
 
+def _paths(spec, cfg) -> int:
+    """Which amax reductions cfg's kernel takes: 1 k rows over their rotation lanes (R == D, D a power
+    of two, <= 32 lanes a head), 2 v rows over their CH lanes (CH a power of two <= 32, V units from a
+    multiple of CH); rope_cache.cu's TOKEN_LANES | V_LANES << 1."""
+    d = dict(cfg.defines)
+    w, tpb, dd = d["RC_WCH"], d["RC_TPB"], spec.head_dim
+    p, ch = cuda._rot_lanes(spec, w), dd // w
+    pow2 = lambda n: n & (n - 1) == 0  # noqa: E731
+    k = spec.rotary_dim == dd and pow2(dd) and p <= 32
+    rot_pass = tpb * (spec.q_heads + spec.kv_heads) * (p + (dd - spec.rotary_dim) // w)
+    v = pow2(ch) and ch <= 32 and rot_pass % ch == 0
+    return int(k) | int(v) << 1
+
+
 def run_token_emulation(spec, args, opts, tmp_dir, *, num_sms=cuda.DEFAULT_SMS, defines=None, source=None,
                         math_header=None):
     """The kernel on the host: (q_out, k_out, key_cache, value_cache, k_scale_cache, v_scale_cache).
@@ -68,6 +82,7 @@ def run_token_emulation(spec, args, opts, tmp_dir, *, num_sms=cuda.DEFAULT_SMS, 
     lib.rc_emulate.argtypes = [ctypes.POINTER(_TokenParams), ctypes.c_longlong]
     assert lib.rc_units() == tcc._units(cfg, spec), (lib.rc_units(), tcc._units(cfg, spec), cfg)
     d = dict(cfg.defines)
+    assert lib.rc_token_lanes() == _paths(spec, cfg), "the amax reductions"
     assert lib.rc_kpairs() == (d.get("RC_KPAIRS", 0) and d["RC_TPB"] % 2 == 0), "paired k units as configured"
     q, k, v, kc, vc, slots, pos, cos, sin = (np.ascontiguousarray(a) for a in args)
     absent = np.full(1, np.nan, np.float32)
@@ -164,7 +179,7 @@ MATRIX += [
     # every unit reads its row: partial rotary, D not a power of two, more than 32 lanes per head
     PARTIAL := TCase(Case(T=37, QH=4, KH=2, D=64, R=32, cache_dtype=FNUZ, is_neox=False, layout="hnd"), layers=3),
     TCase(Case(T=37, QH=4, KH=2, D=128, R=64, cache_dtype=E4, layout="xpacked"), norm=True),
-    TCase(Case(T=13, QH=4, KH=2, D=80, cache_dtype=E5, layout="flash"), norm=True),
+    ROW_V := TCase(Case(T=13, QH=4, KH=2, D=80, cache_dtype=E5, layout="flash"), norm=True),  # CH = 10: v rows read
     TCase(Case(T=9, QH=2, KH=2, D=256, cache_dtype=E4, dtype="float32", is_neox=False)),  # 64 lanes
     TCase(Case(T=9, QH=2, KH=1, D=64, R=6, cache_dtype=E4, dtype="float16")),  # odd R/2: one-element chunks
     # stacked layers (a valid layer, one outside [0, L): nothing written), M-RoPE, fused QKV, X, int64
@@ -175,6 +190,12 @@ MATRIX += [
     TCase(Case(T=37, QH=4, KH=2, D=64, cache_dtype=FNUZ, layout="xpacked", X=4, index_dtype="int64")),
     TCase(Case(T=70, QH=8, KH=4, D=128, BS=32, cache_dtype=E4, layout="xpacked", index_dtype="int64")),
 ]
+
+
+def test_matrix_takes_every_reduction_path():
+    """The matrix runs k rows by lanes and by recomputed rows, v rows by lanes and by reads."""
+    paths = {_paths(s, cuda.kernel_config(s)) for s in (problem(tc, 11)[0] for tc in MATRIX)}
+    assert paths == {0, 1, 2, 3}, paths
 
 
 @pytest.mark.parametrize("tc", MATRIX, ids=lambda tc: tc.id)
@@ -230,11 +251,12 @@ def test_per_token_rows_of_every_kind_are_present():
 
 _SRC = os.path.join(tcc._kernel_dir(), "cuda", "rope_cache.cu")
 MUTATIONS = [
-    ("k amax over one lane only", "for (int off = 1; off < P; off <<= 1) level(off);",
+    ("amax over one lane only (k and v)", "for (int off = 1; off < N; off <<= 1) level(off);",
      "for (int off = 1; off < 1; off <<= 1) level(off);", MATRIX[0]),
     ("k lane amax of the first half only", "own = chunk_amax(va, vb);", "own = chunk_amax(va, va);", MATRIX[0]),
-    ("v amax over the unit's own chunk", "for (int i = 0; i < CH; ++i) {\n    const Chunk y = load_chunk(row, i * W);",
-     "for (int i = c; i < c + 1; ++i) {\n    const Chunk y = load_chunk(row, i * W);", MATRIX[0]),
+    ("v row amax over the unit's own chunk", "for (int i = 0; i < CH; ++i) {\n      const Chunk y = load_chunk(row, i * W);",
+     "for (int i = c; i < c + 1; ++i) {\n      const Chunk y = load_chunk(row, i * W);", ROW_V),
+    ("v amax over one lane only", "m = v_amax_lanes(row, c, m);", "(void)row;", MATRIX[0]),
     ("k row amax without the pass-through channels", "for (int c = PASS0; c < CH; ++c) {",
      "for (int c = CH; c < CH; ++c) {", PARTIAL),
     ("k scales of every head at head 0", "p.k_sc[scale_index(s_any, h - QH)]", "p.k_sc[scale_index(s_any, 0)]",

@@ -254,6 +254,9 @@ enum : int {
 constexpr int N_PASS = TPB * U_PASS;
 constexpr int N_V = XP && !TOKEN ? (TPB / VG) * KH * DC : TPB * KH * CH;  // TOKEN: row units (v_unit_token)
 constexpr int N_UNITS = N_ROT + N_PASS + N_V;
+// RC_TOKEN_SCALES: a v row's CH units are CH aligned lanes of one warp (the V units start at a
+// multiple of CH, CH a power of two <= 32): their amax by xor shuffles; otherwise each reads the row.
+enum : int { V_LANES = TOKEN && is_pow2(CH) && CH <= 32 && (N_ROT + N_PASS) % CH == 0 };
 // RC_VSEL = C: a block whose TPB tokens are all < T and whose every group of X tokens is an aligned
 // run (block_runs) has N_V_RUN V units of C channels instead of the N_V above (the threads, NT, are
 // sized by N_UNITS: such a block leaves some idle).
@@ -1028,12 +1031,12 @@ __device__ __forceinline__ void rotate_chunk(const Chunk& a, const Chunk& b, con
 // Element offset of kv head h's scale at cache slot s in the scale caches [.., NB, KH, BS].
 __device__ __forceinline__ i64 scale_index(i64 s, int h) { return (s / BS * KH + h) * BS + s % BS; }
 
-// The xor butterfly's levels over a group's P lanes: offsets 1, 2, .. P/2 (the GPU shuffles and
-// their host emulation take the same levels).
-template <class F>
+// The xor butterfly's levels over a group's N lanes (a k head's P, a v row's CH): offsets 1, 2, ..
+// N/2 (the GPU shuffles and their host emulation take the same levels).
+template <int N = P, class F>
 __device__ __forceinline__ void over_levels(F&& level) {
 #pragma unroll
-  for (int off = 1; off < P; off <<= 1) level(off);
+  for (int off = 1; off < N; off <<= 1) level(off);
 }
 
 // The f32 values the key cache quantizes for rotation chunk j of token t's k head h (h >= QH) (NeoX:
@@ -1149,8 +1152,39 @@ __device__ __forceinline__ float k_amax(const Params& p, i64 T, i64 max_pos, i64
 #endif
 }
 
-// V row unit (token, kv head, chunk c) of every layout: the row's amax from the whole v row (its
-// other chunks are L1 hits), the chunk quantized with the row's scale; chunk 0 writes the scale.
+// The v row's amax from unit c's own chunk amax m_own (V_LANES): the butterfly over the row's CH lanes.
+__device__ __forceinline__ float v_amax_lanes(const char* row, int c, float m_own) {
+#ifdef RC_EMULATE
+  // The other lanes rebuilt from the row, this lane's checked against its own.
+  float g[CH];
+  for (int i = 0; i < CH; ++i) {
+    const Chunk y = load_chunk(row, i * W);
+    g[i] = 0.0f;
+    for (int e = 0; e < W; ++e) g[i] = rc_amax_step(g[i], to_f32<DT>(y.e[e]));
+  }
+  if (__float_as_uint(g[c]) != __float_as_uint(m_own)) ++rc_emu_errors;
+  over_levels<CH>([&](int off) {
+    float n[CH];
+    for (int i = 0; i < CH; ++i) n[i] = g[i ^ off] > g[i] ? g[i ^ off] : g[i];
+    for (int i = 0; i < CH; ++i) g[i] = n[i];
+  });
+  return g[c];
+#else
+  (void)row, (void)c;
+  const unsigned int lane = threadIdx.x & 31u;
+  const unsigned int mask = CH >= 32 ? 0xffffffffu : ((1u << (CH & 31)) - 1u) << (lane & ~(unsigned int)(CH - 1));
+  float m = m_own;
+  over_levels<CH>([&](int off) {
+    const float o = __shfl_xor_sync(mask, m, off);
+    m = o > m ? o : m;
+  });
+  return m;
+#endif
+}
+
+// V row unit (token, kv head, chunk c) of every layout: the row's amax (V_LANES: the row's lanes,
+// else from the whole v row, its other chunks L1 hits), the chunk quantized with the row's scale;
+// chunk 0 writes the scale.
 __device__ __forceinline__ void v_unit_token(const Params& p, i64 T, i64 t0, int u, SlotRange sr) {
   const i64 t = t0 + u / (KH * CH);
   if (t >= T) return;
@@ -1161,11 +1195,17 @@ __device__ __forceinline__ void v_unit_token(const Params& p, i64 T, i64 t0, int
   const bool ok = s_raw >= 0 && s_raw < sr.n;
   const i64 s = ok ? sr.base + s_raw : 0;
   float m = 0.0f;
-#pragma unroll 4
-  for (int i = 0; i < CH; ++i) {
-    const Chunk y = load_chunk(row, i * W);
+  if constexpr (V_LANES) {
 #pragma unroll
-    for (int e = 0; e < W; ++e) m = rc_amax_step(m, to_f32<DT>(y.e[e]));
+    for (int e = 0; e < W; ++e) m = rc_amax_step(m, to_f32<DT>(x.e[e]));
+    m = v_amax_lanes(row, c, m);
+  } else {
+#pragma unroll 4
+    for (int i = 0; i < CH; ++i) {
+      const Chunk y = load_chunk(row, i * W);
+#pragma unroll
+      for (int e = 0; e < W; ++e) m = rc_amax_step(m, to_f32<DT>(y.e[e]));
+    }
   }
   const float scale = rc_token_scale(m, FP8_DT), inv = rc_inv_scale(scale);
 #if RC_TOKEN_SCALES
@@ -1695,4 +1735,6 @@ extern "C" void rc_rot_unit(int u, int* out) {
   out[0] = r.tt, out[1] = r.h, out[2] = r.j;
 }
 extern "C" int rc_kpairs() { return rc::KPAIRS; }
+// RC_TOKEN_SCALES: 1 if k rows reduce over their rotation lanes, | 2 if v rows over their V lanes.
+extern "C" int rc_token_lanes() { return rc::TOKEN_LANES | (rc::V_LANES << 1); }
 #endif
