@@ -386,3 +386,58 @@ def test_cuda_lowering_per_token_is_one_call_with_the_scale_caches_aliased(setti
         assert entry[:entry.index(")")].count(".param .u64") == 20
     else:
         assert "k_scale_cache result" in line and "v_scale_cache result" in line  # buffer_names
+
+
+# ---- on a CUDA GPU: the regimes the small calls of tests/test_fp8_per_token.py do not reach ---------
+GPU_CASES = [  # (case, slot runs): prefill runs (paired k units, several units a thread), packed flash
+    (TCase(Case(T=4096, QH=32, KH=8, D=128, cache_dtype=E4, layout="xpacked")), True),  # blocks, decode split
+    (TCase(Case(T=2048, QH=8, KH=1, D=128, cache_dtype=E5), norm=True), False),
+    (TCase(Case(T=1024, QH=16, KH=4, D=128, R=64, cache_dtype=E4, layout="hnd", index_dtype="int64"), layers=2), True),
+    (TCase(Case(T=5, QH=32, KH=8, D=128, cache_dtype=FNUZ, layout="xpacked_shuffled")), False),
+    (TCase(Case(T=64, QH=16, KH=1, D=128, cache_dtype=E4, layout="xpacked", precision="native"), norm=True), True),
+]
+_CUDA = "cuda" in __import__("conftest").platforms()
+
+
+@pytest.mark.skipif(not _CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("route", ["auto", "0"], ids=["node-auto", "launcher"])
+@pytest.mark.parametrize("tc,runs", GPU_CASES, ids=[tc.id + ("-runs" if r else "") for tc, r in GPU_CASES])
+def test_gpu_per_token_large_calls_bitwise(tc, runs, route, monkeypatch):
+    """impl="kernel" on the GPU (kernel node where the plugin compiles it, and the launcher): the same
+    bits as the reference."""
+    monkeypatch.setenv(kernel_node.ENV, route)
+    run_large_call(tc, runs, "cuda")
+
+
+@pytest.mark.parametrize("tc,runs", GPU_CASES, ids=[tc.id + ("-runs" if r else "") for tc, r in GPU_CASES])
+def test_host_emulation_of_the_gpu_cases(tc, runs, emu_dir):
+    """The variants the GPU test runs (kernel_config's choice for 132 SMs), emulated: the same bits."""
+    spec, args, opts, want = large_call(tc, runs)
+    _assert_bitwise(run_token_emulation(spec, args, opts, emu_dir), want)
+
+
+def large_call(tc: TCase, runs: bool):
+    """(spec, args, opts, the reference's results) of a GPU case."""
+    spec, _, args, opts = problem(tc, 13)
+    args = list(args)
+    if runs:  # aligned slot runs with a few invalid tokens (prefill)
+        s = np.arange(spec.num_tokens, dtype=np.int64) + 16
+        s[5::97] = -1
+        args[5] = s.astype(args[5].dtype)
+    with np.errstate(invalid="ignore", over="ignore"):
+        want = reference.rope_and_cache(*args, **opts)
+    return spec, args, opts, want
+
+
+def run_large_call(tc: TCase, runs: bool, platform: str):
+    import jax_rope_cache as jrc
+
+    _, args, opts, want = large_call(tc, runs)
+    opts = dict(opts)
+    arrays = {n: opts.pop(n) for n in ("k_scale_cache", "v_scale_cache", "q_norm_weight", "k_norm_weight") if n in opts}
+    if "layer" in opts:
+        arrays["layer"] = np.asarray(opts.pop("layer"), np.int32)
+    f = jax.jit(lambda a, kw: jrc.rope_and_cache(*a, **kw, impl="kernel", **opts))
+    with jax.default_device(jax.devices(platform)[0]):
+        got = f(args, arrays)
+    _assert_bitwise([np.asarray(g) for g in got], want)
