@@ -28,7 +28,7 @@ from conftest import Case, make_spec
 from jax_rope_cache import contract, reference
 
 tcc = pytest.importorskip("test_cuda_compile")  # skips this module where NVRTC is missing, as that one
-from test_fp8_per_token import per_token_problem  # noqa: E402
+from test_fp8_per_token import TokenCase, per_token_problem  # noqa: E402
 
 from jax_rope_cache.backends import cuda, kernel_node  # noqa: E402
 
@@ -120,21 +120,15 @@ def _assert_bitwise(got, want):
 
 
 @dataclasses.dataclass(frozen=True)
-class TCase:
-    case: Case
-    layers: int | None = None
+class TCase(TokenCase):
     layer: int | None = None  # stacked: the layer written (None: the last)
-    norm: bool = False
-    qkv: bool = False
-    mrope: tuple | None = None
 
     @property
     def id(self):
         c = self.case
-        return (f"{c.layout}-{c.cache_dtype}-{c.dtype}-{c.table_dtype}-T{c.T}-QH{c.QH}-KH{c.KH}-D{c.D}-R{c.R or c.D}-"
-                f"{c.precision}" + ("" if c.is_neox else "-gptj") + ("-full" if c.table == "full" else "")
-                + (f"-L{self.layers}.{self.layer}" if self.layers else "") + ("-norm" if self.norm else "")
-                + ("-qkv" if self.qkv else "") + ("-mrope" if self.mrope else "") + (f"-X{c.X}" if c.X else ""))
+        return (f"T{c.T}-QH{c.QH}-KH{c.KH}-{c.table_dtype}-{super().id}" + ("-full" if c.table == "full" else "")
+                + (f"-L{self.layers}.{self.layer}" if self.layers and self.layer is not None else "")
+                + (f"-X{c.X}" if c.X else "") + ("-int64" if c.index_dtype == "int64" else ""))
 
 
 def problem(tc: TCase, seed: int):
