@@ -435,3 +435,42 @@ def run_large_call(tc: TCase, runs: bool, platform: str):
     with jax.default_device(jax.devices(platform)[0]):
         got = f(args, arrays)
     _assert_bitwise([np.asarray(g) for g in got], want)
+
+
+# ---- the launcher's buffer check (its initialize stage, CPU-runnable) with the 20 buffers -----------
+def _check_buffers(ops, results, signature, names):
+    from jax_rope_cache.backends import launcher, native
+
+    target = "jax_rope_cache_gpu_check_buffers_token_test"
+    native.register_target(target, native.native_module().gpu_check_buffers_handler, "cpu")
+    shapes = [jax.ShapeDtypeStruct(np.shape(r), np.asarray(r).dtype) for r in results]
+    fn = jax.ffi.ffi_call(target, shapes, input_output_aliases={3: 2, 4: 3, 9: 4, 10: 5})
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu):
+        return jax.block_until_ready(fn(*[jax.device_put(o, cpu) for o in ops], signature=signature,
+                                        buffer_names=names))
+
+
+def test_launcher_buffer_check_names_the_scale_caches():
+    """The signature a per-token lowering declares (14 operands, 6 results) is accepted for its own
+    buffers; a scale cache of other dims is refused naming it, before any launch."""
+    from jax_rope_cache.backends import launcher
+
+    spec, kargs, args, opts = problem(TCase(Case(T=9, QH=4, KH=2, D=64, cache_dtype=E4, layout="xpacked")), 3)
+    ph = np.ones(1, np.float32)
+    q, k, v, kc, vc, slots, pos, cos, sin = args
+
+    def buffers(ksc):
+        ops = [q, k, v, kc, vc, slots, pos, cos, sin, ksc, opts["v_scale_cache"], np.int32(0), ph, ph]
+        return ops, [q, k, kc, vc, ksc, opts["v_scale_cache"]]
+
+    ops, rets = buffers(opts["k_scale_cache"])
+    aval = lambda a: jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype)  # noqa: E731
+    sig = launcher.buffer_signature([aval(a) for a in ops], [aval(a) for a in rets])
+    assert sig[:2].tolist() == [14, 6]
+    names = launcher.buffer_names(spec)
+    assert names.split(",")[9:11] == ["k_scale_cache", "v_scale_cache"] and len(names.split(",")) == 20
+    _check_buffers(ops, rets, sig, names)
+    bad = np.ascontiguousarray(np.swapaxes(opts["k_scale_cache"], 1, 2))  # [NB, BS, KH]
+    with pytest.raises(jax.errors.JaxRuntimeError, match=r"INVALID_ARGUMENT.*gpu launcher: k_scale_cache: expected"):
+        _check_buffers(*buffers(bad), sig, names)
