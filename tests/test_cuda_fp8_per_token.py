@@ -58,16 +58,12 @@ def _config(spec, num_sms, defines):
 
 def _paths(spec, cfg) -> int:
     """Which amax reductions cfg's kernel takes: 1 k rows over their rotation lanes (R == D, D a power
-    of two, <= 32 lanes a head), 2 v rows over their CH lanes (CH a power of two <= 32, V units from a
-    multiple of CH); rope_cache.cu's TOKEN_LANES | V_LANES << 1."""
-    d = dict(cfg.defines)
-    w, tpb, dd = d["RC_WCH"], d["RC_TPB"], spec.head_dim
+    of two, <= 32 lanes a head), 2 v rows over their CH lanes (CH = D / W a power of two <= 32);
+    rope_cache.cu's TOKEN_LANES | V_LANES << 1."""
+    w, dd = dict(cfg.defines)["RC_WCH"], spec.head_dim
     p, ch = cuda._rot_lanes(spec, w), dd // w
     pow2 = lambda n: n & (n - 1) == 0  # noqa: E731
-    k = spec.rotary_dim == dd and pow2(dd) and p <= 32
-    rot_pass = tpb * (spec.q_heads + spec.kv_heads) * (p + (dd - spec.rotary_dim) // w)
-    v = pow2(ch) and ch <= 32 and rot_pass % ch == 0
-    return int(k) | int(v) << 1
+    return int(spec.rotary_dim == dd and pow2(dd) and p <= 32) | int(pow2(ch) and ch <= 32) << 1
 
 
 def run_token_emulation(spec, args, opts, tmp_dir, *, num_sms=cuda.DEFAULT_SMS, defines=None, source=None,
@@ -311,11 +307,11 @@ def test_nvrtc_compiles_per_token_variants_without_spills(arch):
 
 
 def test_per_token_instructions_in_the_ptx():
-    """Lane path: butterfly shuffles and the correctly rounded division (div.rn, never an approximate
-    reciprocal); the row path: the division without shuffles; without per-token scales neither."""
+    """Lane paths: butterfly shuffles and the correctly rounded division (div.rn, never an approximate
+    reciprocal); the row paths: the division without shuffles; without per-token scales neither."""
     ptx = lambda spec: cuda.compile_variant(cuda.kernel_config(spec), "compute_90").code.decode()  # noqa: E731
     lanes = ptx(_token_spec(T=128, QH=8, KH=2, D=128, cdt=FN))
-    rows = ptx(_token_spec(T=128, QH=8, KH=2, D=128, R=64, cdt=FN))
+    rows = ptx(_token_spec(T=128, QH=8, KH=2, D=80, cdt=FN))  # D / W = 10 chunks: no lanes for k or v
     plain = ptx(make_spec(T=128, QH=8, KH=2, D=128, cdt=FN))
     for text in (lanes, rows):
         assert "div.rn.f32" in text and "div.approx" not in text and "div.full" not in text

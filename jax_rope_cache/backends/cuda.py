@@ -192,16 +192,21 @@ def v_select(spec: contract.OpSpec, tpb: int, vch: int, want: int) -> int:
 def _block_units(spec: contract.OpSpec, w: int, vch: int = 1):
     """(units(tpb): the units of a block of tpb tokens, units per token) for chunks of w elements and
     x-packed V units of vch channels (rope_cache.cu's N_ROT + N_PASS + N_V; per-token scales: V row
-    units of w channels in every layout)."""
+    units of w channels in every layout, from the next multiple of D / w where that is a power of
+    two <= 32: V0 + N_V)."""
     d, r, kh = spec.head_dim, spec.rotary_dim, spec.kv_heads
     rh = spec.q_heads + kh
     x = v_group(spec)
     xp = _x_packed(spec) and not spec.token_scales
     units_tok = rh * _rot_lanes(spec, w) + rh * ((d - r) // w)
 
+    ch = d // w
+    v_lanes = spec.token_scales and ch & (ch - 1) == 0 and ch <= 32  # V units from a multiple of ch
+
     def units(tpb):  # x-packed V: one unit per vch channels per group of tokens
         vg = (x if tpb % x == 0 else tpb) if xp else 1
-        return tpb * units_tok + ((tpb // vg) * kh * (d // vch) if xp else tpb * kh * (d // w))
+        v0 = -(-tpb * units_tok // ch) * ch if v_lanes else tpb * units_tok
+        return v0 + ((tpb // vg) * kh * (d // vch) if xp else tpb * kh * ch)
 
     return units, max(1.0, units_tok + (kh * d / (x * vch) if xp else kh * (d // w)))
 

@@ -253,10 +253,14 @@ enum : int {
 };
 constexpr int N_PASS = TPB * U_PASS;
 constexpr int N_V = XP && !TOKEN ? (TPB / VG) * KH * DC : TPB * KH * CH;  // TOKEN: row units (v_unit_token)
-constexpr int N_UNITS = N_ROT + N_PASS + N_V;
-// RC_TOKEN_SCALES: a v row's CH units are CH aligned lanes of one warp (the V units start at a
-// multiple of CH, CH a power of two <= 32): their amax by xor shuffles; otherwise each reads the row.
-enum : int { V_LANES = TOKEN && is_pow2(CH) && CH <= 32 && (N_ROT + N_PASS) % CH == 0 };
+// RC_TOKEN_SCALES: where CH is a power of two <= 32, the V units start at V0, the next multiple of CH
+// (the units between are idle), so a v row's CH units are CH aligned lanes of one warp: their amax
+// by xor shuffles (V_LANES); otherwise each unit reads its row.
+enum : int {
+  V_LANES = TOKEN && is_pow2(CH) && CH <= 32,
+  V0 = V_LANES ? (N_ROT + N_PASS + CH - 1) / CH * CH : N_ROT + N_PASS  // the first V unit
+};
+constexpr int N_UNITS = V0 + N_V;
 // RC_VSEL = C: a block whose TPB tokens are all < T and whose every group of X tokens is an aligned
 // run (block_runs) has N_V_RUN V units of C channels instead of the N_V above (the threads, NT, are
 // sized by N_UNITS: such a block leaves some idle).
@@ -1641,7 +1645,7 @@ __device__ __forceinline__ void run_block(const Params& p, const i64 T, const i6
     } else if (u < N_ROT + N_PASS) {
       pass_unit(p, T, max_pos, t0, u - N_ROT, sr, inv_k);
     } else if (TOKEN) {
-      v_unit_token(p, T, t0, u - N_ROT - N_PASS, sr);
+      if (u >= V0) v_unit_token(p, T, t0, u - V0, sr);  // below V0: padding, idle
     } else if (XP) {
       if constexpr (VCH > 1) {
         v_unit_xpacked_vec(p, T, t0, u - N_ROT - N_PASS, sr, inv_v);
