@@ -196,7 +196,8 @@ def test_host_emulation_per_token_matches_reference_bitwise(tc, emu_dir):
         assert (want[i] != opts[name]).any() == written, name
 
 
-BLOCK_VARIANTS = [(lay, v) for lay in ("flash", "xpacked") for v in ({"RC_TPB": 8}, {"RC_TPB": 32}, {"RC_TPB": 1, "RC_WCH": 4})]
+BLOCK_VARIANTS = [(lay, v) for lay in ("flash", "xpacked")
+                  for v in ({"RC_TPB": 8}, {"RC_TPB": 32}, {"RC_TPB": 1, "RC_WCH": 4})]
 BLOCK_VARIANTS += [("xpacked", {"RC_TPB": 4, "RC_KPAIRS": 1}), ("xpacked_shuffled", {"RC_TPB": 16, "RC_KPAIRS": 1})]
 
 
@@ -244,7 +245,8 @@ MUTATIONS = [
     ("amax over one lane only (k and v)", "for (int off = 1; off < N; off <<= 1) level(off);",
      "for (int off = 1; off < 1; off <<= 1) level(off);", MATRIX[0]),
     ("k lane amax of the first half only", "own = chunk_amax(va, vb);", "own = chunk_amax(va, va);", MATRIX[0]),
-    ("v row amax over the unit's own chunk", "for (int i = 0; i < CH; ++i) {\n      const Chunk y = load_chunk(row, i * W);",
+    ("v row amax over the unit's own chunk",
+     "for (int i = 0; i < CH; ++i) {\n      const Chunk y = load_chunk(row, i * W);",
      "for (int i = c; i < c + 1; ++i) {\n      const Chunk y = load_chunk(row, i * W);", ROW_V),
     ("v amax over one lane only", "m = v_amax_lanes(row, c, m);", "(void)row;", MATRIX[0]),
     ("k row amax without the pass-through channels", "for (int c = PASS0; c < CH; ++c) {",
@@ -282,10 +284,10 @@ def _token_spec(**kw):
 
 FN, FNUZ_DT, E5_DT = (np.dtype(getattr(ml_dtypes, n)) for n in FP8)
 COMPILE = [dict(T=t, QH=32, KH=8, D=128, layout=lay, cdt=cdt, neox=neox, prec=prec)
-           for (t, lay, cdt, neox, prec) in [(1, "flash", FN, True, "fp32"), (8192, "flash", FNUZ_DT, False, "native"),
-                                              (128, "xpacked", E5_DT, True, "native"),
-                                              (8192, "xpacked_shuffled", FN, False, "fp32"),
-                                              (64, "hnd", E5_DT, True, "fp32"), (1, "xpacked", FNUZ_DT, True, "native")]]
+           for (t, lay, cdt, neox, prec) in [
+               (1, "flash", FN, True, "fp32"), (8192, "flash", FNUZ_DT, False, "native"),
+               (128, "xpacked", E5_DT, True, "native"), (8192, "xpacked_shuffled", FN, False, "fp32"),
+               (64, "hnd", E5_DT, True, "fp32"), (1, "xpacked", FNUZ_DT, True, "native")]]
 COMPILE += [
     dict(T=8192, QH=8, KH=1, D=128, cdt=FN, norm=BF16),  # Qwen3 shapes: norm lanes
     dict(T=1, QH=16, KH=1, D=128, cdt=FN, norm=BF16, layout="xpacked", prec="native"),
