@@ -32,7 +32,7 @@ NODE_KERNEL_NAME = "rope_cache_node"  # the kernel-node entry (RC_NODE builds)
 DEFAULT_ARCH = 90
 DEFAULT_SMS = 132
 # contract.FEATURES the CUDA kernel implements (others: the XLA path, or an error with impl="kernel").
-SUPPORTS: frozenset[str] = frozenset({"q_norm", "k_norm", "k_scale_heads", "v_scale_heads", "mrope"})
+SUPPORTS: frozenset[str] = frozenset({"q_norm", "k_norm", "k_scale_heads", "v_scale_heads", "mrope", "token_scales"})
 
 
 @functools.cache
@@ -177,8 +177,8 @@ def v_group(spec: contract.OpSpec) -> int:
 
 def v_channels(spec: contract.OpSpec, want: int = 1) -> int:
     """RC_VCH: the most channels <= want per x-packed V unit that the shape allows (a power of two,
-    at most 16 bytes of v, dividing D); 1 for flash, hnd and a non-default X."""
-    if not _x_packed(spec) or not _default_group(spec):
+    at most 16 bytes of v, dividing D); 1 for flash, hnd, a non-default X and per-token scales."""
+    if not _x_packed(spec) or not _default_group(spec) or spec.token_scales:
         return 1
     c = min(8, _pow2_floor(want), 16 // np.dtype(spec.dtype).itemsize)
     while c > 1 and spec.head_dim % c:
@@ -198,16 +198,22 @@ def v_select(spec: contract.OpSpec, tpb: int, vch: int, want: int) -> int:
 
 def _block_units(spec: contract.OpSpec, w: int, vch: int = 1):
     """(units(tpb): the units of a block of tpb tokens, units per token) for chunks of w elements and
-    x-packed V units of vch channels (rope_cache.cu's N_ROT + N_PASS + N_V)."""
+    x-packed V units of vch channels (rope_cache.cu's N_ROT + N_PASS + N_V; per-token scales: V row
+    units of w channels in every layout, from the next multiple of D / w where that is a power of
+    two <= 32: V0 + N_V)."""
     d, r, kh = spec.head_dim, spec.rotary_dim, spec.kv_heads
     rh = spec.q_heads + kh
     x = v_group(spec)
-    xp = _x_packed(spec)
+    xp = _x_packed(spec) and not spec.token_scales
     units_tok = rh * _rot_lanes(spec, w) + rh * ((d - r) // w)
+
+    ch = d // w
+    v_lanes = spec.token_scales and ch & (ch - 1) == 0 and ch <= 32  # V units from a multiple of ch
 
     def units(tpb):  # x-packed V: one unit per vch channels per group of tokens
         vg = (x if tpb % x == 0 else tpb) if xp else 1
-        return tpb * units_tok + ((tpb // vg) * kh * (d // vch) if xp else tpb * kh * (d // w))
+        v0 = -(-tpb * units_tok // ch) * ch if v_lanes else tpb * units_tok
+        return v0 + ((tpb // vg) * kh * (d // vch) if xp else tpb * kh * ch)
 
     return units, max(1.0, units_tok + (kh * d / (x * vch) if xp else kh * (d // w)))
 
@@ -223,7 +229,8 @@ def _latency_width(spec: contract.OpSpec, w: int, vch: int = 1) -> int:
         return w
     d = spec.head_dim
     lanes_path = spec.rotary_dim == d and d & (d - 1) == 0 and _rot_lanes(spec, half) <= 32
-    return half if not spec.norm or lanes_path else w  # the generic norm path: each unit sums its row
+    # the generic norm and amax paths: each unit reads its row, so more units is more work
+    return half if not (spec.norm or spec.token_scales) or lanes_path else w
 
 
 def kernel_config(spec: contract.OpSpec, num_sms: int = DEFAULT_SMS, vch: int | None = None,
@@ -297,6 +304,8 @@ def kernel_config(spec: contract.OpSpec, num_sms: int = DEFAULT_SMS, vch: int | 
         defines += (("RC_X", c.x),)
     if c.qkv:  # the fused QKV input (the default: no RC_QKV, the variant and its cache key as before)
         defines += (("RC_QKV", 1),)
+    if c.token_scales:  # per-token fp8 scales (the default: no RC_TOKEN_SCALES, the kernel of before)
+        defines += (("RC_TOKEN_SCALES", 1),)
     if (K_PAIRS if kpairs is None else kpairs) and xp and tpb % 2 == 0:
         defines += (("RC_KPAIRS", 1),)
     if parts > 1:
@@ -396,6 +405,8 @@ def check_node_shapes(avals_in, spec: contract.OpSpec) -> None:
             "slot_mapping": (t,), "positions": (3, t) if spec.mrope_section else (t,),
             "cos": (spec.max_pos, width), "sin": (spec.max_pos, width),
             "layer": ()}
+    if spec.token_scales:  # the scale caches the kernel indexes like the caches
+        want["k_scale"] = want["v_scale"] = contract.scale_cache_shape(spec)
     for name, aval in zip(contract.OPERANDS, avals_in):
         if name in want and tuple(aval.shape) != want[name]:
             raise ValueError(f"rope_and_cache (internal): operand {name} has shape {list(aval.shape)}, but the "
@@ -433,6 +444,9 @@ def lower(ctx, args, spec: contract.OpSpec):
         use, _ = kernel_node.decide(ptx.code)
         if use:
             grid = (-(-spec.num_tokens // ncfg.tokens_per_block), ncfg.parts, 1)
-            return kernel_node.lower(ctx, args, ptx=ptx.code, kernel=NODE_KERNEL_NAME, grid=grid, block=ncfg.threads)
+            return kernel_node.lower(ctx, args, ptx=ptx.code, kernel=NODE_KERNEL_NAME, grid=grid, block=ncfg.threads,
+                                     aliases=contract.cache_aliases(spec), fenced=launcher.fenced(spec))
     return launcher.lower_launch(ctx, args, table=build_code_table(cfg, cc), kernel=KERNEL_NAME,
-                                 grid_div=cfg.tokens_per_block, block=cfg.threads, grid_y=cfg.parts)
+                                 grid_div=cfg.tokens_per_block, block=cfg.threads, grid_y=cfg.parts,
+                                 aliases=contract.cache_aliases(spec), fenced=launcher.fenced(spec),
+                                 buffer_names=launcher.buffer_names(spec))

@@ -157,16 +157,20 @@ def decide(ptx: bytes | str) -> tuple[bool, str]:
     return use, why
 
 
-def lower(ctx, args, *, ptx: bytes | str, kernel: str, grid: tuple[int, int, int], block: int):
+def lower(ctx, args, *, ptx: bytes | str, kernel: str, grid: tuple[int, int, int], block: int,
+          aliases: dict[int, int] | None = None, fenced: tuple[int, ...] | None = None):
     """The call as XLA's PTX custom call: `kernel` of `ptx` on `grid` blocks of `block` threads, its
-    arguments the 14 operands then the 4 results (caches aliased in place, contract.CACHE_ALIASES).
-    The small operands go through the same optimization barrier as the launcher's call."""
+    arguments the 14 operands then the results (4, or 6 with per-token scales), the caches (and scale
+    caches) aliased in place (`aliases`, operand -> result; None: contract.CACHE_ALIASES). The small
+    operands (`fenced`: their indices; None: the launcher's default) go through the same optimization
+    barrier as the launcher's call."""
     text = ptx.decode() if isinstance(ptx, bytes) else ptx
     text = text.rstrip("\0")
     if any(not 1 <= g <= 2**31 - 1 for g in grid) or grid[1] > 65535 or grid[2] > 65535 or not 1 <= block <= 1024:
         raise ValueError(f"rope_and_cache (internal): launch geometry grid={grid} block={block} is out of range")
-    rule = jax.ffi.ffi_lowering(TARGET, operand_output_aliases=contract.CACHE_ALIASES)
+    rule = jax.ffi.ffi_lowering(TARGET, operand_output_aliases=contract.CACHE_ALIASES if aliases is None else aliases)
     i32 = np.int32
-    return rule(ctx, *launcher.fence_small_operands(args), name=kernel, kernel_type="ptx", kernel_data=text,
+    args = launcher.fence_small_operands(args) if fenced is None else launcher.fence_small_operands(args, fenced)
+    return rule(ctx, *args, name=kernel, kernel_type="ptx", kernel_data=text,
                 grid_x=i32(grid[0]), grid_y=i32(grid[1]), grid_z=i32(grid[2]), block_x=i32(block), block_y=i32(1),
                 block_z=i32(1), shared_mem_bytes=i32(0))

@@ -173,11 +173,28 @@ def buffer_signature(avals_in, avals_out) -> np.ndarray:
     return np.asarray(words, np.int64)
 
 
-BUFFER_NAMES = ",".join(contract.OPERANDS + tuple(f"{r} result" if r in contract.OPERANDS else r
-                                                  for r in contract.RESULTS))
+def buffer_names(spec: contract.OpSpec | None = None) -> str:
+    """The launcher's `buffer_names` of rope_and_cache (operands, then results; with per-token scales
+    the k_scale / v_scale operands are the scale caches, which are two more results)."""
+    token = spec is not None and spec.token_scales
+    ops = tuple({"k_scale": "k_scale_cache", "v_scale": "v_scale_cache"}.get(n, n) if token else n
+                for n in contract.OPERANDS)
+    rets = contract.RESULTS + (contract.TOKEN_SCALE_RESULTS if token else ())
+    return ",".join(ops + tuple(f"{r} result" if r in ops else r for r in rets))
+
+
+BUFFER_NAMES = buffer_names()
 
 
 _FENCED = tuple(contract.OPERANDS.index(n) for n in contract.FENCED_OPERANDS)
+
+
+def fenced(spec: contract.OpSpec) -> tuple[int, ...]:
+    """The operands fence_small_operands passes through its barrier: the FENCED_OPERANDS, less the
+    k_scale / v_scale slots when they carry the scale caches (donated, updated in place: not small)."""
+    if not spec.token_scales:
+        return _FENCED
+    return tuple(i for i in _FENCED if contract.OPERANDS[i] not in ("k_scale", "v_scale"))
 
 
 def fence_small_operands(args, fenced=_FENCED):

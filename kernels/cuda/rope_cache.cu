@@ -60,6 +60,11 @@
 //                                are each the fused QKV tensor [T, QH + 2 KH, D] (rope_and_cache_qkv):
 //                                q head h of token t at row t, head h; k head h at head QH + h; v head h
 //                                at head QH + KH + h (in_row_of, v_row_of); outputs as with 0
+//   RC_TOKEN_SCALES              0 (default): static scales; 1 (fp8 caches): per-token scales: the
+//                                k_scale / v_scale operands are the scale caches [.., NB, KH, BS] f32,
+//                                two more results (k_sc, v_sc: the same buffers) receive one scale per
+//                                (token, kv head) at the token's slot (block "per-token scales"); V
+//                                units are row units (token, kv head, chunk) in every layout
 // Without the norm and per-head scales (all at their defaults) the kernel is the same code as
 // before them (every norm / per-head-scale path is behind `if constexpr`).
 //
@@ -69,6 +74,8 @@
 //                    q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, k_scale,
 //                    v_scale (f32 [] or [KH]), layer (int32), q_norm_weight, k_norm_weight ([D], or
 //                    an f32[1] placeholder when absent) | q_out, k_out, key_cache_out, value_cache_out
+//                    (RC_TOKEN_SCALES: ptr[20], k_scale / v_scale the scale caches, then the results
+//                    k_scale_cache_out, v_scale_cache_out after value_cache_out)
 //   int64  dim0[14]  the leading dimension of each operand (rank-0 operands: 1)
 // Grid: (ceil(T / RC_TPB), RC_SPLIT, 1) blocks of RC_NT threads, T = dim0[0]; static shared memory
 // only with RC_MROW (no dynamic shared memory).
@@ -118,7 +125,9 @@
 //                 order). The unit loop's bound is the block's count (the same in all its threads).
 //
 // Bounds: positions are clamped to [0, max_pos-1]; a slot writes only if 0 <= slot < NB*BS (and,
-// stacked, 0 <= layer < L); all offsets are 64-bit. q_out/k_out are written for every token.
+// stacked, 0 <= layer < L); all offsets are 64-bit. RC_TOKEN_SCALES: the same slot indexes the scale
+// caches, and the launcher's entry takes NB (L) as the least leading dimension of the caches and both
+// scale caches. q_out/k_out are written for every token.
 // Arithmetic: kernels/common/rope_cache_math.h (rc_mul/rc_add/rc_sub/rc_fma are the _rn intrinsics,
 // and NVRTC runs with --fmad=false, so the only FMA is rc_fma of "fused" native arithmetic),
 // bit-exact to jax_rope_cache.reference in both precisions; subnormals kept (no --ftz); every NaN
@@ -172,6 +181,9 @@
 #endif
 #ifndef RC_SPLIT
 #define RC_SPLIT 1
+#endif
+#ifndef RC_TOKEN_SCALES  // per-token fp8 scales off: k_scale / v_scale are static scales
+#define RC_TOKEN_SCALES 0
 #endif
 #ifndef RC_X  // the default X: 16 bytes of cache elements
 #define RC_X 0
@@ -241,13 +253,24 @@ constexpr int N_ROT = TPB * U_ROT;
 // RC_KPAIRS: k-head units paired by token (rot_idx). With the K norm's lane butterfly, a head's P
 // units sit on every other lane of 2P aligned lanes (shuffles xor 2..P): needs 2P <= 32, else unpaired.
 // (An enum, not constexpr variables: no new symbols, so RC_KPAIRS=0 gives today's PTX byte for byte.)
+// RC_TOKEN_SCALES: TOKEN; TOKEN_LANES: a k row's amax over its P rotation lanes by shuffles (the
+// QK-norm's lane structure: R == D, D a power of two, P <= 32), else every unit reads the whole row.
 enum : int {
-  KPAIRS = RC_KPAIRS != 0 && XP && TPB % 2 == 0 && (!(NORM_LANES && K_NORM >= 0) || 2 * P <= 32),
+  TOKEN = RC_TOKEN_SCALES != 0,
+  TOKEN_LANES = TOKEN && R == D && is_pow2(D) && P <= 32,
+  KPAIRS = RC_KPAIRS != 0 && XP && TPB % 2 == 0 && (!((NORM_LANES && K_NORM >= 0) || TOKEN_LANES) || 2 * P <= 32),
   N_QROT = TPB * QH * P  // KPAIRS: the q-head units, first
 };
 constexpr int N_PASS = TPB * U_PASS;
-constexpr int N_V = XP ? (TPB / VG) * KH * DC : TPB * KH * CH;
-constexpr int N_UNITS = N_ROT + N_PASS + N_V;
+constexpr int N_V = XP && !TOKEN ? (TPB / VG) * KH * DC : TPB * KH * CH;  // TOKEN: row units (v_unit_token)
+// RC_TOKEN_SCALES: where CH is a power of two <= 32, the V units start at V0, the next multiple of CH
+// (the units between are idle), so a v row's CH units are CH aligned lanes of one warp: their amax
+// by xor shuffles (V_LANES); otherwise each unit reads its row.
+enum : int {
+  V_LANES = TOKEN && is_pow2(CH) && CH <= 32,
+  V0 = V_LANES ? (N_ROT + N_PASS + CH - 1) / CH * CH : N_ROT + N_PASS  // the first V unit
+};
+constexpr int N_UNITS = V0 + N_V;
 // RC_VSEL = C: a block whose TPB tokens are all < T and whose every group of X tokens is an aligned
 // run (block_runs) has N_V_RUN V units of C channels instead of the N_V above (the threads, NT, are
 // sized by N_UNITS: such a block leaves some idle).
@@ -273,6 +296,8 @@ static_assert(K_NORM == -1 || K_NORM == RC_F32 || K_NORM == DT, "RC_K_NORM: -1, 
 static_assert(!NORM_LANES || (is_pow2(P) && 32 % P == 0 && U_ROT % P == 0 && CH == (NEOX ? 2 : 1) * P),
               "a head's rotation units: P aligned lanes of one warp covering the row");
 static_assert(!(KS_HEADS || VS_HEADS) || FP8, "per-head scales: fp8 caches only");
+static_assert(!TOKEN || (FP8 && !KS_HEADS && !VS_HEADS && VCH == 1 && VSEL == 0),
+              "RC_TOKEN_SCALES: fp8 caches, no static per-head scales, one-channel V units");
 static_assert(VCH == 1 || X * S_CACHE == 16, "RC_VCH > 1: 16-byte x-packed groups (the default X)");
 static_assert(VSEL == 0 || X * S_CACHE == 16, "RC_VSEL: 16-byte x-packed groups (the default X)");
 static_assert(VCH == 1 || (XP && (VCH == 2 || VCH == 4 || VCH == 8) && VCH * S_IN <= 16 && D % VCH == 0),
@@ -536,6 +561,10 @@ struct Params {
   void* k_out;
   void* kc;
   void* vc;
+#if RC_TOKEN_SCALES
+  float* k_sc;  // the scale-cache results [.., NB, KH, BS] (aliased to the k_scale / v_scale operands)
+  float* v_sc;
+#endif
   i64 dim0[14];
 };
 
@@ -895,6 +924,18 @@ __device__ __forceinline__ LaneSums lane_sums(const Chunk& a, const Chunk& b) {
 // lane_sums, then the same xor levels as the shuffles. Checked: the P units are the P chunks of
 // one (token, head) in order, and lane u's rebuilt sums equal its own.
 static int rc_emu_errors = 0;
+// Counts an error unless the P lanes of unit u's group (st = 1: u rounded down to P; paired k units:
+// st = 2 from the unit of chunk 0 of the same token) are the P chunks of its (token, head) in order.
+__device__ __forceinline__ void emu_check_group(int u, bool paired) {
+  const int st = paired ? 2 : 1;
+  const int u0 = paired ? u - ((u - N_QROT) % (2 * P) - (u & 1)) : u - u % P;
+  const RotIdx me = rot_idx(u);
+  if ((u - u0) % st != 0 || (u - u0) / st != me.j) ++rc_emu_errors;
+  for (int i = 0; i < P; ++i) {
+    const RotIdx o = rot_idx(u0 + i * st);
+    if (o.tt != me.tt || o.h != me.h || o.j != i) ++rc_emu_errors;
+  }
+}
 #endif
 
 // S of unit u's (token, head) row: the group's P lanes (one head) exchange their subtree sums by
@@ -907,20 +948,32 @@ constexpr unsigned int every_other_bits(int n) {
   for (int i = 0; i < n && 2 * i < 32; ++i) m |= 1u << (2 * i);
   return m;
 }
+#ifndef RC_EMULATE
+// The shuffle mask of this lane's group: P aligned lanes, or (paired k units) every other lane of
+// 2P aligned lanes (sh = 1: the xor offsets doubled).
+__device__ __forceinline__ unsigned int group_mask(bool paired, int& sh) {
+  const unsigned int lane = threadIdx.x & 31u;
+  unsigned int mask = P == 32 ? 0xffffffffu : ((1u << (P & 31)) - 1u) << (lane & ~(unsigned int)(P - 1));
+  sh = 0;
+  if constexpr (KPAIRS && 2 * P <= 32) {
+    if (paired) {
+      mask = every_other_bits(P) << ((lane & ~(unsigned int)(2 * P - 1)) | (lane & 1u));
+      sh = 1;
+    }
+  }
+  return mask;
+}
+#endif
 __device__ __forceinline__ float norm_lanes(const Params& p, i64 t0, int u, bool is_k, const Chunk& a,
                                             const Chunk& b) {
   LaneSums v = lane_sums(a, b);
   const bool paired = KPAIRS && is_k;
 #ifdef RC_EMULATE
-  const int st = paired ? 2 : 1;
-  const int u0 = paired ? u - ((u - N_QROT) % (2 * P) - (u & 1)) : u - u % P;
   const RotIdx me = rot_idx(u);
-  if ((u - u0) % st != 0 || (u - u0) / st != me.j) ++rc_emu_errors;
+  emu_check_group(u, paired);
   LaneSums g[P];
   for (int i = 0; i < P; ++i) {
-    const RotIdx o = rot_idx(u0 + i * st);
-    if (o.tt != me.tt || o.h != me.h || o.j != i) ++rc_emu_errors;
-    const char* src = rot_src(p, t0 + o.tt, o.h, o.j);
+    const char* src = rot_src(p, t0 + me.tt, me.h, i);
     Chunk oa = load_chunk(src, 0), ob = oa;
     if (NEOX) ob = load_chunk(src, HALF);
     g[i] = lane_sums(oa, ob);
@@ -936,15 +989,8 @@ __device__ __forceinline__ float norm_lanes(const Params& p, i64 t0, int u, bool
   v = g[me.j];
 #else
   (void)p, (void)t0, (void)u;
-  const unsigned int lane = threadIdx.x & 31u;
-  unsigned int mask = P == 32 ? 0xffffffffu : ((1u << (P & 31)) - 1u) << (lane & ~(unsigned int)(P - 1));
   int sh = 0;
-  if constexpr (KPAIRS && 2 * P <= 32) {
-    if (paired) {
-      mask = every_other_bits(P) << ((lane & ~(unsigned int)(2 * P - 1)) | (lane & 1u));
-      sh = 1;
-    }
-  }
+  const unsigned int mask = group_mask(paired, sh);
 #pragma unroll
   for (int off = 1; off < P; off <<= 1) {
 #pragma unroll
@@ -1014,6 +1060,252 @@ __device__ __forceinline__ float head_inv(const float* scale, int h, float block
 }
 // ---- end of QK-RMSNorm ---------------------------------------------------------------------------
 
+// The table values of rotation chunk j (rot_unit's scalar path) from tables tcos, tsin: row trow, or
+// (M3: M-RoPE read from the global tables) each column from the row trows[stream].
+struct TabVals {
+  float tc[NTV], ts[NTV], tc2[NEOX && FULL ? W : 1], ts2[NEOX && FULL ? W : 1];
+};
+template <bool M3>
+__device__ __forceinline__ void load_chunk_tabs(const void* tcos, const void* tsin, i64 trow, const i64* trows, int j,
+                                                TabVals& tv) {
+  const int c0 = NEOX ? j * W : (FULL ? j * W : j * W / 2);
+  if constexpr (M3) {
+    load_tab3<NTV, NTV>(tcos, trows, c0, tv.tc);
+    load_tab3<NTV, NTV>(tsin, trows, c0, tv.ts);
+    if (NEOX && FULL) {
+      load_tab3<W, W>(tcos, trows, HALF + j * W, tv.tc2);
+      load_tab3<W, W>(tsin, trows, HALF + j * W, tv.ts2);
+    }
+  } else {
+    load_tab<NTV, NTV>(tcos, trow + c0, tv.tc);
+    load_tab<NTV, NTV>(tsin, trow + c0, tv.ts);
+    if (NEOX && FULL) {
+      load_tab<W, W>(tcos, trow + HALF + j * W, tv.tc2);
+      load_tab<W, W>(tsin, trow + HALF + j * W, tv.ts2);
+    }
+  }
+}
+
+// The rotated f32 values of chunk a (NeoX: and its partner chunk b) with the table values tv.
+__device__ __forceinline__ void rotate_chunk(const Chunk& a, const Chunk& b, const TabVals& tv, float* ya, float* yb) {
+  if (NEOX) {
+#pragma unroll
+    for (int e = 0; e < W; ++e) {  // pair (i, i + R/2), i = j*W + e
+      const float cb = FULL ? tv.tc2[e] : tv.tc[e], sb = FULL ? tv.ts2[e] : tv.ts[e];
+      rc_rotate_pair(to_f32<DT>(a.e[e]), to_f32<DT>(b.e[e]), tv.tc[e], tv.ts[e], cb, sb, ARITH, &ya[e], &yb[e]);
+    }
+  } else {
+    (void)b, (void)yb;
+#pragma unroll
+    for (int e = 0; e < W; e += 2) {  // pair (2m, 2m + 1), m = (j*W + e) / 2
+      const float ca = FULL ? tv.tc[e] : tv.tc[e / 2], sa = FULL ? tv.ts[e] : tv.ts[e / 2];
+      const float cb = FULL ? tv.tc[e + 1] : ca, sb = FULL ? tv.ts[e + 1] : sa;
+      rc_rotate_pair(to_f32<DT>(a.e[e]), to_f32<DT>(a.e[e + 1]), ca, sa, cb, sb, ARITH, &ya[e], &ya[e + 1]);
+    }
+  }
+}
+
+// ---- per-token scales (RC_TOKEN_SCALES) ----------------------------------------------------------
+// Each (token, kv head) row of the values a cache quantizes gets scale = rc_token_scale(amax) (the
+// max of the row's finite |values|, exact in any order), written at the token's slot of the scale
+// cache, and the row is quantized with rc_inv_scale(scale). A k row's P rotation lanes reduce their
+// amax with xor shuffles (TOKEN_LANES); otherwise (partial rotary, D not a power of two, P > 32)
+// each k unit recomputes the whole row's values (L1 hits). V: row units (token, kv head, chunk) in
+// every layout, each reading the whole v row for its amax (v_unit_token).
+
+// Element offset of kv head h's scale at cache slot s in the scale caches [.., NB, KH, BS].
+__device__ __forceinline__ i64 scale_index(i64 s, int h) { return (s / BS * KH + h) * BS + s % BS; }
+
+// The xor butterfly's levels over a group's N lanes (a k head's P, a v row's CH): offsets 1, 2, ..
+// N/2 (the GPU shuffles and their host emulation take the same levels).
+template <int N = P, class F>
+__device__ __forceinline__ void over_levels(F&& level) {
+#pragma unroll
+  for (int off = 1; off < N; off <<= 1) level(off);
+}
+
+// The f32 values the key cache quantizes for rotation chunk j of token t's k head h (h >= QH) (NeoX:
+// chunks j and j + P into ya, yb), recomputed from the inputs as rot_unit computes them: normalised
+// with `inv` (K_NORM), rotated, rounded to the input dtype unless WIDE_K.
+__device__ __forceinline__ void k_rot_values(const Params& p, i64 T, i64 max_pos, i64 t, int h, int j, float inv,
+                                             float* ya, float* yb) {
+  const char* src = rot_src(p, t, h, j);
+  Chunk a = load_chunk(src, 0), b = a;
+  if (NEOX) b = load_chunk(src, HALF);
+  if constexpr (K_NORM >= 0) {
+    a = norm_chunk<K_NORM>(a, p.k_norm_w, j * W, inv);
+    if (NEOX) b = norm_chunk<K_NORM>(b, p.k_norm_w, HALF + j * W, inv);
+  }
+  (void)inv;
+  i64 trows[MROPE ? 3 : 1];
+#pragma unroll
+  for (int st = 0; st < (MROPE ? 3 : 1); ++st) {
+    const i64 r = load_index(p.pos, st * T + t, RC_POS64 != 0);
+    trows[st] = (r < 0 ? 0 : (r >= max_pos ? max_pos - 1 : r)) * TW;
+  }
+  TabVals tv;
+  load_chunk_tabs<MROPE != 0>(p.cos, p.sin, trows[0], trows, j, tv);
+  rotate_chunk(a, b, tv, ya, yb);
+  if (!WIDE_K) {  // k_out's rounded values
+    const Chunk oa = chunk_from(ya);
+#pragma unroll
+    for (int e = 0; e < W; ++e) ya[e] = to_f32<DT>(oa.e[e]);
+    if (NEOX) {
+      const Chunk ob = chunk_from(yb);
+#pragma unroll
+      for (int e = 0; e < W; ++e) yb[e] = to_f32<DT>(ob.e[e]);
+    }
+  }
+}
+
+// 1/rms of token t's k row (K_NORM), the same bits as the lanes' sum (the spec's tree).
+__device__ __forceinline__ float k_row_inv(const Params& p, i64 t, int h) {
+  if constexpr (K_NORM >= 0) return rc_rms_inv(row_sq_sum(rot_src(p, t, h, 0)), D, norm_eps());
+  (void)p, (void)t, (void)h;
+  return 0.0f;
+}
+
+// amax of rotation chunk j's values (NeoX: with its partner chunk).
+__device__ __forceinline__ float chunk_amax(const float* ya, const float* yb) {
+  float m = 0.0f;
+#pragma unroll
+  for (int e = 0; e < W; ++e) m = rc_amax_step(m, ya[e]);
+  if (NEOX) {
+#pragma unroll
+    for (int e = 0; e < W; ++e) m = rc_amax_step(m, yb[e]);
+  }
+  return m;
+}
+
+// amax of token t's whole k row (k head h >= QH), recomputed by one unit: rotated and pass-through chunks.
+__device__ __forceinline__ float k_row_amax(const Params& p, i64 T, i64 max_pos, i64 t, int h) {
+  const float inv = k_row_inv(p, t, h);
+  float m = 0.0f;
+#pragma unroll 1
+  for (int j = 0; j < P; ++j) {
+    float ya[W], yb[NEOX ? W : 1];
+    k_rot_values(p, T, max_pos, t, h, j, inv, ya, yb);
+    const float c = chunk_amax(ya, yb);
+    m = c > m ? c : m;
+  }
+  const char* row = rot_src(p, t, h, 0);
+#pragma unroll 1
+  for (int c = PASS0; c < CH; ++c) {
+    Chunk x = load_chunk(row, c * W);
+    if constexpr (K_NORM >= 0) x = norm_chunk<K_NORM>(x, p.k_norm_w, c * W, inv);
+#pragma unroll
+    for (int e = 0; e < W; ++e) m = rc_amax_step(m, to_f32<DT>(x.e[e]));
+  }
+  return m;
+}
+
+// The k row's amax from rotation unit u, whose own chunk values are m_own's (TOKEN_LANES: the xor
+// butterfly over the head's P lanes, paired k units as norm_lanes), else k_row_amax.
+__device__ __forceinline__ float k_amax(const Params& p, i64 T, i64 max_pos, i64 t0, int u, float m_own) {
+  const RotIdx me = rot_idx(u);
+  if constexpr (!TOKEN_LANES) {
+    (void)m_own;
+    return k_row_amax(p, T, max_pos, t0 + me.tt, me.h);
+  }
+#ifdef RC_EMULATE
+  // The other lanes rebuilt from the inputs (k_rot_values), this lane's checked against its own.
+  emu_check_group(u, KPAIRS != 0);
+  const float inv = k_row_inv(p, t0 + me.tt, me.h);
+  float g[P];
+  for (int i = 0; i < P; ++i) {
+    float ya[W], yb[NEOX ? W : 1];
+    k_rot_values(p, T, max_pos, t0 + me.tt, me.h, i, inv, ya, yb);
+    g[i] = chunk_amax(ya, yb);
+  }
+  if (__float_as_uint(g[me.j]) != __float_as_uint(m_own)) ++rc_emu_errors;
+  over_levels([&](int off) {
+    float n[P];
+    for (int i = 0; i < P; ++i) n[i] = g[i ^ off] > g[i] ? g[i ^ off] : g[i];
+    for (int i = 0; i < P; ++i) g[i] = n[i];
+  });
+  return g[me.j];
+#else
+  (void)p, (void)T, (void)max_pos, (void)t0;
+  int sh = 0;
+  const unsigned int mask = group_mask(KPAIRS != 0, sh);
+  float m = m_own;
+  over_levels([&](int off) {
+    const float o = __shfl_xor_sync(mask, m, off << sh);
+    m = o > m ? o : m;
+  });
+  return m;
+#endif
+}
+
+// The v row's amax from unit c's own chunk amax m_own (V_LANES): the butterfly over the row's CH lanes.
+__device__ __forceinline__ float v_amax_lanes(const char* row, int c, float m_own) {
+#ifdef RC_EMULATE
+  // The other lanes rebuilt from the row, this lane's checked against its own.
+  float g[CH];
+  for (int i = 0; i < CH; ++i) {
+    const Chunk y = load_chunk(row, i * W);
+    g[i] = 0.0f;
+    for (int e = 0; e < W; ++e) g[i] = rc_amax_step(g[i], to_f32<DT>(y.e[e]));
+  }
+  if (__float_as_uint(g[c]) != __float_as_uint(m_own)) ++rc_emu_errors;
+  over_levels<CH>([&](int off) {
+    float n[CH];
+    for (int i = 0; i < CH; ++i) n[i] = g[i ^ off] > g[i] ? g[i ^ off] : g[i];
+    for (int i = 0; i < CH; ++i) g[i] = n[i];
+  });
+  return g[c];
+#else
+  (void)row, (void)c;
+  const unsigned int lane = threadIdx.x & 31u;
+  const unsigned int mask = CH >= 32 ? 0xffffffffu : ((1u << (CH & 31)) - 1u) << (lane & ~(unsigned int)(CH - 1));
+  float m = m_own;
+  over_levels<CH>([&](int off) {
+    const float o = __shfl_xor_sync(mask, m, off);
+    m = o > m ? o : m;
+  });
+  return m;
+#endif
+}
+
+// V row unit (token, kv head, chunk c) of every layout: the row's amax (V_LANES: the row's lanes,
+// else from the whole v row, its other chunks L1 hits), the chunk quantized with the row's scale;
+// chunk 0 writes the scale.
+__device__ __forceinline__ void v_unit_token(const Params& p, i64 T, i64 t0, int u, SlotRange sr) {
+  const i64 t = t0 + u / (KH * CH);
+  if (t >= T) return;
+  const int r = u % (KH * CH), h = r / CH, c = r % CH;
+  const char* row = static_cast<const char*>(p.v) + v_row_of(t, h) * S_IN;
+  const Chunk x = load_chunk_now(row, c * W);
+  const i64 s_raw = load_index_after(p.slots, t, RC_SLOT64 != 0, row);
+  const bool ok = s_raw >= 0 && s_raw < sr.n;
+  const i64 s = ok ? sr.base + s_raw : 0;
+  float m = 0.0f;
+  if constexpr (V_LANES) {
+#pragma unroll
+    for (int e = 0; e < W; ++e) m = rc_amax_step(m, to_f32<DT>(x.e[e]));
+    m = v_amax_lanes(row, c, m);
+  } else {
+#pragma unroll 4
+    for (int i = 0; i < CH; ++i) {
+      const Chunk y = load_chunk(row, i * W);
+#pragma unroll
+      for (int e = 0; e < W; ++e) m = rc_amax_step(m, to_f32<DT>(y.e[e]));
+    }
+  }
+  const float scale = rc_token_scale(m, FP8_DT), inv = rc_inv_scale(scale);
+#if RC_TOKEN_SCALES
+  store_if(ok && c == 0, p.v_sc + scale_index(s, h), __float_as_uint(scale));
+#endif
+  if constexpr (XP) {  // x-packed: the chunk's channels are not adjacent in a value row
+#pragma unroll
+    for (int e = 0; e < W; ++e)
+      store_if(ok, static_cast<raw_cache*>(p.vc) + value_index(s / BS, s % BS, h, c * W + e), to_cache(x.e[e], inv));
+  } else {
+    store_cache_chunk_if(ok, p.vc, value_index(s / BS, s % BS, h, c * W), x, inv);
+  }
+}
+// ---- end of per-token scales ----------------------------------------------------------------------
+
 // mr, share (RC_MROW): the block's merged rows, and whether this thread still has its share to do.
 __device__ __forceinline__ void rot_unit(const Params& p, i64 T, i64 max_pos, i64 t0, int u, SlotRange sr,
                                          float inv_k, MRows* mr, bool& share) {
@@ -1076,40 +1368,31 @@ __device__ __forceinline__ void rot_unit(const Params& p, i64 T, i64 max_pos, i6
     if constexpr (NORM) norm_rot_unit(p, t0, u, is_k, src, j, a, b, ew);  // while the table row is in flight
     rot_native_packed(a, b, c, sn, c2, s2, oa, ob);
   } else {
-    float tc[NTV], ts[NTV], tc2[NEOX && FULL ? W : 1], ts2[NEOX && FULL ? W : 1];
-    if constexpr (MROPE != 0 && !MROW) {
-      load_tab3<NTV, NTV>(p.cos, trows, c0, tc);
-      load_tab3<NTV, NTV>(p.sin, trows, c0, ts);
-      if (NEOX && FULL) {
-        load_tab3<W, W>(p.cos, trows, HALF + j * W, tc2);
-        load_tab3<W, W>(p.sin, trows, HALF + j * W, ts2);
-      }
-    } else {
-      load_tab<NTV, NTV>(tcos, trow + c0, tc);
-      load_tab<NTV, NTV>(tsin, trow + c0, ts);
-      if (NEOX && FULL) {
-        load_tab<W, W>(tcos, trow + HALF + j * W, tc2);
-        load_tab<W, W>(tsin, trow + HALF + j * W, ts2);
-      }
-    }
+    TabVals tv;
+    load_chunk_tabs<MROPE != 0 && !MROW>(tcos, tsin, trow, trows, j, tv);
     if constexpr (NORM) norm_rot_unit(p, t0, u, is_k, src, j, a, b, ew);  // while the table row is in flight
-    if (NEOX) {
+    rotate_chunk(a, b, tv, ya, yb);
+    oa = chunk_from(ya);
+    if (NEOX) ob = chunk_from(yb);
+  }
+  if constexpr (TOKEN) {
+    if (is_k) {  // the row's scale (all P lanes of the head take this branch together)
+      float own = 0.0f;
+      if constexpr (TOKEN_LANES) {
+        float va[W], vb[NEOX ? W : 1];
 #pragma unroll
-      for (int e = 0; e < W; ++e) {  // pair (i, i + R/2), i = j*W + e
-        const float cb = FULL ? tc2[e] : tc[e], sb = FULL ? ts2[e] : ts[e];
-        rc_rotate_pair(to_f32<DT>(a.e[e]), to_f32<DT>(b.e[e]), tc[e], ts[e], cb, sb, ARITH, &ya[e], &yb[e]);
-      }
-      oa = chunk_from(ya);
-      ob = chunk_from(yb);
-    } else {
-      float* y = ya;
+        for (int e = 0; e < W; ++e) va[e] = WIDE_K ? ya[e] : to_f32<DT>(oa.e[e]);
+        if (NEOX) {
 #pragma unroll
-      for (int e = 0; e < W; e += 2) {  // pair (2m, 2m + 1), m = (j*W + e) / 2
-        const float ca = FULL ? tc[e] : tc[e / 2], sa = FULL ? ts[e] : ts[e / 2];
-        const float cb = FULL ? tc[e + 1] : ca, sb = FULL ? ts[e + 1] : sa;
-        rc_rotate_pair(to_f32<DT>(a.e[e]), to_f32<DT>(a.e[e + 1]), ca, sa, cb, sb, ARITH, &y[e], &y[e + 1]);
+          for (int e = 0; e < W; ++e) vb[e] = WIDE_K ? yb[e] : to_f32<DT>(ob.e[e]);
+        }
+        own = chunk_amax(va, vb);
       }
-      oa = chunk_from(y);
+      const float scale = rc_token_scale(k_amax(p, T, max_pos, t0, u, own), FP8_DT);
+      inv_k = rc_inv_scale(scale);
+#if RC_TOKEN_SCALES
+      if (j == 0 && s_any >= 0) p.k_sc[scale_index(s_any, h - QH)] = scale;
+#endif
     }
   }
   void* dst = is_k ? p.k_out : p.q_out;
@@ -1139,7 +1422,8 @@ __device__ __forceinline__ void rot_unit(const Params& p, i64 T, i64 max_pos, i6
 }
 
 // Channels >= R of one q/k head: copied to q_out/k_out (and the key cache).
-__device__ __forceinline__ void pass_unit(const Params& p, i64 T, i64 t0, int u, SlotRange sr, float inv_k) {
+__device__ __forceinline__ void pass_unit(const Params& p, i64 T, i64 max_pos, i64 t0, int u, SlotRange sr,
+                                          float inv_k) {
   constexpr int CP = CPASS > 0 ? CPASS : 1;
   const i64 t = t0 + u / (RH * CP);
   if (t >= T) return;
@@ -1153,6 +1437,10 @@ __device__ __forceinline__ void pass_unit(const Params& p, i64 T, i64 t0, int u,
   const i64 s = ok ? sr.base + s_raw : 0;
   if constexpr (NORM) x = norm_pass_unit(p, is_k, src - c * W * S_IN, c, x);
   if constexpr (KS_HEADS) inv_k = head_inv(p.k_scale, is_k ? h - QH : 0, inv_k, true);
+  if constexpr (TOKEN) {  // R < D: never TOKEN_LANES; the rotation unit of chunk 0 writes the scale
+    if (is_k) inv_k = rc_inv_scale(rc_token_scale(k_row_amax(p, T, max_pos, t, h), FP8_DT));
+  }
+  (void)max_pos;
   store_chunk(is_k ? p.k_out : p.q_out, row + c * W, x);
   if constexpr (KW < W) {
     const int kh = is_k ? h - QH : 0;
@@ -1429,8 +1717,9 @@ __device__ __forceinline__ void run_block(const Params& p, const i64 T, const i6
     const i64 layer = *p.layer, per_layer = (i64)LAYER_BLOCKS * BS;
     sr = (layer >= 0 && layer < n_lead) ? SlotRange{per_layer, layer * per_layer} : SlotRange{0, 0};
   }
-  const float inv_k = FP8 && !KS_HEADS ? rc_inv_scale(*p.k_scale) : 1.0f;  // per head: in the units
-  const float inv_v = FP8 && !VS_HEADS ? rc_inv_scale(*p.v_scale) : 1.0f;
+  // per head or per token: in the units
+  const float inv_k = FP8 && !KS_HEADS && !TOKEN ? rc_inv_scale(*p.k_scale) : 1.0f;
+  const float inv_v = FP8 && !VS_HEADS && !TOKEN ? rc_inv_scale(*p.v_scale) : 1.0f;
   // RC_VSEL: the block's V decomposition (the same in every thread).
   bool vrun = false;
   if constexpr (VSEL > 0) vrun = block_runs(p, T, t0, sr);
@@ -1459,7 +1748,9 @@ __device__ __forceinline__ void run_block(const Params& p, const i64 T, const i6
     if (u < N_ROT) {
       rot_unit(p, T, max_pos, t0, u, sr, inv_k, mr, share);
     } else if (u < N_ROT + N_PASS) {
-      pass_unit(p, T, t0, u - N_ROT, sr, inv_k);
+      pass_unit(p, T, max_pos, t0, u - N_ROT, sr, inv_k);
+    } else if (TOKEN) {
+      if (u >= V0) v_unit_token(p, T, t0, u - V0, sr);  // below V0: padding, idle
     } else if (XP) {
       if constexpr (VCH > 1) {
         v_unit_xpacked_vec(p, T, t0, u - N_ROT - N_PASS, sr, inv_v);
@@ -1482,7 +1773,12 @@ __device__ __forceinline__ void run_block(const Params& p, const i64 T, const i6
 #ifndef RC_NODE
 // The launcher's entry: one parameter block (see "Kernel ABI" above).
 extern "C" __global__ void __launch_bounds__(RC_NT, RC_MINB) rope_cache_kernel(const rc::Params p) {
+#if RC_TOKEN_SCALES  // a slot is written only where the caches and both scale caches hold it
+  const rc::i64 lead = p.dim0[3] < p.dim0[9] ? p.dim0[3] : p.dim0[9];
+  rc::run_block(p, p.dim0[0], lead < p.dim0[10] ? lead : p.dim0[10], p.dim0[7]);
+#else
   rc::run_block(p, p.dim0[0], p.dim0[3], p.dim0[7]);
+#endif
 }
 #else
 // The kernel-node entry (XLA's PTX custom call, backends/kernel_node.py): one pointer parameter per
@@ -1495,9 +1791,18 @@ extern "C" __global__ void __launch_bounds__(RC_NT, RC_MINB) rope_cache_kernel(c
 extern "C" __global__ void __launch_bounds__(RC_NT, RC_MINB) rope_cache_node(
     const void* q, const void* k, const void* v, const void* key_cache, const void* value_cache, const void* slots,
     const void* pos, const void* cos, const void* sin, const float* k_scale, const float* v_scale, const int* layer,
-    const void* q_norm_w, const void* k_norm_w, void* q_out, void* k_out, void* kc, void* vc) {
+    const void* q_norm_w, const void* k_norm_w, void* q_out, void* k_out, void* kc, void* vc
+#if RC_TOKEN_SCALES
+    , float* k_sc, float* v_sc  // the scale-cache results (aliased: the k_scale / v_scale addresses)
+#endif
+) {
+#if RC_TOKEN_SCALES
+  const rc::Params p{q, k, v, key_cache, value_cache, slots, pos, cos, sin, k_scale, v_scale, layer, q_norm_w,
+                     k_norm_w, q_out, k_out, kc, vc, k_sc, v_sc, {}};
+#else
   const rc::Params p{q, k, v, key_cache, value_cache, slots, pos, cos, sin, k_scale, v_scale, layer, q_norm_w,
                      k_norm_w, q_out, k_out, kc, vc, {}};
+#endif
   rc::run_block(p, (rc::i64)RC_NODE_T, (rc::i64)RC_NODE_LEAD, (rc::i64)RC_NODE_MAX_POS);
 }
 #endif
@@ -1519,7 +1824,11 @@ extern "C" int rc_emulate(const rc::Params* p, long long grid) {
 #else  // the kernel-node entry, its pointers in custom-call order (the dims are its constants)
       const rc::Params& w = *p;
       rope_cache_node(w.q, w.k, w.v, w.key_cache_in, w.value_cache_in, w.slots, w.pos, w.cos, w.sin, w.k_scale,
-                      w.v_scale, w.layer, w.q_norm_w, w.k_norm_w, w.q_out, w.k_out, w.kc, w.vc);
+                      w.v_scale, w.layer, w.q_norm_w, w.k_norm_w, w.q_out, w.k_out, w.kc, w.vc
+#if RC_TOKEN_SCALES
+                      , w.k_sc, w.v_sc
+#endif
+      );
 #endif
     }
     // every unit of the block exactly once over its parts
@@ -1538,4 +1847,6 @@ extern "C" void rc_rot_unit(int u, int* out) {
   out[0] = r.tt, out[1] = r.h, out[2] = r.j;
 }
 extern "C" int rc_kpairs() { return rc::KPAIRS; }
+// RC_TOKEN_SCALES: 1 if k rows reduce over their rotation lanes, | 2 if v rows over their V lanes.
+extern "C" int rc_token_lanes() { return rc::TOKEN_LANES | (rc::V_LANES << 1); }
 #endif
