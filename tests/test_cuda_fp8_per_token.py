@@ -209,6 +209,17 @@ def test_host_emulation_per_token_blocks_and_lanes(layout, variant, emu_dir):
     _check(tc, emu_dir, num_sms=1, defines=variant)
 
 
+@pytest.mark.parametrize("mrope,norm", [((8, 12, 12), True), ((16, 8, 8), False)])
+def test_host_emulation_per_token_with_merged_mrope_rows(mrope, norm, emu_dir):
+    """Per-token scales with M-RoPE's merged rows in shared memory (RC_MROW, blocks of several
+    tokens): the rotation units read the merged rows, the k row recompute the three streams' global
+    rows; the same bits either way."""
+    tc = TCase(Case(T=45, QH=4, KH=2, D=64, cache_dtype=E4, layout="flash"), norm=norm, mrope=mrope)
+    _check(tc, emu_dir, num_sms=1, defines={"RC_TPB": 8, "RC_MROW": 1})
+    tc = TCase(Case(T=45, QH=4, KH=2, D=64, R=32, cache_dtype=E5, layout="xpacked"), mrope=(4, 6, 6))
+    _check(tc, emu_dir, num_sms=1, defines={"RC_TPB": 8, "RC_MROW": 1})
+
+
 def test_host_emulation_per_token_split_decode(emu_dir, monkeypatch):
     """A decode token split over several blocks (RC_SPLIT): the k row's lanes stay in one warp of one
     part, V row units read their row themselves, so no regime is restricted."""
