@@ -332,6 +332,35 @@ def test_vmap_over_scale_caches(platform, impl):
         check_results(impl, calls[b][0], [g[b] for g in got], want[b], f"vmap[{b}]")
 
 
+@pytest.mark.parametrize("impl", ["kernel", "xla"])
+@pytest.mark.parametrize("layout", ["flash", "xpacked", "hnd"])
+def test_shard_map_over_kv_heads_shards_the_scale_caches_too(impl, layout):
+    """Tensor parallel over 4 host devices: the caches and the scale caches [NB, KH, BS] split on
+    their KV-head axis, each device quantizes its own heads' rows; the gathered result is the
+    unsharded reference's."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    tp = 4
+    tc = TokenCase(Case(T=7, QH=8, KH=4, D=64, NB=8, cache_dtype="float8_e4m3fn", layout=layout))
+    args, opts = _token_call(tc, seed=47)
+    want = reference.rope_and_cache(*args, **opts)
+    devices = jax.devices("cpu")[:tp]
+    mesh = jax.make_mesh((tp,), ("tp",), devices=devices)
+    axis = lambda axes: P(*([None] * axes.index("KH") + ["tp"]))  # noqa: E731
+    table = contract.LAYOUT_TABLE[layout]
+    kspec, vspec, sspec, heads = axis(table.key_axes), axis(table.value_axes), P(None, "tp"), P(None, "tp")
+    ksc, vsc = opts.pop("k_scale_cache"), opts.pop("v_scale_cache")
+    in_specs = (heads, heads, heads, kspec, vspec, P(), P(), P(), P(), sspec, sspec)
+    out_specs = (heads, heads, kspec, vspec, sspec, sspec)
+    fn = jax.shard_map(lambda *a: jrc.rope_and_cache(*a[:9], k_scale_cache=a[9], v_scale_cache=a[10], impl=impl,
+                                                     **opts), mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+    placed = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args + (ksc, vsc), in_specs)]
+    got = jax.jit(fn, donate_argnums=(3, 4, 9, 10))(*placed)
+    check_results(impl, args, got, want, f"shard_map {layout}")
+    assert got[4].sharding.is_equivalent_to(NamedSharding(mesh, sspec), 3)
+
+
 # ---- read_kv and the allocator --------------------------------------------------------------------
 @pytest.mark.parametrize("layout", contract.LAYOUTS)
 def test_read_kv_dequantizes_like_the_reference(layout):
