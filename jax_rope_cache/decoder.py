@@ -103,6 +103,20 @@ def config_int(config: Mapping, key: str) -> int:
     return v
 
 
+def check_hf_family(config: Mapping, supported: tuple, unimplemented: tuple) -> str:
+    """config['model_type'] if it is one of `supported`; else, or where a key of `unimplemented` is set
+    or the activation is not SiLU, a ValueError naming the key."""
+    mt = config.get("model_type")
+    if mt not in supported:
+        raise ValueError(f"config['model_type']: expected one of {supported}, got {mt!r}")
+    for key in unimplemented:
+        if config.get(key):
+            raise ValueError(f"config[{key!r}]: {config[key]!r} is not implemented by this decoder")
+    if config.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"config['hidden_act']: expected 'silu', got {config['hidden_act']!r}")
+    return mt
+
+
 @dataclasses.dataclass(frozen=True)
 class DecoderConfig:
     model_type: str
@@ -126,14 +140,7 @@ class DecoderConfig:
     def from_hf(cls, config: Mapping) -> DecoderConfig:
         """Reads a Hugging Face-style config dict; raises ValueError naming a key this decoder
         does not implement (biases, activations other than SiLU, sliding windows)."""
-        mt = config.get("model_type")
-        if mt not in _SUPPORTED:
-            raise ValueError(f"config['model_type']: expected one of {_SUPPORTED}, got {mt!r}")
-        for key in ("attention_bias", "mlp_bias", "use_sliding_window"):
-            if config.get(key):
-                raise ValueError(f"config[{key!r}]: {config[key]!r} is not implemented by this decoder")
-        if config.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"config['hidden_act']: expected 'silu', got {config['hidden_act']!r}")
+        mt = check_hf_family(config, _SUPPORTED, ("attention_bias", "mlp_bias", "use_sliding_window"))
 
         need = functools.partial(config_int, config)
         heads = need("num_attention_heads")

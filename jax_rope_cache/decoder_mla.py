@@ -112,13 +112,7 @@ class MlaDecoderConfig:
     @classmethod
     def from_hf(cls, config: Mapping) -> MlaDecoderConfig:
         """Reads a DeepSeek-V3 config dict; raises ValueError naming a key this decoder does not implement."""
-        mt = config.get("model_type")
-        if mt not in cls.supported:
-            raise ValueError(f"config['model_type']: expected one of {cls.supported}, got {mt!r}")
-        if config.get("attention_bias"):
-            raise ValueError(f"config['attention_bias']: {config['attention_bias']!r} is not implemented by this decoder")
-        if config.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"config['hidden_act']: expected 'silu', got {config['hidden_act']!r}")
+        mt = decoder.check_hf_family(config, cls.supported, ("attention_bias",))
         if config.get("q_lora_rank") is None:
             raise ValueError("config['q_lora_rank']: None (a plain q_proj) is not implemented by this decoder")
         heads = _need(config, "num_attention_heads")

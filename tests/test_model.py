@@ -96,15 +96,18 @@ def _matrix():
     return out
 
 
-@pytest.mark.parametrize("platform,impl,name,layout", _matrix())
-def test_greedy_generation_matches_transformers(platform, impl, name, layout):
-    toks, logits = _generate(name, platform, impl, layout)
-    want_t, want_l = REF[name]["tokens"], REF[name]["logits"]
+def compare_to_transformers(toks, logits, want_t, want_l):
+    """Greedy tokens equal to transformers' and logits within BOUND (test_model_mla uses it too)."""
     bad = np.argwhere(toks != want_t)
     assert not len(bad), f"first differing token at (prompt, step) {tuple(bad[0])}: {toks[tuple(bad[0])]} vs " \
                          f"transformers' {want_t[tuple(bad[0])]}"
     err = np.abs(logits - want_l).max()
     assert err <= BOUND, f"max |logit - transformers| = {err:.2e} > {BOUND}"
+
+
+@pytest.mark.parametrize("platform,impl,name,layout", _matrix())
+def test_greedy_generation_matches_transformers(platform, impl, name, layout):
+    compare_to_transformers(*_generate(name, platform, impl, layout), REF[name]["tokens"], REF[name]["logits"])
 
 
 def _load_recorder():

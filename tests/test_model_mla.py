@@ -27,7 +27,7 @@ from conftest import impl_params
 from jax_rope_cache import decoder, decoder_mla
 from jax_rope_cache.cli import generate
 from jax_rope_cache.models import tables
-from test_model import _load_recorder
+from test_model import _load_recorder, compare_to_transformers
 from test_structure import check_in_place
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -50,11 +50,7 @@ def _params():
 
 
 def _compare(toks, logits, want_t=ENTRY["tokens"], want_l=ENTRY["logits"]):
-    bad = np.argwhere(toks != want_t)
-    assert not len(bad), f"first differing token at (prompt, step) {tuple(bad[0])}: {toks[tuple(bad[0])]} vs " \
-                         f"transformers' {want_t[tuple(bad[0])]}"
-    err = np.abs(logits - want_l).max()
-    assert err <= BOUND, f"max |logit - transformers| = {err:.2e} > {BOUND}"
+    compare_to_transformers(toks, logits, want_t, want_l)
 
 
 # ---- the fixture itself -------------------------------------------------------------------------

@@ -24,9 +24,7 @@ import shutil
 import sys
 import tempfile
 
-import numpy as np
-
-from qk_norm import slot_pattern
+from qk_norm import TokenSets
 from timing import LOG, add_timing_args, log, measure, over_budget, start_run
 
 BS = 16
@@ -35,33 +33,19 @@ VARIANTS = ("bf16", "fp8_tensor", "fp8_token", "token_xla")
 LOG_NAME = "bench_fp8"
 
 
-class Inputs:
+class Inputs(TokenSets):
     """Input sets, tables and the three kinds of caches of one (shape, T, layout)."""
 
     def __init__(self, shape, t, layout, pattern, seed, n_sets):
-        import jax
         import jax.numpy as jnp
 
         import jax_rope_cache as jrc
 
-        qh, kh, d = shape
-        bf = jnp.bfloat16
-        rng = np.random.default_rng(seed)
-        self.num_slots = max(2 * t * n_sets, 4096) // BS * BS
-        nb = self.num_slots // BS
-        ks = jax.random.split(jax.random.key(seed), 4)
-        draw = lambda key, h: [jax.random.normal(k, (t, h, d), jnp.float32).astype(bf)  # noqa: E731
-                               for k in jax.random.split(key, n_sets)]
-        self.q, self.k, self.v = draw(ks[0], qh), draw(ks[1], kh), draw(ks[2], kh)
-        allslots = slot_pattern(pattern, t * n_sets, self.num_slots, rng)
-        self.slots = [jnp.asarray(allslots[i * t:(i + 1) * t]) for i in range(n_sets)]
-        self.pos = [jnp.asarray(rng.integers(0, MAX_POS, t).astype(np.int32)) for _ in range(n_sets)]
-        ang = jax.random.uniform(ks[3], (MAX_POS, d // 2), jnp.float32, -3.0, 3.0)
-        self.cos, self.sin = jnp.cos(ang), jnp.sin(ang)
-        self.layout = layout
-        fp8 = jnp.float8_e4m3fn
-        self.caches = {"bf16": jrc.make_kv_cache(nb, BS, kh, d, bf, layout=layout),
-                       "fp8": jrc.make_kv_cache(nb, BS, kh, d, fp8, layout=layout)}
+        super().__init__(shape, t, layout, pattern, seed, n_sets, MAX_POS)
+        _, kh, d = shape
+        nb = self.nb
+        self.caches = {"bf16": jrc.make_kv_cache(nb, BS, kh, d, jnp.bfloat16, layout=layout),
+                       "fp8": jrc.make_kv_cache(nb, BS, kh, d, jnp.float8_e4m3fn, layout=layout)}
         self.scale_caches = jrc.make_kv_scale_cache(nb, BS, kh)
 
 

@@ -67,8 +67,33 @@ def slot_pattern(pattern, t, num_slots, rng):
     return (blocks[tok // BS] * BS + tok % BS).astype(np.int32)
 
 
-class Inputs:
-    """Input sets, caches and tables of one (shape, T, layout), shared by every variant."""
+class TokenSets:
+    """n_sets input sets of T tokens (bf16 q, k, v, slots distinct over the whole chain, positions)
+    and f32 half tables of max_pos rows; keys[4:] are left for a suite's own draws."""
+
+    def __init__(self, shape, t, layout, pattern, seed, n_sets, max_pos):
+        import jax
+        import jax.numpy as jnp
+
+        qh, kh, d = shape
+        bf = jnp.bfloat16
+        rng = np.random.default_rng(seed)
+        self.num_slots = max(2 * t * n_sets, 4096) // BS * BS
+        self.nb = self.num_slots // BS
+        self.keys = ks = jax.random.split(jax.random.key(seed), 8)
+        draw = lambda key, h: [jax.random.normal(k, (t, h, d), jnp.float32).astype(bf)  # noqa: E731
+                               for k in jax.random.split(key, n_sets)]
+        self.q, self.k, self.v = draw(ks[0], qh), draw(ks[1], kh), draw(ks[2], kh)
+        allslots = slot_pattern(pattern, t * n_sets, self.num_slots, rng)
+        self.slots = [jnp.asarray(allslots[i * t:(i + 1) * t]) for i in range(n_sets)]
+        self.pos = [jnp.asarray(rng.integers(0, max_pos, t).astype(np.int32)) for _ in range(n_sets)]
+        ang = jax.random.uniform(ks[3], (max_pos, d // 2), jnp.float32, -3.0, 3.0)
+        self.cos, self.sin = jnp.cos(ang), jnp.sin(ang)
+        self.shape, self.layout, self.t = shape, layout, t
+
+
+class Inputs(TokenSets):
+    """Input sets, caches, tables and norm weights of one (shape, T, layout), shared by every variant."""
 
     def __init__(self, shape, t, layout, pattern, seed, n_sets):
         import jax
@@ -76,24 +101,12 @@ class Inputs:
 
         import jax_rope_cache as jrc
 
-        qh, kh, d = shape
+        super().__init__(shape, t, layout, pattern, seed, n_sets, MAX_POS)
+        _, kh, d = shape
         bf = jnp.bfloat16
-        rng = np.random.default_rng(seed)
-        self.num_slots = max(2 * t * n_sets, 4096) // BS * BS
-        self.nb = self.num_slots // BS
-        ks = jax.random.split(jax.random.key(seed), 8)
-        self.q = [jax.random.normal(k, (t, qh, d), jnp.float32).astype(bf) for k in jax.random.split(ks[0], n_sets)]
-        self.k = [jax.random.normal(k, (t, kh, d), jnp.float32).astype(bf) for k in jax.random.split(ks[1], n_sets)]
-        self.v = [jax.random.normal(k, (t, kh, d), jnp.float32).astype(bf) for k in jax.random.split(ks[2], n_sets)]
-        allslots = slot_pattern(pattern, t * n_sets, self.num_slots, rng)  # distinct over the chain
-        self.slots = [jnp.asarray(allslots[i * t:(i + 1) * t]) for i in range(n_sets)]
-        self.pos = [jnp.asarray(rng.integers(0, MAX_POS, t).astype(np.int32)) for _ in range(n_sets)]
-        ang = jax.random.uniform(ks[3], (MAX_POS, d // 2), jnp.float32, -3.0, 3.0)
-        self.cos, self.sin = jnp.cos(ang), jnp.sin(ang)
         # Qwen3's norm weights sit near 1; random so no product is trivially exact
-        self.wq = (1.0 + 0.1 * jax.random.normal(ks[4], (d,), jnp.float32)).astype(bf)
-        self.wk = (1.0 + 0.1 * jax.random.normal(ks[5], (d,), jnp.float32)).astype(bf)
-        self.shape, self.layout, self.t = shape, layout, t
+        self.wq = (1.0 + 0.1 * jax.random.normal(self.keys[4], (d,), jnp.float32)).astype(bf)
+        self.wk = (1.0 + 0.1 * jax.random.normal(self.keys[5], (d,), jnp.float32)).astype(bf)
         self.caches = [jrc.make_kv_cache(self.nb, BS, kh, d, bf, layout=layout, fill="random", seed=seed)]
 
 

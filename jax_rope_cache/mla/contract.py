@@ -143,23 +143,8 @@ def cache_tuple(kv_cache, layout: str) -> tuple:
     return tuple(kv_cache)
 
 
-def _array(arg: str, a) -> np.dtype:
-    if not hasattr(a, "shape") or not hasattr(a, "dtype"):
-        raise TypeError(f"{arg}: expected an array, got {type(a).__name__}")
-    return np.dtype(a.dtype)
-
-
-def _rank(arg: str, a, rank: int, dims: str) -> tuple[int, ...]:
-    shape = tuple(a.shape)
-    if len(shape) != rank:
-        raise ValueError(f"{arg}: expected rank {rank} {dims}, got shape {list(shape)}")
-    return shape
-
-
-def _shape(arg: str, a, expected, dims: str) -> None:
-    _rank(arg, a, len(expected), dims)
-    if tuple(a.shape) != tuple(expected):
-        raise ValueError(f"{arg}: expected shape {dims} = {list(expected)}, got {list(a.shape)}")
+# the main op's argument checks: same messages for the same mistakes
+_array, _rank, _shape = contract._dtype, contract._check_rank, contract._check_shape
 
 
 def check_q_out_dtype(q_out_dtype, dtype: np.dtype) -> np.dtype:
