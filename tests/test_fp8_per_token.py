@@ -233,14 +233,22 @@ def test_impl_matches_reference(platform, impl, tc):
     check_results(impl, args, got, want, f"{platform}-{impl}")
 
 
-def check_results(impl, args, got, want, what):
+def check_results(impl, args, got, want, what, nan_bits=True):
     """Kernels: every result bit-exact. The XLA path: q_out/k_out within its FMA bound (XLA may
     contract a product into the rotation's sum), so a row's amax and scale may move by an f32 ulp
-    and a stored value by one fp8 ulp."""
+    and a stored value by one fp8 ulp. q_out/k_out NaNs (whose bits XLA does not canonicalise, nor
+    with nan_bits=False a kernel result handed on by XLA) only have to be where the reference's are."""
     names = contract.RESULTS + contract.TOKEN_SCALE_RESULTS
     for name, g, w in zip(names, got, want):
         g = np.asarray(g)
-        if impl != "kernel" and name in ("q_out", "k_out"):  # the bound from the row's finite inputs
+        if name in ("q_out", "k_out") and (impl != "kernel" or not nan_bits):
+            # NaNs where the reference has them (XLA does not make its NaNs canonical), the rest to the bound
+            nan = np.isnan(np.asarray(w, F32))
+            assert (np.isnan(g.astype(F32)) == nan).all(), f"{what}: {name} NaN positions"
+            g, w = np.where(nan, 0, g).astype(g.dtype), np.where(nan, 0, w).astype(w.dtype)
+            if impl == "kernel":
+                assert_bits_equal(g, w, f"{what}: {name}")
+                continue
             finite = [np.where(np.isfinite(a.astype(F32)), a.astype(F32), 0) for a in args[:2]]
             assert_fma_close(g, w, xla_bound(name, finite, {}), f"{what}: {name}")
         else:
@@ -329,7 +337,9 @@ def test_vmap_over_scale_caches(platform, impl):
     with jax.default_device(jax.devices(platform)[0]):
         got = fn(*[stack(i) for i in range(9)], sstack("k_scale_cache"), sstack("v_scale_cache"))
     for b in range(2):
-        check_results(impl, calls[b][0], [g[b] for g in got], want[b], f"vmap[{b}]")
+        # jax 0.11's CPU backend hands a batched result through a copy that makes a bf16 NaN 0x7FC0
+        check_results(impl, calls[b][0], [g[b] for g in got], want[b], f"vmap[{b}]",
+                      nan_bits=jax.__version_info__ >= (0, 12))
 
 
 @pytest.mark.parametrize("impl", ["kernel", "xla"])

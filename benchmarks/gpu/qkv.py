@@ -76,10 +76,24 @@ def hlo_kernels(hlo: str):
             if op == "custom-call" and any(f'custom_call_target="{t}"' in line for t in op_targets()):
                 args = re.search(r"custom-call\((.*?)\), custom_call_target", line).group(1)
                 for n in [x.strip().split("%")[-1] for x in args.split(",")][:3]:
-                    while defs.get(n, ("", ""))[0] in ("bitcast", "get-tuple-element"):  # to the real producer
-                        n = re.search(r"(?:bitcast|get-tuple-element)\(%([\w.\-]+)\)", defs[n][1]).group(1)
-                    producers.append(defs.get(n, ("parameter", n)))
+                    while defs.get(n, ("", ""))[0] in ("bitcast", "get-tuple-element") or \
+                            _convert_only(comps, defs.get(n, ("", ""))):  # to the real producer
+                        n = re.search(r"(?:bitcast|get-tuple-element|fusion)\(%([\w.\-]+)", defs[n][1]).group(1)
+                    op, pline = defs.get(n, ("parameter", n))
+                    called = re.search(r"calls=%([\w.\-]+)", pline) if op == "fusion" else None
+                    if called and any(" dot(" in x for x in comps.get(called.group(1), ())):
+                        pline += "  (its fused computation holds the dot)"  # a CPU backend wraps dots in fusions
+                    producers.append((op, pline))
     return counts, producers
+
+
+def _convert_only(comps, node) -> bool:
+    """A fusion that only converts / bitcasts its one operand (a CPU backend's bf16 epilogue of an f32 dot)."""
+    op, line = node
+    called = re.search(r"calls=%([\w.\-]+)", line) if op == "fusion" else None
+    body = comps.get(called.group(1), ()) if called else ()
+    ops = {m.group(1) for x in body if (m := re.search(r"= \S+ ([\w\-]+)\(", x))}
+    return bool(ops) and ops <= {"parameter", "convert", "bitcast", "copy"}
 
 
 def producer_kind(op, line):
