@@ -1783,8 +1783,9 @@ extern "C" __global__ void __launch_bounds__(RC_NT, RC_MINB) rope_cache_kernel(c
 #else
 // The kernel-node entry (XLA's PTX custom call, backends/kernel_node.py): one pointer parameter per
 // buffer, the 14 operands then the 4 results (6 with RC_TOKEN_SCALES) in custom-call order (the
-// aliased caches appear twice, as operand and as result: the same address); T, the caches' leading dimension and the table rows
-// are the call's static shapes, compiled in (RC_NODE_T, RC_NODE_LEAD, RC_NODE_MAX_POS).
+// aliased caches appear twice, as operand and as result: the same address); T, the caches' leading
+// dimension and the table rows are the call's static shapes, compiled in (RC_NODE_T, RC_NODE_LEAD,
+// RC_NODE_MAX_POS).
 #if !defined(RC_NODE_T) || !defined(RC_NODE_LEAD) || !defined(RC_NODE_MAX_POS)
 #error "RC_NODE needs RC_NODE_T, RC_NODE_LEAD and RC_NODE_MAX_POS"
 #endif
