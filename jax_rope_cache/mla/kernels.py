@@ -33,7 +33,9 @@ def lower_cpu(ctx, args, spec: MlaSpec):
 CUDA_KERNEL = "mla_cache_kernel"
 MAX_PARTS = 64
 # Latency regime (fewer than ~2 tokens per SM): one token per block, its units spread over up to
-# MAX_PARTS blocks of LATENCY_NT threads (one unit per thread where the grid allows). Bandwidth
+# MAX_PARTS blocks of LATENCY_NT threads, one unit per thread while the grid fits the GPU's resident
+# threads (RESIDENT_BLOCKS blocks per SM): a thread with a copy unit and a rotation unit would run
+# their memory latencies back to back (DeepSeek-V3 TP8 at T = 64: 5 parts, 2.81 us). Bandwidth
 # regime: ~UNITS_PER_BLOCK units per block, threads sized so that every thread's copy units are one
 # round of at most UNROLL (every load, then every store: MLA_UNROLL = the round's units), between
 # MIN_NT and MAX_NT threads. A round left over for a few threads (DeepSeek-V3 TP8 with 256 threads:
@@ -41,6 +43,7 @@ MAX_PARTS = 64
 # in flight; 288 threads take them in one round of 4 (an UNROLL of 5 instead costs 51-56 registers
 # against 39-43: four resident blocks per SM instead of five or six).
 LATENCY_NT = 128
+RESIDENT_BLOCKS = 2048 // LATENCY_NT
 MIN_NT, MAX_NT = 128, 512
 UNITS_PER_BLOCK = 2048
 UNROLL = 4
@@ -93,7 +96,7 @@ def mla_kernel_config(spec: MlaSpec, num_sms: int = cuda.DEFAULT_SMS, unroll: in
     t = max(1, spec.num_tokens)
     if t < 2 * num_sms:  # latency: one token per block, its units over several blocks
         nt, tpb = LATENCY_NT, 1
-        parts = max(1, min(MAX_PARTS, -(-upt // nt), -(-2 * num_sms // t)))
+        parts = max(1, min(MAX_PARTS, -(-upt // nt), max(-(-2 * num_sms // t), RESIDENT_BLOCKS * num_sms // t)))
         per_part = -(-upt // parts)
         nt = min(nt, max(32, -(-per_part // 32) * 32))
     else:
