@@ -381,10 +381,12 @@ def trace_steps(r, steps, workdir):
     dev.sort()
     kinds = collections.Counter()
     names = collections.Counter()
-    for _, _, nm in dev:
+    name_ns = collections.Counter()  # GPU time by event name
+    for _, dur, nm in dev:
         lo = nm.lower()
         kinds["memcpy" if "memcpy" in lo else "memset" if "memset" in lo else "kernel"] += 1
         names[nm[:60]] += 1
+        name_ns[nm[:60]] += dur
     busy = sum(e[1] for e in dev) / steps / 1e3
     res.update(timeline(dev, steps))
     span = (dev[-1][0] + dev[-1][1] - dev[0][0]) / steps / 1e3 if dev else 0.0
@@ -397,6 +399,8 @@ def trace_steps(r, steps, workdir):
                gpu_busy_us_per_step=busy, gpu_span_us_per_step=span,
                gap_median_us=float(np.median(gaps) / 1e3) if gaps else None,
                top_gpu_events={k: v / steps for k, v in names.most_common(8)},
+               gpu_us_by_name={k: [round(names[k] / steps, 2), round(v / steps / 1e3, 3)]
+                               for k, v in name_ns.most_common()},
                kernel_details=dict(grid_block.most_common(3)),
                host_events=[dict(name=a, per_step=round(b, 2), us_per_step=round(c, 2)) for a, b, c in host_rows])
     shutil.rmtree(d, ignore_errors=True)

@@ -109,7 +109,8 @@ def main(argv=None):
         rows[impl] = dict(wall_us=float(np.median(walls[impl])), wall_runs=[round(w, 1) for w in walls[impl]],
                           busy_us=tr.get("gpu_busy_us_per_step", 0) / a.steps,
                           events=tr.get("gpu_events_per_step", 0) / a.steps, compile_s=round(compile_s[impl], 1),
-                          our_kernel_us=tr.get("our_kernel_us"), top=tr.get("top_gpu_events"))
+                          our_kernel_us=tr.get("our_kernel_us"), top=tr.get("top_gpu_events"),
+                          by_name=tr.get("gpu_us_by_name"))
     print(f"\n{a.model}: {cfg.num_layers} layers, batch {a.batch}, {a.dtype}, {a.steps} decode steps per run, "
           f"{a.repeats} interleaved repeats; per decode step:")
     print(f"{'impl':<9}{'wall us':>10}{'(min-max)':>20}{'GPU busy us':>13}{'kernels':>9}"
