@@ -8,7 +8,7 @@ through attention.
     -> RMSNorm -> SwiGLU MLP] -> RMSNorm -> LM head -> greedy argmax
 
 Layers run under `lax.scan` over the stacked weights and the stacked caches (the op's `layer=`
-argument); prefill (a padded batch of prompts of different lengths, padding slots -1) and decode
+argument; a Python loop with constant layer indices when `unroll` covers every layer); prefill (a padded batch of prompts of different lengths, padding slots -1) and decode
 (a `lax.scan` over steps) are each one `jax.jit` with both caches donated. A `BlockAllocator`
 hands each sequence its cache blocks (from a shuffled free list, so a sequence's blocks are not
 contiguous); the block table maps (sequence, position) to a slot.
@@ -596,6 +596,13 @@ class Decoder:
 
         for weights, first, mlp in self._segments(params):
             n = jax.tree.leaves(weights)[0].shape[0]
+            if self.unroll is True or self.unroll >= n:
+                # Fully unrolled: a Python loop, so each layer index reaches the op as a constant. A
+                # scan's traced index is a device scalar that the kernel reads (one tiny XLA kernel
+                # per layer to make it; XLA's own path folds it into its scatter indices).
+                for j in range(n):
+                    (x, caches), _ = layer(mlp, (x, caches), (jax.tree.map(lambda a: a[j], weights), first + j))
+                continue
             (x, caches), _ = jax.lax.scan(functools.partial(layer, mlp), (x, caches),
                                           (weights, first + jnp.arange(n)), unroll=self.unroll)
         return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), caches

@@ -281,6 +281,32 @@ def test_compiled_steps_donate_caches_and_call_the_op_once_per_layer():
             assert len(calls) == 1, calls
 
 
+def test_fully_unrolled_layers_pass_constant_layer_indices():
+    """unroll >= the layer count runs the layers as a Python loop: the same tokens as the scan, and
+    (CPU kernel) one custom call per layer whose `layer` operand is a constant, not a device value."""
+    entry = REF[LLAMA]
+    params = decoder.random_params(decoder.DecoderConfig.from_hf(entry["config"]), entry["seed"])
+    n_layers = entry["config"]["num_hidden_layers"]
+    prompts, steps = entry["prompts"][:3], 6
+    runs = {}
+    for unroll in (1, n_layers):
+        m = decoder.Decoder(entry["config"], params, max_seqs=4, max_len=64, impl="kernel", unroll=unroll,
+                            device=jax.devices("cpu")[0])
+        runs[unroll] = m.generate(prompts, steps)
+    np.testing.assert_array_equal(runs[1][0], runs[n_layers][0])
+    np.testing.assert_allclose(runs[1][1], runs[n_layers][1], rtol=0, atol=1e-5)
+    bt = np.zeros((4, m.blocks_per_seq), np.int32)
+    text = m.decode_fn.lower(m.params, m.tables, m.caches, np.zeros(4, np.int32), np.full(4, 9, np.int32), bt,
+                             steps=2).compile().as_text()
+    calls = [ln for ln in text.splitlines() if 'custom_call_target="jax_rope_cache' in ln]
+    assert len(calls) == n_layers, len(calls)
+    constants = {m_.group(1) for m_ in re.finditer(r"%(\S+) = s32\[\] constant\(", text)}
+    for ln in calls:
+        operands = re.search(r"custom-call\((.*?)\), custom_call_target", ln).group(1).split(", ")
+        layer_arg = operands[11].split("=")[-1].lstrip("%")
+        assert layer_arg in constants, (layer_arg, ln[:300])
+
+
 def test_config_errors():
     base = decoder.TINY_CONFIGS[LLAMA]
     for key, value, match in (("model_type", "gpt2", "model_type"), ("attention_bias", True, "attention_bias"),

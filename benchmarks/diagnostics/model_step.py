@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -40,6 +41,17 @@ def build(model, impl, params, cfg, config, batch, prompt_len, steps, dtype, see
     bt = m.allocator.block_table(seqs, m.blocks_per_seq)
     first, _, lens = m.prefill(prompts, bt)
     return m, first, lens, bt
+
+
+def name_groups(by_name: dict, steps: int) -> dict:
+    """{group: (kernels, GPU us)} per decode step; a group is an event name without XLA's numeric
+    suffix (loop_reduce_fusion_31 -> loop_reduce_fusion; fusion_1375 -> fusion)."""
+    out = {}
+    for name, (n, us) in by_name.items():
+        g = re.sub(r"_\d+$", "", name)
+        c, t = out.get(g, (0.0, 0.0))
+        out[g] = (c + n / steps, t + us / steps)
+    return out
 
 
 class Runner:  # what decode_chain.trace_steps drives: one call = `steps` decode steps
@@ -123,6 +135,17 @@ def main(argv=None):
             ob = f"{(r['busy_us'] - base['busy_us']) / cfg.num_layers:.2f}"
         rng_ = f"{min(walls[impl]):.0f}-{max(walls[impl]):.0f}"
         print(f"{impl:<9}{r['wall_us']:>10.1f}{rng_:>20}{r['busy_us']:>13.1f}{r['events']:>9.1f}{ow:>15}{ob:>15}")
+    if base:  # the kernels that differ from the baseline's (by name group, per decode step)
+        groups = {impl: name_groups(r.get("by_name") or {}, a.steps) for impl, r in rows.items()}
+        print("\nkernels per decode step whose count differs from the baseline's (name group: count, GPU us):")
+        for impl in rows:
+            if impl == "baseline":
+                continue
+            for who in (impl, "baseline"):
+                diff = {k: v for k, v in groups[who].items()
+                        if groups[impl].get(k, (0, 0))[0] != groups["baseline"].get(k, (0, 0))[0]}
+                print(f"  {who + ':':<10}" + ", ".join(f"{k} {n:g} x {us / max(n, 1):.2f} = {us:.1f}"
+                                                     for k, (n, us) in sorted(diff.items())))
     if a.out:
         os.makedirs(a.out, exist_ok=True)
         with open(os.path.join(a.out, f"model_step_{a.model}.json"), "w") as fh:

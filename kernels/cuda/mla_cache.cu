@@ -189,21 +189,6 @@ struct SlotRange {
   i64 n, base;
 };
 
-// The fp8 scales as loaded; inv_*() inverts at the point of use. The empty volatile asm keeps the
-// compiler from hoisting the inversion (and with it the wait for the scale's load) above the loads
-// that precede its use: at T = 1 that wait would add a whole memory latency to every thread.
-struct Scales {
-  float q, kv;
-  __device__ __forceinline__ static float inv(float s) {
-#ifndef RC_EMULATE
-    asm volatile("" : "+f"(s));
-#endif
-    return rc_inv_scale(s);
-  }
-  __device__ __forceinline__ float inv_q() const { return Q_FP8 ? inv(q) : 1.0f; }
-  __device__ __forceinline__ float inv_kv() const { return C_FP8 ? inv(kv) : 1.0f; }
-};
-
 // Position and slot of the block's token, loaded in the prologue where the block has one token.
 struct TokenIdx {
   i64 pos, slot;
@@ -240,7 +225,7 @@ __device__ __forceinline__ void store_rot(void* dst, i64 row, int j, const float
 constexpr int NP = NEOX ? RW : RW / 2;  // pairs per rotation unit
 
 __device__ __forceinline__ void rot_unit(const Params& p, i64 T, i64 t0, int u, SlotRange sr, TokenIdx pre,
-                                         const Scales& sc) {
+                                         float inv_q, float inv_kv) {
   const int tt = u / RU, r = u % RU, h = r / P, j = r % P;
   const i64 t = t0 + tt;
   if (t >= T) return;
@@ -266,14 +251,13 @@ __device__ __forceinline__ void rot_unit(const Params& p, i64 T, i64 t0, int u, 
                    tab(p.ptr[A_SIN], trow + cb), ARITH, &ya[e], &yb[e]);
   }
   if (!is_k) {
-    store_rot<QDT>(p.ptr[R_Q], (t * QH + h) * (i64)DQ + DN, j, ya, yb, sc.inv_q());
+    store_rot<QDT>(p.ptr[R_Q], (t * QH + h) * (i64)DQ + DN, j, ya, yb, inv_q);
     return;
   }
   store_rot<DT>(p.ptr[R_KPE], t * DR, j, ya, yb, 1.0f);
   const i64 s = token_slot(p, t, pre);
   if (s < 0 || s >= sr.n) return;
   const i64 slot = sr.base + s;
-  const float inv_kv = sc.inv_kv();
   if (SPLIT_CACHE) store_rot<CDT>(p.ptr[R_C1], slot * DR, j, ya, yb, inv_kv);
   else store_rot<CDT>(p.ptr[R_C0], slot * ROW0 + DC, j, ya, yb, inv_kv);
 }
@@ -318,10 +302,8 @@ extern "C" __global__ void __launch_bounds__(MLA_NT, MLA_MINB) mla_cache_kernel(
   TokenIdx pre{0, -1};
   if (TPB == 1 && t0 < T)
     pre = TokenIdx{load_index(p.ptr[A_POS], t0, MLA_POS64 != 0), load_index(p.ptr[A_SLOT], t0, MLA_SLOT64 != 0)};
-  // fp8 scales: loaded here, inverted only after a round's loads (Scales::inv), so that no load
-  // waits on them
-  const Scales sc{Q_FP8 ? *static_cast<const float*>(p.ptr[A_QS]) : 1.0f,
-                  C_FP8 ? *static_cast<const float*>(p.ptr[A_KVS]) : 1.0f};
+  const float inv_q = Q_FP8 ? rc_inv_scale(*static_cast<const float*>(p.ptr[A_QS])) : 1.0f;
+  const float inv_kv = C_FP8 ? rc_inv_scale(*static_cast<const float*>(p.ptr[A_KVS])) : 1.0f;
   const int u0 = (PARTS > 1 ? (int)blockIdx.y * NT : 0) + (int)threadIdx.x;
   int u = u0;
   // copy units, UNROLL at a time: every load first, then every store
@@ -338,7 +320,6 @@ extern "C" __global__ void __launch_bounds__(MLA_NT, MLA_MINB) mla_cache_kernel(
       if (c < N_COPY) emu_count(c);
 #endif
     }
-    const float inv_q = sc.inv_q(), inv_kv = sc.inv_kv();
 #pragma unroll
     for (int k = 0; k < UNROLL; ++k) {
       if (cu[k].dst < 0) continue;
@@ -353,7 +334,7 @@ extern "C" __global__ void __launch_bounds__(MLA_NT, MLA_MINB) mla_cache_kernel(
 #ifdef RC_EMULATE
     emu_count(u);
 #endif
-    rot_unit(p, T, t0, u - N_COPY, sr, pre, sc);
+    rot_unit(p, T, t0, u - N_COPY, sr, pre, inv_q, inv_kv);
   }
 }
 
