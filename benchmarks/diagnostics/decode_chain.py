@@ -391,6 +391,7 @@ def trace_steps(r, steps, workdir):
     res.update(timeline(dev, steps))
     span = (dev[-1][0] + dev[-1][1] - dev[0][0]) / steps / 1e3 if dev else 0.0
     gaps = [dev[i + 1][0] - dev[i][0] - dev[i][1] for i in range(len(dev) - 1)]
+    res.update(idle_gaps(dev, steps))
     keys = ("custom", "command", "commandbuffer", "record", "update", "thunk", "initialize", "execute", "launch",
             "graph", "ffi")
     host_rows = sorted(((nm, c / steps, tot / steps / 1e3) for nm, (c, tot) in host.items()
@@ -405,6 +406,18 @@ def trace_steps(r, steps, workdir):
                host_events=[dict(name=a, per_step=round(b, 2), us_per_step=round(c, 2)) for a, b, c in host_rows])
     shutil.rmtree(d, ignore_errors=True)
     return res
+
+
+def idle_gaps(dev, steps):
+    """GPU idle time between consecutive events (sorted (start_ns, duration_ns, name)), gaps capped at
+    CLUSTER_GAP_NS: the sum per step, and the gaps before / after each event of our kernel."""
+    gaps = [dev[i + 1][0] - dev[i][0] - dev[i][1] for i in range(len(dev) - 1)]
+    ours = [i for i, e in enumerate(dev) if "rope" in e[2] or "mla_cache" in e[2]]
+    around = {"before": [gaps[i - 1] for i in ours if i > 0], "after": [gaps[i] for i in ours if i < len(gaps)]}
+    capped = lambda v: float(np.sum(np.minimum(v, CLUSTER_GAP_NS)) / steps / 1e3)  # noqa: E731
+    return dict(gap_sum_us_per_step=capped(gaps) if gaps else 0.0,
+                our_gap_us={k: dict(median=float(np.median(v) / 1e3), per_step=capped(v))
+                            for k, v in around.items() if v})
 
 
 CLUSTER_GAP_NS = 20e3  # a GPU gap longer than this separates two executions (graph launches)

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """The model client's decode step per implementation, measured two ways: wall time with the
 implementations interleaved repeat by repeat (so drift hits all alike), and GPU busy time from a
-profiler trace (deterministic enough to resolve a few microseconds per step).
+profiler trace (deterministic enough to resolve a few microseconds per step), with the GPU's idle
+time inside the step (gaps between kernels) overall and next to our kernel.
 
     python benchmarks/diagnostics/model_step.py [--model llama-3.1-8b] [--impls kernel,xla,baseline]
                                                 [--batch 64] [--steps 32] [--repeats 7] [--out DIR]
@@ -122,10 +123,11 @@ def main(argv=None):
                           busy_us=tr.get("gpu_busy_us_per_step", 0) / a.steps,
                           events=tr.get("gpu_events_per_step", 0) / a.steps, compile_s=round(compile_s[impl], 1),
                           our_kernel_us=tr.get("our_kernel_us"), top=tr.get("top_gpu_events"),
-                          by_name=tr.get("gpu_us_by_name"))
+                          by_name=tr.get("gpu_us_by_name"), span_us=tr.get("gpu_span_us_per_step", 0) / a.steps,
+                          gap_us=tr.get("gap_sum_us_per_step", 0) / a.steps, our_gap_us=tr.get("our_gap_us"))
     print(f"\n{a.model}: {cfg.num_layers} layers, batch {a.batch}, {a.dtype}, {a.steps} decode steps per run, "
           f"{a.repeats} interleaved repeats; per decode step:")
-    print(f"{'impl':<9}{'wall us':>10}{'(min-max)':>20}{'GPU busy us':>13}{'kernels':>9}"
+    print(f"{'impl':<9}{'wall us':>10}{'(min-max)':>20}{'GPU busy us':>13}{'idle us':>9}{'kernels':>9}"
           f"{'op wall/layer':>15}{'op busy/layer':>15}")
     base = rows.get("baseline")
     for impl, r in rows.items():
@@ -134,7 +136,13 @@ def main(argv=None):
             ow = f"{(r['wall_us'] - base['wall_us']) / cfg.num_layers:.2f}"
             ob = f"{(r['busy_us'] - base['busy_us']) / cfg.num_layers:.2f}"
         rng_ = f"{min(walls[impl]):.0f}-{max(walls[impl]):.0f}"
-        print(f"{impl:<9}{r['wall_us']:>10.1f}{rng_:>20}{r['busy_us']:>13.1f}{r['events']:>9.1f}{ow:>15}{ob:>15}")
+        print(f"{impl:<9}{r['wall_us']:>10.1f}{rng_:>20}{r['busy_us']:>13.1f}{r['gap_us']:>9.1f}{r['events']:>9.1f}"
+              f"{ow:>15}{ob:>15}")
+    for impl, r in rows.items():
+        if r.get("our_gap_us"):
+            print(f"{impl}: GPU idle around our kernel per step (us): "
+                  + ", ".join(f"{k} {v['per_step'] / a.steps:.1f} (median {v['median']:.2f})"
+                              for k, v in r["our_gap_us"].items()))
     if base:  # the kernels that differ from the baseline's (by name group, per decode step)
         groups = {impl: name_groups(r.get("by_name") or {}, a.steps) for impl, r in rows.items()}
         print("\nkernels per decode step whose count differs from the baseline's (name group: count, GPU us):")
