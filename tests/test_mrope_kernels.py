@@ -188,6 +188,8 @@ def test_kernel_config_merges_rows_in_multi_token_blocks(QH, KH, layout):
     cfg = cuda.kernel_config(spec)
     assert _mrow(cfg) == 1 and cfg.tokens_per_block >= cuda.MROW_MIN_TPB, cfg
     assert cuda.mrow_bytes(spec, cfg.tokens_per_block) == 2 * cfg.tokens_per_block * 64 * 4 <= cuda.MROW_MAX_BYTES
+    if layout == "xpacked":  # one kv head: blocks of 256 threads (MROW_XP_BLOCK), else 512
+        assert cfg.threads == (cuda.MROW_XP_BLOCK[0] if KH == 1 else cuda.MAX_THREADS), cfg
     one = cuda.kernel_config(_spec(1, QH, KH, 128, layout, QWEN3_VL, True))
     assert one.tokens_per_block == 1 and "RC_MROW" not in dict(one.defines)
     assert "RC_MROW" not in dict(cuda.kernel_config(make_spec(T=8192, QH=QH, KH=KH, layout=layout)).defines)

@@ -127,6 +127,13 @@ V_CHANNELS = 1
 # MROW_MAX_BYTES (cos and sin together) of shared memory per block keep load_tab3 too.
 MROW_MIN_TPB = 2
 MROW_MAX_BYTES = 16384
+# x-packed blocks with merged rows and ONE kv head: (threads, largest tokens per block). The row
+# build and its barrier stall every warp of a block, and 512-thread x-packed blocks (72-80
+# registers) are one per SM, so nothing hides the stall; 256-thread blocks are three per SM. H200,
+# Qwen3-VL-235B TP4, T = 8192, one run: fused / plain 1.02 (256 threads, 32 tokens) vs 1.12 (512,
+# 32) and 1.09 (256, 16). Qwen3-VL-8B (8 kv heads) keeps 512: fused / plain 0.79 there, 1.02 with
+# (256, 16); (256, 32) not measured on it. None: the rule off.
+MROW_XP_BLOCK: tuple[int, int] | None = (256, 32)
 # RC_VSEL: 0 (off), or the channels (2, 4, 8) of the V units of a block whose groups are all aligned
 # slot runs, chosen per block at run time (other blocks: the one-channel units). Applies where
 # whole runs can exist (x-packed, RC_VCH 1, tokens per block and BS multiples of X); the thread
@@ -286,6 +293,10 @@ def kernel_config(spec: contract.OpSpec, num_sms: int = DEFAULT_SMS, vch: int | 
             busy = half / (-(-half // PACKED_NT) * PACKED_NT)  # of the halved block's thread rounds
             if half >= 2 * PACKED_NT and busy >= HALVED_BUSY_MIN:
                 tpb //= 2
+    mrow = bool(spec.mrope_section) and tpb >= MROW_MIN_TPB and mrow_bytes(spec, tpb) <= MROW_MAX_BYTES
+    if xp and mrow and MROW_XP_BLOCK and spec.kv_heads == 1 and tpb > base:
+        nt, tpb = MROW_XP_BLOCK[0], max(base, min(tpb, MROW_XP_BLOCK[1]))
+        minb = max(1, 768 // nt)
     # QK-norm weights loaded early (latency) only where the grid is one block per SM at most: the
     # early chunks cost ~8 registers, which in larger calls would take resident blocks away.
     early_w = int(-(-t // tpb) <= num_sms)
@@ -298,7 +309,7 @@ def kernel_config(spec: contract.OpSpec, num_sms: int = DEFAULT_SMS, vch: int | 
         ("RC_VPAIRS", 1), ("RC_VCH", vch), ("RC_VSEL", vsel), ("RC_EARLY_W", early_w))
     if not c.mrope:  # positions [T]: the kernel's defaults (the variant and its cache key as without M-RoPE)
         defines = tuple(d for d in defines if not d[0].startswith("RC_MROPE"))
-    elif tpb >= MROW_MIN_TPB and mrow_bytes(spec, tpb) <= MROW_MAX_BYTES:
+    elif mrow:
         defines += (("RC_MROW", 1),)
     if c.x:  # a non-default X (the default: no RC_X, the variant and its cache key as before)
         defines += (("RC_X", c.x),)
