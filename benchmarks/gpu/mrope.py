@@ -188,10 +188,19 @@ def main(argv=None):
     ap.add_argument("--layouts", default="flash,xpacked")
     ap.add_argument("--models", default="qwen3-vl-8b:1,qwen3-vl-235b-a22b:4", help="preset:tp,...")
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--mrow-xp-block", default=None,
+                    help="THREADSxTOKENS or none: the CUDA kernel's x-packed merged-row blocks of one kv head "
+                         "(backends.cuda.MROW_XP_BLOCK) for this run, to compare block shapes")
     add_timing_args(ap, budget_s=150.0)
     a = ap.parse_args(argv)
     tokens = start_run(a, dry_tokens="1,64", tokens="1,8192")
     import jax
+
+    if a.mrow_xp_block:
+        from jax_rope_cache.backends import cuda
+
+        cuda.MROW_XP_BLOCK = None if a.mrow_xp_block == "none" else tuple(map(int, a.mrow_xp_block.split("x")))
+        log("MROW_XP_BLOCK", cuda.MROW_XP_BLOCK)
 
     from jax_rope_cache.models import config, presets
 
