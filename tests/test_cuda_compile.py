@@ -670,11 +670,12 @@ def test_host_emulation_e5m2_conversion_every_boundary(emu_dir):
 
 
 _E5M2_MUTANTS = [
-    ("saturates to inf", "if (code > 0x7bu) code = 0x7bu;", "if (code > 0x7cu) code = 0x7cu;"),
-    ("truncates", "code = rc_shift_rne(x - (112u << 23), 21);", "code = (x - (112u << 23)) >> 21;"),
-    ("subnormal shift", "rc_u32 shift = 134u - e;  // >= 22", "rc_u32 shift = 133u - e;  // >= 22"),
-    ("NaN keeps the sign", "return (rc_u8)0x7fu;  // NaN: the canonical pattern\n  rc_u32 code;",
-     "return (rc_u8)(sign | 0x7eu);  // NaN: the canonical pattern\n  rc_u32 code;"),
+    ("saturates to inf", "rc_f32_to_f8(f, 2u, 15u, 0x7bu, 0x7fu, false)", "rc_f32_to_f8(f, 2u, 15u, 0x7cu, 0x7fu, false)"),
+    ("truncates", "(rebased + ((1u << (shift - 1u)) - 1u) + ((rebased >> shift) & 1u)) >> shift",
+     "rebased >> shift"),
+    ("subnormal step", "const rc_u32 magic = (127u + 23u + 1u - B - M) << 23;",
+     "const rc_u32 magic = (127u + 23u - B - M) << 23;"),
+    ("NaN keeps the sign", "a > 0x7f800000u ? nan_code : out", "a > 0x7f800000u ? (sign | 0x7eu) : out"),
 ]
 
 

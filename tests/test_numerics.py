@@ -132,6 +132,25 @@ def test_e5m2_shared_conversion_exhaustive_where_it_rounds():
     assert bad == 0
 
 
+@needs_native
+@pytest.mark.full
+@pytest.mark.parametrize("name", ["float8_e4m3fn", "float8_e4m3fnuz"])
+def test_e4m3_shared_conversion_exhaustive_where_it_rounds(name):
+    """rc_f32_to_fp8 against the reference (ml_dtypes, clamped) on EVERY float32 of both signs whose
+    exponent is 114..137: all inputs that round to something other than +-0 or +-max (below 2^-13
+    everything is +-0, from 2^10 on everything saturates; those, inf and NaN are in the tests above)."""
+    dt = np.dtype(SMALL[name][0])
+    bad = 0
+    for sign in (0, 0x80000000):
+        for e in range(114, 138):
+            u = (np.arange(1 << 23, dtype=np.uint32) | np.uint32((e << 23) | sign))
+            f = u.view(np.float32)
+            bits = np.zeros(f.size, np.uint32)
+            native.round_f32(f, bits, contract.DTYPE_CODES[dt])
+            bad += int((bits != reference.quantize(f, dt, np.float32(1.0)).view(np.uint8)).sum())
+    assert bad == 0
+
+
 @pytest.mark.parametrize("platform,impl", impl_params())
 def test_e5m2_cache_through_the_op_every_boundary(platform, impl):
     """The whole op with a float8_e5m2 cache and scale 1: v (float32) is stored as fp8(v), so the

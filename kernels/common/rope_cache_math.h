@@ -142,6 +142,26 @@ RC_FN rc_u16 rc_f32_to_f16(float f) {
 #endif
 }
 
+// ---- f32 -> 8-bit floats -----------------------------------------------------------------------
+// f32 -> a float of M mantissa bits and exponent bias B (e4m3fn, e4m3fnuz, e5m2): round to nearest,
+// ties to even, saturating to max_code (inf included); NaN -> nan_code; fnuz: no negative zero.
+// Written without branches (selects only): a one-token decode block runs it on its latency chain,
+// and the branchy form was 4x the instructions. Normal results round the rebiased f32 bits in
+// integer arithmetic. A subnormal one (|x| < 2^(1-B)) is k * 2^(1-B-M): adding 2^(23+1-B-M) to |x|
+// rounds |x| to that step (IEEE: to nearest, ties to even) and leaves k in the sum's low mantissa
+// bits; k = 2^M, where it rounds up, is the smallest normal's code.
+RC_FN rc_u8 rc_f32_to_f8(float f, rc_u32 M, rc_u32 B, rc_u32 max_code, rc_u32 nan_code, bool fnuz) {
+  const rc_u32 x = rc_f32_bits(f), sign = (x >> 24) & 0x80u, a = x & 0x7fffffffu;
+  const bool is_sub = a < ((128u - B) << 23);
+  const rc_u32 magic = (127u + 23u + 1u - B - M) << 23;
+  const rc_u32 sub = rc_f32_bits(rc_add(rc_bits_f32(is_sub ? a : 0u), rc_bits_f32(magic))) - magic;
+  const rc_u32 shift = 23u - M, rebased = a - ((127u - B) << 23);  // wraps below the normal range: unused there
+  rc_u32 code = is_sub ? sub : (rebased + ((1u << (shift - 1u)) - 1u) + ((rebased >> shift) & 1u)) >> shift;
+  code = code > max_code ? max_code : code;
+  const rc_u32 out = (fnuz && code == 0u) ? 0u : (sign | code);
+  return (rc_u8)(a > 0x7f800000u ? nan_code : out);
+}
+
 // ---- float8 e4m3 (fn: bias 7, max 448, NaN 0x7f/0xff; fnuz: bias 8, max 240, NaN 0x80) --------
 RC_FN float rc_fp8_to_f32(rc_u8 b, bool fnuz) {
   if (fnuz && b == 0x80u) return rc_bits_f32(0x7fc00000u);
@@ -157,26 +177,10 @@ RC_FN float rc_fp8_to_f32(rc_u8 b, bool fnuz) {
   return rc_bits_f32(sign | ((exp + 127u - bias) << 23) | (man << 20));
 }
 
-// f32 -> e4m3 with saturation: |x| beyond the largest finite value (inf included) stores +-max.
+// f32 -> e4m3 with saturation: |x| beyond the largest finite value (inf included) stores +-max;
+// NaN stores the canonical pattern (0x7f; fnuz 0x80).
 RC_FN rc_u8 rc_f32_to_fp8(float f, bool fnuz) {
-  rc_u32 x = rc_f32_bits(f);
-  rc_u8 sign = (rc_u8)((x >> 24) & 0x80u);
-  x &= 0x7fffffffu;
-  if (x > 0x7f800000u) return fnuz ? (rc_u8)0x80u : (rc_u8)0x7fu;  // NaN: the canonical pattern
-  rc_u32 bias = fnuz ? 8u : 7u;
-  rc_u32 max_code = fnuz ? 0x7fu : 0x7eu;
-  rc_u32 code;
-  rc_u32 e = x >> 23;
-  if (e >= 128u - bias) {  // normal e4m3: rebias exponent, keep 3 mantissa bits
-    rc_u32 rebased = x - ((127u - bias) << 23);
-    code = (e > 127u + 9u) ? max_code + 1u : rc_shift_rne(rebased, 20);
-    if (code > max_code) code = max_code;
-  } else {  // subnormal e4m3: k * 2^(-2 - bias)
-    rc_u32 shift = 148u - bias - e;  // >= 21
-    code = (shift > 25u || e == 0u) ? 0u : rc_shift_rne((x & 0x7fffffu) | 0x800000u, shift);
-  }
-  if (code == 0u && fnuz) return 0;  // fnuz has no negative zero (0x80 is NaN)
-  return (rc_u8)(sign | code);
+  return fnuz ? rc_f32_to_f8(f, 3u, 8u, 0x7fu, 0x80u, true) : rc_f32_to_f8(f, 3u, 7u, 0x7eu, 0x7fu, false);
 }
 
 RC_FN float rc_fp8_max(bool fnuz) { return fnuz ? 240.0f : 448.0f; }
@@ -188,22 +192,7 @@ RC_FN float rc_e5m2_to_f32(rc_u8 b) { return rc_f16_to_f32((rc_u16)((rc_u16)b <<
 // f32 -> e5m2 with saturation, as rc_f32_to_fp8: |x| beyond the largest finite value (inf
 // included) stores +-57344 (0x7b / 0xfb), never inf; NaN stores the canonical 0x7f; -0 and
 // negative values that round to zero keep the sign (0x80). Rounding to nearest even throughout.
-RC_FN rc_u8 rc_f32_to_e5m2(float f) {
-  rc_u32 x = rc_f32_bits(f);
-  rc_u8 sign = (rc_u8)((x >> 24) & 0x80u);
-  x &= 0x7fffffffu;
-  if (x > 0x7f800000u) return (rc_u8)0x7fu;  // NaN: the canonical pattern
-  rc_u32 code;
-  rc_u32 e = x >> 23;
-  if (e >= 113u) {  // normal e5m2: rebias exponent 127 -> 15, keep 2 mantissa bits
-    code = rc_shift_rne(x - (112u << 23), 21);  // x < 2^31: no wrap; inf gives 0x23c
-    if (code > 0x7bu) code = 0x7bu;
-  } else {  // subnormal e5m2: k * 2^-16
-    rc_u32 shift = 134u - e;  // >= 22
-    code = (shift > 25u || e == 0u) ? 0u : rc_shift_rne((x & 0x7fffffu) | 0x800000u, shift);
-  }
-  return (rc_u8)(sign | code);
-}
+RC_FN rc_u8 rc_f32_to_e5m2(float f) { return rc_f32_to_f8(f, 2u, 15u, 0x7bu, 0x7fu, false); }
 
 // f32 -> the fp8 dtype `cdt` (RC_FP8_E4M3FN, RC_FP8_E4M3FNUZ or RC_FP8_E5M2), saturating.
 RC_FN rc_u8 rc_f32_to_fp8_as(float f, RcDtype cdt) {
