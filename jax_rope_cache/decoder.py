@@ -8,8 +8,9 @@ through attention.
     -> RMSNorm -> SwiGLU MLP] -> RMSNorm -> LM head -> greedy argmax
 
 Layers run under `lax.scan` over the stacked weights and the stacked caches (the op's `layer=`
-argument; a Python loop with constant layer indices when `unroll` covers every layer); prefill (a padded batch of prompts of different lengths, padding slots -1) and decode
-(a `lax.scan` over steps) are each one `jax.jit` with both caches donated. A `BlockAllocator`
+argument; a Python loop with constant layer indices when `unroll` covers every layer); prefill (a
+padded batch of prompts of different lengths, padding slots -1) and decode (a `lax.scan` over
+steps) are each one `jax.jit` with both caches donated. A `BlockAllocator`
 hands each sequence its cache blocks (from a shuffled free list, so a sequence's blocks are not
 contiguous); the block table maps (sequence, position) to a slot.
 
