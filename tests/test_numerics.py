@@ -114,37 +114,24 @@ def test_e5m2_shared_conversion_every_boundary():
     assert bad.size == 0, f"{bad.size} differ, e.g. {f.view(np.uint32)[bad[0]]:#x}: {bits[bad[0]]:#x} != {want[bad[0]]:#x}"
 
 
-@needs_native
-@pytest.mark.full
-def test_e5m2_shared_conversion_exhaustive_where_it_rounds():
-    """rc_f32_to_e5m2 against the reference (ml_dtypes, clamped) on EVERY float32 of both signs whose
-    exponent is 98..146: all inputs that round to something other than +-0 or +-max (below 2^-28
-    everything is +-0, from 2^20 on everything saturates; those, inf and NaN are in the
-    stratified test above)."""
-    bad = 0
-    for sign in (0, 0x80000000):
-        for e in range(98, 147):
-            u = (np.arange(1 << 23, dtype=np.uint32) | np.uint32((e << 23) | sign))
-            f = u.view(np.float32)
-            bits = np.zeros(f.size, np.uint32)
-            native.round_f32(f, bits, contract.DTYPE_CODES[E5M2])
-            bad += int((bits != reference.quantize(f, E5M2, np.float32(1.0)).view(np.uint8)).sum())
-    assert bad == 0
+# Per fp8 format: the float32 exponents (both signs, every mantissa) where the conversion rounds to
+# something other than +-0 or +-max; below, everything is +-0, above, everything saturates (those,
+# inf and NaN are in the stratified tests above).
+_ROUNDING_EXPONENTS = {"float8_e5m2": range(98, 147), "float8_e4m3fn": range(114, 138),
+                       "float8_e4m3fnuz": range(113, 138)}
 
 
 @needs_native
 @pytest.mark.full
-@pytest.mark.parametrize("name", ["float8_e4m3fn", "float8_e4m3fnuz"])
-def test_e4m3_shared_conversion_exhaustive_where_it_rounds(name):
-    """rc_f32_to_fp8 against the reference (ml_dtypes, clamped) on EVERY float32 of both signs whose
-    exponent is 114..137: all inputs that round to something other than +-0 or +-max (below 2^-13
-    everything is +-0, from 2^10 on everything saturates; those, inf and NaN are in the tests above)."""
+@pytest.mark.parametrize("name", list(_ROUNDING_EXPONENTS))
+def test_fp8_shared_conversion_exhaustive_where_it_rounds(name):
+    """rc_f32_to_e5m2 / rc_f32_to_fp8 (what the CPU handlers and the CUDA kernels run) against the
+    reference (ml_dtypes, clamped) on EVERY float32 whose exponent is in the format's rounding range."""
     dt = np.dtype(SMALL[name][0])
     bad = 0
     for sign in (0, 0x80000000):
-        for e in range(114, 138):
-            u = (np.arange(1 << 23, dtype=np.uint32) | np.uint32((e << 23) | sign))
-            f = u.view(np.float32)
+        for e in _ROUNDING_EXPONENTS[name]:
+            f = (np.arange(1 << 23, dtype=np.uint32) | np.uint32((e << 23) | sign)).view(np.float32)
             bits = np.zeros(f.size, np.uint32)
             native.round_f32(f, bits, contract.DTYPE_CODES[dt])
             bad += int((bits != reference.quantize(f, dt, np.float32(1.0)).view(np.uint8)).sum())
