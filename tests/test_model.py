@@ -23,7 +23,7 @@ import pytest
 
 import jax_rope_cache as jrc
 from conftest import impl_params
-from jax_rope_cache import decoder
+from jax_rope_cache import contract, decoder
 from jax_rope_cache.cli import generate
 from jax_rope_cache.models import tables
 from test_structure import check_in_place
@@ -303,7 +303,7 @@ def test_fully_unrolled_layers_pass_constant_layer_indices():
     constants = {m_.group(1) for m_ in re.finditer(r"%(\S+) = s32\[\] constant\(", text)}
     for ln in calls:
         operands = re.search(r"custom-call\((.*?)\), custom_call_target", ln).group(1).split(", ")
-        layer_arg = operands[11].split("=")[-1].lstrip("%")
+        layer_arg = operands[contract.OPERANDS.index("layer")].split("=")[-1].lstrip("%")
         assert layer_arg in constants, (layer_arg, ln[:300])
 
 

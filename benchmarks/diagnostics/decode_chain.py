@@ -390,7 +390,6 @@ def trace_steps(r, steps, workdir):
     busy = sum(e[1] for e in dev) / steps / 1e3
     res.update(timeline(dev, steps))
     span = (dev[-1][0] + dev[-1][1] - dev[0][0]) / steps / 1e3 if dev else 0.0
-    gaps = [dev[i + 1][0] - dev[i][0] - dev[i][1] for i in range(len(dev) - 1)]
     res.update(idle_gaps(dev, steps))
     keys = ("custom", "command", "commandbuffer", "record", "update", "thunk", "initialize", "execute", "launch",
             "graph", "ffi")
@@ -398,7 +397,6 @@ def trace_steps(r, steps, workdir):
                         if nm.startswith("op:") or any(k in nm.lower() for k in keys)), key=lambda x: -x[2])[:25]
     res.update(gpu_events_per_step=len(dev) / steps, kinds_per_step={k: v / steps for k, v in kinds.items()},
                gpu_busy_us_per_step=busy, gpu_span_us_per_step=span,
-               gap_median_us=float(np.median(gaps) / 1e3) if gaps else None,
                top_gpu_events={k: v / steps for k, v in names.most_common(8)},
                gpu_us_by_name={k: [round(names[k] / steps, 2), round(v / steps / 1e3, 3)]
                                for k, v in name_ns.most_common()},
@@ -410,12 +408,14 @@ def trace_steps(r, steps, workdir):
 
 def idle_gaps(dev, steps):
     """GPU idle time between consecutive events (sorted (start_ns, duration_ns, name)), gaps capped at
-    CLUSTER_GAP_NS: the sum per step, and the gaps before / after each event of our kernel."""
+    CLUSTER_GAP_NS: the median gap, the sum per step, and the gaps before / after each event of our
+    kernel."""
     gaps = [dev[i + 1][0] - dev[i][0] - dev[i][1] for i in range(len(dev) - 1)]
     ours = [i for i, e in enumerate(dev) if "rope" in e[2] or "mla_cache" in e[2]]
     around = {"before": [gaps[i - 1] for i in ours if i > 0], "after": [gaps[i] for i in ours if i < len(gaps)]}
     capped = lambda v: float(np.sum(np.minimum(v, CLUSTER_GAP_NS)) / steps / 1e3)  # noqa: E731
-    return dict(gap_sum_us_per_step=capped(gaps) if gaps else 0.0,
+    return dict(gap_median_us=float(np.median(gaps) / 1e3) if gaps else None,
+                gap_sum_us_per_step=capped(gaps) if gaps else 0.0,
                 our_gap_us={k: dict(median=float(np.median(v) / 1e3), per_step=capped(v))
                             for k, v in around.items() if v})
 
