@@ -430,6 +430,7 @@ class Decoder:
     kv_quant="per_token": float8_e4m3fn caches with one scale per (token, kv head) computed by the op;
     the scale caches ([L, NB, KH, BS] each) follow the two caches in `self.caches` and attention reads
     the caches dequantized (stored * scale).
+    decode_compiler_options: XLA options of the decode program only (jax.jit's compiler_options).
 
     Subclasses (decoder_mla.MlaDecoder) change the model through `config_class`, `layouts`,
     `_prepare_params`, `_new_caches`, `_segments`, `_attention` and `_mlp`; the steps and the host
@@ -442,7 +443,7 @@ class Decoder:
 
     def __init__(self, config: Mapping, params: dict, *, layout="flash", block_size=16, num_blocks=None,
                  max_seqs=8, max_len=None, impl="kernel", dtype=jnp.float32, unroll=1, seed=0, tables=None,
-                 device=None, cache_fill="random", kv_quant=None):
+                 device=None, cache_fill="random", kv_quant=None, decode_compiler_options=None):
         if impl not in IMPLS:
             raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
         if kv_quant not in self.kv_quants:
@@ -477,7 +478,11 @@ class Decoder:
         # Matmuls in full float32 where the model is float32 (GPUs would otherwise use TF32).
         self._precision = jax.lax.Precision.HIGHEST if self.dtype == np.float32 else None
         self.prefill_fn = jax.jit(self._prefill, donate_argnums=(2,))
-        self.decode_fn = jax.jit(self._decode, static_argnames=("steps", "with_logits"), donate_argnums=(2,))
+        # XLA options of the decode program only, e.g. {"xla_gpu_experimental_force_split_k": 1}: at decode
+        # batch sizes XLA may split the q/k/v projection's K dimension, and the partial sums' reduction
+        # then fuses into XLA's own consumers but not into a custom call (docs/performance.md).
+        self.decode_fn = jax.jit(self._decode, static_argnames=("steps", "with_logits"), donate_argnums=(2,),
+                                 compiler_options=dict(decode_compiler_options or {}) or None)
 
     @property
     def cache_dtype(self):

@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from decode_chain import trace_steps  # noqa: E402
 
 
-def build(model, impl, params, cfg, config, batch, prompt_len, steps, dtype, seed=0):
+def build(model, impl, params, cfg, config, batch, prompt_len, steps, dtype, seed=0, xla_options=None):
     from jax_rope_cache import decoder
 
     rng = np.random.default_rng(seed)
@@ -37,7 +37,8 @@ def build(model, impl, params, cfg, config, batch, prompt_len, steps, dtype, see
     prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in lengths]
     max_len = -(-(prompt_len + steps + 1) // 16) * 16
     m = decoder.Decoder(config, params, layout="flash", block_size=16, impl=impl, max_seqs=batch, max_len=max_len,
-                        dtype=dtype, unroll=cfg.num_layers, cache_fill="zeros")
+                        dtype=dtype, unroll=cfg.num_layers, cache_fill="zeros",
+                        decode_compiler_options=xla_options)
     seqs = [m.allocator.allocate(len(p) + steps + 1) for p in prompts]
     bt = m.allocator.block_table(seqs, m.blocks_per_seq)
     first, _, lens = m.prefill(prompts, bt)
@@ -79,6 +80,9 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--xla-option", action="append", default=[], metavar="KEY=VALUE",
+                    help="an XLA option of the decode program (Decoder's decode_compiler_options), repeatable; "
+                    "e.g. xla_gpu_experimental_force_split_k=1")
     ap.add_argument("--hlo", action="store_true", help="with --out: write each decode program's optimized HLO")
     a = ap.parse_args(argv)
     import jax
@@ -94,10 +98,13 @@ def main(argv=None):
     params = (decoder.random_params_on_device(cfg, 0, a.dtype) if n_params > 5e7
               else decoder.random_params(cfg, decoder.TINY_SEEDS.get(a.model, 0), np.dtype(a.dtype)))
     impls = a.impls.split(",")
+    xla_options = dict(kv.split("=", 1) for kv in a.xla_option)
+    xla_options = {k: int(v) if v.lstrip("-").isdigit() else v for k, v in xla_options.items()}
     runners, compile_s = {}, {}
     for impl in impls:
         t0 = time.perf_counter()
-        r = Runner(*build(a.model, impl, params, cfg, config, a.batch, a.prompt_len, a.steps, a.dtype), a.steps)
+        r = Runner(*build(a.model, impl, params, cfg, config, a.batch, a.prompt_len, a.steps, a.dtype,
+                             xla_options=xla_options), a.steps)
         r.block(r.step())
         compile_s[impl] = time.perf_counter() - t0
         runners[impl] = r
@@ -126,7 +133,7 @@ def main(argv=None):
                           by_name=tr.get("gpu_us_by_name"), span_us=tr.get("gpu_span_us_per_step", 0) / a.steps,
                           gap_us=tr.get("gap_sum_us_per_step", 0) / a.steps, our_gap_us=tr.get("our_gap_us"))
     print(f"\n{a.model}: {cfg.num_layers} layers, batch {a.batch}, {a.dtype}, {a.steps} decode steps per run, "
-          f"{a.repeats} interleaved repeats; per decode step:")
+          f"{a.repeats} interleaved repeats{', decode XLA options ' + str(xla_options) if xla_options else ''}; per decode step:")
     print(f"{'impl':<9}{'wall us':>10}{'(min-max)':>20}{'GPU busy us':>13}{'idle us':>9}{'kernels':>9}"
           f"{'op wall/layer':>15}{'op busy/layer':>15}")
     base = rows.get("baseline")
