@@ -3,7 +3,8 @@
 lowering's configuration) next to no-math floor kernels moving the same bytes
 (mla_floor_kernels.cu: floor_mla_copy, and floor_mla_tab with the op's dependent position ->
 table load) and AITER's Triton `fused_qk_rope_cat_and_cache_mla` (when its source is on sys.path),
-all timed the same way: a CUDA graph of --calls launches on one input set (graph time per call).
+all timed the same two ways on one input set: a CUDA graph of --calls launches (graph time per
+call, with each graph node's gap) and the kernels' own durations from torch's profiler (device time).
 DeepSeek-V3 TP8 shapes (16 q heads, q_nope 512 wide as with W_UK absorbed, Dc 512, Dr 64), bf16
 inputs, float32 half tables, random unique slots in a combined latent cache beyond L2.
 
@@ -24,9 +25,9 @@ import sys
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "gpu"))
+sys.path[:0] = [HERE, os.path.join(os.path.dirname(HERE), "gpu")]
 import aiter_mla  # noqa: E402  (benchmarks/gpu/)
-from cuda_graph_timing import graph_us  # noqa: E402
+from cuda_graph_timing import graph_us, kernel_us  # noqa: E402
 from kernel_speed import Fn, log, stream  # noqa: E402
 
 MAX_POS = 65536
@@ -139,32 +140,35 @@ def main():
             fargs += [ctypes.c_int64(t), ctypes.c_int64(nslots), ctypes.c_int64(MAX_POS)]
             units = t * (qh * (dn + dr) // 8 + (dc + dr) // 8)
             nt = 128 if t < 264 else 256
-            rec = dict(cache=cname, T=t, config=dict(tpb=cfg.tokens_per_block, threads=cfg.threads, parts=cfg.parts),
-                       ours_us=graph_us(ours, a.calls))
+            calls = dict(ours=ours)
             for name, f in floors.items():
-                rec[name + "_us"] = graph_us(lambda f=f: f.launch(-(-units // nt), nt, fargs, stream()), a.calls)
+                calls[name] = lambda f=f: f.launch(-(-units // nt), nt, fargs, stream())
             if W is not None:
+                calls["aiter"] = aiter_mla._bind(W, q_nope, q_pe, kv_c, k_pe, cache, slots.long(), pos.long(), cos, sin,
+                                                 KV_SCALE)
+            rec = dict(cache=cname, T=t, config=dict(tpb=cfg.tokens_per_block, threads=cfg.threads, parts=cfg.parts))
+            for name, call in calls.items():
                 try:
-                    call = aiter_mla._bind(W, q_nope, q_pe, kv_c, k_pe, cache, slots.long(), pos.long(), cos, sin,
-                                           KV_SCALE)
-                    rec["aiter_us"] = graph_us(call, a.calls)
+                    rec[name + "_us"] = graph_us(call, a.calls)
+                    rec[name + "_dev_us"] = kernel_us(call, a.calls)[0]
                 except Exception as e:  # noqa: BLE001 - AITER's failure is a result, not ours
-                    rec["aiter_error"] = f"{type(e).__name__}: {e}"[:200]
+                    rec[name + "_error"] = f"{type(e).__name__}: {e}"[:200]
             rows.append(rec)
             log(json.dumps(rec))
             with open(os.path.join(a.out, "mla_floor.jsonl"), "a") as fh:
                 fh.write(json.dumps(rec) + "\n")
             del q_nope, q_pe, kv_c, k_pe, cache
             torch.cuda.empty_cache()
-    log("\nMLA deepseek-v3 TP8, graph us per call (CUDA graph of %d launches, one input set); "
-        "x/A = AITER / ours, x/tab = floor_mla_tab / ours" % a.calls)
-    log(f"{'cache':5s} {'T':>6s} {'ours':>8s} {'f_tab':>8s} {'f_copy':>8s} {'AITER':>8s} {'x/A':>6s} {'x/tab':>6s}")
-    for r in rows:
-        f = lambda k: f"{r[k]:8.2f}" if k in r else f"{'-':>8s}"  # noqa: E731
-        xa = f"{r['aiter_us'] / r['ours_us']:6.2f}" if "aiter_us" in r else f"{'-':>6s}"
-        log(f"{r['cache']:5s} {r['T']:6d} {f('ours_us')} {f('floor_mla_tab_us')} {f('floor_mla_copy_us')} "
-            f"{f('aiter_us')} {xa} {r['floor_mla_tab_us'] / r['ours_us']:6.2f}")
-
+    for kind, sfx in (("graph us per call (CUDA graph of %d launches)" % a.calls, "_us"),
+                      ("device us per call (kernel durations, torch profiler)", "_dev_us")):
+        log(f"\nMLA deepseek-v3 TP8, {kind}, one input set; x/A = AITER / ours, x/tab = floor_mla_tab / ours")
+        log(f"{'cache':5s} {'T':>6s} {'ours':>8s} {'f_tab':>8s} {'f_copy':>8s} {'AITER':>8s} {'x/A':>6s} {'x/tab':>6s}")
+        for r in rows:
+            v = {k: r.get(k + sfx) for k in ("ours", "floor_mla_tab", "floor_mla_copy", "aiter")}
+            f = lambda x: f"{x:8.2f}" if x else f"{'-':>8s}"  # noqa: E731
+            q = lambda n, d: f"{n / d:6.2f}" if n and d else f"{'-':>6s}"  # noqa: E731
+            log(f"{r['cache']:5s} {r['T']:6d} {f(v['ours'])} {f(v['floor_mla_tab'])} {f(v['floor_mla_copy'])} "
+                f"{f(v['aiter'])} {q(v['aiter'], v['ours'])} {q(v['floor_mla_tab'], v['ours'])}")
 
 if __name__ == "__main__":
     main()
