@@ -6,7 +6,7 @@ ml_dtypes on every float32 where it rounds.
 1. (NVRTC, CPU-only CI too) the sm_90 builds of the fp8 kernel variants use the instructions for
    e4m3fn and e5m2, never for e4m3fnuz (no such form), and the sm_80 builds do not use them.
 2. (an NVIDIA GPU of compute capability >= 8.9) both conversions equal the integer code on all 2^32
-   float32 inputs, NaNs and infinities included; a header without the NaN select fails the check.
+   float32 inputs, NaNs and infinities included; a header reading the wrong byte fails the check.
 """
 
 from __future__ import annotations
@@ -120,11 +120,12 @@ def test_fp8_conversion_instructions_equal_the_integer_code_on_every_input():
     assert (e4, e5) == (0, 0), f"mismatches: e4m3fn {e4} (first 0x{first4:08x}), e5m2 {e5} (first 0x{first5:08x})"
 
 
-def test_fp8_conversion_check_catches_a_missing_nan_select():
+def test_fp8_conversion_check_catches_a_wrong_byte():
+    """The check fails for a header that reads the other half of the instruction's result."""
     cc = _gpu_cc()
     _, headers = cuda.kernel_sources()
     hdr = headers["rope_cache_math.h"]
-    old = "> 0x7f800000u ? 0x7fu : (h & 0xffu)"
-    assert hdr.count(old) == 1, "the header's NaN select changed; update this mutant"
-    e4, e5, _, _ = _run_check(hdr.replace(old, "> 0x7f800000u ? (h & 0xffu) : (h & 0xffu)"), cc)
+    old = "? 0x7fu : (h & 0xffu)"
+    assert hdr.count(old) == 1, "the header's conversion changed; update this mutant"
+    e4, e5, _, _ = _run_check(hdr.replace(old, "? 0x7fu : (h >> 8)"), cc)
     assert e4 > 0 and e5 > 0

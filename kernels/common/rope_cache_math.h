@@ -165,9 +165,9 @@ RC_FN rc_u8 rc_f32_to_f8(float f, rc_u32 M, rc_u32 B, rc_u32 max_code, rc_u32 na
 #if defined(RC_HW_CVT) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
 #define RC_HW_CVT_FP8 1
 // sm_89+: one cvt.rn.satfinite instruction per value for e4m3fn and e5m2 (no e4m3fnuz form). It
-// rounds to nearest even and saturates (inf included) as rc_f32_to_f8 does; a NaN keeps its sign
-// there, so NaN is selected after it. Equal to rc_f32_to_f8 on all 2^32 inputs (checked on the GPU
-// by tests/test_cuda_fp8_conversion.py).
+// rounds to nearest even and saturates (inf included) as rc_f32_to_f8 does; NaN is selected after
+// it, so the canonical pattern does not rest on the instruction's. Equal to rc_f32_to_f8 on all
+// 2^32 inputs (checked on the GPU by tests/test_cuda_fp8_conversion.py).
 RC_FN rc_u8 rc_f32_to_f8_hw(float f, bool e5m2) {
   rc_u16 h;  // {cvt(first operand), cvt(second)}: the value is the low byte
   if (e5m2) asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(h) : "f"(0.0f), "f"(f));
