@@ -307,6 +307,28 @@ def test_fully_unrolled_layers_pass_constant_layer_indices():
         assert layer_arg in constants, (layer_arg, ln[:300])
 
 
+def test_decode_compiler_options_reach_the_decode_program_only():
+    """decode_compiler_options are XLA options of the decode program: the same tokens with a valid
+    one (split-K off, a no-op on the CPU), XLA's error naming an unknown one at the first decode,
+    and prefill unaffected by it."""
+    entry = REF[LLAMA]
+    params = decoder.random_params(decoder.DecoderConfig.from_hf(entry["config"]), entry["seed"])
+    prompts, steps = entry["prompts"][:2], 4
+    runs = []
+    for opts in (None, {"xla_gpu_experimental_force_split_k": 1}):
+        m = decoder.Decoder(entry["config"], params, max_seqs=4, max_len=64, impl="kernel",
+                            device=jax.devices("cpu")[0], decode_compiler_options=opts)
+        runs.append(m.generate(prompts, steps)[0])
+    np.testing.assert_array_equal(runs[0], runs[1])
+    m = decoder.Decoder(entry["config"], params, max_seqs=4, max_len=64, impl="kernel",
+                        device=jax.devices("cpu")[0], decode_compiler_options={"xla_no_such_option": 1})
+    seqs = [m.allocator.allocate(len(p) + steps + 1) for p in prompts]
+    bt = m.allocator.block_table(seqs, m.blocks_per_seq)
+    first, _, lens = m.prefill(prompts, bt)  # prefill compiles without the decode options
+    with pytest.raises(Exception, match="xla_no_such_option"):
+        m.decode(first, lens, bt, steps)
+
+
 def test_config_errors():
     base = decoder.TINY_CONFIGS[LLAMA]
     for key, value, match in (("model_type", "gpt2", "model_type"), ("attention_bias", True, "attention_bias"),
