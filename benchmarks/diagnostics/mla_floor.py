@@ -29,9 +29,7 @@ sys.path[:0] = [HERE, os.path.join(os.path.dirname(HERE), "gpu")]
 import aiter_mla  # noqa: E402  (benchmarks/gpu/)
 from cuda_graph_timing import graph_us, kernel_us  # noqa: E402
 from kernel_speed import Fn, log, stream  # noqa: E402
-
-MAX_POS = 65536
-KV_SCALE = 0.25
+from mla import BF16, FN, KV_SCALE, MAX_POS  # noqa: E402  (the MLA suite's inputs)
 
 
 def floor_kernels(shape, cache_bytes):
@@ -49,15 +47,13 @@ def floor_kernels(shape, cache_bytes):
 def our_kernel(shape, t, num_blocks, block_size, cache_dtype):
     """(Fn, config) of the op's kernel as the lowering builds it for this call."""
     import jax
-    import ml_dtypes
 
     from jax_rope_cache.mla import contract, kernels
 
-    bf = np.dtype(ml_dtypes.bfloat16)
     s = jax.ShapeDtypeStruct
     qh, dn, dc, dr = shape.q_heads, shape.latent_dim, shape.latent_dim, shape.rope_dim
-    fp8 = cache_dtype != bf
-    spec = contract.check_mla(s((t, qh, dn), bf), s((t, qh, dr), bf), s((t, dc), bf), s((t, dr), bf),
+    fp8 = cache_dtype != BF16
+    spec = contract.check_mla(s((t, qh, dn), BF16), s((t, qh, dr), BF16), s((t, dc), BF16), s((t, dr), BF16),
                               s((num_blocks, block_size, dc + dr), cache_dtype), s((t,), np.int32), s((t,), np.int32),
                               s((MAX_POS, dr // 2), np.float32), s((MAX_POS, dr // 2), np.float32),
                               kv_scale=np.float32(KV_SCALE) if fp8 else None)
@@ -94,8 +90,6 @@ def main():
             log("AITER not loaded:", type(e).__name__, e)
     rows = []
     for cname in a.caches.split(","):
-        import ml_dtypes
-
         fp8 = cname == "fp8"
         tdt = torch.float8_e4m3fn if fp8 else torch.bfloat16
         floors = floor_kernels(shape, 1 if fp8 else 2)
@@ -115,7 +109,7 @@ def main():
             k_pe_out = torch.empty(t, dr, dtype=torch.bfloat16, device="cuda")
             scales = torch.tensor([KV_SCALE, 1.0], dtype=torch.float32, device="cuda")
             layer = torch.zeros(1, dtype=torch.int32, device="cuda")
-            cdt = np.dtype(ml_dtypes.float8_e4m3fn) if fp8 else np.dtype(ml_dtypes.bfloat16)
+            cdt = FN if fp8 else BF16
             fn, cfg = our_kernel(shape, t, nb, a.block_size, cdt)
             ops = [q_nope, q_pe, kv_c, k_pe, cache, slots, pos, cos, sin, scales[0:1], scales[1:2], layer]
             res = [q_out, k_pe_out, cache]
