@@ -12,7 +12,9 @@ time per call; a row whose profile had no GPU events says "WALL time" at its end
 small call is host time, not the kernel's). AITER (benchmarks/gpu/aiter_mla.py), after every JAX
 measurement of the run (torch's profiler takes CUPTI from jax.profiler): its kernel's own time per
 call from torch's profiler ("A us") and a CUDA graph of N calls / N ("A graph", which adds the graph
-node's gap), on random inputs of the same shapes. x/A = A us / ours, x/J = jnp / ours (> 1: ours is faster).
+node's gap), on ONE random input set of the same shapes, launched N times (at T <= 64 its inputs stay
+in L2, ours rotate through N sets: benchmarks/diagnostics/mla_floor.py times both, and floor kernels,
+on one input set). x/A = A us / ours, x/J = jnp / ours (> 1: ours is faster).
 Bytes: MlaShape.bytes_per_token (every input read once, every output written once). "of copy" =
 the time of a device copy moving the same bytes (N copies in one jit, timed as the op) / ours;
 "of ceil" = bytes / ours / the bandwidth of a 2 GiB copy. Targets: x/A >= 1.2 at T = 1 and
