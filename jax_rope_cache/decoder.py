@@ -482,7 +482,7 @@ class Decoder:
         # batch sizes XLA may split the q/k/v projection's K dimension, and the partial sums' reduction
         # then fuses into XLA's own consumers but not into a custom call (docs/performance.md).
         self.decode_fn = jax.jit(self._decode, static_argnames=("steps", "with_logits"), donate_argnums=(2,),
-                                 compiler_options=dict(decode_compiler_options or {}) or None)
+                                 compiler_options=dict(decode_compiler_options) if decode_compiler_options else None)
 
     @property
     def cache_dtype(self):

@@ -104,8 +104,9 @@ def test_e5m2_reference_equals_ml_dtypes_and_the_nearest_value():
 
 @needs_native
 def test_e5m2_shared_conversion_every_boundary():
-    """rc_f32_to_e5m2 (kernels/common/rope_cache_math.h, what the CPU handlers and the CUDA kernels
-    run) equals the oracle on every boundary and 2^20 random float32 bit patterns."""
+    """rc_f32_to_e5m2 (kernels/common/rope_cache_math.h: the CPU handlers' conversion, and the CUDA
+    kernels' below sm_89, whose instruction tests/test_cuda_fp8_conversion.py compares with it)
+    equals the oracle on every boundary and 2^20 random float32 bit patterns."""
     f = boundary_f32(np.random.default_rng(4), 1 << 20)
     bits = np.zeros(f.size, np.uint32)
     native.round_f32(f, bits, contract.DTYPE_CODES[E5M2])
@@ -125,8 +126,9 @@ _ROUNDING_EXPONENTS = {"float8_e5m2": range(98, 147), "float8_e4m3fn": range(114
 @pytest.mark.full
 @pytest.mark.parametrize("name", list(_ROUNDING_EXPONENTS))
 def test_fp8_shared_conversion_exhaustive_where_it_rounds(name):
-    """rc_f32_to_e5m2 / rc_f32_to_fp8 (what the CPU handlers and the CUDA kernels run) against the
-    reference (ml_dtypes, clamped) on EVERY float32 whose exponent is in the format's rounding range."""
+    """rc_f32_to_e5m2 / rc_f32_to_fp8 as built for the host (the CPU handlers' conversion; the CUDA
+    kernels' below sm_89 and for e4m3fnuz) against the reference (ml_dtypes, clamped) on EVERY
+    float32 whose exponent is in the format's rounding range."""
     dt = np.dtype(SMALL[name][0])
     bad = 0
     for sign in (0, 0x80000000):

@@ -45,6 +45,18 @@ def build(model, impl, params, cfg, config, batch, prompt_len, steps, dtype, see
     return m, first, lens, bt
 
 
+def xla_value(text: str):
+    """An --xla-option value as XLA's options take it: bool (true/false), int, float, else the text."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
 def name_groups(by_name: dict, steps: int) -> dict:
     """{group: (kernels, GPU us)} per decode step; a group is an event name without XLA's numeric
     suffix (loop_reduce_fusion_31 -> loop_reduce_fusion; fusion_1375 -> fusion)."""
@@ -98,8 +110,7 @@ def main(argv=None):
     params = (decoder.random_params_on_device(cfg, 0, a.dtype) if n_params > 5e7
               else decoder.random_params(cfg, decoder.TINY_SEEDS.get(a.model, 0), np.dtype(a.dtype)))
     impls = a.impls.split(",")
-    xla_options = dict(kv.split("=", 1) for kv in a.xla_option)
-    xla_options = {k: int(v) if v.lstrip("-").isdigit() else v for k, v in xla_options.items()}
+    xla_options = {k: xla_value(v) for k, v in (kv.split("=", 1) for kv in a.xla_option)}
     runners, compile_s = {}, {}
     for impl in impls:
         t0 = time.perf_counter()
