@@ -9,6 +9,9 @@ from step to step, q_out summed as attention would consume it), N = 1 and N = 32
   node   rope_and_cache(impl="kernel") with JAX_ROPE_CACHE_KERNEL_NODE=1 (XLA's PTX custom call)
   ffi    rope_and_cache(impl="kernel") with JAX_ROPE_CACHE_KERNEL_NODE=0 (the FFI launcher)
   xla    rope_and_cache(impl="xla")
+  baseline  no op: q passed through unrotated, and one element of each cache written in place per call
+         (decoder.touch_caches, as model_step's baseline): the same parameters, consumer and cache
+         dependencies, so a route's marginal cost minus the baseline's is what the op itself adds
 Inputs (q, k, v, slots, positions of every call) come from a pool of P copies, the step using copy
 i % P: P = 1 keeps every address fixed, P = 32 moves them every step past XLA's 16-entry trace cache
 (what a decode loop does when XLA's buffers move). Time per step = mean over back-to-back steps with
@@ -34,7 +37,7 @@ import time
 
 import numpy as np
 
-ROUTES = ("node", "ffi", "xla")
+ROUTES = ("node", "ffi", "xla", "baseline")
 VMODULE = "command_buffer_thunk=3,traced_command_buffer=6,command_buffer_cmd=6"
 
 
@@ -43,6 +46,7 @@ def build(route, n, t, pool, nb, seed=0, form="layers"):
     import jax.numpy as jnp
 
     import jax_rope_cache as jrc
+    from jax_rope_cache.decoder import touch_caches
 
     qh, kh, d, bs = 32, 8, 128, 16
     impl = "xla" if route == "xla" else "kernel"
@@ -64,8 +68,11 @@ def build(route, n, t, pool, nb, seed=0, form="layers"):
     def step(q, k, v, slots, pos, caches):
         acc, (kc, vc) = jnp.float32(0), caches
         for i in range(n):
-            qo, _, kc, vc = jrc.rope_and_cache(q[i], k[i], v[i], kc, vc, slots[i], pos[i], cos, sin, impl=impl,
-                                               layer=i)
+            if route == "baseline":
+                qo, (kc, vc) = q[i], touch_caches((kc, vc), (k[i], v[i]), slots[i], i, bs)
+            else:
+                qo, _, kc, vc = jrc.rope_and_cache(q[i], k[i], v[i], kc, vc, slots[i], pos[i], cos, sin,
+                                                   impl=impl, layer=i)
             acc = acc + jnp.sum(qo, dtype=jnp.float32)
         return acc, (kc, vc)
 
@@ -75,7 +82,7 @@ def build(route, n, t, pool, nb, seed=0, form="layers"):
 def worker(a):
     import jax
 
-    if a.route != "xla":
+    if a.route in ("node", "ffi"):
         os.environ["JAX_ROPE_CACHE_KERNEL_NODE"] = "1" if a.route == "node" else "0"
     from jax_rope_cache.backends import kernel_node
 
@@ -117,7 +124,7 @@ def worker(a):
         if a.trace and n == a.chain:
             row["trace"] = trace_chain(compiled, inputs, caches, a.pool, a.steps)
             caches = row["trace"].pop("caches")
-        if n == a.chain:  # one call's q_out against the reference (fresh random inputs, random caches)
+        if n == a.chain and a.route != "baseline":  # one call's q_out against the reference
             row["q_out_matches_reference"] = check_one(a.route, a.tokens, tables)
         res["rows"][n] = row
         del compiled, caches, inputs
@@ -243,18 +250,28 @@ def main():
                 print(json.dumps(res)[:1500], flush=True)
     with open(os.path.join(a.out_dir, "node_chain.json"), "w") as fh:
         json.dump(results, fh, indent=1)
-    print(f"\nmarginal per call = (t({a.chain}) - t(1)) / {a.chain - 1}; t = pipelined step time (median of reps)")
-    print(f"{'route':6s} {'T':>5s} {'pool':>4s} {'t(1) us':>9s} {'t(N) us':>9s} {'marg us':>8s} {'ok':>3s} "
-          f"{'copies':>6s} {'fus':>4s} {'busy us':>8s} {'ev/step':>7s}  targets / re-traces per step")
+    print(f"\nmarginal per call = (t({a.chain}) - t(1)) / {a.chain - 1}; t = pipelined step time (median of reps); "
+          "- base = marginal minus the baseline route's (same T and pool): what the op adds")
+    print(f"{'route':8s} {'T':>5s} {'pool':>4s} {'t(1) us':>9s} {'t(N) us':>9s} {'marg us':>8s} {'ok':>3s} "
+          f"{'- base':>7s} {'copies':>6s} {'fus':>4s} {'busy us':>8s} {'ev/step':>7s}  targets / re-traces per step")
+
+    def marginal(r):
+        rows = r.get("rows") or {}
+        t1, tn = (rows.get(k, {}).get("step_us") for k in ("1", str(a.chain)))
+        return (tn - t1) / (a.chain - 1) if t1 and tn else None
+
+    base = {(r["T"], r["pool"]): marginal(r) for r in results if r["route"] == "baseline"}
     for r in results:
         rows = r.get("rows") or {}
-        r1, rn = rows.get("1") or {}, rows.get(str(a.chain)) or {}
-        t1, tn = r1.get("step_us"), rn.get("step_us")
-        marg = (tn - t1) / (a.chain - 1) if t1 and tn else None
+        rn = rows.get(str(a.chain)) or {}
+        marg, b = marginal(r), base.get((r["T"], r["pool"]))
+        over = marg - b if marg is not None and b is not None else None
         f = lambda x, w=9, p=1: f"{x:{w}.{p}f}" if isinstance(x, (int, float)) else f"{'-':>{w}}"  # noqa: E731
         vm = r.get("vmodule_per_step") or {}
-        print(f"{r['route']:6s} {r['T']:5d} {r['pool']:4d} {f(t1)} {f(tn)} {f(marg, 8, 2)} "
-              f"{str(rn.get('q_out_matches_reference', '-'))[:3]:>3s} {f(rn.get('copies'), 6, 0)} {f(rn.get('fusions'), 4, 0)} "
+        t1 = (rows.get("1") or {}).get("step_us")
+        print(f"{r['route']:8s} {r['T']:5d} {r['pool']:4d} {f(t1)} {f(rn.get('step_us'))} {f(marg, 8, 2)} "
+              f"{str(rn.get('q_out_matches_reference', '-'))[:3]:>3s} {f(over, 7, 2)} {f(rn.get('copies'), 6, 0)} "
+              f"{f(rn.get('fusions'), 4, 0)} "
               f"{f((rn.get('trace') or {}).get('gpu_busy_us_per_step'), 8)} "
               f"{f((rn.get('trace') or {}).get('gpu_events_per_step'), 7)}  "
               f"{rn.get('targets')} {dict((k, round(v, 1)) for k, v in vm.items() if 'trace' in k)}"
