@@ -14,7 +14,9 @@ from step to step, q_out summed as attention would consume it), N = 1 and N = 32
          dependencies, so a route's marginal cost minus the baseline's is what the op itself adds
 Inputs (q, k, v, slots, positions of every call) come from a pool of P copies, the step using copy
 i % P: P = 1 keeps every address fixed, P = 32 moves them every step past XLA's 16-entry trace cache
-(what a decode loop does when XLA's buffers move). Time per step = mean over back-to-back steps with
+(what a decode loop does when XLA's buffers move). With --inputs step the parameters are only one
+step's fused qkv, slots and positions (a decode loop's per-step inputs), each layer's qkv a fusion of
+them (build_step), so few addresses move and every call has a producer. Time per step = mean over back-to-back steps with
 one sync at the end (the pipelined steady state), median of R repetitions; marginal per call =
 (t(32) - t(1)) / 31. Each route runs in its own process (the route is read at lowering time and
 XLA's logging flags at start-up); with --vmodule a second short run of each N = 32 case logs
@@ -54,6 +56,9 @@ def build(route, n, t, pool, nb, seed=0, form="layers"):
     cos, sin = (jnp.asarray(a) for a in jrc.rope_tables(8192, d, base=500000.0))
     keys = jax.random.split(jax.random.key(seed), 3 * pool)
     inputs = []
+    caches = jrc.make_kv_cache(nb, bs, kh, d, jnp.bfloat16, fill="random", seed=seed, num_layers=n)
+    if form == "step":
+        return build_step(route, n, t, pool, nb, keys, rng, caches, (cos, sin))
     for p in range(pool):
         q = jax.random.normal(keys[3 * p], (n, t, qh, d), jnp.float32).astype(jnp.bfloat16)
         k = jax.random.normal(keys[3 * p + 1], (n, t, kh, d), jnp.float32).astype(jnp.bfloat16)
@@ -63,7 +68,6 @@ def build(route, n, t, pool, nb, seed=0, form="layers"):
         if form == "layers":  # one array per call, as a model's projections hand them over
             q, k, v, slots, pos = (list(x) for x in (q, k, v, slots, pos))
         inputs.append((q, k, v, slots, pos))
-    caches = jrc.make_kv_cache(nb, bs, kh, d, jnp.bfloat16, fill="random", seed=seed, num_layers=n)
 
     def step(q, k, v, slots, pos, caches):
         acc, (kc, vc) = jnp.float32(0), caches
@@ -77,6 +81,39 @@ def build(route, n, t, pool, nb, seed=0, form="layers"):
         return acc, (kc, vc)
 
     return jax.jit(step, donate_argnums=(5,)), inputs, caches, (cos, sin)
+
+
+def build_step(route, n, t, pool, nb, keys, rng, caches, tables):
+    """The "step" form: the parameters are one step's fused projection output x [T, QH + 2 KH, D],
+    slots and positions (as a decode loop's few per-step inputs); layer i reads x times its own
+    constant (a producer fusion per layer, where a model has its projection), all layers the same
+    slots and positions, each its own layer of the stacked caches."""
+    import jax
+    import jax.numpy as jnp
+
+    import jax_rope_cache as jrc
+    from jax_rope_cache.decoder import touch_caches
+
+    qh, kh, d, bs = 32, 8, 128, 16
+    impl = "xla" if route == "xla" else "kernel"
+    cos, sin = tables
+    inputs = [(jax.random.normal(keys[3 * p], (t, qh + 2 * kh, d), jnp.float32).astype(jnp.bfloat16),
+               jnp.asarray(rng.choice(nb * bs, t, replace=False).astype(np.int32)),
+               jnp.asarray(rng.integers(0, 8192, t).astype(np.int32))) for p in range(pool)]
+
+    def step(x, slots, pos, caches):
+        acc, (kc, vc) = jnp.float32(0), caches
+        for i in range(n):
+            qkv = x * jnp.bfloat16(1 + (i + 1) / 256)
+            if route == "baseline":
+                qo, (kc, vc) = qkv[:, :qh], touch_caches((kc, vc), (qkv[:, qh:qh + kh], qkv[:, qh + kh:]), slots, i, bs)
+            else:
+                qo, _, kc, vc = jrc.rope_and_cache_qkv(qkv, kc, vc, slots, pos, cos, sin, num_q_heads=qh,
+                                                       num_kv_heads=kh, impl=impl, layer=i)
+            acc = acc + jnp.sum(qo, dtype=jnp.float32)
+        return acc, (kc, vc)
+
+    return jax.jit(step, donate_argnums=(3,)), inputs, caches, tables
 
 
 def worker(a):
@@ -205,9 +242,10 @@ def main():
     ap.add_argument("--routes", default=",".join(ROUTES))
     ap.add_argument("--tokens", default="64")
     ap.add_argument("--pools", default="1,32")
-    ap.add_argument("--inputs", default="layers", choices=("layers", "stacked"),
+    ap.add_argument("--inputs", default="layers", choices=("layers", "stacked", "step"),
                     help="layers: one array per call (a model's projection outputs); stacked: call i slices "
-                         "[N, ...] arrays (XLA copies each slice into its own buffer before a custom call)")
+                         "[N, ...] arrays (XLA copies each slice into its own buffer before a custom call); "
+                         "step: one step's fused qkv, slots and positions, scaled per layer by a fusion")
     ap.add_argument("--trace", action="store_true", help="also trace the N-call step: GPU busy, kernels per step")
     ap.add_argument("--chain", type=int, default=32)
     ap.add_argument("--num-blocks", type=int, default=1024)
