@@ -8,6 +8,8 @@ durations (torch profiler):
   node_jit         the kernel-node entry's PTX (T, cache rows and table rows compiled in), compiled by
                    the driver at load (what XLA does with `__gpu$xla.gpu.ptx`'s kernel_data)
   node_cubin       the kernel-node entry, NVRTC's sm_90 cubin
+  node_folded_jit  node_jit with the three dims folded in as constants (RC_NODE_FOLD_DIMS: the entry
+                   without its opaque moves)
 
 launcher vs node = the compiled-in shapes; cubin vs jit = NVRTC's ptxas vs the driver's. Every
 variant's outputs (q_out, k_out, both caches) must equal launcher_cubin's bit for bit. Llama-3.1-8B
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import json
 import os
 import sys
@@ -42,6 +45,8 @@ def builds(spec):
            "launcher_jit": (Fn(cuda.compile_variant(cfg, "compute_90").code, cuda.KERNEL_NAME), False),
            "node_jit": (Fn(node_ptx.code, cuda.NODE_KERNEL_NAME), True),
            "node_cubin": (Fn(cuda.compile_variant(ncfg, "sm_90").code, cuda.NODE_KERNEL_NAME), True)}
+    folded = dataclasses.replace(ncfg, defines=ncfg.defines + (("RC_NODE_FOLD_DIMS", 1),))
+    out["node_folded_jit"] = (Fn(cuda.compile_variant(folded, "compute_90").code, cuda.NODE_KERNEL_NAME), True)
     return out, cfg
 
 
@@ -105,7 +110,7 @@ def main():
         del q, k, v, q_out, k_out
     with open(os.path.join(a.out, "node_codegen.json"), "w") as fh:
         json.dump(rows, fh, indent=1)
-    names = ("launcher_cubin", "launcher_jit", "node_jit", "node_cubin")
+    names = ("launcher_cubin", "launcher_jit", "node_jit", "node_cubin", "node_folded_jit")
     for kind, sfx in (("graph us per call", "_us"), ("device us per call (kernel durations)", "_dev_us")):
         log(f"\nLlama-3.1-8B flash bf16 fp32, {kind}; same = outputs equal launcher_cubin's")
         log(f"{'T':>6s} " + " ".join(f"{n:>15s}" for n in names) + "  same")
