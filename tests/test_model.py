@@ -329,6 +329,28 @@ def test_decode_compiler_options_reach_the_decode_program_only():
         m.decode(first, lens, bt, steps)
 
 
+def test_decode_options_default_to_cublas_gemms_on_nvidia_only():
+    """None: cuBLAS GEMMs in the decode program on an NVIDIA GPU, XLA's defaults on ROCm and the CPU;
+    the caller's options (also {}) replace the default."""
+    class Client:
+        def __init__(self, version):
+            self.platform_version = version
+
+    class Device:
+        def __init__(self, platform, version):
+            self.platform, self.client = platform, Client(version)
+
+    assert decoder.default_decode_options(Device("gpu", "cuda 13000")) == {"xla_gpu_enable_triton_gemm": False}
+    assert decoder.default_decode_options(Device("gpu", "rocm 70100")) == {}
+    assert decoder.default_decode_options(jax.devices("cpu")[0]) == {}
+    entry = REF[LLAMA]
+    params = decoder.random_params(decoder.DecoderConfig.from_hf(entry["config"]), entry["seed"])
+    for given, want in ((None, {}), ({}, {}), ({"xla_gpu_enable_triton_gemm": True}, {"xla_gpu_enable_triton_gemm": True})):
+        m = decoder.Decoder(entry["config"], params, max_seqs=2, max_len=32, device=jax.devices("cpu")[0],
+                            decode_compiler_options=given)
+        assert m.decode_compiler_options == want
+
+
 def test_config_errors():
     base = decoder.TINY_CONFIGS[LLAMA]
     for key, value, match in (("model_type", "gpt2", "model_type"), ("attention_bias", True, "attention_bias"),

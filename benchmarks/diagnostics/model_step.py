@@ -38,7 +38,7 @@ def build(model, impl, params, cfg, config, batch, prompt_len, steps, dtype, see
     max_len = -(-(prompt_len + steps + 1) // 16) * 16
     m = decoder.Decoder(config, params, layout="flash", block_size=16, impl=impl, max_seqs=batch, max_len=max_len,
                         dtype=dtype, unroll=cfg.num_layers, cache_fill="zeros",
-                        decode_compiler_options=xla_options)
+                        decode_compiler_options=xla_options or None)
     seqs = [m.allocator.allocate(len(p) + steps + 1) for p in prompts]
     bt = m.allocator.block_table(seqs, m.blocks_per_seq)
     first, _, lens = m.prefill(prompts, bt)
@@ -93,8 +93,8 @@ def main(argv=None):
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--out", default=None)
     ap.add_argument("--xla-option", action="append", default=[], metavar="KEY=VALUE",
-                    help="an XLA option of the decode program (Decoder's decode_compiler_options), repeatable; "
-                    "e.g. xla_gpu_experimental_force_split_k=1")
+                    help="an XLA option of the decode program (Decoder's decode_compiler_options, replacing its "
+                    "default), repeatable; e.g. xla_gpu_enable_triton_gemm=true (XLA's Triton GEMMs)")
     ap.add_argument("--hlo", action="store_true", help="with --out: write each decode program's optimized HLO")
     a = ap.parse_args(argv)
     import jax
@@ -144,7 +144,8 @@ def main(argv=None):
                           by_name=tr.get("gpu_us_by_name"), span_us=tr.get("gpu_span_us_per_step", 0) / a.steps,
                           gap_us=tr.get("gap_sum_us_per_step", 0) / a.steps, our_gap_us=tr.get("our_gap_us"))
     print(f"\n{a.model}: {cfg.num_layers} layers, batch {a.batch}, {a.dtype}, {a.steps} decode steps per run, "
-          f"{a.repeats} interleaved repeats{', decode XLA options ' + str(xla_options) if xla_options else ''}; per decode step:")
+          f"{a.repeats} interleaved repeats, decode XLA options {runners[impls[0]].m.decode_compiler_options}; "
+          "per decode step:")
     print(f"{'impl':<9}{'wall us':>10}{'(min-max)':>20}{'GPU busy us':>13}{'idle us':>9}{'kernels':>9}"
           f"{'op wall/layer':>15}{'op busy/layer':>15}")
     base = rows.get("baseline")

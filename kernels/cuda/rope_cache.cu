@@ -1807,7 +1807,7 @@ extern "C" __global__ void __launch_bounds__(RC_NT, RC_MINB) rope_cache_node(
   rc::i64 t = RC_NODE_T, lead = RC_NODE_LEAD, max_pos = RC_NODE_MAX_POS;
 #if defined(__CUDA_ARCH__) && !RC_NODE_FOLD_DIMS
   // Opaque to the optimizer, as the launcher's entry reads them at run time: folded in, the same
-  // kernel ran 1.6-1.9% slower at T >= 8192 (benchmarks/diagnostics/node_codegen.py).
+  // kernel ran 1.7-1.8% slower at T >= 8192 (benchmarks/diagnostics/node_codegen.py).
   asm("mov.b64 %0, %0;" : "+l"(t));
   asm("mov.b64 %0, %0;" : "+l"(lead));
   asm("mov.b64 %0, %0;" : "+l"(max_pos));
