@@ -1849,6 +1849,21 @@ def test_nvrtc_compiles_the_node_entry_without_spills(kw):
     assert ncfg.threads == cfg.threads and ncfg.tokens_per_block == cfg.tokens_per_block
 
 
+def test_node_entry_hides_its_compiled_in_dims_from_the_optimizer():
+    """T, the cache rows and the table rows reach the node entry's code through three opaque moves (as
+    the launcher's run-time values; folded in, the kernel ran 1.7-1.8% slower on the H200): the PTX has
+    three more inline-asm blocks than the RC_NODE_FOLD_DIMS build, and its constants are not folded."""
+    spec = make_spec(T=8192, QH=32, KH=8, D=128)
+    cfg = cuda.kernel_config(spec)
+    ncfg = cuda.node_config(cfg, (spec.num_tokens, spec.num_blocks, spec.max_pos))
+    folded = dataclasses.replace(ncfg, defines=ncfg.defines + (("RC_NODE_FOLD_DIMS", 1),))
+    ptx, ptx_folded = (cuda.compile_variant(c, "compute_90").code.decode() for c in (ncfg, folded))
+    moves = re.findall(r"begin inline asm\s*\n\s*mov\.b64\s+(%rd\d+),\s*\1;", ptx)
+    assert len(moves) == 3, moves
+    assert not re.search(r"begin inline asm\s*\n\s*mov\.b64", ptx_folded)
+    assert ptx.count("begin inline asm") == ptx_folded.count("begin inline asm") + 3
+
+
 @pytest.mark.parametrize("kw", emulation_matrix()[::3], ids=_id)
 def test_host_emulation_of_the_node_entry_matches_reference_bitwise(kw, emu_dir):
     """The node entry (pointers in custom-call order, dims compiled in), run on the host over the same

@@ -329,9 +329,9 @@ def test_decode_compiler_options_reach_the_decode_program_only():
         m.decode(first, lens, bt, steps)
 
 
-def test_decode_options_default_to_cublas_gemms_on_nvidia_only():
+def test_decode_options_default_to_cublas_gemms_on_nvidia_only(monkeypatch):
     """None: cuBLAS GEMMs in the decode program on an NVIDIA GPU, XLA's defaults on ROCm and the CPU;
-    the caller's options (also {}) replace the default."""
+    the caller's options (also {}) replace the default, and the default reaches the decode program."""
     class Client:
         def __init__(self, version):
             self.platform_version = version
@@ -349,6 +349,14 @@ def test_decode_options_default_to_cublas_gemms_on_nvidia_only():
         m = decoder.Decoder(entry["config"], params, max_seqs=2, max_len=32, device=jax.devices("cpu")[0],
                             decode_compiler_options=given)
         assert m.decode_compiler_options == want
+    # the device's default is what the decode program compiles with: an unknown one fails there
+    monkeypatch.setattr(decoder, "default_decode_options", lambda device: {"xla_no_such_default": 1})
+    m = decoder.Decoder(entry["config"], params, max_seqs=2, max_len=32, device=jax.devices("cpu")[0])
+    prompts, steps = entry["prompts"][:1], 2
+    bt = m.allocator.block_table([m.allocator.allocate(len(prompts[0]) + steps + 1)], m.blocks_per_seq)
+    first, _, lens = m.prefill(prompts, bt)
+    with pytest.raises(Exception, match="xla_no_such_default"):
+        m.decode(first, lens, bt, steps)
 
 
 def test_config_errors():

@@ -16,8 +16,8 @@ Inputs (q, k, v, slots, positions of every call) come from a pool of P copies, t
 i % P: P = 1 keeps every address fixed, P = 32 moves them every step past XLA's 16-entry trace cache
 (what a decode loop does when XLA's buffers move). With --inputs step the parameters are only one
 step's fused qkv, slots and positions (a decode loop's per-step inputs), each layer's qkv a fusion of
-them (build_step), so few addresses move and every call has a producer. Time per step = mean over back-to-back steps with
-one sync at the end (the pipelined steady state), median of R repetitions; marginal per call =
+them (build_step), so few addresses move and every call has a producer. Time per step = mean over
+back-to-back steps with one sync at the end (the pipelined steady state), median of R repetitions; marginal per call =
 (t(32) - t(1)) / 31. Each route runs in its own process (the route is read at lowering time and
 XLA's logging flags at start-up); with --vmodule a second short run of each N = 32 case logs
 TF_CPP_VMODULE=command_buffer_thunk=3,traced_command_buffer=6,command_buffer_cmd=6 and counts per
@@ -41,6 +41,11 @@ import numpy as np
 
 ROUTES = ("node", "ffi", "xla", "baseline")
 VMODULE = "command_buffer_thunk=3,traced_command_buffer=6,command_buffer_cmd=6"
+QH, KH, D, BS = 32, 8, 128, 16  # Llama-3.1-8B heads, flash blocks of 16 slots
+
+
+def impl_of(route: str) -> str:
+    return "xla" if route == "xla" else "kernel"
 
 
 def build(route, n, t, pool, nb, seed=0, form="layers"):
@@ -50,8 +55,8 @@ def build(route, n, t, pool, nb, seed=0, form="layers"):
     import jax_rope_cache as jrc
     from jax_rope_cache.decoder import touch_caches
 
-    qh, kh, d, bs = 32, 8, 128, 16
-    impl = "xla" if route == "xla" else "kernel"
+    qh, kh, d, bs = QH, KH, D, BS
+    impl = impl_of(route)
     rng = np.random.default_rng(seed)
     cos, sin = (jnp.asarray(a) for a in jrc.rope_tables(8192, d, base=500000.0))
     keys = jax.random.split(jax.random.key(seed), 3 * pool)
@@ -94,8 +99,8 @@ def build_step(route, n, t, pool, nb, keys, rng, caches, tables):
     import jax_rope_cache as jrc
     from jax_rope_cache.decoder import touch_caches
 
-    qh, kh, d, bs = 32, 8, 128, 16
-    impl = "xla" if route == "xla" else "kernel"
+    qh, kh, d, bs = QH, KH, D, BS
+    impl = impl_of(route)
     cos, sin = tables
     inputs = [(jax.random.normal(keys[3 * p], (t, qh + 2 * kh, d), jnp.float32).astype(jnp.bfloat16),
                jnp.asarray(rng.choice(nb * bs, t, replace=False).astype(np.int32)),
@@ -106,7 +111,8 @@ def build_step(route, n, t, pool, nb, keys, rng, caches, tables):
         for i in range(n):
             qkv = x * jnp.bfloat16(1 + (i + 1) / 256)
             if route == "baseline":
-                qo, (kc, vc) = qkv[:, :qh], touch_caches((kc, vc), (qkv[:, qh:qh + kh], qkv[:, qh + kh:]), slots, i, bs)
+                k, v = qkv[:, qh:qh + kh], qkv[:, qh + kh:]
+                qo, (kc, vc) = qkv[:, :qh], touch_caches((kc, vc), (k, v), slots, i, bs)
             else:
                 qo, _, kc, vc = jrc.rope_and_cache_qkv(qkv, kc, vc, slots, pos, cos, sin, num_q_heads=qh,
                                                        num_kv_heads=kh, impl=impl, layer=i)
@@ -205,17 +211,17 @@ def check_one(route, t, tables):
     from jax_rope_cache import reference
 
     rng = np.random.default_rng(5)
-    nb, bs = 64, 16
-    q = rng.standard_normal((t, 32, 128)).astype(jnp.bfloat16)
-    k = rng.standard_normal((t, 8, 128)).astype(jnp.bfloat16)
-    v = rng.standard_normal((t, 8, 128)).astype(jnp.bfloat16)
-    kc = rng.standard_normal((nb, bs, 8, 128)).astype(jnp.bfloat16)
-    vc = rng.standard_normal((nb, bs, 8, 128)).astype(jnp.bfloat16)
+    nb, bs = 64, BS
+    q = rng.standard_normal((t, QH, D)).astype(jnp.bfloat16)
+    k = rng.standard_normal((t, KH, D)).astype(jnp.bfloat16)
+    v = rng.standard_normal((t, KH, D)).astype(jnp.bfloat16)
+    kc = rng.standard_normal((nb, bs, KH, D)).astype(jnp.bfloat16)
+    vc = rng.standard_normal((nb, bs, KH, D)).astype(jnp.bfloat16)
     slots = rng.choice(nb * bs, t, replace=False).astype(np.int32)
     pos = rng.integers(0, 8192, t).astype(np.int32)
     cos, sin = (np.asarray(x) for x in tables)
     want = reference.rope_and_cache(q, k, v, kc, vc, slots, pos, cos, sin)
-    f = jax.jit(lambda *x: jrc.rope_and_cache(*x, impl="xla" if route == "xla" else "kernel"))
+    f = jax.jit(lambda *x: jrc.rope_and_cache(*x, impl=impl_of(route)))
     got = f(q, k, v, kc, vc, slots, pos, cos, sin)
     if route == "xla":  # the XLA path is not bit-exact on GPU for every op; compare q_out closely
         return bool(np.allclose(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32), atol=2e-2))

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Does the kernel-node route run slower code than the FFI launcher? The op's kernel for one call,
-launched directly (driver API) four ways, on one input set, timed as a CUDA graph and as kernel
+launched directly (driver API) five ways, on one input set, timed as a CUDA graph and as kernel
 durations (torch profiler):
 
   launcher_cubin   the launcher's entry, NVRTC's sm_90 cubin (what the FFI launcher loads)
