@@ -144,7 +144,8 @@ def _layer_operand(layer, spec: contract.OpSpec):
 
 def _prepare(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, *, layout, is_neox,
              rotary_dim, k_scale, v_scale, precision, impl, layer, q_norm_weight, k_norm_weight, norm_eps,
-             mrope_section=None, mrope_interleaved=False, inputs=None, k_scale_cache=None, v_scale_cache=None):
+             mrope_section=None, mrope_interleaved=False, inputs=None, k_scale_cache=None, v_scale_cache=None,
+             table_form="half"):
     """Every check of a call, in the same order for every entry point; returns the spec and the
     index arguments as they may be handed to JAX (host int64 indices given their meaning).
     `inputs`: (name, array) of the arrays q, k and v were read from, when not q, k and v themselves
@@ -155,7 +156,7 @@ def _prepare(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
                              v_scale=v_scale, precision=precision, layer=layer, q_norm_weight=q_norm_weight,
                              k_norm_weight=k_norm_weight, norm_eps=norm_eps, mrope_section=mrope_section,
                              mrope_interleaved=mrope_interleaved, k_scale_cache=k_scale_cache,
-                             v_scale_cache=v_scale_cache)
+                             v_scale_cache=v_scale_cache, table_form=table_form)
     if impl not in IMPLS:
         raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
     named = list(zip(contract.OPERANDS, (q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
@@ -175,7 +176,7 @@ def rope_and_cache(q: ArrayLike, k: ArrayLike, v: ArrayLike, key_cache: Cache, v
                    k_norm_weight: ArrayLike | None = None,
                    norm_eps: float = 1e-6, mrope_section: Sequence[int] | None = None,
                    mrope_interleaved: bool = False, k_scale_cache: Cache | None = None,
-                   v_scale_cache: Cache | None = None) -> tuple:
+                   v_scale_cache: Cache | None = None, table_form: str = "half") -> tuple:
     """Rotates q and k with RoPE and writes k and v into a paged KV cache, in one kernel.
 
     Args:
@@ -190,7 +191,7 @@ def rope_and_cache(q: ArrayLike, k: ArrayLike, v: ArrayLike, key_cache: Cache, v
         with jax_enable_x64 off are mapped before JAX narrows them; see docs/errors.md).
       positions: [T] int32/int64 rows of cos/sin, clamped to [0, max_pos - 1]; with
         mrope_section, [3, T]: the temporal, height and width position of each token.
-      cos, sin: [max_pos, R/2] ("half") or [max_pos, R] ("full") tables, bf16/f16/f32.
+      cos, sin: RoPE tables in `table_form`, bf16/f16/f32 (`rope_tables` builds them).
       layout: "flash"            K, V: [NB, BS, KH, D]
               "xpacked"          K: [NB, KH, D//X, BS, X], V: [NB, KH, D, BS]
               "xpacked_shuffled" K: [NB, KH, D//X, BS, X], V: [NB, KH, BS//X, D, X]
@@ -232,6 +233,11 @@ def rope_and_cache(q: ArrayLike, k: ArrayLike, v: ArrayLike, key_cache: Cache, v
         temporal, then h height, then w width. True (Qwen3-VL): i % 3 == 1 and i < 3h height,
         i % 3 == 2 and i < 3w width, the others temporal. A token with three equal positions
         (text) gets exactly the result of positions [T].
+      table_form: the form of cos and sin, said, never guessed from their width: "half" (default)
+        [max_pos, R/2], column i the angle of rotary pair i; "full" [max_pos, R], one column per
+        rotary channel (Hugging Face's cat(freqs, freqs) for NeoX, repeated pairs for GPT-J). A
+        width that does not match the form raises a ValueError naming cos (a width-R table given
+        as "half" may be a table built for another head size).
 
     Returns:
       (q_out [T, QH, D], k_out [T, KH, D], key_cache, value_cache), then (k_scale_cache,
@@ -245,14 +251,15 @@ def rope_and_cache(q: ArrayLike, k: ArrayLike, v: ArrayLike, key_cache: Cache, v
             q, k, v, key_cache[...], value_cache[...], slot_mapping, positions, cos, sin, layout=layout,
             is_neox=is_neox, rotary_dim=rotary_dim, k_scale=k_scale, v_scale=v_scale, precision=precision,
             impl=impl, layer=layer, q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, norm_eps=norm_eps,
-            mrope_section=mrope_section, mrope_interleaved=mrope_interleaved,
+            mrope_section=mrope_section, mrope_interleaved=mrope_interleaved, table_form=table_form,
             **_read_refs(k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache))
         return _write_refs(out, refs)
     spec, slot_mapping, positions, layer = _prepare(
         q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, layout=layout, is_neox=is_neox,
         rotary_dim=rotary_dim, k_scale=k_scale, v_scale=v_scale, precision=precision, impl=impl, layer=layer,
         q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, norm_eps=norm_eps, mrope_section=mrope_section,
-        mrope_interleaved=mrope_interleaved, k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache)
+        mrope_interleaved=mrope_interleaved, k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache,
+        table_form=table_form)
     return _run(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, k_scale=k_scale,
                 v_scale=v_scale, layer=layer, q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, spec=spec,
                 impl=impl, k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache)
@@ -299,7 +306,7 @@ def rope_and_cache_qkv(qkv: ArrayLike, key_cache: Cache, value_cache: Cache, slo
                        k_norm_weight: ArrayLike | None = None, norm_eps: float = 1e-6,
                        mrope_section: Sequence[int] | None = None,
                        mrope_interleaved: bool = False, k_scale_cache: Cache | None = None,
-                       v_scale_cache: Cache | None = None) -> tuple:
+                       v_scale_cache: Cache | None = None, table_form: str = "half") -> tuple:
     """rope_and_cache of a fused QKV projection, read in place: no slice of `qkv` is copied.
 
     Args:
@@ -327,7 +334,8 @@ def rope_and_cache_qkv(qkv: ArrayLike, key_cache: Cache, value_cache: Cache, slo
             num_kv_heads=num_kv_heads, layout=layout, is_neox=is_neox, rotary_dim=rotary_dim, k_scale=k_scale,
             v_scale=v_scale, precision=precision, impl=impl, layer=layer, q_norm_weight=q_norm_weight,
             k_norm_weight=k_norm_weight, norm_eps=norm_eps, mrope_section=mrope_section,
-            mrope_interleaved=mrope_interleaved, **_read_refs(k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache))
+            mrope_interleaved=mrope_interleaved, table_form=table_form,
+            **_read_refs(k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache))
         return _write_refs(out, refs)
     t, qh, kh, d = contract.check_qkv(qkv, num_q_heads, num_kv_heads)
     q, k, v = (jax.ShapeDtypeStruct((t, h, d), qkv.dtype) for h in (qh, kh, kh))
@@ -336,7 +344,7 @@ def rope_and_cache_qkv(qkv: ArrayLike, key_cache: Cache, value_cache: Cache, slo
         rotary_dim=rotary_dim, k_scale=k_scale, v_scale=v_scale, precision=precision, impl=impl, layer=layer,
         q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, norm_eps=norm_eps, mrope_section=mrope_section,
         mrope_interleaved=mrope_interleaved, inputs=(("qkv", qkv),), k_scale_cache=k_scale_cache,
-        v_scale_cache=v_scale_cache)
+        v_scale_cache=v_scale_cache, table_form=table_form)
     fused = jnp.reshape(jnp.asarray(qkv), (t, qh + 2 * kh, d))  # a bitcast: rows stay where the matmul wrote them
     return _run(fused, fused, fused, key_cache, value_cache, slot_mapping, positions, cos, sin, k_scale=k_scale,
                 v_scale=v_scale, layer=layer, q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight,
@@ -344,7 +352,8 @@ def rope_and_cache_qkv(qkv: ArrayLike, key_cache: Cache, value_cache: Cache, slo
                 v_scale_cache=v_scale_cache)
 
 
-_STATIC = ("layout", "is_neox", "rotary_dim", "precision", "impl", "norm_eps", "mrope_section", "mrope_interleaved")
+_STATIC = ("layout", "is_neox", "rotary_dim", "precision", "impl", "norm_eps", "mrope_section", "mrope_interleaved",
+           "table_form")
 
 _donating_jit = jax.jit(rope_and_cache, static_argnames=_STATIC,
                         donate_argnames=("key_cache", "value_cache", "k_scale_cache", "v_scale_cache"))
@@ -365,20 +374,22 @@ _DONATED_RUNTIME_ERRORS = ("Invalid buffer passed to Execute", "Buffer has been 
 def _donated_call(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, *, layout="flash",
                   is_neox=True, rotary_dim=None, k_scale=None, v_scale=None, precision="fp32", impl=None,
                   layer=None, q_norm_weight=None, k_norm_weight=None, norm_eps=1e-6, mrope_section=None,
-                  mrope_interleaved=False, k_scale_cache=None, v_scale_cache=None):
+                  mrope_interleaved=False, k_scale_cache=None, v_scale_cache=None, table_form="half"):
     """(jitted function, args, kwargs) of a rope_and_cache_donated call, validated as rope_and_cache does."""
     refs = _check_refs(key_cache, value_cache, k_scale_cache, v_scale_cache)
     _, slot_mapping, positions, layer = _prepare(
         q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, layout=layout, is_neox=is_neox,
         rotary_dim=rotary_dim, k_scale=k_scale, v_scale=v_scale, precision=precision, impl=impl, layer=layer,
         q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, norm_eps=norm_eps, mrope_section=mrope_section,
-        mrope_interleaved=mrope_interleaved, k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache)
+        mrope_interleaved=mrope_interleaved, k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache,
+        table_form=table_form)
     # norm_eps is static: its float32 value as a Python float (hashable, the same meaning)
     kwargs = dict(layout=layout, is_neox=is_neox, rotary_dim=rotary_dim, k_scale=k_scale, v_scale=v_scale,
                   precision=precision, impl=impl, layer=layer, q_norm_weight=q_norm_weight,
                   k_norm_weight=k_norm_weight, norm_eps=contract.check_norm_eps(norm_eps),
                   mrope_section=None if mrope_section is None else tuple(int(x) for x in mrope_section),
-                  mrope_interleaved=bool(mrope_interleaved), k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache)
+                  mrope_interleaved=bool(mrope_interleaved), k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache,
+                  table_form=table_form)
     return (_refs_jit if refs else _donating_jit), (q, k, v, key_cache, value_cache, slot_mapping, positions,
                                                      cos, sin), kwargs
 

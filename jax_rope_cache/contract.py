@@ -274,6 +274,10 @@ class OpSpec:
         return self.q_norm_dtype is not None or self.k_norm_dtype is not None
 
     @property
+    def table_form(self) -> str:
+        return "full" if self.table_full else "half"
+
+    @property
     def fp8(self) -> bool:
         return self.cache_dtype in FP8_DTYPES
 
@@ -572,10 +576,51 @@ def check_mrope(mrope_section, mrope_interleaved, rotary_dim: int) -> tuple[int,
     return section
 
 
+# The two forms of a cos/sin table (models.tables.FORMS). The form is said, never guessed from the
+# width: a "full" table for rotary_dim R and a "half" table for 2R have the same shape, and reading
+# one as the other rotates every channel by the wrong angle without any error.
+TABLE_FORMS = ("half", "full")
+
+
+def check_tables(cos, sin, rotary_dim: int, table_form, *, r_name: str = "R",
+                 r_arg: str = "rotary_dim") -> tuple[np.dtype, int, bool]:
+    """cos and sin of `table_form` for `rotary_dim`: "half" [max_pos, R/2] (the default) or "full"
+    [max_pos, R]. Returns (table dtype, max_pos, full)."""
+    if table_form not in TABLE_FORMS:
+        raise ValueError(f"table_form: expected one of {TABLE_FORMS}, got {table_form!r}")
+    table_dtype = _dtype("cos", cos)
+    if table_dtype not in INPUT_DTYPES:
+        raise TypeError(f"cos: expected dtype one of ({dtype_names(INPUT_DTYPES)}), got {table_dtype.name}")
+    if _dtype("sin", sin) != table_dtype:
+        raise TypeError(f"sin: expected dtype {table_dtype.name} (same as cos), got {np.dtype(sin.dtype).name}")
+    r = rotary_dim
+    full = table_form == "full"
+    want = r if full else r // 2
+    dims = f"[max_pos, {r_name}]" if full else f"[max_pos, {r_name}/2]"
+    max_pos, width = _check_rank("cos", cos, 2, dims)
+    if width != want:
+        if full:
+            hint = (f"; a table of width {r_name}/2 is the 'half' form (the default: leave table_form out)"
+                    if width == r // 2 else "")
+        elif width == r:
+            hint = (f"; a table of width {r_name} is either the 'full' form, which must be asked for with "
+                    f"table_form='full', or a 'half' table built for {r_arg}={2 * r} (another head size), "
+                    "which would rotate every channel wrongly")
+        else:
+            hint = f" (tables built for another {r_arg} or head size?)"
+        raise ValueError(f"cos: expected the {table_form!r} table form {dims} = [max_pos, {want}] for "
+                         f"{r_arg}={r}, got shape {list(cos.shape)}{hint}")
+    if max_pos < 1:
+        raise ValueError(f"cos: expected at least one row (max_pos >= 1), got shape {list(cos.shape)}")
+    _check_shape("sin", sin, tuple(cos.shape), "same as cos")
+    return table_dtype, max_pos, full
+
+
 def check_op(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, *,
              layout="flash", is_neox=True, rotary_dim=None, k_scale=None, v_scale=None,
              precision="fp32", layer=None, q_norm_weight=None, k_norm_weight=None, norm_eps=1e-6,
-             mrope_section=None, mrope_interleaved=False, k_scale_cache=None, v_scale_cache=None) -> OpSpec:
+             mrope_section=None, mrope_interleaved=False, k_scale_cache=None, v_scale_cache=None,
+             table_form="half") -> OpSpec:
     """Validates one call of rope_and_cache and returns its static description.
 
     With `layer` given, the caches are stacked per layer ([L, ...]) and only layer `layer` is
@@ -622,18 +667,7 @@ def check_op(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
         else:
             _check_shape(name, a, (t,), "[T]")
 
-    table_dtype = _dtype("cos", cos)
-    if table_dtype not in INPUT_DTYPES:
-        raise TypeError(f"cos: expected dtype one of ({dtype_names(INPUT_DTYPES)}), got {table_dtype.name}")
-    if _dtype("sin", sin) != table_dtype:
-        raise TypeError(f"sin: expected dtype {table_dtype.name} (same as cos), got {np.dtype(sin.dtype).name}")
-    max_pos, width = _check_rank("cos", cos, 2, "[max_pos, R/2] or [max_pos, R]")
-    if width not in (r // 2, r):
-        raise ValueError(f"cos: expected width R/2={r // 2} ('half' table) or R={r} ('full' table) "
-                         f"for rotary_dim={r}, got shape {list(cos.shape)}")
-    if max_pos < 1:
-        raise ValueError(f"cos: expected at least one row (max_pos >= 1), got shape {list(cos.shape)}")
-    _check_shape("sin", sin, tuple(cos.shape), "same as cos")
+    table_dtype, max_pos, table_full = check_tables(cos, sin, r, table_form)
 
     cache_dtype = _dtype("key_cache", key_cache)
     if cache_dtype != dtype and cache_dtype not in FP8_DTYPES:
@@ -671,7 +705,7 @@ def check_op(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
     return OpSpec(
         num_tokens=t, q_heads=qh, kv_heads=kh, head_dim=d, rotary_dim=r, num_blocks=nb,
         block_size=bs, max_pos=max_pos, layout=layout, is_neox=bool(is_neox),
-        table_full=(width == r), precision=precision, dtype=dtype,
+        table_full=table_full, precision=precision, dtype=dtype,
         table_dtype=table_dtype, cache_dtype=cache_dtype,
         slot_dtype=np.dtype(slot_mapping.dtype), pos_dtype=np.dtype(positions.dtype), num_layers=num_layers,
         q_norm_dtype=q_norm, k_norm_dtype=k_norm, norm_eps=eps32 if (q_norm is not None or k_norm is not None) else 0.0,

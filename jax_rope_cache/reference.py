@@ -291,7 +291,7 @@ def rope_and_cache(q, k, v, key_cache, value_cache, slot_mapping, positions, cos
                    layout="flash", is_neox=True, rotary_dim=None, k_scale=None, v_scale=None,
                    precision="fp32", impl=None, layer=None, q_norm_weight=None, k_norm_weight=None,
                    norm_eps=1e-6, mrope_section=None, mrope_interleaved=False, k_scale_cache=None,
-                   v_scale_cache=None):
+                   v_scale_cache=None, table_form="half"):
     """numpy oracle; returns (q_out, k_out, new_key_cache, new_value_cache) as new arrays, and with
     per-token scales also (new_k_scale_cache, new_value_scale_cache).
 
@@ -307,7 +307,7 @@ def rope_and_cache(q, k, v, key_cache, value_cache, slot_mapping, positions, cos
                           v_scale=v_scale, precision=precision, layer=layer, q_norm_weight=q_norm_weight,
                           k_norm_weight=k_norm_weight, norm_eps=norm_eps, mrope_section=mrope_section,
                           mrope_interleaved=mrope_interleaved, k_scale_cache=k_scale_cache,
-                          v_scale_cache=v_scale_cache)
+                          v_scale_cache=v_scale_cache, table_form=table_form)
     if q_norm_weight is not None:
         q = rms_norm(q, q_norm_weight, spec.norm_eps)
     if k_norm_weight is not None:

@@ -189,7 +189,8 @@ def make_problem(case: Case, seed: int):
     fp8 = cdt in contract.FP8_DTYPES
     scales = dict(k_scale=np.float32(rng.uniform(0.05, 0.5)), v_scale=np.float32(rng.uniform(0.05, 0.5))) if fp8 else {}
     args = (q, k, v, kc, vc, slots.astype(idt), pos.astype(idt), cos, sin)
-    opts = dict(layout=case.layout, is_neox=case.is_neox, rotary_dim=case.R, precision=case.precision, **scales)
+    opts = dict(layout=case.layout, is_neox=case.is_neox, rotary_dim=case.R, precision=case.precision,
+                table_form=case.table, **scales)
     return args, opts
 
 
@@ -212,7 +213,8 @@ def make_spec(*, T=64, QH=4, KH=2, D=128, R=None, layout="flash", neox=True, dt=
                           s((T,), idx(slot64)), s((T,), idx(pos64)), s((max_pos, w), tdt), s((max_pos, w), tdt),
                           layout=layout, is_neox=neox, rotary_dim=r, k_scale=1.0 if fp8 else None,
                           v_scale=1.0 if fp8 else None, precision=prec,
-                          layer=None if layers is None else np.zeros((), np.int32))
+                          layer=None if layers is None else np.zeros((), np.int32),
+                          table_form="full" if full else "half")
 
 
 def ordered_bits(a: np.ndarray) -> np.ndarray:

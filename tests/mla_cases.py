@@ -74,7 +74,8 @@ def make_mla_problem(case: MlaCase, seed: int, layer=None):
     cos, sin = np.cos(ang).astype(case.table_dtype), np.sin(ang).astype(case.table_dtype)
     kv_cache = caches[0] if case.layout == "combined" else caches
     args = (q_nope, q_pe, kv_c, k_pe, kv_cache, slots.astype(idt), pos.astype(idt), cos, sin)
-    opts = dict(layout=case.layout, is_neox=case.is_neox, precision=case.precision)
+    opts = dict(layout=case.layout, is_neox=case.is_neox, precision=case.precision,
+                table_form="full" if case.full else "half")
     if cdt in contract.FP8_DTYPES:
         opts["kv_scale"] = np.float32(rng.uniform(0.05, 0.5))
     if case.q_out_dtype is not None:

@@ -477,7 +477,7 @@ def _matrix_problem(kw):
 def test_host_emulation_matches_reference_bitwise(kw, emu_dir):
     spec, args, ks, vs = _matrix_problem(kw)
     want = reference.rope_and_cache(*args, layout=spec.layout, is_neox=spec.is_neox, rotary_dim=spec.rotary_dim,
-                                    k_scale=ks, v_scale=vs, precision=spec.precision)
+                                    k_scale=ks, v_scale=vs, precision=spec.precision, table_form=spec.table_form)
     got = run_emulation(spec, args, ks, vs, emu_dir)
     for name, g, w in zip(("q_out", "k_out", "key_cache", "value_cache"), got, want):
         gb, wb = g.view(np.uint8), np.asarray(w).view(np.uint8)
@@ -711,7 +711,8 @@ def _vch_problem(kw, rng, slots="runs", raw=True):
         v = _raw_bits(rng, v.shape, v.dtype)
     if slots == "runs":
         s = _run_slots(rng, spec.num_tokens, spec)
-    opts = dict(layout=spec.layout, is_neox=spec.is_neox, rotary_dim=spec.rotary_dim, precision=spec.precision)
+    opts = dict(layout=spec.layout, is_neox=spec.is_neox, rotary_dim=spec.rotary_dim, precision=spec.precision,
+                table_form=spec.table_form)
     if spec.fp8:
         opts["k_scale"] = np.float32(0.37)
         opts["v_scale"] = _scales(rng, spec.kv_heads, vsh)
@@ -930,7 +931,8 @@ def _vsel_case(kw, vsel, kind, rng, tail=0, raw=True, variant=None, group=None):
     if raw:
         v = _raw_bits(rng, v.shape, v.dtype)
     s = _vsel_slots(rng, spec, tpb, kind, group=group).astype(spec.slot_dtype)
-    opts = dict(layout=spec.layout, is_neox=spec.is_neox, rotary_dim=spec.rotary_dim, precision=spec.precision)
+    opts = dict(layout=spec.layout, is_neox=spec.is_neox, rotary_dim=spec.rotary_dim, precision=spec.precision,
+                table_form=spec.table_form)
     if spec.fp8:
         opts["k_scale"] = np.float32(0.37)
         opts["v_scale"] = _scales(rng, spec.kv_heads, vsh)

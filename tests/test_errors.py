@@ -3,6 +3,8 @@ what was given, for the jax API (every impl) and the numpy reference alike."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import ml_dtypes
 import numpy as np
@@ -46,8 +48,15 @@ BAD = [
     ("rotary-too-large", {}, dict(rotary_dim=128), ValueError, ["rotary_dim", "D=64", "128"]),
     ("rotary-float", {}, dict(rotary_dim=32.0), TypeError, ["rotary_dim", "int", "float"]),
     ("table-width", dict(cos=np.ones((32, 20), np.float32), sin=np.ones((32, 20), np.float32)), {}, ValueError,
-     ["cos", "R/2=32", "R=64", "[32, 20]"]),
-    ("table-width-partial", {}, dict(rotary_dim=16), ValueError, ["cos", "R/2=8", "R=16", "[32, 32]"]),
+     ["cos", "'half' table form [max_pos, R/2] = [max_pos, 32]", "rotary_dim=64", "[32, 20]"]),
+    ("table-width-partial", {}, dict(rotary_dim=16), ValueError,
+     ["cos", "[max_pos, R/2] = [max_pos, 8]", "rotary_dim=16", "[32, 32]"]),
+    # a width-R table is the full form only when said: else it may be a half table of a head twice as wide
+    ("table-width-r-unsaid", dict(cos=np.ones((32, D), np.float32), sin=np.ones((32, D), np.float32)), {},
+     ValueError, ["cos", "[max_pos, R/2] = [max_pos, 32]", "[32, 64]", "table_form='full'", "rotary_dim=128"]),
+    ("table-full-given-half", {}, dict(table_form="full"), ValueError,
+     ["cos", "'full' table form [max_pos, R] = [max_pos, 64]", "[32, 32]", "'half' form"]),
+    ("table-form-unknown", {}, dict(table_form="Full"), ValueError, ["table_form", "'half', 'full'", "'Full'"]),
     ("sin-shape", dict(sin=np.ones((31, D // 2), np.float32)), {}, ValueError, ["sin", "[32, 32]", "[31, 32]"]),
     ("sin-dtype", dict(sin=np.ones((32, D // 2), np.float16)), {}, TypeError, ["sin", "float32", "float16"]),
     ("table-int", dict(cos=np.ones((32, D // 2), np.int32), sin=np.ones((32, D // 2), np.int32)), {}, TypeError,
@@ -203,3 +212,28 @@ def test_make_kv_cache_rejects_bad_arguments():
         jrc.make_kv_cache(2, 16, 1, 64, layout="hnd", x=8)
     with pytest.raises(TypeError, match="x: expected an int .* got 8.0"):
         jrc.make_kv_cache(2, 16, 1, 64, layout="xpacked", x=8.0)
+
+
+@pytest.mark.parametrize("impl", ["xla", "kernel", "reference"])
+def test_tables_built_for_another_head_size_are_refused(impl):
+    """Tables for head size 128 ([max_pos, 64], half form) given to a call with D = R = 64 have the
+    width of a full table for R = 64: read as one, every rotation would be wrong. Refused unless the
+    full form is said, and the said full form then gives the full-table result."""
+    rng = np.random.default_rng(7)
+    args = _good()
+    args.update(q=rng.standard_normal((T, QH, D)).astype(BF16), k=rng.standard_normal((T, KH, D)).astype(BF16))
+    cos, sin = jrc.rope_tables(32, 2 * D, base=10000.0)
+    assert cos.shape == (32, D)
+    args.update(cos=cos, sin=sin)
+    fn = reference.rope_and_cache if impl == "reference" else functools.partial(jrc.rope_and_cache, impl=impl)
+    with pytest.raises(ValueError, match=r"^cos: expected the 'half' table form .* got shape \[32, 64\].*"
+                                         r"table_form='full'.*rotary_dim=128"):
+        fn(*args.values())
+    full_cos, full_sin = jrc.rope_tables(32, D, base=10000.0, form="full")
+    args.update(cos=full_cos, sin=full_sin)
+    got = fn(*args.values(), table_form="full")
+    half_cos, half_sin = jrc.rope_tables(32, D, base=10000.0)
+    args.update(cos=half_cos, sin=half_sin)
+    want = reference.rope_and_cache(*args.values())
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g).view(np.uint16), w.view(np.uint16))

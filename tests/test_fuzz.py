@@ -130,7 +130,8 @@ def make_case(i: int):
     kc = rng.standard_normal(kshape).astype(np.float32).astype(s["cdt"])
     vc = rng.standard_normal(vshape).astype(np.float32).astype(s["cdt"])
     slots, pos = _indices(rng, s["max_pos"], t, s["idt"], s["NB"] * s["BS"])
-    opts = dict(layout=s["layout"], is_neox=s["neox"], rotary_dim=None if r == d else r, precision=s["precision"])
+    opts = dict(layout=s["layout"], is_neox=s["neox"], rotary_dim=None if r == d else r, precision=s["precision"],
+                table_form=s["table"])
     if s["cdt"] in contract.FP8_DTYPES:
         opts.update(k_scale=np.float32(rng.uniform(0.01, 2)), v_scale=np.float32(rng.uniform(0.01, 2)))
     layer = int(rng.integers(0, s["layers"])) if s["layers"] else None

@@ -360,7 +360,9 @@ def _reference_of(ops, attrs, layers=None):
         k_scale=ops["k_scale"] if fp8 else None, v_scale=ops["v_scale"] if fp8 else None,
         layer=ops["layer"] if layers else None, norm_eps=float(attrs["norm_eps"]),
         q_norm_weight=ops["q_norm_weight"] if attrs["q_norm"] else None,
-        k_norm_weight=ops["k_norm_weight"] if attrs["k_norm"] else None)
+        k_norm_weight=ops["k_norm_weight"] if attrs["k_norm"] else None,
+        # the handler ABI reads the form from the width (the lowering passes checked tables only)
+        table_form="full" if ops["cos"].shape[1] == int(attrs["rotary_dim"]) else "half")
 
 
 VALID_RAW = [dict(layout=lay, cdt=cdt, layers=layers) for lay in contract.LAYOUTS for cdt in (None, FP8Z)

@@ -177,6 +177,7 @@ def ours(a, pos, cos, sin, preset, norm, eps, platform="cpu", impl=None, mrope=T
     dt = a["q"].dtype
     kc, vc = (np.zeros((2, 16, kh, d), dt) for _ in range(2))
     opts = dict(info.op_options()) if mrope else dict(rotary_dim=info.rotary_dim, is_neox=info.is_neox)
+    opts["table_form"] = "full"  # transformers' rows, and our tables built with form="full"
     if norm:
         opts.update(q_norm_weight=a["qw"], k_norm_weight=a["kw"], norm_eps=eps)
     opts["precision"] = "native" if dt == BF16 and cos.dtype == BF16 else "fp32"

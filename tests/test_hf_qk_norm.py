@@ -123,7 +123,7 @@ def ours(a, eps, platform="cpu", impl=None):
     kc, vc = (np.zeros(s, q.dtype) for s in jrc.cache_shapes("flash", 1, 16, kh, d, q.dtype))
     args = (q, k, k, kc, vc, np.full(t, -1, np.int32), np.arange(t, dtype=np.int32), a["cos"], a["sin"])
     opts = dict(precision="native" if q.dtype == BF16 else "fp32", q_norm_weight=a["qw"], k_norm_weight=a["kw"],
-                norm_eps=eps)
+                norm_eps=eps, table_form="full")
     if impl is None:
         return reference.rope_and_cache(*args, **opts)[:2]
     dev = jax.devices(platform)[0]

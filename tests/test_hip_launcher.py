@@ -339,7 +339,8 @@ def variant_operands(v):
     spec = contract.check_op(*[s(sh, dt) for sh, dt in shapes], layout=v["layout"], is_neox=v.get("neox", True),
                              rotary_dim=R, k_scale=0.5 if fp8 else None, v_scale=0.25 if fp8 else None,
                              precision=v.get("prec", "fp32"),
-                             layer=np.zeros((), np.int32) if v.get("layers") else None)
+                             layer=np.zeros((), np.int32) if v.get("layers") else None,
+                             table_form="full" if v.get("full") else "half")
     shapes += [((), F32), ((), F32), ((), np.dtype(np.int32)), ((1,), F32), ((1,), F32)]  # scales, layer, norm weights
     return [[list(sh), np.dtype(dt).name] for sh, dt in shapes], spec
 

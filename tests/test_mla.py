@@ -221,7 +221,7 @@ ERRORS = [  # (change to a valid call, exception, message)
     (lambda a, o: (a, dict(o, q_out_dtype=np.float16)), TypeError, r"q_out_dtype: expected None, bfloat16"),
     (lambda a, o: (a, dict(o, q_out_dtype=FN)), ValueError, r"q_scale: a float8_e4m3fn cache needs a scale"),
     (lambda a, o: (a, dict(o, q_scale=np.float32(1))), ValueError, r"q_scale: applies to a float8 q_out only"),
-    (lambda a, o: (a[:7] + (a[7][:, :3], a[8][:, :3]), o), ValueError, r"cos: expected width Dr/2=8"),
+    (lambda a, o: (a[:7] + (a[7][:, :3], a[8][:, :3]), o), ValueError, r"cos: expected the .half. table form \[max_pos, Dr/2\] = \[max_pos, 8\] for Dr=16"),
     (lambda a, o: (a[:5] + (a[5].astype(np.float32),) + a[6:], o), TypeError, r"slot_mapping: expected dtype int32"),
     (lambda a, o: (a, dict(o, layer=0)), ValueError, r"kv_cache: expected rank 4 \[L, NB, BS, Dc \+ Dr\]"),
     (lambda a, o: (a, dict(o, precision="fp16")), ValueError, r"precision: expected one of"),

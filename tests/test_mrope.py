@@ -354,7 +354,8 @@ def test_tables_from_vision_language_configs():
     assert (info.rope_type, info.mrope_section, info.mrope_interleaved) == ("default", QWEN25_VL, False)
     want = tables.rope_tables(64, 128, base=1e6)
     np.testing.assert_array_equal(cos, want[0])
-    assert info.op_options() == dict(rotary_dim=128, is_neox=True, mrope_section=QWEN25_VL, mrope_interleaved=False)
+    assert info.op_options() == dict(rotary_dim=128, is_neox=True, table_form="half", mrope_section=QWEN25_VL,
+                                     mrope_interleaved=False)
     # Qwen3-VL's config.json nests the language model under text_config
     flat = presets.preset_config("qwen3-vl-8b")
     nested = {"model_type": "qwen3_vl", "text_config": flat, "vision_config": {"depth": 27}}
@@ -363,7 +364,7 @@ def test_tables_from_vision_language_configs():
         assert (info.mrope_section, info.mrope_interleaved, info.base) == (QWEN3_VL, True, 5e6)
         assert (info.shape.q_heads, info.shape.kv_heads, info.shape.head_dim) == (8, 2, 128)
     assert config.rope_tables_from_hf_config(presets.preset_config("qwen3-32b"), max_pos=8)[2].op_options() == dict(
-        rotary_dim=128, is_neox=True)
+        rotary_dim=128, is_neox=True, table_form="half")
 
 
 @pytest.mark.parametrize("name,shapes", [

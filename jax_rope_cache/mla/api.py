@@ -33,7 +33,7 @@ def mla_rope_and_cache(q_nope: ArrayLike, q_pe: ArrayLike, kv_c: ArrayLike, k_pe
                        slot_mapping: ArrayLike, positions: ArrayLike, cos: ArrayLike, sin: ArrayLike, *,
                        layout: str = "combined", is_neox: bool = False, kv_scale: ArrayLike | None = None,
                        q_out_dtype=None, q_scale: ArrayLike | None = None, precision: str = "fp32",
-                       impl: str | None = None, layer: int | ArrayLike | None = None):
+                       impl: str | None = None, layer: int | ArrayLike | None = None, table_form: str = "half"):
     """MLA's RoPE and latent-cache write in one kernel (DeepSeek-V2/V3/R1, Kimi-K2).
 
     Args:
@@ -50,8 +50,8 @@ def mla_rope_and_cache(q_nope: ArrayLike, q_pe: ArrayLike, kv_c: ArrayLike, k_pe
       slot_mapping: [T] int32/int64; slot s is block s // BS, offset s % BS; outside [0, NB*BS)
         (e.g. -1 for padding) writes nothing.
       positions: [T] int32/int64 rows of cos/sin, clamped to [0, max_pos - 1].
-      cos, sin: [max_pos, Dr/2] ("half") or [max_pos, Dr] ("full"), bf16/f16/f32 (scaling law,
-        YaRN's mscale included, inside: `rope_tables_from_hf_config`).
+      cos, sin: [max_pos, Dr/2] (table_form "half", the default) or [max_pos, Dr] ("full"),
+        bf16/f16/f32 (scaling law, YaRN's mscale included, inside: `rope_tables_from_hf_config`).
       layout: "combined" or "split" (above).
       is_neox: False (default; DeepSeek and Kimi rotate interleaved pairs (2i, 2i + 1)); True: (i, i + Dr/2).
       kv_scale: float8 caches only: a float scalar (used as float32); stored = fp8(sat(x * (1/kv_scale))).
@@ -62,6 +62,7 @@ def mla_rope_and_cache(q_nope: ArrayLike, q_pe: ArrayLike, kv_c: ArrayLike, k_pe
       impl: None (the native kernel where the platform has one, else XLA), "kernel" or "xla".
       layer: None, or the layer (int or traced integer scalar) of stacked caches to write; a traced
         layer outside [0, L) writes nothing.
+      table_form: "half" or "full", the form of cos and sin (said, never guessed; as rope_and_cache).
 
     Returns:
       (q_out [T, QH, Dn + Dr] = cat(q_nope, rope(q_pe)), k_pe_out [T, Dr] = rope(k_pe), kv_cache)
@@ -76,13 +77,13 @@ def mla_rope_and_cache(q_nope: ArrayLike, q_pe: ArrayLike, kv_c: ArrayLike, k_pe
         q_out, k_pe_out, new = mla_rope_and_cache(
             q_nope, q_pe, kv_c, k_pe, pack(tuple(r[...] for r in caches)), slot_mapping, positions, cos, sin,
             layout=layout, is_neox=is_neox, kv_scale=kv_scale, q_out_dtype=q_out_dtype, q_scale=q_scale,
-            precision=precision, impl=impl, layer=layer)
+            precision=precision, impl=impl, layer=layer, table_form=table_form)
         for r, c in zip(caches, mla_contract.cache_tuple(new, layout)):
             r[...] = c
         return q_out, k_pe_out, kv_cache
     spec = mla_contract.check_mla(q_nope, q_pe, kv_c, k_pe, pack(caches), slot_mapping, positions, cos, sin,
                                   layout=layout, is_neox=is_neox, kv_scale=kv_scale, q_out_dtype=q_out_dtype,
-                                  q_scale=q_scale, precision=precision, layer=layer)
+                                  q_scale=q_scale, precision=precision, layer=layer, table_form=table_form)
     if impl not in api.IMPLS:
         raise ValueError(f"impl: expected one of {api.IMPLS}, got {impl!r}")
     names = mla_contract.operands(layout)

@@ -162,7 +162,7 @@ def check_q_out_dtype(q_out_dtype, dtype: np.dtype) -> np.dtype:
 
 def check_mla(q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, positions, cos, sin, *, layout="combined",
               is_neox=False, kv_scale=None, q_out_dtype=None, q_scale=None, precision="fp32",
-              layer=None) -> MlaSpec:
+              layer=None, table_form="half") -> MlaSpec:
     """Validates one call of mla_rope_and_cache and returns its static description. `kv_cache` is
     one array ("combined") or a pair (ckv_cache, kpe_cache) ("split"); with `layer`, stacked [L, ...]."""
     check_layout(layout)
@@ -198,19 +198,8 @@ def check_mla(q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, positions, cos, 
             raise TypeError(f"{name}: expected dtype int32 or int64, got {idt.name}")
         _shape(name, a, (t,), "[T]")
 
-    table_dtype = _array("cos", cos)
-    if table_dtype not in contract.INPUT_DTYPES:
-        raise TypeError(f"cos: expected dtype one of ({contract.dtype_names(contract.INPUT_DTYPES)}), "
-                        f"got {table_dtype.name}")
-    if _array("sin", sin) != table_dtype:
-        raise TypeError(f"sin: expected dtype {table_dtype.name} (same as cos), got {np.dtype(sin.dtype).name}")
-    max_pos, width = _rank("cos", cos, 2, "[max_pos, Dr/2] or [max_pos, Dr]")
-    if width not in (dr // 2, dr):
-        raise ValueError(f"cos: expected width Dr/2={dr // 2} ('half' table) or Dr={dr} ('full' table), "
-                         f"got shape {list(cos.shape)}")
-    if max_pos < 1:
-        raise ValueError(f"cos: expected at least one row (max_pos >= 1), got shape {list(cos.shape)}")
-    _shape("sin", sin, tuple(cos.shape), "same as cos")
+    table_dtype, max_pos, table_full = contract.check_tables(cos, sin, dr, table_form, r_name="Dr",
+                                                             r_arg="Dr")
 
     # caches: rank, stacking, dtype, shapes
     stacked = layer is not None
@@ -253,7 +242,7 @@ def check_mla(q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, positions, cos, 
         contract.check_scale("q_scale", q_scale, True, qdt)
 
     return MlaSpec(num_tokens=t, q_heads=qh, nope_dim=dn, latent_dim=dc, rope_dim=dr, num_blocks=nb, block_size=bs,
-                   max_pos=max_pos, layout=layout, is_neox=bool(is_neox), table_full=(width == dr),
+                   max_pos=max_pos, layout=layout, is_neox=bool(is_neox), table_full=table_full,
                    precision=precision, dtype=dtype, table_dtype=table_dtype, cache_dtype=cache_dtype,
                    q_out_dtype=qdt, slot_dtype=np.dtype(slot_mapping.dtype), pos_dtype=np.dtype(positions.dtype),
                    num_layers=num_layers)

@@ -35,7 +35,7 @@ def _valid(slot_mapping, num_slots: int) -> np.ndarray:
 
 def mla_rope_and_cache(q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, positions, cos, sin, *,
                        layout="combined", is_neox=False, kv_scale=None, q_out_dtype=None, q_scale=None,
-                       precision="fp32", impl=None, layer=None):
+                       precision="fp32", impl=None, layer=None, table_form="half"):
     """numpy oracle; returns (q_out, k_pe_out, kv_cache) as new arrays, kv_cache in the structure
     it was given (one array for "combined", a pair for "split")."""
     del impl
@@ -46,7 +46,7 @@ def mla_rope_and_cache(q_nope, q_pe, kv_c, k_pe, kv_cache, slot_mapping, positio
     spec = mla_contract.check_mla(q_nope, q_pe, kv_c, k_pe, caches if layout == "split" else caches[0],
                                   slot_mapping, positions, cos, sin, layout=layout, is_neox=is_neox,
                                   kv_scale=kv_scale, q_out_dtype=q_out_dtype, q_scale=q_scale,
-                                  precision=precision, layer=layer)
+                                  precision=precision, layer=layer, table_form=table_form)
     pos = np.clip(positions.astype(np.int64), 0, spec.max_pos - 1)
     cos_rows, sin_rows = cos[pos], sin[pos]
     qpe_out, qpe_wide = reference.rotate_values(q_pe, cos_rows, sin_rows, spec)

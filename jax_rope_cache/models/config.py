@@ -79,9 +79,9 @@ class RopeInfo:
     mrope_interleaved: bool = False
 
     def op_options(self) -> dict:
-        """The options of `rope_and_cache` these tables need: rotary_dim, is_neox and, for a
-        multimodal model, mrope_section and mrope_interleaved."""
-        out = dict(rotary_dim=self.rotary_dim, is_neox=self.is_neox)
+        """The options of `rope_and_cache` these tables need: rotary_dim, is_neox, table_form and,
+        for a multimodal model, mrope_section and mrope_interleaved."""
+        out = dict(rotary_dim=self.rotary_dim, is_neox=self.is_neox, table_form=self.form)
         if self.mrope_section is not None:
             out.update(mrope_section=self.mrope_section, mrope_interleaved=self.mrope_interleaved)
         return out
@@ -241,8 +241,8 @@ def rope_tables_from_hf_config(config: Mapping, *, max_pos: int | None = None, t
     tables (one row per position) and the sections in info.mrope_section / info.mrope_interleaved.
 
     Returns:
-      (cos, sin, RopeInfo): pass info.op_options() (rotary_dim, is_neox and, for a multimodal
-      model, mrope_section and mrope_interleaved) to `rope_and_cache`.
+      (cos, sin, RopeInfo): pass info.op_options() (rotary_dim, is_neox, table_form and, for a
+      multimodal model, mrope_section and mrope_interleaved) to `rope_and_cache`.
     """
     config = text_config(config) if isinstance(config, Mapping) else config
     s = hf_rope_settings(config)
