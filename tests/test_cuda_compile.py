@@ -1467,7 +1467,7 @@ def test_host_emulation_kpairs_matches_reference_bitwise(kw, tpb, emu_dir):
     token), bit-exact to the reference."""
     spec, args, ks, vs = _matrix_problem(kw)
     opts = dict(layout=spec.layout, is_neox=spec.is_neox, rotary_dim=spec.rotary_dim, k_scale=ks, v_scale=vs,
-                precision=spec.precision)
+                precision=spec.precision, table_form=spec.table_form)
     _assert_bitwise(run_emulation(spec, args, ks, vs, emu_dir, defines=dict(KP, RC_TPB=tpb)), _reference(args, opts))
 
 
@@ -1872,7 +1872,7 @@ def test_host_emulation_of_the_node_entry_matches_reference_bitwise(kw, emu_dir)
     random matrix: the same bits as the reference, no write outside the outputs."""
     spec, args, ks, vs = _matrix_problem(kw)
     want = reference.rope_and_cache(*args, layout=spec.layout, is_neox=spec.is_neox, rotary_dim=spec.rotary_dim,
-                                    precision=spec.precision, k_scale=ks, v_scale=vs)
+                                    precision=spec.precision, k_scale=ks, v_scale=vs, table_form=spec.table_form)
     node = {"RC_NODE": 1, "RC_NODE_T": spec.num_tokens, "RC_NODE_LEAD": spec.num_blocks,
             "RC_NODE_MAX_POS": spec.max_pos}
     got = run_emulation(spec, args, ks, vs, emu_dir, defines=node)
@@ -1891,6 +1891,6 @@ def test_host_emulation_of_the_node_entry_would_catch_swapped_pointers(emu_dir):
     node = {"RC_NODE": 1, "RC_NODE_T": spec.num_tokens, "RC_NODE_LEAD": spec.num_blocks,
             "RC_NODE_MAX_POS": spec.max_pos}
     want = reference.rope_and_cache(*args, layout=spec.layout, is_neox=spec.is_neox, rotary_dim=spec.rotary_dim,
-                                    precision=spec.precision, k_scale=ks, v_scale=vs)
+                                    precision=spec.precision, k_scale=ks, v_scale=vs, table_form=spec.table_form)
     got = run_emulation(spec, args, ks, vs, emu_dir, defines=node, source=bad)
     assert not np.array_equal(np.asarray(got[2]).view(np.uint8), np.asarray(want[2]).view(np.uint8))
