@@ -6,7 +6,9 @@ words after it, placeholders as wildcards): `key_cache: expected dtype ...` and
 read with `ast` from every `raise ValueError / TypeError / ArgumentTypeError / <subclass>(...)` and
 every `parser.error(...)` under jax_rope_cache/, so a new check fails here until its message is in
 docs/errors.md. A prefix that is a loop variable over literal names (`for name in ("k", "v")`)
-stands for each name; one that is a helper's parameter (`_check_shape(arg, ...)`) for any argument.
+stands for each name; a helper's parameter (`_check_shape(arg, ...)`) for each name its callers
+pass, and a documented `<arg>: ...` covers those. Removing a message from docs/errors.md fails
+test_every_error_family_is_in_docs_errors_md, naming the raise.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ DYNAMIC = {
 
 @dataclasses.dataclass(frozen=True)
 class Family:
-    prefix: str | None   # the argument; _WILD: any (a helper's parameter); None: no "name: " prefix
+    prefix: str | None   # the argument; _WILD: not resolvable (matches any); None: no "name: " prefix
     stem: tuple          # the first STEM_WORDS words after the prefix
     where: str           # file:line of one raise
     helper: bool = False  # the prefix is a helper's parameter: a documented `<arg>: ...` covers it
