@@ -188,7 +188,9 @@ def rope_and_cache(q: ArrayLike, k: ArrayLike, v: ArrayLike, key_cache: Cache, v
         the refs are written and also returned). With `layer`, stacked as [L, ...].
       slot_mapping: [T] int32/int64. Slot s is block s // BS, offset s % BS; slots outside
         [0, NB*BS) (e.g. -1 for padding) write nothing, whatever their width (numpy int64 slots
-        with jax_enable_x64 off are mapped before JAX narrows them; see docs/errors.md).
+        with jax_enable_x64 off are mapped before JAX narrows them; see docs/errors.md). Pass
+        unique valid slots: of duplicates one token wins (unspecified which), and with per-token
+        scales the stored row and its scale may come from different tokens.
       positions: [T] int32/int64 rows of cos/sin, clamped to [0, max_pos - 1]; with
         mrope_section, [3, T]: the temporal, height and width position of each token.
       cos, sin: RoPE tables in `table_form`, bf16/f16/f32 (`rope_tables` builds them).

@@ -13,6 +13,10 @@ NEWEST_JAX = "0.12.0.1"
 # jax[rocm7-local] of the newest jax whose ROCm plugin is published (jax 0.12.0.1 has none: its
 # extra asks for jax-rocm7-plugin 0.12.0.1, which does not exist).
 ROCM_JAX = "0.12.0"
+# What the README, `check` and pyproject.toml say: the oldest release to the newest tested minor series.
+_MAJOR_MINOR = ".".join(NEWEST_JAX.split(".")[:2])
+SUPPORTED_JAX = f"{OLDEST_JAX} to {_MAJOR_MINOR}.x"
+JAX_REQUIREMENT = f">={OLDEST_JAX},<{NEWEST_JAX.split('.')[0]}.{int(NEWEST_JAX.split('.')[1]) + 1}"
 
 
 def _key(version: str) -> tuple[int, ...]:

@@ -8,7 +8,7 @@ Makes .venv (or $JRC_VENV) on first use, installs jax and the test dependencies,
 extension, then runs pytest. With no test path, all of tests/ runs.
 
   (default)   the default tier: every op, layout, dtype and error test on this machine's
-              platforms (about 10 minutes on 2 CPU cores from a fresh clone)
+              platforms (about 15 minutes on 2 CPU cores from a fresh clone, install included)
   --full      also the compile and emulation matrices (NVRTC for sm_80/sm_90, FlyDSL for
               gfx942/gfx950, the ROCm lane emulator, the larger random sweeps): what CI runs
   --help      this text; installs nothing

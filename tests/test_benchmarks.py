@@ -75,6 +75,91 @@ def test_mla_check_tells_a_wrong_result(tmp_path):
     assert mla.compare([(f8.view(np.uint8) ^ 2).view(mla.FN)], [f8], exact=False).endswith("steps")
 
 
+class _FakeTensor:
+    """Enough of a torch tensor for aiter_mla.timed / _bind: remembers which random draw it came from."""
+
+    def __init__(self, shape, dtype, origin):
+        self.shape, self.dtype, self.origin, self.device = tuple(shape), dtype, origin, "cuda"
+
+    def to(self, dtype):
+        return _FakeTensor(self.shape, dtype, self.origin)
+
+    def __getitem__(self, index):
+        return self
+
+    def view(self, *shape):
+        return self
+
+    def cuda(self):
+        return self
+
+
+def _fake_torch():
+    import types
+
+    torch = types.ModuleType("torch")
+    torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.float8_e4m3fnuz = "bf16", "f32", "e4m3fn", "e4m3fnuz"
+    draws = iter(range(1 << 30))
+    torch.Generator = lambda device: types.SimpleNamespace(manual_seed=lambda seed: None)
+    torch.randn = lambda *shape, generator, device: _FakeTensor(shape, "f32", next(draws))
+    torch.randperm = lambda n, generator, device: _FakeTensor((n,), "i64", next(draws))
+    torch.randint = lambda lo, hi, shape, generator, device: _FakeTensor(shape, "i64", next(draws))
+    torch.from_numpy = lambda a: _FakeTensor(a.shape, "f32", next(draws))
+    torch.tensor = lambda values, dtype, device: _FakeTensor((len(values),), dtype, next(draws))
+    torch.cuda = types.SimpleNamespace(empty_cache=lambda: None)
+    return torch
+
+
+def test_mla_aiter_column_rotates_through_input_sets_as_ours_do(monkeypatch):
+    """aiter_mla.timed: the N calls that torch's profiler times and the N a CUDA graph captures read N
+    different input sets (q_nope, q_pe, kv_c, k_pe, slots, positions) and one cache, as our chain does
+    (call j on set j % N); one set reused would stay in L2 at small T. torch and AITER stood in for."""
+    import types
+
+    sys.path.insert(0, os.path.join(BENCH, "gpu"))
+    import aiter_mla
+
+    from jax_rope_cache.models import presets
+
+    seen = {"kernel": [], "graph": []}
+    phase = []
+
+    def fused_qk_rope_cat_and_cache_mla(q_nope, q_pe, k_nope, k_rope, rows, slots, pos, cos, sin, scale, **kw):
+        if phase:
+            seen[phase[-1]].append((q_nope.origin, q_pe.origin, k_nope.origin, k_rope.origin, slots.origin,
+                                    pos.origin, rows.origin))
+
+    def kernel_us(call, n_calls):  # as cuda_graph_timing: one warm-up call, then n_calls profiled
+        call()
+        phase.append("kernel")
+        for _ in range(n_calls):
+            call()
+        phase.pop()
+        return 1.0, 1
+
+    def graph_us(call, n_calls):  # three warm-up calls, then n_calls captured in the graph
+        for _ in range(3):
+            call()
+        phase.append("graph")
+        for _ in range(n_calls):
+            call()
+        phase.pop()
+        return 1.0
+
+    monkeypatch.setitem(sys.modules, "torch", _fake_torch())
+    monkeypatch.setitem(sys.modules, "cuda_graph_timing", types.SimpleNamespace(kernel_us=kernel_us, graph_us=graph_us))
+    W = types.SimpleNamespace(fused_qk_rope_cat_and_cache_mla=fused_qk_rope_cat_and_cache_mla)
+    n = 16
+    cos = np.ones((64, 32), np.float32)
+    aiter_mla.timed(W, presets.mla_shape("deepseek-v3", 8), 1, 4096, 64, "bf16", cos, cos, 0.25, n, n_sets=n)
+    for which, calls in seen.items():
+        assert len(calls) == n, which
+        for i in range(6):  # each input: n different draws, never two calls on the same one
+            assert len({c[i] for c in calls}) == n, (which, i)
+        assert len({c[6] for c in calls}) == 1, which  # the one cache, carried through the calls
+    assert {c[0] for c in seen["kernel"]} == {c[0] for c in seen["graph"]}
+
+
 def test_mrope_dry_run_checks_the_kernels_exactly(tmp_path):
     out, res = _dry("mrope", tmp_path, "--models", "qwen3-vl-8b:1", "--layouts", "flash", "--tokens", "1,8")
     assert [c["fused"] for c in res["checks"].values()] == ["exact", "exact"]

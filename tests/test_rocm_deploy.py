@@ -299,3 +299,29 @@ def test_compile_scale_heads_builds_the_per_head_fp8_variant():
     assert want in built and scalar not in built
     assert scalar in aot.configs_for(q_heads=8, kv_heads=2, head_dim=64, layouts=("flash",),
                                      cache_dtypes=("float8_e4m3fn",))
+
+
+def test_compile_builds_the_mrope_kernels_a_qwen_vl_call_lowers_to():
+    """`compile --preset qwen3-vl-8b --tp 4`: the M-RoPE configuration (its interleaved sections, its
+    QK-norm) that a Qwen3-VL call with positions [3, T] lowers to, not the 1-D one."""
+    import numpy as np
+    from conftest import Case, make_problem
+    from jax_rope_cache import contract
+    from jax_rope_cache.backends import rocm
+    from jax_rope_cache.models import presets
+
+    section, interleaved = presets.preset_mrope("qwen3-vl-8b")
+    assert (section, interleaved) == ((24, 20, 20), True) and presets.preset_mrope("llama-3.1-8b") is None
+    m = presets.model_shape("qwen3-vl-8b", 4)
+    case = Case(T=3, QH=m.q_heads, KH=m.kv_heads, D=m.head_dim)
+    args, base = make_problem(case, seed=5)
+    base = {k: v for k, v in base.items() if k not in ("k_scale", "v_scale")}
+    weight = np.ones(case.D, args[0].dtype)
+    norm = dict(q_norm_weight=weight, k_norm_weight=weight, norm_eps=presets.preset_qk_norm_eps("qwen3-vl-8b"))
+    text = rocm.kernel_config(contract.check_op(*args, **base, **norm))
+    args = list(args)
+    args[6] = np.stack([args[6]] * 3)  # positions [3, T]
+    want = rocm.kernel_config(contract.check_op(*args, **base, **norm, mrope_section=section,
+                                                mrope_interleaved=interleaved))
+    built = aot.preset_configs("qwen3-vl-8b", 4, layouts=("flash",))
+    assert want in built and text not in built

@@ -56,3 +56,15 @@ def test_an_unsupported_pinned_jax_is_refused():
                        env=dict(e, JRC_PRINT_PLAN="1", JRC_JAX_VERSION="0.11.0"), timeout=60)
     assert r.returncode != 0
     assert "JRC_JAX_VERSION: expected a jax release from 0.11.1 on" in r.stderr and "got 0.11.0" in r.stderr
+
+
+def test_the_default_tier_time_is_one_figure_everywhere():
+    """README, BUILD_NOTES and `run_tests.sh --help` quote the same measured time of the default tier."""
+    import re
+
+    said = {}
+    for rel in ("README.md", "BUILD_NOTES.md", "scripts/run_tests.sh"):
+        with open(os.path.join(_ROOT, rel), encoding="utf-8") as f:
+            text = " ".join(f.read().split())  # the README wraps lines
+        said[rel] = re.findall(r"about \d+ minutes on \d+ CPU cores from a fresh clone, install included", text)
+    assert all(len(v) == 1 for v in said.values()) and len({v[0] for v in said.values()}) == 1, said

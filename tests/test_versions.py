@@ -26,9 +26,34 @@ def test_pyproject_states_the_supported_range():
     text = _read("pyproject.toml")
     oldest, newest = versions.OLDEST_JAX, versions.NEWEST_JAX
     cap = ".".join(newest.split(".")[:1] + [str(int(newest.split(".")[1]) + 1)])  # the next minor release
+    assert versions.JAX_REQUIREMENT == f">={oldest},<{cap}"
+    python = re.search(r'^requires-python = ">=(3\.\d+)"$', text, re.MULTILINE).group(1)
     for name in ("jax", "jaxlib"):
         reqs = re.findall(rf"\"{name}(?:\[[^\]]*\])?([<>=!~][^\"]*)\"", text)
-        assert reqs and all(r == f">={oldest},<{cap}" for r in reqs), (name, reqs)
+        assert reqs and all(r.split(";")[0].strip() == f">={oldest},<{cap}" for r in reqs), (name, reqs)
+        # a marker, where there is one, is requires-python's (the build requirements carry it)
+        assert all(r.split(";")[1].strip() == f"python_version >= '{python}'" for r in reqs if ";" in r), (name, reqs)
+
+
+def test_python_3_12_is_required_and_documented():
+    """jax >= 0.11 is published for Python >= 3.12 only; every place that says how to pip install says so."""
+    text = _read("pyproject.toml")
+    assert re.search(r'^requires-python = ">=3\.12"$', text, re.MULTILINE)
+    assert "Python >= 3.12" in _read("README.md") and "Python >= 3.12" in _read("BUILD_NOTES.md")
+    rocm = _read("docs/rocm.md")
+    for block in re.findall(r"```bash\n(.*?)```", rocm, re.DOTALL):
+        if "pip install" in block and "<checkout>" in block:
+            assert "Python >= 3.12" in block, block
+
+
+def test_the_docs_and_check_say_the_supported_range():
+    """One phrase from versions.py: the README, docs/rocm.md and `check`'s report."""
+    assert versions.SUPPORTED_JAX == f"{versions.OLDEST_JAX} to {'.'.join(versions.NEWEST_JAX.split('.')[:2])}.x"
+    assert f"Supported jax: {versions.SUPPORTED_JAX}** (`jax{versions.JAX_REQUIREMENT}`" in _read("README.md")
+    assert f"| jax | {versions.SUPPORTED_JAX};" in _read("docs/rocm.md")
+    from jax_rope_cache.cli import check
+
+    assert check.environment()["supported jax"].startswith(versions.SUPPORTED_JAX + " (")
 
 
 def test_the_running_jax_is_in_the_range():

@@ -12,9 +12,10 @@ time per call; a row whose profile had no GPU events says "WALL time" at its end
 small call is host time, not the kernel's). AITER (benchmarks/gpu/aiter_mla.py), after every JAX
 measurement of the run (torch's profiler takes CUPTI from jax.profiler): its kernel's own time per
 call from torch's profiler ("A us") and a CUDA graph of N calls / N ("A graph", which adds the graph
-node's gap), on ONE random input set of the same shapes, launched N times (at T <= 64 its inputs stay
-in L2, ours rotate through N sets: benchmarks/diagnostics/mla_floor.py times both, and floor kernels,
-on one input set). x/A = A us / ours, x/J = jnp / ours (> 1: ours is faster).
+node's gap), on N random input sets of the same shapes and one cache, call j on set j % N as ours
+(aiter_mla.Rotation), so at T <= 64 neither side reads inputs that a previous call left in L2
+(benchmarks/diagnostics/mla_floor.py times both, and floor kernels, on one input set).
+x/A = A us / ours, x/J = jnp / ours (> 1: ours is faster).
 Bytes: MlaShape.bytes_per_token (every input read once, every output written once). "of copy" =
 the time of a device copy moving the same bytes (N copies in one jit, timed as the op) / ours;
 "of ceil" = bytes / ours / the bandwidth of a 2 GiB copy. Targets: x/A >= 1.2 at T = 1 and
@@ -234,7 +235,7 @@ def main(argv=None):
         try:  # a dry run's interpreter ran AITER in the check only
             if not a.dry_run:
                 k_us, k_n, g_us = aiter_mla.timed(W, shape, row["T"], num_slots, a.block_size, row["cache"], cos, sin,
-                                                  KV_SCALE, a.calls, seed=k + 1)
+                                                  KV_SCALE, a.calls, seed=k + 1, n_sets=a.calls)
                 row["aiter"] = dict(kernel_us=k_us, kernels_per_call=k_n, graph_us=g_us)
         except Exception as e:  # noqa: BLE001 - AITER's own failure is a result, not ours
             row["aiter"] = {"error": f"{type(e).__name__}: {e}"[:300]}

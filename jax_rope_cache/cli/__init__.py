@@ -7,8 +7,8 @@ import sys
 
 COMMANDS = {
     "info": "version, devices, whether the kernel is usable on each platform present, cache dir, presets",
-    "generate": "the README's main job: a small Llama-3.1 / Qwen3 generating on the paged cache, "
-                "checked against transformers, kernel vs XLA timed",
+    "generate": "the README's main job: tiny models generating on the paged caches, checked against "
+                "transformers, kernel vs XLA timed (generate.summary() names them)",
     "demo": "prefill + decode loop of the op alone over a preset's shapes, checked and timed",
     "bench": "kernel vs XLA path table (+ CSV/JSON/PNG) on the default device",
     "compile": "precompile code objects of presets into the disk cache (deployment hosts compile nothing)",
@@ -75,12 +75,15 @@ def info(argv) -> None:
         jax_rope_cache=jax_rope_cache.__version__, jax=jax.__version__, default_backend=jax.default_backend(),
         devices=[f"{d.platform}:{d.device_kind}" for d in devices], arch=arch[0] if arch else None,
         kernels=kernels, rocm=rocm_summary(), code_object_cache=cache_dir() or "off (JAX_ROPE_CACHE_DIR='')",
-        presets=sorted(presets.MODELS), tp_degrees=list(presets.TP_DEGREES))
+        presets={op: list(names) for op, names in presets.PRESET_GROUPS.items()},
+        tp_degrees=list(presets.TP_DEGREES))
     if args.json:
         print(json.dumps(data, indent=1))
         return
     for key, value in data.items():
-        if isinstance(value, dict):
+        if key == "presets":
+            value = "; ".join(f"{op}: {', '.join(names)}" for op, names in value.items())
+        elif isinstance(value, dict):
             value = "; ".join(f"{k} {v}" for k, v in value.items())
         print(f"{key:>18}: {', '.join(map(str, value)) if isinstance(value, list) else value}")
 
@@ -97,9 +100,11 @@ USAGE = "usage: python -m jax_rope_cache {" + ",".join(COMMANDS) + "} [options]"
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
+        from jax_rope_cache.cli import generate
+
         print(USAGE + "\n")
         for name, text in COMMANDS.items():
-            print(f"  {name:<9}{text}")
+            print(f"  {name:<9}{generate.summary() if name == 'generate' else text}")
         return
     command, rest = argv[0], argv[1:]
     if command == "info":

@@ -26,7 +26,8 @@ from jax_rope_cache.cli._fmt import plural
 from jax_rope_cache.compilers import cache, flydsl
 from jax_rope_cache.mla import contract as mla_contract
 from jax_rope_cache.mla import rocm_kernel
-from jax_rope_cache.models.presets import MLA_PRESETS, MODELS, mla_shape, model_shape, preset_qk_norm_eps
+from jax_rope_cache.models.presets import (MLA_PRESETS, MODELS, MROPE_PRESETS, PRESET_GROUPS, mla_shape, model_shape,
+                                          preset_mrope, preset_qk_norm_eps)
 
 QK_NORM_CHOICES = ("auto", "off", "both")
 # The kernel's regimes (backends/rocm.kernel_config): "bandwidth" for calls of more than
@@ -48,13 +49,14 @@ def _code(name: str) -> int:
 def configs_for(*, q_heads, kv_heads, head_dim, rotary_dim=None, block_sizes=(16,), layouts=contract.LAYOUTS,
                 dtypes=("bfloat16",), cache_dtypes=None, table_dtypes=("float32",), neox=(True,),
                 tables=("half",), precisions=("fp32",), index_dtypes=("int32",), norm_eps=None,
-                norm_weight_dtypes=("same",), scale_heads=False, regimes=REGIMES):
+                norm_weight_dtypes=("same",), scale_heads=False, regimes=REGIMES, mrope=None):
     """Kernel configurations of every combination of the given options (one model shape); combinations
     a layout cannot hold (D or BS not a multiple of X) are left out. `norm_eps` (a float): the fused
     QK-RMSNorm on q and k with weights in each of `norm_weight_dtypes` ("same" = q's dtype, or a
     dtype name); None: no norm. `scale_heads`: fp8 caches with one k/v scale per kv head (KH > 1).
     `regimes`: the configurations of large calls ("bandwidth") and/or of decode-sized calls
-    ("latency"); a shape whose latency configuration is the bandwidth one gets it once."""
+    ("latency"); a shape whose latency configuration is the bandwidth one gets it once.
+    `mrope`: None, or (mrope_section, mrope_interleaved) of a multimodal-RoPE model (positions [3, T])."""
     for g in regimes:
         if g not in REGIMES:
             raise ValueError(f"regimes: expected a subset of {REGIMES}, got {g!r}")
@@ -76,12 +78,20 @@ def configs_for(*, q_heads, kv_heads, head_dim, rotary_dim=None, block_sizes=(16
                 qh=q_heads, kh=kv_heads, d=head_dim, r=r, bs=bs, layout=contract.cache_layout(layout).code,
                 neox=nx, full_table=table == "full", native=prec == "native", dt=_code(dt),
                 tab_dt=_code(tdt), cache_dt=_code(cdt), slot64=idx == "int64", pos64=idx == "int64",
-                q_norm=norm, k_norm=norm, norm_eps=eps, k_scale_heads=heads, v_scale_heads=heads)
+                q_norm=norm, k_norm=norm, norm_eps=eps, k_scale_heads=heads, v_scale_heads=heads,
+                **_mrope_codes(mrope))
             for g in regimes:
                 cfg = rocm.kernel_config(codes, num_tokens=_REGIME_TOKENS[g])
                 if cfg not in out:
                     out.append(cfg)
     return out
+
+
+def _mrope_codes(mrope) -> dict:
+    if mrope is None:
+        return {}
+    (t, h, w), interleaved = mrope
+    return dict(mrope=2 if interleaved else 1, mrope_t=t, mrope_h=h, mrope_w=w)
 
 
 def mla_configs_for(*, q_heads, nope_dim, latent_dim, rope_dim, block_sizes=(16,), layouts=mla_contract.MLA_LAYOUTS,
@@ -141,6 +151,17 @@ def preset_norms(name: str, qk_norm: str = "auto") -> tuple:
     return (eps,) if qk_norm == "auto" else (None, eps)
 
 
+def preset_configs(name: str, tp: int = 1, qk_norm: str = "auto", **options) -> list:
+    """`configs_for` of a preset of MODELS at tp: its heads, rotary dim and RoPE style, its QK-norm
+    variants (`preset_norms`) and, for a multimodal-RoPE preset, its M-RoPE sections."""
+    m = model_shape(name, tp)
+    out = []
+    for e in preset_norms(name, qk_norm):
+        out += configs_for(q_heads=m.q_heads, kv_heads=m.kv_heads, head_dim=m.head_dim, rotary_dim=m.rotary_dim,
+                           mrope=preset_mrope(name), **({"neox": (m.is_neox,)} | options | {"norm_eps": e}))
+    return out
+
+
 def precompile(archs=rocm.DEFAULT_ARCHS, configs=None, *, presets=(), tp: int = 1, verbose=False, bundle=None,
                qk_norm="auto", mla_presets=(), mla_options=None, **options):
     """Compiles kernel configurations into the disk cache; returns [(config, CodeObject)].
@@ -148,6 +169,7 @@ def precompile(archs=rocm.DEFAULT_ARCHS, configs=None, *, presets=(), tp: int = 
     `configs`: RocmKernelConfig objects (rope_and_cache) and/or MLA ones (`mla_configs_for`);
     `presets`: names of models.presets.MODELS (a model at tensor
     parallelism `tp` divides its heads by tp), each expanded with `options` (see `configs_for`);
+    a multimodal-RoPE preset gets its M-RoPE kernels (the sections of its config);
     `mla_presets`: names of models.presets.MLA_PRESETS at `tp`, expanded with `mla_options`
     (`mla_preset_configs`);
     `qk_norm`: "auto" gives a preset with a QK-RMSNorm (Qwen3) its fused norm (its config's eps),
@@ -160,10 +182,7 @@ def precompile(archs=rocm.DEFAULT_ARCHS, configs=None, *, presets=(), tp: int = 
             raise ValueError(f"arch: expected one of {flydsl.SUPPORTED_ARCHS}, got {a!r}")
     cfgs = list(configs or [])
     for name in presets:
-        m = model_shape(name, tp)
-        for e in preset_norms(name, qk_norm):
-            cfgs += configs_for(q_heads=m.q_heads, kv_heads=m.kv_heads, head_dim=m.head_dim,
-                                rotary_dim=m.rotary_dim, **({"neox": (m.is_neox,)} | options | {"norm_eps": e}))
+        cfgs += preset_configs(name, tp, qk_norm, **options)
     for name in mla_presets:
         cfgs += mla_preset_configs(name, tp, **(mla_options or {}))
     mla_type = rocm_kernel.kernel_module().MlaRocmConfig
@@ -198,7 +217,9 @@ def main(argv=None) -> None:
     p.add_argument("--arch", default=",".join(rocm.DEFAULT_ARCHS), type=_args.csv_of(_args.one_of(
         flydsl.SUPPORTED_ARCHS, "arch"), "list of archs"), help="comma-separated: gfx942,gfx950")
     p.add_argument("--preset", action="append", default=[], type=_args.preset_name,
-                   help=f"model shape (repeatable); one of: {', '.join(sorted(MODELS))}")
+                   help=f"model (repeatable): {', '.join(PRESET_GROUPS['rope_and_cache'])}; multimodal RoPE "
+                        f"(its M-RoPE kernels): {', '.join(PRESET_GROUPS['rope_and_cache (M-RoPE)'])}; or "
+                        f"{', '.join(sorted(set(MODELS) - set(PRESET_GROUPS['rope_and_cache']) - set(MROPE_PRESETS)))}")
     p.add_argument("--tp", type=_args.positive_int, default=1,
                    help="tensor-parallel degree dividing the preset's heads")
     p.add_argument("--heads", type=_args.csv_of(_args.positive_int, "QH,KH,D[,R]"),
@@ -232,7 +253,7 @@ def main(argv=None) -> None:
                    help="bandwidth (calls of more tokens than a decode step), latency (decode-sized calls); "
                         "default both")
     p.add_argument("--mla-preset", action="append", default=[], type=_args.one_of(sorted(MLA_PRESETS), "MLA preset"),
-                   help=f"MLA model (mla_rope_and_cache; repeatable): {', '.join(sorted(MLA_PRESETS))}")
+                   help=f"MLA model (mla_rope_and_cache; repeatable): {', '.join(PRESET_GROUPS['mla_rope_and_cache'])}")
     p.add_argument("--mla-heads", type=_args.csv_of(_args.positive_int, "QH,Dn,Dc,Dr"),
                    help="explicit MLA shape instead of an MLA preset: QH,Dn,Dc,Dr")
     p.add_argument("--mla-layout", type=csv(mla_contract.MLA_LAYOUTS, "MLA layout"), default=mla_contract.MLA_LAYOUTS,

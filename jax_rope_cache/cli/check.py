@@ -88,7 +88,8 @@ def environment() -> dict:
         "python": sys.version.split()[0],
         "jax_rope_cache": jax_rope_cache.__version__,
         "jax": jax.__version__, "jaxlib": jaxlib.__version__,
-        "supported jax": f"{versions.OLDEST_JAX} to {versions.NEWEST_JAX}",
+        "supported jax": f"{versions.SUPPORTED_JAX} (jax{versions.JAX_REQUIREMENT}; tested {versions.OLDEST_JAX} and "
+                         f"{versions.NEWEST_JAX})",
         "jax plugins": ", ".join(f"{p} {gpu_env.installed(p)}" for ps in gpu_env.PLUGIN_PACKAGES.values() for p in ps
                                  if gpu_env.installed(p)) or "none",
         "flydsl": f"{gpu_env.installed('flydsl') or 'not installed'} (supported: {flydsl.FLYDSL_VERSION}; "

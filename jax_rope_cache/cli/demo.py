@@ -32,8 +32,9 @@ def layer_scale(layer):
 
 
 def tables_for(preset: str, model: presets.ModelShape, max_pos: int):
-    """The model's own RoPE tables (its scaling law) for presets with a config; plain RoPE otherwise."""
-    if preset in presets.PRESETS:
+    """The model's own RoPE tables (its scaling law) for presets with a config; plain RoPE otherwise.
+    A multimodal-RoPE preset runs as its text tokens do: positions [T], the 1-D rotation."""
+    if preset in presets.PRESETS or preset in presets.MROPE_PRESETS:
         cos, sin, _ = presets.preset_tables(preset, max_pos)
         return cos, sin
     return tables.rope_tables(max_pos, model.rotary_dim, base=10000.0)

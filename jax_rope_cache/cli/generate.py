@@ -5,14 +5,14 @@ cache (jax_rope_cache/decoder_mla.py) on the default device.
 1. Check: the tiny random-weight models of the fixtures (tests/data/hf_greedy.npz and
    hf_greedy_mla.npz, recorded from Hugging Face transformers by tools/record_hf_model.py) generate
    their prompts' tokens with impl="kernel" and impl="xla"; prints the token ids and whether tokens
-   and logits match.
+   and logits match. Every fixture model, or with `--model` that model only.
 2. Timing: a batch of random prompts, prefill + `--steps` decode steps of `--model`, for each
    of `--impls` in one process; prints decode step time and tokens/s, and with "baseline" in
    --impls (the model with RoPE and the cache write replaced by a one-element in-place write of each
    cache, so attention still depends on a write every layer: wrong output, timing only) the share of
    the step that RoPE + cache write take.
 
-    python -m jax_rope_cache generate                                # tiny Llama: check + timing
+    python -m jax_rope_cache generate                                # every tiny model checked, tiny Llama timed
     python -m jax_rope_cache generate --model llama-3.1-8b --dtype bfloat16 --batch 64 --check none
     python -m jax_rope_cache generate --model tiny-deepseek-v3 --layout split
 """
@@ -31,6 +31,15 @@ from jax_rope_cache import decoder, decoder_mla
 from jax_rope_cache.cli._fmt import compare_runs, progress
 
 MODELS = {**decoder.TINY_CONFIGS, **decoder_mla.TINY_MLA_CONFIGS, "llama-3.1-8b": decoder.LLAMA_31_8B_CONFIG}
+DEFAULT_MODEL = "tiny-llama-3.1"
+
+
+def summary() -> str:
+    """The command's one line in `python -m jax_rope_cache --help`, from MODELS."""
+    tiny = [n.removeprefix("tiny-") for n in MODELS if n.startswith("tiny-")]
+    full = [n for n in MODELS if not n.startswith("tiny-")]
+    return (f"the README's main job: tiny {', '.join(tiny)} generate on the paged caches, checked against "
+            f"transformers; --model (also {', '.join(full)}) timed, kernel vs XLA")
 SEEDS = {**decoder.TINY_SEEDS, **decoder_mla.TINY_MLA_SEEDS}
 FIXTURE_NAME = os.path.join("tests", "data", "hf_greedy.npz")
 MLA_FIXTURE_NAME = os.path.join("tests", "data", "hf_greedy_mla.npz")
@@ -86,11 +95,14 @@ def reference_generation(entry: dict, impl: str, layout: str = "flash", **kw):
     return reference_decoder(entry, impl, layout, **kw).generate(entry["prompts"], entry["tokens"].shape[1])
 
 
-def check(ref_path: str, impls, layouts, show_tokens=True, kv_quant=None) -> bool:
-    """The fixture's models with each impl and each of `layouts` their decoder has; with `kv_quant`
-    also how far quantized caches move the run (models whose decoder has no kv_quant: skipped)."""
+def check(ref_path: str, impls, layouts, show_tokens=True, kv_quant=None, models=None) -> bool:
+    """The fixture's models (or those of them in `models`) with each impl and each of `layouts` their
+    decoder has; with `kv_quant` also how far quantized caches move the run (models whose decoder has
+    no kv_quant: skipped)."""
     ref = decoder.load_hf_reference(ref_path)
     meta = ref.pop("meta")
+    if models is not None:
+        ref = {name: entry for name, entry in ref.items() if name in models}
     print(f"check against transformers {meta['transformers']} (torch {meta['torch']}), recorded in {ref_path}; "
           f"bound: tokens equal, max |logit - reference| <= {decoder.HF_LOGIT_BOUND:g}")
     ok = True
@@ -194,7 +206,8 @@ def timing(model: str, impls, layout: str, batch: int, prompt_len: int, steps: i
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m jax_rope_cache generate", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="tiny-llama-3.1", choices=sorted(MODELS), help="model to time")
+    p.add_argument("--model", default=None, choices=sorted(MODELS),
+                   help=f"the model to check and time (default: every fixture model checked, {DEFAULT_MODEL} timed)")
     p.add_argument("--check", default="auto", choices=("auto", "none"),
                    help="compare the fixture's tiny models with transformers' tokens (auto: if the fixture is found)")
     p.add_argument("--reference", default=None,
@@ -226,23 +239,31 @@ def main(argv=None):
                     ("--block-size", a.block_size), ("--repeats", a.repeats), ("--layers", a.layers or 1)):
         if v < 1:
             p.error(f"{name}: expected >= 1, got {v}")
+    model = a.model or DEFAULT_MODEL
+    own = model_classes(MODELS[model])[1]
+    layout = a.layout or own.layouts[0]
+    if layout not in own.layouts:
+        p.error(f"--layout: {model} caches in one of {own.layouts}, got {layout!r}")
+    if a.kv_quant not in own.kv_quants:
+        p.error(f"--kv-quant: {model} takes one of {own.kv_quants}, got {a.kv_quant!r}")
     dev = jax.devices()[0]
     print(f"device {dev.platform} ({dev.device_kind}), jax {jax.__version__}")
     ok = True
-    layout = a.layout or model_classes(MODELS[a.model])[1].layouts[0]
-    if layout not in model_classes(MODELS[a.model])[1].layouts:
-        p.error(f"--layout: {a.model} caches in one of {model_classes(MODELS[a.model])[1].layouts}, got {layout!r}")
-    if a.kv_quant not in model_classes(MODELS[a.model])[1].kv_quants:
-        p.error(f"--kv-quant: {a.model} takes one of {model_classes(MODELS[a.model])[1].kv_quants}, got {a.kv_quant!r}")
-    if a.check == "auto":
-        for path, name in ((a.reference, FIXTURE_NAME), (None, MLA_FIXTURE_NAME)):
-            ref = find_reference(path, name)
-            if ref is None:
-                print(f"no recorded reference ({name} not found here{'; pass --reference' * (name == FIXTURE_NAME)}):"
-                      f" its check skipped")
-            else:
-                ok &= check(ref, [i for i in impls if i != "baseline"] or ["kernel", "xla"],
-                            [s for s in a.check_layouts.split(",") if s], kv_quant=a.kv_quant)
-    timing(a.model, impls, layout, a.batch, a.prompt_len, a.steps, jnp.dtype(a.dtype), a.repeats, a.unroll,
+    checked = None if a.model is None else {a.model}
+    fixtures = ((a.reference, FIXTURE_NAME, decoder.TINY_CONFIGS), (None, MLA_FIXTURE_NAME, decoder_mla.TINY_MLA_CONFIGS))
+    if a.check == "auto" and checked is not None and not any(a.model in models for *_, models in fixtures):
+        recorded = ", ".join(n for *_, models in fixtures for n in models)
+        print(f"{a.model} has no recorded transformers output (recorded: {recorded}): its check skipped")
+    for path, name, models in fixtures if a.check == "auto" else ():
+        if checked is not None and not checked & set(models):
+            continue
+        ref = find_reference(path, name)
+        if ref is None:
+            print(f"no recorded reference ({name} not found here{'; pass --reference' * (name == FIXTURE_NAME)}):"
+                  f" its check skipped")
+        else:
+            ok &= check(ref, [i for i in impls if i != "baseline"] or ["kernel", "xla"],
+                        [s for s in a.check_layouts.split(",") if s], kv_quant=a.kv_quant, models=checked)
+    timing(model, impls, layout, a.batch, a.prompt_len, a.steps, jnp.dtype(a.dtype), a.repeats, a.unroll,
            a.block_size, layers=a.layers, kv_quant=a.kv_quant)
     raise SystemExit(0 if ok else 1)

@@ -2,9 +2,11 @@
 tensor-parallel degrees benchmarks and tests use (numpy only).
 
 `PRESETS` maps a model name to the fields of its public config.json that RoPE and the KV cache need
-(heads, KV heads, head_dim, RoPE settings, max_position_embeddings). `MODELS` is every named shape
-(the presets' per-shard shapes at TP 1, plus "tiny"); `model_shape(name, tp)` splits one over tp
-shards (models/config.py: `shard_shape`).
+(heads, KV heads, head_dim, RoPE settings, max_position_embeddings); `MROPE_PRESETS` the same for
+vision-language models (multimodal RoPE), `MLA_PRESETS` for MLA models. `MODELS` is every named
+shape of `rope_and_cache` (the PRESETS and MROPE_PRESETS per-shard shapes at TP 1, plus "tiny");
+`model_shape(name, tp)` splits one over tp shards (models/config.py: `shard_shape`). `PRESET_GROUPS`
+is what `info`, `compile --help` and the README list.
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ import dataclasses
 
 import numpy as np
 
-from jax_rope_cache.models.config import MlaShape, ModelShape, mla_shard_shape, rope_tables_from_hf_config, shard_shape
+from jax_rope_cache.models.config import (MlaShape, ModelShape, hf_rope_settings, mla_shard_shape,
+                                         rope_tables_from_hf_config, shard_shape)
 
-__all__ = ["PRESETS", "MROPE_PRESETS", "MLA_PRESETS", "MODELS", "TP_DEGREES", "QK_NORM_MODEL_TYPES", "preset_config",
-           "preset_shape", "preset_tables", "preset_qk_norm_eps", "model_shape", "mla_shape"]
+__all__ = ["PRESETS", "MROPE_PRESETS", "MLA_PRESETS", "MODELS", "PRESET_GROUPS", "TP_DEGREES", "QK_NORM_MODEL_TYPES",
+           "preset_config", "preset_shape", "preset_tables", "preset_qk_norm_eps", "preset_mrope", "model_shape",
+           "mla_shape"]
 
 TP_DEGREES = (1, 2, 4, 8)
 # Model types that normalise q and k per head (RMSNorm over head_dim) before RoPE: the op's
@@ -110,14 +114,31 @@ MLA_PRESETS: dict[str, dict] = {
 }
 
 
+# Every preset by the op it drives, in listing order: the one list `info`, `compile --help` and the
+# README show.
+PRESET_GROUPS: dict[str, tuple[str, ...]] = {
+    "rope_and_cache": tuple(sorted(PRESETS)),
+    "rope_and_cache (M-RoPE)": tuple(sorted(MROPE_PRESETS)),
+    "mla_rope_and_cache": tuple(sorted(MLA_PRESETS)),
+}
+
+
 def preset_config(name: str) -> dict:
     """A copy of the preset's config dict (case-insensitive name; PRESETS, MROPE_PRESETS or MLA_PRESETS)."""
     key = str(name).lower()
     for table in (PRESETS, MROPE_PRESETS, MLA_PRESETS):
         if key in table:
             return copy.deepcopy(table[key])
-    raise ValueError(f"name: expected one of {sorted(PRESETS) + sorted(MROPE_PRESETS) + sorted(MLA_PRESETS)}, "
-                     f"got {name!r}")
+    raise ValueError(f"name: expected one of {[n for names in PRESET_GROUPS.values() for n in names]}, got {name!r}")
+
+
+def preset_mrope(name: str) -> tuple[tuple[int, int, int], bool] | None:
+    """(mrope_section, mrope_interleaved) of a multimodal-RoPE preset, None for the others."""
+    key = str(name).lower()
+    if key not in MROPE_PRESETS:
+        return None
+    settings = hf_rope_settings(MROPE_PRESETS[key])
+    return tuple(settings["mrope_section"]), bool(settings["mrope_interleaved"])
 
 
 def mla_shape(name: str, tp: int = 1) -> MlaShape:
@@ -154,7 +175,9 @@ def preset_tables(name: str, max_pos=None, *, tp: int = 1, dtype=np.float32, for
 
 # Shapes with no config of their own (a small one for tests and CPU demos).
 _EXTRA_SHAPES = (ModelShape("tiny", 8, 2, 64, 64),)
-MODELS: dict[str, ModelShape] = {name: preset_shape(name) for name in PRESETS} | {m.name: m for m in _EXTRA_SHAPES}
+MODELS: dict[str, ModelShape] = ({name: preset_shape(name) for name in PRESETS}
+                                 | {name: preset_shape(name) for name in MROPE_PRESETS}
+                                 | {m.name: m for m in _EXTRA_SHAPES})
 
 
 def model_shape(name: str, tp: int = 1) -> ModelShape:
@@ -162,7 +185,7 @@ def model_shape(name: str, tp: int = 1) -> ModelShape:
     KV heads split while there are enough and replicated (one per shard) beyond that."""
     if name not in MODELS:
         raise ValueError(f"preset: expected one of {sorted(MODELS)}, got {name!r}")
-    if name in PRESETS:
+    if name in PRESETS or name in MROPE_PRESETS:
         return preset_shape(name, tp)
     m = MODELS[name]
     if isinstance(tp, bool) or not isinstance(tp, (int, np.integer)) or tp < 1 or m.q_heads % tp or (
