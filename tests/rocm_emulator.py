@@ -594,3 +594,16 @@ def launch(kernel_module, cfg, operands: list[np.ndarray], results: list[np.ndar
             kernel_module.emit_kernel_body(cfg, args, dialects=DIALECTS)
     LAST_WRITERS = {i: M.writers.get(M.buffer(a)[0], set()) for i, a in enumerate(raddrs)}
     return [M.read(a, r) for a, r in zip(raddrs, results)]
+
+
+def launch_raw(emit, nt: int, buffers: list[np.ndarray], scalars: list[int], grid: int) -> list[np.ndarray]:
+    """Runs `emit(args, dialects)` as a kernel of `grid` workgroups of `nt` lanes whose 8-byte
+    arguments are the addresses of `buffers`, then `scalars`; returns the buffers' contents after."""
+    global M
+    M = Machine(nt)
+    addrs = [M.alloc(b) for b in buffers]
+    for b in range(grid):
+        M.bid, M.bid_y = b, 0
+        M.mask = [np.ones(nt, bool)]
+        emit([Val(I64, np.full(nt, x & (2**64 - 1), np.uint64)) for x in addrs + list(scalars)], DIALECTS)
+    return [M.read(a, b) for a, b in zip(addrs, buffers)]
