@@ -141,21 +141,20 @@ def _gpu_arch() -> str:
 
 
 class _Hip:
-    """The HIP runtime jax loaded (else libamdhip64.so.7 / .6), through ctypes."""
+    """The HIP runtime jax loaded (else libamdhip64.so.7 / .6 / .so), through ctypes."""
 
     def __init__(self):
-        for name in ("libamdhip64.so", "libamdhip64.so.7", "libamdhip64.so.6"):
+        names = ("libamdhip64.so.7", "libamdhip64.so.6", "libamdhip64.so")
+        # one already loaded first (jax's): a second HIP runtime in the process would not share its devices
+        modes = (getattr(os, "RTLD_NOLOAD", 4) | os.RTLD_LAZY, os.RTLD_LAZY)
+        for mode, name in ((m, n) for m in modes for n in names):
             try:
-                self.lib = ctypes.CDLL(name, mode=getattr(os, "RTLD_NOLOAD", 4) | os.RTLD_LAZY)
+                self.lib = ctypes.CDLL(name, mode=mode)
                 break
             except OSError:
-                try:
-                    self.lib = ctypes.CDLL(name)
-                    break
-                except OSError:
-                    continue
+                continue
         else:
-            raise RuntimeError("no HIP runtime (libamdhip64.so) could be loaded")
+            raise RuntimeError(f"no HIP runtime could be loaded (tried {', '.join(names)})")
         L, vp, sz = self.lib, ctypes.c_void_p, ctypes.c_size_t
         L.hipGetErrorString.restype = ctypes.c_char_p
         L.hipModuleLoadData.argtypes = [ctypes.POINTER(vp), ctypes.c_char_p]
