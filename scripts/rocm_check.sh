@@ -3,7 +3,8 @@
 # ROCm 7 plugin, FlyDSL, this package built from the checkout), then runs
 # `python -m jax_rope_cache check`, which prints and writes ONE report file to paste into a bug
 # report: ROCm / jax / plugin versions, devices and gcnArchName, the ROCm GPU tests against the
-# numpy reference, the launcher's no-graph and graph targets, `generate` kernel vs XLA, a short bench.
+# numpy reference, the kernel's f16 rounding on all 2^32 f32 inputs (tests/test_rocm_f16_conversion.py),
+# the launcher's no-graph and graph targets, `generate` kernel vs XLA, a short bench.
 #
 #   scripts/rocm_check.sh [--report FILE]       (default: rocm_check_report.md in the checkout)
 #
@@ -20,7 +21,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --report) REPORT=$2; shift 2 ;;
     --report=*) REPORT=${1#--report=}; shift ;;
-    -h|--help) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) ARGS+=("$1"); shift ;;
   esac
 done

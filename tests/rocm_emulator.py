@@ -8,9 +8,13 @@ against byte arrays standing in for device memory, and the results are compared 
 numpy reference. Semantics follow the AMDGPU/MLIR ops used: wrapping integer arithmetic,
 IEEE f32 operations with one rounding each (llvm.intr.fma: one rounding of a*b + c; subnormals
 kept, as the kernel's f32 denormal mode does; NaN results are some NaN, the kernel's conversions
-write the canonical patterns), buffer loads returning 0 and buffer stores dropped
-past the descriptor's num_records, scf.if as an execution mask. A masked-in global store outside
-every buffer raises (an out-of-bounds write on the GPU). Needs no flydsl.
+write the canonical patterns), scf.if as an execution mask. Buffer accesses: wholly past the
+descriptor's num_records a load returns 0 and a store is dropped (the documented buffer-descriptor
+range check the kernels rely on); an active lane's access that is partly in range raises, because
+what the hardware does with its bytes (per dword, or all of the access) is not what the kernels may
+rely on. A masked-in global store outside every buffer raises (an out-of-bounds write on the GPU).
+Huge read-only operands (a cos/sin table of GiBs) can be RowTable stand-ins that make each row on
+demand. Needs no flydsl.
 """
 
 from __future__ import annotations
@@ -66,9 +70,9 @@ class Machine:
         self.bid = self.bid_y = 0
         self.writers: dict[int, set] = {}  # buffer base -> the grid.y parts that stored into it
 
-    def alloc(self, arr: np.ndarray) -> int:
-        base = (len(self.bufs) + 1) << 40
-        self.bufs.append((base, bytearray(np.ascontiguousarray(arr).tobytes())))
+    def alloc(self, arr) -> int:
+        base = (len(self.bufs) + 1) << 40  # 1 TiB apart: room for any stand-in
+        self.bufs.append((base, arr if isinstance(arr, RowTable) else bytearray(np.ascontiguousarray(arr).tobytes())))
         return base
 
     def buffer(self, addr: int) -> tuple[int, bytearray]:
@@ -85,6 +89,36 @@ class Machine:
 
 
 M: Machine | None = None
+
+
+class RowTable:
+    """A read-only 2-D operand too large to hold (a cos/sin table of 4 GiB): `row(i)` makes row i
+    (shape[1] values) when a load reaches it. Has the shape / ndim / dtype that run() and launch()
+    read of an operand; alloc() maps it as a buffer of shape[0] * row bytes."""
+
+    def __init__(self, shape, dtype, row):
+        self.shape, self.ndim, self.dtype, self.row = tuple(shape), 2, np.dtype(dtype), row
+        self.row_bytes = self.shape[1] * self.dtype.itemsize
+        self.rows_read: set[int] = set()
+
+    def __len__(self):
+        return self.shape[0] * self.row_bytes
+
+    def __getitem__(self, sl: slice) -> bytes:
+        start, stop, out = sl.start, sl.stop, bytearray()
+        assert 0 <= start <= stop <= len(self), (start, stop)
+        while start < stop:
+            r, o = divmod(start, self.row_bytes)
+            self.rows_read.add(r)
+            data = np.ascontiguousarray(self.row(r), self.dtype).tobytes()
+            assert len(data) == self.row_bytes
+            take = min(stop - start, self.row_bytes - o)
+            out += data[o:o + take]
+            start += take
+        return bytes(out)
+
+    def __setitem__(self, sl, value):
+        raise AssertionError("a store into a read-only RowTable operand")
 
 
 
@@ -413,8 +447,10 @@ class rocdl:  # noqa: N801
         base, nrec = rsrc.a
         nb = _nbytes(ty)
         raw = []
+        on = M.mask[-1]
         for lane in range(M.nt):
             o = int(off.a[lane]) + int(soff.a[lane])
+            _check_range(o, nb, nrec, on[lane], "load")
             if o + nb <= nrec:
                 b0, buf = M.buffer(base)
                 s = base - b0 + o
@@ -431,12 +467,20 @@ class rocdl:  # noqa: N801
         data = _lane_bytes(val)
         for lane in np.nonzero(M.mask[-1])[0]:
             o = int(off.a[lane]) + int(soff.a[lane])
+            _check_range(o, nb, nrec, True, "store")
             if o + nb <= nrec:
                 b0, buf = M.buffer(base)
                 s = base - b0 + o
                 assert s + nb <= len(buf), "descriptor larger than its buffer"
                 buf[s:s + nb] = data[lane]
                 M.writers.setdefault(b0, set()).add(M.bid_y)
+
+
+def _check_range(off: int, nbytes: int, nrec: int, active: bool, what: str) -> None:
+    """An active lane's buffer access must be wholly inside [0, num_records) or wholly past it."""
+    assert not (active and off < nrec < off + nbytes), (
+        f"buffer {what} of {nbytes} bytes at offset {off} is partly in range (num_records {nrec}): the hardware's "
+        "handling of such an access is not verified")
 
 
 class _Block:
@@ -550,3 +594,16 @@ def launch(kernel_module, cfg, operands: list[np.ndarray], results: list[np.ndar
             kernel_module.emit_kernel_body(cfg, args, dialects=DIALECTS)
     LAST_WRITERS = {i: M.writers.get(M.buffer(a)[0], set()) for i, a in enumerate(raddrs)}
     return [M.read(a, r) for a, r in zip(raddrs, results)]
+
+
+def launch_raw(emit, nt: int, buffers: list[np.ndarray], scalars: list[int], grid: int) -> list[np.ndarray]:
+    """Runs `emit(args, dialects)` as a kernel of `grid` workgroups of `nt` lanes whose 8-byte
+    arguments are the addresses of `buffers`, then `scalars`; returns the buffers' contents after."""
+    global M
+    M = Machine(nt)
+    addrs = [M.alloc(b) for b in buffers]
+    for b in range(grid):
+        M.bid, M.bid_y = b, 0
+        M.mask = [np.ones(nt, bool)]
+        emit([Val(I64, np.full(nt, x & (2**64 - 1), np.uint64)) for x in addrs + list(scalars)], DIALECTS)
+    return [M.read(a, b) for a, b in zip(addrs, buffers)]

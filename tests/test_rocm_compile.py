@@ -507,3 +507,87 @@ def test_isa_norm_is_correctly_rounded_and_uses_cross_lane_ops(p, arch):
 
 
 K_NORM = flydsl_kernel_module()
+
+
+# ---- per-arch census ----------------------------------------------------------------------------
+# Instructions in one arch's code of a configuration that the other arch's code of the same
+# configuration lacks (mnemonics; the encoding suffixes _e32 / _e64 / _sdwa / _dpp dropped, as the
+# register allocation picks them). The lane emulator runs the emitter, not the ISA, so what only
+# one arch executes is checked here by review: a new one fails the test until it is added, with
+# what it computes and what checks it.
+ARCH_ONLY = {
+    "gfx942": {
+        "v_cvt_f16_f32": "f32 -> f16 (RNE, denormals kept) one value at a time; gfx950 packs two",
+        "v_pack_b32_f16": "two f16 results into one word (gfx950: v_cvt_pk_f16_f32 does both)",
+        "v_xor_b32": "tid ^ 32 of the ds_bpermute address (gfx950: folded into v_bitop3_b32)",
+    },
+    "gfx950": {
+        "v_cvt_pk_f16_f32": "two f32 -> f16 (RNE) in one instruction: every f16 store and the per-token scale "
+                            "path; checked on all 2**32 inputs on a ROCm host by tests/test_rocm_f16_conversion.py",
+        "v_bitop3_b32": "((tid ^ 32) & 63) of the ds_bpermute address as one three-input bitwise op",
+    },
+}
+_ENCODING = re.compile(r"_(?:e32|e64|sdwa|dpp)$")
+
+
+def isa_mnemonics(isa: str) -> set[str]:
+    """The instructions of an ISA listing (tab-indented lines that are not directives)."""
+    out = set()
+    for line in isa.splitlines():
+        m = re.match(r"^\t([a-z][a-z0-9_]*)", line)
+        if m and not line.startswith("\t."):
+            out.add(_ENCODING.sub("", m.group(1)))
+    return out
+
+
+def census_configs() -> dict:
+    """Configurations reaching every conversion and cross-lane path of both kernels, in both regimes."""
+    from test_rocm_mla import DEEPSEEK_TP8, spec_of
+    from mla_cases import MlaCase
+    from jax_rope_cache.mla import rocm_kernel
+
+    KM = rocm_kernel.kernel_module()
+    bpermute = norm_spec(q_norm=None, k_norm=F32, QH=2, KH=2, D=256, dt=F32, tdt=F32, prec="native", T=8192)
+    out = {
+        "bf16 flash": rocm.kernel_config(make_spec(T=8192)),
+        "f16 latency": rocm.kernel_config(make_spec(T=1, dt=F16)),
+        "f16 native gptj fp8": rocm.kernel_config(make_spec(T=1, dt=F16, tdt=F16, cdt=FN, prec="native", neox=False,
+                                                            layout="xpacked_shuffled", D=64)),
+        "f32 fnuz": rocm.kernel_config(make_spec(T=8192, dt=F32, tdt=BF16, cdt=FNUZ, layout="xpacked", D=256)),
+        "e5m2": rocm.kernel_config(make_spec(T=1, tdt=BF16, cdt=E5, prec="native", layout="hnd")),
+        "fused fp8": rocm.kernel_config(make_spec(T=8192, cdt=FN, prec="native")),
+        "norm ds_bpermute": K_NORM.make_config(**rocm.config_codes(contract.kernel_codes(bpermute), K_NORM), rot_cap=2),
+        "per-token f16": rocm.kernel_config(dataclasses.replace(make_spec(T=1, dt=F16, cdt=FN, QH=8, KH=2),
+                                                                token_scales=True)),
+        "mla f16 fp8": rocm_kernel.kernel_config(spec_of(MlaCase(**DEEPSEEK_TP8, dtype=F16, cache_dtype=FNUZ,
+                                                                 q_out_dtype=FN), 1), KM),
+        "mla bf16 split": rocm_kernel.kernel_config(spec_of(MlaCase(**DEEPSEEK_TP8, layout="split", cache_dtype=FN),
+                                                            8192), KM),
+    }
+    assert K_NORM.norm_layout(out["norm ds_bpermute"]).lanes == 64
+    return out
+
+
+@needs_flydsl
+def test_isa_census_of_arch_specific_instructions():
+    per_case, found = {}, {a: set() for a in ARCHS}
+    for name, cfg in census_configs().items():
+        ops = {a: isa_mnemonics(flydsl.isa(cfg, a)) for a in ARCHS}
+        assert all("s_endpgm" in o for o in ops.values()), name
+        for a, b in (ARCHS, ARCHS[::-1]):
+            only = ops[a] - ops[b]
+            found[a] |= only
+            per_case[(name, a)] = sorted(only)
+    detail = "; ".join(f"{n} {a}: {o}" for (n, a), o in per_case.items() if o)
+    for a in ARCHS:
+        assert found[a] == set(ARCH_ONLY[a]), (
+            f"{a}-only instructions changed: new {sorted(found[a] - set(ARCH_ONLY[a]))}, gone "
+            f"{sorted(set(ARCH_ONLY[a]) - found[a])} (per configuration: {detail}); review what a new one computes "
+            "on that arch and record it in ARCH_ONLY")
+    assert per_case[("f16 latency", "gfx950")] == ["v_cvt_pk_f16_f32"]
+    assert per_case[("norm ds_bpermute", "gfx950")] == ["v_bitop3_b32"]
+
+
+def test_isa_mnemonics_reads_instructions_not_directives():
+    isa = "\t.amdgcn_target \"x\"\nk_0:\n\tv_xor_b32_e32 v1, 32, v0\n\tv_cvt_pk_f16_f32 v5, v2, v3\n\ts_endpgm\n"
+    assert isa_mnemonics(isa) == {"v_xor_b32", "v_cvt_pk_f16_f32", "s_endpgm"}

@@ -31,6 +31,7 @@ import inspect
 import os
 
 import jax
+import numpy as np
 
 from jax_rope_cache import contract
 from jax_rope_cache.backends import launcher, native
@@ -174,7 +175,8 @@ def occupancy_candidates(cfg, module=None) -> list:
         out += [c for c in occupancy_candidates(K.make_config(**codes), K) if c not in out]
     if getattr(cfg, "token_scales", False):  # narrower chunks may spread a row over too many lanes
         out = [(c, h) for c, h in out if K.token_scales_problem(c) is None]
-    return out
+    # a latency cfg's bandwidth fallbacks hold more token rows per workgroup (cfg itself: refused at lowering)
+    return [(c, h) for c, h in out if c == cfg or K.span_problem(c) is None]
 
 
 def build_code_table(cfg, archs=None) -> tuple[bytes, str, list]:
@@ -248,6 +250,33 @@ def refuse_token_scales(cfg, module=None) -> None:
                             "XLA implementation then runs) or impl='xla'"))
 
 
+def table_bytes(spec) -> int:
+    """Bytes of each cos / sin table of a call (an OpSpec or an MlaSpec): [max_pos, R or R/2]."""
+    width = spec.rotary_dim if spec.table_full else spec.rotary_dim // 2
+    return spec.max_pos * width * np.dtype(spec.table_dtype).itemsize
+
+
+def refuse_buffer_limits(spec, cfg, module=None, op: str = "rope_and_cache") -> None:
+    """KernelUnavailable (cause: a ValueError naming the buffer) where the FlyDSL kernel's 32-bit
+    buffer offsets cannot address the call's buffers: a cos/sin table of 4 GiB or more (the
+    kernel's TABLE_BYTES_LIMIT; it would silently read another row), or a workgroup's token rows
+    spanning more than one descriptor addresses (span_problem of the configuration `cfg`). Every
+    other buffer is addressed in 64-bit (the kernel module's docstring lists the limits)."""
+    K = module or flydsl.kernel_module()
+    nbytes = table_bytes(spec)
+    if nbytes >= K.TABLE_BYTES_LIMIT:
+        width = spec.rotary_dim if spec.table_full else spec.rotary_dim // 2
+        problem = (f"cos/sin: expected tables of less than 4 GiB ({K.TABLE_BYTES_LIMIT} bytes: the kernel addresses "
+                   f"them with 32-bit offsets), got [{spec.max_pos}, {width}] {np.dtype(spec.table_dtype).name} = "
+                   f"{nbytes} bytes each")
+    else:
+        problem = K.span_problem(cfg)
+    if problem is None:
+        return
+    raise native.KernelUnavailable(f"buffers its 32-bit offsets can address ({problem})") from ValueError(
+        f"{op}: impl='kernel' on {NAME}: {problem}; use impl=None (the XLA implementation then runs) or impl='xla'")
+
+
 def launch_buffers(spec: contract.OpSpec) -> dict:
     """lower_launch's aliases, fenced operands and buffer names: with per-token scales the scale
     caches are 2 more results aliased to the k_scale / v_scale slots, and (donated, updated in place)
@@ -262,6 +291,7 @@ def launch_buffers(spec: contract.OpSpec) -> dict:
 def lower(ctx, args, spec: contract.OpSpec):
     native.refuse_unsupported(spec, SUPPORTS, NAME)
     refuse_token_scales(kernel_config(spec))
+    refuse_buffer_limits(spec, kernel_config(spec))
 
     def build(archs):
         cfg = kernel_config(spec)

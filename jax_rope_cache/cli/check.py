@@ -5,6 +5,8 @@ On a ROCm host (jax has a "rocm" backend):
   1. the environment: ROCm version, jax / jaxlib / plugin / FlyDSL versions, devices with their
      gcnArchName (`compute_capability`), what the kernel needs and lacks;
   2. the GPU tests of the test suite for ROCm, against the numpy reference (needs a checkout);
+     then the kernel's f32 -> f16 rounding on all 2**32 f32 inputs against numpy
+     (tests/test_rocm_f16_conversion.py; its F16CHECK line goes into the report);
   3. the launcher's two targets: a decode loop (fori_loop over stacked layers) with
      JAX_ROPE_CACHE_COMMAND_BUFFERS=0 (no HIP graphs, the ROCm default) and =1 (XLA may capture
      the call into a HIP graph), each compared bit for bit with the reference;
@@ -28,7 +30,9 @@ import subprocess
 import sys
 import time
 
-STEP_TIMEOUT_S = {"gpu tests": 3600, "launcher targets": 900, "generate": 900, "bench": 900}
+STEP_TIMEOUT_S = {"gpu tests": 3600, "f16 conversion": 1800, "launcher targets": 900, "generate": 900, "bench": 900}
+F16_TESTS = "tests/test_rocm_f16_conversion.py"
+
 KFD = "/dev/kfd"
 
 
@@ -228,6 +232,7 @@ def _gpu_steps(report: Report, root: str | None) -> bool:
         last = (r.stdout.strip().splitlines() or [""])[-1] if r else "timed out"
         report.result("gpu tests", "PASS" if r and r.returncode == 0 else "FAIL", last)
         ok &= bool(r and r.returncode == 0)
+        ok &= _f16_step(report, root, py)
     for value, what in (("0", "no-graph target (ROCm default)"), ("1", "graph target (HIP graphs)")):
         r = _step(report, "launcher targets", py + ["-m", "jax_rope_cache", "check", "--op-check", "rocm"],
                   env={"JAX_ROPE_CACHE_COMMAND_BUFFERS": value})
@@ -250,6 +255,23 @@ def _gpu_steps(report: Report, root: str | None) -> bool:
     report.result("bench", "PASS" if r and r.returncode == 0 else "FAIL", "table in its section")
     ok &= bool(r and r.returncode == 0)
     return ok
+
+
+def _f16_step(report: Report, root: str, py: list[str]) -> bool:
+    """The exhaustive f16 rounding check on this host's GPU: PASS only when its test file passed and
+    its F16CHECK line covers all 2**32 inputs with no mismatch."""
+    r = _step(report, "f16 conversion", py + ["-m", "pytest", "-q", "-s", "-rfEs", "-p", "no:cacheprovider", F16_TESTS],
+              env={"JRC_JAX_EXTRA": os.environ.get("JRC_JAX_EXTRA") or "rocm7-local"}, cwd=root)
+    found = [x for x in r.stdout.splitlines() if x.startswith("F16CHECK ")] if r else []
+    res = json.loads(found[-1][len("F16CHECK "):]) if found else None
+    good = bool(r and r.returncode == 0 and res and res["inputs"] == 1 << 32 and res["mismatches"] == 0)
+    if res:
+        note = (f"{res['arch']}: {res['mismatches']} of {res['inputs']} f32 inputs differ from numpy's f16"
+                + (f" (first 0x{res['first_mismatch']:08x})" if res["first_mismatch"] is not None else ""))
+    else:
+        note = f"no F16CHECK result (exit {r.returncode if r else 'timeout'}; see its section)"
+    report.result("f16 conversion (every f32)", "PASS" if good else "FAIL", note)
+    return good
 
 
 def _grep(r, pattern: str, n: int) -> str:

@@ -371,15 +371,26 @@ def worker_pid() -> int | None:
 
 
 def _run_compile(cfg, arch: str, isa: bool = False, hints: dict | None = None) -> dict:
+    return compile_module(kernel_source_path(kernel_of(cfg)), dataclasses.asdict(cfg), arch, isa, hints,
+                          what=cfg.key())
+
+
+def compile_module(path: str, config: dict, arch: str, isa: bool = False, hints: dict | None = None,
+                   what: str | None = None) -> dict:
+    """Compiles the kernel of the FlyDSL builder module at `path` (what the compile child calls:
+    RocmKernelConfig(**config), build_launcher, NUM_ARGS) for `arch`, uncached: {"code": base64
+    code object, "isa": text or None, "flydsl": version}. The package's kernels go through
+    compile_config; this also serves check kernels kept outside the package (tests/)."""
     require()
-    req = dict(op="compile", kernel=kernel_source_path(kernel_of(cfg)), config=dataclasses.asdict(cfg), arch=arch,
-               rocm_path=toolkit_root(), isa=bool(isa), hints=dict(hints or {}))
+    req = dict(op="compile", kernel=path, config=config, arch=arch, rocm_path=toolkit_root(), isa=bool(isa),
+               hints=dict(hints or {}))
     with _lock:
         w = _get_worker()
         r = w.request(req)
         version = w.flydsl
     if not r.get("ok"):
-        raise FlyDSLError(f"FlyDSL failed to compile {cfg.key()} for {arch}: {r.get('error')}\n{r.get('traceback', '')}")
+        raise FlyDSLError(f"FlyDSL failed to compile {what or path} for {arch}: {r.get('error')}\n"
+                          f"{r.get('traceback', '')}")
     r["flydsl"] = version
     return r
 

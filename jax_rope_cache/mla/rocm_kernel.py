@@ -50,7 +50,7 @@ def occupancy_candidates(cfg, module=None) -> list:
     narrow = K.make_config(**fields, latency=cfg.latency, w_cap=max(1, cfg.w // 2), rot_cap=max(1, cfg.rw // 2))
     if narrow != cfg:
         out += [(narrow, None), (narrow, rocm.WAVES_PER_EU)]
-    return out
+    return [(c, h) for c, h in out if c == cfg or K.span_problem(c) is None]  # cfg itself: refused at lowering
 
 
 def build_code_table(cfg, archs=None) -> tuple[bytes, str, list]:
@@ -65,6 +65,9 @@ def build_code_table(cfg, archs=None) -> tuple[bytes, str, list]:
 
 
 def lower(ctx, args, spec, launch_options):
+    K = kernel_module()
+    rocm.refuse_buffer_limits(spec, kernel_config(spec, K), K, op="mla_rope_and_cache")
+
     def build(archs):
         cfg = kernel_config(spec)
         table, symbol, objs = build_code_table(cfg, archs)

@@ -38,6 +38,9 @@ and drops stores past it); tables through a descriptor of max_pos rows. Position
 [0, max_pos - 1] (64-bit); a latent row is written only when the token exists and
 0 <= slot < NB*BS (64-bit compare; stacked: 0 <= layer < L and the row lands in layer `layer`),
 with 64-bit global stores. q_out and k_pe_out are written for every token.
+32-bit limits (as the main kernel's, rope_cache_flydsl.py): each table < 4 GiB (TABLE_BYTES_LIMIT)
+and each per-workgroup descriptor <= OOB_OFFSET bytes (span_problem); both refused at lowering
+(jax_rope_cache/mla/rocm_kernel.py through backends/rocm.refuse_buffer_limits).
 Arithmetic: "fp32", native "rounded" or native "fused" exactly as the main kernel (arith_mode);
 fp8 outputs quantize the value rounded to the input dtype, or in "fused" arithmetic the f32 value
 before that rounding (q_out's rope part and the cached rope key alike). Copies into an output of
@@ -68,6 +71,7 @@ _B = _base()
 F32, BF16, F16, FP8_FN, FP8_FNUZ, FP8_E5M2 = _B.F32, _B.BF16, _B.F16, _B.FP8_FN, _B.FP8_FNUZ, _B.FP8_E5M2
 ITEMSIZE = _B.ITEMSIZE
 FP8 = _B.FP8_CODES
+TABLE_BYTES_LIMIT, OOB_OFFSET = _B.TABLE_BYTES_LIMIT, _B.OOB_OFFSET
 
 KERNEL_BASENAME = "jrc_mla_cache"
 NUM_ARGS = 30  # what the launch function takes (the split layout's count; combined uses the first 27)
@@ -140,6 +144,19 @@ def units(cfg) -> tuple[int, int]:
     return cfg.qh * (cfg.dn // cfg.w) + cfg.dc // cfg.w, (cfg.qh + 1) * p
 
 
+def span_problem(cfg) -> str | None:
+    """Why one workgroup's per-token descriptors would span more than OOB_OFFSET bytes (None: they
+    do not): the main kernel's rule (rope_cache_flydsl.span_problem)."""
+    s, sq = ITEMSIZE[cfg.dt], ITEMSIZE[cfg.q_dt]
+    rows = {"q_nope": cfg.qh * cfg.dn * s, "q_pe": cfg.qh * cfg.dr * s, "kv_c": cfg.dc * s, "k_pe": cfg.dr * s,
+            "q_out": cfg.qh * (cfg.dn + cfg.dr) * sq, "slot_mapping / positions": 8 if cfg.slot64 or cfg.pos64 else 4}
+    name, row = max(rows.items(), key=lambda kv: kv[1])
+    if cfg.tpb * row <= OOB_OFFSET:
+        return None
+    return (f"{name}: {cfg.tpb} token row(s) of {row} bytes per workgroup ({cfg.tpb * row} bytes), more than the "
+            f"{OOB_OFFSET} bytes one 32-bit buffer descriptor addresses")
+
+
 def rot_store_elems(cfg) -> int:
     """Elements per rotated store piece: the chunk, unless q_out's rows (Dn + Dr) or the combined
     cache's (Dc + Dr) would leave it misaligned."""
@@ -201,7 +218,7 @@ def emit_kernel_body(cfg: MlaRocmConfig, args: list, dialects=None) -> None:
     N_ALL = N_COPY + N_ROT
     STRIDE = NT * PARTS
     RSE = rot_store_elems(cfg)
-    BIG = c32(0x7FFFFFF0)  # past every descriptor: loads return 0, stores are dropped
+    BIG = c32(OOB_OFFSET)  # past every descriptor (span_problem): loads return 0, stores are dropped
 
     tid = E.tid()
     t0 = E.mul(E.ext64(E.bid()), c64(TPB))
@@ -371,7 +388,7 @@ def emit_kernel_body(cfg: MlaRocmConfig, args: list, dialects=None) -> None:
     def rot_finish(st):
         tl, h, j, is_k, ok = st["tl"], st["h"], st["j"], st["is_k"], st["ok"]
         pos = E.arith.maxsi(E.arith.minsi(st["pos"], E.sub(MAXPOS, c64(1))), c64(0))
-        row = E.mul(E.trunc32(pos), c32(TW * s_tab))
+        row = E.mul(E.trunc32(pos), c32(TW * s_tab))  # 32-bit: tables < TABLE_BYTES_LIMIT (refused at lowering)
 
         def tab(rs, first, n):
             off = E.add(row, E.add(E.mul(j, c32(n * s_tab)), c32(first * s_tab)))

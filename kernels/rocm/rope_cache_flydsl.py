@@ -34,10 +34,22 @@ different CUs instead of in turn; each maps its lanes as (token sub-slot, head s
   * v    : V heads copied into the value cache.
 All loads of a (token, phase) iteration are issued before the first store; a lane makes one access
 per chunk (Q and K heads branch on the head kind, which is uniform per wave whenever QH is a
-multiple of the heads one wave covers). q/k/v/q_out/k_out and
-the tables are accessed with 32-bit-offset buffer instructions through descriptors based at the
-workgroup's first token row, whose size covers only the valid rows (the hardware drops accesses
-past T). The caches (any size) are written with 64-bit global stores.
+multiple of the heads one wave covers). q/k/v/q_out/k_out, slot_mapping and positions are
+accessed with 32-bit-offset buffer instructions through descriptors based at the workgroup's first
+token row, whose size covers only the valid rows (the hardware drops accesses past T); the tables
+through one descriptor over all max_pos rows. The caches (any size) are written with 64-bit global
+stores.
+
+32-bit limits. A buffer access adds a 32-bit byte offset to its descriptor's base and checks it
+against the descriptor's 32-bit num_records, so what one descriptor covers must stay below 4 GiB:
+  * cos / sin: max_pos rows, addressed from the table's start: each table < 4 GiB
+    (TABLE_BYTES_LIMIT; past it a row's offset would wrap onto another row);
+  * the per-workgroup descriptors of q, k, v (or the fused QKV rows), q_out, k_out, slot_mapping
+    and positions: TPB rows each, at most OOB_OFFSET bytes (span_problem), so that OOB_OFFSET, the
+    offset a lane of a missing head uses, lies past every one of them;
+  * norm weights, scales, layer: a few bytes.
+Both are refused at lowering (jax_rope_cache/backends/rocm.py, refuse_buffer_limits: impl=None
+falls back to the XLA path). The caches, the scale caches and every index compare are 64-bit.
 
 Bounds: positions clamped to [0, max_pos - 1] (in 64-bit; M-RoPE: each stream on its own); a cache
 row is written only when the token exists (t < T) and 0 <= slot < NB*BS (64-bit compare; stacked:
@@ -105,6 +117,8 @@ FP8_CODES = (FP8_FN, FP8_FNUZ, FP8_E5M2)
 FP8_MAX = {FP8_FN: 448.0, FP8_FNUZ: 240.0, FP8_E5M2: 57344.0}  # contract.FP8_MAX
 TOKEN_AMAX_FLOOR_BITS = struct.unpack("<I", struct.pack("<f", 1e-8))[0]  # contract.TOKEN_AMAX_FLOOR (f32)
 FLASH, XPACKED, XPACKED_SHUFFLED, HND = 0, 1, 2, 3
+TABLE_BYTES_LIMIT = 1 << 32  # a cos/sin table must be smaller (32-bit buffer offsets; module docstring)
+OOB_OFFSET = 0x7FFFFFF0  # past every per-workgroup descriptor (span_problem): loads 0, stores dropped
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,6 +250,24 @@ def phases(cfg: "RocmKernelConfig") -> list[str]:
     """The kernel's phases in order (part y of a split configuration runs phases(cfg)[y])."""
     merged = whole_rows(cfg) and norm_layout(cfg).merged
     return ["rot"] + (["pass"] if cfg.r < cfg.d and not merged else []) + ["v"]
+
+
+def span_problem(cfg: "RocmKernelConfig") -> str | None:
+    """Why one workgroup's per-token descriptors of `cfg` would span more than OOB_OFFSET bytes (None:
+    they do not). Offsets into them are 32-bit and a missing head's lanes use OOB_OFFSET, which must
+    lie past each of them."""
+    s = ITEMSIZE[cfg.dt]
+    idx = 8 if cfg.slot64 or cfg.pos64 else 4
+    rows = {"q_out": cfg.qh * cfg.d * s, "k_out": cfg.kh * cfg.d * s, "slot_mapping / positions": idx}
+    if cfg.qkv:
+        rows["q / k / v (fused QKV)"] = (cfg.qh + 2 * cfg.kh) * cfg.d * s
+    else:
+        rows["q"], rows["k / v"] = cfg.qh * cfg.d * s, cfg.kh * cfg.d * s
+    name, row = max(rows.items(), key=lambda kv: kv[1])
+    if cfg.tpb * row <= OOB_OFFSET:
+        return None
+    return (f"{name}: {cfg.tpb} token row(s) of {row} bytes per workgroup ({cfg.tpb * row} bytes), more than the "
+            f"{OOB_OFFSET} bytes one 32-bit buffer descriptor addresses")
 
 
 def whole_rows(cfg: "RocmKernelConfig") -> bool:
@@ -609,7 +641,8 @@ class _Emitter:
 
     # ---- memory ----
     def rsrc(self, addr_i64, nbytes_i64):
-        """Buffer descriptor over [addr, addr + nbytes) (nbytes clamped to 32 bits)."""
+        """Buffer descriptor over [addr, addr + nbytes) (nbytes clamped to 32 bits: the lowering
+        refuses larger buffers, see the module docstring's 32-bit limits)."""
         base = self.llvm.inttoptr(self.ptr0, addr_i64)
         n = self.arith.minui(nbytes_i64, self.i64c(0xFFFFFFFF))
         flags = self.i32c((7 << 12) | (4 << 15))  # CDNA: DATA_FORMAT 32, NUM_FORMAT float; raw
@@ -1218,7 +1251,7 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
                 iq, ik = E.add(iq, c32(extra * s_in)), E.add(ik, c32(extra * s_in))
         nbytes = nbytes or n * s_in
         if hvalid is not None:
-            big = c32(0x7FFFFFF0)  # past the descriptor: the hardware returns 0, drops stores
+            big = c32(OOB_OFFSET)  # past the descriptor: the hardware returns 0, drops stores
             oq = E.sel(hvalid, oq, big)
             ok = E.sel(hvalid, ok, big)
             if cfg.qkv:
@@ -1408,7 +1441,8 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
         n_rot = 2 if cfg.neox else 1
 
         def table_row(rs):
-            """Byte offset of the table row of the position at tl of `rs` (clamped, in 64-bit)."""
+            """Byte offset of the table row of the position at tl of `rs` (clamped in 64-bit; the offset
+            is 32-bit: the lowering refuses tables of TABLE_BYTES_LIMIT bytes or more)."""
             pos = load_index(rs, tl, cfg.pos64)
             pos = E.arith.maxsi(E.arith.minsi(pos, E.sub(MAXPOS, c64(1))), c64(0))
             return E.mul(E.trunc32(pos), c32(tw * s_tab))
@@ -1585,7 +1619,7 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
             cw = E.mul(c, c32(WV * s_in))
             off = in_offset(tl, h, KH, cw)
             if hvalid is not None:
-                off = E.sel(hvalid, off, c32(0x7FFFFFF0))
+                off = E.sel(hvalid, off, c32(OOB_OFFSET))
             pv = E.buf_load_words(rs_v, off, WV * s_in)
             wr = s_ok if hvalid is None else E.and1(s_ok, hvalid)
             d0 = E.ext64(E.mul(c, c32(WV)))

@@ -5,7 +5,9 @@
  *
  * It implements exactly the entry points the launcher binds (hipInit, hipGetDevice, hipSetDevice,
  * hipGetDevicePropertiesR0600, hipRuntimeGetVersion, hipModuleLoadData, hipModuleGetFunction,
- * hipModuleLaunchKernel, hipGetErrorString) and appends one JSON line per call to $HIP_STUB_LOG
+ * hipModuleLaunchKernel, hipGetErrorString), the few more a ctypes check drives (hipMalloc, hipFree,
+ * hipMemcpy, hipDeviceSynchronize, hipModuleUnload: "device" memory is host memory, a launch runs
+ * nothing) and appends one JSON line per call to $HIP_STUB_LOG
  * (hipInit's names the library: -DSTUB_SONAME="\"libamdhip64.so.N\"" at build), with what a test needs
  * to check: the code object loaded (size, FNV-1a 64 hash, ELF e_flags), the symbol asked for, and
  * for each launch the grid, block, dynamic shared memory, stream, the current device and the
@@ -226,6 +228,38 @@ hipError_t hipModuleLaunchKernel(void* function, unsigned gx, unsigned gy, unsig
   free(hex);
   free(peeks);
   return r;
+}
+
+/* ---- memory and synchronisation (tests/test_rocm_f16_conversion.py's host side) ---------------- */
+hipError_t hipMalloc(void** ptr, size_t size) {
+  if (!ptr) return kInvalidValue;
+  *ptr = calloc(1, size ? size : 1);
+  log_line("{\"call\": \"hipMalloc\", \"size\": %zu, \"device\": %d}", size, g_device);
+  return *ptr ? kSuccess : kInvalidValue;
+}
+
+hipError_t hipFree(void* ptr) {
+  log_line("{\"call\": \"hipFree\"}");
+  free(ptr);
+  return kSuccess;
+}
+
+hipError_t hipMemcpy(void* dst, const void* src, size_t size, int kind) {
+  log_line("{\"call\": \"hipMemcpy\", \"size\": %zu, \"kind\": %d}", size, kind);
+  if (!dst || !src) return kInvalidValue;
+  memcpy(dst, src, size);
+  return kSuccess;
+}
+
+hipError_t hipDeviceSynchronize(void) {
+  log_line("{\"call\": \"hipDeviceSynchronize\", \"device\": %d}", g_device);
+  return kSuccess;
+}
+
+hipError_t hipModuleUnload(void* module) {
+  log_line("{\"call\": \"hipModuleUnload\"}");
+  free(module);
+  return kSuccess;
 }
 
 const char* hipGetErrorString(hipError_t e) {
