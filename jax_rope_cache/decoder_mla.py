@@ -248,6 +248,7 @@ class MlaDecoder(decoder.Decoder):
     config_class = MlaDecoderConfig
     layouts = mla_contract.MLA_LAYOUTS
     kv_quants = (None,)  # per-token fp8 scales: the main op's feature, not the MLA op's
+    attentions = ("gather",)  # JAX's paged-attention kernels read per-head K and V, not latent rows
 
     def __init__(self, config: Mapping, params: dict, *, layout="combined", **kw):
         super().__init__(config, params, layout=layout, **kw)
