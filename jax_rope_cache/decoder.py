@@ -461,8 +461,9 @@ class Decoder:
     Prefill always gathers, from whatever layout the op wrote.
 
     The caches live in `self.caches`, a tuple: with gather, stacked [L, ...] arrays ((key_cache,
-    value_cache), or (kv_cache,) for kv_merged, in `layout`); with a Pallas attention, each layer's
-    own caches, layer by layer ((k_0, v_0, k_1, v_1, ...)), and the layers always unrolled. Every
+    value_cache), or (kv_cache,) for kv_merged, in `layout`); with a Pallas attention (or
+    per_layer=True), each layer's own caches, layer by layer ((k_0, v_0, k_1, v_1, ...)), and the
+    layers always unrolled. Every
     jitted call donates them and stores the returned ones. The tables (cos, sin) and the weights are
     arguments of the jitted steps, not constants baked into them.
     kv_quant="per_token": float8_e4m3fn caches with one scale per (token, kv head) computed by the op;
@@ -482,7 +483,8 @@ class Decoder:
 
     def __init__(self, config: Mapping, params: dict, *, layout=None, block_size=16, num_blocks=None,
                  max_seqs=8, max_len=None, impl="kernel", dtype=jnp.float32, unroll=1, seed=0, tables=None,
-                 device=None, cache_fill="random", kv_quant=None, decode_compiler_options=None, attention=None):
+                 device=None, cache_fill="random", kv_quant=None, decode_compiler_options=None, attention=None,
+                 per_layer=None):
         if impl not in IMPLS:
             raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
         if kv_quant not in self.kv_quants:
@@ -498,7 +500,11 @@ class Decoder:
         self.cfg = self.config_class.from_hf(config)
         self.layout, self.block_size, self.impl, self.unroll = layout, block_size, impl, unroll
         # a Pallas kernel reads a layer's caches as an operand: one cache per layer, layers unrolled
-        self.per_layer = self.attention != "gather"
+        self.per_layer = self.attention != "gather" if per_layer is None else bool(per_layer)
+        if self.attention != "gather" and not self.per_layer:
+            raise ValueError(f"per_layer: attention {self.attention!r} reads one cache per layer, got False")
+        if self.per_layer and kv_quant:
+            raise ValueError(f"per_layer: the scale caches of kv_quant={kv_quant!r} are stacked, got True")
         self.dtype = np.dtype(dtype)
         max_len = max_len or config["max_position_embeddings"]
         if tables is None:
