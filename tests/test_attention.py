@@ -238,3 +238,32 @@ def test_attention_choice_by_platform_and_errors():
         attn.check_platform("pallas_tpu", Device("gpu", "cuda 13000"))
     with pytest.raises(ValueError, match="attention: expected one of"):
         attn.check_platform("flash", cpu)
+
+
+@pytest.mark.parametrize("attention", ["gather", "pallas_gpu"])
+def test_demo_reads_q_out_with_an_attention(attention, capsys):
+    """`demo --attention`: each decode layer's q_out read by the attention over one cache per layer
+    in its layout; the final caches still equal the reference's (the op wrote what it must)."""
+    from jax_rope_cache.cli import demo
+
+    assert demo.run("llama-3.1-8b", tp=8, batch=3, prefill=5, steps=2, layers=2, repeats=1, attention=attention)
+    out = capsys.readouterr().out
+    assert f"q_out read by {attention} attention over {attn.layout_of(attention) or 'flash'} caches" in out, out
+    assert "kernel bit-exact, xla bit-exact" in out, out
+
+
+def test_generate_command_takes_an_attention(capsys):
+    """`generate --attention pallas_gpu` times the decoder on head_major caches (the kernel interpreted
+    here); a layout the attention does not read is refused by name."""
+    from jax_rope_cache.cli import generate
+
+    with pytest.raises(SystemExit) as e:
+        generate.main(["--check", "none", "--impls", "kernel", "--attention", "pallas_gpu", "--batch", "2",
+                       "--prompt-len", "3", "--steps", "2", "--repeats", "1", "--block-size", "8"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "head_major cache, attention pallas_gpu" in out, out
+    with pytest.raises(SystemExit) as e:
+        generate.main(["--check", "none", "--attention", "pallas_gpu", "--layout", "flash"])
+    assert e.value.code == 2
+    assert "--layout: attention 'pallas_gpu' reads 'head_major' caches, got 'flash'" in capsys.readouterr().err
