@@ -267,3 +267,39 @@ def test_generate_command_takes_an_attention(capsys):
         generate.main(["--check", "none", "--attention", "pallas_gpu", "--layout", "flash"])
     assert e.value.code == 2
     assert "--layout: attention 'pallas_gpu' reads 'head_major' caches, got 'flash'" in capsys.readouterr().err
+
+
+def test_decoder_attention_and_layout_choice():
+    """Decoder.choose_attention: None takes the device's kernel where its layout fits (or none is
+    asked) and the caches are unquantized, else the gather; contradictions are refused by name."""
+    class Client:
+        platform_version = "cuda 13000"
+
+    class Gpu:
+        platform, client = "gpu", Client()
+
+    choose = decoder.Decoder.choose_attention
+    assert choose(None, None, None, Gpu()) == ("pallas_gpu", "head_major")
+    assert choose(None, "flash", None, Gpu()) == ("gather", "flash")
+    assert choose(None, None, "per_token", Gpu()) == ("gather", "flash")
+    assert choose(None, None, None, jax.devices("cpu")[0]) == ("gather", "flash")
+    assert choose("pallas_tpu", None, None, jax.devices("cpu")[0]) == ("pallas_tpu", "head_major")
+    for args, match in ((("pallas_gpu", "flash", None), "layout: attention 'pallas_gpu' reads 'head_major'"),
+                        (("pallas_gpu", None, "per_token"), "kv_quant: attention 'pallas_gpu' reads unquantized"),
+                        (("paged", None, None), "attention: expected one of"),
+                        (("pallas_tpu", None, None), "runs on TPUs or the CPU")):
+        with pytest.raises(ValueError, match=match):
+            choose(*args, Gpu() if args[0] == "pallas_tpu" else jax.devices("cpu")[0])
+    from jax_rope_cache import decoder_mla
+
+    assert decoder_mla.MlaDecoder.choose_attention(None, "combined", None, Gpu()) == ("gather", "combined")
+    with pytest.raises(ValueError, match="attention: expected one of \\('gather',\\)"):
+        decoder_mla.MlaDecoder.choose_attention("pallas_gpu", None, None, Gpu())
+    cfg = decoder.TINY_CONFIGS["tiny-llama-3.1"]
+    params = decoder.random_params(decoder.DecoderConfig.from_hf(cfg), 1)
+    with pytest.raises(ValueError, match="per_layer: attention 'pallas_gpu' reads one cache per layer"):
+        decoder.Decoder(cfg, params, attention="pallas_gpu", per_layer=False, max_len=16, device=jax.devices("cpu")[0])
+    m = decoder.Decoder(cfg, params, layout="kv_merged", per_layer=True, max_len=16, max_seqs=2,
+                        device=jax.devices("cpu")[0])
+    assert m.attention == "gather" and len(m.caches) == 2 and m.value_cache is None
+    assert m.key_cache.shape == (2, m.allocator.num_blocks, 16, 4, 32)  # stacked view of the per-layer caches
