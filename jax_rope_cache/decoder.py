@@ -480,6 +480,7 @@ class Decoder:
     config_class = DecoderConfig
     layouts = tuple(dict.fromkeys(jrc.LAYOUTS + attn.NEW_LAYOUTS))
     kv_quants = KV_QUANTS
+    attentions = attn.ATTENTIONS
 
     def __init__(self, config: Mapping, params: dict, *, layout=None, block_size=16, num_blocks=None,
                  max_seqs=8, max_len=None, impl="kernel", dtype=jnp.float32, unroll=1, seed=0, tables=None,
@@ -557,8 +558,6 @@ class Decoder:
             raise ValueError(f"kv_quant: attention {attention!r} reads unquantized caches, got {kv_quant!r}")
         return attention, layout
 
-    attentions = attn.ATTENTIONS
-
     @property
     def cache_dtype(self):
         """The caches' dtype: float8_e4m3fn with kv_quant, else the model's."""
@@ -618,10 +617,10 @@ class Decoder:
         zero; "zeros" for large pools."""
         cfg = self.cfg
         cdt = self.cache_dtype
-        if self.layout in jrc.LAYOUTS:
-            shapes = jrc.cache_shapes(self.layout, num_blocks, self.block_size, cfg.kv_heads, cfg.head_dim, cdt)
-        else:
+        if self.layout in attn.NEW_LAYOUTS:  # from their definitions, whatever form the op's helpers give them
             shapes = attn.new_layout_shapes(self.layout, num_blocks, self.block_size, cfg.kv_heads, cfg.head_dim)
+        else:
+            shapes = jrc.cache_shapes(self.layout, num_blocks, self.block_size, cfg.kv_heads, cfg.head_dim, cdt)
         if self.per_layer:
             return self._filled([tuple(s) for _ in range(cfg.num_layers) for s in shapes], fill, seed, cdt)
         return self._filled([(cfg.num_layers,) + tuple(s) for s in shapes], fill, seed, cdt)
