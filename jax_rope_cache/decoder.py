@@ -4,8 +4,10 @@ through attention.
 
     token embedding -> L x [RMSNorm -> ONE fused q/k/v projection -> (Qwen3: per-head q/k RMSNorm)
     -> rope_and_cache_qkv (RoPE on q and k, K and V written into ONE stacked paged cache [L, ...] at
-    layer l) -> GQA attention over the sequence's cache blocks (block-table gather) -> o-projection
-    -> RMSNorm -> SwiGLU MLP] -> RMSNorm -> LM head -> greedy argmax
+    layer l, or into the layer's own cache) -> GQA attention over the sequence's cache blocks
+    (`attention`: a block-table gather in jax.numpy, or JAX's Pallas paged-attention kernel for
+    GPUs or TPUs; attention.py) -> o-projection -> RMSNorm -> SwiGLU MLP] -> RMSNorm -> LM head
+    -> greedy argmax
 
 Layers run under `lax.scan` over the stacked weights and the stacked caches (the op's `layer=`
 argument; a Python loop with constant layer indices when `unroll` covers every layer); prefill (a
@@ -17,8 +19,9 @@ contiguous); the block table maps (sequence, position) to a slot.
 Where it sits: above `api` (it calls the op) and below `cli/` (the `generate` command and
 `./scripts/run_demo.sh` drive it), inside the package so that every install can run it.
 
-Attention reads the caches with its own block gather, written from the layout table in the README
-(not from the library's index helpers), so a layout bug in the op shows as a wrong token.
+Attention reads exactly the caches the op writes: the gather from the layouts' definitions (not
+from the library's index helpers), so a layout bug in the op shows as a wrong token; the Pallas
+kernels from head_major caches, one per layer (a layer sliced out of a stack would be a copy).
 
 The q, k and v projection weights are concatenated once when the decoder is built (`fuse_qkv`), so a
 layer computes qkv with one matmul and hands it to `rope_and_cache_qkv`, which reads q, k and v in
@@ -42,9 +45,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_rope_cache as jrc
+from jax_rope_cache import attention as attn
 
 __all__ = ["DecoderConfig", "BlockAllocator", "Decoder", "TINY_CONFIGS", "LLAMA_31_8B_CONFIG", "random_params",
-           "random_params_on_device", "params_digest", "hf_state_dict", "gather_blocks", "slot_mapping",
+           "random_params_on_device", "params_digest", "hf_state_dict", "slot_mapping", "rope_and_write",
            "load_hf_reference", "TINY_SEEDS", "HF_LOGIT_BOUND"]
 
 _LLAMA3_TINY_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -344,38 +348,6 @@ def slot_mapping(block_table, positions, block_size: int):
     return jnp.where(inside & (blk >= 0), blk * block_size + pos % block_size, -1).astype(jnp.int32)
 
 
-def gather_blocks(key_cache, value_cache, layer, block_table, layout: str):
-    """K and V of every sequence's blocks, in position order: [B, MB * BS, KH, D] each, from
-    stacked caches [L, NB, ...] at `layer` (one gather per cache; block ids -1 read block 0,
-    which the attention mask hides). Written from the layouts' definitions (README):
-      flash            K, V [NB, BS, KH, D]
-      xpacked          K [NB, KH, D//X, BS, X]    V [NB, KH, D, BS]
-      xpacked_shuffled K as xpacked               V [NB, KH, BS//X, D, X]
-      hnd              K, V [NB, KH, BS, D]
-    """
-    bt = jnp.maximum(jnp.asarray(block_table), 0)
-    B, MB = bt.shape
-    k = key_cache[layer, bt]    # [B, MB, *block]
-    v = value_cache[layer, bt]
-    if layout == "flash":
-        _, _, BS, KH, D = k.shape
-    elif layout == "hnd":
-        _, _, KH, BS, D = k.shape
-        k = k.transpose(0, 1, 3, 2, 4)  # [B, MB, KH, BS, D] -> [B, MB, BS, KH, D]
-        v = v.transpose(0, 1, 3, 2, 4)
-    elif layout in ("xpacked", "xpacked_shuffled"):
-        _, _, KH, DX, BS, X = k.shape
-        D = DX * X
-        k = k.transpose(0, 1, 4, 2, 3, 5)  # [B, MB, BS, KH, D//X, X]
-        if layout == "xpacked":
-            v = v.transpose(0, 1, 4, 2, 3)  # [B, MB, KH, D, BS] -> [B, MB, BS, KH, D]
-        else:
-            v = v.transpose(0, 1, 3, 5, 2, 4)  # [B, MB, KH, BS//X, D, X] -> [B, MB, BS//X, X, KH, D]
-    else:
-        raise ValueError(f"layout: expected one of {jrc.LAYOUTS}, got {layout!r}")
-    return k.reshape(B, MB * BS, KH, D), v.reshape(B, MB * BS, KH, D)
-
-
 def dequantize_blocks(keys, values, scale_caches, layer, block_table, dtype):
     """keys, values [B, S, KH, D] (fp8, from gather_blocks) times their per-token scales from the
     stacked scale caches [L, NB, KH, BS] ([block, head, offset] of each slot), as `dtype`."""
@@ -395,14 +367,60 @@ KV_QUANTS = (None, "per_token")
 # ---- the model ------------------------------------------------------------------------------------
 def touch_caches(caches, values, slots, layer, block_size: int):
     """The "baseline" impl's stand-in for the op: element [layer, block of slots[0], 0, ...] of each
-    stacked cache set in place (dynamic_update_slice) to the first element of its value, any layout.
-    One tiny kernel per cache; the caches depend on the values, and what reads them next on the write."""
+    stacked cache (layer None: [block of slots[0], 0, ...] of one layer's cache) set in place
+    (dynamic_update_slice) to the first element of its value, any layout. One tiny kernel per
+    cache; the caches depend on the values, and what reads them next on the write."""
     blk = jnp.maximum(slots[0], 0) // block_size
     out = []
     for c, x in zip(caches, values):
-        start = (layer, blk) + (0,) * (c.ndim - 2)
+        lead = (blk,) if layer is None else (layer, blk)
+        start = lead + (0,) * (c.ndim - len(lead))
         out.append(jax.lax.dynamic_update_slice(c, x.reshape(-1)[:1].astype(c.dtype).reshape((1,) * c.ndim), start))
     return tuple(out)
+
+
+def rope_and_write(qkv, caches, slots, positions, cos, sin, *, layout: str, layer, num_q_heads: int,
+                   num_kv_heads: int, **options):
+    """rope_and_cache_qkv on the decoder's caches in `layout`: -> (q [T, QH, D], k [T, KH, D], caches,
+    *scale caches). `caches`: (key_cache, value_cache), or (kv_cache,) for kv_merged; one layer's
+    (layer None) or stacked [L, ...] at `layer`. The decoder's only call of the op.
+
+    For the layouts the op does not write yet (head_major, kv_merged: attention.NEW_LAYOUTS) the op
+    rotates (writing nothing: every slot -1 into a one-slot cache) and a jnp scatter writes its k
+    and the v slice at their slots: the values the op will write. Once jrc.LAYOUTS has a layout,
+    the op writes it directly (kv_merged as rope_and_cache_qkv(qkv, kv_cache, None, ...) ->
+    (q, k, kv_cache, None)) and the scatter below goes."""
+    key, value = (tuple(caches) + (None,))[:2]
+    common = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, **options)
+    if layout in jrc.LAYOUTS:
+        q, k, *out = jrc.rope_and_cache_qkv(qkv, key, value, slots, positions, cos, sin, layout=layout, layer=layer,
+                                            **common)
+        return (q, k, tuple(c for c in out[:2] if c is not None), *out[2:])
+    if layout not in attn.NEW_LAYOUTS or options.get("k_scale_cache") is not None:
+        raise ValueError(f"layout: expected one of {jrc.LAYOUTS + attn.NEW_LAYOUTS}, got {layout!r}"
+                         + (" with per-token scale caches" if layout in attn.NEW_LAYOUTS else ""))
+    T, D = qkv.shape[0], qkv.shape[-1] // (num_q_heads + 2 * num_kv_heads)
+    none = [jnp.zeros((1, 1, num_kv_heads, D), qkv.dtype) for _ in "kv"]
+    q, k, *_ = jrc.rope_and_cache_qkv(qkv, *none, jnp.full((T,), -1, jnp.int32), positions, cos, sin,
+                                      layout="flash", **common)
+    v = qkv.reshape(T, num_q_heads + 2 * num_kv_heads, D)[:, num_q_heads + num_kv_heads:]
+    stacked = () if layer is None else (jnp.full((T, 1), layer, jnp.int32),)
+    heads = jnp.arange(num_kv_heads)[None, :]
+    if layout == "head_major":   # [KH, NB, BS, D]
+        nb, bs = key.shape[-3], key.shape[-2]
+    else:                        # kv_merged [NB, BS, 2 KH, D]
+        nb, bs = key.shape[-4], key.shape[-3]
+    ok = (slots >= 0) & (slots < nb * bs)
+    blk = jnp.where(ok, slots // bs, nb)[:, None]  # block nb: out of bounds, dropped
+    off = (slots % bs)[:, None]
+    if layout == "head_major":
+        idx = stacked + (heads, blk, off)
+        out = (key.at[idx].set(k.astype(key.dtype), mode="drop"),
+               value.at[idx].set(v.astype(value.dtype), mode="drop"))
+    else:
+        kv = jnp.stack([k, v.astype(k.dtype)], axis=2).reshape(T, 2 * num_kv_heads, D)  # K head h at 2h, V at 2h + 1
+        out = (key.at[stacked + (blk, off)].set(kv[:, None].astype(key.dtype), mode="drop"),)
+    return q, k, out
 
 
 def rms_norm(x, weight, eps):
@@ -436,12 +454,21 @@ class Decoder:
     so XLA schedules the step as it does with the op; a model with no write at all would let XLA
     treat the caches as loop invariants of the decode loop.
 
-    The caches live in `self.caches` (a tuple of stacked [L, ...] arrays; here (key_cache,
-    value_cache) in `layout`); every jitted call donates them and stores the returned ones. The
-    tables (cos, sin) and the weights are arguments of the jitted steps, not constants baked into them.
+    `attention` (attention.ATTENTIONS): how a decode step (one query per sequence) reads the cache:
+    "gather" (jax.numpy, any layout), "pallas_gpu" / "pallas_tpu" (JAX's Pallas paged-attention
+    kernels, on head_major caches; on the CPU they run interpreted). None: the fastest on the device
+    (attention.default_attention) for `layout` (None: that attention's layout, flash for gather).
+    Prefill always gathers, from whatever layout the op wrote.
+
+    The caches live in `self.caches`, a tuple: with gather, stacked [L, ...] arrays ((key_cache,
+    value_cache), or (kv_cache,) for kv_merged, in `layout`); with a Pallas attention (or
+    per_layer=True), each layer's own caches, layer by layer ((k_0, v_0, k_1, v_1, ...)), and the
+    layers always unrolled. Every
+    jitted call donates them and stores the returned ones. The tables (cos, sin) and the weights are
+    arguments of the jitted steps, not constants baked into them.
     kv_quant="per_token": float8_e4m3fn caches with one scale per (token, kv head) computed by the op;
     the scale caches ([L, NB, KH, BS] each) follow the two caches in `self.caches` and attention reads
-    the caches dequantized (stored * scale).
+    the caches dequantized (stored * scale); gather only.
     decode_compiler_options: XLA options of the decode program only (jax.jit's compiler_options);
     None: default_decode_options(device) (cuBLAS GEMMs on NVIDIA GPUs); {}: XLA's defaults.
 
@@ -451,22 +478,34 @@ class Decoder:
     """
 
     config_class = DecoderConfig
-    layouts = jrc.LAYOUTS
+    layouts = tuple(dict.fromkeys(jrc.LAYOUTS + attn.NEW_LAYOUTS))
     kv_quants = KV_QUANTS
+    attentions = attn.ATTENTIONS
 
-    def __init__(self, config: Mapping, params: dict, *, layout="flash", block_size=16, num_blocks=None,
+    def __init__(self, config: Mapping, params: dict, *, layout=None, block_size=16, num_blocks=None,
                  max_seqs=8, max_len=None, impl="kernel", dtype=jnp.float32, unroll=1, seed=0, tables=None,
-                 device=None, cache_fill="random", kv_quant=None, decode_compiler_options=None):
+                 device=None, cache_fill="random", kv_quant=None, decode_compiler_options=None, attention=None,
+                 per_layer=None):
         if impl not in IMPLS:
             raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
         if kv_quant not in self.kv_quants:
             raise ValueError(f"kv_quant: expected one of {self.kv_quants}, got {kv_quant!r}")
         self.kv_quant = kv_quant
+        self.device = device or jax.devices()[0]
+        self.attention, layout = self.choose_attention(attention, layout, kv_quant, self.device)
         if layout not in self.layouts:
             raise ValueError(f"layout: expected one of {self.layouts}, got {layout!r}")
+        if kv_quant and layout in attn.NEW_LAYOUTS:
+            raise ValueError(f"kv_quant: {kv_quant!r} caches in one of {jrc.LAYOUTS}, got layout {layout!r}")
         self.hf_config = dict(config)
         self.cfg = self.config_class.from_hf(config)
         self.layout, self.block_size, self.impl, self.unroll = layout, block_size, impl, unroll
+        # a Pallas kernel reads a layer's caches as an operand: one cache per layer, layers unrolled
+        self.per_layer = self.attention != "gather" if per_layer is None else bool(per_layer)
+        if self.attention != "gather" and not self.per_layer:
+            raise ValueError(f"per_layer: attention {self.attention!r} reads one cache per layer, got False")
+        if self.per_layer and kv_quant:
+            raise ValueError(f"per_layer: the scale caches of kv_quant={kv_quant!r} are stacked, got True")
         self.dtype = np.dtype(dtype)
         max_len = max_len or config["max_position_embeddings"]
         if tables is None:
@@ -474,7 +513,6 @@ class Decoder:
             self.rotary_dim, self.is_neox = info.rotary_dim, info.is_neox
         else:  # (cos, sin, rotary_dim, is_neox): e.g. deliberately wrong tables in tests
             cos, sin, self.rotary_dim, self.is_neox = tables
-        self.device = device or jax.devices()[0]
         self.tables = jax.device_put((jnp.asarray(cos), jnp.asarray(sin)), self.device)
         self.max_len = int(self.tables[0].shape[0])
         self.blocks_per_seq = -(-self.max_len // block_size)
@@ -499,41 +537,92 @@ class Decoder:
         self.decode_fn = jax.jit(self._decode, static_argnames=("steps", "with_logits"), donate_argnums=(2,),
                                  compiler_options=self.decode_compiler_options or None)
 
+    @classmethod
+    def choose_attention(cls, attention, layout, kv_quant, device) -> tuple[str, str]:
+        """(attention, layout) the decoder takes for these arguments (either may be None): None
+        attention is the device's fastest where it reads `layout` and the caches are unquantized,
+        else gather."""
+        if attention is None:
+            best = attn.default_attention(device)
+            fits = kv_quant is None and layout in (None, attn.layout_of(best)) and best in cls.attentions
+            attention = best if fits else "gather"
+        if attention not in cls.attentions:
+            raise ValueError(f"attention: expected one of {cls.attentions} or None, got {attention!r}")
+        attn.check_platform(attention, device)
+        want = attn.layout_of(attention)
+        if layout is None:
+            layout = want or cls.layouts[0]
+        if want and layout != want:
+            raise ValueError(f"layout: attention {attention!r} reads {want!r} caches, got {layout!r}")
+        if want and kv_quant:
+            raise ValueError(f"kv_quant: attention {attention!r} reads unquantized caches, got {kv_quant!r}")
+        return attention, layout
+
     @property
     def cache_dtype(self):
         """The caches' dtype: float8_e4m3fn with kv_quant, else the model's."""
         return np.dtype(jnp.float8_e4m3fn) if self.kv_quant else self.dtype
 
     @property
+    def _n_caches(self) -> int:
+        """Caches per layer: 1 for kv_merged, else 2 (key, value)."""
+        return 1 if self.layout == "kv_merged" else 2
+
+    @property
     def scale_caches(self):
         """(k_scale_cache, v_scale_cache) with kv_quant, else ()."""
         return tuple(self.caches[2:4]) if self.kv_quant else ()
 
+    def stacked_caches(self) -> tuple:
+        """The caches as stacked [L, ...] arrays, (key_cache, value_cache) or (kv_cache,): `self.caches`
+        itself with gather, a stacked copy of the per-layer caches otherwise."""
+        n = self._n_caches
+        if not self.per_layer:
+            return tuple(self.caches[:n])
+        return tuple(jnp.stack(self.caches[j::n]) for j in range(n))
+
+    def _set_stacked(self, j, value):
+        n = self._n_caches
+        if not self.per_layer:
+            self.caches = self.caches[:j] + (value,) + tuple(self.caches[j + 1:])
+        else:
+            caches = list(self.caches)
+            caches[j::n] = [jnp.asarray(c) for c in value]
+            self.caches = tuple(caches)
+
     @property
     def key_cache(self):
-        return self.caches[0]
+        """The (stacked) key cache; kv_merged: the one cache."""
+        return self.stacked_caches()[0]
 
     @key_cache.setter
     def key_cache(self, value):
-        self.caches = (value,) + tuple(self.caches[1:])
+        self._set_stacked(0, value)
 
     @property
     def value_cache(self):
-        return self.caches[1]
+        """The (stacked) value cache; None for kv_merged (values live in the one cache)."""
+        return self.stacked_caches()[1] if self._n_caches == 2 else None
 
     @value_cache.setter
     def value_cache(self, value):
-        self.caches = (self.caches[0], value) + tuple(self.caches[2:])
+        self._set_stacked(1, value)
 
     def _prepare_params(self, params):
         return fuse_qkv(params)
 
     def _new_caches(self, num_blocks, fill, seed):
-        """Stacked [L, ...] caches in the layout. fill="random" (numpy normals, seeded): a read of a
-        slot nobody wrote shows as a wrong token, not as a harmless zero; "zeros" for large pools."""
+        """Stacked [L, ...] caches in the layout, or each layer's own (per_layer). fill="random" (numpy
+        normals, seeded): a read of a slot nobody wrote shows as a wrong token, not as a harmless
+        zero; "zeros" for large pools."""
         cfg = self.cfg
         cdt = self.cache_dtype
-        shapes = jrc.cache_shapes(self.layout, num_blocks, self.block_size, cfg.kv_heads, cfg.head_dim, cdt)
+        if self.layout in attn.NEW_LAYOUTS:  # from their definitions, whatever form the op's helpers give them
+            shapes = attn.new_layout_shapes(self.layout, num_blocks, self.block_size, cfg.kv_heads, cfg.head_dim)
+        else:
+            shapes = jrc.cache_shapes(self.layout, num_blocks, self.block_size, cfg.kv_heads, cfg.head_dim, cdt)
+        if self.per_layer:
+            return self._filled([tuple(s) for _ in range(cfg.num_layers) for s in shapes], fill, seed, cdt)
         return self._filled([(cfg.num_layers,) + tuple(s) for s in shapes], fill, seed, cdt)
 
     def _filled(self, shapes, fill, seed, dtype=None):
@@ -549,47 +638,47 @@ class Decoder:
     def _mm(self, x, w):
         return jnp.matmul(x, w, precision=self._precision)
 
-    def _attend(self, q, k, v, q_pos):
-        """q [B, P, QH, D]; k, v [B, S, KH, D] with key index = position; q_pos [B, P]."""
-        cfg = self.cfg
-        B, P, QH, D = q.shape
-        S, KH = k.shape[1], k.shape[2]
-        qg = q.reshape(B, P, KH, QH // KH, D)
-        s = jnp.einsum("bpkgd,bskd->bkgps", qg, k, precision=self._precision,
-                       preferred_element_type=jnp.float32) / math.sqrt(cfg.head_dim)
-        mask = jnp.arange(S)[None, None, :] <= q_pos[:, :, None]  # causal and within what was written
-        s = jnp.where(mask[:, None, None], s, -jnp.inf)
-        p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
-        o = jnp.einsum("bkgps,bskd->bpkgd", p, v, precision=self._precision, preferred_element_type=jnp.float32)
-        return o.reshape(B, P, QH * D).astype(q.dtype)
-
     def _attention(self, w, i, h, caches, step, tables):
         """One layer's attention of the normalised hidden states h [B, P, H]: -> (output [B, P, H], caches).
-        `step`: the call's slots [B*P], flat positions [B*P], query positions [B, P] and block table."""
+        `step`: the call's slots [B*P], flat positions [B*P], query positions [B, P] and block table
+        (and, for a Pallas attention, the kernels' page table and lengths)."""
         cfg = self.cfg
         B, P = h.shape[:2]
-        kc, vc, *sc = caches  # sc: the scale caches with kv_quant
+        n = self._n_caches
+        if self.per_layer:  # layer i's own caches (i is a Python int: the layers are unrolled)
+            mine, layer, sc = tuple(caches[i * n:(i + 1) * n]), None, ()
+        else:
+            mine, layer, sc = tuple(caches[:n]), i, tuple(caches[n:])  # sc: the scale caches with kv_quant
         cos, sin = tables
         qkv = self._mm(h, w["wqkv"]).reshape(B * P, -1)  # [B*P, (QH + 2 KH) * D]: one projection
         if self.impl == "baseline":
             qh, kh, d = cfg.q_heads, cfg.kv_heads, cfg.head_dim
             q = qkv[:, :qh * d].reshape(B * P, qh, d)
             k, v = (qkv[:, (qh + j * kh) * d:(qh + (j + 1) * kh) * d].reshape(B * P, kh, d) for j in (0, 1))
-            kc, vc = touch_caches((kc, vc), (k, v), step["slots"], i, self.block_size)
+            mine = touch_caches(mine, (k, v)[:n], step["slots"], layer, self.block_size)
         else:
             norm = dict(q_norm_weight=w["q_norm"], k_norm_weight=w["k_norm"],
                         norm_eps=cfg.rms_norm_eps) if cfg.qk_norm else {}
             scales = dict(k_scale_cache=sc[0], v_scale_cache=sc[1]) if sc else {}
-            q, k, kc, vc, *sc = jrc.rope_and_cache_qkv(qkv, kc, vc, step["slots"], step["flat_pos"], cos, sin,
-                                                       num_q_heads=cfg.q_heads, num_kv_heads=cfg.kv_heads,
-                                                       layout=self.layout, is_neox=self.is_neox,
-                                                       rotary_dim=self.rotary_dim, impl=self.impl, layer=i,
-                                                       **norm, **scales)
-        keys, values = gather_blocks(kc, vc, i, step["block_table"], self.layout)
-        if sc:
-            keys, values = dequantize_blocks(keys, values, sc, i, step["block_table"], self.dtype)
-        o = self._attend(q.reshape(B, P, cfg.q_heads, cfg.head_dim), keys, values, step["q_pos"])
-        return self._mm(o, w["wo"]), (kc, vc, *sc)
+            q, k, mine, *sc = rope_and_write(qkv, mine, step["slots"], step["flat_pos"], cos, sin, layout=self.layout,
+                                             layer=layer, num_q_heads=cfg.q_heads, num_kv_heads=cfg.kv_heads,
+                                             is_neox=self.is_neox, rotary_dim=self.rotary_dim, impl=self.impl,
+                                             **norm, **scales)
+        q = q.reshape(B, P, cfg.q_heads, cfg.head_dim)
+        if "pages" in step:  # one query per sequence: the Pallas kernel on this layer's caches
+            o = attn.paged_decode(self.attention, q[:, 0], mine[0], mine[1], step["pages"], step["lengths"],
+                                  block_size=self.block_size, interpret=attn.interpret_on(self.device))
+            o = o.reshape(B, 1, cfg.q_heads * cfg.head_dim)
+        else:
+            keys, values = attn.gather_blocks(mine, layer, step["block_table"], self.layout)
+            if sc:
+                keys, values = dequantize_blocks(keys, values, sc, i, step["block_table"], self.dtype)
+            o = attn.attend(q, keys, values, step["q_pos"], precision=self._precision)
+        if self.per_layer:
+            caches = tuple(caches[:i * n]) + tuple(mine) + tuple(caches[(i + 1) * n:])
+        else:
+            caches = (*mine, *sc)
+        return self._mm(o, w["wo"]), caches
 
     def _mlp(self, w, h):
         """SwiGLU of the normalised hidden states."""
@@ -605,6 +694,10 @@ class Decoder:
         step = dict(slots=slot_mapping(block_table, positions, self.block_size).reshape(-1),
                     flat_pos=jnp.maximum(positions, 0).reshape(-1), q_pos=jnp.maximum(positions, 0),
                     block_table=block_table)
+        if self.attention != "gather" and tokens.shape[1] == 1:  # decode: the Pallas kernel reads the cache
+            width = attn.page_width(self.attention, block_table.shape[1], self.block_size,
+                                    cfg.q_heads // cfg.kv_heads)
+            step.update(pages=attn.page_table(block_table, width), lengths=step["q_pos"][:, 0] + 1)
         x = params["embed"][tokens]
 
         def layer(mlp, carry, xs):
@@ -617,10 +710,11 @@ class Decoder:
 
         for weights, first, mlp in self._segments(params):
             n = jax.tree.leaves(weights)[0].shape[0]
-            if self.unroll is True or self.unroll >= n:
+            if self.unroll is True or self.unroll >= n or self.per_layer:
                 # Fully unrolled: a Python loop, so each layer index reaches the op as a constant. A
                 # scan's traced index is a device scalar that the kernel reads (one tiny XLA kernel
-                # per layer to make it; XLA's own path folds it into its scatter indices).
+                # per layer to make it; XLA's own path folds it into its scatter indices). Per-layer
+                # caches are picked by that constant.
                 for j in range(n):
                     (x, caches), _ = layer(mlp, (x, caches), (jax.tree.map(lambda a: a[j], weights), first + j))
                 continue

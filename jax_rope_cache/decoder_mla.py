@@ -248,8 +248,11 @@ class MlaDecoder(decoder.Decoder):
     config_class = MlaDecoderConfig
     layouts = mla_contract.MLA_LAYOUTS
     kv_quants = (None,)  # per-token fp8 scales: the main op's feature, not the MLA op's
+    attentions = ("gather",)  # JAX's paged-attention kernels read per-head K and V, not latent rows
 
     def __init__(self, config: Mapping, params: dict, *, layout="combined", **kw):
+        if kw.get("per_layer"):
+            raise ValueError("per_layer: the MLA decoder keeps stacked latent caches, got True")
         super().__init__(config, params, layout=layout, **kw)
 
     def _prepare_params(self, params):

@@ -233,3 +233,27 @@ def test_a_row_without_device_time_says_wall_time():
 def test_budget_skips_cases_and_says_so(tmp_path):
     out, res = _dry("qkv", tmp_path, "--models", "llama-3.1-8b:1", "--tokens", "1,4", "--budget-s", "0")
     assert res["rows"] == [] and "budget (0 s): skipped llama-3.1-8b TP1 T=1" in out
+
+
+MODEL_STEP = os.path.join(BENCH, "diagnostics", "model_step.py")
+
+
+def test_model_step_context_routes_run_on_the_cpu(tmp_path):
+    """benchmarks/diagnostics/model_step.py --contexts (the H200's attention benchmark) on a tiny
+    model: every route of every context measured from one shared cache pool (the GPU kernel
+    interpreted), the attention bytes per step as counted, and the JSON of the rows."""
+    r = subprocess.run([sys.executable, "-P", MODEL_STEP, "--model", "tiny-llama-3.1", "--contexts", "16,40",
+                        "--batch", "3", "--steps", "2", "--repeats", "2", "--dtype", "float32", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=600, cwd=os.path.dirname(BENCH))
+    assert r.returncode == 0, (r.stdout[-3000:], r.stderr[-3000:])
+    routes = ["kernel:pallas_gpu", "kernel:gather", "xla:pallas_gpu", "baseline:pallas_gpu"]
+    res = json.load(open(tmp_path / "model_step_tiny-llama-3.1.json"))
+    assert list(res) == ["16", "40"] and all(list(rows) == routes for rows in res.values())
+    # 3 sequences x (context + 1.5 keys on average over 2 steps) x KH 2 x D 32 x K and V x 4 bytes x 2 layers
+    for ctx, rows in res.items():
+        assert all(row["wall_us"] > 0 and len(row["wall_runs"]) == 2 for row in rows.values())
+        assert rows["kernel:gather"]["attention_bytes"] == 3 * (int(ctx) + 1.5) * 2 * 32 * 2 * 4 * 2
+    for ctx in ("16", "40"):
+        table = r.stdout[r.stdout.index(f"context {ctx}:"):].splitlines()
+        assert [ln.split()[0] for ln in table[2:6]] == routes, table[:6]
+        assert table[2].split()[-3].endswith("%")  # the op's share, against the baseline with the same attention

@@ -1,8 +1,10 @@
 """A real model on the op: the decoder of jax_rope_cache/decoder.py generates, on
 the paged caches the op writes, the same greedy tokens as Hugging Face transformers, with logits
 within decoder.HF_LOGIT_BOUND, for prompts of 1, 6, 16 and 21 tokens and 32 decode steps, with
-impl="kernel" and impl="xla", flash and x-packed caches, a tiny Llama-3.1 (llama3 RoPE scaling)
-and a tiny Qwen3 (q/k RMSNorm before RoPE, tied embeddings).
+impl="kernel" and impl="xla", flash, x-packed, head_major and kv_merged caches, each decode
+attention (the jnp gather, JAX's Pallas GPU kernel; the Pallas TPU kernel, which reads K and V as
+bfloat16, to that precision and exactly against the gather on bfloat16 K and V), a tiny Llama-3.1
+(llama3 RoPE scaling) and a tiny Qwen3 (q/k RMSNorm before RoPE, tied embeddings).
 
 The reference is the fixture tests/data/hf_greedy.npz (tools/record_hf_model.py); the live
 test re-runs transformers when torch and transformers import (only that test skips otherwise).
@@ -22,7 +24,8 @@ import numpy as np
 import pytest
 
 import jax_rope_cache as jrc
-from conftest import impl_params
+from conftest import impl_params, platforms
+from jax_rope_cache import attention as attn
 from jax_rope_cache import contract, decoder
 from jax_rope_cache.cli import generate
 from jax_rope_cache.models import tables
@@ -37,13 +40,13 @@ BOUND = decoder.HF_LOGIT_BOUND
 _DECODERS: dict = {}  # compiled decoders shared by the tests of this module
 
 
-def _decoder(name, platform, impl, layout="flash"):
+def _decoder(name, platform, impl, layout="flash", attention="gather"):
     return generate.reference_decoder(REF[name], impl, layout, device=jax.devices(platform)[0],
-                                      decoder_cache=_DECODERS)
+                                      decoder_cache=_DECODERS, attention=attention)
 
 
-def _generate(name, platform, impl, layout="flash"):
-    m = _decoder(name, platform, impl, layout)
+def _generate(name, platform, impl, layout="flash", attention="gather"):
+    m = _decoder(name, platform, impl, layout, attention)
     return m.generate(REF[name]["prompts"], REF[name]["tokens"].shape[1])
 
 
@@ -78,21 +81,22 @@ def test_llama3_law_matters_at_these_positions():
 
 
 # ---- the decoder against transformers -----------------------------------------------------------
-CASES = [(LLAMA, "flash", "kernel xla"), (LLAMA, "xpacked", "kernel"),
-         (QWEN, "flash", "kernel"), (QWEN, "xpacked_shuffled", "xla")]
-
-
+CASES = [(LLAMA, "flash", "kernel xla", "gather"), (LLAMA, "xpacked", "kernel", "gather"),
+         (QWEN, "flash", "kernel", "gather"), (QWEN, "xpacked_shuffled", "xla", "gather"),
+         (LLAMA, "kv_merged", "xla", "gather"), (QWEN, "head_major", "kernel", "gather"),
+         (LLAMA, "head_major", "kernel", "pallas_gpu"), (QWEN, "head_major", "xla", "pallas_gpu")]
 
 
 def _matrix():
-    """CASES on CPU (kept small for CI: every model, impl and layout at least once); every
-    (model, layout) with both implementations on a GPU."""
+    """CASES on CPU (kept small for CI: every model, impl, layout and attention at least once; the
+    GPU kernel interpreted); every case with both implementations on a GPU (pallas_gpu natively)."""
     out = []
     for p in impl_params():
         platform, impl = p.values
-        for name, layout, impls in CASES:
-            if impl in impls.split() or platform != "cpu":
-                out.append(pytest.param(platform, impl, name, layout, id=f"{p.id}-{name}-{layout}"))
+        for name, layout, impls, attention in CASES:
+            if (impl in impls.split() or platform != "cpu") and not (attention == "pallas_gpu" and platform == "rocm"):
+                out.append(pytest.param(platform, impl, name, layout, attention,
+                                        id=f"{p.id}-{name}-{layout}-{attention}"))
     return out
 
 
@@ -105,9 +109,12 @@ def compare_to_transformers(toks, logits, want_t, want_l):
     assert err <= BOUND, f"max |logit - transformers| = {err:.2e} > {BOUND}"
 
 
-@pytest.mark.parametrize("platform,impl,name,layout", _matrix())
-def test_greedy_generation_matches_transformers(platform, impl, name, layout):
-    compare_to_transformers(*_generate(name, platform, impl, layout), REF[name]["tokens"], REF[name]["logits"])
+@pytest.mark.parametrize("platform,impl,name,layout,attention", _matrix())
+def test_greedy_generation_matches_transformers(platform, impl, name, layout, attention):
+    m = _decoder(name, platform, impl, layout, attention)
+    assert (m.attention, m.layout, m.per_layer) == (attention, layout, attention != "gather")
+    compare_to_transformers(*m.generate(REF[name]["prompts"], REF[name]["tokens"].shape[1]),
+                            REF[name]["tokens"], REF[name]["logits"])
 
 
 def _load_recorder():
@@ -153,6 +160,67 @@ def test_comparison_catches_wrong_tables(what):
         m.tables = good
     assert np.abs(logits - REF[LLAMA]["logits"]).max() > 100 * BOUND
     assert (toks != REF[LLAMA]["tokens"]).any()
+
+
+# ---- the Pallas TPU kernel (interpreted on the CPU) ---------------------------------------------
+# tpu.paged_attention converts K and V to bfloat16 before its dots, so on these float32 models it
+# is checked twice: against the gather attention on K and V rounded to bfloat16, from the same
+# caches, within BOUND (measured, CPU, TPU interpret mode: 4.9e-5 tiny Llama, 2.7e-6 tiny Qwen3:
+# float32 rounding and summation order, as between the op's implementations); and against
+# transformers to bfloat16 precision (measured: logits within 0.21 for the tiny Llama, logit std
+# 2.0, and 0.014 for the tiny Qwen3, std 0.35; every token equal but in one prompt of the Llama,
+# which forks at its 4th token on a top-2 gap of 4e-3).
+TPU_EXACT_BOUND = BOUND
+TPU_LOGIT_BOUND = {LLAMA: 0.3, QWEN: 0.03}
+TPU_STEPS = 8  # decode steps of the exact check (TPU interpret mode: ~1 s a step on 2 CPU cores)
+
+
+@pytest.mark.parametrize("name", [LLAMA, QWEN])
+def test_pallas_tpu_decode_equals_gather_on_bfloat16_kv(name, monkeypatch):
+    """From the same prefilled caches, decode steps with attention="pallas_tpu" (per-layer head_major
+    caches) give the tokens and, within TPU_EXACT_BOUND, the logits of attention="gather" (stacked
+    head_major caches) reading K and V rounded to bfloat16."""
+    entry = REF[name]
+    cpu = jax.devices("cpu")[0]
+    tpu = generate.reference_decoder(entry, "kernel", None, device=cpu, decoder_cache=_DECODERS,
+                                     attention="pallas_tpu")
+    gat = generate.reference_decoder(entry, "kernel", "head_major", device=cpu, attention="gather")
+    assert tpu.per_layer and tpu.layout == "head_major" and not gat.per_layer
+    seqs = [tpu.allocator.allocate(len(p) + TPU_STEPS + 1) for p in entry["prompts"]]
+    try:
+        bt = tpu.allocator.block_table(seqs, tpu.blocks_per_seq)
+        first, _, lens = tpu.prefill(entry["prompts"], bt)
+        gat.key_cache, gat.value_cache = tpu.key_cache, tpu.value_cache  # the same caches, stacked
+        want_t, want_l = tpu.decode(first, lens, bt, TPU_STEPS)
+    finally:
+        for s in seqs:
+            tpu.allocator.free(s)
+    gather = attn.gather_blocks
+
+    def rounded(*a, **kw):
+        return tuple(x.astype(jnp.bfloat16).astype(x.dtype) for x in gather(*a, **kw))
+    monkeypatch.setattr(attn, "gather_blocks", rounded)
+    got_t, got_l = gat.decode(first, lens, bt, TPU_STEPS)
+    np.testing.assert_array_equal(np.asarray(got_t), np.asarray(want_t))
+    err = float(np.abs(np.asarray(got_l) - np.asarray(want_l)).max())
+    assert err <= TPU_EXACT_BOUND, f"max |dlogit| vs the bfloat16 gather {err:.2e}"
+
+
+@pytest.mark.parametrize("name", [LLAMA, QWEN])
+def test_pallas_tpu_generation_follows_transformers_to_bfloat16_precision(name):
+    """attention="pallas_tpu" against transformers, compared where both saw the same tokens (each
+    prompt up to and including its first differing token): logits within TPU_LOGIT_BOUND, and at
+    least 3 of the 4 prompts generate every token."""
+    toks, logits = _generate(name, "cpu", "kernel", None, "pallas_tpu")
+    want_t, want_l = REF[name]["tokens"], REF[name]["logits"]
+    errs, whole = [], 0
+    for b in range(toks.shape[0]):
+        fork = np.nonzero(toks[b] != want_t[b])[0]
+        n = fork[0] + 1 if len(fork) else toks.shape[1]
+        whole += not len(fork)
+        errs.append(float(np.abs(logits[b, :n] - want_l[b, :n]).max()))
+    assert max(errs) <= TPU_LOGIT_BOUND[name], f"max |dlogit| {max(errs):.3e}"
+    assert whole >= 3, f"only {whole} prompts generate transformers' tokens"
 
 
 # ---- paged-cache bookkeeping ----------------------------------------------------------------------
@@ -208,25 +276,6 @@ def test_block_allocator():
     assert got.tolist() == want
 
 
-@pytest.mark.parametrize("layout", jrc.LAYOUTS)
-def test_block_gather_agrees_with_read_kv(layout):
-    """The decoder's own block gather (written from the README's layout table) and the library's
-    read_kv see the same K and V for every slot, on a stacked cache at a traced layer."""
-    L, NB, BS, KH, D = 3, 7, 8, 2, 32
-    rng = np.random.default_rng(4)
-    kc, vc = (jnp.asarray(rng.standard_normal((L,) + s, np.float32))
-              for s in jrc.cache_shapes(layout, NB, BS, KH, D, np.float32))
-    bt = np.array([[5, 2, -1], [0, 6, 3]], np.int32)  # -1: padding, read as block 0 (masked by attention)
-    k, v = jax.jit(decoder.gather_blocks, static_argnames="layout")(kc, vc, jnp.int32(1), bt, layout=layout)
-    assert k.shape == v.shape == (2, 3 * BS, KH, D)
-    slots = (np.maximum(bt, 0)[:, :, None] * BS + np.arange(BS)).reshape(-1)  # [B * MB * BS] in position order
-    want_k, want_v = jrc.read_kv(kc[1], vc[1], slots, layout=layout)
-    np.testing.assert_array_equal(np.asarray(k).reshape(want_k.shape), np.asarray(want_k))
-    np.testing.assert_array_equal(np.asarray(v).reshape(want_v.shape), np.asarray(want_v))
-    assert not np.array_equal(np.asarray(k[0]), np.asarray(jrc.read_kv(kc[0], vc[0], slots[: 3 * BS],
-                                                                       layout=layout)[0]))  # layer 1, not 0
-
-
 SENTINEL = 12345.0  # no K or V value of the model comes near it
 
 
@@ -267,7 +316,8 @@ def test_compiled_steps_donate_caches_and_call_the_op_once_per_layer():
     entry = REF[LLAMA]
     params = decoder.random_params(decoder.DecoderConfig.from_hf(entry["config"]), entry["seed"])
     # a pool (1.8 MiB per cache) larger than the steps' own temporaries, so a cache copy would show
-    m = decoder.Decoder(entry["config"], params, block_size=8, max_seqs=64, max_len=56, impl="kernel")
+    m = decoder.Decoder(entry["config"], params, block_size=8, max_seqs=64, max_len=56, impl="kernel",
+                        attention="gather")
     n_params = len(jax.tree.leaves(m.params)) + 2  # params, then the two tables, then the caches
     bt = np.zeros((4, m.blocks_per_seq), np.int32)
     shapes = [m.key_cache.shape, m.value_cache.shape]
@@ -279,6 +329,52 @@ def test_compiled_steps_donate_caches_and_call_the_op_once_per_layer():
         if m.device.platform == "cpu":
             calls = re.findall(r'custom_call_target="(jax_rope_cache[a-z_]*)"', text)
             assert len(calls) == 1, calls
+
+
+def _in_place_params():
+    """(platform, attention) pairs whose decode program is the one that runs there: each attention
+    native to the platform, and pallas_tpu on the CPU (TPU interpret mode reads the operands through
+    callbacks). pallas_gpu on the CPU is left out: Pallas' HLO interpreter carries the kernel's
+    operands through its grid loop, so XLA copies them, which the GPU program does not."""
+    out = []
+    for p in platforms():
+        dev = jax.devices(p)[0]
+        for a in attn.ATTENTIONS:
+            if a == "gather" or attn.default_attention(dev) == a or (p == "cpu" and a == "pallas_tpu"):
+                out.append(pytest.param(p, a, id=f"{p}-{a}"))
+    return out
+
+
+@pytest.mark.parametrize("platform,attention", _in_place_params())
+def test_decode_program_reads_the_caches_the_op_writes_in_place(platform, attention):
+    """The decode program with each attention aliases every cache (stacked, or one per layer for a
+    Pallas kernel) to its output and holds no copy, transpose or convert of a cache-shaped array:
+    the op writes exactly the layout the attention reads. Temp memory stays below one K cache."""
+    entry = REF[LLAMA]
+    params = decoder.random_params(decoder.DecoderConfig.from_hf(entry["config"]), entry["seed"])
+    dev = jax.devices(platform)[0]
+    m = decoder.Decoder(entry["config"], params, block_size=8, max_seqs=64, max_len=56, impl="kernel",
+                        attention=attention, layout="head_major", device=dev)
+    assert m.per_layer == (attention != "gather")
+    assert len(m.caches) == (2 * m.cfg.num_layers if m.per_layer else 2)
+    bt = np.zeros((4, m.blocks_per_seq), np.int32)
+    compiled = m.decode_fn.lower(m.params, m.tables, m.caches, np.zeros(4, np.int32), np.full(4, 21, np.int32),
+                                 bt, steps=3).compile()
+    text = compiled.as_text()
+    dims = {"[" + ",".join(map(str, c.shape)) + "]" for c in m.caches}
+    # the entry's parameters by number (jax may pass hoisted constants first, so numbers are read, not counted)
+    entry = text[text.index("\nENTRY"):]
+    params = {int(n): shape for shape, n in re.findall(r"= \w+(\[[\d,]*\])\S* parameter\((\d+)\)",
+                                                        entry[:entry.index("\n}")])}
+    aliases = {int(p) for _, p in re.findall(r"\{(\d*)\}: \((\d+), \{\}, (?:may|must)-alias\)", text)}
+    cache_params = {n for n, shape in params.items() if shape in dims}
+    assert len(cache_params) == len(m.caches) and cache_params <= aliases, (sorted(cache_params), sorted(aliases))
+    for line in text.splitlines():
+        if re.search(r"\b(copy|copy-start|transpose|convert)\(", line):
+            assert not any(d in line.split("=")[1].split("(")[0] for d in dims), f"cache-shaped: {line.strip()}"
+    k_bytes = sum(c.nbytes for c in m.caches[::2]) if m.per_layer else m.caches[0].nbytes
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    assert temp < k_bytes, f"temp memory {temp} B holds a cache-sized buffer ({k_bytes} B)"
 
 
 def test_fully_unrolled_layers_pass_constant_layer_indices():

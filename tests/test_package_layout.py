@@ -1,6 +1,7 @@
 """The package is a one-way stack: imports point down, never in a circle.
 
-    cli -> decoder_mla -> decoder -> mla -> api -> primitive -> backends -> compilers        models, reference -> contract
+    cli -> decoder_mla -> decoder -> attention -> mla -> api -> primitive -> backends -> compilers
+    models, reference -> contract
 An AST walk over jax_rope_cache/ (module-level and function-level imports alike) builds the import
 graph; the test fails on any circle and on any import that points up a layer.
 """
@@ -23,6 +24,7 @@ LAYERS = {
     "primitive": 3,
     "api": 4,
     "mla": 4.5,  # the MLA op's own stack (contract .. api), above the main op's api whose helpers it reuses
+    "attention": 4.8,  # the model client's decode attention over the paged cache (jax and Pallas only)
     "decoder": 5,
     "decoder_mla": 5.5,  # the MLA model client: decoder.Decoder with MLA attention
     "cli": 6,

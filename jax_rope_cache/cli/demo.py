@@ -19,7 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_rope_cache as jrc
-from jax_rope_cache import reference
+from jax_rope_cache import attention as attn
+from jax_rope_cache import decoder, reference
 from jax_rope_cache.cli import _args
 from jax_rope_cache.cli._fmt import compare_runs, progress
 from jax_rope_cache.models import presets, tables
@@ -58,7 +59,7 @@ def build(model: presets.ModelShape, batch: int, prefill: int, steps: int, layer
         pre_slots=seq_slots[:, :prefill].reshape(-1), pre_pos=seq_pos[:, :prefill].reshape(-1),
         dec_q=x(POOL, batch, qh, d), dec_k=x(POOL, batch, kh, d), dec_v=x(POOL, batch, kh, d),
         dec_slots=seq_slots[:, prefill:].T.copy(), dec_pos=seq_pos[:, prefill:].T.copy(),  # [steps, batch]
-        cos=cos, sin=sin)
+        blocks=blocks.astype(np.int32), cos=cos, sin=sin)
     if presets.preset_qk_norm_eps(preset) is not None:  # per-layer norm weights around 1, both signs
         data["q_norm_w"] = rng.normal(1.0, 0.5, (layers, d)).astype(jnp.bfloat16)
         data["k_norm_w"] = rng.normal(1.0, 0.5, (layers, d)).astype(jnp.bfloat16)
@@ -104,6 +105,70 @@ def make_programs(layers: int, steps: int, impl: str, unroll: bool = True, norm_
     return jax.jit(prefill, donate_argnums=(1, 2)), jax.jit(decode, donate_argnums=(1, 2))
 
 
+def make_attention_programs(layers: int, steps: int, impl: str, attention: str, block_size: int, prefill: int,
+                            heads: tuple[int, int], interpret: bool, norm_eps=None):
+    """The same loop with each decode layer's q_out read by `attention` over the sequences' blocks
+    (keys in slot order: a sequence's t-th token sits at its t-th slot), on one cache per layer in
+    the layout that attention reads, written through the model client's op call
+    (decoder.rope_and_write). Programs take and return the tuple (k_0, v_0, k_1, v_1, ...)."""
+    qh, kh = heads
+    layout = attn.layout_of(attention) or "flash"
+    scales = [layer_scale(i) for i in range(layers)]
+
+    def write(d, caches, i, q, k, v, slots, pos):
+        s = jnp.bfloat16(scales[i])
+        qkv = jnp.concatenate([q * s, k * s, v * s], axis=1).reshape(q.shape[0], -1)
+        q_out, _, mine = decoder.rope_and_write(qkv, caches[2 * i:2 * i + 2], slots, pos, d["cos"], d["sin"],
+                                                layout=layout, layer=None, num_q_heads=qh, num_kv_heads=kh,
+                                                impl=impl, **norm_options(d, i, norm_eps))
+        return q_out, caches[:2 * i] + tuple(mine) + caches[2 * i + 2:]
+
+    def prefill_fn(d, caches):
+        acc = jnp.float32(0)
+        for i in range(layers):
+            q_out, caches = write(d, caches, i, d["pre_q"], d["pre_k"], d["pre_v"], d["pre_slots"], d["pre_pos"])
+            acc = acc + jnp.sum(q_out, dtype=jnp.float32)
+        return caches, acc
+
+    def decode_fn(d, caches):
+        bt = d["blocks"]
+        batch = bt.shape[0]
+        if attention != "gather":
+            pages = attn.page_table(bt, attn.page_width(attention, bt.shape[1], block_size, qh // kh))
+
+        def step(n, carry):
+            caches, acc = carry
+            j = n % POOL
+            lengths = jnp.full((batch,), prefill + 1, jnp.int32) + n
+            for i in range(layers):
+                q_out, caches = write(d, caches, i, d["dec_q"][j], d["dec_k"][j], d["dec_v"][j], d["dec_slots"][n],
+                                      d["dec_pos"][n])
+                if attention == "gather":
+                    keys, values = attn.gather_blocks(caches[2 * i:2 * i + 2], None, bt, layout)
+                    o = attn.attend(q_out[:, None], keys, values, (lengths - 1)[:, None])
+                else:
+                    o = attn.paged_decode(attention, q_out, caches[2 * i], caches[2 * i + 1], pages, lengths,
+                                          block_size=block_size, interpret=interpret)
+                acc = acc + jnp.sum(o, dtype=jnp.float32)
+            return caches, acc
+        return jax.lax.fori_loop(0, steps, step, (caches, jnp.float32(0)))
+
+    return jax.jit(prefill_fn, donate_argnums=(1,)), jax.jit(decode_fn, donate_argnums=(1,))
+
+
+def layer_caches(caches, attention: str) -> tuple:
+    """Stacked flash numpy caches -> one cache per layer in `attention`'s layout: (k_0, v_0, k_1, ...)."""
+    hm = attn.layout_of(attention) == "head_major"
+    return tuple(c[i].transpose(2, 0, 1, 3) if hm else c[i] for i in range(caches[0].shape[0]) for c in caches)
+
+
+def stacked_flash(caches, attention: str) -> tuple:
+    """The inverse of layer_caches, as numpy arrays."""
+    hm = attn.layout_of(attention) == "head_major"
+    per = [np.asarray(c) for c in caches]
+    return tuple(np.stack([c.transpose(1, 2, 0, 3) if hm else c for c in per[j::2]]) for j in (0, 1))
+
+
 def checked_layers(layers: int, check: int | None) -> list[int]:
     """All layers, or `check` of them spread over the stack (first and last included)."""
     if check is None or check >= layers:
@@ -132,29 +197,45 @@ def reference_caches(data, caches, layers: list[int], steps: int, norm_eps=None)
 
 
 def run(preset="llama-3.1-8b", tp=8, batch=64, prefill=128, steps=256, layers=32, block_size=16, repeats=3, seed=0,
-        check_layers=None, unroll=True):
+        check_layers=None, unroll=True, attention=None):
     model = presets.model_shape(preset, tp)
     norm_eps = presets.preset_qk_norm_eps(preset)
     data, caches = build(model, batch, prefill, steps, layers, block_size, seed, preset)
     dev = jax.devices()[0]
     fused = "" if norm_eps is None else f", QK-RMSNorm fused (eps {norm_eps:g}, random weights)"
+    read = "q_out summed" if attention is None else \
+        f"q_out read by {attention} attention over {attn.layout_of(attention) or 'flash'} caches, one per layer"
     print(f"device {dev.platform} ({dev.device_kind}); {model.name}: heads {model.q_heads}/{model.kv_heads}, "
-          f"D={model.head_dim}{fused}; {layers} layers in one stacked cache per K/V "
-          f"({caches[0].nbytes * 2 / 2**20:.0f} MiB), batch {batch}, prefill {prefill}/seq, {steps} decode steps")
+          f"D={model.head_dim}{fused}; {layers} layers ({caches[0].nbytes * 2 / 2**20:.0f} MiB of caches; {read}), "
+          f"batch {batch}, prefill {prefill}/seq, {steps} decode steps")
     ddata = jax.device_put(data, dev)
     check = checked_layers(layers, check_layers)
     phases, phase = 1 + 2 * (1 + repeats), 0
     progress(phase, phases, "numpy reference")
     want_k, want_v = reference_caches(data, caches, check, steps, norm_eps)
     want_k, want_v = want_k[check], want_v[check]
+    if attention is not None:
+        attn.check_platform(attention, dev)
+
+    def programs(impl):
+        """(prefill, decode, caches on the device, back to stacked flash numpy) for `impl`."""
+        if attention is None:
+            pre, dec = make_programs(layers, steps, impl, unroll, norm_eps)
+            wrap = lambda f: lambda d, c: (lambda r: (r[:2], r[2]))(f(d, *c))  # noqa: E731
+            return wrap(pre), wrap(dec), lambda: jax.device_put(caches, dev), lambda c: tuple(map(np.asarray, c))
+        pre, dec = make_attention_programs(layers, steps, impl, attention, block_size, prefill,
+                                           (model.q_heads, model.kv_heads), attn.interpret_on(dev), norm_eps)
+        return (pre, dec, lambda: jax.device_put(layer_caches(caches, attention), dev),
+                lambda c: stacked_flash(c, attention))
+
     timing, runs, exact = {}, {}, {}
     for impl in ("kernel", "xla"):
-        prefill_fn, decode_fn = make_programs(layers, steps, impl, unroll, norm_eps)
+        prefill_fn, decode_fn, fresh, back = programs(impl)
         phase += 1
         progress(phase, phases, f"{impl}: compile + first run")
-        kc, vc, _ = prefill_fn(ddata, *jax.device_put(caches, dev))
-        kc, vc, _ = decode_fn(ddata, kc, vc)  # compiles both; first full run
-        got_k, got_v = np.asarray(kc)[check], np.asarray(vc)[check]
+        c, _ = prefill_fn(ddata, fresh())
+        c, _ = decode_fn(ddata, c)  # compiles both; first full run
+        got_k, got_v = (x[check] for x in back(c))
         exact[impl] = (np.array_equal(got_k.view(np.uint16), want_k.view(np.uint16)),
                        np.array_equal(got_v.view(np.uint16), want_v.view(np.uint16)))
         close = np.allclose(got_k.astype(np.float32), want_k.astype(np.float32), rtol=2**-7, atol=2**-7)
@@ -163,19 +244,19 @@ def run(preset="llama-3.1-8b", tp=8, batch=64, prefill=128, steps=256, layers=32
         for r in range(repeats):
             phase += 1
             progress(phase, phases, f"{impl}: timed run {r + 1}/{repeats}")
-            kc, vc = jax.device_put(caches, dev)
-            jax.block_until_ready((kc, vc))
+            c = fresh()
+            jax.block_until_ready(c)
             t0 = time.perf_counter()
-            kc, vc, _ = prefill_fn(ddata, kc, vc)
-            jax.block_until_ready(kc)
+            c, _ = prefill_fn(ddata, c)
+            jax.block_until_ready(c)
             t1 = time.perf_counter()
-            kc, vc, _ = decode_fn(ddata, kc, vc)
-            jax.block_until_ready(kc)
+            c, _ = decode_fn(ddata, c)
+            jax.block_until_ready(c)
             t_pre.append(t1 - t0)
             t_dec.append(time.perf_counter() - t1)
         timing[impl] = (float(np.median(t_pre)), float(np.median(t_dec)))
         runs[impl] = (t_pre, t_dec)
-        del kc, vc
+        del c
 
     progress(phases, phases, "done")
     ok = all(exact["kernel"][:2]) and exact["xla"][2] and exact["xla"][1]
@@ -207,7 +288,11 @@ def main(argv=None):
                    help="compare only this many layers (default all)")
     p.add_argument("--no-unroll", action="store_true",
                    help="keep the layer scan rolled (a while loop: on GPUs one host round trip per layer)")
+    p.add_argument("--attention", default="none", choices=("none",) + attn.ATTENTIONS,
+                   help="what reads each decode layer's q_out: none (summed: the op alone), or a decode attention "
+                        "over the caches the op wrote, one cache per layer in its layout (pallas_gpu / pallas_tpu: "
+                        "head_major; interpreted on the CPU)")
     a = _args.parse_args(p, argv)
     ok = run(a.preset, a.tp, a.batch, a.prefill, a.steps, a.layers, a.block_size, check_layers=a.check_layers,
-             unroll=not a.no_unroll)
+             unroll=not a.no_unroll, attention=None if a.attention == "none" else a.attention)
     raise SystemExit(0 if ok else 1)
