@@ -26,7 +26,7 @@ from conftest import impl_params
 from jax_rope_cache import contract, decoder
 from jax_rope_cache.cli import generate
 from jax_rope_cache.models import tables
-from test_structure import check_in_place
+from test_structure import check_in_place, check_temp_independent_of_pool
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIXTURE = os.path.join(HERE, "data", "hf_greedy.npz")
@@ -263,19 +263,20 @@ def test_generation_writes_only_its_own_slots(platform, impl):
 
 def test_compiled_steps_donate_caches_and_call_the_op_once_per_layer():
     """Prefill and decode alias both stacked caches to their outputs, copy no cache-shaped buffer,
-    need no cache-sized temporary, and (CPU kernel) hold one custom call: the layer scan's body."""
+    need no temporary that grows with the pool (a cache copy would), and (CPU kernel) hold one
+    custom call: the layer scan's body."""
     entry = REF[LLAMA]
     params = decoder.random_params(decoder.DecoderConfig.from_hf(entry["config"]), entry["seed"])
-    # a pool (1.8 MiB per cache) larger than the steps' own temporaries, so a cache copy would show
     m = decoder.Decoder(entry["config"], params, block_size=8, max_seqs=64, max_len=56, impl="kernel")
     n_params = len(jax.tree.leaves(m.params)) + 2  # params, then the two tables, then the caches
     bt = np.zeros((4, m.blocks_per_seq), np.int32)
     shapes = [m.key_cache.shape, m.value_cache.shape]
-    args = (m.params, m.tables, m.caches)
     for fn, rest, kw in ((m.prefill_fn, (np.zeros((4, 21), np.int32), np.full(4, 21, np.int32), bt), {}),
                          (m.decode_fn, (np.zeros(4, np.int32), np.full(4, 21, np.int32), bt), dict(steps=3))):
-        compiled = fn.lower(*args, *rest, **kw).compile()
-        text = check_in_place(compiled, shapes, m.key_cache.nbytes, n_params_before_caches=n_params)
+        lower = lambda caches, fn=fn, rest=rest, kw=kw: fn.lower(m.params, m.tables, caches, *rest, **kw)  # noqa: E731
+        compiled = lower(m.caches).compile()
+        text = check_in_place(compiled, shapes, None, n_params_before_caches=n_params)
+        check_temp_independent_of_pool(compiled, lower, m.caches)
         if m.device.platform == "cpu":
             calls = re.findall(r'custom_call_target="(jax_rope_cache[a-z_]*)"', text)
             assert len(calls) == 1, calls
