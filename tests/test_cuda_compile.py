@@ -625,6 +625,75 @@ def test_host_emulation_writes_one_layer_of_stacked_caches(layout, variant, emu_
             assert np.array_equal(got[2].view(np.uint8), kc.view(np.uint8)), layer
 
 
+EDGE_VARIANTS = [None, {"RC_TPB": 8}, dict(KP, RC_TPB=8), {"RC_VCH": 4, "RC_TPB": 8}, {"RC_TPB": 16, "RC_VSEL": 4}]
+
+
+def _variant_exists(spec, variant) -> bool:
+    """V channels and the per-block choice exist for some layouts and shapes only."""
+    v = variant or {}
+    c = v.get("RC_VCH", 1)
+    if c > 1 and cuda.v_channels(spec, c) != c:
+        return False
+    return "RC_VSEL" not in v or cuda.v_select(spec, v["RC_TPB"], 1, v["RC_VSEL"]) == v["RC_VSEL"]
+
+
+def _edge_problem(layout, index_dtype):
+    from test_hardening import _slot_edge_problem
+
+    args, opts = _slot_edge_problem(layout, index_dtype, None, seed=31)
+    return args, opts, contract.check_op(*args, **opts, layer=np.zeros((), np.int32))
+
+
+def test_host_emulation_slots_at_the_edges_write_their_layer_only(emu_dir):
+    """tests/test_hardening.py's slot-edge problem (slots n, n+1, -1, the int32/int64 extremes, runs
+    crossing 0 and n on stacked caches) bit-exact at every layer, in every layout and with the
+    vector run paths (x-packed runs of X slots, V channels, the per-block choice): a group past
+    slot n - 1 or before 0 is not a run. (One test, not a matrix: the default tier samples this
+    file's matrices.)"""
+    for layout, index_dtype in [(lay, idt) for lay in contract.LAYOUTS for idt in ("int32", "int64")]:
+        args, opts, spec = _edge_problem(layout, index_dtype)
+        for variant in [v for v in EDGE_VARIANTS if _variant_exists(spec, v)]:
+            for layer in range(args[3].shape[0]):
+                want = reference.rope_and_cache(*args, **opts, layer=np.array(layer, np.int32))
+                got = run_emulation(spec, args, None, None, emu_dir, layer=layer, defines=variant)
+                for name, g, w in zip(("q_out", "k_out", "key_cache", "value_cache"), got, want):
+                    assert np.array_equal(g.view(np.uint8), np.asarray(w).view(np.uint8)), \
+                        (layout, index_dtype, variant, layer, name)
+
+
+# (what, text in rope_cache.cu, its replacement, layout, variant): each place the kernel bounds a slot
+_EDGE_MUTANTS = [
+    ("x-packed V: slot n let through", "return (s >= 0 && s < r.n) ? r.base + s : -1;",
+     "return (s >= 0 && s <= r.n) ? r.base + s : -1;", "xpacked", None),
+    ("x-packed V: slot -1 let through", "return (s >= 0 && s < r.n) ? r.base + s : -1;",
+     "return (s >= -1 && s < r.n) ? r.base + s : -1;", "xpacked", None),
+    ("x-packed V: a run may start below slot 0", "return seq && s0 >= 0 && s0 < sr.n", "return seq && s0 < sr.n",
+     "xpacked", {"RC_VCH": 4, "RC_TPB": 8}),
+    ("rotated K: slot n let through", "const i64 s_any = (s_raw >= 0 && s_raw < sr.n)",
+     "const i64 s_any = (s_raw >= 0 && s_raw <= sr.n)", "hnd", None),
+    ("V chunks: slot n let through", "const bool ok = s_raw >= 0 && s_raw < sr.n;\n  if constexpr (VS_HEADS)",
+     "const bool ok = s_raw >= 0 && s_raw <= sr.n;\n  if constexpr (VS_HEADS)", "flash", None),
+]
+
+
+def test_host_emulation_slot_edges_would_catch_an_off_by_one_bound(emu_dir):
+    """Each off-by-one in the slot checks, built into the emulation, changes a neighbouring layer
+    of the slot-edge problem at the middle layer (so the test above would fail)."""
+    with open(os.path.join(_kernel_dir(), "cuda", "rope_cache.cu")) as f:
+        text = f.read()
+    for what, old, new, layout, variant in _EDGE_MUTANTS:
+        assert text.count(old) == 1, f"{what}: the kernel no longer has {old!r}; update the mutant"
+        args, opts, spec = _edge_problem(layout, "int32")
+        want = reference.rope_and_cache(*args, **opts, layer=np.array(1, np.int32))
+        try:
+            got = run_emulation(spec, args, None, None, emu_dir, layer=1, defines=variant,
+                                source=text.replace(old, new), isolated=True)
+        except AssertionError:  # a write outside the caches, or a wrong run count: caught too
+            continue
+        assert any(not np.array_equal(g.view(np.uint8), np.asarray(w).view(np.uint8))
+                   for g, w in zip(got[2:], want[2:])), f"{what}: not caught"
+
+
 def test_host_emulation_e5m2_stacked_layers_per_head_scales(emu_dir):
     """A float8_e5m2 cache stacked [L, ...] with one scale per kv head: each layer in range is
     written exactly (bit-exact to the reference), one outside [0, L) writes nothing."""
