@@ -332,7 +332,8 @@ def test_decode_compiler_options_reach_the_decode_program_only():
 
 def test_decode_options_default_to_cublas_gemms_on_nvidia_only(monkeypatch):
     """None: cuBLAS GEMMs in the decode program on an NVIDIA GPU, XLA's defaults on ROCm and the CPU;
-    the caller's options (also {}) replace the default, and the default reaches the decode program."""
+    the caller's options (also {}) replace the default, and the default reaches the decode program:
+    with a device default that is not empty (a stand-in for NVIDIA's), {} compiles with none of it."""
     class Client:
         def __init__(self, version):
             self.platform_version = version
@@ -350,14 +351,28 @@ def test_decode_options_default_to_cublas_gemms_on_nvidia_only(monkeypatch):
         m = decoder.Decoder(entry["config"], params, max_seqs=2, max_len=32, device=jax.devices("cpu")[0],
                             decode_compiler_options=given)
         assert m.decode_compiler_options == want
-    # the device's default is what the decode program compiles with: an unknown one fails there
+    # the device's default is what the decode program compiles with (an unknown one fails there),
+    # unless the caller gives options: {} is XLA's defaults, not the device's (as on an NVIDIA GPU)
     monkeypatch.setattr(decoder, "default_decode_options", lambda device: {"xla_no_such_default": 1})
-    m = decoder.Decoder(entry["config"], params, max_seqs=2, max_len=32, device=jax.devices("cpu")[0])
     prompts, steps = entry["prompts"][:1], 2
+    runs = {}
+    for given in (None, {}):
+        m = decoder.Decoder(entry["config"], params, max_seqs=2, max_len=32, device=jax.devices("cpu")[0],
+                            decode_compiler_options=given)
+        bt = m.allocator.block_table([m.allocator.allocate(len(prompts[0]) + steps + 1)], m.blocks_per_seq)
+        first, _, lens = m.prefill(prompts, bt)
+        if given is None:
+            assert m.decode_compiler_options == {"xla_no_such_default": 1}
+            with pytest.raises(Exception, match="xla_no_such_default"):
+                m.decode(first, lens, bt, steps)
+        else:
+            assert m.decode_compiler_options == {}
+            runs["{}"] = m.decode(first, lens, bt, steps)[0]
+    monkeypatch.undo()
+    m = decoder.Decoder(entry["config"], params, max_seqs=2, max_len=32, device=jax.devices("cpu")[0])
     bt = m.allocator.block_table([m.allocator.allocate(len(prompts[0]) + steps + 1)], m.blocks_per_seq)
     first, _, lens = m.prefill(prompts, bt)
-    with pytest.raises(Exception, match="xla_no_such_default"):
-        m.decode(first, lens, bt, steps)
+    np.testing.assert_array_equal(runs["{}"], m.decode(first, lens, bt, steps)[0])  # the same model, XLA's defaults
 
 
 def test_config_errors():
