@@ -17,7 +17,6 @@ Not yet run on an AMD GPU: the ROCm parametrisation is what a ROCm host runs.
 from __future__ import annotations
 
 import functools
-import os
 import re
 import subprocess
 import sys
