@@ -112,6 +112,32 @@ def _fresh_warn_once():
     yield
 
 
+def child_env(*, path=(), drop=(), **set_vars) -> dict[str, str]:
+    """The environment of a child Python process (sys.executable) that must import the jax_rope_cache
+    this process imported: os.environ without the variables in `drop`, with `set_vars`, and
+    PYTHONPATH = `path`, then the folder holding this process's package (unless it is a site folder,
+    which the child finds by itself; a checkout imported through PYTHONPATH, the current folder or
+    an installation's own path otherwise would be lost: the children run with -P), then the
+    inherited PYTHONPATH (a cluster's jax and its plugins may be there)."""
+    import site
+
+    import jax_rope_cache
+
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env.update(set_vars)
+    pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(jax_rope_cache.__file__)))
+    site_dirs = {os.path.realpath(d) for d in site.getsitepackages() + [site.getusersitepackages()]}
+    entries = [str(p) for p in path]
+    if os.path.realpath(pkg_parent) not in site_dirs:
+        entries.append(pkg_parent)
+    entries += [e for e in env.get("PYTHONPATH", "").split(os.pathsep) if e and e not in entries]
+    if entries:
+        env["PYTHONPATH"] = os.pathsep.join(entries)
+    else:
+        env.pop("PYTHONPATH", None)
+    return env
+
+
 def platforms() -> list[str]:
     found = []
     for name in ("cpu", "cuda", "rocm"):
@@ -251,7 +277,10 @@ def assert_fma_close(got, want, bound, what: str):
     which under cancellation is many ulps of the (small) result in any dtype."""
     got, want = np.asarray(got), np.asarray(want)
     ulps = ulp_diff(got, want)
-    err = np.abs(got.astype(np.float64) - want.astype(np.float64))
+    g, w = got.astype(np.float64), want.astype(np.float64)
+    # equal infinities (0 ulps apart) have no difference: NaN, as IEEE subtraction gives, without its warning
+    same_inf = np.isinf(g) & (g == w)
+    err = np.abs(np.subtract(g, w, out=np.full(g.shape, np.nan), where=~same_inf))
     ok = (ulps <= 1) | (err <= bound)
     assert ok.all(), f"{what}: {int((~ok).sum())} elements beyond 1 ulp and the FMA bound, max {ulps.max()} ulp"
 

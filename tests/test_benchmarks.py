@@ -13,13 +13,16 @@ import sys
 import numpy as np
 import pytest
 
+from conftest import child_env
+
 BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks")
 HARNESS = os.path.join(BENCH, "bench_gpu.py")
 SUITES = ["op", "qk_norm", "mrope", "mla", "qkv", "tp", "fp8"]
 
 
 def _run(*args, timeout=120):
-    return subprocess.run([sys.executable, "-P", HARNESS, *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-P", HARNESS, *args], env=child_env(), capture_output=True, text=True,
+                          timeout=timeout)
 
 
 @pytest.mark.parametrize("suite", SUITES)

@@ -22,12 +22,16 @@ import re
 import shutil
 import struct
 import subprocess
+import sys
+import tempfile
 
 import ml_dtypes
 import numpy as np
 import pytest
 
-from conftest import TIER, make_spec, special_problem, tier_sample
+import cuda_emulation_exec
+from conftest import TIER, child_env, make_spec, special_problem, tier_sample
+from cuda_emulation_exec import GUARD as _GUARD, Params as _Params, guarded as _guarded  # noqa: F401 (other tests)
 from e5m2_values import ROUNDING_EXPONENTS, boundary_f32, oracle_e5m2
 from jax_rope_cache import contract, reference
 
@@ -263,10 +267,6 @@ def _kernel_dir():
                                                                                  "kernels")
 
 
-class _Params(ctypes.Structure):
-    _fields_ = [("ptr", ctypes.c_void_p * 18), ("dim0", ctypes.c_int64 * 14)]
-
-
 def _build_emulation(cfg, tmp_dir, source=None, math_header=None):
     """The kernel built for the host with cfg's defines; `source`: another text of rope_cache.cu,
     `math_header`: another text of kernels/common/rope_cache_math.h (the tests that check a wrong
@@ -373,20 +373,28 @@ def make_inputs(spec, rng):
     return (q, k, v, kc, vc, slots.astype(spec.slot_dtype), pos.astype(spec.pos_dtype), cos, sin)
 
 
-_GUARD = 4096  # bytes either side of every output in the emulation, checked untouched
-
-
-def _guarded(a):
-    """(a copy of a, 16-byte aligned like a device buffer, with guard bytes either side; the guarded bytes)."""
-    raw = np.full(a.nbytes + 2 * _GUARD + 16, 0xA5, np.uint8)
-    start = _GUARD + (-raw.ctypes.data - _GUARD) % 16
-    out = raw[start:start + a.nbytes].view(a.dtype).reshape(a.shape)
-    out[...] = a
-    return out, raw[start - _GUARD:start + a.nbytes + _GUARD]
+def _execute_in_child(so_path, ops, outs, grid) -> dict:
+    """cuda_emulation_exec.execute in a fresh process (a kernel that writes far outside its buffers
+    kills that one, not the tests); a crash fails as an AssertionError naming the signal."""
+    with tempfile.TemporaryDirectory() as d:
+        src, dst = os.path.join(d, "in.npz"), os.path.join(d, "out.npz")
+        packed = {f"{name}_{k}": v for name, a in [*((f"op{i}", a) for i, a in enumerate(ops)),
+                                                   *((f"out{i}", a) for i, a in enumerate(outs))]
+                  for k, v in cuda_emulation_exec.pack(a).items()}
+        np.savez(src, so=so_path, grid=grid, **packed)
+        r = subprocess.run([sys.executable, "-P", cuda_emulation_exec.__file__, src, dst], env=child_env(),
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, f"the emulation died (exit status {r.returncode}): {r.stderr[-2000:]}"
+        with np.load(dst) as f:
+            return dict(results=[np.array(f[f"out{i}"]) for i in range(4)], failed=int(f["failed"]),
+                        guards_ok=bool(f["guards_ok"]), pieces=int(f["pieces"]), run_units=int(f["run_units"]))
 
 
 def run_emulation(spec, args, k_scale, v_scale, tmp_dir, layer=0, num_sms=cuda.DEFAULT_SMS, defines=None,
-                  q_norm_weight=None, k_norm_weight=None, source=None, math_header=None):
+                  q_norm_weight=None, k_norm_weight=None, source=None, math_header=None, isolated=False):
+    """The kernel of `spec` (cfg's variant with `defines`) run on the host over args, checked for
+    failed emulation checks, writes outside the outputs and its run counters; -> the 4 results.
+    isolated: in a child process (a deliberately wrong kernel may crash)."""
     cfg = cuda.kernel_config(spec, num_sms)
     if defines:  # another variant of the same kernel (tokens per block, V channels, ...): threads for its units
         d = dict(cfg.defines, **defines)
@@ -405,20 +413,15 @@ def run_emulation(spec, args, k_scale, v_scale, tmp_dir, layer=0, num_sms=cuda.D
     absent = np.full(1, np.nan, np.float32)  # an absent weight's placeholder (never read)
     wq, wk = (absent if w is None else np.ascontiguousarray(w) for w in (q_norm_weight, k_norm_weight))
     t, d = spec.num_tokens, spec.head_dim  # q, k, v may each be the fused [T, QH + 2 KH, D] (spec.qkv)
-    outs = (np.full((t, spec.q_heads, d), 7, q.dtype), np.full((t, spec.kv_heads, d), 7, k.dtype), kc, vc)
-    (q_out, k_out, kc_out, vc_out), guards = zip(*(_guarded(a) for a in outs))
-    ops = [q, k, v, kc_out, vc_out, slots, pos, cos, sin, ks, vs, np.array(layer, np.int32), wq, wk]
-    p = _Params()
-    for i, a in enumerate(ops + [q_out, k_out, kc_out, vc_out]):
-        p.ptr[i] = a.ctypes.data
-    for i, a in enumerate(ops):
-        p.dim0[i] = a.shape[0] if a.ndim else 1
+    outs = [np.full((t, spec.q_heads, d), 7, q.dtype), np.full((t, spec.kv_heads, d), 7, k.dtype), kc, vc]
+    ops = [q, k, v, kc, vc, slots, pos, cos, sin, ks, vs, np.array(layer, np.int32), wq, wk]
     grid = -(-spec.num_tokens // cfg.tokens_per_block)
-    assert lib.rc_emulate(ctypes.byref(p), grid) == 0, "emulated shuffles (wrong lanes, sums) or misaligned V stores"
-    assert all((g[:_GUARD] == 0xA5).all() and (g[-_GUARD:] == 0xA5).all() for g in guards), "a write outside the outputs"
-    assert lib.rc_pieces() == _run_pieces(cfg, spec, slots, layer), "x-packed V: runs stored whole, or not, wrongly"
-    assert lib.rc_run_units() == _run_units(cfg, spec, slots, layer), "RC_VSEL: the blocks' V decomposition"
-    return q_out, k_out, kc_out, vc_out
+    r = (_execute_in_child if isolated else cuda_emulation_exec.execute)(lib._name, ops, outs, grid)
+    assert r["failed"] == 0, "emulated shuffles (wrong lanes, sums) or misaligned V stores"
+    assert r["guards_ok"], "a write outside the outputs"
+    assert r["pieces"] == _run_pieces(cfg, spec, slots, layer), "x-packed V: runs stored whole, or not, wrongly"
+    assert r["run_units"] == _run_units(cfg, spec, slots, layer), "RC_VSEL: the blocks' V decomposition"
+    return tuple(r["results"])
 
 
 def emulation_matrix():
@@ -620,6 +623,75 @@ def test_host_emulation_writes_one_layer_of_stacked_caches(layout, variant, emu_
             assert np.array_equal(g.view(np.uint8), np.asarray(w).view(np.uint8)), (layer, name)
         if not 0 <= layer < layers:
             assert np.array_equal(got[2].view(np.uint8), kc.view(np.uint8)), layer
+
+
+EDGE_VARIANTS = [None, {"RC_TPB": 8}, dict(KP, RC_TPB=8), {"RC_VCH": 4, "RC_TPB": 8}, {"RC_TPB": 16, "RC_VSEL": 4}]
+
+
+def _variant_exists(spec, variant) -> bool:
+    """V channels and the per-block choice exist for some layouts and shapes only."""
+    v = variant or {}
+    c = v.get("RC_VCH", 1)
+    if c > 1 and cuda.v_channels(spec, c) != c:
+        return False
+    return "RC_VSEL" not in v or cuda.v_select(spec, v["RC_TPB"], 1, v["RC_VSEL"]) == v["RC_VSEL"]
+
+
+def _edge_problem(layout, index_dtype):
+    from test_hardening import _slot_edge_problem
+
+    args, opts = _slot_edge_problem(layout, index_dtype, None, seed=31)
+    return args, opts, contract.check_op(*args, **opts, layer=np.zeros((), np.int32))
+
+
+def test_host_emulation_slots_at_the_edges_write_their_layer_only(emu_dir):
+    """tests/test_hardening.py's slot-edge problem (slots n, n+1, -1, the int32/int64 extremes, runs
+    crossing 0 and n on stacked caches) bit-exact at every layer, in every layout and with the
+    vector run paths (x-packed runs of X slots, V channels, the per-block choice): a group past
+    slot n - 1 or before 0 is not a run. (One test, not a matrix: the default tier samples this
+    file's matrices.)"""
+    for layout, index_dtype in [(lay, idt) for lay in contract.LAYOUTS for idt in ("int32", "int64")]:
+        args, opts, spec = _edge_problem(layout, index_dtype)
+        for variant in [v for v in EDGE_VARIANTS if _variant_exists(spec, v)]:
+            for layer in range(args[3].shape[0]):
+                want = reference.rope_and_cache(*args, **opts, layer=np.array(layer, np.int32))
+                got = run_emulation(spec, args, None, None, emu_dir, layer=layer, defines=variant)
+                for name, g, w in zip(("q_out", "k_out", "key_cache", "value_cache"), got, want):
+                    assert np.array_equal(g.view(np.uint8), np.asarray(w).view(np.uint8)), \
+                        (layout, index_dtype, variant, layer, name)
+
+
+# (what, text in rope_cache.cu, its replacement, layout, variant): each place the kernel bounds a slot
+_EDGE_MUTANTS = [
+    ("x-packed V: slot n let through", "return (s >= 0 && s < r.n) ? r.base + s : -1;",
+     "return (s >= 0 && s <= r.n) ? r.base + s : -1;", "xpacked", None),
+    ("x-packed V: slot -1 let through", "return (s >= 0 && s < r.n) ? r.base + s : -1;",
+     "return (s >= -1 && s < r.n) ? r.base + s : -1;", "xpacked", None),
+    ("x-packed V: a run may start below slot 0", "return seq && s0 >= 0 && s0 < sr.n", "return seq && s0 < sr.n",
+     "xpacked", {"RC_VCH": 4, "RC_TPB": 8}),
+    ("rotated K: slot n let through", "const i64 s_any = (s_raw >= 0 && s_raw < sr.n)",
+     "const i64 s_any = (s_raw >= 0 && s_raw <= sr.n)", "hnd", None),
+    ("V chunks: slot n let through", "const bool ok = s_raw >= 0 && s_raw < sr.n;\n  if constexpr (VS_HEADS)",
+     "const bool ok = s_raw >= 0 && s_raw <= sr.n;\n  if constexpr (VS_HEADS)", "flash", None),
+]
+
+
+def test_host_emulation_slot_edges_would_catch_an_off_by_one_bound(emu_dir):
+    """Each off-by-one in the slot checks, built into the emulation, changes a neighbouring layer
+    of the slot-edge problem at the middle layer (so the test above would fail)."""
+    with open(os.path.join(_kernel_dir(), "cuda", "rope_cache.cu")) as f:
+        text = f.read()
+    for what, old, new, layout, variant in _EDGE_MUTANTS:
+        assert text.count(old) == 1, f"{what}: the kernel no longer has {old!r}; update the mutant"
+        args, opts, spec = _edge_problem(layout, "int32")
+        want = reference.rope_and_cache(*args, **opts, layer=np.array(1, np.int32))
+        try:
+            got = run_emulation(spec, args, None, None, emu_dir, layer=1, defines=variant,
+                                source=text.replace(old, new), isolated=True)
+        except AssertionError:  # a write outside the caches, or a wrong run count: caught too
+            continue
+        assert any(not np.array_equal(g.view(np.uint8), np.asarray(w).view(np.uint8))
+                   for g, w in zip(got[2:], want[2:])), f"{what}: not caught"
 
 
 def test_host_emulation_e5m2_stacked_layers_per_head_scales(emu_dir):
@@ -1070,22 +1142,18 @@ def test_host_emulation_v_select_would_catch_a_wrong_choice(what, old, new, kind
         args[3] = np.stack([_random(rng, args[3].shape, args[3].dtype) for _ in range(layers)])
         args[4] = np.stack([_random(rng, args[4].shape, args[4].dtype) for _ in range(layers)])
         layer = 2
-    def run(source):
+    def run(source, isolated=False):
         want = reference.rope_and_cache(*args, layout="xpacked", layer=None if kind != "layer" else np.array(layer, np.int32))
-        got = run_emulation(lspec, args, None, None, emu_dir, layer=layer, num_sms=1, defines=defines, source=source)
+        got = run_emulation(lspec, args, None, None, emu_dir, layer=layer, num_sms=1, defines=defines, source=source,
+                            isolated=isolated)
         _assert_bitwise(got, want)
     run(None)  # the kernel as it is
-    # the mutant in a forked child: a wrong unit bound may crash it (writes far outside the buffers)
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
-        code = 0
-        try:
-            run(text.replace(old, new))
-        except BaseException:  # noqa: BLE001 - caught by a check
-            code = 3
-        os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    assert not (os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0), f"{what}: not caught"
+    # the mutant in a child process: a wrong unit bound may crash it (writes far outside the buffers)
+    try:
+        run(text.replace(old, new), isolated=True)
+    except (Exception, pytest.fail.Exception):  # noqa: BLE001 - caught by a check (or the mutant does not build)
+        return
+    pytest.fail(f"{what}: not caught")
 
 
 VSEL_SHAPES = [("llama8b", dict(QH=32, KH=8, D=128)), ("gptoss-tp8", dict(QH=8, KH=1, D=64)),

@@ -17,7 +17,6 @@ Not yet run on an AMD GPU: the ROCm parametrisation is what a ROCm host runs.
 from __future__ import annotations
 
 import functools
-import os
 import re
 import subprocess
 import sys
@@ -28,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import child_env
 import jax_rope_cache as jrc
 from jax_rope_cache import backends, contract, reference
 from jax_rope_cache.backends import cuda, kernel_node, launcher, native, rocm
@@ -203,8 +203,8 @@ _MODULES_SCRIPT = textwrap.dedent("""
 def test_modules_load_once_per_code_object_and_device(platform):
     """In a fresh process, per device (up to two): 64 call sites of two configurations (two code
     objects) executed four times, then one eager call: exactly 2 modules per device, results exact."""
-    r = subprocess.run([sys.executable, "-P", "-c", _MODULES_SCRIPT, platform], capture_output=True, text=True,
-                       timeout=300, cwd="/")
+    r = subprocess.run([sys.executable, "-P", "-c", _MODULES_SCRIPT, platform], env=child_env(), capture_output=True,
+                       text=True, timeout=300, cwd="/")
     assert r.returncode == 0, r.stderr[-3000:]
     lines = [line.split() for line in r.stdout.splitlines()]
     assert ["MODULES_AT_START", "0"] in lines, r.stdout
@@ -335,7 +335,7 @@ def test_command_buffer_switch(value, target, platform):
     unset, CUDA uses the graph target and ROCm the no-graph one (HIP graphs are opt-in)."""
     if target is None:
         target = launcher.GPU_TARGET if platform == "cuda" else launcher.GPU_TARGET_NO_GRAPH
-    env = dict(os.environ, JAX_ROPE_CACHE_COMMAND_BUFFERS=value)
+    env = child_env(JAX_ROPE_CACHE_COMMAND_BUFFERS=value)
     r = subprocess.run([sys.executable, "-P", "-c", _SWITCH_SCRIPT, platform], env=env, capture_output=True, text=True,
                        timeout=300, cwd="/")
     assert r.returncode == 0, r.stderr[-3000:]

@@ -161,6 +161,87 @@ def test_host_layer_array_beyond_int32_writes_nothing(platform, impl):
         _compare(impl, got, want, stacked, opts, f"[host layer {value}]")
 
 
+I32 = np.iinfo(np.int32)
+EDGE_CASES = ([(lay, "int32", None) for lay in contract.LAYOUTS] + [(lay, "int64", None) for lay in contract.LAYOUTS]
+              + [("flash", "int64", "float8_e4m3fn"), ("xpacked", "int32", "float8_e4m3fnuz")])
+
+
+def _slot_edge_problem(layout, index_dtype, fp8, seed, L=3):
+    """Stacked caches [L, NB, ...] (random, so untouched entries show) and slots at every edge of
+    [0, n) (n = NB * BS): a run n-16 .. n+15 crossing the end (the CUDA kernel's vector runs refuse
+    a group past it, its per-token path writes the rest), a run -16 .. -1, n, n+1, -1 and the int32
+    extremes; int64 also INT64_MAX, INT64_MIN and values whose low 32 bits name free slots (a
+    narrowing would write them). Slot n of layer l is layer l+1's first slot, and slot -1 of layer
+    l layer l-1's last: an off-by-one bound writes into another layer, where the values show it.
+    fp8: per-token scale caches [L, NB, KH, BS] too."""
+    n_edges = 13 if index_dtype == "int64" else 7
+    T = 48 + 2 * n_edges
+    case = Case(T=T, QH=4, KH=2, D=32, BS=16, NB=-(-2 * T // 16), layout=layout, index_dtype=index_dtype,
+                cache_dtype=fp8)
+    args, opts = make_problem(case, seed)
+    rng = np.random.default_rng(seed)
+    n = args[3].shape[0] * case.BS
+    edges = [n, n + 1, -1, I32.max, I32.min, n, -1]
+    if index_dtype == "int64":
+        edges += [I64.max, I64.min, 2**32 + 20, -(2**32) + 21, 2**32 + n, 2**40 + 22]
+    assert len(edges) == n_edges
+    free = [s for s in range(1, n - 16) if s not in (20, 21, 22)]
+    valid = rng.permutation(free)[:n_edges]
+    slots = np.array(list(range(n - 16, n + 16)) + list(range(-16, 0)) + [x for p in zip(edges, valid) for x in p],
+                     np.int64)
+    assert len(slots) == T
+    stack = lambda a: np.stack([a] + [rng.standard_normal(a.shape).astype(F32).astype(a.dtype)  # noqa: E731
+                                      for _ in range(L - 1)])
+    args = args[:3] + (stack(args[3]), stack(args[4]), slots.astype(index_dtype)) + args[6:]
+    if fp8:
+        opts = {k: v for k, v in opts.items() if k not in ("k_scale", "v_scale")}
+        sc = lambda: rng.uniform(0.1, 2.0, (L, n // case.BS, case.KH, case.BS)).astype(F32)  # noqa: E731
+        opts.update(k_scale_cache=sc(), v_scale_cache=sc())
+    return args, opts
+
+
+@pytest.mark.parametrize("layout,index_dtype,fp8", EDGE_CASES)
+@pytest.mark.parametrize("platform,impl", impl_params())
+def test_slots_at_the_edges_write_their_layer_only(platform, impl, layout, index_dtype, fp8):
+    """Indices: slots n, n+1, -1, the int32 and int64 extremes write nothing, valid slots next to
+    them their own row, for every layer of a stacked cache (static and traced layer): every entry
+    the reference leaves alone keeps its bits, in every layer and every cache, scale caches too."""
+    args, opts = _slot_edge_problem(layout, index_dtype, fp8, seed=zlib.crc32(f"{layout}{index_dtype}{fp8}".encode()))
+    L = args[3].shape[0]
+    names = NAMES + ("k_scale_cache", "v_scale_cache")
+    with jax.enable_x64(index_dtype == "int64"):  # int64 slots reach the implementation as int64
+        dev = jax.devices(platform)[0]
+        on = lambda a: jax.device_put(a, dev)  # noqa: E731
+        dyn = {k: on(v) for k, v in opts.items() if k.endswith("scale_cache")}
+        static = {k: v for k, v in opts.items() if k not in dyn}
+        traced = jax.jit(lambda layer, *a, **kw: jrc.rope_and_cache(*a, **static, **kw, impl=impl, layer=layer))
+        for layer in range(L):
+            want = reference.rope_and_cache(*args, **opts, layer=layer)
+            assert len(want) == (6 if fp8 else 4)
+            before = args[3:5] + tuple(opts[n] for n in names[4:len(want)])
+            for how in ("static", "traced"):
+                a = tuple(on(x) if i in (3, 4) else x for i, x in enumerate(args))
+                if how == "static":
+                    got = jrc.rope_and_cache(*a, **static, **dyn, impl=impl, layer=layer)
+                else:
+                    got = traced(jnp.int32(layer), *a, **dyn)
+                what = f"[{layout}, {index_dtype}, {fp8}, layer {layer} {how}]"
+                for name, g, w in zip(names, got, want):
+                    g = np.asarray(g)
+                    if impl == "kernel":
+                        assert_bits_equal(g, w, f"{name} {what}")
+                    elif name.endswith("scale_cache"):
+                        np.testing.assert_allclose(g, w, rtol=2.0**-20, atol=0, err_msg=f"{name} {what}")
+                    elif fp8 and name in ("key_cache", "value_cache"):
+                        assert ulp_diff(g, w).max(initial=0) <= 1, f"{name} {what}: beyond one fp8 ulp"
+                    else:
+                        assert_fma_close(g, w, xla_bound(name, args, opts), f"{name} {what}")
+                for name, g, b, w in zip(names[2:], got[2:], before, want[2:]):
+                    untouched = ulp_diff(w, b) == 0
+                    changed = ulp_diff(np.asarray(g), b)[untouched] != 0
+                    assert not changed.any(), f"{name} {what}: {int(changed.sum())} entries no slot owns changed"
+
+
 def _huge_cache_args(num_blocks, block_size, slot_dtype=np.int32, layout="flash"):
     """Shapes only (nothing allocated) of a call on an fp8 cache of num_blocks * block_size slots."""
     T, QH, KH, D = 4, 2, 1, 16

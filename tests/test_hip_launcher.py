@@ -41,6 +41,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from conftest import child_env
 from jax_rope_cache import contract
 from jax_rope_cache.backends import launcher, rocm
 from jax_rope_cache.compilers import amdgpu_elf, flydsl
@@ -128,9 +129,9 @@ def run_harness(stubs, tmp_path, calls, preload=(), env=None):
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps(dict(harness=str(stubs / "launcher_test.so"), calls=calls,
                                     preload=[str(stubs / p) for p in preload])))
-    e = dict(os.environ, HIP_STUB_LOG=str(log), LD_LIBRARY_PATH=str(stubs), HIP_STUB_PEEK_WORDS="0",
-             XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
-             JAX_ENABLE_X64="1")  # int64 slot_mapping / positions stay int64
+    e = child_env(HIP_STUB_LOG=str(log), LD_LIBRARY_PATH=str(stubs), HIP_STUB_PEEK_WORDS="0",
+                  XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu",
+                  JAX_ENABLE_X64="1")  # int64 slot_mapping / positions stay int64
     e.update(env or {})
     r = subprocess.run([sys.executable, "-P", "-c", _CHILD, str(spec)], env=e, capture_output=True, text=True,
                        timeout=300, cwd="/")

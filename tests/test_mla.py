@@ -57,6 +57,36 @@ def test_matches_reference(case, platform, impl):
     assert_mla_close(got, want, args, opts, impl)
 
 
+@pytest.mark.parametrize("layout,index_dtype", [("combined", "int64"), ("split", "int32")])
+@pytest.mark.parametrize("platform,impl", IMPLS)
+def test_slots_at_the_edges_write_their_layer_only(platform, impl, layout, index_dtype):
+    """Stacked caches [L, NB, BS, ...], every layer: slots n (= NB * BS, the next layer's first row),
+    n + 1, -1 (the previous layer's last), the int32 (and int64) extremes and values whose low 32
+    bits name free rows write nothing; every row the reference leaves alone keeps its bits."""
+    L, n_edges = 3, 12 if index_dtype == "int64" else 7
+    T = 16 + 2 * n_edges
+    case = MlaCase(T=T, layers=L, layout=layout, index_dtype=index_dtype, BS=8, NB=-(-2 * T // 8))
+    args, opts = make_mla_problem(case, seed=41)
+    n = -(-2 * T // 8) * 8
+    rng = np.random.default_rng(41)
+    i32, i64 = np.iinfo(np.int32), np.iinfo(np.int64)
+    edges = [n, n + 1, -1, i32.max, i32.min, n, -1]
+    if index_dtype == "int64":
+        edges += [i64.max, i64.min, 2**32 + 5, -(2**32) + 6, 2**32 + n]
+    valid = rng.permutation([s for s in range(7, n - 8)])[:n_edges]
+    slots = np.array(list(range(n - 8, n + 8)) + [x for p in zip(edges, valid) for x in p], np.int64)
+    args = args[:5] + (slots.astype(index_dtype),) + args[6:]
+    with jax.enable_x64(index_dtype == "int64"):  # int64 slots reach the implementation as int64
+        for layer in range(L):
+            o = dict(opts, layer=layer)
+            want = mla_reference.mla_rope_and_cache(*args, **o)
+            got = jrc.mla_rope_and_cache(*_platform_args(platform, args), **o, impl=impl)
+            assert_mla_close(got, want, args, o, impl, f"layer {layer}: ")
+            for g, w, before in zip(flat_outputs(got)[2:], flat_outputs(want)[2:], jax.tree.leaves(args[4])):
+                untouched = ulp_diff(w, before) == 0
+                assert not (ulp_diff(g, before)[untouched] != 0).any(), f"layer {layer}: a row no slot owns changed"
+
+
 def test_reference_writes_exactly_the_valid_slots():
     """The oracle's own rules on one problem: q_out = cat(q_nope, rope(q_pe)) with q_nope's bits,
     every valid slot holds cat(kv_c, k_pe_out), every other slot keeps its bits."""

@@ -29,7 +29,7 @@ from jax_rope_cache import attention as attn
 from jax_rope_cache import contract, decoder
 from jax_rope_cache.cli import generate
 from jax_rope_cache.models import tables
-from test_structure import check_in_place
+from test_structure import check_in_place, check_temp_independent_of_pool
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIXTURE = os.path.join(HERE, "data", "hf_greedy.npz")
@@ -312,20 +312,21 @@ def test_generation_writes_only_its_own_slots(platform, impl):
 
 def test_compiled_steps_donate_caches_and_call_the_op_once_per_layer():
     """Prefill and decode alias both stacked caches to their outputs, copy no cache-shaped buffer,
-    need no cache-sized temporary, and (CPU kernel) hold one custom call: the layer scan's body."""
+    need no temporary that grows with the pool (a cache copy would), and (CPU kernel) hold one
+    custom call: the layer scan's body."""
     entry = REF[LLAMA]
     params = decoder.random_params(decoder.DecoderConfig.from_hf(entry["config"]), entry["seed"])
-    # a pool (1.8 MiB per cache) larger than the steps' own temporaries, so a cache copy would show
     m = decoder.Decoder(entry["config"], params, block_size=8, max_seqs=64, max_len=56, impl="kernel",
                         attention="gather")
     n_params = len(jax.tree.leaves(m.params)) + 2  # params, then the two tables, then the caches
     bt = np.zeros((4, m.blocks_per_seq), np.int32)
     shapes = [m.key_cache.shape, m.value_cache.shape]
-    args = (m.params, m.tables, m.caches)
     for fn, rest, kw in ((m.prefill_fn, (np.zeros((4, 21), np.int32), np.full(4, 21, np.int32), bt), {}),
                          (m.decode_fn, (np.zeros(4, np.int32), np.full(4, 21, np.int32), bt), dict(steps=3))):
-        compiled = fn.lower(*args, *rest, **kw).compile()
-        text = check_in_place(compiled, shapes, m.key_cache.nbytes, n_params_before_caches=n_params)
+        lower = lambda caches, fn=fn, rest=rest, kw=kw: fn.lower(m.params, m.tables, caches, *rest, **kw)  # noqa: E731
+        compiled = lower(m.caches).compile()
+        text = check_in_place(compiled, shapes, None, n_params_before_caches=n_params)
+        check_temp_independent_of_pool(compiled, lower, m.caches)
         if m.device.platform == "cpu":
             calls = re.findall(r'custom_call_target="(jax_rope_cache[a-z_]*)"', text)
             assert len(calls) == 1, calls
@@ -427,7 +428,8 @@ def test_decode_compiler_options_reach_the_decode_program_only():
 
 def test_decode_options_default_to_cublas_gemms_on_nvidia_only(monkeypatch):
     """None: cuBLAS GEMMs in the decode program on an NVIDIA GPU, XLA's defaults on ROCm and the CPU;
-    the caller's options (also {}) replace the default, and the default reaches the decode program."""
+    the caller's options (also {}) replace the default, and the default reaches the decode program:
+    with a device default that is not empty (a stand-in for NVIDIA's), {} compiles with none of it."""
     class Client:
         def __init__(self, version):
             self.platform_version = version
@@ -445,14 +447,28 @@ def test_decode_options_default_to_cublas_gemms_on_nvidia_only(monkeypatch):
         m = decoder.Decoder(entry["config"], params, max_seqs=2, max_len=32, device=jax.devices("cpu")[0],
                             decode_compiler_options=given)
         assert m.decode_compiler_options == want
-    # the device's default is what the decode program compiles with: an unknown one fails there
+    # the device's default is what the decode program compiles with (an unknown one fails there),
+    # unless the caller gives options: {} is XLA's defaults, not the device's (as on an NVIDIA GPU)
     monkeypatch.setattr(decoder, "default_decode_options", lambda device: {"xla_no_such_default": 1})
-    m = decoder.Decoder(entry["config"], params, max_seqs=2, max_len=32, device=jax.devices("cpu")[0])
     prompts, steps = entry["prompts"][:1], 2
+    runs = {}
+    for given in (None, {}):
+        m = decoder.Decoder(entry["config"], params, max_seqs=2, max_len=32, device=jax.devices("cpu")[0],
+                            decode_compiler_options=given)
+        bt = m.allocator.block_table([m.allocator.allocate(len(prompts[0]) + steps + 1)], m.blocks_per_seq)
+        first, _, lens = m.prefill(prompts, bt)
+        if given is None:
+            assert m.decode_compiler_options == {"xla_no_such_default": 1}
+            with pytest.raises(Exception, match="xla_no_such_default"):
+                m.decode(first, lens, bt, steps)
+        else:
+            assert m.decode_compiler_options == {}
+            runs["{}"] = m.decode(first, lens, bt, steps)[0]
+    monkeypatch.undo()
+    m = decoder.Decoder(entry["config"], params, max_seqs=2, max_len=32, device=jax.devices("cpu")[0])
     bt = m.allocator.block_table([m.allocator.allocate(len(prompts[0]) + steps + 1)], m.blocks_per_seq)
     first, _, lens = m.prefill(prompts, bt)
-    with pytest.raises(Exception, match="xla_no_such_default"):
-        m.decode(first, lens, bt, steps)
+    np.testing.assert_array_equal(runs["{}"], m.decode(first, lens, bt, steps)[0])  # the same model, XLA's defaults
 
 
 def test_config_errors():

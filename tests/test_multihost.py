@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from conftest import child_env
+
 EXAMPLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "multihost_tp.py")
 
 
@@ -23,7 +25,7 @@ def _free_port() -> int:
 @pytest.mark.parametrize("impl", ["kernel", "xla"])
 def test_two_processes_four_devices_match_the_reference(impl):
     addr = f"localhost:{_free_port()}"
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env = child_env(drop=("XLA_FLAGS", "JAX_PLATFORMS"))
     procs = [subprocess.Popen([sys.executable, "-P", EXAMPLE, "--coordinator", addr, "--num-processes", "2",
                                "--process-id", str(i), "--impl", impl], stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, env=env) for i in range(2)]

@@ -13,6 +13,7 @@ import sys
 import jax
 import pytest
 
+from conftest import child_env
 from jax_rope_cache.cli import check
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -22,7 +23,7 @@ cpu_only = pytest.mark.skipif(os.path.exists("/dev/kfd"), reason="this host has 
 @cpu_only
 def test_the_script_on_a_cpu_only_machine_says_no_amd_gpu_and_writes_the_report(tmp_path):
     report = tmp_path / "report.md"
-    env = dict(os.environ, JRC_VENV=sys.prefix)  # this venv has the package: nothing is installed
+    env = child_env(JRC_VENV=sys.prefix)  # this venv has the package: nothing is installed
     r = subprocess.run(["bash", os.path.join(_ROOT, "scripts", "rocm_check.sh"), "--report", str(report)], env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -41,8 +42,7 @@ def test_a_rocm_plugin_that_fails_to_load_is_in_the_report(tmp_path):
     plugin.mkdir(parents=True)
     (plugin / "__init__.py").write_text("def initialize():\n    raise OSError('libhsa-runtime64.so.1: cannot open "
                                         "shared object file: No such file or directory')\n")
-    env = dict(os.environ, PYTHONPATH=str(tmp_path / "plugins"))
-    env.pop("JAX_PLATFORMS", None)
+    env = child_env(path=[tmp_path / "plugins"], drop=("JAX_PLATFORMS",))
     report = tmp_path / "r.md"
     r = subprocess.run([sys.executable, "-P", "-m", "jax_rope_cache", "check", "--report", str(report)], env=env,
                        capture_output=True, text=True, timeout=300)
@@ -54,7 +54,7 @@ def test_a_rocm_plugin_that_fails_to_load_is_in_the_report(tmp_path):
 
 def test_the_launcher_target_check_runs_bit_exact_on_the_cpu_kernel():
     r = subprocess.run([sys.executable, "-P", "-m", "jax_rope_cache", "check", "--op-check", "cpu"],
-                       capture_output=True, text=True, timeout=300)
+                       env=child_env(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads([x for x in r.stdout.splitlines() if x.startswith("OPCHECK ")][-1][8:])
     assert res == dict(platform="cpu", targets=["jax_rope_cache_cpu"], ok=True,

@@ -25,6 +25,7 @@ import textwrap
 
 import pytest
 
+from conftest import child_env
 from jax_rope_cache.cli import aot
 from jax_rope_cache.compilers import cache, flydsl
 
@@ -76,7 +77,7 @@ _CHILD = textwrap.dedent("""
 
 def _run(env_extra: dict, **opts) -> dict:
     o = dict(block=True, heads=[8, 1, 64], impl="kernel") | opts
-    env = dict(os.environ, **env_extra)
+    env = child_env(**env_extra)
     r = subprocess.run([sys.executable, "-P", "-c", _CHILD, json.dumps(o)], env=env, capture_output=True, text=True,
                        timeout=600, cwd="/")
     assert r.returncode == 0, r.stderr[-4000:]

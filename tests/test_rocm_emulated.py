@@ -469,3 +469,62 @@ def test_emulated_e5m2_conversion_would_catch_a_wrong_rule(what, old, new, tmp_p
     args, opts, f, got = _e5m2_values_stored(mutant)
     _, v_read = reference.read_kv(got[2], got[3], args[5])
     assert not np.array_equal(v_read.view(np.uint8).ravel(), oracle_e5m2(f)), f"{what}: not caught"
+
+
+# ---- slots at the edges of [0, NB*BS) on stacked caches ------------------------------------------
+EDGE_CASES = [("flash", "int64", None), ("hnd", "int32", None), ("xpacked_shuffled", "int64", None),
+              ("xpacked", "int32", "float8_e4m3fnuz")]
+
+
+def _edge_results(kernel, layout, index_dtype, fp8, regime, layers=None):
+    """[(layer, the kernel's results, the reference's)] of tests/test_hardening.py's slot-edge
+    problem (slots n, n+1, -1, the int32/int64 extremes, runs crossing 0 and n), at `layers`
+    (default: every layer)."""
+    from test_hardening import _slot_edge_problem
+
+    args, opts = _slot_edge_problem(layout, index_dtype, fp8, seed=23)
+    spec = contract.check_op(*args, **opts, layer=np.zeros((), np.int32))
+    cfg = regime_config(spec, regime)
+    out = []
+    for layer in range(args[3].shape[0]) if layers is None else layers:
+        fresh = [np.array(a, copy=True) for a in args]  # the emulator writes the caches in place
+        fresh_opts = {k: np.array(v, copy=True) if isinstance(v, np.ndarray) else v for k, v in opts.items()}
+        got = rocm_emulator.run(kernel, cfg, custom_call_operands(fresh, fresh_opts, layer))
+        out.append((layer, got, reference.rope_and_cache(*args, **opts, layer=layer)))
+    return out
+
+
+def test_emulated_kernel_slots_at_the_edges_write_their_layer_only():
+    """Every result bit-exact at every layer, both regimes: no write past slot n - 1 or before slot
+    0 of the layer (it would land in a neighbouring layer), none for the int32/int64 extremes.
+    (One test, not a matrix: the default tier samples this file's matrices.)"""
+    for layout, index_dtype, fp8 in EDGE_CASES:
+        for regime in ("latency", "bandwidth"):
+            for layer, got, want in _edge_results(K, layout, index_dtype, fp8, regime):
+                for name, g, w in zip(contract.RESULTS + contract.TOKEN_SCALE_RESULTS, got, want):
+                    assert_bits_equal(g, w, f"{name} ({layout}, {index_dtype}, {fp8}, {regime}, layer {layer})")
+
+
+_SLOT_MUTANTS = [
+    ("upper bound lets slot n through", 'E.cmp("slt", s, num_slots)', 'E.cmp("sle", s, num_slots)'),
+    ("lower bound lets slot -1 through", 'E.cmp("sge", s, c64(0))', 'E.cmp("sge", s, c64(-1))'),
+]
+
+
+def test_emulated_slot_edges_would_catch_an_off_by_one_bound(tmp_path, monkeypatch):
+    """Each off-by-one in the kernel's slot check, built into a copy of the kernel source, changes
+    a neighbouring layer of the slot-edge problem at the middle layer (so the test above would
+    fail by values; at the first or last layer the emulator stops at the write outside the cache)."""
+    import sys
+
+    with open(K.__file__) as fh:
+        text = fh.read()
+    monkeypatch.setitem(sys.modules, K.__name__, K)  # loading a copy replaces the module entry; restored after
+    for what, old, new in _SLOT_MUTANTS:
+        assert text.count(old) == 1, f"{what}: the kernel no longer has {old!r}; update the mutant"
+        path = tmp_path / f"{len(what)}_rope_cache_flydsl.py"
+        path.write_text(text.replace(old, new))
+        mutant = flydsl.kernel_module(str(path))
+        [(_, got, want)] = _edge_results(mutant, "flash", "int32", None, "latency", layers=[1])
+        assert [n for n, g, w in zip(("key_cache", "value_cache"), got[2:4], want[2:4]) if ulp_diff(g, w).any()], \
+            f"{what}: not caught"

@@ -258,12 +258,28 @@ def _export(impl, D=64, cdt=jnp.float8_e4m3fn, layout="flash"):
                              disabled_checks=checks)(*args)
 
 
-def test_refused_shape_raises_with_kernel_and_falls_back_by_default():
+def _no_kernel_call(exp) -> bool:
+    return not [c for c in custom_calls(exp) if c[0].startswith("jax_rope_cache_gpu")]
+
+
+def test_refused_shape_raises_with_kernel_and_falls_back_by_default(monkeypatch):
+    """D=80 has no per-token-scale kernel. The refusal comes before any compile, so it needs no
+    FlyDSL; but a process that can build no ROCm kernel at all (no FlyDSL, no precompiled code
+    objects) says that first, for every shape."""
+    problem = rocm.missing()
+    if problem is not None:
+        with pytest.raises(RuntimeError, match=re.escape(f"impl='kernel' on ROCm needs {problem}")):
+            _export("kernel", D=80)
+        with pytest.warns(RuntimeWarning, match=re.escape(f"falling back to the XLA implementation on ROCm: it "
+                                                          f"needs {problem}")):
+            assert _no_kernel_call(_export(None, D=80))
+        # the shape's refusal as a process with precompiled code objects meets it (a refusal that let
+        # the shape through would reach the compiler and fail with FlyDSL's absence instead)
+        monkeypatch.setattr(rocm, "missing", lambda: None)
     with pytest.raises(NotImplementedError, match="per-token fp8 scales.*D=80"):
         _export("kernel", D=80)
     with pytest.warns(RuntimeWarning, match="falling back to the XLA implementation.*per-token fp8 scales"):
-        exp = _export(None, D=80)
-    assert not [c for c in custom_calls(exp) if c[0].startswith("jax_rope_cache_gpu")]
+        assert _no_kernel_call(_export(None, D=80))
 
 
 # ---- 4. with FlyDSL: compile matrix, ISA, export -------------------------------------------------

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import child_env
 import jax_rope_cache as jrc
 from jax_rope_cache.backends import launcher, native, rocm
 from jax_rope_cache.compilers import amdgpu_elf, flydsl
@@ -217,9 +218,8 @@ def _collect_with_a_failing_rocm_plugin(tmp_path, extra, rocm_root=None):
     (plugin / "__init__.py").write_text(
         "def initialize():\n"
         "    raise OSError('librocm_sysdeps_drm.so.2: cannot open shared object file: No such file or directory')\n")
-    env = dict(os.environ, PYTHONPATH=str(tmp_path / "plugins"), JRC_JAX_EXTRA=extra,
-               ROCM_PATH=str(rocm_root or tmp_path / "no-rocm"), LD_LIBRARY_PATH="")
-    env.pop("JAX_PLATFORMS", None)
+    env = child_env(path=[tmp_path / "plugins"], drop=("JAX_PLATFORMS",), JRC_JAX_EXTRA=extra,
+                    ROCM_PATH=str(rocm_root or tmp_path / "no-rocm"), LD_LIBRARY_PATH="")
     tests = os.path.dirname(os.path.abspath(__file__))
     return subprocess.run([sys.executable, "-P", "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
                            os.path.join(tests, "test_cli_info.py")], env=env, capture_output=True, text=True,

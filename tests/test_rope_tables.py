@@ -34,7 +34,7 @@ import pytest
 import jax_rope_cache as jrc
 from jax_rope_cache import reference
 from jax_rope_cache.models import config, presets, tables
-from conftest import Case, assert_bits_equal, assert_fma_close, impl_params, make_problem
+from conftest import Case, child_env, assert_bits_equal, assert_fma_close, impl_params, make_problem
 
 TABLE_TOL = 1e-6
 INV_ULPS = 4
@@ -248,7 +248,7 @@ def test_importable_without_jax():
     code = ("import sys, jax_rope_cache as j; from jax_rope_cache.models import presets; "
             "c, s, i = presets.preset_tables('gpt-oss-120b', 8); j.rope_tables(4, 4, base=1e4); "
             "assert 'jax' not in sys.modules, 'jax imported'")
-    subprocess.run([sys.executable, "-P", "-c", code], check=True)
+    subprocess.run([sys.executable, "-P", "-c", code], check=True, env=child_env())
 
 
 # --- 3. presets ----------------------------------------------------------------------------------------

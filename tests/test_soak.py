@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import platforms
+from conftest import child_env, platforms
 
 _PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "soak.py")
 RSS_GROWTH_MIB = 32.0  # after the first chunk (which compiles); measured here: a few MiB
@@ -29,7 +29,7 @@ def test_short_soak(platform, impl, layout, tmp_path):
     out = tmp_path / "soak.json"
     cmd = [sys.executable, "-P", _PATH, "--steps", "2000", "--chunk", "250", "--impl", impl, "--layout", layout,
            "--platform", platform, "--json", str(out)]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    run = subprocess.run(cmd, env=child_env(), capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
     recs = json.loads(out.read_text())["records"]
     assert [r["check"] for r in recs] == ["ok"] * 8, run.stdout

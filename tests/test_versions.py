@@ -12,6 +12,7 @@ import jax
 import jaxlib
 import pytest
 
+from conftest import child_env
 from jax_rope_cache import versions
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -75,5 +76,6 @@ def test_an_older_jax_is_refused_with_the_range_and_the_fix(old):
 def test_importing_the_api_under_an_older_jax_raises_that_error():
     code = ("import jax, jaxlib; jax.__version__ = jaxlib.__version__ = '0.11.0'\n"
             "try:\n    import jax_rope_cache.api\nexcept ImportError as e:\n    print('ERR', e)\n")
-    r = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-P", "-c", code], env=child_env(), capture_output=True, text=True,
+                       timeout=120)
     assert "ERR jax_rope_cache needs jax >= 0.11.1" in r.stdout, r.stdout + r.stderr[-2000:]
