@@ -164,6 +164,8 @@ class FamilyDecoder(decoder.Decoder):
     kv_quants = (None,)
 
     def __init__(self, config: Mapping, params: dict, **kw):
+        if kw.get("impl") == "baseline":
+            raise ValueError("impl: expected 'kernel' or 'xla' for the family decoders (no baseline), got 'baseline'")
         super().__init__(config, params, **kw)
         plan = self.cfg.layers_plan
         self.family = dict(self.cfg.family)
@@ -197,8 +199,6 @@ class FamilyDecoder(decoder.Decoder):
         else:
             opts |= dict(use_rope=jnp.asarray(self.rope_layers)[i] != 0, norm_eps=cfg.rms_norm_eps,
                          **{k: v for k, v in self.family.items() if k != "q_gate"})
-        if self.impl == "baseline":
-            raise ValueError("impl: 'baseline' is not implemented by the family decoders")
         q, _, kc, vc = jrc.rope_and_cache_qkv(qkv, kc, vc, step["slots"], step["flat_pos"], cos, sin, **opts)
         keys, values = decoder.gather_blocks(kc, vc, i, step["block_table"], self.layout)
         o = self._attend_window(q.reshape(B, P, cfg.q_heads, cfg.head_dim), keys, values, step["q_pos"], i)
