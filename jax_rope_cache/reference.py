@@ -224,7 +224,8 @@ def rotate_values(x: np.ndarray, cos_rows: np.ndarray, sin_rows: np.ndarray, spe
     Returns (out in x's dtype, the float32 values before the final rounding: what an fp8 cache
     quantizes in "fused" native arithmetic; channels >= R hold x widened)."""
     ta, tb = pair_channels(spec.rotary_dim, spec.is_neox)  # table columns: relative to the first rotary channel
-    a, b = ta + spec.rotary_offset, tb + spec.rotary_offset
+    off = getattr(spec, "rotary_offset", 0)  # MLA specs have none
+    a, b = ta + off, tb + off
     c = cos_rows.astype(_F32)
     s = sin_rows.astype(_F32)
     if spec.table_full:

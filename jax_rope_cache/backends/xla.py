@@ -104,7 +104,7 @@ def rotate_values(x, rows, spec: contract.OpSpec):
     """(x rotated in its dtype, the f32 values before the final rounding: what an fp8 cache
     quantizes in "fused" native arithmetic)."""
     ca, cb, sa, sb = rows
-    o = spec.rotary_offset
+    o = getattr(spec, "rotary_offset", 0)  # MLA specs have none
     xa, xb = (t.astype(_F32) for t in _pairs(x, spec, o))
     mode = reference.arithmetic(spec)
     if mode == "rounded":
