@@ -74,6 +74,13 @@ rounds float32 to the input dtype (nearest even), r32() is a float32 operation:
   positive, all mantissa bits set: bf16/f16 0x7FFF, float32 0x7FFFFFFF, e4m3fn 0x7F, e4m3fnuz
   0x80, e5m2 0x7F (what Triton's bf16 conversion and NVIDIA's cvt write). Copies keep their bits.
 * subnormals are kept everywhere (inputs, table values, products, sums, results).
+* model families (docs/numerics.md#model-families), in this order: the norm "before" (norm_type
+  "rms" as above; "gemma" n_i = r(r32(r32(xf_i * inv) * r32(1 + w_i))), one rounding; "weightless"
+  n_i = r(r32(xf_i * inv)) on q and k), the rotation (none with rotary_dim=0 or a false use_rope;
+  rotary_position="tail": the rotary channels are [D - R, D)), the norm "after" (norm_position, on
+  calls that rotate: the cache stores the normalised k_out), and on calls that do not rotate the
+  temperature: q_out = r(r32(q * f)), f = temperature_factors(...)[(p + 1) // floor_scale], p the
+  clamped position. Gated fused rows (q_gate) change only where q is read.
 """
 
 from __future__ import annotations
