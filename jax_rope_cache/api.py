@@ -145,7 +145,7 @@ def _layer_operand(layer, spec: contract.OpSpec):
 def _prepare(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, *, layout, is_neox,
              rotary_dim, k_scale, v_scale, precision, impl, layer, q_norm_weight, k_norm_weight, norm_eps,
              mrope_section=None, mrope_interleaved=False, inputs=None, k_scale_cache=None, v_scale_cache=None,
-             table_form="half"):
+             table_form="half", **family):
     """Every check of a call, in the same order for every entry point; returns the spec and the
     index arguments as they may be handed to JAX (host int64 indices given their meaning).
     `inputs`: (name, array) of the arrays q, k and v were read from, when not q, k and v themselves
@@ -156,7 +156,7 @@ def _prepare(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
                              v_scale=v_scale, precision=precision, layer=layer, q_norm_weight=q_norm_weight,
                              k_norm_weight=k_norm_weight, norm_eps=norm_eps, mrope_section=mrope_section,
                              mrope_interleaved=mrope_interleaved, k_scale_cache=k_scale_cache,
-                             v_scale_cache=v_scale_cache, table_form=table_form)
+                             v_scale_cache=v_scale_cache, table_form=table_form, **family)
     if impl not in IMPLS:
         raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
     named = list(zip(contract.OPERANDS, (q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
@@ -176,7 +176,9 @@ def rope_and_cache(q: ArrayLike, k: ArrayLike, v: ArrayLike, key_cache: Cache, v
                    k_norm_weight: ArrayLike | None = None,
                    norm_eps: float = 1e-6, mrope_section: Sequence[int] | None = None,
                    mrope_interleaved: bool = False, k_scale_cache: Cache | None = None,
-                   v_scale_cache: Cache | None = None, table_form: str = "half") -> tuple:
+                   v_scale_cache: Cache | None = None, table_form: str = "half", rotary_position: str = "head",
+                   use_rope: bool | ArrayLike | None = None, norm_type: str = "rms", norm_position: str = "before",
+                   attn_temperature: tuple[int, float] | None = None) -> tuple:
     """Rotates q and k with RoPE and writes k and v into a paged KV cache, in one kernel.
 
     Args:
@@ -240,6 +242,22 @@ def rope_and_cache(q: ArrayLike, k: ArrayLike, v: ArrayLike, key_cache: Cache, v
         rotary channel (Hugging Face's cat(freqs, freqs) for NeoX, repeated pairs for GPT-J). A
         width that does not match the form raises a ValueError naming cos (a width-R table given
         as "half" may be a table built for another head size).
+      rotary_dim=0: no rotation (a NoPE layer: Llama 4, SmolLM3); positions, cos and sin may then
+        be None (tables given are not read: any width).
+      rotary_position: "head" (default) rotates channels [0, R); "tail" rotates [D - R, D) and passes
+        [0, D - R) through (nope-first heads: DeepSeek-V4, AITER's is_nope_first).
+      use_rope: None, or a per-call rotation switch (a bool, or a bool / integer scalar that may be
+        traced: one compiled program for a lax.scan over RoPE and NoPE layers, e.g.
+        use_rope=rope_layers[i]). False: this call is a NoPE call (no rotation, no "after" norm,
+        the temperature if given).
+      norm_type: the QK-norm's weight rule: "rms" (default, Qwen3/GLM: r(w * r(x * inv))), "gemma"
+        (Gemma 3, Qwen3-Next: r(x * inv * (1 + w)), one rounding), "weightless" (Llama 4's qk_norm,
+        an RMS norm without weight, on q and k; no weights then).
+      norm_position: "before" (default) normalises before the rotation; "after" normalises the
+        rotated q and k (Llama 4), on calls that rotate only.
+      attn_temperature: None, or (floor_scale, attn_scale) (Llama 4): on calls that do not rotate, q
+        is scaled by 1 + attn_scale * log1p(floor((p + 1) / floor_scale)), p the token's position
+        (clamped to the tables' rows); needs positions and the tables (docs/numerics.md).
 
     Returns:
       (q_out [T, QH, D], k_out [T, KH, D], key_cache, value_cache), then (k_scale_cache,
@@ -247,6 +265,8 @@ def rope_and_cache(q: ArrayLike, k: ArrayLike, v: ArrayLike, key_cache: Cache, v
 
     Not differentiable (every impl): jax.grad through it raises a TypeError.
     """
+    family = dict(rotary_position=rotary_position, use_rope=use_rope, norm_type=norm_type,
+                  norm_position=norm_position, attn_temperature=attn_temperature)
     if _check_refs(key_cache, value_cache, k_scale_cache, v_scale_cache):
         refs = (key_cache, value_cache) + tuple(c for c in (k_scale_cache, v_scale_cache) if c is not None)
         out = rope_and_cache(
@@ -254,17 +274,17 @@ def rope_and_cache(q: ArrayLike, k: ArrayLike, v: ArrayLike, key_cache: Cache, v
             is_neox=is_neox, rotary_dim=rotary_dim, k_scale=k_scale, v_scale=v_scale, precision=precision,
             impl=impl, layer=layer, q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, norm_eps=norm_eps,
             mrope_section=mrope_section, mrope_interleaved=mrope_interleaved, table_form=table_form,
-            **_read_refs(k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache))
+            **_read_refs(k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache), **family)
         return _write_refs(out, refs)
     spec, slot_mapping, positions, layer = _prepare(
         q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, layout=layout, is_neox=is_neox,
         rotary_dim=rotary_dim, k_scale=k_scale, v_scale=v_scale, precision=precision, impl=impl, layer=layer,
         q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, norm_eps=norm_eps, mrope_section=mrope_section,
         mrope_interleaved=mrope_interleaved, k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache,
-        table_form=table_form)
+        table_form=table_form, **family)
     return _run(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, k_scale=k_scale,
                 v_scale=v_scale, layer=layer, q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, spec=spec,
-                impl=impl, k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache)
+                impl=impl, k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache, use_rope=use_rope)
 
 
 def _read_refs(**refs) -> dict:
@@ -280,15 +300,23 @@ def _write_refs(out, refs) -> tuple:
 
 
 def _run(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, *, k_scale, v_scale, layer,
-         q_norm_weight, k_norm_weight, spec: contract.OpSpec, impl, k_scale_cache=None, v_scale_cache=None):
+         q_norm_weight, k_norm_weight, spec: contract.OpSpec, impl, k_scale_cache=None, v_scale_cache=None,
+         use_rope=None):
     """The op on checked arguments: the operands (contract.OPERANDS), then the XLA path or the primitive.
-    With per-token scales the scale caches take the k_scale / v_scale operand slots."""
+    With per-token scales the scale caches take the k_scale / v_scale operand slots; a use_rope switch
+    is one more operand at the end. Absent positions / tables (rotary_dim=0) are placeholders never read."""
+    if positions is None:
+        positions = np.zeros((spec.num_tokens,), np.int32)
+    if cos is None:
+        cos = sin = np.zeros((1, 0), np.float32)
     args = tuple(jnp.asarray(a) for a in (q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin))
     if spec.token_scales:
         args += (jnp.asarray(k_scale_cache), jnp.asarray(v_scale_cache))
     else:
         args += (_scale_operand(k_scale, spec.k_scale_heads), _scale_operand(v_scale, spec.v_scale_heads))
     args += (_layer_operand(layer, spec), _weight_operand(q_norm_weight), _weight_operand(k_norm_weight))
+    if spec.rope_switch:
+        args += (jnp.asarray(use_rope).astype(jnp.int32).reshape(()),)
     if spec.num_tokens == 0:
         caches = args[3:5] + (args[9:11] if spec.token_scales else ())
         if spec.qkv:  # empty q_out [0, QH, D] and k_out [0, KH, D]
@@ -308,7 +336,10 @@ def rope_and_cache_qkv(qkv: ArrayLike, key_cache: Cache, value_cache: Cache, slo
                        k_norm_weight: ArrayLike | None = None, norm_eps: float = 1e-6,
                        mrope_section: Sequence[int] | None = None,
                        mrope_interleaved: bool = False, k_scale_cache: Cache | None = None,
-                       v_scale_cache: Cache | None = None, table_form: str = "half") -> tuple:
+                       v_scale_cache: Cache | None = None, table_form: str = "half", q_gate: bool = False,
+                       rotary_position: str = "head", use_rope: bool | ArrayLike | None = None,
+                       norm_type: str = "rms", norm_position: str = "before",
+                       attn_temperature: tuple[int, float] | None = None) -> tuple:
     """rope_and_cache of a fused QKV projection, read in place: no slice of `qkv` is copied.
 
     Args:
@@ -316,6 +347,10 @@ def rope_and_cache_qkv(qkv: ArrayLike, key_cache: Cache, value_cache: Cache, slo
         QH query heads, then its KH key heads, then its KH value heads (the output of one matmul
         with the q, k and v projection weights concatenated in that order).
       num_q_heads, num_kv_heads: QH and KH (static ints); D is the rest of qkv's last dims.
+      q_gate: True for gated attention (Qwen3-Next, Qwen3.5): the rows are [T, (2 QH + 2 KH) * D],
+        each q head followed by its output gate (q_proj's [q_h, gate_h] per head), then k, then v.
+        The op reads the q heads and leaves the gates where they are: the model reads them from
+        qkv (e.g. qkv.reshape(T, -1, D)[:, 1:2 * QH:2]), no copy made for the op.
       Everything else: as rope_and_cache, whose result this is for q, k, v = the three slices.
 
     Returns:
@@ -329,6 +364,8 @@ def rope_and_cache_qkv(qkv: ArrayLike, key_cache: Cache, value_cache: Cache, slo
     shard's slice holds its own q, k and v heads, as a column-parallel QKV projection gives); see
     the README.
     """
+    family = dict(rotary_position=rotary_position, use_rope=use_rope, norm_type=norm_type,
+                  norm_position=norm_position, attn_temperature=attn_temperature)
     if _check_refs(key_cache, value_cache, k_scale_cache, v_scale_cache):
         refs = (key_cache, value_cache) + tuple(c for c in (k_scale_cache, v_scale_cache) if c is not None)
         out = rope_and_cache_qkv(
@@ -336,26 +373,27 @@ def rope_and_cache_qkv(qkv: ArrayLike, key_cache: Cache, value_cache: Cache, slo
             num_kv_heads=num_kv_heads, layout=layout, is_neox=is_neox, rotary_dim=rotary_dim, k_scale=k_scale,
             v_scale=v_scale, precision=precision, impl=impl, layer=layer, q_norm_weight=q_norm_weight,
             k_norm_weight=k_norm_weight, norm_eps=norm_eps, mrope_section=mrope_section,
-            mrope_interleaved=mrope_interleaved, table_form=table_form,
-            **_read_refs(k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache))
+            mrope_interleaved=mrope_interleaved, table_form=table_form, q_gate=q_gate,
+            **_read_refs(k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache), **family)
         return _write_refs(out, refs)
-    t, qh, kh, d = contract.check_qkv(qkv, num_q_heads, num_kv_heads)
+    t, qh, kh, d = contract.check_qkv(qkv, num_q_heads, num_kv_heads, q_gate)
     q, k, v = (jax.ShapeDtypeStruct((t, h, d), qkv.dtype) for h in (qh, kh, kh))
     spec, slot_mapping, positions, layer = _prepare(
         q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, layout=layout, is_neox=is_neox,
         rotary_dim=rotary_dim, k_scale=k_scale, v_scale=v_scale, precision=precision, impl=impl, layer=layer,
         q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, norm_eps=norm_eps, mrope_section=mrope_section,
         mrope_interleaved=mrope_interleaved, inputs=(("qkv", qkv),), k_scale_cache=k_scale_cache,
-        v_scale_cache=v_scale_cache, table_form=table_form)
-    fused = jnp.reshape(jnp.asarray(qkv), (t, qh + 2 * kh, d))  # a bitcast: rows stay where the matmul wrote them
+        v_scale_cache=v_scale_cache, table_form=table_form, **family)
+    spec = dataclasses.replace(spec, qkv=True, q_gate=bool(q_gate))
+    # a bitcast: rows stay where the matmul wrote them
+    fused = jnp.reshape(jnp.asarray(qkv), (t, spec.qkv_heads, d))
     return _run(fused, fused, fused, key_cache, value_cache, slot_mapping, positions, cos, sin, k_scale=k_scale,
                 v_scale=v_scale, layer=layer, q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight,
-                spec=dataclasses.replace(spec, qkv=True), impl=impl, k_scale_cache=k_scale_cache,
-                v_scale_cache=v_scale_cache)
+                spec=spec, impl=impl, k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache, use_rope=use_rope)
 
 
 _STATIC = ("layout", "is_neox", "rotary_dim", "precision", "impl", "norm_eps", "mrope_section", "mrope_interleaved",
-           "table_form")
+           "table_form", "rotary_position", "norm_type", "norm_position", "attn_temperature")
 
 _donating_jit = jax.jit(rope_and_cache, static_argnames=_STATIC,
                         donate_argnames=("key_cache", "value_cache", "k_scale_cache", "v_scale_cache"))
@@ -376,7 +414,7 @@ _DONATED_RUNTIME_ERRORS = ("Invalid buffer passed to Execute", "Buffer has been 
 def _donated_call(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, *, layout="flash",
                   is_neox=True, rotary_dim=None, k_scale=None, v_scale=None, precision="fp32", impl=None,
                   layer=None, q_norm_weight=None, k_norm_weight=None, norm_eps=1e-6, mrope_section=None,
-                  mrope_interleaved=False, k_scale_cache=None, v_scale_cache=None, table_form="half"):
+                  mrope_interleaved=False, k_scale_cache=None, v_scale_cache=None, table_form="half", **family):
     """(jitted function, args, kwargs) of a rope_and_cache_donated call, validated as rope_and_cache does."""
     refs = _check_refs(key_cache, value_cache, k_scale_cache, v_scale_cache)
     _, slot_mapping, positions, layer = _prepare(
@@ -384,14 +422,16 @@ def _donated_call(q, k, v, key_cache, value_cache, slot_mapping, positions, cos,
         rotary_dim=rotary_dim, k_scale=k_scale, v_scale=v_scale, precision=precision, impl=impl, layer=layer,
         q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, norm_eps=norm_eps, mrope_section=mrope_section,
         mrope_interleaved=mrope_interleaved, k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache,
-        table_form=table_form)
+        table_form=table_form, **family)
+    if family.get("attn_temperature") is not None:  # static: hashable
+        family["attn_temperature"] = contract.check_temperature(family["attn_temperature"])
     # norm_eps is static: its float32 value as a Python float (hashable, the same meaning)
     kwargs = dict(layout=layout, is_neox=is_neox, rotary_dim=rotary_dim, k_scale=k_scale, v_scale=v_scale,
                   precision=precision, impl=impl, layer=layer, q_norm_weight=q_norm_weight,
                   k_norm_weight=k_norm_weight, norm_eps=contract.check_norm_eps(norm_eps),
                   mrope_section=None if mrope_section is None else tuple(int(x) for x in mrope_section),
                   mrope_interleaved=bool(mrope_interleaved), k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache,
-                  table_form=table_form)
+                  table_form=table_form, **family)
     return (_refs_jit if refs else _donating_jit), (q, k, v, key_cache, value_cache, slot_mapping, positions,
                                                      cos, sin), kwargs
 

@@ -8,6 +8,7 @@ what was expected and what was given.
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 
 import ml_dtypes
@@ -268,6 +269,13 @@ class OpSpec:
     # per-token fp8 quantization: the k_scale / v_scale operands are the scale caches [NB, KH, BS]
     # (stacked [L, NB, KH, BS]) and the op writes one scale per (token, kv head) into them
     token_scales: bool = False
+    # ---- model families (check_families): NoPE layers, tail rotary, norm variants, temperature, gated q
+    rotary_tail: bool = False  # rotary channels [D - R, D) (rotary_position="tail"), else [0, R)
+    rope_switch: bool = False  # a traced use_rope operand (last operand) switches the rotation per call
+    norm_type: str = "rms"  # "rms" (w * n, Qwen3), "gemma" ((1 + w) * n), "weightless" (n, Llama 4; q and k)
+    norm_after: bool = False  # the norm runs on the rotated q and k (norm_position="after", Llama 4)
+    temperature: tuple[int, float] | None = None  # (floor_scale, attn_scale): Llama 4's q scale on NoPE layers
+    q_gate: bool = False  # fused QKV rows hold [q_h, gate_h] per q head (Qwen3-Next's gated attention)
 
     @property
     def norm(self) -> bool:
@@ -291,8 +299,18 @@ class OpSpec:
 
     @property
     def qkv_heads(self) -> int:
-        """Heads in one token's row of the fused QKV tensor: QH + 2 KH."""
-        return self.q_heads + 2 * self.kv_heads
+        """Heads in one token's row of the fused QKV tensor: QH + 2 KH (2 QH + 2 KH with the q gate)."""
+        return self.q_heads * (2 if self.q_gate else 1) + 2 * self.kv_heads
+
+    @property
+    def rotary_offset(self) -> int:
+        """The first rotary channel: 0, or D - R with rotary_position="tail"."""
+        return self.head_dim - self.rotary_dim if self.rotary_tail else 0
+
+    @property
+    def qk_norm(self) -> bool:
+        """Some norm runs on q or k (a weight given, or the weightless norm on both)."""
+        return self.norm or self.norm_type == "weightless"
 
 
 def input_shapes(spec: OpSpec) -> dict[str, tuple[int, ...]]:
@@ -308,8 +326,8 @@ def input_offsets(spec: OpSpec) -> tuple[int, int, int, int]:
     (q: t * q_row + h * D; k: t * kv_row + k_off + h * D; v: t * kv_row + v_off + h * D)."""
     qh, kh, d = spec.q_heads, spec.kv_heads, spec.head_dim
     if spec.qkv:
-        row = spec.qkv_heads * d
-        return row, row, qh * d, (qh + kh) * d
+        row, nq = spec.qkv_heads * d, spec.qkv_heads - 2 * kh  # nq: QH, or 2 QH with the q gate
+        return row, row, nq * d, (nq + kh) * d
     return qh * d, kh * d, 0, 0
 
 
@@ -321,26 +339,30 @@ def _check_heads(arg: str, value) -> int:
     return int(value)
 
 
-def check_qkv(qkv, num_q_heads, num_kv_heads) -> tuple[int, int, int, int]:
+def check_qkv(qkv, num_q_heads, num_kv_heads, q_gate=False) -> tuple[int, int, int, int]:
     """Validates the fused QKV tensor of rope_and_cache_qkv: [T, (QH + 2 KH) * D] or [T, QH + 2 KH, D],
-    each token's q heads first, then its k heads, then its v heads. Returns (T, QH, KH, D)."""
+    each token's q heads first, then its k heads, then its v heads (with q_gate: 2 QH q heads, each
+    q head followed by its gate). Returns (T, QH, KH, D)."""
     qh = _check_heads("num_q_heads", num_q_heads)
     kh = _check_heads("num_kv_heads", num_kv_heads)
+    if not isinstance(q_gate, (bool, np.bool_)):
+        raise TypeError(f"q_gate: expected a Python bool, got {describe(q_gate)}")
     dtype = _dtype("qkv", qkv)
     if dtype not in INPUT_DTYPES:
         raise TypeError(f"qkv: expected dtype one of ({dtype_names(INPUT_DTYPES)}), got {dtype.name}")
-    shape, n = tuple(int(s) for s in qkv.shape), qh + 2 * kh
+    nq, qs = (2 * qh, "2 QH") if q_gate else (qh, "QH")
+    shape, n = tuple(int(s) for s in qkv.shape), nq + 2 * kh
     if len(shape) == 3:
         if shape[1] != n:
-            raise ValueError(f"qkv: expected shape [T, QH + 2 KH, D] with QH + 2 KH = {qh} + 2*{kh} = {n} heads "
-                             f"(num_q_heads, num_kv_heads), got {list(shape)}")
+            raise ValueError(f"qkv: expected shape [T, {qs} + 2 KH, D] with {qs} + 2 KH = {nq} + 2*{kh} = {n} heads "
+                             f"(num_q_heads, num_kv_heads{', q_gate' if q_gate else ''}), got {list(shape)}")
         return shape[0], qh, kh, shape[2]
     if len(shape) != 2:
-        raise ValueError(f"qkv: expected rank 2 [T, (QH + 2 KH) * D] or rank 3 [T, QH + 2 KH, D], "
+        raise ValueError(f"qkv: expected rank 2 [T, ({qs} + 2 KH) * D] or rank 3 [T, {qs} + 2 KH, D], "
                          f"got shape {list(shape)}")
     if shape[1] % n or shape[1] == 0:
-        raise ValueError(f"qkv: expected a last dim (QH + 2 KH) * D divisible by QH + 2 KH = {qh} + 2*{kh} = {n} "
-                         f"(num_q_heads, num_kv_heads), got shape {list(shape)}")
+        raise ValueError(f"qkv: expected a last dim ({qs} + 2 KH) * D divisible by {qs} + 2 KH = {nq} + 2*{kh} = {n} "
+                         f"(num_q_heads, num_kv_heads{', q_gate' if q_gate else ''}), got shape {list(shape)}")
     return shape[0], qh, kh, shape[1] // n
 
 
@@ -620,7 +642,8 @@ def check_op(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
              layout="flash", is_neox=True, rotary_dim=None, k_scale=None, v_scale=None,
              precision="fp32", layer=None, q_norm_weight=None, k_norm_weight=None, norm_eps=1e-6,
              mrope_section=None, mrope_interleaved=False, k_scale_cache=None, v_scale_cache=None,
-             table_form="half") -> OpSpec:
+             table_form="half", rotary_position="head", use_rope=None, norm_type="rms", norm_position="before",
+             attn_temperature=None) -> OpSpec:
     """Validates one call of rope_and_cache and returns its static description.
 
     With `layer` given, the caches are stacked per layer ([L, ...]) and only layer `layer` is
@@ -652,11 +675,15 @@ def check_op(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
     if isinstance(r, bool) or not isinstance(r, numbers.Integral):
         raise TypeError(f"rotary_dim: expected an int or None, got {type(rotary_dim).__name__}")
     r = int(r)
-    if r < 2 or r % 2 or r > d:
-        raise ValueError(f"rotary_dim: expected an even value in [2, D={d}], got {r}")
+    if r < 0 or r % 2 or r > d:
+        raise ValueError(f"rotary_dim: expected an even value in [0, D={d}] (0: no rotation), got {r}")
 
+    family = check_families(r, rotary_position, use_rope, norm_type, norm_position, attn_temperature,
+                            q_norm_weight, k_norm_weight, positions, cos, sin, mrope_section)
     section = check_mrope(mrope_section, mrope_interleaved, r)
     for name, a in (("slot_mapping", slot_mapping), ("positions", positions)):
+        if a is None and name == "positions" and r == 0:  # a NoPE call needs no positions
+            continue
         idt = _dtype(name, a)
         if idt not in INDEX_DTYPES:
             raise TypeError(f"{name}: expected dtype int32 or int64, got {idt.name}")
@@ -667,7 +694,8 @@ def check_op(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
         else:
             _check_shape(name, a, (t,), "[T]")
 
-    table_dtype, max_pos, table_full = check_tables(cos, sin, r, table_form)
+    table_dtype, max_pos, table_full = (check_tables(cos, sin, r, table_form) if r else
+                                        check_nope_tables(cos, sin, table_form))
 
     cache_dtype = _dtype("key_cache", key_cache)
     if cache_dtype != dtype and cache_dtype not in FP8_DTYPES:
@@ -701,17 +729,19 @@ def check_op(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
     q_norm = check_norm_weight("q_norm_weight", q_norm_weight, d, dtype)
     k_norm = check_norm_weight("k_norm_weight", k_norm_weight, d, dtype)
     eps32 = check_norm_eps(norm_eps)
+    normed = q_norm is not None or k_norm is not None or family["norm_type"] == "weightless"
 
     return OpSpec(
         num_tokens=t, q_heads=qh, kv_heads=kh, head_dim=d, rotary_dim=r, num_blocks=nb,
         block_size=bs, max_pos=max_pos, layout=layout, is_neox=bool(is_neox),
         table_full=table_full, precision=precision, dtype=dtype,
         table_dtype=table_dtype, cache_dtype=cache_dtype,
-        slot_dtype=np.dtype(slot_mapping.dtype), pos_dtype=np.dtype(positions.dtype), num_layers=num_layers,
-        q_norm_dtype=q_norm, k_norm_dtype=k_norm, norm_eps=eps32 if (q_norm is not None or k_norm is not None) else 0.0,
+        slot_dtype=np.dtype(slot_mapping.dtype), pos_dtype=np.dtype(np.int32 if positions is None else positions.dtype),
+        num_layers=num_layers,
+        q_norm_dtype=q_norm, k_norm_dtype=k_norm, norm_eps=eps32 if normed else 0.0,
         k_scale_heads=k_heads, v_scale_heads=v_heads, mrope_section=section,
         mrope_interleaved=bool(mrope_interleaved) if section is not None else False,
-        pack_x=x if lay.packed and x != pack_width(cache_dtype) else 0, token_scales=token)
+        pack_x=x if lay.packed and x != pack_width(cache_dtype) else 0, token_scales=token, **family)
 
 
 def check_scale_caches(k_scale_cache, v_scale_cache, k_scale, v_scale, cache_dtype, shape: tuple[int, ...]) -> bool:
@@ -836,18 +866,148 @@ def mrope_codes(spec: OpSpec) -> dict:
 
 # Options a native kernel may not implement (yet): each backend lists the ones it does in SUPPORTS;
 # a call using another falls back to the XLA path (impl=None) or raises (impl="kernel").
-FEATURES = ("q_norm", "k_norm", "k_scale_heads", "v_scale_heads", "mrope", "token_scales")
+FEATURES = ("q_norm", "k_norm", "k_scale_heads", "v_scale_heads", "mrope", "token_scales",
+            "nope", "rope_switch", "rotary_tail", "gemma_norm", "weightless_norm", "norm_after", "temperature",
+            "q_gate")
+# The options the native kernels implemented before the model-family options (the CPU handler and the
+# FlyDSL kernel implement exactly these; the family options are refused by every kernel today).
+BASE_FEATURES = FEATURES[:6]
 
 
 def features(spec: OpSpec) -> frozenset[str]:
     """The FEATURES a call uses."""
     used = {"q_norm": spec.q_norm_dtype is not None, "k_norm": spec.k_norm_dtype is not None,
             "k_scale_heads": spec.k_scale_heads, "v_scale_heads": spec.v_scale_heads,
-            "mrope": spec.mrope_section is not None, "token_scales": spec.token_scales}
+            "mrope": spec.mrope_section is not None, "token_scales": spec.token_scales,
+            "nope": spec.rotary_dim == 0, "rope_switch": spec.rope_switch, "rotary_tail": spec.rotary_tail,
+            "gemma_norm": spec.norm_type == "gemma" and spec.norm, "weightless_norm": spec.norm_type == "weightless",
+            "norm_after": spec.norm_after, "temperature": spec.temperature is not None, "q_gate": spec.q_gate}
     return frozenset(f for f, on in used.items() if on)
 
 
 FEATURE_NAMES = {"q_norm": "the fused q RMSNorm (q_norm_weight)", "k_norm": "the fused k RMSNorm (k_norm_weight)",
                  "k_scale_heads": "per-head k_scale ([KH])", "v_scale_heads": "per-head v_scale ([KH])",
                  "mrope": "multimodal RoPE (mrope_section, positions [3, T])",
-                 "token_scales": "per-token fp8 scales (k_scale_cache / v_scale_cache)"}
+                 "token_scales": "per-token fp8 scales (k_scale_cache / v_scale_cache)",
+                 "nope": "no rotation (rotary_dim=0)", "rope_switch": "a per-layer rotation switch (use_rope)",
+                 "rotary_tail": "rotary channels at the tail (rotary_position='tail')",
+                 "gemma_norm": "the Gemma (1 + w) QK-norm (norm_type='gemma')",
+                 "weightless_norm": "the weightless QK-norm (norm_type='weightless')",
+                 "norm_after": "the QK-norm after the rotation (norm_position='after')",
+                 "temperature": "the attention temperature (attn_temperature)",
+                 "q_gate": "gated q rows in the fused QKV input (q_gate)"}
+
+
+# ---- model families: NoPE layers, tail rotary, QK-norm variants, attention temperature -----------------
+# Static options of check_op (OpSpec fields rotary_tail ... temperature); q_gate is rope_and_cache_qkv's.
+ROTARY_POSITIONS = ("head", "tail")
+NORM_TYPES = ("rms", "gemma", "weightless")
+NORM_POSITIONS = ("before", "after")
+
+
+def check_use_rope(use_rope, rotary_dim: int) -> bool:
+    """The per-call rotation switch: None (no switch), a Python bool, or a bool / integer scalar array
+    (may be traced; nonzero rotates). Returns True when the switch is given."""
+    if use_rope is None:
+        return False
+    ok = isinstance(use_rope, (bool, np.bool_)) or (
+        hasattr(use_rope, "dtype") and hasattr(use_rope, "shape") and tuple(use_rope.shape) == ()
+        and (np.dtype(use_rope.dtype) == np.bool_ or np.issubdtype(np.dtype(use_rope.dtype), np.integer)))
+    if not ok:
+        raise TypeError(f"use_rope: expected None, a bool or a bool / integer scalar array (may be traced), "
+                        f"got {describe(use_rope)}")
+    if rotary_dim == 0:
+        raise ValueError(f"use_rope: a rotation switch needs rotary_dim > 0 (with rotary_dim=0 no call rotates); "
+                         f"expected None, got {describe(use_rope)}")
+    return True
+
+
+def check_temperature(attn_temperature) -> tuple[int, float] | None:
+    """(floor_scale, attn_scale) of Llama 4's attention temperature: a positive integer (an integral
+    float is taken) and a finite number; None: no temperature."""
+    if attn_temperature is None:
+        return None
+    try:
+        items = list(attn_temperature)
+    except TypeError:
+        items = None
+    if items is None or len(items) != 2:
+        raise TypeError(f"attn_temperature: expected None or (floor_scale, attn_scale), got {describe(attn_temperature)}")
+    fs, scale = items
+    real = lambda x: isinstance(x, numbers.Real) and not isinstance(x, (bool, np.bool_))  # noqa: E731
+    if not real(fs) or not math.isfinite(float(fs)) or float(fs) != int(fs) or int(fs) < 1:
+        raise ValueError(f"attn_temperature: expected floor_scale (the first item) a positive integer, got {fs!r}")
+    if not real(scale) or not math.isfinite(float(scale)):
+        raise ValueError(f"attn_temperature: expected attn_scale (the second item) a finite number, got {scale!r}")
+    return int(fs), float(scale)
+
+
+def check_families(rotary_dim: int, rotary_position, use_rope, norm_type, norm_position, attn_temperature,
+                   q_norm_weight, k_norm_weight, positions, cos, sin, mrope_section) -> dict:
+    """Validates the model-family options of check_op and their combinations; returns the OpSpec fields
+    (rotary_tail, rope_switch, norm_type, norm_after, temperature). Contradictions raise ValueError
+    naming the arguments."""
+    if rotary_position not in ROTARY_POSITIONS:
+        raise ValueError(f"rotary_position: expected one of {ROTARY_POSITIONS}, got {rotary_position!r}")
+    if rotary_position == "tail" and rotary_dim == 0:
+        raise ValueError("rotary_position: 'tail' places the rotary channels at the end of the head, but "
+                         "rotary_dim=0 rotates none; expected 'head' (the default) with rotary_dim=0")
+    switch = check_use_rope(use_rope, rotary_dim)
+    if norm_type not in NORM_TYPES:
+        raise ValueError(f"norm_type: expected one of {NORM_TYPES}, got {norm_type!r}")
+    if norm_position not in NORM_POSITIONS:
+        raise ValueError(f"norm_position: expected one of {NORM_POSITIONS}, got {norm_position!r}")
+    weights = q_norm_weight is not None or k_norm_weight is not None
+    if norm_type == "gemma" and not weights:
+        raise ValueError("norm_type: 'gemma' scales the normalised row by (1 + w); expected q_norm_weight and/or "
+                         "k_norm_weight, got neither")
+    if norm_type == "weightless":
+        for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
+            if w is not None:
+                raise ValueError(f"{name}: norm_type 'weightless' normalises q and k without a weight; "
+                                 f"expected None, got {describe(w)}")
+    normed = weights or norm_type == "weightless"
+    if norm_position == "after" and not normed:
+        raise ValueError("norm_position: 'after' places a QK-norm after the rotation, but none is given; expected "
+                         "q_norm_weight / k_norm_weight or norm_type='weightless'")
+    if norm_position == "after" and rotary_dim == 0:
+        raise ValueError("norm_position: 'after' normalises the rotated q and k (Llama 4's RoPE layers), but "
+                         "rotary_dim=0 rotates nothing; expected 'before' for a norm on a NoPE call")
+    temperature = check_temperature(attn_temperature)
+    if temperature is not None:
+        if rotary_dim and not switch:
+            raise ValueError(f"attn_temperature: scales q on calls that do not rotate (Llama 4's NoPE layers), but "
+                             f"rotary_dim={rotary_dim} always rotates; expected rotary_dim=0 or a use_rope switch")
+        if positions is None:
+            raise ValueError("positions: attn_temperature scales q by a factor of each token's position; expected "
+                             "[T] positions, got None")
+        if cos is None or sin is None:
+            raise ValueError("cos: attn_temperature clamps positions to the tables' rows, as every position; "
+                             "expected cos and sin, got None")
+        if mrope_section is not None:
+            raise ValueError("attn_temperature: expected None with mrope_section (which of the three position "
+                             "streams would set the factor?), got a temperature")
+    return dict(rotary_tail=rotary_position == "tail", rope_switch=switch, norm_type=norm_type,
+                norm_after=norm_position == "after", temperature=temperature)
+
+
+def check_nope_tables(cos, sin, table_form) -> tuple[np.dtype, int, bool]:
+    """The tables of a call with rotary_dim=0: both None, or a pair of any width (never read; their
+    rows bound the temperature's positions). Returns (table dtype, max_pos, False)."""
+    if table_form not in TABLE_FORMS:
+        raise ValueError(f"table_form: expected one of {TABLE_FORMS}, got {table_form!r}")
+    if cos is None and sin is None:
+        return np.dtype(np.float32), 1, False
+    for name, other, a in (("cos", "sin", cos), ("sin", "cos", sin)):
+        if a is None:
+            raise ValueError(f"{name}: expected an array like {other} (or both None with rotary_dim=0), got None")
+    table_dtype = _dtype("cos", cos)
+    if table_dtype not in INPUT_DTYPES:
+        raise TypeError(f"cos: expected dtype one of ({dtype_names(INPUT_DTYPES)}), got {table_dtype.name}")
+    if _dtype("sin", sin) != table_dtype:
+        raise TypeError(f"sin: expected dtype {table_dtype.name} (same as cos), got {np.dtype(sin.dtype).name}")
+    max_pos, _ = _check_rank("cos", cos, 2, "[max_pos, W] (any width with rotary_dim=0)")
+    if max_pos < 1:
+        raise ValueError(f"cos: expected at least one row (max_pos >= 1), got shape {list(cos.shape)}")
+    _check_shape("sin", sin, tuple(cos.shape), "same as cos")
+    return table_dtype, max_pos, False

@@ -74,6 +74,13 @@ rounds float32 to the input dtype (nearest even), r32() is a float32 operation:
   positive, all mantissa bits set: bf16/f16 0x7FFF, float32 0x7FFFFFFF, e4m3fn 0x7F, e4m3fnuz
   0x80, e5m2 0x7F (what Triton's bf16 conversion and NVIDIA's cvt write). Copies keep their bits.
 * subnormals are kept everywhere (inputs, table values, products, sums, results).
+* model families (docs/numerics.md#model-families), in this order: the norm "before" (norm_type
+  "rms" as above; "gemma" n_i = r(r32(r32(xf_i * inv) * r32(1 + w_i))), one rounding; "weightless"
+  n_i = r(r32(xf_i * inv)) on q and k), the rotation (none with rotary_dim=0 or a false use_rope;
+  rotary_position="tail": the rotary channels are [D - R, D)), the norm "after" (norm_position, on
+  calls that rotate: the cache stores the normalised k_out), and on calls that do not rotate the
+  temperature: q_out = r(r32(q * f)), f = temperature_factors(...)[(p + 1) // floor_scale], p the
+  clamped position. Gated fused rows (q_gate) change only where q is read.
 """
 
 from __future__ import annotations
@@ -85,7 +92,8 @@ from jax_rope_cache import contract
 
 __all__ = ["rope_and_cache", "read_kv", "rotate", "rotate_values", "quantize", "token_scale", "quantize_rows",
            "write_tokens", "read_tokens",
-           "arithmetic", "fma32", "to_dtype", "inverse_scale", "tree_sum", "rms_norm", "table_rows", "CANONICAL_NAN"]
+           "arithmetic", "fma32", "to_dtype", "inverse_scale", "tree_sum", "rms_norm", "table_rows", "CANONICAL_NAN",
+           "temperature_factors", "temperature_rows"]
 
 _F32 = np.float32
 # Bits of the one NaN every implementation writes, by dtype (see the module docstring).
@@ -155,22 +163,54 @@ def tree_sum(a: np.ndarray) -> np.ndarray:
         return tree_sum(a[..., : n - 1]) + a[..., n - 1]
 
 
-def rms_norm(x: np.ndarray, weight, norm_eps) -> np.ndarray:
-    """x [..., D] normalised over its last axis with `weight` [D] (module docstring), in x's dtype."""
+def rms_norm(x: np.ndarray, weight, norm_eps, norm_type: str = "rms") -> np.ndarray:
+    """x [..., D] normalised over its last axis (module docstring), in x's dtype: "rms" r(w * r(x * inv)),
+    "gemma" r((x * inv) * (1 + w)) with one rounding, "weightless" r(x * inv) (weight unused)."""
     dtype = x.dtype
     xf = x.astype(_F32)
     eps32 = _F32(norm_eps)
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         ms = tree_sum(xf * xf) / _F32(x.shape[-1])
         inv = _F32(1.0) / np.sqrt(ms + eps32)
+        if norm_type == "weightless":
+            return to_dtype(xf * inv[..., None], dtype)
+        if norm_type == "gemma":
+            return to_dtype((xf * inv[..., None]) * (_F32(1.0) + np.asarray(weight).astype(_F32)), dtype)
         y = _round(xf * inv[..., None], dtype)
         return to_dtype(np.asarray(weight).astype(_F32) * y, dtype)
 
 
-def pair_channels(rotary_dim: int, is_neox: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Channel indices (a, b) of each rotary pair."""
+def temperature_factors(max_pos: int, floor_scale: int, attn_scale: float) -> np.ndarray:
+    """Llama 4's attention temperature, one float32 factor per n = (p + 1) // floor_scale, n in
+    [0, max_pos // floor_scale]: r32(r32(L(n) * float32(attn_scale)) + 1), L(n) = log1p(n) computed in
+    float64 and rounded to float32 (transformers' float32 steps, its log1p correctly rounded)."""
+    n = np.arange(int(max_pos) // int(floor_scale) + 1, dtype=np.float64)
+    return (np.log1p(n).astype(_F32) * _F32(attn_scale) + _F32(1.0)).astype(_F32)
+
+
+def temperature_rows(positions, spec: contract.OpSpec) -> np.ndarray:
+    """The temperature factor [T] of each token: position p clamped to the tables' rows, n = (p + 1) //
+    floor_scale (integers), factor temperature_factors(...)[n]."""
+    fs, scale = spec.temperature
+    p = np.clip(np.asarray(positions).astype(np.int64), 0, spec.max_pos - 1)
+    return temperature_factors(spec.max_pos, fs, scale)[(p + 1) // fs]
+
+
+def _norms(q, k, q_norm_weight, k_norm_weight, spec: contract.OpSpec):
+    """The QK-norm of spec.norm_type on q and k (the weightless norm on both, the others where a weight is given)."""
+    out = []
+    for x, w in ((q, q_norm_weight), (k, k_norm_weight)):
+        if spec.norm_type == "weightless" or w is not None:
+            x = rms_norm(x, w, spec.norm_eps, spec.norm_type)
+        out.append(x)
+    return out
+
+
+def pair_channels(rotary_dim: int, is_neox: bool, offset: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Channel indices (a, b) of each rotary pair; `offset`: the first rotary channel (D - R at the tail)."""
     i = np.arange(rotary_dim // 2)
-    return (i, i + rotary_dim // 2) if is_neox else (2 * i, 2 * i + 1)
+    a, b = (i, i + rotary_dim // 2) if is_neox else (2 * i, 2 * i + 1)
+    return a + offset, b + offset
 
 
 def table_rows(cos: np.ndarray, sin: np.ndarray, positions: np.ndarray, spec: contract.OpSpec):
@@ -190,11 +230,13 @@ def rotate_values(x: np.ndarray, cos_rows: np.ndarray, sin_rows: np.ndarray, spe
 
     Returns (out in x's dtype, the float32 values before the final rounding: what an fp8 cache
     quantizes in "fused" native arithmetic; channels >= R hold x widened)."""
-    a, b = pair_channels(spec.rotary_dim, spec.is_neox)
+    ta, tb = pair_channels(spec.rotary_dim, spec.is_neox)  # table columns: relative to the first rotary channel
+    off = getattr(spec, "rotary_offset", 0)  # MLA specs have none
+    a, b = ta + off, tb + off
     c = cos_rows.astype(_F32)
     s = sin_rows.astype(_F32)
     if spec.table_full:
-        ca, cb, sa, sb = c[:, a], c[:, b], s[:, a], s[:, b]
+        ca, cb, sa, sb = c[:, ta], c[:, tb], s[:, ta], s[:, tb]
     else:
         ca = cb = c
         sa = sb = s
@@ -291,30 +333,45 @@ def rope_and_cache(q, k, v, key_cache, value_cache, slot_mapping, positions, cos
                    layout="flash", is_neox=True, rotary_dim=None, k_scale=None, v_scale=None,
                    precision="fp32", impl=None, layer=None, q_norm_weight=None, k_norm_weight=None,
                    norm_eps=1e-6, mrope_section=None, mrope_interleaved=False, k_scale_cache=None,
-                   v_scale_cache=None, table_form="half"):
+                   v_scale_cache=None, table_form="half", rotary_position="head", use_rope=None, norm_type="rms",
+                   norm_position="before", attn_temperature=None):
     """numpy oracle; returns (q_out, k_out, new_key_cache, new_value_cache) as new arrays, and with
     per-token scales also (new_k_scale_cache, new_value_scale_cache).
 
     With `layer`, the caches are stacked [L, ...] and only layer `layer` is written (a layer
-    outside [0, L) writes nothing, as an invalid slot)."""
+    outside [0, L) writes nothing, as an invalid slot). The model-family options (rotary_position,
+    use_rope, norm_type, norm_position, attn_temperature): docs/numerics.md#model-families; the
+    order is norm "before", rotation (unless rotary_dim=0 or use_rope is false), norm "after" (on a
+    call that rotated), temperature (q only, on a call that did not rotate)."""
     del impl
     contract.check_distinct_caches(key_cache, value_cache)
     q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin = (
-        np.asarray(a) for a in (q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin))
+        None if a is None else np.asarray(a)
+        for a in (q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin))
     k_scale_cache, v_scale_cache = (None if c is None else np.asarray(c) for c in (k_scale_cache, v_scale_cache))
     spec = contract.check_op(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
                           layout=layout, is_neox=is_neox, rotary_dim=rotary_dim, k_scale=k_scale,
                           v_scale=v_scale, precision=precision, layer=layer, q_norm_weight=q_norm_weight,
                           k_norm_weight=k_norm_weight, norm_eps=norm_eps, mrope_section=mrope_section,
                           mrope_interleaved=mrope_interleaved, k_scale_cache=k_scale_cache,
-                          v_scale_cache=v_scale_cache, table_form=table_form)
-    if q_norm_weight is not None:
-        q = rms_norm(q, q_norm_weight, spec.norm_eps)
-    if k_norm_weight is not None:
-        k = rms_norm(k, k_norm_weight, spec.norm_eps)
-    cos_rows, sin_rows = table_rows(cos, sin, positions, spec)
-    q_out = rotate(q, cos_rows, sin_rows, spec)
-    k_out, k_wide = rotate_values(k, cos_rows, sin_rows, spec)
+                          v_scale_cache=v_scale_cache, table_form=table_form, rotary_position=rotary_position,
+                          use_rope=use_rope, norm_type=norm_type, norm_position=norm_position,
+                          attn_temperature=attn_temperature)
+    if not spec.norm_after:
+        q, k = _norms(q, k, q_norm_weight, k_norm_weight, spec)
+    rotating = spec.rotary_dim > 0 and (use_rope is None or bool(np.asarray(use_rope) != 0))
+    if rotating:
+        cos_rows, sin_rows = table_rows(cos, sin, positions, spec)
+        q_out = rotate(q, cos_rows, sin_rows, spec)
+        k_out, k_wide = rotate_values(k, cos_rows, sin_rows, spec)
+    else:
+        q_out, k_out, k_wide = q.copy(), k.copy(), k.astype(_F32)
+    if rotating and spec.norm_after:  # the cache then stores the normalised k_out
+        q_out, k_out = _norms(q_out, k_out, q_norm_weight, k_norm_weight, spec)
+        k_wide = k_out.astype(_F32)
+    if spec.temperature is not None and not rotating:
+        with np.errstate(over="ignore", invalid="ignore"):
+            q_out = to_dtype(q_out.astype(_F32) * temperature_rows(positions, spec)[:, None, None], spec.dtype)
     # what the cache stores: k_out, but an fp8 cache in "fused" arithmetic quantizes the f32 values
     k_stored = k_wide if spec.fp8 and arithmetic(spec) == "fused" else k_out
 
@@ -371,16 +428,18 @@ def read_kv(key_cache, value_cache, slot_mapping, *, layout="flash", k_scale=Non
     return np.where(valid[:, None, None], kk, zero), np.where(valid[:, None, None], vv, zero)
 
 
-def split_qkv(qkv, num_q_heads: int, num_kv_heads: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def split_qkv(qkv, num_q_heads: int, num_kv_heads: int, q_gate: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(q [T, QH, D], k [T, KH, D], v [T, KH, D]) of a fused QKV tensor [T, (QH + 2 KH) * D] or
-    [T, QH + 2 KH, D] (each token's q heads, then its k heads, then its v heads)."""
-    t, qh, kh, d = contract.check_qkv(qkv, num_q_heads, num_kv_heads)
-    x = np.asarray(qkv).reshape(t, qh + 2 * kh, d)
-    return x[:, :qh], x[:, qh:qh + kh], x[:, qh + kh:]
+    [T, QH + 2 KH, D] (each token's q heads, then its k heads, then its v heads). With q_gate the
+    rows are [T, (2 QH + 2 KH) * D]: q head h at head 2h, its gate at 2h + 1 (Qwen3-Next), then k, v."""
+    t, qh, kh, d = contract.check_qkv(qkv, num_q_heads, num_kv_heads, q_gate)
+    nq = 2 * qh if q_gate else qh
+    x = np.asarray(qkv).reshape(t, nq + 2 * kh, d)
+    return x[:, :nq:nq // qh], x[:, nq:nq + kh], x[:, nq + kh:]
 
 
 def rope_and_cache_qkv(qkv, key_cache, value_cache, slot_mapping, positions, cos, sin, *, num_q_heads,
-                       num_kv_heads, **options):
+                       num_kv_heads, q_gate=False, **options):
     """rope_and_cache of the fused QKV tensor: the same as rope_and_cache(*split_qkv(qkv, ...), ...)."""
-    return rope_and_cache(*split_qkv(qkv, num_q_heads, num_kv_heads), key_cache, value_cache, slot_mapping,
+    return rope_and_cache(*split_qkv(qkv, num_q_heads, num_kv_heads, q_gate), key_cache, value_cache, slot_mapping,
                           positions, cos, sin, **options)

@@ -17,7 +17,7 @@ from jax_rope_cache import contract
 from conftest import Case, assert_bits_equal, assert_fma_close, impl_params, make_problem, reference_op
 from test_structure import check_in_place, widens_bf16_scatter
 
-STATIC = ("layout", "is_neox", "rotary_dim", "precision")
+STATIC = ("layout", "is_neox", "rotary_dim", "precision", "table_form")
 
 
 def _stack(case: Case, layers: int, seed: int):

@@ -27,6 +27,7 @@ LAYERS = {
     "attention": 4.8,  # the model client's decode attention over the paged cache (jax and Pallas only)
     "decoder": 5,
     "decoder_mla": 5.5,  # the MLA model client: decoder.Decoder with MLA attention
+    "decoder_families": 5.5,  # Gemma 3 / Llama 4 clients: decoder.Decoder with the family options
     "cli": 6,
     "__main__": 7,
 }
@@ -112,7 +113,7 @@ def upward_imports(graph: dict[str, set[str]]) -> list[str]:
         layer, group = _layer(mod)
         for dep in deps:
             if dep == _PKG:
-                if group not in ("decoder", "decoder_mla", "cli", "__main__"):
+                if group not in ("decoder", "decoder_mla", "decoder_families", "cli", "__main__"):
                     bad.append(f"{mod} -> {dep} (only the model client and the command line use the public names)")
                 continue
             dlayer, dgroup = _layer(dep)

@@ -15,7 +15,7 @@ TARGET = "jax_rope_cache_cpu"
 TOKEN_SCALES_TARGET = "jax_rope_cache_cpu_token_scales"  # the same handler with the scale caches as 2 more results
 MLA_TARGET = "jax_rope_cache_mla_cpu"  # the MLA op's handler (kernels/ffi/mla_cpu_handler.cc)
 # contract.FEATURES the C++ handler implements (others: the XLA path, or an error with impl="kernel").
-SUPPORTS: frozenset[str] = frozenset(contract.FEATURES)
+SUPPORTS: frozenset[str] = frozenset(contract.BASE_FEATURES)  # the model-family options: not yet
 
 
 def missing() -> str | None:

@@ -43,7 +43,7 @@ DEFAULT_ARCHS = ("gfx942", "gfx950")
 ARCH_NAMES = {"gfx942": "MI300", "gfx950": "MI350/MI355"}
 # contract.FEATURES the FlyDSL kernel implements (others: the XLA path, or an error with impl="kernel").
 # Per-token scales: for shapes where a row is a power-of-two lane group (refuse_token_scales).
-SUPPORTS: frozenset[str] = frozenset(contract.FEATURES)
+SUPPORTS: frozenset[str] = frozenset(contract.BASE_FEATURES)  # the model-family options: not yet
 
 
 class UnsupportedArch(RuntimeError):

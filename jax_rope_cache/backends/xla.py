@@ -35,19 +35,22 @@ from jax_rope_cache import contract, reference
 _F32 = jnp.float32
 
 
-def _pairs(x, spec: contract.OpSpec):
-    r = spec.rotary_dim
+def _pairs(x, spec: contract.OpSpec, offset: int = 0):
+    r, o = spec.rotary_dim, offset
     if spec.is_neox:
-        return x[..., : r // 2], x[..., r // 2 : r]
-    return x[..., 0:r:2], x[..., 1:r:2]
+        return x[..., o : o + r // 2], x[..., o + r // 2 : o + r]
+    return x[..., o : o + r : 2], x[..., o + 1 : o + r : 2]
 
 
-def _unpair(xa, xb, tail, spec: contract.OpSpec):
+def _unpair(xa, xb, tail, spec: contract.OpSpec, head=None):
+    """The rotated pairs back in channel order, between the pass-through channels `head` (before the
+    rotary ones, rotary_position="tail") and `tail` (after them)."""
     if spec.is_neox:
         rot = jnp.concatenate([xa, xb], axis=-1)
     else:
         rot = jnp.stack([xa, xb], axis=-1).reshape(xa.shape[:-1] + (2 * xa.shape[-1],))
-    return jnp.concatenate([rot, tail], axis=-1) if tail.shape[-1] else rot
+    parts = [p for p in (head, rot, tail) if p is not None and p.shape[-1]]
+    return jnp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
 
 
 def round_to(y, dtype):
@@ -101,7 +104,8 @@ def rotate_values(x, rows, spec: contract.OpSpec):
     """(x rotated in its dtype, the f32 values before the final rounding: what an fp8 cache
     quantizes in "fused" native arithmetic)."""
     ca, cb, sa, sb = rows
-    xa, xb = (t.astype(_F32) for t in _pairs(x, spec))
+    o = getattr(spec, "rotary_offset", 0)  # MLA specs have none
+    xa, xb = (t.astype(_F32) for t in _pairs(x, spec, o))
     mode = reference.arithmetic(spec)
     if mode == "rounded":
         r = lambda y: round_to(y, spec.dtype)  # noqa: E731
@@ -113,9 +117,9 @@ def rotate_values(x, rows, spec: contract.OpSpec):
     else:
         ya = xa * ca - xb * sa
         yb = xb * cb + xa * sb
-    tail = x[..., spec.rotary_dim :]
-    out = _unpair(to_dtype(ya, x.dtype), to_dtype(yb, x.dtype), tail, spec)
-    return out, _unpair(ya, yb, tail.astype(_F32), spec)
+    head, tail = x[..., :o], x[..., o + spec.rotary_dim :]
+    out = _unpair(to_dtype(ya, x.dtype), to_dtype(yb, x.dtype), tail, spec, head)
+    return out, _unpair(ya, yb, tail.astype(_F32), spec, head.astype(_F32))
 
 
 def rotate(x, rows, spec: contract.OpSpec):
@@ -140,7 +144,7 @@ def tree_sum(a):
 
 
 def rms_norm(x, weight, spec: contract.OpSpec):
-    """reference.rms_norm: x [..., D] normalised with weight [D], in x's dtype."""
+    """reference.rms_norm: x [..., D] normalised (spec.norm_type) with weight [D], in x's dtype."""
     xf = x.astype(_F32)
     sq = jax.lax.optimization_barrier(xf * xf)  # no FMA into the tree's adds
     # a divisor XLA cannot see as a broadcast scalar: it would multiply by a rounded 1/D instead
@@ -148,8 +152,40 @@ def rms_norm(x, weight, spec: contract.OpSpec):
     ms = s / jax.lax.optimization_barrier(jnp.full(s.shape, spec.head_dim, _F32))
     # the barrier keeps XLA from rewriting 1 / sqrt(x) into its rsqrt, which is not correctly rounded
     inv = _F32(1.0) / jax.lax.optimization_barrier(jnp.sqrt(ms + _F32(spec.norm_eps)))
+    if spec.norm_type == "weightless":
+        return to_dtype(xf * inv[..., None], x.dtype)
+    if spec.norm_type == "gemma":  # one rounding, after the (1 + w) product
+        return to_dtype((xf * inv[..., None]) * (_F32(1.0) + weight.astype(_F32)), x.dtype)
     y = round_to(xf * inv[..., None], x.dtype)
     return to_dtype(weight.astype(_F32) * y, x.dtype)
+
+
+def _norms(q, k, q_norm_weight, k_norm_weight, spec: contract.OpSpec):
+    """reference._norms: the weightless norm on q and k, the weighted ones where a weight is given."""
+    weightless = spec.norm_type == "weightless"
+    if weightless or spec.q_norm_dtype is not None:
+        q = rms_norm(q, q_norm_weight, spec)
+    if weightless or spec.k_norm_dtype is not None:
+        k = rms_norm(k, k_norm_weight, spec)
+    return q, k
+
+
+def _select(on, a, b):
+    """jnp.where(on, a, b) on the bit patterns: a 16-bit float select may be widened by XLA's CPU
+    compiler, which would rewrite NaN payloads (see to_dtype)."""
+    uint = _UINT[np.dtype(a.dtype).itemsize]
+    bits = jnp.where(on, jax.lax.bitcast_convert_type(a, uint), jax.lax.bitcast_convert_type(b, uint))
+    return jax.lax.bitcast_convert_type(bits, a.dtype)
+
+
+def temperature(q, positions, spec: contract.OpSpec):
+    """reference.temperature_rows: q [T, QH, D] times its token's factor, gathered from the float32
+    table of reference.temperature_factors (a constant: n = (p + 1) // floor_scale in integers)."""
+    fs, scale = spec.temperature
+    table = jnp.asarray(reference.temperature_factors(spec.max_pos, fs, scale))
+    p = jnp.clip(positions, 0, spec.max_pos - 1)
+    f = jnp.take(table, (p + 1) // fs, mode="clip")
+    return to_dtype(q.astype(_F32) * f[:, None, None], q.dtype)
 
 
 def _inverse_scale(scale, per_head: bool):
@@ -264,17 +300,28 @@ def _scatter_bits(cache, index, vals):
 
 
 def rope_and_cache(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
-                   k_scale, v_scale, layer, q_norm_weight, k_norm_weight, spec: contract.OpSpec):
+                   k_scale, v_scale, layer, q_norm_weight, k_norm_weight, use_rope=None, *, spec: contract.OpSpec):
     if spec.qkv:  # q, k and v are each the fused [T, QH + 2 KH, D] tensor: slices XLA fuses into their consumers
         qh, kh = spec.q_heads, spec.kv_heads
-        q, k, v = q[:, :qh], k[:, qh:qh + kh], v[:, qh + kh:]
-    if spec.q_norm_dtype is not None:
-        q = rms_norm(q, q_norm_weight, spec)
-    if spec.k_norm_dtype is not None:
-        k = rms_norm(k, k_norm_weight, spec)
-    rows = table_rows(cos, sin, positions, spec)
-    q_out = rotate(q, rows, spec)
-    k_out, k_wide = rotate_values(k, rows, spec)
+        nq = 2 * qh if spec.q_gate else qh  # gated rows: q head h at 2h, its gate at 2h + 1
+        q, k, v = q[:, :nq:nq // qh], k[:, nq:nq + kh], v[:, nq + kh:]
+    if not spec.norm_after:
+        q, k = _norms(q, k, q_norm_weight, k_norm_weight, spec)
+    if spec.rotary_dim:
+        rows = table_rows(cos, sin, positions, spec)
+        q_out = rotate(q, rows, spec)
+        k_out, k_wide = rotate_values(k, rows, spec)
+        if spec.norm_after:
+            q_out, k_out = _norms(q_out, k_out, q_norm_weight, k_norm_weight, spec)
+            k_wide = k_out.astype(_F32)
+    else:
+        q_out, k_out, k_wide = q, k, k.astype(_F32)
+    if spec.rope_switch:  # a traced switch: both results computed, one selected per call
+        on = jnp.asarray(use_rope) != 0
+        off_q = temperature(q, positions, spec) if spec.temperature is not None else q
+        q_out, k_out, k_wide = (_select(on, a, b) for a, b in ((q_out, off_q), (k_out, k), (k_wide, k.astype(_F32))))
+    elif spec.temperature is not None:  # rotary_dim=0: every call is a NoPE call
+        q_out = temperature(q_out, positions, spec)
     blk, off = slot_coords(slot_mapping, spec, layer)
     fused = spec.fp8 and reference.arithmetic(spec) == "fused"  # fp8 quantizes the f32 values there
     k_stored = k_wide if fused else k_out

@@ -31,10 +31,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_rope_cache import attention as attn
-from jax_rope_cache import decoder, decoder_mla
+from jax_rope_cache import decoder, decoder_families, decoder_mla
 from jax_rope_cache.cli._fmt import compare_runs, progress
 
-MODELS = {**decoder.TINY_CONFIGS, **decoder_mla.TINY_MLA_CONFIGS, "llama-3.1-8b": decoder.LLAMA_31_8B_CONFIG}
+MODELS = {**decoder.TINY_CONFIGS, **decoder_mla.TINY_MLA_CONFIGS, **decoder_families.TINY_FAMILY_CONFIGS,
+          "llama-3.1-8b": decoder.LLAMA_31_8B_CONFIG}
 DEFAULT_MODEL = "tiny-llama-3.1"
 
 
@@ -44,9 +45,10 @@ def summary() -> str:
     full = [n for n in MODELS if not n.startswith("tiny-")]
     return (f"the README's main job: tiny {', '.join(tiny)} generate on the paged caches, checked against "
             f"transformers; --model (also {', '.join(full)}) timed, kernel vs XLA")
-SEEDS = {**decoder.TINY_SEEDS, **decoder_mla.TINY_MLA_SEEDS}
+SEEDS = {**decoder.TINY_SEEDS, **decoder_mla.TINY_MLA_SEEDS, **decoder_families.TINY_FAMILY_SEEDS}
 FIXTURE_NAME = os.path.join("tests", "data", "hf_greedy.npz")
 MLA_FIXTURE_NAME = os.path.join("tests", "data", "hf_greedy_mla.npz")
+FAMILIES_FIXTURE_NAME = os.path.join("tests", "data", "hf_greedy_families.npz")
 LAYOUTS = ("flash", "xpacked", "xpacked_shuffled", "hnd", "head_major", "kv_merged", "combined", "split")
 
 
@@ -54,6 +56,8 @@ def model_classes(config) -> tuple:
     """(config dataclass, decoder class) of a config dict: MLA models (DeepSeek-V3) or the others."""
     if config.get("model_type") in decoder_mla.MlaDecoderConfig.supported:
         return decoder_mla.MlaDecoderConfig, decoder_mla.MlaDecoder
+    if config.get("model_type") in ("gemma3_text", "llama4_text"):
+        return decoder_families.FamilyDecoderConfig, decoder_families.FamilyDecoder
     return decoder.DecoderConfig, decoder.Decoder
 
 
@@ -277,7 +281,8 @@ def main(argv=None):
     print(f"device {dev.platform} ({dev.device_kind}), jax {jax.__version__}")
     ok = True
     checked = None if a.model is None else {a.model}
-    fixtures = ((a.reference, FIXTURE_NAME, decoder.TINY_CONFIGS), (None, MLA_FIXTURE_NAME, decoder_mla.TINY_MLA_CONFIGS))
+    fixtures = ((a.reference, FIXTURE_NAME, decoder.TINY_CONFIGS), (None, MLA_FIXTURE_NAME, decoder_mla.TINY_MLA_CONFIGS),
+                (None, FAMILIES_FIXTURE_NAME, decoder_families.TINY_FAMILY_CONFIGS))
     if a.check == "auto" and checked is not None and not any(a.model in models for *_, models in fixtures):
         recorded = ", ".join(n for *_, models in fixtures for n in models)
         print(f"{a.model} has no recorded transformers output (recorded: {recorded}): its check skipped")

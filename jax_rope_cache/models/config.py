@@ -19,13 +19,14 @@ import numpy as np
 
 from jax_rope_cache.models import tables
 
-__all__ = ["RopeInfo", "ModelShape", "MlaShape", "GPTJ_STYLE_MODEL_TYPES", "MLA_MODEL_TYPES", "hf_rope_settings",
-           "rope_tables_from_hf_config", "shard_shape", "mla_shard_shape", "mla_softmax_scale", "default_is_neox"]
+__all__ = ["RopeInfo", "ModelShape", "MlaShape", "LayerPlan", "GPTJ_STYLE_MODEL_TYPES", "MLA_MODEL_TYPES",
+           "hf_rope_settings", "rope_tables_from_hf_config", "shard_shape", "mla_shard_shape", "mla_softmax_scale",
+           "default_is_neox", "layer_plan", "family_options"]
 
 # Keys of a RoPE parameter dict that say how multimodal positions split the frequencies (not a law's).
 MROPE_KEYS = {"mrope_section", "mrope_interleaved"}
 # Hugging Face model types whose attention rotates interleaved pairs (2i, 2i+1) (GPT-J style).
-GPTJ_STYLE_MODEL_TYPES = ("gptj", "codegen")
+GPTJ_STYLE_MODEL_TYPES = ("gptj", "codegen", "llama4", "llama4_text")  # Llama 4: complex pairs (2i, 2i+1)
 # MLA model types (multi-head latent attention): RoPE covers the decoupled rope dims only
 # (qk_rope_head_dim), with interleaved pairs unless the config says rope_interleave = false.
 MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2")
@@ -77,6 +78,13 @@ class RopeInfo:
     # multimodal RoPE (Qwen2-VL / Qwen2.5-VL sections, Qwen3-VL interleaved): positions are [3, T]
     mrope_section: tuple[int, int, int] | None = None
     mrope_interleaved: bool = False
+    # model families: the RoPE layer type these tables are for ("full_attention" / "sliding_attention"
+    # where a config has per-type RoPE, Gemma 3), the sliding layers' (cos, sin, RopeInfo) next to the
+    # global tables, the per-layer plan (layer_plan) and the op options of the family (family_options)
+    layer_type: str | None = None
+    local: tuple | None = None
+    layers: tuple | None = None
+    family: dict | None = None
 
     def op_options(self) -> dict:
         """The options of `rope_and_cache` these tables need: rotary_dim, is_neox, table_form and,
@@ -128,7 +136,7 @@ def _mrope(params: Mapping, key: str, rotary_dim: int):
     return tuple(int(x) for x in section), interleaved
 
 
-def hf_rope_settings(config: Mapping) -> dict:
+def hf_rope_settings(config: Mapping, layer_type: str | None = None) -> dict:
     """Reads the RoPE settings of a Hugging Face-style config dict, as transformers does.
 
     Returns a dict: rope_type, base, head_dim, rotary_dim, partial_rotary_factor, max_position_embeddings
@@ -136,6 +144,11 @@ def hf_rope_settings(config: Mapping) -> dict:
     longrope original_max_position_embeddings from a top-level key of that name, else from
     max_position_embeddings; a missing yarn/longrope factor from max_position_embeddings /
     original_max_position_embeddings; the dynamic law's original length is max_position_embeddings).
+
+    layer_type: for configs whose RoPE differs per layer type (Gemma 3: rope_parameters
+    {"full_attention": {...}, "sliding_attention": {...}}, or the older rope_theta + rope_scaling for
+    the global layers and rope_local_base_freq for the sliding ones): "full_attention" (the default)
+    or "sliding_attention".
     """
     if not isinstance(config, Mapping):
         raise ValueError(f"config: expected a dict (a model's config.json), got {type(config).__name__}")
@@ -148,9 +161,14 @@ def hf_rope_settings(config: Mapping) -> dict:
         params = {}
     if not isinstance(params, Mapping):
         raise ValueError(f"config[{key!r}]: expected a dict or null, got {params!r}")
-    if any(isinstance(v, Mapping) for v in params.values()):
-        raise ValueError(f"config[{key!r}]: per-layer-type RoPE parameters ({sorted(params)}) are not supported; "
-                         f"pass one layer type's dict as the config's {key}")
+    layer_type = _check_layer_type(config, layer_type)
+    if any(isinstance(v, Mapping) for v in params.values()):  # per layer type (Gemma 3's new form)
+        if layer_type not in params or not isinstance(params[layer_type], Mapping):
+            raise ValueError(f"config[{key!r}]: expected RoPE parameters for layer type {layer_type!r} among "
+                             f"{sorted(params)}")
+        params = params[layer_type]
+    elif layer_type == "sliding_attention" and _gemma3(config):  # the older form: one base for the local layers
+        params = {"rope_theta": config.get("rope_local_base_freq", GEMMA3_LOCAL_THETA)}
     params = dict(params)
     law = params.get("rope_type", params.get("type")) or "default"
     if law == "mrope":  # Qwen2-VL's legacy name of default RoPE with mrope_section (transformers maps it so)
@@ -160,7 +178,7 @@ def hf_rope_settings(config: Mapping) -> dict:
 
     base = params.get("rope_theta", config.get("rope_theta"))
     if base is None:
-        base = tables.DEFAULT_THETA
+        base = GEMMA3_GLOBAL_THETA if _gemma3(config) else tables.DEFAULT_THETA
     if isinstance(base, bool) or not isinstance(base, (int, float)) or not math.isfinite(base) or base <= 1:
         raise ValueError(f"config['rope_theta']: expected a finite number > 1, got {base!r}")
 
@@ -211,11 +229,11 @@ def hf_rope_settings(config: Mapping) -> dict:
     scaling = None if law == "default" else {"rope_type": law, **scaling}
     return dict(rope_type=law, base=float(base), head_dim=head_dim, rotary_dim=rotary_dim,
                 partial_rotary_factor=float(prf), max_position_embeddings=mpe, scaling=scaling, source=key,
-                mrope_section=mrope_section, mrope_interleaved=mrope_interleaved)
+                mrope_section=mrope_section, mrope_interleaved=mrope_interleaved, layer_type=layer_type)
 
 
 def rope_tables_from_hf_config(config: Mapping, *, max_pos: int | None = None, tp: int = 1, dtype=np.float32,
-                               form: str = "half", is_neox: bool | None = None):
+                               form: str = "half", is_neox: bool | None = None, layer_type: str | None = None):
     """(cos, sin, info) for a Hugging Face-style config dict (a model's config.json).
 
     Reads rope_theta, rope_scaling or the newer rope_parameters (rope_type / type and the law's keys),
@@ -240,12 +258,18 @@ def rope_tables_from_hf_config(config: Mapping, *, max_pos: int | None = None, t
     Qwen3-VL: text_config.rope_scaling with "mrope_section" and "mrope_interleaved") gives the same
     tables (one row per position) and the sections in info.mrope_section / info.mrope_interleaved.
 
+    Local and global tables (Gemma 3): the layers of type "sliding_attention" use their own base
+    (rope_local_base_freq, 10000) and no scaling, the "full_attention" layers rope_theta with the
+    config's scaling (linear, factor 8 for Gemma 3 4B / 27B). With layer_type None the tables are the
+    global ones and info.local holds (cos, sin, RopeInfo) of the sliding layers; info.layers says
+    which layer uses which (layer_plan), info.family the op options of the family (family_options).
+
     Returns:
       (cos, sin, RopeInfo): pass info.op_options() (rotary_dim, is_neox, table_form and, for a
       multimodal model, mrope_section and mrope_interleaved) to `rope_and_cache`.
     """
     config = text_config(config) if isinstance(config, Mapping) else config
-    s = hf_rope_settings(config)
+    s = hf_rope_settings(config, layer_type)
     if is_neox is None:
         is_neox = default_is_neox(config)
     if max_pos is None:
@@ -265,10 +289,17 @@ def rope_tables_from_hf_config(config: Mapping, *, max_pos: int | None = None, t
         if msg.startswith("scaling["):
             raise ValueError(f"config[{s['source']!r}]{msg[len('scaling'):]}") from None
         raise
+    plan = layer_plan(config) if config.get("num_hidden_layers") is not None else None
+    local = None
+    if layer_type is None and _per_type_rope(config):
+        lc, ls, linfo = rope_tables_from_hf_config(config, max_pos=max_pos, tp=tp, dtype=dtype, form=form,
+                                                   is_neox=is_neox, layer_type="sliding_attention")
+        local = (lc, ls, linfo)
     info = RopeInfo(rope_type=s["rope_type"], rotary_dim=s["rotary_dim"], head_dim=s["head_dim"],
                     is_neox=bool(is_neox), base=s["base"], max_pos=int(max_pos), form=form,
                     attention_scaling=attention, scaling=s["scaling"], shape=shape,
-                    mrope_section=s["mrope_section"], mrope_interleaved=s["mrope_interleaved"])
+                    mrope_section=s["mrope_section"], mrope_interleaved=s["mrope_interleaved"],
+                    layer_type=s["layer_type"], local=local, layers=plan, family=family_options(config))
     return cos, sin, info
 
 
@@ -360,3 +391,111 @@ def mla_softmax_scale(config) -> float:
         m = 1.0 if factor <= 1 else 0.1 * float(s["scaling"]["mscale_all_dim"]) * math.log(factor) + 1.0
         scale *= m * m
     return scale
+
+
+# ---- model families: per-layer RoPE, attention kind and the op's family options ------------------------
+GEMMA3_MODEL_TYPES = ("gemma3", "gemma3_text")
+GEMMA3_GLOBAL_THETA, GEMMA3_LOCAL_THETA = 1_000_000.0, 10_000.0  # transformers' defaults for Gemma 3
+LAYER_TYPES = ("full_attention", "sliding_attention")
+NOPE_MODEL_TYPES = ("llama4", "llama4_text", "smollm3")  # configs with no_rope_layers (1: the layer rotates)
+GATED_MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
+
+
+def _gemma3(config: Mapping) -> bool:
+    return config.get("model_type") in GEMMA3_MODEL_TYPES
+
+
+def _per_type_rope(config: Mapping) -> bool:
+    """The config's RoPE differs per layer type (Gemma 3, either form)."""
+    params = config.get("rope_parameters")
+    return _gemma3(config) or (isinstance(params, Mapping) and any(isinstance(v, Mapping) for v in params.values()))
+
+
+def _check_layer_type(config: Mapping, layer_type):
+    if layer_type is None:
+        return "full_attention" if _per_type_rope(config) else None
+    if layer_type not in LAYER_TYPES:
+        raise ValueError(f"layer_type: expected None or one of {LAYER_TYPES}, got {layer_type!r}")
+    return layer_type
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerPlan:
+    """What one decoder layer does around the op: whether it rotates (rope), which tables it reads
+    ("global" or "local": Gemma 3's sliding layers), its attention ("full", "sliding" over the last
+    `window` positions, "chunked" within blocks of `window` positions (Llama 4's RoPE layers), or
+    "linear": a recurrent layer with no KV cache and no RoPE (Qwen3-Next's Gated DeltaNet))."""
+
+    rope: bool
+    table: str
+    attention: str
+    window: int | None = None
+
+
+def _int_list(config: Mapping, key: str, n: int):
+    v = config.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, (list, tuple)) or len(v) != n or any(
+            isinstance(x, bool) or not isinstance(x, (int, np.integer)) or x not in (0, 1) for x in v):
+        raise ValueError(f"config[{key!r}]: expected {n} entries of 0 or 1 (one per layer), got {v!r}")
+    return [int(x) for x in v]
+
+
+def layer_plan(config: Mapping) -> tuple[LayerPlan, ...]:
+    """Per layer of a config: LayerPlan (rotation, tables, attention kind), as transformers builds the
+    layers: Gemma 3's layer_types (or every sliding_window_pattern-th layer global, default 6);
+    Llama 4 and SmolLM3's no_rope_layers (1: rotates; default: every no_rope_layer_interval-th layer,
+    4, is NoPE), Llama 4's RoPE layers chunked by attention_chunk_size; Qwen3-Next / Qwen3.5's
+    layer_types (or every full_attention_interval-th layer, 4, full attention, the others linear)."""
+    config = text_config(config)
+    n = _positive_int(config, "num_hidden_layers")
+    mt = config.get("model_type")
+    types = config.get("layer_types")
+    if types is not None and (not isinstance(types, (list, tuple)) or len(types) != n):
+        raise ValueError(f"config['layer_types']: expected {n} layer types (one per layer), got {types!r}")
+    if mt in GEMMA3_MODEL_TYPES:
+        if types is None:
+            every = config.get("sliding_window_pattern", 6)
+            types = ["full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(n)]
+        window = config.get("sliding_window", 4096)
+        return tuple(LayerPlan(True, "local", "sliding", window) if t == "sliding_attention"
+                     else LayerPlan(True, "global", "full") for t in types)
+    if mt in NOPE_MODEL_TYPES:
+        rope = _int_list(config, "no_rope_layers", n)
+        if rope is None:
+            every = config.get("no_rope_layer_interval", 4)
+            rope = [int((i + 1) % every != 0) for i in range(n)]
+        chunk = config.get("attention_chunk_size", 8192) if mt != "smollm3" else None
+        return tuple(LayerPlan(bool(r), "global", "chunked" if r and chunk else "full", chunk if r and chunk else None)
+                     for r in rope)
+    if mt in GATED_MODEL_TYPES:
+        if types is None:
+            every = config.get("full_attention_interval", 4)
+            types = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n)]
+        return tuple(LayerPlan(True, "global", "full") if t == "full_attention" else LayerPlan(False, "global", "linear")
+                     for t in types)
+    return tuple(LayerPlan(True, "global", "full") for _ in range(n))
+
+
+def family_options(config: Mapping) -> dict:
+    """The rope_and_cache options a model family needs besides the tables (transformers' arithmetic,
+    docs/models.md): Gemma 3 and Qwen3-Next / Qwen3.5 norm_type="gemma" ((1 + w), before the
+    rotation), Qwen3-Next / Qwen3.5 q_gate=True (rope_and_cache_qkv), Llama 4 norm_type="weightless"
+    and norm_position="after" when use_qk_norm (Scout; not Maverick) and attn_temperature=(floor_scale,
+    attn_scale) when attn_temperature_tuning; the others nothing (GLM-4.5's use_qk_norm is the
+    default "rms" norm, given by its weights)."""
+    config = text_config(config)
+    mt = config.get("model_type")
+    if mt in GEMMA3_MODEL_TYPES:
+        return dict(norm_type="gemma")
+    if mt in GATED_MODEL_TYPES:
+        return dict(norm_type="gemma", q_gate=True)
+    if mt in ("llama4", "llama4_text"):
+        out = {}
+        if config.get("use_qk_norm", True):
+            out.update(norm_type="weightless", norm_position="after")
+        if config.get("attn_temperature_tuning", True):
+            out["attn_temperature"] = (int(config.get("floor_scale", 8192)), float(config.get("attn_scale", 0.1)))
+        return out
+    return {}

@@ -16,12 +16,12 @@ import dataclasses
 
 import numpy as np
 
-from jax_rope_cache.models.config import (MlaShape, ModelShape, hf_rope_settings, mla_shard_shape,
-                                         rope_tables_from_hf_config, shard_shape)
+from jax_rope_cache.models.config import (LayerPlan, MlaShape, ModelShape, family_options, hf_rope_settings,
+                                         layer_plan, mla_shard_shape, rope_tables_from_hf_config, shard_shape)
 
-__all__ = ["PRESETS", "MROPE_PRESETS", "MLA_PRESETS", "MODELS", "PRESET_GROUPS", "TP_DEGREES", "QK_NORM_MODEL_TYPES",
-           "preset_config", "preset_shape", "preset_tables", "preset_qk_norm_eps", "preset_mrope", "model_shape",
-           "mla_shape"]
+__all__ = ["PRESETS", "MROPE_PRESETS", "MLA_PRESETS", "FAMILY_PRESETS", "MODELS", "PRESET_GROUPS", "TP_DEGREES",
+           "QK_NORM_MODEL_TYPES", "preset_config", "preset_shape", "preset_tables", "preset_qk_norm_eps", "preset_mrope",
+           "model_shape", "mla_shape", "preset_layers", "preset_family_options"]
 
 TP_DEGREES = (1, 2, 4, 8)
 # Model types that normalise q and k per head (RMSNorm over head_dim) before RoPE: the op's
@@ -114,19 +114,66 @@ MLA_PRESETS: dict[str, dict] = {
 }
 
 
+# The model families of docs/models.md (values from their public config.json files; Llama 4 and Gemma 3:
+# the text_config). Each needs options of the op the native kernels do not implement yet (NoPE layers,
+# the Gemma / weightless norms, Llama 4's temperature, gated q rows: contract.FEATURES), so they are not
+# in MODELS (the kernel benchmarks, demo and compile); `preset_layers` gives the per-layer plan and
+# `preset_family_options` the op options.
+_LLAMA4_TEXT = {"model_type": "llama4_text", "hidden_size": 5120, "num_hidden_layers": 48, "num_attention_heads": 40,
+                "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 8192, "intermediate_size_mlp": 16384,
+                "vocab_size": 202048, "rope_theta": 500000.0, "attention_chunk_size": 8192,
+                "attn_temperature_tuning": 4, "floor_scale": 8192, "attn_scale": 0.1, "rms_norm_eps": 1e-5}
+_GEMMA3_TEXT = {"model_type": "gemma3_text", "vocab_size": 262208, "max_position_embeddings": 131072,
+                "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+                "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "sliding_window": 1024,
+                "sliding_window_pattern": 6, "rms_norm_eps": 1e-6}
+FAMILY_PRESETS: dict[str, dict] = {
+    "llama-4-scout": {**_LLAMA4_TEXT, "max_position_embeddings": 10485760, "num_local_experts": 16,
+                      "interleave_moe_layer_step": 1, "use_qk_norm": True,
+                      "rope_scaling": {"rope_type": "llama3", "factor": 16.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 1.0, "original_max_position_embeddings": 8192}},
+    "llama-4-maverick": {**_LLAMA4_TEXT, "max_position_embeddings": 1048576, "num_local_experts": 128,
+                         "interleave_moe_layer_step": 2, "use_qk_norm": False, "rope_scaling": None},
+    "gemma-3-4b": {**_GEMMA3_TEXT, "hidden_size": 2560, "intermediate_size": 10240, "num_hidden_layers": 34,
+                   "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "query_pre_attn_scalar": 256},
+    "gemma-3-27b": {**_GEMMA3_TEXT, "hidden_size": 5376, "intermediate_size": 21504, "num_hidden_layers": 62,
+                    "num_attention_heads": 32, "num_key_value_heads": 16, "head_dim": 128,
+                    "query_pre_attn_scalar": 168},
+    "qwen3-next-80b-a3b": {
+        "model_type": "qwen3_next", "hidden_size": 2048, "num_hidden_layers": 48, "num_attention_heads": 16,
+        "num_key_value_heads": 2, "head_dim": 256, "partial_rotary_factor": 0.25, "rope_theta": 10000000,
+        "max_position_embeddings": 262144, "full_attention_interval": 4, "rms_norm_eps": 1e-6, "vocab_size": 151936,
+    },
+    "glm-4.5": {
+        "model_type": "glm4_moe", "hidden_size": 5120, "num_hidden_layers": 92, "num_attention_heads": 96,
+        "num_key_value_heads": 8, "head_dim": 128, "partial_rotary_factor": 0.5, "rope_theta": 1000000,
+        "max_position_embeddings": 131072, "use_qk_norm": True, "rms_norm_eps": 1e-5, "vocab_size": 151552,
+        "rope_scaling": None,
+    },
+    "smollm3-3b": {
+        "model_type": "smollm3", "hidden_size": 2048, "num_hidden_layers": 36, "num_attention_heads": 16,
+        "num_key_value_heads": 4, "max_position_embeddings": 65536, "rope_theta": 5000000.0,
+        "no_rope_layers": [1, 1, 1, 0] * 9, "rms_norm_eps": 1e-6, "vocab_size": 128256, "tie_word_embeddings": True,
+        "rope_scaling": None,
+    },
+}
+
+
 # Every preset by the op it drives, in listing order: the one list `info`, `compile --help` and the
 # README show.
 PRESET_GROUPS: dict[str, tuple[str, ...]] = {
     "rope_and_cache": tuple(sorted(PRESETS)),
     "rope_and_cache (M-RoPE)": tuple(sorted(MROPE_PRESETS)),
     "mla_rope_and_cache": tuple(sorted(MLA_PRESETS)),
+    "rope_and_cache (model families)": tuple(sorted(FAMILY_PRESETS)),
 }
 
 
 def preset_config(name: str) -> dict:
-    """A copy of the preset's config dict (case-insensitive name; PRESETS, MROPE_PRESETS or MLA_PRESETS)."""
+    """A copy of the preset's config dict (case-insensitive name; PRESETS, MROPE_PRESETS, MLA_PRESETS or
+    FAMILY_PRESETS)."""
     key = str(name).lower()
-    for table in (PRESETS, MROPE_PRESETS, MLA_PRESETS):
+    for table in (PRESETS, MROPE_PRESETS, MLA_PRESETS, FAMILY_PRESETS):
         if key in table:
             return copy.deepcopy(table[key])
     raise ValueError(f"name: expected one of {[n for names in PRESET_GROUPS.values() for n in names]}, got {name!r}")
@@ -193,3 +240,15 @@ def model_shape(name: str, tp: int = 1) -> ModelShape:
         raise ValueError(f"tp: expected a divisor of {m.q_heads} query heads and {m.kv_heads} KV heads, got {tp}")
     return dataclasses.replace(m, name=f"{m.name}-tp{tp}" if tp > 1 else m.name, q_heads=m.q_heads // tp,
                                kv_heads=max(1, m.kv_heads // tp))
+
+
+def preset_layers(name: str) -> tuple[LayerPlan, ...]:
+    """Per layer of a preset: whether it rotates, which tables (global / local) and which attention
+    (config.layer_plan): e.g. Llama 4 Scout's every fourth layer NoPE with full attention, the others
+    chunked; Gemma 3's every sixth layer global, the others sliding with the local tables."""
+    return layer_plan(preset_config(name))
+
+
+def preset_family_options(name: str) -> dict:
+    """The rope_and_cache options of a preset's family besides the tables (config.family_options)."""
+    return family_options(preset_config(name))

@@ -150,13 +150,13 @@ def rope_frequencies(rotary_dim: int, *, base: float, scaling=None, max_pos: int
         low = _number(scaling, "low_freq_factor", law)
         high = _number(scaling, "high_freq_factor", law)
         l0 = _number(scaling, "original_max_position_embeddings", law, integer=True)
-        if high <= low:
-            raise ValueError(f"scaling['high_freq_factor']: must exceed low_freq_factor ({low}), got {high}")
+        if high < low:  # equal factors (Llama 4 Scout: 1 and 1): no band is smoothed
+            raise ValueError(f"scaling['high_freq_factor']: must not be below low_freq_factor ({low}), got {high}")
         wavelen = 2.0 * math.pi / inv_freq
         scaled = np.where(wavelen > l0 / low, inv_freq / factor, inv_freq)
-        smooth = (l0 / wavelen - low) / (high - low)
+        smooth = (l0 / wavelen - low) / (high - low) if high > low else np.zeros_like(wavelen)
         smoothed = (1.0 - smooth) * scaled / factor + smooth * scaled
-        medium = ~(wavelen < l0 / high) & ~(wavelen > l0 / low)
+        medium = ~(wavelen < l0 / high) & ~(wavelen > l0 / low) & (high > low)
         inv_freq = np.where(medium, smoothed, scaled)
     elif law == "yarn":
         factor = _number(scaling, "factor", law)

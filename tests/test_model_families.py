@@ -1,0 +1,132 @@
+"""The tiny Gemma 3 and Llama 4 (text) decoders (jax_rope_cache/decoder_families.py) generate
+transformers' greedy tokens: prompts of 1, 6, 16 and 21 tokens, 1 + 32 tokens each, logits within
+decoder.HF_LOGIT_BOUND, with impl="kernel" (the op's impl=None: the XLA path for the family options
+the kernels refuse) and impl="xla". Fixture tests/data/hf_greedy_families.npz, recorded by
+tools/record_hf_families.py (transformers' Gemma3ForCausalLM / Llama4ForCausalLM, float32, eager).
+
+The models exercise every family option in one lax.scan per step: Gemma's (1 + w) q/k norms, its
+local tables on the sliding layers (window 8) and scaled global tables on every third layer;
+Llama 4's NoPE layers (every second) with the attention temperature, its GPT-J rotation and
+weightless norm after it on the RoPE layers (chunks of 8), use_rope traced per layer. Each of these
+made wrong on purpose changes the tokens.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import numpy as np
+import pytest
+
+import jax_rope_cache as jrc
+from jax_rope_cache import decoder, decoder_families as fam
+
+FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "hf_greedy_families.npz")
+
+
+@pytest.fixture(scope="module")
+def reference():
+    ref = decoder.load_hf_reference(FIXTURE)
+    ref.pop("meta")
+    return ref
+
+
+def _decoder(entry, impl, layout="flash", **kw):
+    cfg = fam.FamilyDecoderConfig.from_hf(entry["config"])
+    params = decoder.random_params(cfg, entry["seed"])
+    assert decoder.params_digest(params) == entry["digest"], "the initialiser changed: re-record the fixture"
+    return fam.FamilyDecoder(entry["config"], params, impl=impl, layout=layout, block_size=8,
+                             max_seqs=4 * len(entry["prompts"]), max_len=56, **kw)
+
+
+def _generate(m, entry):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # impl=None's one fallback warning per option set
+        return m.generate(entry["prompts"], entry["tokens"].shape[1])
+
+
+def test_fixture_holds_both_models(reference):
+    assert set(reference) == set(fam.TINY_FAMILY_CONFIGS)
+    for name, entry in reference.items():
+        assert entry["config"] == fam.TINY_FAMILY_CONFIGS[name] and entry["seed"] == fam.TINY_FAMILY_SEEDS[name]
+        assert entry["tokens"].shape == (4, 33)
+
+
+@pytest.mark.parametrize("impl,layout", [("kernel", "flash"), ("xla", "flash"), ("xla", "xpacked_shuffled")])
+@pytest.mark.parametrize("name", sorted(fam.TINY_FAMILY_CONFIGS))
+def test_greedy_tokens_equal_transformers(reference, name, impl, layout):
+    entry = reference[name]
+    toks, logits = _generate(_decoder(entry, impl, layout), entry)
+    assert np.array_equal(toks, entry["tokens"]), (name, impl, layout, (toks == entry["tokens"]).mean())
+    err = float(np.abs(logits - entry["logits"]).max())
+    assert err <= decoder.HF_LOGIT_BOUND, (name, impl, layout, err)
+
+
+def test_the_layers_differ_as_the_models_do():
+    g = fam.FamilyDecoderConfig.from_hf(fam.TINY_FAMILY_CONFIGS["tiny-gemma-3"])
+    assert [lp.table for lp in g.layers_plan] == ["local", "local", "global"] * 2
+    assert {lp.window for lp in g.layers_plan if lp.table == "local"} == {8}
+    m = fam.FamilyDecoderConfig.from_hf(fam.TINY_FAMILY_CONFIGS["tiny-llama-4"])
+    assert [lp.rope for lp in m.layers_plan] == [True, False, True, False]
+    assert dict(m.family) == dict(norm_type="weightless", norm_position="after", attn_temperature=(4, 0.5))
+
+
+def _changed(entry, m):
+    toks, logits = _generate(m, entry)
+    return float((toks != entry["tokens"]).mean()), float(np.abs(logits - entry["logits"]).max())
+
+
+def test_wrong_gemma_tables_or_norm_change_the_tokens(reference, monkeypatch):
+    entry = reference["tiny-gemma-3"]
+    config = entry["config"]
+    cos, sin, info = jrc.rope_tables_from_hf_config(config, max_pos=56)
+    only_global = _decoder(entry, "xla", tables=(cos, sin, info.rotary_dim, info.is_neox))  # no local tables
+    frac, err = _changed(entry, only_global)
+    assert frac > 0.1 and err > 100 * decoder.HF_LOGIT_BOUND, (frac, err)
+    monkeypatch.setattr(fam, "gemma_norm", lambda x, w, eps: decoder.rms_norm(x, w, eps))  # w, not 1 + w
+    frac, err = _changed(entry, _decoder(entry, "xla"))
+    assert frac > 0.1, (frac, err)
+
+
+def test_wrong_llama4_temperature_or_pairs_change_the_tokens(reference):
+    entry = reference["tiny-llama-4"]
+    m = _decoder(entry, "xla")
+    m.family = {k: v for k, v in m.family.items() if k != "attn_temperature"}
+    frac, err = _changed(entry, _rebuilt(m))
+    assert err > 100 * decoder.HF_LOGIT_BOUND, err
+    cos, sin, info = jrc.rope_tables_from_hf_config(entry["config"], max_pos=56)
+    frac, err = _changed(entry, _decoder(entry, "xla", tables=(cos, sin, info.rotary_dim, True)))  # NeoX pairs
+    assert frac > 0.1 and err > 100 * decoder.HF_LOGIT_BOUND, (frac, err)
+
+
+def _rebuilt(m):
+    """The decoder's jitted steps traced afresh (they read m.family when traced)."""
+    import jax
+
+    m.prefill_fn = jax.jit(m._prefill, donate_argnums=(2,))
+    m.decode_fn = jax.jit(m._decode, static_argnames=("steps", "with_logits"), donate_argnums=(2,))
+    return m
+
+
+def test_one_program_per_step_with_the_switch_traced(reference):
+    """The layers run in one lax.scan: the decode step's program holds one layer loop, whatever the
+    mix of RoPE / NoPE (Llama 4) or local / global (Gemma 3) layers."""
+    for name in sorted(reference):
+        m = _decoder(reference[name], "xla")
+        bt = m.allocator.block_table([m.allocator.allocate(8)], m.blocks_per_seq)
+        text = m.decode_fn.lower(m.params, m.tables, m.caches, np.zeros(1, np.int32), np.ones(1, np.int32), bt,
+                                 steps=2).as_text()
+        assert text.count("stablehlo.while") == 2, name  # the decode steps' scan and the layers' scan
+
+
+def test_bad_configs_name_the_key():
+    cfg = dict(fam.TINY_FAMILY_CONFIGS["tiny-llama-4"], interleave_moe_layer_step=2)
+    with pytest.raises(ValueError, match=r"config\['interleave_moe_layer_step'\]"):
+        fam.FamilyDecoderConfig.from_hf(cfg)
+    cfg = dict(fam.TINY_FAMILY_CONFIGS["tiny-gemma-3"], hidden_activation="gelu")
+    with pytest.raises(ValueError, match=r"config\['hidden_activation'\]"):
+        fam.FamilyDecoderConfig.from_hf(cfg)
+    entry = fam.TINY_FAMILY_CONFIGS["tiny-gemma-3"]
+    with pytest.raises(ValueError, match="impl: expected 'kernel' or 'xla' for the family decoders"):
+        fam.FamilyDecoder(entry, {}, impl="baseline")
