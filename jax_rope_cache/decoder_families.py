@@ -16,7 +16,7 @@ Llama 4 text (Llama4ForCausalLM):
 The native kernels refuse the family options today (contract.FEATURES), so impl="kernel" calls the op
 with impl=None for them: the kernel where a layer's options allow, the XLA path (one warning)
 elsewhere. The steps, block allocation and host side are decoder.Decoder's; attention reads the
-caches with decoder.gather_blocks.
+caches with attention.gather_blocks.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_rope_cache as jrc
+from jax_rope_cache import attention as attn
 from jax_rope_cache import decoder
 from jax_rope_cache.models import config as hfconfig
 
@@ -201,7 +202,7 @@ class FamilyDecoder(decoder.Decoder):
             opts |= dict(use_rope=jnp.asarray(self.rope_layers)[i] != 0, norm_eps=cfg.rms_norm_eps,
                          **{k: v for k, v in self.family.items() if k != "q_gate"})
         q, _, kc, vc = jrc.rope_and_cache_qkv(qkv, kc, vc, step["slots"], step["flat_pos"], cos, sin, **opts)
-        keys, values = decoder.gather_blocks(kc, vc, i, step["block_table"], self.layout)
+        keys, values = attn.gather_blocks((kc, vc), i, step["block_table"], self.layout)
         o = self._attend_window(q.reshape(B, P, cfg.q_heads, cfg.head_dim), keys, values, step["q_pos"], i)
         return self._mm(o, w["wo"]), (kc, vc)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import re
 import warnings
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -66,10 +67,12 @@ def check_equal(got, want, what):
         assert_bits_equal(g, w, f"{name} [{what}]")
 
 
-def check_xla(got, want, what, rotates: bool):
+def check_xla(got, want, what, rotates: bool, ulps: int = 1):
     """The XLA path: bit for bit where nothing rotates (copies, norms, the temperature: XLA cannot
     contract them, backends/xla.py); where q and k rotate, within tests/test_op.py's FMA bound (XLA
-    may contract a product into the difference), here 2 float32 ulps of the row's largest output."""
+    may contract a product into the difference), here 2 float32 ulps of the row's largest output.
+    A norm after the rotation rescales a value the FMA moved one ulp: `ulps` = 2 there (measured:
+    2 ulps in 5 of 300 seeds of the f16 case, never more)."""
     if not rotates:
         return check_equal(got, want, what)
     rowmax = lambda a: np.abs(a.astype(np.float32)).max(axis=-1, keepdims=True)  # noqa: E731
@@ -79,7 +82,7 @@ def check_xla(got, want, what, rotates: bool):
         if name == "value_cache":
             assert_bits_equal(g, w, f"{name} [{what}]")
         else:
-            assert_fma_close(g, w, b, f"{name} [{what}]")
+            assert_fma_close(g, w, b, f"{name} [{what}]", ulps)
 
 
 def _weights(rng, D, dtype):
@@ -129,11 +132,11 @@ CASES = family_cases()
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_xla_path_equals_the_reference(case, dtype):
     name, make, width = case
-    args, rng = problem(dtype, seed=hash(name) % 1000, table_w=width)
+    args, rng = problem(dtype, seed=zlib.crc32(name.encode()) % 1000, table_w=width)  # the same every run
     opts = make(rng, args[0].shape[2], dtype)
     want = reference.rope_and_cache(*args, **opts)
     rotates = opts.get("rotary_dim") != 0 and bool(opts.get("use_rope", True))
-    check_xla(run(args, opts), want, name, rotates)
+    check_xla(run(args, opts), want, name, rotates, ulps=2 if opts.get("norm_position") == "after" else 1)
     if opts.get("rotary_dim") == 0 and opts.get("attn_temperature") is None:  # no positions or tables needed
         check_equal(run(args[:6] + (None, None, None), opts), want, name + " without positions and tables")
 
