@@ -132,10 +132,21 @@ def rounder(dtype):
     return round_bf16 if np.dtype(dtype) == np.dtype(jnp.bfloat16) else (lambda y: y)
 
 
-def to_output(y, dtype):
-    """f32 results -> `dtype`, rounded to nearest even, every NaN the canonical one."""
+UINT = {2: jnp.uint16, 4: U32}  # the unsigned integer of each element width
+
+
+def value_bits(x, dtype):
+    """The bits in `dtype` of f32 values exactly representable in it (unsigned ints of its width).
+    Bits, never a conversion: a conversion may rewrite a NaN's payload (XLA:CPU's f32 -> bf16 writes
+    0x7FC0 for every NaN)."""
+    u = bits(x)
+    return u if np.dtype(dtype).itemsize == 4 else (u >> 16).astype(jnp.uint16)
+
+
+def output_bits(y, dtype):
+    """The bits in `dtype` of f32 results: rounded to nearest even, every NaN the canonical one."""
     canon = from_bits(jnp.full(y.shape, CANONICAL_NAN_BITS[np.dtype(dtype)], U32))
-    return jnp.where(jnp.isnan(y), canon, rounder(dtype)(y)).astype(dtype)
+    return value_bits(jnp.where(jnp.isnan(y), canon, rounder(dtype)(y)), dtype)
 
 
 def keep(x):
@@ -312,12 +323,13 @@ def rotate(x, c, s, cfg: Config, dtype, sep=keep):
     return sep(x * c) + sep(p * s)
 
 
-def finish(y, x_in, cfg: Config, dtype):
-    """Output rows in `dtype`: rotated channels < R from f32 y, channels >= R moved from x_in."""
-    out = to_output(y, dtype)
+def finish(y, tail, cfg: Config, dtype):
+    """The bits of the output rows in `dtype`: rotated channels < R from f32 y, channels >= R
+    moved from `tail` (the input's bits, or the normalised input's)."""
+    out = output_bits(y, dtype)
     if cfg.rotary_dim == cfg.head_dim:
         return out
-    return jnp.concatenate([out[..., : cfg.rotary_dim], x_in[..., cfg.rotary_dim :]], axis=-1)
+    return jnp.concatenate([out[..., : cfg.rotary_dim], tail[..., cfg.rotary_dim :]], axis=-1)
 
 
 # ---- DMA runs ------------------------------------------------------------------------------------
@@ -347,7 +359,7 @@ def for_each_run(count, key, emit):
 
 def cache_index(axes, layer, blk, off, n, head=None):
     """Ref index of n token rows at (blk, off, ...) of one cache (head: one head's rows)."""
-    pick = {"NB": blk, "BS": pl.ds(off, n), "KH": slice(None) if head is None else head, "D": slice(None)}
+    pick = {"NB": blk, "BS": pl.ds(off, n), "KH": slice(None) if head is None else I32(head), "D": slice(None)}
     return ((layer,) if layer is not None else ()) + tuple(pick[a] for a in axes)
 
 
@@ -357,7 +369,7 @@ def cache_copies(src, cache, axes, layer, t, n, slot, block_size, kv_heads):
     blk, off = lax.div(slot, I32(block_size)), lax.rem(slot, I32(block_size))
     if row_dma(axes) == "whole":
         return [(src.at[pl.ds(t, n)], cache.at[cache_index(axes, layer, blk, off, n)])]
-    return [(src.at[pl.ds(t, n), h], cache.at[cache_index(axes, layer, blk, off, n, h)]) for h in range(kv_heads)]
+    return [(src.at[pl.ds(t, n), I32(h)], cache.at[cache_index(axes, layer, blk, off, n, h)]) for h in range(kv_heads)]
 
 
 # ---- the kernel ----------------------------------------------------------------------------------
@@ -420,11 +432,14 @@ def _kernel(slot_ref, pos_ref, layer_ref, *refs, cfg: Config, sep):
         for x_ref, o_ref, w_ref, on in ((q_ref, qo_ref, qw_ref, cfg.q_norm), (k_ref, ko_ref, kw_ref, cfg.k_norm)):
             x_in = x_ref[pl.ds(t, g)]
             dtype = x_in.dtype
+            uint = UINT[np.dtype(dtype).itemsize]
             x = x_in.astype(F32)
+            tail = lax.bitcast_convert_type(x_in, uint)
             if on:
                 x = rms_norm(x, w_ref[...].astype(F32).reshape(1, 1, d), d, cfg.norm_eps, dtype, sep)
-                x_in = x.astype(dtype)  # exact: the norm's values are values of dtype
-            o_ref[pl.ds(t, g)] = finish(rotate(x, c, s, cfg, dtype, sep), x_in, cfg, dtype)
+                tail = value_bits(x, dtype)
+            out = finish(rotate(x, c, s, cfg, dtype, sep), tail, cfg, dtype)
+            o_ref[pl.ds(t, g)] = lax.bitcast_convert_type(out, dtype)
         return 0
 
     lax.fori_loop(0, tb // g, compute, 0)
@@ -467,10 +482,11 @@ def rope_and_cache(q, k, v, key_cache, value_cache, slots, positions, cos, sin, 
     out_shape = [jax.ShapeDtypeStruct((t, cfg.q_heads, d), q.dtype), jax.ShapeDtypeStruct((t, cfg.kv_heads, d), k.dtype),
                  jax.ShapeDtypeStruct(key_cache.shape, key_cache.dtype),
                  jax.ShapeDtypeStruct(value_cache.shape, value_cache.dtype)]
-    return pl.pallas_call(
+    call = pl.pallas_call(
         functools.partial(_kernel, cfg=cfg, sep=keep if interpret else plain), grid_spec=grid_spec, out_shape=out_shape,
         input_output_aliases={cache_at: 2, cache_at + 1: 3},
         # each step waits for its own DMAs, so steps are independent (megacore may split them)
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
-        interpret=interpret, name="rope_and_cache",
-    )(slots, positions, layer, *operands)
+        interpret=interpret, name="rope_and_cache")
+    with jax.enable_x64(False):  # the kernel's index arithmetic is int32, also inside an x64 program
+        return call(slots, positions, layer, *operands)
