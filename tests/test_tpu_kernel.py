@@ -43,17 +43,18 @@ K = tpu.kernel_module()
 NAMES = ("q_out", "k_out", "key_cache", "value_cache")
 
 
-def kernel_here():
-    return contextlib.nullcontext() if ON_TPU else tpu_kernel_on_cpu()
+def kernel_here(params=None):
+    return contextlib.nullcontext() if ON_TPU else tpu_kernel_on_cpu(params)
 
 
 def _x64(args) -> bool:
     return any(np.asarray(a).dtype == np.int64 for a in args[5:7])
 
 
-def run_kernel(args, opts, *, layer=None):
-    """The op with impl="kernel" on WHERE (the TPU, or the TPU kernel interpreted on the CPU)."""
-    with jax.enable_x64(_x64(args)), kernel_here():
+def run_kernel(args, opts, *, layer=None, params=None):
+    """The op with impl="kernel" on WHERE (the TPU, or the TPU kernel interpreted on the CPU with
+    `params`, by default tpu_interpret.DEFAULT_PARAMS)."""
+    with jax.enable_x64(_x64(args)), kernel_here(params):
         dev = jax.devices(WHERE)[0]
         extra = () if layer is None else (jnp.asarray(layer, jnp.int32),)
         fn = jax.jit(lambda *a: jrc.rope_and_cache(*a[:9], **opts, impl="kernel",
@@ -68,13 +69,13 @@ def tpu_text(args, opts, impl="kernel", **jit_kwargs) -> str:
         return fn.trace(*args).lower(lowering_platforms=("tpu",)).as_text()
 
 
-def check(case: Case, seed: int | None = None, args=None, opts=None):
+def check(case: Case, seed: int | None = None, args=None, opts=None, params=None):
     if args is None:
         args, opts = make_problem(case, zlib.crc32(case.id.encode()) if seed is None else seed)
     text = tpu_text(args, opts)
     assert text.count("stablehlo.custom_call @tpu_custom_call") == 1, case.id
     want = reference_op(*args, **opts)
-    got = run_kernel(args, opts)
+    got = run_kernel(args, opts, params=params)
     for name, g, w in zip(NAMES, got, want):
         assert_bits_equal(g, w, f"{name} [{case.id}]")
     for name, g, before, w in zip(NAMES[2:], got[2:], args[3:5], want[2:]):
@@ -182,6 +183,18 @@ def test_prefill_over_several_token_blocks(monkeypatch, layout):
     check(case, args=tuple(args), opts=opts)
 
 
+@pytest.mark.skipif(ON_TPU, reason="the interpreter's DMA orders and race detector")
+@pytest.mark.parametrize("order", ["eager", "on_wait"])
+def test_no_dma_race_whenever_the_copies_run(order):
+    """A DMA may run any time between its start and its wait. The interpreter runs them at the
+    start ("eager") or at the wait ("on_wait"), with its race detector on: a copy that reads a
+    block before the kernel writes it, or whose buffer is rewritten before it completes, fails."""
+    case = Case(T=20, QH=4, KH=2, D=64, layout="hnd")
+    args, opts = make_problem(case, seed=8)
+    args = args[:5] + (np.concatenate([np.arange(3, 17), [40, -1, 90, 41, 60, 200]]).astype(np.int32),) + args[6:]
+    check(case, args=args, opts=opts, params=pltpu.InterpretParams(dma_execution_mode=order, detect_races=True))
+
+
 # ---- options -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("weights", ["bfloat16", "float32"])
 def test_qk_norm(weights):
@@ -203,11 +216,11 @@ def test_qk_norm_f32_odd_head_dim_and_one_norm():
     check(case, args=args, opts=opts)
 
 
-@pytest.mark.parametrize("layer", [2, 3, -1])
-def test_stacked_layers_with_a_traced_layer(layer):
-    """Caches [L, ...]: layer `layer` (a traced scalar) is written in place; a layer outside [0, L)
+@pytest.mark.parametrize("layer,layout", [(3, "flash"), (2, "hnd"), (-1, "flash"), (4, "hnd")])
+def test_stacked_layers_with_a_traced_layer(layer, layout):
+    """Caches [4, ...]: layer `layer` (a traced scalar) is written in place; a layer outside [0, 4)
     writes nothing."""
-    case = Case(T=7, QH=8, KH=2, D=64, layout="hnd" if layer == 3 else "flash")
+    case = Case(T=7, QH=8, KH=2, D=64, layout=layout)
     args, opts = make_problem(case, seed=21)
     rng = np.random.default_rng(22)
     stacked = [np.stack([c] + [rng.standard_normal(c.shape).astype(c.dtype) for _ in range(3)], 1).swapaxes(0, 1)
@@ -217,8 +230,9 @@ def test_stacked_layers_with_a_traced_layer(layer):
     got = run_kernel(args, opts, layer=layer)
     for name, g, w in zip(NAMES, got, want):
         assert_bits_equal(g, w, name)
-    if layer == -1:
+    if not 0 <= layer < 4:
         assert_bits_equal(got[2], args[3], "key_cache untouched")
+        assert_bits_equal(got[3], args[4], "value_cache untouched")
 
 
 SPECIAL = ((jnp.bfloat16, np.float32, "fp32"), (np.float32, np.float32, "fp32"), (jnp.bfloat16, jnp.bfloat16, "native"))
@@ -397,7 +411,7 @@ def test_division_and_square_root_correct_an_approximation_to_the_rounded_result
     n = 20000
     a, b, m = ((rng.uniform(1, 2, n) * 2.0 ** rng.integers(-e, e, n)).astype(np.float32) for e in (60, 60, 125))
     a[:4], b[:4] = [1.0, 3.0, 2.0, 1.0], [3.0, 1.0, 1.0, 1.0 + 2.0**-23]  # exact, 1/3, powers of two
-    m[:3] = [1.0, 4.0, 2.0]
+    m[:6] = [1.0, 4.0, 2.0, 1.0 + 2.0**-23, 4.0 - 2.0**-21, 1.0 - 2.0**-24]  # the binade edges
     div = jax.jit(lambda a, b: K.div_rn(a, b, approx=_nudged(jnp.divide, off)))
     sqrt = jax.jit(lambda m: K.sqrt_rn(m, approx=_nudged(jnp.sqrt, off)))
     assert_bits_equal(np.asarray(div(a, b)), (a.astype(np.float64) / b).astype(np.float32), "a / b")

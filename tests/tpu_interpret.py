@@ -21,6 +21,9 @@ from jax_rope_cache import backends, primitive
 from jax_rope_cache.backends import tpu
 
 NAME = "TPU (Pallas TPU interpret mode on the CPU)"
+# DMAs run when started ("eager"): a copy started before its source is written reads stale data.
+# tests/test_tpu_kernel.py also runs the late order ("on_wait") with the race detector.
+DEFAULT_PARAMS = pltpu.InterpretParams(dma_execution_mode="eager")
 
 
 def lower_interpreted(ctx, args, spec, *, params):
@@ -34,7 +37,7 @@ def lower_interpreted(ctx, args, spec, *, params):
 
 def interpreted_backend(params=None):
     """A backend with the TPU kernel's lowering in interpret mode, for the CPU platform."""
-    params = pltpu.InterpretParams() if params is None else params
+    params = DEFAULT_PARAMS if params is None else params
     return types.SimpleNamespace(PLATFORM="cpu", NAME=NAME, SUPPORTS=tpu.SUPPORTS, missing=tpu.missing,
                                  lower=functools.partial(lower_interpreted, params=params))
 
