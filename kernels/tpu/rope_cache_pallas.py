@@ -15,10 +15,10 @@ One grid step owns TB consecutive tokens (`Config.block_tokens`):
 1. Table rows: one DMA per run of consecutive clamped positions (a prefill reads its rows in one
    DMA per table; a decode step one per token).
 2. V: one DMA per run of consecutive valid slots inside one cache block (prefill: a whole block per
-   DMA; decode: one per token), started before the compute so it overlaps it.
+   DMA; decode: one per token), started with 1. in one scalar loop, so it overlaps the compute.
 3. Rotation (and the QK-RMSNorm) in f32 on [G, H, D] groups of the block, written to q_out / k_out.
-4. K: the same runs, from k_out's VMEM block. Every DMA is waited for with the descriptor that
-   started it before the step ends (a semaphore counts bytes).
+4. K: the same runs, from k_out's VMEM block. Every DMA is waited for, before the step ends, with
+   the descriptor that started it (walking the same runs again), never with a guessed byte count.
 
 Invalid slots (< 0 or >= NB*BS) and a layer outside [0, L) start no DMA at all; positions are
 clamped before they address a table row. Nothing reads or writes outside a buffer.
@@ -333,28 +333,32 @@ def finish(y, tail, cfg: Config, dtype):
 
 
 # ---- DMA runs ------------------------------------------------------------------------------------
-def for_each_run(count, key, emit):
-    """Calls emit(t, n, k) for every maximal run of tokens t, t+1, ..., t+n-1 (< count) whose keys
-    are k, k+1, ...; key(t) -> (k, valid, joins): a run never holds an invalid token, and a token
-    whose `joins` is False starts a new run (e.g. the first offset of a cache block)."""
+def for_each_run(count, walks):
+    """For each (key, emit) of `walks`, calls emit(t, n, k) for every maximal run of tokens t, t+1,
+    ..., t+n-1 (< count) whose keys are k, k+1, ...; key(t) -> (k, valid, joins): a run never holds
+    an invalid token, and a token whose `joins` is False starts a new run (e.g. the first offset of
+    a cache block). One scalar loop walks them all."""
 
     def body(t, carry):
-        start, start_key, start_ok, prev = carry  # start_ok: int32 0/1 (scalar flags stay 32-bit)
-        k, ok, joins = key(t)
-        ok = jnp.asarray(ok).astype(I32)
-        cont = (t > 0) & (ok == 1) & (start_ok == 1) & joins & (k == prev + 1)
+        out = []
+        for (key, emit), (start, start_key, start_ok, prev) in zip(walks, carry):
+            k, ok, joins = key(t)
+            ok = jnp.asarray(ok).astype(I32)  # scalar flags stay 32-bit
+            cont = (t > 0) & (ok == 1) & (start_ok == 1) & joins & (k == prev + 1)
 
-        @pl.when((t > 0) & jnp.logical_not(cont) & (start_ok == 1))
+            @pl.when((t > 0) & jnp.logical_not(cont) & (start_ok == 1))
+            def _():
+                emit(start, t - start, start_key)
+
+            out.append((jnp.where(cont, start, t), jnp.where(cont, start_key, k), jnp.where(cont, start_ok, ok), k))
+        return tuple(out)
+
+    zero = (I32(0), I32(0), I32(0), I32(0))
+    final = lax.fori_loop(0, count, body, tuple(zero for _ in walks))
+    for (_, emit), (start, start_key, start_ok, _) in zip(walks, final):
+        @pl.when((count > 0) & (start_ok == 1))
         def _():
-            emit(start, t - start, start_key)
-
-        return (jnp.where(cont, start, t), jnp.where(cont, start_key, k), jnp.where(cont, start_ok, ok), k)
-
-    start, start_key, start_ok, _ = lax.fori_loop(0, count, body, (I32(0), I32(0), I32(0), I32(0)))
-
-    @pl.when((count > 0) & (start_ok == 1))
-    def _():
-        emit(start, count - start, start_key)
+            emit(start, count - start, start_key)
 
 
 def cache_index(axes, layer, blk, off, n, head=None):
@@ -405,12 +409,13 @@ def _kernel(slot_ref, pos_ref, layer_ref, *refs, cfg: Config, sep):
     def table_copies(t, n, p):
         return [(tab.at[pl.ds(p, n)], buf.at[pl.ds(t, n)]) for tab, buf in ((cos_hbm, cos_buf), (sin_hbm, sin_buf))]
 
-    def each(copies_of, key, sem, act):
+    def walk(copies_of, key, sem, act):
+        """(key, emit) starting or waiting for the copies of each run: a wait mirrors its start."""
         def emit(t, n, k):
             for src, dst in copies_of(t, n, k):
                 d = pltpu.make_async_copy(src, dst, sem)
                 d.start() if act == "start" else d.wait()
-        for_each_run(count, key, emit)
+        return key, emit
 
     def k_copies(t, n, s):
         return cache_copies(ko_ref, kc_ref, cfg.key_axes, layer, t, n, s, cfg.block_size, cfg.kv_heads)
@@ -418,9 +423,8 @@ def _kernel(slot_ref, pos_ref, layer_ref, *refs, cfg: Config, sep):
     def v_copies(t, n, s):
         return cache_copies(v_hbm, vc_ref, cfg.value_axes, layer, base + t, n, s, cfg.block_size, cfg.kv_heads)
 
-    each(table_copies, position, table_sem, "start")
-    each(v_copies, slot, v_sem, "start")
-    each(table_copies, position, table_sem, "wait")
+    for_each_run(count, [walk(table_copies, position, table_sem, "start"), walk(v_copies, slot, v_sem, "start")])
+    for_each_run(count, [walk(table_copies, position, table_sem, "wait")])
 
     d = cfg.head_dim
     g = group_tokens(cfg)
@@ -444,9 +448,8 @@ def _kernel(slot_ref, pos_ref, layer_ref, *refs, cfg: Config, sep):
 
     lax.fori_loop(0, tb // g, compute, 0)
 
-    each(k_copies, slot, k_sem, "start")
-    each(v_copies, slot, v_sem, "wait")
-    each(k_copies, slot, k_sem, "wait")
+    for_each_run(count, [walk(k_copies, slot, k_sem, "start")])
+    for_each_run(count, [walk(v_copies, slot, v_sem, "wait"), walk(k_copies, slot, k_sem, "wait")])
 
 
 def group_tokens(cfg: Config) -> int:
