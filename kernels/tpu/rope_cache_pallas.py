@@ -16,7 +16,9 @@ One grid step owns TB consecutive tokens (`Config.block_tokens`):
    DMA per table; a decode step one per token).
 2. V: one DMA per run of consecutive valid slots inside one cache block (prefill: a whole block per
    DMA; decode: one per token), started with 1. in one scalar loop, so it overlaps the compute.
-3. Rotation (and the QK-RMSNorm) in f32 on [G, H, D] groups of the block, written to q_out / k_out.
+3. The rows' cosines and signed sines spread over the D lanes of each token, once per block
+   ([TB, D] f32 in VMEM); then per token the rotation (and the QK-RMSNorm) in f32 on [H, D] tiles,
+   written to q_out / k_out. Every value is 2-D: heads on sublanes, channels on lanes.
 4. K: the same runs, from k_out's VMEM block. Every DMA is waited for, before the step ends, with
    the descriptor that started it (walking the same runs again), never with a guessed byte count.
 
@@ -52,11 +54,7 @@ U32 = jnp.uint32
 I32 = jnp.int32
 # The NaN every output holds (reference.CANONICAL_NAN), as f32 bits: bf16 0x7FFF widened, f32 itself.
 CANONICAL_NAN_BITS = {np.dtype(jnp.bfloat16): 0x7FFF0000, np.dtype(np.float32): 0x7FFFFFFF}
-# (sublanes, lanes) of one VMEM tile per element width: blocks and DMA windows keep to whole tiles
-# in the last two dims where they can (the leading dims are untiled).
-TILE = {4: (8, 128), 2: (16, 128)}
 VMEM_BLOCK_BUDGET = 4 << 20  # bytes of double-buffered q/k blocks and table rows per grid step
-GROUP_ELEMENTS = 4096        # f32 elements per compute group [G, H, D]: a few vregs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +92,7 @@ class Config:
 def block_tokens(tokens: int, q_heads: int, kv_heads: int, head_dim: int, itemsize: int, table_width: int,
                  table_itemsize: int) -> int:
     """TB: all tokens when they fit the budget (the block is the whole array), else a multiple of 8."""
-    per_token = 2 * 2 * (q_heads + kv_heads) * head_dim * itemsize + 2 * table_width * table_itemsize
+    per_token = 2 * 2 * (q_heads + kv_heads) * head_dim * itemsize + 2 * (table_width * table_itemsize + head_dim * 4)
     most = max(8, (VMEM_BLOCK_BUDGET // per_token) // 8 * 8)
     return max(1, tokens) if tokens <= most else most
 
@@ -252,8 +250,8 @@ def lane_tree_sum(a):
 
 
 def rms_norm(x, w, head_dim: int, eps: float, dtype, sep=keep):
-    """reference.rms_norm of f32 rows x [..., D] (values of `dtype`) with w [1, 1, D] f32; f32
-    values of `dtype`, NaNs canonical."""
+    """reference.rms_norm of f32 rows x [..., D] (values of `dtype`) with w [1, D] f32; f32 values
+    of `dtype`, NaNs canonical."""
     r = rounder(dtype)
     s = lane_tree_sum(sep(x * x))
     ms = div_rn(s, jnp.full(s.shape, float(head_dim), F32), sep=sep)
@@ -314,8 +312,8 @@ def partner(x, cfg: Config):
 
 
 def rotate(x, c, s, cfg: Config, dtype, sep=keep):
-    """Rotated channels of f32 x [G, H, D] (values of `dtype`) with C, S' [G, 1, D]: f32 before
-    the final rounding."""
+    """Rotated channels of f32 x [H, D] (values of `dtype`) with C, S' [1, D]: f32 before the
+    final rounding."""
     p = partner(x, cfg)
     if cfg.rounded:
         r = rounder(dtype)
@@ -384,7 +382,7 @@ def _kernel(slot_ref, pos_ref, layer_ref, *refs, cfg: Config, sep):
     kw_ref = next(it) if cfg.k_norm else None
     next(it), next(it)  # the caches as inputs: aliased to the outputs below
     qo_ref, ko_ref, kc_ref, vc_ref = (next(it) for _ in range(4))
-    cos_buf, sin_buf, table_sem, k_sem, v_sem = (next(it) for _ in range(5))
+    cos_buf, sin_buf, c_buf, s_buf, table_sem, k_sem, v_sem = (next(it) for _ in range(7))
 
     tb, t_all = cfg.block_tokens, cfg.tokens
     base = pl.program_id(0) * tb
@@ -426,36 +424,26 @@ def _kernel(slot_ref, pos_ref, layer_ref, *refs, cfg: Config, sep):
     for_each_run(count, [walk(table_copies, position, table_sem, "start"), walk(v_copies, slot, v_sem, "start")])
     for_each_run(count, [walk(table_copies, position, table_sem, "wait")])
 
-    d = cfg.head_dim
-    g = group_tokens(cfg)
+    c_buf[...], s_buf[...] = table_lanes(cos_buf[...].astype(F32), sin_buf[...].astype(F32), cfg)
+    weights = [None if w is None else w[...].astype(F32) for w in (qw_ref, kw_ref)]
 
-    def compute(i, _):
-        t = pl.multiple_of(i * g, g)
-        c, s = table_lanes(cos_buf[pl.ds(t, g), :].astype(F32), sin_buf[pl.ds(t, g), :].astype(F32), cfg)
-        c, s = c.reshape(g, 1, d), s.reshape(g, 1, d)
-        for x_ref, o_ref, w_ref, on in ((q_ref, qo_ref, qw_ref, cfg.q_norm), (k_ref, ko_ref, kw_ref, cfg.k_norm)):
-            x_in = x_ref[pl.ds(t, g)]
+    def compute(t, _):
+        c, s = c_buf[pl.ds(t, 1), :], s_buf[pl.ds(t, 1), :]
+        for x_ref, o_ref, w in ((q_ref, qo_ref, weights[0]), (k_ref, ko_ref, weights[1])):
+            x_in = x_ref[t]
             dtype = x_in.dtype
-            uint = UINT[np.dtype(dtype).itemsize]
             x = x_in.astype(F32)
-            tail = lax.bitcast_convert_type(x_in, uint)
-            if on:
-                x = rms_norm(x, w_ref[...].astype(F32).reshape(1, 1, d), d, cfg.norm_eps, dtype, sep)
+            tail = lax.bitcast_convert_type(x_in, UINT[np.dtype(dtype).itemsize])
+            if w is not None:
+                x = rms_norm(x, w, cfg.head_dim, cfg.norm_eps, dtype, sep)
                 tail = value_bits(x, dtype)
-            out = finish(rotate(x, c, s, cfg, dtype, sep), tail, cfg, dtype)
-            o_ref[pl.ds(t, g)] = lax.bitcast_convert_type(out, dtype)
+            o_ref[t] = lax.bitcast_convert_type(finish(rotate(x, c, s, cfg, dtype, sep), tail, cfg, dtype), dtype)
         return 0
 
-    lax.fori_loop(0, tb // g, compute, 0)
+    lax.fori_loop(0, tb, compute, 0)
 
     for_each_run(count, [walk(k_copies, slot, k_sem, "start")])
     for_each_run(count, [walk(v_copies, slot, v_sem, "wait"), walk(k_copies, slot, k_sem, "wait")])
-
-
-def group_tokens(cfg: Config) -> int:
-    """G: tokens per compute step, a divisor of TB keeping [G, QH, D] f32 values to a few vregs."""
-    most = max(1, GROUP_ELEMENTS // (cfg.q_heads * cfg.head_dim))
-    return max(g for g in range(1, min(most, cfg.block_tokens) + 1) if cfg.block_tokens % g == 0)
 
 
 def rope_and_cache(q, k, v, key_cache, value_cache, slots, positions, cos, sin, layer, q_norm_weight=None,
@@ -480,8 +468,9 @@ def rope_and_cache(q, k, v, key_cache, value_cache, slots, positions, cos, sin, 
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3, grid=(cfg.grid,), in_specs=in_specs,
         out_specs=[row(cfg.q_heads), row(cfg.kv_heads), hbm, hbm],
-        scratch_shapes=[pltpu.VMEM((tb, w), cos.dtype), pltpu.VMEM((tb, w), sin.dtype),
-                        pltpu.SemaphoreType.DMA(()), pltpu.SemaphoreType.DMA(()), pltpu.SemaphoreType.DMA(())])
+        scratch_shapes=[pltpu.VMEM((tb, w), cos.dtype), pltpu.VMEM((tb, w), sin.dtype), pltpu.VMEM((tb, d), F32),
+                        pltpu.VMEM((tb, d), F32), pltpu.SemaphoreType.DMA(()), pltpu.SemaphoreType.DMA(()),
+                        pltpu.SemaphoreType.DMA(())])
     out_shape = [jax.ShapeDtypeStruct((t, cfg.q_heads, d), q.dtype), jax.ShapeDtypeStruct((t, cfg.kv_heads, d), k.dtype),
                  jax.ShapeDtypeStruct(key_cache.shape, key_cache.dtype),
                  jax.ShapeDtypeStruct(value_cache.shape, value_cache.dtype)]
