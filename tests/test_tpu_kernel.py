@@ -441,3 +441,27 @@ def test_the_lane_tree_sum_is_the_reference_tree():
         got = np.asarray(jax.jit(K.lane_tree_sum)(x))[:, 0]
         assert_bits_equal(got, reference.tree_sum(x), f"D={d}")
         assert (got != x.sum(axis=1, dtype=np.float32)).any() or d == 64
+
+
+# ---- layouts by their axes ---------------------------------------------------------------------------
+@pytest.mark.skipif(ON_TPU, reason="calls the kernel module in interpret mode")
+def test_a_head_major_cache_is_written_from_its_axes_alone():
+    """The kernel derives its DMA windows from a cache's axes (contract.LAYOUT_TABLE's names), so a
+    layout with NB not leading, JAX's paged-attention [KH, NB, BS, D], needs no kernel code: its
+    caches equal the flash reference's caches transposed."""
+    case = Case(T=9, QH=4, KH=2, D=64, layout="flash")
+    args, opts = make_problem(case, seed=80)
+    spec = contract.check_op(*args, **opts)
+    want = reference_op(*args, **opts)
+    head_major = ("KH", "NB", "BS", "D")
+    assert K.row_dma(head_major) == "per_head"
+    cfg = tpu.config(spec).__class__(**{**tpu.config(spec).__dict__, "key_axes": head_major,
+                                        "value_axes": head_major})
+    kc, vc = (np.ascontiguousarray(c.transpose(2, 0, 1, 3)) for c in args[3:5])  # [KH, NB, BS, D]
+    slots = np.where((args[5] >= 0) & (args[5] < spec.num_slots), args[5], -1).astype(np.int32)
+    pos = np.clip(args[6], 0, spec.max_pos - 1).astype(np.int32)
+    run = jax.jit(lambda *a: K.rope_and_cache(*a, cfg=cfg, interpret=pltpu.InterpretParams()))
+    got = [np.asarray(o) for o in run(*args[:3], kc, vc, slots, pos, *args[7:9], np.zeros(1, np.int32))]
+    assert_bits_equal(got[0], want[0], "q_out")
+    assert_bits_equal(got[2], want[2].transpose(2, 0, 1, 3), "key_cache")
+    assert_bits_equal(got[3], want[3].transpose(2, 0, 1, 3), "value_cache")
