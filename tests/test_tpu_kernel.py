@@ -421,12 +421,15 @@ def test_division_and_square_root_correct_an_approximation_to_the_rounded_result
     a, b, m = ((rng.uniform(1, 2, n) * 2.0 ** rng.integers(-e, e, n)).astype(np.float32) for e in (60, 60, 125))
     a[:4], b[:4] = [1.0, 3.0, 2.0, 1.0], [3.0, 1.0, 1.0, 1.0 + 2.0**-23]  # exact, 1/3, powers of two
     m[:6] = [1.0, 4.0, 2.0, 1.0 + 2.0**-23, 4.0 - 2.0**-21, 1.0 - 2.0**-24]  # the binade edges
+    cpu = jax.devices("cpu")[0]  # plain jax code: the CPU on any host
+    a, b, m = jax.device_put((a, b, m), cpu)
     div = jax.jit(lambda a, b: K.div_rn(a, b, approx=_nudged(jnp.divide, off)))
     sqrt = jax.jit(lambda m: K.sqrt_rn(m, approx=_nudged(jnp.sqrt, off)))
+    a, b, m = (np.asarray(x) for x in (a, b, m))
     assert_bits_equal(np.asarray(div(a, b)), (a.astype(np.float64) / b).astype(np.float32), "a / b")
     assert_bits_equal(np.asarray(sqrt(m)), np.sqrt(m.astype(np.float64)).astype(np.float32), "sqrt(m)")
-    special = np.array([0.0, np.inf, np.nan], np.float32)
-    assert np.array_equal(np.asarray(div(special, np.ones(3, np.float32))), special, equal_nan=True)
+    special = jax.device_put(np.array([0.0, np.inf, np.nan], np.float32), cpu)
+    assert np.array_equal(np.asarray(div(special, jnp.ones(3, np.float32, device=cpu))), special, equal_nan=True)
     assert np.array_equal(np.asarray(sqrt(special)), special, equal_nan=True)
 
 
@@ -438,7 +441,7 @@ def test_the_lane_tree_sum_is_the_reference_tree():
     rng = np.random.default_rng(70)
     for d in (64, 80, 96, 128, 192, 256):
         x = (rng.standard_normal((64, d)) * 2.0 ** rng.integers(-12, 12, (64, d))).astype(np.float32)
-        got = np.asarray(jax.jit(K.lane_tree_sum)(x))[:, 0]
+        got = np.asarray(jax.jit(K.lane_tree_sum)(jax.device_put(x, jax.devices("cpu")[0])))[:, 0]
         assert_bits_equal(got, reference.tree_sum(x), f"D={d}")
         assert (got != x.sum(axis=1, dtype=np.float32)).any() or d == 64
 

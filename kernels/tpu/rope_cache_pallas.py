@@ -150,7 +150,7 @@ def output_bits(y, dtype):
 def keep(x):
     """A barrier against contracting the product x into a later add. XLA:CPU, which runs the
     kernel in interpret mode, forms FMAs (measured: 568 of 4608 f32 outputs moved); Mosaic has no
-    barrier op and emits arith ops with fastmath<none>, so the TPU lowering passes `plain`."""
+    barrier op and emits arith ops without fast-math flags, so the TPU lowering passes `plain`."""
     return lax.optimization_barrier(x)
 
 
