@@ -368,6 +368,17 @@ def test_refused_options_name_what_and_fall_back_once(what, opts, match):
     assert len(ours) == 1 and "falling back to the XLA implementation on TPU" in str(ours[0].message), ours
 
 
+def test_a_call_longer_than_the_scalar_prefetch_allows_is_refused():
+    s = jax.ShapeDtypeStruct
+    t = tpu.MAX_TOKENS + 1
+    bf = jnp.bfloat16
+    args = (s((t, 8, 128), bf), s((t, 2, 128), bf), s((t, 2, 128), bf), s((64, 16, 2, 128), bf),
+            s((64, 16, 2, 128), bf), s((t,), jnp.int32), s((t,), jnp.int32), s((64, 64), jnp.float32),
+            s((64, 64), jnp.float32))
+    with pytest.raises(NotImplementedError, match=f"calls of {t} > 65536 tokens"):
+        jax.jit(lambda *a: jrc.rope_and_cache(*a, impl="kernel")).trace(*args).lower(lowering_platforms=("tpu",))
+
+
 def test_multimodal_rope_is_refused_by_feature():
     args, opts = make_problem(Case(T=4, QH=4, KH=2, D=64), seed=52)
     args = args[:6] + (np.stack([args[6]] * 3),) + args[7:]

@@ -36,6 +36,8 @@ SUPPORTS: frozenset[str] = frozenset({"q_norm", "k_norm"})
 # Mosaic has no float16 arithmetic (JAX's Pallas TPU tests run float16 on Mosaic GPU only).
 DTYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float32))
 INT32_MAX = 2**31 - 1
+# Slots and positions live in SMEM as scalar prefetch (8 bytes a token; 1 MiB of SMEM on v4 and later).
+MAX_TOKENS = 65536
 
 
 def _pallas_problem() -> str | None:
@@ -102,6 +104,9 @@ def unsupported(spec: contract.OpSpec) -> list[str]:
         out.append("the fused QKV input (rope_and_cache_qkv)")
     if spec.num_slots > INT32_MAX:
         out.append(f"caches of {spec.num_slots} >= 2**31 slots (int32 scalar indices)")
+    if spec.num_tokens > MAX_TOKENS:
+        out.append(f"calls of {spec.num_tokens} > {MAX_TOKENS} tokens (slots and positions are scalar prefetch "
+                   "in SMEM; split the call)")
     return out
 
 

@@ -27,13 +27,13 @@ clamped before they address a table row. Nothing reads or writes outside a buffe
 
 Cache layouts come as axis names per cache (jax_rope_cache.contract.LAYOUT_TABLE: "NB", "BS", "KH",
 "D"): a cache whose token rows hold [KH, D] contiguously after BS ("flash") takes one DMA per run;
-one whose heads come before BS ("hnd", [KH, NB, BS, D]) one DMA per run and head.
+one whose heads come before BS ("hnd", [NB, KH, BS, D]) one DMA per run and head.
 
 Arithmetic without fused multiply-adds or reassociation: the rotation is x*C + P*S' with the
 partner P from lane rolls and S' the sine with the sign of its pair member folded in (x - y is
 x + (-y) in IEEE). Roundings to bf16 are integer round-to-nearest-even on the f32 bits, so no
-compiler may drop them as excess precision, and every conversion to bf16 is of a value that is
-exactly representable. The QK-norm's division and square root are corrected to the correctly
+compiler may drop them as excess precision, and outputs are written as bits (bitcast), so no
+conversion rounds them or rewrites a NaN. The QK-norm's division and square root are corrected to the correctly
 rounded result with exact residuals (Dekker products), whatever the hardware's approximation.
 """
 
@@ -267,7 +267,7 @@ def _lanes(shape):
 
 
 def _spread_pairs(c, d: int):
-    """[G, W] half-table values -> [G, d] with value i at lanes 2i and 2i+1 (GPT-J pairs), by lane
+    """[TB, W] half-table values -> [TB, d] with value i at lanes 2i and 2i+1 (GPT-J pairs), by lane
     rolls: stage k moves the values whose index has bit k set up by 2^k (highest bit first, so no
     two live values ever share a lane), then each even lane is copied to the odd one above it."""
     g, w = c.shape
@@ -279,7 +279,7 @@ def _spread_pairs(c, d: int):
 
 
 def table_lanes(cos, sin, cfg: Config):
-    """(C, S') [G, D] f32 from the rows [G, W]: C the cosine of each channel's pair, S' its sine
+    """(C, S') [TB, D] f32 from the rows [TB, W]: C the cosine of each channel's pair, S' its sine
     negated on the first member of the pair (a' = a*C + b*S'). Lanes >= R are never used."""
     d, r = cfg.head_dim, cfg.rotary_dim
     g = cos.shape[0]
