@@ -35,9 +35,8 @@ def test_the_script_without_a_tpu_says_so_and_writes_the_report(tmp_path):
 
 def test_the_dry_run_fills_every_section(tmp_path):
     report = tmp_path / "dry.md"
-    r = subprocess.run([sys.executable, os.path.join(_ROOT, "benchmarks", "tpu_check.py"), "--dry-run", "--report",
-                        str(report)], capture_output=True, text=True, timeout=600, cwd=_ROOT,
-                       env=dict(os.environ, PYTHONPATH=_ROOT))
+    r = subprocess.run([sys.executable, "-P", os.path.join(_ROOT, "benchmarks", "tpu_check.py"), "--dry-run",
+                        "--report", str(report)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     text = report.read_text()
     assert "| decode loop, bit-exact | PASS: 3 steps x 2 layers" in text
