@@ -246,6 +246,21 @@ def test_stacked_layers_with_a_traced_layer(layer, layout):
 SPECIAL = ((jnp.bfloat16, np.float32, "fp32"), (np.float32, np.float32, "fp32"), (jnp.bfloat16, jnp.bfloat16, "native"))
 
 
+def test_vmap_over_batched_caches():
+    """vmap runs the kernel per batch element through the stacked-layer index (primitive's batching
+    rule): each element's caches are its own."""
+    case = Case(T=3, QH=4, KH=2, D=64)
+    probs = [make_problem(case, seed=90 + i) for i in range(2)]
+    opts = probs[0][1]
+    batched = tuple(np.stack([p[0][i] for p in probs]) for i in range(9))
+    with kernel_here():
+        fn = jax.jit(jax.vmap(lambda *a: jrc.rope_and_cache(*a, **opts, impl="kernel")))
+        got = [np.asarray(o) for o in fn(*jax.device_put(batched, jax.devices(WHERE)[0]))]
+    for b, (args, _) in enumerate(probs):
+        for name, g, w in zip(NAMES, got, reference_op(*args, **opts)):
+            assert_bits_equal(g[b], w, f"{name}[{b}]")
+
+
 @pytest.mark.parametrize("dt,tdt,prec", SPECIAL, ids=[f"{np.dtype(d).name}-{np.dtype(t).name}-{p}" for d, t, p in SPECIAL])
 def test_special_values_bit_exact(dt, tdt, prec):
     """Every combination of NaNs with payloads, +-inf, +-0, +-max as x, partner, cos and sin
