@@ -15,7 +15,7 @@ WHEEL=$(ls "$OUTDIR"/repaired/*.whl)
 echo "# $(basename "$WHEEL")"
 case "$(basename "$WHEEL")" in *manylinux*x86_64.whl|*manylinux*aarch64.whl) ;; *) echo "error: not a manylinux wheel" >&2; exit 1 ;; esac
 for f in jax_rope_cache/py.typed jax_rope_cache/kernels/cuda/rope_cache.cu jax_rope_cache/kernels/common/rope_cache_math.h \
-         jax_rope_cache/kernels/rocm/rope_cache_flydsl.py LICENSE; do
+         jax_rope_cache/kernels/rocm/rope_cache_flydsl.py jax_rope_cache/kernels/tpu/rope_cache_pallas.py LICENSE; do
   "$PY" - "$WHEEL" "$f" <<'PYEOF' || exit 1
 import sys, zipfile
 names = zipfile.ZipFile(sys.argv[1]).namelist()

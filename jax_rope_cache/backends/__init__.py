@@ -6,11 +6,11 @@ raise native.KernelUnavailable). `xla` is the pure jax.numpy implementation ever
 fall back to. Adding a platform is a module with that interface and a line here.
 """
 
-from jax_rope_cache.backends import cpu, cuda, rocm, xla  # noqa: F401
+from jax_rope_cache.backends import cpu, cuda, rocm, tpu, xla  # noqa: F401
 
-KERNEL_BACKENDS = {b.PLATFORM: b for b in (cpu, cuda, rocm)}
+KERNEL_BACKENDS = {b.PLATFORM: b for b in (cpu, cuda, rocm, tpu)}
 
 
 def kernel_platforms() -> list[str]:
-    """Platforms (jax names: "cpu", "cuda", "rocm") whose native kernel is usable in this process."""
+    """Platforms (jax names: "cpu", "cuda", "rocm", "tpu") whose native kernel is usable in this process."""
     return [p for p, b in KERNEL_BACKENDS.items() if b.missing() is None]

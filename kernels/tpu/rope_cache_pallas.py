@@ -1,0 +1,484 @@
+"""rope_and_cache as one Pallas TPU (Mosaic) kernel.
+
+Framework code only (jax and Pallas): jax_rope_cache/backends/tpu.py loads this file, builds the
+`Config` from the op's contract and calls `rope_and_cache`. The numbers it must reproduce are
+jax_rope_cache/reference.py's ("fp32" precision, and "native" in its "rounded" arithmetic).
+
+One grid step owns TB consecutive tokens (`Config.block_tokens`):
+
+  scalar prefetch (SMEM)   slots [T], positions [T] (int32), layer [1]
+  q, k       VMEM blocks [TB, QH, D], [TB, KH, D];  q_out, k_out the same
+  v          HBM (pl.ANY): copied into the value cache by DMA, never through VMEM
+  cos, sin   HBM: the rows of the block's positions DMA'd into VMEM [TB, W]
+  caches     HBM, aliased to outputs 2 and 3; rows written by DMA from k_out's VMEM block and v
+
+1. Table rows: one DMA per run of consecutive clamped positions (a prefill reads its rows in one
+   DMA per table; a decode step one per token).
+2. V: one DMA per run of consecutive valid slots inside one cache block (prefill: a whole block per
+   DMA; decode: one per token), started with 1. in one scalar loop, so it overlaps the compute.
+3. The rows' cosines and signed sines spread over the D lanes of each token, once per block
+   ([TB, D] f32 in VMEM); then per token the rotation (and the QK-RMSNorm) in f32 on [H, D] tiles,
+   written to q_out / k_out. Every value is 2-D: heads on sublanes, channels on lanes.
+4. K: the same runs, from k_out's VMEM block. Every DMA is waited for, before the step ends, with
+   the descriptor that started it (walking the same runs again), never with a guessed byte count.
+
+Invalid slots (< 0 or >= NB*BS) and a layer outside [0, L) start no DMA at all; positions are
+clamped before they address a table row. Nothing reads or writes outside a buffer.
+
+Cache layouts come as axis names per cache (jax_rope_cache.contract.LAYOUT_TABLE: "NB", "BS", "KH",
+"D"): a cache whose token rows hold [KH, D] contiguously after BS ("flash") takes one DMA per run;
+one whose heads come before BS ("hnd", [NB, KH, BS, D]) one DMA per run and head.
+
+Arithmetic without fused multiply-adds or reassociation: the rotation is x*C + P*S' with the
+partner P from lane rolls and S' the sine with the sign of its pair member folded in (x - y is
+x + (-y) in IEEE). Roundings to bf16 are integer round-to-nearest-even on the f32 bits, so no
+compiler may drop them as excess precision, and outputs are written as bits (bitcast), so no
+conversion rounds them or rewrites a NaN. The QK-norm's division and square root are corrected to the correctly
+rounded result with exact residuals (Dekker products), whatever the hardware's approximation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+F32 = jnp.float32
+U32 = jnp.uint32
+I32 = jnp.int32
+# The NaN every output holds (reference.CANONICAL_NAN), as f32 bits: bf16 0x7FFF widened, f32 itself.
+CANONICAL_NAN_BITS = {np.dtype(jnp.bfloat16): 0x7FFF0000, np.dtype(np.float32): 0x7FFFFFFF}
+VMEM_BLOCK_BUDGET = 4 << 20  # bytes of double-buffered q/k blocks and table rows per grid step
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """The static facts of one call site (the op's OpSpec, translated by backends/tpu.py)."""
+
+    tokens: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    rotary_dim: int
+    block_size: int
+    num_blocks: int
+    num_layers: int            # 0: one layer of caches; L: caches stacked [L, ...], `layer` picks one
+    max_pos: int
+    neox: bool
+    full_table: bool           # cos/sin [max_pos, R] (one value per channel), else [max_pos, R/2]
+    rounded: bool              # "native" precision, "rounded" arithmetic: each product rounded to bf16
+    q_norm: bool
+    k_norm: bool
+    norm_eps: float            # float32 value
+    key_axes: tuple[str, ...]    # one layer's axes in memory order, e.g. ("NB", "BS", "KH", "D")
+    value_axes: tuple[str, ...]
+    block_tokens: int          # TB: tokens per grid step
+
+    @property
+    def table_width(self) -> int:
+        return self.rotary_dim if self.full_table else self.rotary_dim // 2
+
+    @property
+    def grid(self) -> int:
+        return -(-self.tokens // self.block_tokens)
+
+
+def block_tokens(tokens: int, q_heads: int, kv_heads: int, head_dim: int, itemsize: int, table_width: int,
+                 table_itemsize: int) -> int:
+    """TB: all tokens when they fit the budget (the block is the whole array), else a multiple of 8."""
+    per_token = 2 * 2 * (q_heads + kv_heads) * head_dim * itemsize + 2 * (table_width * table_itemsize + head_dim * 4)
+    most = max(8, (VMEM_BLOCK_BUDGET // per_token) // 8 * 8)
+    return max(1, tokens) if tokens <= most else most
+
+
+def row_dma(axes: tuple[str, ...]) -> str:
+    """How a cache takes a run of token rows: "whole" (token rows [KH, D] contiguous after BS, one
+    DMA per run), "per_head" (heads before BS, one DMA per run and head). ValueError otherwise."""
+    rest = tuple(a for a in axes if a != "NB")
+    if rest == ("BS", "KH", "D"):
+        return "whole"
+    if sorted(rest) == ["BS", "D", "KH"] and rest[-1] == "D":
+        return "per_head"
+    raise ValueError(f"cache axes {axes}: the TPU kernel writes rows of [BS, KH, D] caches with D last only")
+
+
+# ---- scalar arithmetic helpers (also used by the tests on plain arrays) --------------------------
+def bits(x):
+    return lax.bitcast_convert_type(x, U32)
+
+
+def from_bits(u):
+    return lax.bitcast_convert_type(u, F32)
+
+
+def round_bf16(y):
+    """f32 -> the f32 value of its bf16 rounding (nearest even), NaN kept NaN. Integer arithmetic:
+    a convert pair could be dropped as excess precision, and no conversion's rounding is trusted."""
+    u = bits(y)
+    r = (u + U32(0x7FFF) + ((u >> 16) & U32(1))) & U32(0xFFFF0000)
+    return jnp.where(jnp.isnan(y), y, from_bits(r))
+
+
+def rounder(dtype):
+    """The rounding r() of the reference to `dtype`, staying f32."""
+    return round_bf16 if np.dtype(dtype) == np.dtype(jnp.bfloat16) else (lambda y: y)
+
+
+UINT = {2: jnp.uint16, 4: U32}  # the unsigned integer of each element width
+
+
+def value_bits(x, dtype):
+    """The bits in `dtype` of f32 values exactly representable in it (unsigned ints of its width).
+    Bits, never a conversion: a conversion may rewrite a NaN's payload (XLA:CPU's f32 -> bf16 writes
+    0x7FC0 for every NaN)."""
+    u = bits(x)
+    return u if np.dtype(dtype).itemsize == 4 else (u >> 16).astype(jnp.uint16)
+
+
+def output_bits(y, dtype):
+    """The bits in `dtype` of f32 results: rounded to nearest even, every NaN the canonical one."""
+    canon = from_bits(jnp.full(y.shape, CANONICAL_NAN_BITS[np.dtype(dtype)], U32))
+    return value_bits(jnp.where(jnp.isnan(y), canon, rounder(dtype)(y)), dtype)
+
+
+def keep(x):
+    """A barrier against contracting the product x into a later add. XLA:CPU, which runs the
+    kernel in interpret mode, forms FMAs (measured: 568 of 4608 f32 outputs moved); Mosaic has no
+    barrier op and emits arith ops without fast-math flags, so the TPU lowering passes `plain`."""
+    return lax.optimization_barrier(x)
+
+
+def plain(x):
+    return x
+
+
+def _split(a, sep):
+    """Veltkamp: a = hi + lo with 12-bit halves, so products of halves are exact in f32."""
+    c = sep(a * F32(4097.0))
+    hi = c - (c - a)
+    return hi, a - hi
+
+
+def product_error(a, b, p, sep=keep):
+    """e with a*b = p + e exactly, p = f32(a*b) (Dekker; no FMA, |a|, |b| well inside the range)."""
+    ah, al = _split(a, sep)
+    bh, bl = _split(b, sep)
+    return ((ah * bh - p) + ah * bl + al * bh) + al * bl
+
+
+def _mantissa(x):
+    """(x scaled into [1, 2), its biased exponent) for positive normal f32 x."""
+    u = bits(x)
+    return from_bits((u & U32(0x007FFFFF)) | U32(0x3F800000)), (u >> 23).astype(I32)
+
+
+def _scaled(m, e):
+    """m * 2^e for m in [0.5, 4) and an int exponent offset e: 0 where it would be subnormal (the
+    TPU flushes them), inf where it overflows."""
+    u = bits(m)
+    field = (u >> 23).astype(I32) + e
+    out = from_bits(((u & U32(0x807FFFFF)) | (jnp.clip(field, 1, 254).astype(U32) << 23)))
+    return jnp.where(field < 1, F32(0.0), jnp.where(field > 254, F32(jnp.inf), out))
+
+
+def _div_step(a, b, q, sep):
+    """One step toward the correctly rounded a/b (a, b in [1, 2), q > 0 within a few ulps): the
+    exact residual a - q*b against half the gap to each neighbour, scaled by b."""
+    p = sep(q * b)
+    r = (a - p) - product_error(q, b, p, sep)
+    up, down = from_bits(bits(q) + U32(1)), from_bits(bits(q) - U32(1))
+    return jnp.where(r > (up - q) * b * F32(0.5), up, jnp.where(-r > (q - down) * b * F32(0.5), down, q))
+
+
+def div_rn(a, b, approx=None, sep=keep):
+    """Correctly rounded f32 a / b for positive normal a, b (other operands: the hardware's a / b).
+    `approx` stands in for the hardware quotient of the scaled operands (tests)."""
+    ok = jnp.isfinite(a) & jnp.isfinite(b) & (a >= F32(2.0**-126)) & (b >= F32(2.0**-126))
+    a1 = jnp.where(ok, a, F32(1.0))
+    b1 = jnp.where(ok, b, F32(1.0))
+    am, ea = _mantissa(a1)
+    bm, eb = _mantissa(b1)
+    q = am / bm if approx is None else approx(am, bm)
+    q = _div_step(am, bm, _div_step(am, bm, q, sep), sep)
+    return jnp.where(ok, _scaled(q, ea - eb), a / b)
+
+
+def _sqrt_step(m, y, sep):
+    """One step toward the correctly rounded sqrt(m) (m in [1, 4), y in [1, 2]): round up when
+    m - y^2 > y*ulp(y), down when y^2 - m >= y*ulp below y (no ties exist for a square root)."""
+    p = sep(y * y)
+    r = (m - p) - product_error(y, y, p, sep)
+    up, down = from_bits(bits(y) + U32(1)), from_bits(bits(y) - U32(1))
+    return jnp.where(r > y * (up - y), up, jnp.where(-r >= y * (y - down), down, y))
+
+
+def sqrt_rn(m, approx=None, sep=keep):
+    """Correctly rounded f32 sqrt(m) for positive normal m (other operands: the hardware's sqrt)."""
+    ok = jnp.isfinite(m) & (m >= F32(2.0**-126))
+    m1 = jnp.where(ok, m, F32(1.0))
+    u = bits(m1)
+    e = (u >> 23).astype(I32) - 127
+    half = e >> 1  # floor(e / 2): m = mm * 4^half, mm in [1, 4)
+    mm = from_bits((u & U32(0x007FFFFF)) | ((e - 2 * half + 127).astype(U32) << 23))
+    y = jnp.sqrt(mm) if approx is None else approx(mm)
+    y = _sqrt_step(mm, _sqrt_step(mm, y, sep), sep)
+    return jnp.where(ok, _scaled(y, half), jnp.sqrt(m))
+
+
+def lane_tree_sum(a):
+    """reference.tree_sum over the last axis, in lane rolls: lane 0 of tree(n) holds the sum of
+    a[0..n) in the reference's association (n even: the two halves; n odd: the first n - 1, then
+    the last). Other lanes hold partial sums that are never read. Returns [..., 1]."""
+    d = a.shape[-1]
+    ax = a.ndim - 1
+
+    def tree(n):
+        if n == 1:
+            return a
+        if n % 2:
+            return tree(n - 1) + pltpu.roll(a, d - (n - 1), ax)  # lane p: tree(n-1)@p + a[p + n - 1]
+        h = tree(n // 2)
+        return h + pltpu.roll(h, d - n // 2, ax)  # lane p: tree(n/2)@p + tree(n/2)@(p + n/2)
+
+    return tree(d)[..., 0:1]
+
+
+def rms_norm(x, w, head_dim: int, eps: float, dtype, sep=keep):
+    """reference.rms_norm of f32 rows x [..., D] (values of `dtype`) with w [1, D] f32; f32 values
+    of `dtype`, NaNs canonical."""
+    r = rounder(dtype)
+    s = lane_tree_sum(sep(x * x))
+    ms = div_rn(s, jnp.full(s.shape, float(head_dim), F32), sep=sep)
+    inv = div_rn(jnp.ones_like(ms), sqrt_rn(ms + F32(eps), sep=sep), sep=sep)
+    n = r(w * r(x * inv))
+    canon = from_bits(jnp.full(n.shape, CANONICAL_NAN_BITS[np.dtype(dtype)], U32))
+    return jnp.where(jnp.isnan(n), canon, n)
+
+
+# ---- the rotation ---------------------------------------------------------------------------------
+def _lanes(shape):
+    return lax.broadcasted_iota(I32, shape, len(shape) - 1)
+
+
+def _spread_pairs(c, d: int):
+    """[TB, W] half-table values -> [TB, d] with value i at lanes 2i and 2i+1 (GPT-J pairs), by lane
+    rolls: stage k moves the values whose index has bit k set up by 2^k (highest bit first, so no
+    two live values ever share a lane), then each even lane is copied to the odd one above it."""
+    g, w = c.shape
+    v = jnp.concatenate([c, jnp.zeros((g, d - w), F32)], axis=-1) if d > w else c
+    lane = _lanes(v.shape)
+    for k in reversed(range(max(1, (w - 1).bit_length()))):
+        v = jnp.where(((lane >> k) & 3) == 2, pltpu.roll(v, 1 << k, 1), v)
+    return jnp.where((lane & 1) == 1, pltpu.roll(v, 1, 1), v)
+
+
+def table_lanes(cos, sin, cfg: Config):
+    """(C, S') [TB, D] f32 from the rows [TB, W]: C the cosine of each channel's pair, S' its sine
+    negated on the first member of the pair (a' = a*C + b*S'). Lanes >= R are never used."""
+    d, r = cfg.head_dim, cfg.rotary_dim
+    g = cos.shape[0]
+
+    def widen(t):
+        if cfg.full_table:
+            parts = [t]
+        elif cfg.neox:
+            parts = [t, t]
+        else:
+            return _spread_pairs(t, d)
+        if d > r:
+            parts.append(jnp.zeros((g, d - r), F32))
+        return jnp.concatenate(parts, axis=-1) if len(parts) > 1 else t
+
+    c, s = widen(cos), widen(sin)
+    lane = _lanes(c.shape)
+    first = lane < r // 2 if cfg.neox else (lane & 1) == 0
+    return c, jnp.where(first, -s, s)
+
+
+def partner(x, cfg: Config):
+    """The other member of each channel's rotary pair, by lane rolls over D."""
+    d, r = cfg.head_dim, cfg.rotary_dim
+    ax = x.ndim - 1
+    lane = _lanes(x.shape)
+    if cfg.neox:
+        return jnp.where(lane < r // 2, pltpu.roll(x, d - r // 2, ax), pltpu.roll(x, r // 2, ax))
+    return jnp.where((lane & 1) == 0, pltpu.roll(x, d - 1, ax), pltpu.roll(x, 1, ax))
+
+
+def rotate(x, c, s, cfg: Config, dtype, sep=keep):
+    """Rotated channels of f32 x [H, D] (values of `dtype`) with C, S' [1, D]: f32 before the
+    final rounding."""
+    p = partner(x, cfg)
+    if cfg.rounded:
+        r = rounder(dtype)
+        return r(x * c) + r(p * s)
+    return sep(x * c) + sep(p * s)
+
+
+def finish(y, tail, cfg: Config, dtype):
+    """The bits of the output rows in `dtype`: rotated channels < R from f32 y, channels >= R
+    moved from `tail` (the input's bits, or the normalised input's)."""
+    out = output_bits(y, dtype)
+    if cfg.rotary_dim == cfg.head_dim:
+        return out
+    return jnp.concatenate([out[..., : cfg.rotary_dim], tail[..., cfg.rotary_dim :]], axis=-1)
+
+
+# ---- DMA runs ------------------------------------------------------------------------------------
+def for_each_run(count, walks):
+    """For each (key, emit) of `walks`, calls emit(t, n, k) for every maximal run of tokens t, t+1,
+    ..., t+n-1 (< count) whose keys are k, k+1, ...; key(t) -> (k, valid, joins): a run never holds
+    an invalid token, and a token whose `joins` is False starts a new run (e.g. the first offset of
+    a cache block). One scalar loop walks them all."""
+
+    def body(t, carry):
+        out = []
+        for (key, emit), (start, start_key, start_ok, prev) in zip(walks, carry):
+            k, ok, joins = key(t)
+            ok = jnp.asarray(ok).astype(I32)  # scalar flags stay 32-bit
+            cont = (t > 0) & (ok == 1) & (start_ok == 1) & joins & (k == prev + 1)
+
+            @pl.when((t > 0) & jnp.logical_not(cont) & (start_ok == 1))
+            def _():
+                emit(start, t - start, start_key)
+
+            out.append((jnp.where(cont, start, t), jnp.where(cont, start_key, k), jnp.where(cont, start_ok, ok), k))
+        return tuple(out)
+
+    zero = (I32(0), I32(0), I32(0), I32(0))
+    final = lax.fori_loop(0, count, body, tuple(zero for _ in walks))
+    for (_, emit), (start, start_key, start_ok, _) in zip(walks, final):
+        @pl.when((count > 0) & (start_ok == 1))
+        def _():
+            emit(start, count - start, start_key)
+
+
+def cache_index(axes, layer, blk, off, n, head=None):
+    """Ref index of n token rows at (blk, off, ...) of one cache (head: one head's rows)."""
+    pick = {"NB": blk, "BS": pl.ds(off, n), "KH": slice(None) if head is None else I32(head), "D": slice(None)}
+    return ((layer,) if layer is not None else ()) + tuple(pick[a] for a in axes)
+
+
+def cache_copies(src, cache, axes, layer, t, n, slot, block_size, kv_heads):
+    """The DMA descriptors (without semaphores bound yet) writing tokens t..t+n-1 of `src` [T, KH, D]
+    to slots slot..slot+n-1 (one cache block)."""
+    blk, off = lax.div(slot, I32(block_size)), lax.rem(slot, I32(block_size))
+    if row_dma(axes) == "whole":
+        return [(src.at[pl.ds(t, n)], cache.at[cache_index(axes, layer, blk, off, n)])]
+    return [(src.at[pl.ds(t, n), I32(h)], cache.at[cache_index(axes, layer, blk, off, n, h)]) for h in range(kv_heads)]
+
+
+# ---- the kernel ----------------------------------------------------------------------------------
+def _kernel(slot_ref, pos_ref, layer_ref, *refs, cfg: Config, sep):
+    it = iter(refs)
+    q_ref, k_ref, v_hbm, cos_hbm, sin_hbm = (next(it) for _ in range(5))
+    qw_ref = next(it) if cfg.q_norm else None
+    kw_ref = next(it) if cfg.k_norm else None
+    next(it), next(it)  # the caches as inputs: aliased to the outputs below
+    qo_ref, ko_ref, kc_ref, vc_ref = (next(it) for _ in range(4))
+    cos_buf, sin_buf, c_buf, s_buf, table_sem, k_sem, v_sem = (next(it) for _ in range(7))
+
+    tb, t_all = cfg.block_tokens, cfg.tokens
+    base = pl.program_id(0) * tb
+    count = jnp.minimum(I32(tb), I32(t_all) - base)  # tokens of this block (the last may be short)
+    nslots = cfg.num_blocks * cfg.block_size
+    if cfg.num_layers:
+        layer = layer_ref[0]
+        layer_ok = (layer >= 0) & (layer < cfg.num_layers)
+        layer = jnp.where(layer_ok, layer, 0)
+    else:
+        layer, layer_ok = None, True
+
+    def position(t):
+        p = jnp.clip(pos_ref[base + t], 0, cfg.max_pos - 1)
+        return p, True, True
+
+    def slot(t):
+        s = slot_ref[base + t]
+        ok = (s >= 0) & (s < nslots) & layer_ok
+        return s, ok, lax.rem(jnp.maximum(s, 0), I32(cfg.block_size)) != 0
+
+    def table_copies(t, n, p):
+        return [(tab.at[pl.ds(p, n)], buf.at[pl.ds(t, n)]) for tab, buf in ((cos_hbm, cos_buf), (sin_hbm, sin_buf))]
+
+    def walk(copies_of, key, sem, act):
+        """(key, emit) starting or waiting for the copies of each run: a wait mirrors its start."""
+        def emit(t, n, k):
+            for src, dst in copies_of(t, n, k):
+                d = pltpu.make_async_copy(src, dst, sem)
+                d.start() if act == "start" else d.wait()
+        return key, emit
+
+    def k_copies(t, n, s):
+        return cache_copies(ko_ref, kc_ref, cfg.key_axes, layer, t, n, s, cfg.block_size, cfg.kv_heads)
+
+    def v_copies(t, n, s):
+        return cache_copies(v_hbm, vc_ref, cfg.value_axes, layer, base + t, n, s, cfg.block_size, cfg.kv_heads)
+
+    for_each_run(count, [walk(table_copies, position, table_sem, "start"), walk(v_copies, slot, v_sem, "start")])
+    for_each_run(count, [walk(table_copies, position, table_sem, "wait")])
+
+    c_buf[...], s_buf[...] = table_lanes(cos_buf[...].astype(F32), sin_buf[...].astype(F32), cfg)
+    weights = [None if w is None else w[...].astype(F32) for w in (qw_ref, kw_ref)]
+
+    def compute(t, _):
+        c, s = c_buf[pl.ds(t, 1), :], s_buf[pl.ds(t, 1), :]
+        for x_ref, o_ref, w in ((q_ref, qo_ref, weights[0]), (k_ref, ko_ref, weights[1])):
+            x_in = x_ref[t]
+            dtype = x_in.dtype
+            x = x_in.astype(F32)
+            tail = lax.bitcast_convert_type(x_in, UINT[np.dtype(dtype).itemsize])
+            if w is not None:
+                x = rms_norm(x, w, cfg.head_dim, cfg.norm_eps, dtype, sep)
+                tail = value_bits(x, dtype)
+            o_ref[t] = lax.bitcast_convert_type(finish(rotate(x, c, s, cfg, dtype, sep), tail, cfg, dtype), dtype)
+        return 0
+
+    lax.fori_loop(0, tb, compute, 0)
+
+    for_each_run(count, [walk(k_copies, slot, k_sem, "start")])
+    for_each_run(count, [walk(v_copies, slot, v_sem, "wait"), walk(k_copies, slot, k_sem, "wait")])
+
+
+def rope_and_cache(q, k, v, key_cache, value_cache, slots, positions, cos, sin, layer, q_norm_weight=None,
+                   k_norm_weight=None, *, cfg: Config, interpret=False):
+    """(q_out, k_out, key_cache, value_cache); slots and positions int32 [T] (slots outside
+    [0, NB*BS) write nothing, positions are clamped here), layer int32 [1]. The caches are aliased:
+    donate them for an in-place update. `interpret`: pallas_call's (e.g. pltpu.InterpretParams())."""
+    tb, t, d = cfg.block_tokens, cfg.tokens, cfg.head_dim
+    w = cfg.table_width
+    row = lambda h: pl.BlockSpec((tb, h, d), lambda i, *_: (i, 0, 0))  # noqa: E731
+    hbm = pl.BlockSpec(memory_space=pl.ANY)
+    weight = pl.BlockSpec((1, d), lambda i, *_: (0, 0))
+    in_specs = [row(cfg.q_heads), row(cfg.kv_heads), hbm, hbm, hbm]
+    operands = [q, k, v, cos, sin]
+    for on, wt in ((cfg.q_norm, q_norm_weight), (cfg.k_norm, k_norm_weight)):
+        if on:
+            in_specs.append(weight)
+            operands.append(wt.reshape(1, d))
+    cache_at = 3 + len(operands)  # operand index of key_cache, counting the 3 scalar-prefetch operands
+    in_specs += [hbm, hbm]
+    operands += [key_cache, value_cache]
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=3, grid=(cfg.grid,), in_specs=in_specs,
+        out_specs=[row(cfg.q_heads), row(cfg.kv_heads), hbm, hbm],
+        scratch_shapes=[pltpu.VMEM((tb, w), cos.dtype), pltpu.VMEM((tb, w), sin.dtype), pltpu.VMEM((tb, d), F32),
+                        pltpu.VMEM((tb, d), F32), pltpu.SemaphoreType.DMA(()), pltpu.SemaphoreType.DMA(()),
+                        pltpu.SemaphoreType.DMA(())])
+    out_shape = [jax.ShapeDtypeStruct((t, cfg.q_heads, d), q.dtype), jax.ShapeDtypeStruct((t, cfg.kv_heads, d), k.dtype),
+                 jax.ShapeDtypeStruct(key_cache.shape, key_cache.dtype),
+                 jax.ShapeDtypeStruct(value_cache.shape, value_cache.dtype)]
+    call = pl.pallas_call(
+        functools.partial(_kernel, cfg=cfg, sep=keep if interpret else plain), grid_spec=grid_spec, out_shape=out_shape,
+        input_output_aliases={cache_at: 2, cache_at + 1: 3},
+        # each step waits for its own DMAs, so steps are independent (megacore may split them)
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
+        interpret=interpret, name="rope_and_cache")
+    with jax.enable_x64(False):  # the kernel's index arithmetic is int32, also inside an x64 program
+        return call(slots, positions, layer, *operands)

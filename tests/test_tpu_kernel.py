@@ -1,0 +1,495 @@
+"""The TPU kernel (kernels/tpu/rope_cache_pallas.py, lowered by backends/tpu.py) against the reference.
+
+Where the kernel runs: on a TPU host, on the TPU (Mosaic); elsewhere on the CPU through Pallas' TPU
+interpreter (tests/tpu_interpret.py), which simulates its DMAs and semaphores and raises on a DMA
+outside a buffer. Either way each case is also lowered for "tpu" (Pallas' Mosaic lowering, no TPU
+needed) and must give one `tpu_custom_call` with the caches aliased. Interpret mode is slow (1-6 s
+a case): the default tier runs a sample, the `full` marker the rest of the matrix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import warnings
+import zlib
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+import jax_rope_cache as jrc
+from jax_rope_cache import contract
+from jax_rope_cache.backends import tpu
+from conftest import (Case, assert_bits_equal, canonical_nan_violations, make_problem, reference_op, special_problem,
+                      ulp_diff)
+from tpu_interpret import tpu_kernel_on_cpu
+
+
+def _has_tpu() -> bool:
+    try:
+        return bool(jax.devices("tpu"))
+    except RuntimeError:
+        return False
+
+
+ON_TPU = _has_tpu()
+WHERE = "tpu" if ON_TPU else "cpu"
+K = tpu.kernel_module()
+NAMES = ("q_out", "k_out", "key_cache", "value_cache")
+
+
+def kernel_here(params=None):
+    return contextlib.nullcontext() if ON_TPU else tpu_kernel_on_cpu(params)
+
+
+def _x64(args) -> bool:
+    return any(np.asarray(a).dtype == np.int64 for a in args[5:7])
+
+
+def run_kernel(args, opts, *, layer=None, params=None):
+    """The op with impl="kernel" on WHERE (the TPU, or the TPU kernel interpreted on the CPU with
+    `params`, by default tpu_interpret.DEFAULT_PARAMS)."""
+    with jax.enable_x64(_x64(args)), kernel_here(params):
+        dev = jax.devices(WHERE)[0]
+        extra = () if layer is None else (jnp.asarray(layer, jnp.int32),)
+        fn = jax.jit(lambda *a: jrc.rope_and_cache(*a[:9], **opts, impl="kernel",
+                                                   **({} if layer is None else {"layer": a[9]})))
+        return [np.asarray(o) for o in fn(*jax.device_put(tuple(args) + extra, dev))]
+
+
+def tpu_text(args, opts, impl="kernel", **jit_kwargs) -> str:
+    """The StableHLO of the op lowered for "tpu" (Mosaic; on any machine)."""
+    with jax.enable_x64(_x64(args)):
+        fn = jax.jit(lambda *a: jrc.rope_and_cache(*a, **opts, impl=impl), **jit_kwargs)
+        return fn.trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+
+
+def check(case: Case, seed: int | None = None, args=None, opts=None, params=None):
+    if args is None:
+        args, opts = make_problem(case, zlib.crc32(case.id.encode()) if seed is None else seed)
+    text = tpu_text(args, opts)
+    assert text.count("stablehlo.custom_call @tpu_custom_call") == 1, case.id
+    want = reference_op(*args, **opts)
+    got = run_kernel(args, opts, params=params)
+    for name, g, w in zip(NAMES, got, want):
+        assert_bits_equal(g, w, f"{name} [{case.id}]")
+    for name, g, before, w in zip(NAMES[2:], got[2:], args[3:5], want[2:]):
+        untouched = ulp_diff(w, before) == 0
+        assert (ulp_diff(g, before)[untouched] == 0).all(), f"{name}: an unwritten entry changed [{case.id}]"
+
+
+# ---- the case matrix ------------------------------------------------------------------------------
+# Every value of every axis the kernel implements appears in the default sample; the full tier adds
+# the other combinations. make_problem pre-fills the caches with random values and mixes slots -1,
+# NB*BS, +-2^31 (and 2^40, -2^62 with int64) and positions < 0 and >= max_pos into every case.
+SAMPLE = [
+    Case(T=7, QH=8, KH=2, D=128),
+    Case(T=9, QH=4, KH=2, D=64, is_neox=False, table="full", layout="hnd", table_dtype="bfloat16",
+         precision="native", index_dtype="int64"),
+    Case(T=5, QH=8, KH=1, D=128, R=64, dtype="float32", table_dtype="float32", is_neox=False),
+    Case(T=6, QH=4, KH=2, D=128, R=96, table="full", layout="hnd", dtype="float32", table_dtype="bfloat16",
+         index_dtype="int64"),
+]
+AXES = {
+    "dtype": ["bfloat16", "float32"], "table_dtype": ["float32", "bfloat16"], "is_neox": [True, False],
+    "table": ["half", "full"], "layout": ["flash", "hnd"], "index_dtype": ["int32", "int64"],
+    "precision": ["fp32", "native"], "heads": [(8, 1), (4, 2), (32, 8), (16, 4)], "D": [64, 80, 128, 256],
+    "partial": [False, True], "BS": [16, 32, 8], "T": [1, 7, 33],
+}
+
+
+def _full_case(i: int) -> Case:
+    """Axis values cycled for the first cases (every value appears), then drawn by a generator
+    seeded by i; "native" precision only where it is implemented (bf16 inputs and tables)."""
+    rng = np.random.default_rng(i)
+    pick = {name: vals[(i + j) % len(vals)] if i < 4 else vals[rng.integers(len(vals))]
+            for j, (name, vals) in enumerate(AXES.items())}
+    qh, kh = pick.pop("heads")
+    d = pick.pop("D")
+    r = (d // 2 if d % 4 == 0 else d - 16) if pick.pop("partial") else None
+    if pick["precision"] == "native":
+        pick["dtype"] = pick["table_dtype"] = "bfloat16"
+    return Case(QH=qh, KH=kh, D=d, R=r, **pick)
+
+
+FULL = [_full_case(i) for i in range(32)]
+
+
+@pytest.mark.parametrize("case", SAMPLE, ids=[c.id for c in SAMPLE])
+def test_matches_reference(case):
+    check(case)
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("case", FULL, ids=[c.id for c in FULL])
+def test_matches_reference_full(case):
+    check(case)
+
+
+def test_sample_covers_every_axis_value():
+    for axis, values in (("dtype", ("bfloat16", "float32")), ("table_dtype", ("bfloat16", "float32")),
+                         ("is_neox", (True, False)), ("table", ("half", "full")), ("layout", tpu.layouts()),
+                         ("index_dtype", ("int32", "int64")), ("precision", ("fp32", "native"))):
+        assert set(values) <= {getattr(c, axis) for c in SAMPLE}, axis
+    assert {c.R is None for c in SAMPLE} == {True, False}
+
+
+# ---- runs of slots: prefill batches its DMAs -------------------------------------------------------
+def _runs(keys, valid, joins):
+    """The runs for_each_run emits for these keys, as (t, n, key) triples, run in a kernel."""
+    count = len(keys)
+
+    def kernel(keys_ref, valid_ref, joins_ref, out_ref, n_ref):
+        n_ref[0] = 0
+
+        def emit(t, n, k):
+            i = n_ref[0]
+            out_ref[i, 0], out_ref[i, 1], out_ref[i, 2] = t, n, k
+            n_ref[0] = i + 1
+
+        K.for_each_run(jnp.int32(count), [(lambda t: (keys_ref[t], valid_ref[t] == 1, joins_ref[t] == 1), emit)])
+
+    smem = pl.BlockSpec(memory_space=pltpu.SMEM)
+    out, n = pl.pallas_call(kernel, in_specs=[smem] * 3, out_specs=[smem, smem],
+                            out_shape=[jax.ShapeDtypeStruct((count, 3), jnp.int32),
+                                       jax.ShapeDtypeStruct((1,), jnp.int32)],
+                            interpret=pltpu.InterpretParams())(
+        *(np.asarray(a, np.int32) for a in (keys, valid, joins)))
+    return [tuple(int(x) for x in r) for r in np.asarray(out)[: int(n[0])]]
+
+
+def test_prefill_slots_go_in_one_dma_per_cache_block_and_decode_in_one_per_token():
+    bs = 16
+    prefill = np.arange(5, 45)  # slots 5..44: cache blocks 0 (5..15), 1, 2 (32..44)
+    valid = np.ones(40, bool)
+    valid[20] = False  # slot 25 skipped: its block's run splits around it
+    joins = prefill % bs != 0
+    assert _runs(prefill, valid, joins) == [(0, 11, 5), (11, 9, 16), (21, 6, 26), (27, 13, 32)]
+    decode = np.array([77, 3, 40, 41])  # scattered: one DMA each, 40 and 41 adjacent in one block
+    assert _runs(decode, np.ones(4, bool), decode % bs != 0) == [(0, 1, 77), (1, 1, 3), (2, 2, 40)]
+    positions = np.array([3, 4, 5, 9, 10, 0])  # table rows: runs of consecutive positions
+    assert _runs(positions, np.ones(6, bool), np.ones(6, bool)) == [(0, 3, 3), (3, 2, 9), (5, 1, 0)]
+
+
+@pytest.mark.parametrize("layout", ["flash", "hnd"])
+def test_prefill_over_several_token_blocks(monkeypatch, layout):
+    """A chunked prefill (consecutive slots from the middle of a block, consecutive positions) over
+    several grid steps of 8 tokens: the runs cross token blocks and cache blocks."""
+    monkeypatch.setattr(K, "VMEM_BLOCK_BUDGET", 1)  # the smallest token block: 8
+    case = Case(T=45, QH=4, KH=2, D=64, layout=layout, NB=8, max_pos=128)
+    args, opts = make_problem(case, seed=7)
+    args = list(args)
+    args[5] = np.arange(19, 19 + case.T, dtype=np.int32)
+    args[5][30] = -1
+    args[6] = np.arange(40, 40 + case.T, dtype=np.int32)
+    assert tpu.config(contract.check_op(*args, **opts)).block_tokens == 8
+    check(case, args=tuple(args), opts=opts)
+
+
+@pytest.mark.skipif(ON_TPU, reason="the interpreter's DMA orders and race detector")
+@pytest.mark.parametrize("order", ["eager", "on_wait"])
+def test_no_dma_race_whenever_the_copies_run(order):
+    """A DMA may run any time between its start and its wait. The interpreter runs them at the
+    start ("eager") or at the wait ("on_wait"), with its race detector on: a copy that reads a
+    block before the kernel writes it, or whose buffer is rewritten before it completes, fails."""
+    case = Case(T=20, QH=4, KH=2, D=64, layout="hnd")
+    args, opts = make_problem(case, seed=8)
+    args = args[:5] + (np.concatenate([np.arange(3, 17), [40, -1, 90, 41, 60, 200]]).astype(np.int32),) + args[6:]
+    check(case, args=args, opts=opts, params=pltpu.InterpretParams(dma_execution_mode=order, detect_races=True))
+
+
+# ---- options -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("weights", ["bfloat16", "float32"])
+def test_qk_norm(weights):
+    rng = np.random.default_rng(11)
+    case = Case(T=6, QH=8, KH=2, D=128, R=64 if weights == "float32" else None)
+    args, opts = make_problem(case, seed=12)
+    wdt = np.dtype(getattr(ml_dtypes, weights, None) or weights)
+    opts.update(q_norm_weight=rng.uniform(0.2, 2.0, case.D).astype(wdt),
+                k_norm_weight=rng.uniform(0.2, 2.0, case.D).astype(wdt), norm_eps=1e-6)
+    check(case, args=args, opts=opts)
+
+
+def test_qk_norm_f32_odd_head_dim_and_one_norm():
+    """D = 80 (the tree's odd leaves: 80 = 16 * 5) and only the k norm, f32 inputs and weight."""
+    rng = np.random.default_rng(13)
+    case = Case(T=5, QH=4, KH=2, D=80, dtype="float32", layout="hnd")
+    args, opts = make_problem(case, seed=14)
+    opts.update(k_norm_weight=rng.uniform(0.2, 2.0, case.D).astype(np.float32), norm_eps=1e-5)
+    check(case, args=args, opts=opts)
+
+
+@pytest.mark.parametrize("layer,layout", [(3, "flash"), (2, "hnd"), (-1, "flash"), (4, "hnd")])
+def test_stacked_layers_with_a_traced_layer(layer, layout):
+    """Caches [4, ...]: layer `layer` (a traced scalar) is written in place; a layer outside [0, 4)
+    writes nothing."""
+    case = Case(T=7, QH=8, KH=2, D=64, layout=layout)
+    args, opts = make_problem(case, seed=21)
+    rng = np.random.default_rng(22)
+    stacked = [np.stack([c] + [rng.standard_normal(c.shape).astype(c.dtype) for _ in range(3)], 1).swapaxes(0, 1)
+               for c in args[3:5]]  # [4, NB, ...], layer 0 the original caches
+    args = args[:3] + tuple(stacked) + args[5:]
+    want = reference_op(*args, **opts, layer=np.array(layer, np.int32))  # an array: no static range check
+    got = run_kernel(args, opts, layer=layer)
+    for name, g, w in zip(NAMES, got, want):
+        assert_bits_equal(g, w, name)
+    if not 0 <= layer < 4:
+        assert_bits_equal(got[2], args[3], "key_cache untouched")
+        assert_bits_equal(got[3], args[4], "value_cache untouched")
+
+
+SPECIAL = ((jnp.bfloat16, np.float32, "fp32"), (np.float32, np.float32, "fp32"), (jnp.bfloat16, jnp.bfloat16, "native"))
+
+
+def test_vmap_over_batched_caches():
+    """vmap runs the kernel per batch element through the stacked-layer index (primitive's batching
+    rule): each element's caches are its own."""
+    case = Case(T=3, QH=4, KH=2, D=64)
+    probs = [make_problem(case, seed=90 + i) for i in range(2)]
+    opts = probs[0][1]
+    batched = tuple(np.stack([p[0][i] for p in probs]) for i in range(9))
+    with kernel_here():
+        fn = jax.jit(jax.vmap(lambda *a: jrc.rope_and_cache(*a, **opts, impl="kernel")))
+        got = [np.asarray(o) for o in fn(*jax.device_put(batched, jax.devices(WHERE)[0]))]
+    for b, (args, _) in enumerate(probs):
+        for name, g, w in zip(NAMES, got, reference_op(*args, **opts)):
+            assert_bits_equal(g[b], w, f"{name}[{b}]")
+
+
+@pytest.mark.parametrize("dt,tdt,prec", SPECIAL, ids=[f"{np.dtype(d).name}-{np.dtype(t).name}-{p}" for d, t, p in SPECIAL])
+def test_special_values_bit_exact(dt, tdt, prec):
+    """Every combination of NaNs with payloads, +-inf, +-0, +-max as x, partner, cos and sin
+    (conftest.special_problem), with the values that make subnormals (the smallest subnormal and
+    normal) replaced: the TPU flushes subnormals (docs/numerics.md)."""
+    args, opts = special_problem(dt, tdt, precision=prec)
+    args = _normal_only(args)
+    want = reference_op(*args, **opts)
+    got = run_kernel(args, opts)
+    for name, g, w in zip(NAMES, got, want):
+        assert_bits_equal(g, w, name)
+
+
+def _normal_only(args):
+    """Inputs with every value of magnitude <= the smallest normal (but 0) replaced by 0.5."""
+    def fix(a):
+        f = np.asarray(a).astype(np.float32)
+        tiny = (f != 0) & (np.abs(f) <= np.float32(2.0**-126))
+        return np.where(tiny, np.asarray(0.5, a.dtype), a).astype(a.dtype)
+    return tuple(a if i in (5, 6) else fix(a) for i, a in enumerate(args))
+
+
+def _flushed(args):
+    """Inputs with subnormals replaced by zeros of their sign (what a flush-to-zero unit reads)."""
+    def fix(a):
+        f = np.asarray(a).astype(np.float32)
+        tiny = (f != 0) & (np.abs(f) < np.float32(2.0**-126))
+        return np.where(tiny, np.copysign(np.float32(0), f).astype(a.dtype), a).astype(a.dtype)
+    return tuple(a if i in (5, 6) else fix(a) for i, a in enumerate(args))
+
+
+def test_subnormals_are_flushed():
+    """With subnormals among the inputs (no +-max): every element is the reference's bits, or the
+    reference's bits with subnormal inputs read as zeros, or both results are within 2^-124 of zero
+    (a subnormal product or result flushed); NaNs are the canonical one."""
+    args, opts = special_problem(jnp.bfloat16, np.float32, precision="fp32", extremes=False)
+    want = reference_op(*args, **opts)
+    want_flushed = reference_op(*_flushed(args), **opts)
+    got = run_kernel(args, opts)
+    for name, g, w, wf in zip(NAMES[:2], got, want, want_flushed):
+        tiny = (np.abs(g.astype(np.float32)) <= 2.0**-124) & (np.abs(w.astype(np.float32)) <= 2.0**-124)
+        ok = (ulp_diff(g, w) == 0) | (ulp_diff(g, wf) == 0) | tiny
+        assert ok.all(), f"{name}: {int((~ok).sum())} elements beyond the flush-to-zero rule"
+    assert canonical_nan_violations(got[0][..., :2]) == canonical_nan_violations(got[1][..., :2]) == 0  # rotated
+
+
+def test_zero_tokens():
+    args, opts = make_problem(Case(T=0), seed=1)
+    got = run_kernel(args, opts)
+    assert got[0].shape == (0, 8, 128)
+    assert_bits_equal(got[2], args[3], "key_cache")
+
+
+# ---- index safety ----------------------------------------------------------------------------------
+def test_every_slot_value_writes_only_its_slot():
+    """All NB*BS slots once (a random order), next to -1, NB*BS, +-2^31-ish and int64 extremes:
+    interpret mode raises on any DMA outside a buffer, and the caches equal the reference's."""
+    case = Case(T=32 + 8, QH=2, KH=1, D=64, BS=8, NB=4, index_dtype="int64")
+    args, opts = make_problem(case, seed=31)
+    rng = np.random.default_rng(32)
+    nslots = 4 * 8
+    slots = np.concatenate([rng.permutation(nslots), [-1, nslots, nslots + 1, 2**31 - 1, -(2**31), 2**40, -(2**62),
+                                                      2**63 - 1]]).astype(np.int64)
+    pos = rng.integers(-(2**40), 2**40, case.T).astype(np.int64)
+    args = args[:5] + (slots, pos) + args[7:]
+    check(case, args=args, opts=opts)
+
+
+@pytest.mark.skipif(ON_TPU, reason="a DMA out of bounds on a TPU faults the device; interpret mode raises")
+def test_interpret_mode_catches_a_dma_outside_the_cache(monkeypatch):
+    """The check the index-safety tests rely on: a kernel told the cache has one block more than it
+    has writes slot NB*BS into it, and the interpreter raises instead of writing."""
+    case = Case(T=3, QH=2, KH=1, D=64, BS=8, NB=4)
+    args, opts = make_problem(case, seed=33)
+    args = args[:5] + (np.array([0, 4 * 8 + 3, 5], np.int32),) + args[6:]
+    real = tpu.config
+    monkeypatch.setattr(tpu, "config", lambda spec: real(spec).__class__(
+        **{**real(spec).__dict__, "num_blocks": spec.num_blocks + 1}))
+    with pytest.raises(Exception, match="Out-of-bounds write"):
+        run_kernel(args, opts)
+
+
+# ---- the lowering: one Mosaic custom call, caches aliased, policy ---------------------------------
+def test_lowered_for_tpu_one_custom_call_with_the_caches_aliased():
+    """jrc.export for "tpu" on any machine: one tpu_custom_call whose aliased operands are the
+    key and value caches (main's arguments 3 and 4) -> results 2 and 3; no cache-shaped copy."""
+    pytest.importorskip("flatbuffers")
+    args, opts = make_problem(Case(T=5, QH=8, KH=2, D=128), seed=41)
+    step = jax.jit(lambda *a: jrc.rope_and_cache(*a, **opts, impl="kernel"), donate_argnums=(3, 4))
+    exp = jrc.export(step, platforms=["tpu"])(*args)
+    text = exp.mlir_module()
+    calls = re.findall(r"stablehlo\.custom_call @tpu_custom_call\(([^)]*)\)", text)
+    assert len(calls) == 1
+    operands = [o.strip() for o in calls[0].split(",")]
+    aliases = re.findall(r"output_tuple_indices = \[(\d+)\], operand_index = (\d+)", text)
+    assert sorted((int(o), operands[int(i)]) for o, i in aliases) == [(2, "%arg3"), (3, "%arg4")], aliases
+    assert "stablehlo.copy" not in text
+    assert jax.export.deserialize(exp.serialize()).platforms == ("tpu",)
+
+
+@pytest.mark.parametrize("what,opts,match", [
+    ("float16", dict(dtype="float16", table_dtype="float32"), "float16 inputs"),
+    ("fp8", dict(cache_dtype="float8_e4m3fn"), "float8_e4m3fn caches"),
+    ("xpacked", dict(layout="xpacked"), "layout 'xpacked'"),
+    ("native f32 tables", dict(precision="native"), "precision='native'"),
+])
+def test_refused_options_name_what_and_fall_back_once(what, opts, match):
+    """impl="kernel" raises naming what the TPU kernel lacks; impl=None lowers the XLA path for
+    "tpu" with one warning."""
+    args, kw = make_problem(Case(T=4, QH=4, KH=2, D=64, **opts), seed=51)
+    with pytest.raises(NotImplementedError, match=f"on TPU: the kernel does not implement {re.escape(match)}"):
+        tpu_text(args, kw)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        text = tpu_text(args, kw, impl=None)
+        tpu_text(args, kw, impl=None)
+    assert "tpu_custom_call" not in text
+    ours = [w for w in seen if "rope_and_cache" in str(w.message)]
+    assert len(ours) == 1 and "falling back to the XLA implementation on TPU" in str(ours[0].message), ours
+
+
+def test_a_call_longer_than_the_scalar_prefetch_allows_is_refused():
+    s = jax.ShapeDtypeStruct
+    t = tpu.MAX_TOKENS + 1
+    bf = jnp.bfloat16
+    args = (s((t, 8, 128), bf), s((t, 2, 128), bf), s((t, 2, 128), bf), s((64, 16, 2, 128), bf),
+            s((64, 16, 2, 128), bf), s((t,), jnp.int32), s((t,), jnp.int32), s((64, 64), jnp.float32),
+            s((64, 64), jnp.float32))
+    with pytest.raises(NotImplementedError, match=f"calls of {t} > 65536 tokens"):
+        jax.jit(lambda *a: jrc.rope_and_cache(*a, impl="kernel")).trace(*args).lower(lowering_platforms=("tpu",))
+
+
+def test_multimodal_rope_is_refused_by_feature():
+    args, opts = make_problem(Case(T=4, QH=4, KH=2, D=64), seed=52)
+    args = args[:6] + (np.stack([args[6]] * 3),) + args[7:]
+    with pytest.raises(NotImplementedError, match="multimodal RoPE"):
+        tpu_text(args, dict(opts, mrope_section=(16, 8, 8)))
+
+
+def test_impl_none_takes_the_kernel_only_when_mosaic_lowers_it(monkeypatch):
+    args, opts = make_problem(Case(T=4, QH=4, KH=2, D=64), seed=53)
+    assert "tpu_custom_call" in tpu_text(args, opts, impl=None)
+
+    def rejected(*a, **k):
+        raise pltpu.LoweringException("Not implemented: a shape Mosaic rejects")
+
+    monkeypatch.setattr(K, "rope_and_cache", rejected)
+    with pytest.warns(RuntimeWarning, match="Mosaic's lowering accepts .*a shape Mosaic rejects"):
+        text = tpu_text(args, opts, impl=None)
+    assert "tpu_custom_call" not in text and "stablehlo.scatter" in text
+    with pytest.raises(pltpu.LoweringException, match="a shape Mosaic rejects"):
+        tpu_text(args, opts)
+
+
+@pytest.mark.skipif(ON_TPU, reason="the interpret switch is for hosts without a TPU")
+def test_the_interpret_switch_is_scoped():
+    """Inside tpu_kernel_on_cpu the CPU lowering is the interpreted TPU kernel (no C++ handler
+    call); outside it the C++ handler again."""
+    args, opts = make_problem(Case(T=3, QH=4, KH=2, D=64), seed=54)
+
+    def text():
+        return jax.jit(lambda *a: jrc.rope_and_cache(*a, **opts, impl="kernel")).trace(*args).lower().as_text()
+
+    with tpu_kernel_on_cpu():
+        inside = text()
+    assert "jax_rope_cache_cpu" not in inside and "tpu_custom_call" not in inside
+    assert "jax_rope_cache_cpu" in text()
+
+
+# ---- the QK-norm's correctly rounded division and square root -------------------------------------
+def _nudged(f, off):
+    """`f` (the hardware operation) off by `off` ulps: what an approximate divide or sqrt gives."""
+    return lambda *x: K.from_bits(K.bits(f(*x)) + np.uint32(off % 2**32))
+
+
+@pytest.mark.parametrize("off", [-2, -1, 0, 1, 2])
+def test_division_and_square_root_correct_an_approximation_to_the_rounded_result(off):
+    """div_rn and sqrt_rn give the correctly rounded f32 result (float64 then rounded: exact for
+    24-bit operands) from a start up to 2 ulps off, over the normal range; the TPU's own divide and
+    square root are not assumed correctly rounded."""
+    rng = np.random.default_rng(60 + off)
+    n = 20000
+    a, b, m = ((rng.uniform(1, 2, n) * 2.0 ** rng.integers(-e, e, n)).astype(np.float32) for e in (60, 60, 125))
+    a[:4], b[:4] = [1.0, 3.0, 2.0, 1.0], [3.0, 1.0, 1.0, 1.0 + 2.0**-23]  # exact, 1/3, powers of two
+    m[:6] = [1.0, 4.0, 2.0, 1.0 + 2.0**-23, 4.0 - 2.0**-21, 1.0 - 2.0**-24]  # the binade edges
+    cpu = jax.devices("cpu")[0]  # plain jax code: the CPU on any host
+    a, b, m = jax.device_put((a, b, m), cpu)
+    div = jax.jit(lambda a, b: K.div_rn(a, b, approx=_nudged(jnp.divide, off)))
+    sqrt = jax.jit(lambda m: K.sqrt_rn(m, approx=_nudged(jnp.sqrt, off)))
+    a, b, m = (np.asarray(x) for x in (a, b, m))
+    assert_bits_equal(np.asarray(div(a, b)), (a.astype(np.float64) / b).astype(np.float32), "a / b")
+    assert_bits_equal(np.asarray(sqrt(m)), np.sqrt(m.astype(np.float64)).astype(np.float32), "sqrt(m)")
+    special = jax.device_put(np.array([0.0, np.inf, np.nan], np.float32), cpu)
+    assert np.array_equal(np.asarray(div(special, jnp.ones(3, np.float32, device=cpu))), special, equal_nan=True)
+    assert np.array_equal(np.asarray(sqrt(special)), special, equal_nan=True)
+
+
+def test_the_lane_tree_sum_is_the_reference_tree():
+    """lane_tree_sum (lane rolls) adds in reference.tree_sum's order for even, odd and
+    power-of-two widths: rows where other orders give other sums."""
+    from jax_rope_cache import reference
+
+    rng = np.random.default_rng(70)
+    for d in (64, 80, 96, 128, 192, 256):
+        x = (rng.standard_normal((64, d)) * 2.0 ** rng.integers(-12, 12, (64, d))).astype(np.float32)
+        got = np.asarray(jax.jit(K.lane_tree_sum)(jax.device_put(x, jax.devices("cpu")[0])))[:, 0]
+        assert_bits_equal(got, reference.tree_sum(x), f"D={d}")
+        assert (got != x.sum(axis=1, dtype=np.float32)).any() or d == 64
+
+
+# ---- layouts by their axes ---------------------------------------------------------------------------
+@pytest.mark.skipif(ON_TPU, reason="calls the kernel module in interpret mode")
+def test_a_head_major_cache_is_written_from_its_axes_alone():
+    """The kernel derives its DMA windows from a cache's axes (contract.LAYOUT_TABLE's names), so a
+    layout with NB not leading, JAX's paged-attention [KH, NB, BS, D], needs no kernel code: its
+    caches equal the flash reference's caches transposed."""
+    case = Case(T=9, QH=4, KH=2, D=64, layout="flash")
+    args, opts = make_problem(case, seed=80)
+    spec = contract.check_op(*args, **opts)
+    want = reference_op(*args, **opts)
+    head_major = ("KH", "NB", "BS", "D")
+    assert K.row_dma(head_major) == "per_head"
+    cfg = tpu.config(spec).__class__(**{**tpu.config(spec).__dict__, "key_axes": head_major,
+                                        "value_axes": head_major})
+    kc, vc = (np.ascontiguousarray(c.transpose(2, 0, 1, 3)) for c in args[3:5])  # [KH, NB, BS, D]
+    slots = np.where((args[5] >= 0) & (args[5] < spec.num_slots), args[5], -1).astype(np.int32)
+    pos = np.clip(args[6], 0, spec.max_pos - 1).astype(np.int32)
+    run = jax.jit(lambda *a: K.rope_and_cache(*a, cfg=cfg, interpret=pltpu.InterpretParams()))
+    got = [np.asarray(o) for o in run(*args[:3], kc, vc, slots, pos, *args[7:9], np.zeros(1, np.int32))]
+    assert_bits_equal(got[0], want[0], "q_out")
+    assert_bits_equal(got[2], want[2].transpose(2, 0, 1, 3), "key_cache")
+    assert_bits_equal(got[3], want[3].transpose(2, 0, 1, 3), "value_cache")
