@@ -16,6 +16,8 @@ pre-filled with random values), far beyond the tolerance.
 
 from __future__ import annotations
 
+import warnings
+
 import jax
 import ml_dtypes
 import numpy as np
@@ -25,7 +27,9 @@ import jax_rope_cache as jrc
 from jax_rope_cache import contract, reference
 from conftest import assert_bits_equal, impl_params
 
-gpu_pa = pytest.importorskip("jax.experimental.pallas.ops.gpu.paged_attention")
+with warnings.catch_warnings():  # jax 0.12 marks the GPU module deprecated (it still ships and runs)
+    warnings.simplefilter("ignore", DeprecationWarning)
+    gpu_pa = pytest.importorskip("jax.experimental.pallas.ops.gpu.paged_attention")
 tpu_pa = pytest.importorskip("jax.experimental.pallas.ops.tpu.paged_attention.paged_attention_kernel")
 tpu_rpa = pytest.importorskip("jax.experimental.pallas.ops.tpu.ragged_paged_attention.kernel")
 from jax.experimental.pallas import tpu as pltpu  # noqa: E402
