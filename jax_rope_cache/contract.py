@@ -536,8 +536,9 @@ def check_value_cache(value_cache, layout: str) -> None:
         raise ValueError(f"value_cache: layout {layout!r} keeps K and V in one array (key_cache {lay.dims('key')}: "
                          f"K head h at 2h, V head h at 2h + 1); expected None, got {describe(value_cache)}")
     if not lay.merged and value_cache is None:
+        merged = ", ".join(repr(n) for n, m in LAYOUT_TABLE.items() if m.merged)
         raise ValueError(f"value_cache: layout {layout!r} needs a value cache {lay.dims('value')}; expected an array, "
-                         "got None (only a merged layout, 'kv_merged', takes None)")
+                         f"got None (only a merged layout, {merged}, takes None)")
 
 
 def check_distinct_caches(key_cache, value_cache) -> None:
