@@ -52,8 +52,8 @@ def _is_concrete(a) -> bool:
 
 def _check_refs(key_cache, value_cache, k_scale_cache=None, v_scale_cache=None) -> bool:
     """True when the caches are jax.Refs (both or neither, never the same one; scale caches given
-    alongside: the same kind as the caches)."""
-    refs = [isinstance(c, jax.Ref) for c in (key_cache, value_cache)]
+    alongside: the same kind as the caches). A merged layout's absent value cache (None) goes with either."""
+    refs = [isinstance(c, jax.Ref) for c in (key_cache, value_cache if value_cache is not None else key_cache)]
     if any(refs) and not all(refs):
         raise TypeError(f"value_cache: expected {'a jax.Ref' if refs[0] else 'an array'} like key_cache, "
                         f"got {type(value_cache).__name__}")
@@ -187,7 +187,9 @@ def rope_and_cache(q: ArrayLike, k: ArrayLike, v: ArrayLike, key_cache: Cache, v
       key_cache, value_cache: the caches in `layout` (see below), q's dtype or float8_e4m3fn /
         float8_e4m3fnuz / float8_e5m2 (vLLM's fp8_e5m2); two different arrays. Updated in place when the caller's jit donates them
         (or use `rope_and_cache_donated`), or when they are `jax.Ref`s (then nothing needs donating:
-        the refs are written and also returned). With `layer`, stacked as [L, ...].
+        the refs are written and also returned). With `layer`, stacked as [L, ...]. layout="kv_merged"
+        keeps K and V in ONE array, passed as key_cache, with value_cache=None (and None returned in
+        its place), as `make_kv_cache` returns them.
       slot_mapping: [T] int32/int64. Slot s is block s // BS, offset s % BS; slots outside
         [0, NB*BS) (e.g. -1 for padding) write nothing, whatever their width (numpy int64 slots
         with jax_enable_x64 off are mapped before JAX narrows them; see docs/errors.md). Pass
@@ -200,6 +202,10 @@ def rope_and_cache(q: ArrayLike, k: ArrayLike, v: ArrayLike, key_cache: Cache, v
               "xpacked"          K: [NB, KH, D//X, BS, X], V: [NB, KH, D, BS]
               "xpacked_shuffled" K: [NB, KH, D//X, BS, X], V: [NB, KH, BS//X, D, X]
               "hnd"              K, V: [NB, KH, BS, D] (FlashInfer's HND)
+              "head_major"       K, V: [KH, NB, BS, D] (JAX's Pallas paged_attention, GPU and TPU:
+                                 k_pages / v_pages)
+              "kv_merged"        one array [NB, BS, 2*KH, D], K head h at 2h and V head h at 2h + 1
+                                 (JAX's Pallas TPU ragged_paged_attention: kv_pages); value_cache=None
         with X the key cache's last dim: a power of two dividing D (and BS for the shuffled
         value cache), by default 16 // cache itemsize.
       is_neox: True rotates pairs (i, i + R/2); False (GPT-J) pairs (2i, 2i + 1).
@@ -208,8 +214,8 @@ def rope_and_cache(q: ArrayLike, k: ArrayLike, v: ArrayLike, key_cache: Cache, v
         one scale per kv head (shape [KH]), any float dtype, used as float32; each may be traced.
         Stored = fp8(sat(x * (1/scale))), kv head h with scale[h].
       k_scale_cache, v_scale_cache: per-token fp8 quantization (float8 caches, k_scale = v_scale =
-        None): float32 scale caches [NB, KH, BS] (stacked [L, NB, KH, BS] with `layer`; see
-        make_kv_scale_cache). Each (token, kv head) row of k (after the norm and the rotation) and
+        None): float32 scale caches [NB, KH, BS] ("head_major": [KH, NB, BS], as Pallas' k_scales_pages;
+        stacked [L, ...] with `layer`; see make_kv_scale_cache). Each (token, kv head) row of k (after the norm and the rotation) and
         of v gets scale = max(amax(|row|), 1e-8) / FP8_MAX (448 e4m3fn, 240 e4m3fnuz, 57344
         e5m2; NaN and inf left out of the amax), is stored as fp8(sat(row * (1/scale))), and the
         scale goes to [block, h, offset] of the token's slot. Updated in place like the caches
@@ -261,7 +267,7 @@ def rope_and_cache(q: ArrayLike, k: ArrayLike, v: ArrayLike, key_cache: Cache, v
 
     Returns:
       (q_out [T, QH, D], k_out [T, KH, D], key_cache, value_cache), then (k_scale_cache,
-      v_scale_cache) when the scale caches are given.
+      v_scale_cache) when the scale caches are given; value_cache is None for "kv_merged".
 
     Not differentiable (every impl): jax.grad through it raises a TypeError.
     """
@@ -270,7 +276,7 @@ def rope_and_cache(q: ArrayLike, k: ArrayLike, v: ArrayLike, key_cache: Cache, v
     if _check_refs(key_cache, value_cache, k_scale_cache, v_scale_cache):
         refs = (key_cache, value_cache) + tuple(c for c in (k_scale_cache, v_scale_cache) if c is not None)
         out = rope_and_cache(
-            q, k, v, key_cache[...], value_cache[...], slot_mapping, positions, cos, sin, layout=layout,
+            q, k, v, key_cache[...], _ref_value(value_cache), slot_mapping, positions, cos, sin, layout=layout,
             is_neox=is_neox, rotary_dim=rotary_dim, k_scale=k_scale, v_scale=v_scale, precision=precision,
             impl=impl, layer=layer, q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight, norm_eps=norm_eps,
             mrope_section=mrope_section, mrope_interleaved=mrope_interleaved, table_form=table_form,
@@ -293,10 +299,16 @@ def _read_refs(**refs) -> dict:
 
 
 def _write_refs(out, refs) -> tuple:
-    """Writes the op's cache results into the refs they came from; returns (q_out, k_out, *refs)."""
+    """Writes the op's cache results into the refs they came from (None: a merged layout's absent
+    value cache); returns (q_out, k_out, *refs)."""
     for ref, value in zip(refs, out[2:]):
-        ref[...] = value
+        if ref is not None:
+            ref[...] = value
     return tuple(out[:2]) + tuple(refs)
+
+
+def _ref_value(ref):
+    return None if ref is None else ref[...]
 
 
 def _run(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, *, k_scale, v_scale, layer,
@@ -304,7 +316,15 @@ def _run(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, *, 
          use_rope=None):
     """The op on checked arguments: the operands (contract.OPERANDS), then the XLA path or the primitive.
     With per-token scales the scale caches take the k_scale / v_scale operand slots; a use_rope switch
-    is one more operand at the end. Absent positions / tables (rotary_dim=0) are placeholders never read."""
+    is one more operand at the end. Absent positions / tables (rotary_dim=0) are placeholders never read.
+    A merged layout (value_cache None) passes a placeholder in the value_cache slot and returns None in
+    its place."""
+    if value_cache is None:
+        out = _run(q, k, v, key_cache, jnp.zeros(contract.value_operand_shape(spec), spec.cache_dtype), slot_mapping,
+                   positions, cos, sin, k_scale=k_scale, v_scale=v_scale, layer=layer, q_norm_weight=q_norm_weight,
+                   k_norm_weight=k_norm_weight, spec=spec, impl=impl, k_scale_cache=k_scale_cache,
+                   v_scale_cache=v_scale_cache, use_rope=use_rope)
+        return out[:3] + (None,) + out[4:]
     if positions is None:
         positions = np.zeros((spec.num_tokens,), np.int32)
     if cos is None:
@@ -369,7 +389,7 @@ def rope_and_cache_qkv(qkv: ArrayLike, key_cache: Cache, value_cache: Cache, slo
     if _check_refs(key_cache, value_cache, k_scale_cache, v_scale_cache):
         refs = (key_cache, value_cache) + tuple(c for c in (k_scale_cache, v_scale_cache) if c is not None)
         out = rope_and_cache_qkv(
-            qkv, key_cache[...], value_cache[...], slot_mapping, positions, cos, sin, num_q_heads=num_q_heads,
+            qkv, key_cache[...], _ref_value(value_cache), slot_mapping, positions, cos, sin, num_q_heads=num_q_heads,
             num_kv_heads=num_kv_heads, layout=layout, is_neox=is_neox, rotary_dim=rotary_dim, k_scale=k_scale,
             v_scale=v_scale, precision=precision, impl=impl, layer=layer, q_norm_weight=q_norm_weight,
             k_norm_weight=k_norm_weight, norm_eps=norm_eps, mrope_section=mrope_section,
@@ -469,8 +489,10 @@ rope_and_cache_donated.lower = _lower_donated
 
 def make_kv_cache(num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype=jnp.bfloat16, *,
                   layout: str = "flash", num_layers: int | None = None, fill: str = "zeros", seed: int = 0,
-                  device=None, x: int | None = None) -> tuple[jax.Array, jax.Array]:
+                  device=None, x: int | None = None) -> tuple[jax.Array, jax.Array | None]:
     """Allocates (key_cache, value_cache) for `layout`, optionally with a leading [num_layers] axis.
+    "kv_merged" holds K and V in one array: (kv_pages [NB, BS, 2*KH, D], None), the pair
+    rope_and_cache and read_kv take.
 
     fill: "zeros", or "random" (standard normal values; useful for tests that must see which
     slots a kernel touched).
@@ -504,7 +526,7 @@ def make_kv_cache(num_blocks: int, block_size: int, kv_heads: int, head_dim: int
                                        block_arg="block_size", x=x)
     shapes = contract.cache_shapes(layout, num_blocks, block_size, kv_heads, head_dim, dtype, x)
     if num_layers is not None:
-        shapes = tuple((num_layers,) + s for s in shapes)
+        shapes = tuple(None if s is None else (num_layers,) + s for s in shapes)
     if fill == "zeros":
         make = lambda shape, _: jnp.zeros(shape, dtype, device=device)  # noqa: E731
     elif fill == "random":
@@ -514,29 +536,31 @@ def make_kv_cache(num_blocks: int, block_size: int, kv_heads: int, head_dim: int
             jax.random.normal(keys[i], (math.prod(shape),), jnp.float32).reshape(shape).astype(dtype), device)
     else:
         raise ValueError(f"fill: expected 'zeros' or 'random', got {fill!r}")
-    return make(shapes[0], 0), make(shapes[1], 1)
+    return make(shapes[0], 0), None if shapes[1] is None else make(shapes[1], 1)
 
 
 def make_kv_scale_cache(num_blocks: int, block_size: int, kv_heads: int, *, num_layers: int | None = None,
-                        device=None) -> tuple[jax.Array, jax.Array]:
-    """Allocates (k_scale_cache, v_scale_cache) for per-token fp8 scales: float32 [NB, KH, BS], or
-    [L, NB, KH, BS] with num_layers, filled with 1.0 (an unwritten slot dequantizes to its stored
-    value). One scale per slot and kv head; AITER's layout: the BS scales of one block and head are
-    contiguous, as an attention kernel reads them next to that block's rows."""
+                        device=None, layout: str = "flash") -> tuple[jax.Array, jax.Array]:
+    """Allocates (k_scale_cache, v_scale_cache) for per-token fp8 scales of caches in `layout`:
+    float32 [NB, KH, BS] ("head_major": [KH, NB, BS], Pallas' k_scales_pages), with num_layers
+    [L, ...], filled with 1.0 (an unwritten slot dequantizes to its stored value). One scale per
+    slot and kv head; the BS scales of one block and head are contiguous (AITER's layout), as an
+    attention kernel reads them next to that block's rows."""
     for name, value in (("num_blocks", num_blocks), ("block_size", block_size), ("kv_heads", kv_heads),
                         ("num_layers", num_layers)):
         if value is None and name == "num_layers":
             continue
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
             raise ValueError(f"{name}: expected an integer >= 1, got {contract.describe(value)}")
-    shape = ((num_layers,) if num_layers is not None else ()) + (num_blocks, kv_heads, block_size)
+    shape = ((num_layers,) if num_layers is not None else ()) + contract.scale_shape(layout, num_blocks, block_size,
+                                                                                     kv_heads)
     return tuple(jnp.ones(shape, jnp.float32, device=device) for _ in range(2))
 
 
 _read_kv_jit = jax.jit(xla.read_kv, static_argnames=("layout",))
 
 
-def read_kv(key_cache: jax.Array, value_cache: jax.Array, slot_mapping: ArrayLike, *,
+def read_kv(key_cache: jax.Array, value_cache: jax.Array | None, slot_mapping: ArrayLike, *,
             layout: str = "flash", k_scale: ArrayLike | None = None, v_scale: ArrayLike | None = None,
             k_scale_cache: jax.Array | None = None,
             v_scale_cache: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
@@ -544,9 +568,10 @@ def read_kv(key_cache: jax.Array, value_cache: jax.Array, slot_mapping: ArrayLik
     is outside the cache, whatever its width: numpy int64 slots with jax_enable_x64 off are
     mapped before JAX narrows them).
 
+    "kv_merged": key_cache is the one array, value_cache None.
     Dequantization of fp8 caches: with k_scale / v_scale (a scalar or [KH], as given to
-    rope_and_cache) or the per-token scale caches [NB, KH, BS] (one layer), the values are float32
-    float32(stored) * scale."""
+    rope_and_cache) or the per-token scale caches of one layer (the layout's scale axes, e.g.
+    [NB, KH, BS]), the values are float32 float32(stored) * scale."""
     nb, bs, mode = contract.check_read_kv(key_cache, value_cache, slot_mapping, layout, k_scale=k_scale,
                                           v_scale=v_scale, k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache)
     _check_concrete((("key_cache", key_cache), ("value_cache", value_cache), ("slot_mapping", slot_mapping),

@@ -14,8 +14,8 @@ keeps one cache per layer: a layer sliced out of a stacked [L, ...] cache would 
 The kernels compute q . k without a softmax scale, so q is scaled before the call. Neither kernel
 reads the per-token fp8 scale caches of kv_quant="per_token".
 
-Layouts are read from their definitions (the README's table and the two layouts being added to
-the op), not from the library's index helpers, so a layout bug in the op shows as a wrong token.
+Layouts are read from their definitions (the README's table), not from the library's index
+helpers, so a layout bug in the op shows as a wrong token.
 """
 
 from __future__ import annotations
@@ -26,17 +26,15 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-__all__ = ["ATTENTIONS", "PALLAS_LAYOUT", "NEW_LAYOUTS", "GATHER_LAYOUTS", "layout_of", "default_attention",
+from jax_rope_cache import contract
+
+__all__ = ["ATTENTIONS", "PALLAS_LAYOUT", "GATHER_LAYOUTS", "layout_of", "default_attention",
            "check_platform", "interpret_on", "gather_blocks", "attend", "gpu_params", "tpu_params", "page_table", "page_width",
-           "paged_decode", "new_layout_shapes", "gpu_kernel"]
+           "paged_decode", "gpu_kernel"]
 
 ATTENTIONS = ("gather", "pallas_gpu", "pallas_tpu")
-PALLAS_LAYOUT = "head_major"
-# The layouts JAX's own paged-attention kernels read, being added to the op:
-#   head_major  K, V [KH, NB, BS, D]        (gpu/tpu paged_attention's k_pages / v_pages)
-#   kv_merged   one [NB, BS, 2 KH, D]: K head h at 2h, V head h at 2h + 1 (tpu ragged_paged_attention)
-NEW_LAYOUTS = ("head_major", "kv_merged")
-GATHER_LAYOUTS = ("flash", "xpacked", "xpacked_shuffled", "hnd") + NEW_LAYOUTS
+PALLAS_LAYOUT = "head_major"  # gpu/tpu paged_attention's k_pages / v_pages [KH, NB, BS, D]
+GATHER_LAYOUTS = contract.LAYOUTS  # the gather reads every layout the op writes
 
 # gpu.paged_attention: tokens per compute block (pages_per_compute_block * BS; Triton's dot needs
 # a power of two >= 16) and the most sequence splits (k_splits; partial softmaxes combined after).
@@ -234,12 +232,3 @@ def page_width(attention: str, pages_per_seq: int, block_size: int, group: int) 
     if attention == "pallas_gpu":
         return gpu_params(pages_per_seq, block_size, group)["width"]
     return tpu_params(pages_per_seq, block_size)["width"]
-
-
-def new_layout_shapes(layout: str, num_blocks: int, block_size: int, kv_heads: int, head_dim: int) -> tuple:
-    """One layer's cache shapes of a layout being added to the op (the op's cache_shapes once it has them)."""
-    if layout == "head_major":
-        return ((kv_heads, num_blocks, block_size, head_dim),) * 2
-    if layout == "kv_merged":
-        return ((num_blocks, block_size, 2 * kv_heads, head_dim),)
-    raise ValueError(f"layout: expected one of {NEW_LAYOUTS}, got {layout!r}")

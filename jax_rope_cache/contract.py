@@ -67,11 +67,16 @@ def check_pack_x(x, head_dim: int, block_size: int | None, layout: str, *, arg: 
 # One token's values [KH, D] go to block blk = slot // BS, offset off = slot % BS. A layout names,
 # per cache, the axes of one layer in memory order, each axis a function of (blk, off, h, d):
 #   NB: blk   BS: off   KH: h   D: d   D//X, D%X: d split in X-wide groups   BS//X, BS%X: off split
+#   2KH: 2h for the key, 2h + 1 for the value: K and V interleaved by head in ONE array (a
+#        "merged" layout: its key and value axes are the same array's, and there is no value cache)
 # with X the x-packed key cache's last dimension: a power of two dividing D (and BS where BS is
-# split), by default 16 // cache itemsize (16 bytes). Everything else (shapes, dim strings, divisibility, the block-size
-# axis, the generic scatter/gather of the reference and the XLA path) is derived from this table;
-# only the kernels (kernels/) spell the index arithmetic out, selected by `code`.
-AXES = ("NB", "BS", "KH", "D", "D//X", "D%X", "BS//X", "BS%X")
+# split), by default 16 // cache itemsize (16 bytes). The per-token fp8 scale caches have their own
+# axes per layout (a permutation of NB, KH, BS). Everything else (shapes, dim strings, divisibility,
+# the block-size and head axes, the generic scatter/gather of the reference and the XLA path) is
+# derived from this table; only the kernels (kernels/) spell the index arithmetic out, selected by `code`.
+AXES = ("NB", "BS", "KH", "2KH", "D", "D//X", "D%X", "BS//X", "BS%X")
+_SLOT_AXES = ("NB", "BS", "BS//X", "BS%X")  # indexed per token; the others are a token's values
+_DIM_NAMES = {"D%X": "X", "BS%X": "X", "2KH": "2*KH"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,13 +85,20 @@ class CacheLayout:
     code: int                    # RcLayout in kernels/common/rope_cache_math.h
     key_axes: tuple[str, ...]
     value_axes: tuple[str, ...]
+    scale_axes: tuple[str, ...] = ("NB", "KH", "BS")  # each per-token fp8 scale cache (k_scale_cache, v_scale_cache)
 
     def axes(self, which: str) -> tuple[str, ...]:
-        return self.key_axes if which == "key" else self.value_axes
+        """The axes of cache `which`: "key", "value" or "scale" (one per-token scale cache)."""
+        return {"key": self.key_axes, "value": self.value_axes, "scale": self.scale_axes}[which]
 
     def dims(self, which: str) -> str:
         """Human-readable shape, e.g. "[NB, KH, D//X, BS, X]"."""
-        return "[" + ", ".join("X" if a.endswith("%X") else a for a in self.axes(which)) + "]"
+        return "[" + ", ".join(_DIM_NAMES.get(a, a) for a in self.axes(which)) + "]"
+
+    @property
+    def merged(self) -> bool:
+        """K and V live in one array (the key cache); the op takes no value cache."""
+        return "2KH" in self.key_axes
 
     @property
     def needs_d_multiple_of_x(self) -> bool:
@@ -101,25 +113,58 @@ class CacheLayout:
         """The layout splits D (and maybe BS) in X-wide groups; X is the key cache's last dim."""
         return "D%X" in self.key_axes
 
+    @property
+    def blocks_lead(self) -> bool:
+        """NB is the caches' first axis (a layer's blocks are contiguous). Kernels that read NB from
+        the caches' leading dimension at run time get it as a constant otherwise."""
+        return self.key_axes[0] == "NB"
+
     def shape(self, which: str, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
               x: int) -> tuple[int, ...]:
-        size = {"NB": num_blocks, "BS": block_size, "KH": kv_heads, "D": head_dim, "D//X": head_dim // x,
-                "D%X": x, "BS//X": block_size // x, "BS%X": x}
+        size = {"NB": num_blocks, "BS": block_size, "KH": kv_heads, "2KH": 2 * kv_heads, "D": head_dim,
+                "D//X": head_dim // x, "D%X": x, "BS//X": block_size // x, "BS%X": x}
         return tuple(size[a] for a in self.axes(which))
 
     def token_index(self, which: str, blk, off, x: int) -> tuple:
-        """Index of every token's [KH, D] values: the slot axes take the per-token arrays blk/off,
-        the others a full slice. NB leads every layout, so the indexed shape is [T, *token axes]."""
-        per_token = {"NB": blk, "BS": off, "BS//X": off // x, "BS%X": off % x}
-        return tuple(per_token.get(a, slice(None)) for a in self.axes(which))
+        """Index of every token's values in cache `which` of one layer: the slot axes take the
+        per-token arrays blk/off, the others a slice ("2KH": every other head, from 0 for "key",
+        from 1 for "value"; which="kv" takes both, the whole merged axis)."""
+        per_token = {"NB": blk, "BS": off, "BS//X": off // x, "BS%X": off % x,
+                     "2KH": slice(None) if which == "kv" else slice(int(which == "value"), None, 2)}
+        return tuple(per_token.get(a, slice(None)) for a in self.axes("key" if which == "kv" else which))
 
-    def token_split(self, which: str, kv_heads: int, head_dim: int, x: int):
-        """(shape, perm): values [T, KH, D] reshaped to [T, *shape] and transposed by perm are in
-        the order the cache stores one token's values (the axes of `token_index`'s slices)."""
-        tok = tuple(a for a in self.axes(which) if a in ("KH", "D", "D//X", "D%X"))
-        canon = ("KH", "D//X", "D%X") if "D//X" in tok else ("KH", "D")
-        size = {"KH": kv_heads, "D": head_dim, "D//X": head_dim // x, "D%X": x}
-        return tuple(size[a] for a in canon), (0,) + tuple(1 + canon.index(a) for a in tok)
+    def token_split(self, which: str, heads: int, head_dim: int, x: int, lead: int = 0):
+        """(shape, perm): values [T, heads, D] (a scale cache: [T, KH]) reshaped to [T, *shape] and
+        transposed by perm are in the order `cache[lead indices + token_index(...)]` holds them, with
+        `lead` per-token index arrays in front (the layer of stacked caches). numpy and jax put the
+        token axis where the per-token indices are when they are adjacent, else first."""
+        ax = self.axes("key" if which == "kv" else which)
+        tok = tuple("KH" if a == "2KH" else a for a in ax if a not in _SLOT_AXES)
+        canon = tuple(a for a in ("KH", "D//X", "D%X") if a in tok) if "D//X" in tok else \
+            tuple(a for a in ("KH", "D") if a in tok)
+        size = {"KH": heads, "D": head_dim, "D//X": head_dim // x, "D%X": x}
+        slot_pos = [i for i, a in enumerate(ax) if a in _SLOT_AXES]
+        adjacent = slot_pos == list(range(slot_pos[0], slot_pos[0] + len(slot_pos)))
+        t_at = slot_pos[0] if lead == 0 and adjacent else 0
+        order = [1 + canon.index(a) for a in tok]
+        return tuple(size[a] for a in canon), tuple(order[:t_at] + [0] + order[t_at:])
+
+    def head_axis(self, which: str) -> int:
+        """The kv-head axis of one layer's cache `which` ("key", "value", "scale"): where tensor
+        parallelism splits it (a merged array's 2*KH axis splits into whole (K, V) pairs when each
+        shard gets a whole number of kv heads)."""
+        ax = self.axes(which)
+        return ax.index("2KH") if "2KH" in ax else ax.index("KH")
+
+    def kv_heads(self, key_shape: tuple[int, ...]) -> int:
+        """KH of a key cache of one layer (a merged array holds 2*KH heads)."""
+        if "2KH" in self.key_axes:
+            return key_shape[self.key_axes.index("2KH")] // 2
+        return key_shape[self.key_axes.index("KH")]
+
+    def head_dim(self, key_shape: tuple[int, ...], x: int) -> int:
+        ax = self.key_axes
+        return key_shape[ax.index("D")] if "D" in ax else key_shape[ax.index("D//X")] * x
 
     def cache_x(self, which: str, shape: tuple[int, ...], cache_dtype) -> int:
         """X of one layer's cache `which` of this shape: its last dim where an X axis is last (the
@@ -139,10 +184,23 @@ LAYOUT_TABLE = {layout.name: layout for layout in (
     CacheLayout("xpacked", 1, ("NB", "KH", "D//X", "BS", "D%X"), ("NB", "KH", "D", "BS")),
     CacheLayout("xpacked_shuffled", 2, ("NB", "KH", "D//X", "BS", "D%X"), ("NB", "KH", "BS//X", "D", "BS%X")),
     CacheLayout("hnd", 3, ("NB", "KH", "BS", "D"), ("NB", "KH", "BS", "D")),
+    # JAX's Pallas paged attention (GPU and TPU): k_pages / v_pages [KH, total_pages, page_size, D],
+    # k_scales_pages [KH, total_pages, page_size]
+    CacheLayout("head_major", 4, ("KH", "NB", "BS", "D"), ("KH", "NB", "BS", "D"), ("KH", "NB", "BS")),
+    # JAX's Pallas ragged paged attention (TPU): kv_pages [total_pages, page_size, 2*KH, D]
+    CacheLayout("kv_merged", 5, ("NB", "BS", "2KH", "D"), ("NB", "BS", "2KH", "D")),
 )}
 LAYOUTS = tuple(LAYOUT_TABLE)
-assert all(lay.key_axes[0] == lay.value_axes[0] == "NB" and set(lay.key_axes + lay.value_axes) <= set(AXES)
-           and (lay.packed or not lay.needs_bs_multiple_of_x) for lay in LAYOUT_TABLE.values())
+
+
+def _table_is_consistent(lay: CacheLayout) -> bool:
+    both = lay.key_axes + lay.value_axes
+    return (set(both) <= set(AXES) and sorted(lay.scale_axes) == ["BS", "KH", "NB"]
+            and all("NB" in a and ("KH" in a) != ("2KH" in a) for a in (lay.key_axes, lay.value_axes))
+            and (lay.packed or not lay.needs_bs_multiple_of_x) and (not lay.merged or lay.key_axes == lay.value_axes))
+
+
+assert all(_table_is_consistent(lay) for lay in LAYOUT_TABLE.values())
 
 
 def cache_layout(layout: str) -> CacheLayout:
@@ -152,11 +210,18 @@ def cache_layout(layout: str) -> CacheLayout:
 
 
 def cache_shapes(layout: str, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
-                 cache_dtype, x: int | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(key_cache shape, value_cache shape) of one layer for `layout`; `x`: X of an x-packed
-    layout (None: the default 16 // itemsize)."""
+                 cache_dtype, x: int | None = None) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+    """(key_cache shape, value_cache shape) of one layer for `layout`; the value cache's is None for
+    a merged layout (K and V in the one key_cache array); `x`: X of an x-packed layout (None: the
+    default 16 // itemsize)."""
     lay, x = cache_layout(layout), pack_width(cache_dtype) if x is None else x
-    return tuple(lay.shape(w, num_blocks, block_size, kv_heads, head_dim, x) for w in ("key", "value"))
+    kshape = lay.shape("key", num_blocks, block_size, kv_heads, head_dim, x)
+    return kshape, None if lay.merged else lay.shape("value", num_blocks, block_size, kv_heads, head_dim, x)
+
+
+def scale_shape(layout: str, num_blocks: int, block_size: int, kv_heads: int) -> tuple[int, ...]:
+    """The shape of one layer's per-token scale cache for `layout` (e.g. [NB, KH, BS])."""
+    return cache_layout(layout).shape("scale", num_blocks, block_size, kv_heads, 1, 1)
 
 
 def check_layout_divisibility(layout: str, head_dim: int, block_size: int, cache_dtype, *, head_arg: str,
@@ -221,9 +286,22 @@ def cache_aliases(spec: "OpSpec") -> dict[int, int]:
 
 
 def scale_cache_shape(spec: "OpSpec") -> tuple[int, ...]:
-    """[NB, KH, BS] (stacked: [L, NB, KH, BS]): one float32 scale per slot and kv head."""
+    """One float32 scale per slot and kv head: the layout's scale axes, e.g. [NB, KH, BS]
+    (stacked: [L, NB, KH, BS])."""
     lead = () if spec.num_layers is None else (spec.num_layers,)
-    return lead + (spec.num_blocks, spec.kv_heads, spec.block_size)
+    return lead + scale_shape(spec.layout, spec.num_blocks, spec.block_size, spec.kv_heads)
+
+
+def value_operand_shape(spec: "OpSpec") -> tuple[int, ...]:
+    """The value_cache operand's shape: the cache's, or for a merged layout (no value cache) a
+    one-element placeholder per layer, [1] (stacked: [L, 1]), which no kernel reads or writes (one
+    per layer so vmap's stacked-layer indexing treats it as any cache)."""
+    lead = () if spec.num_layers is None else (spec.num_layers,)
+    lay = LAYOUT_TABLE[spec.layout]
+    if lay.merged:
+        return lead + (1,)
+    return lead + lay.shape("value", spec.num_blocks, spec.block_size, spec.kv_heads, spec.head_dim, spec.x)
+
 # Small operands a decode loop typically indexes per step (slots[n], positions[n], weights[layer]):
 # the GPU lowering passes them through an optimization barrier (backends/launcher.lower_launch).
 FENCED_OPERANDS = ("slot_mapping", "positions", "k_scale", "v_scale", "layer", "q_norm_weight", "k_norm_weight")
@@ -477,9 +555,21 @@ def check_norm_eps(norm_eps) -> float:
     return float(eps32)
 
 
+def check_value_cache(value_cache, layout: str) -> None:
+    """A merged layout (K and V in the key_cache array) takes no value cache; every other needs one."""
+    lay = cache_layout(layout)
+    if lay.merged and value_cache is not None:
+        raise ValueError(f"value_cache: layout {layout!r} keeps K and V in one array (key_cache {lay.dims('key')}: "
+                         f"K head h at 2h, V head h at 2h + 1); expected None, got {describe(value_cache)}")
+    if not lay.merged and value_cache is None:
+        merged = ", ".join(repr(n) for n, m in LAYOUT_TABLE.items() if m.merged)
+        raise ValueError(f"value_cache: layout {layout!r} needs a value cache {lay.dims('value')}; expected an array, "
+                         f"got None (only a merged layout, {merged}, takes None)")
+
+
 def check_distinct_caches(key_cache, value_cache) -> None:
     """The same array (or jax.Ref) as both caches would make the V writes overwrite the K writes."""
-    if key_cache is value_cache:
+    if value_cache is not None and key_cache is value_cache:
         raise ValueError("value_cache: expected a different array from key_cache, got the same "
                          f"{type(value_cache).__name__} for both (the V writes would overwrite the K writes); "
                          "allocate one cache per K and V, e.g. with make_kv_cache")
@@ -501,18 +591,26 @@ def check_layer(layer, key_cache, value_cache, layout: str):
             hasattr(layer, "dtype") and np.issubdtype(np.dtype(layer.dtype), np.integer) and tuple(layer.shape) == ())):
         raise TypeError(f"layer: expected None, an int or an integer scalar array, got {describe(layer)}")
     lay = cache_layout(layout)
-    for name, a, which in (("key_cache", key_cache, "key"), ("value_cache", value_cache, "value")):
+    caches = (("key_cache", key_cache, "key"),) + ((("value_cache", value_cache, "value"),) if not lay.merged else ())
+    for name, a, which in caches:
         rank, dims = len(lay.axes(which)), lay.dims(which)
         _dtype(name, a)
         _check_rank(name, a, rank + 1, f"[L, {dims[1:]} (stacked layers, as layer is given) for layout {layout!r}")
-    if value_cache.shape[0] != key_cache.shape[0]:
+    if not lay.merged and value_cache.shape[0] != key_cache.shape[0]:
         raise ValueError(f"value_cache: expected {key_cache.shape[0]} layers (as key_cache), "
                          f"got shape {list(value_cache.shape)}")
     num_layers = key_cache.shape[0]
     if isinstance(layer, numbers.Integral) and not 0 <= layer < num_layers:
         raise ValueError(f"layer: expected 0 <= layer < {num_layers}, got {layer}")
-    return (_LayerView(tuple(key_cache.shape[1:]), np.dtype(key_cache.dtype)),
-            _LayerView(tuple(value_cache.shape[1:]), np.dtype(value_cache.dtype)), num_layers)
+    view = lambda a: None if a is None else _LayerView(tuple(a.shape[1:]), np.dtype(a.dtype))  # noqa: E731
+    return view(key_cache), view(value_cache), num_layers
+
+
+def _check_merged_heads(kshape: tuple[int, ...], lay: CacheLayout) -> None:
+    """A merged array's head axis holds a (K, V) pair per kv head: it must be even."""
+    if lay.merged and kshape[lay.key_axes.index("2KH")] % 2:
+        raise ValueError(f"key_cache: layout {lay.name!r} interleaves K and V by head (K head h at 2h, V head h at "
+                         f"2h + 1), so {lay.dims('key')} needs an even head axis 2*KH, got shape {list(kshape)}")
 
 
 def _key_cache_geometry(key_cache, lay: CacheLayout, cache_dtype) -> tuple[tuple[int, ...], int, int, int]:
@@ -648,7 +746,7 @@ def check_op(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
 
     With `layer` given, the caches are stacked per layer ([L, ...]) and only layer `layer` is
     written; every shape rule below applies to one layer."""
-    cache_layout(layout)
+    check_value_cache(value_cache, layout)
     check_distinct_caches(key_cache, value_cache)
     key_cache, value_cache, num_layers = check_layer(layer, key_cache, value_cache, layout)
     if precision not in PRECISIONS:
@@ -701,12 +799,13 @@ def check_op(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
     if cache_dtype != dtype and cache_dtype not in FP8_DTYPES:
         raise TypeError(f"key_cache: expected dtype {dtype.name} (same as q) or one of "
                         f"({dtype_names(FP8_DTYPES)}), got {cache_dtype.name}")
-    if _dtype("value_cache", value_cache) != cache_dtype:
+    if value_cache is not None and _dtype("value_cache", value_cache) != cache_dtype:
         raise TypeError(f"value_cache: expected dtype {cache_dtype.name} (same as key_cache), "
                         f"got {np.dtype(value_cache.dtype).name}")
     lay = cache_layout(layout)
     kdims, vdims = lay.dims("key"), lay.dims("value")
     kshape, x, nb, bs = _key_cache_geometry(key_cache, lay, cache_dtype)
+    _check_merged_heads(kshape, lay)
     if lay.needs_d_multiple_of_x and d % x:
         raise ValueError(f"key_cache: layout {layout!r} needs D divisible by X={x} (the key cache's last dim), "
                          f"got D={d}")
@@ -717,13 +816,14 @@ def check_op(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
         raise ValueError(f"key_cache: expected block size >= 1, got shape {list(kshape)}")
     kexp, vexp = cache_shapes(layout, nb, bs, kh, d, cache_dtype, x)
     _check_shape("key_cache", key_cache, kexp, f"{kdims} for layout {layout!r}")
-    _check_shape("value_cache", value_cache, vexp, f"{vdims} for layout {layout!r}")
+    if vexp is not None:
+        _check_shape("value_cache", value_cache, vexp, f"{vdims} for layout {layout!r}")
     if nb * bs >= 2**62:
         raise ValueError(f"key_cache: too many slots ({nb}*{bs})")
 
     fp8 = cache_dtype in FP8_DTYPES
     token = check_scale_caches(k_scale_cache, v_scale_cache, k_scale, v_scale, cache_dtype,
-                               (nb, kh, bs) if num_layers is None else (num_layers, nb, kh, bs))
+                               scale_shape(layout, nb, bs, kh), layout, num_layers)
     k_heads = False if token else check_scale("k_scale", k_scale, fp8, cache_dtype, kh)
     v_heads = False if token else check_scale("v_scale", v_scale, fp8, cache_dtype, kh)
     q_norm = check_norm_weight("q_norm_weight", q_norm_weight, d, dtype)
@@ -744,9 +844,11 @@ def check_op(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
         pack_x=x if lay.packed and x != pack_width(cache_dtype) else 0, token_scales=token, **family)
 
 
-def check_scale_caches(k_scale_cache, v_scale_cache, k_scale, v_scale, cache_dtype, shape: tuple[int, ...]) -> bool:
-    """The per-token scale caches: both None (False), or both float32 arrays of `shape` ([NB, KH, BS],
-    stacked [L, NB, KH, BS]) next to an fp8 cache and without static scales (True)."""
+def check_scale_caches(k_scale_cache, v_scale_cache, k_scale, v_scale, cache_dtype, shape: tuple[int, ...],
+                       layout: str = "flash", num_layers: int | None = None) -> bool:
+    """The per-token scale caches: both None (False), or both float32 arrays of one layer's `shape`
+    (the layout's scale axes, e.g. [NB, KH, BS]; with num_layers stacked [L, ...]) next to an fp8 cache
+    and without static scales (True)."""
     if k_scale_cache is None and v_scale_cache is None:
         return False
     for name, other, given in (("k_scale_cache", "v_scale_cache", k_scale_cache),
@@ -762,7 +864,9 @@ def check_scale_caches(k_scale_cache, v_scale_cache, k_scale, v_scale, cache_dty
         if scale is not None:
             raise ValueError(f"{name}: expected None with per-token scales (k_scale_cache / v_scale_cache: the op "
                              f"computes one scale per token and kv head), got {describe(scale)}")
-    dims = "[NB, KH, BS]" if len(shape) == 3 else "[L, NB, KH, BS] (stacked layers, as layer is given)"
+    dims = cache_layout(layout).dims("scale")
+    if num_layers is not None:
+        shape, dims = (num_layers,) + tuple(shape), f"[L, {dims[1:]} (stacked layers, as layer is given)"
     for name, sc in (("k_scale_cache", k_scale_cache), ("v_scale_cache", v_scale_cache)):
         if _dtype(name, sc) != np.float32:
             raise TypeError(f"{name}: expected dtype float32, got {np.dtype(sc.dtype).name}")
@@ -778,27 +882,29 @@ def check_read_kv(key_cache, value_cache, slot_mapping, layout="flash", *, k_sca
     """Validates a read_kv call (one layer of caches in `layout`, [T] integer slots, optional scales);
     returns (NB, BS, dequantization: None (values as stored), "static" or "token")."""
     lay = cache_layout(layout)
+    check_value_cache(value_cache, layout)
     cdt = _dtype("key_cache", key_cache)
     if cdt not in INPUT_DTYPES + FP8_DTYPES:
         raise TypeError(f"key_cache: expected dtype one of ({dtype_names(INPUT_DTYPES + FP8_DTYPES)}), got {cdt.name}")
-    if _dtype("value_cache", value_cache) != cdt:
+    if value_cache is not None and _dtype("value_cache", value_cache) != cdt:
         raise TypeError(f"value_cache: expected dtype {cdt.name} (same as key_cache), "
                         f"got {np.dtype(value_cache.dtype).name}")
     kdims, vdims = lay.dims("key"), lay.dims("value")
     kshape, x, nb, bs = _key_cache_geometry(key_cache, lay, cdt)
-    kh = kshape[lay.key_axes.index("KH")]
-    d = kshape[lay.key_axes.index("D")] if "D" in lay.key_axes else kshape[lay.key_axes.index("D//X")] * x
+    _check_merged_heads(kshape, lay)
+    kh, d = lay.kv_heads(kshape), lay.head_dim(kshape, x)
     if lay.needs_bs_multiple_of_x and bs % x:
         raise ValueError(f"value_cache: layout {layout!r} needs the block size divisible by X={x} (the key "
                          f"cache's last dim), got BS={bs}")
     kexp, vexp = cache_shapes(layout, nb, bs, kh, d, cdt, x)
     _check_shape("key_cache", key_cache, kexp, f"{kdims} for layout {layout!r}")
-    _check_shape("value_cache", value_cache, vexp, f"{vdims} for layout {layout!r}")
+    if vexp is not None:
+        _check_shape("value_cache", value_cache, vexp, f"{vdims} for layout {layout!r}")
     idt = _dtype("slot_mapping", slot_mapping)
     if idt not in INDEX_DTYPES:
         raise TypeError(f"slot_mapping: expected dtype int32 or int64, got {idt.name}")
     _check_rank("slot_mapping", slot_mapping, 1, "[T]")
-    if check_scale_caches(k_scale_cache, v_scale_cache, k_scale, v_scale, cdt, (nb, kh, bs)):
+    if check_scale_caches(k_scale_cache, v_scale_cache, k_scale, v_scale, cdt, scale_shape(layout, nb, bs, kh), layout):
         return nb, bs, "token"
     if k_scale is None and v_scale is None:
         return nb, bs, None
@@ -839,6 +945,9 @@ class KernelCodes:
     x: int = 0             # X of an x-packed layout when not 16 // cache itemsize (OpSpec.pack_x); 0: default
     qkv: bool = False      # q, k and v read from the fused [T, QH + 2 KH, D] tensor (OpSpec.qkv)
     token_scales: bool = False  # per-token fp8 scales written to the scale caches (OpSpec.token_scales)
+    # blocks per layer where the caches do not lead with NB (head_major [KH, NB, ...]): the kernels read
+    # NB from the caches' leading dimension otherwise; 0 for every other layout
+    nb: int = 0
 
 
 def kernel_codes(spec: OpSpec) -> KernelCodes:
@@ -853,7 +962,8 @@ def kernel_codes(spec: OpSpec) -> KernelCodes:
         q_norm=-1 if spec.q_norm_dtype is None else DTYPE_CODES[np.dtype(spec.q_norm_dtype)],
         k_norm=-1 if spec.k_norm_dtype is None else DTYPE_CODES[np.dtype(spec.k_norm_dtype)],
         norm_eps=float(spec.norm_eps), k_scale_heads=bool(spec.k_scale_heads), v_scale_heads=bool(spec.v_scale_heads),
-        x=int(spec.pack_x), qkv=bool(spec.qkv), token_scales=bool(spec.token_scales), **mrope_codes(spec))
+        x=int(spec.pack_x), qkv=bool(spec.qkv), token_scales=bool(spec.token_scales),
+        nb=0 if LAYOUT_TABLE[spec.layout].blocks_lead else spec.num_blocks, **mrope_codes(spec))
 
 
 def mrope_codes(spec: OpSpec) -> dict:

@@ -46,6 +46,7 @@ import numpy as np
 
 import jax_rope_cache as jrc
 from jax_rope_cache import attention as attn
+from jax_rope_cache import contract
 
 __all__ = ["DecoderConfig", "BlockAllocator", "Decoder", "TINY_CONFIGS", "LLAMA_31_8B_CONFIG", "random_params",
            "random_params_on_device", "params_digest", "hf_state_dict", "slot_mapping", "rope_and_write",
@@ -383,44 +384,11 @@ def rope_and_write(qkv, caches, slots, positions, cos, sin, *, layout: str, laye
                    num_kv_heads: int, **options):
     """rope_and_cache_qkv on the decoder's caches in `layout`: -> (q [T, QH, D], k [T, KH, D], caches,
     *scale caches). `caches`: (key_cache, value_cache), or (kv_cache,) for kv_merged; one layer's
-    (layer None) or stacked [L, ...] at `layer`. The decoder's only call of the op.
-
-    For the layouts the op does not write yet (head_major, kv_merged: attention.NEW_LAYOUTS) the op
-    rotates (writing nothing: every slot -1 into a one-slot cache) and a jnp scatter writes its k
-    and the v slice at their slots: the values the op will write. Once jrc.LAYOUTS has a layout,
-    the op writes it directly (kv_merged as rope_and_cache_qkv(qkv, kv_cache, None, ...) ->
-    (q, k, kv_cache, None)) and the scatter below goes."""
+    (layer None) or stacked [L, ...] at `layer`. The decoder's only call of the op."""
     key, value = (tuple(caches) + (None,))[:2]
-    common = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, **options)
-    if layout in jrc.LAYOUTS:
-        q, k, *out = jrc.rope_and_cache_qkv(qkv, key, value, slots, positions, cos, sin, layout=layout, layer=layer,
-                                            **common)
-        return (q, k, tuple(c for c in out[:2] if c is not None), *out[2:])
-    if layout not in attn.NEW_LAYOUTS or options.get("k_scale_cache") is not None:
-        raise ValueError(f"layout: expected one of {jrc.LAYOUTS + attn.NEW_LAYOUTS}, got {layout!r}"
-                         + (" with per-token scale caches" if layout in attn.NEW_LAYOUTS else ""))
-    T, D = qkv.shape[0], qkv.shape[-1] // (num_q_heads + 2 * num_kv_heads)
-    none = [jnp.zeros((1, 1, num_kv_heads, D), qkv.dtype) for _ in "kv"]
-    q, k, *_ = jrc.rope_and_cache_qkv(qkv, *none, jnp.full((T,), -1, jnp.int32), positions, cos, sin,
-                                      layout="flash", **common)
-    v = qkv.reshape(T, num_q_heads + 2 * num_kv_heads, D)[:, num_q_heads + num_kv_heads:]
-    stacked = () if layer is None else (jnp.full((T, 1), layer, jnp.int32),)
-    heads = jnp.arange(num_kv_heads)[None, :]
-    if layout == "head_major":   # [KH, NB, BS, D]
-        nb, bs = key.shape[-3], key.shape[-2]
-    else:                        # kv_merged [NB, BS, 2 KH, D]
-        nb, bs = key.shape[-4], key.shape[-3]
-    ok = (slots >= 0) & (slots < nb * bs)
-    blk = jnp.where(ok, slots // bs, nb)[:, None]  # block nb: out of bounds, dropped
-    off = (slots % bs)[:, None]
-    if layout == "head_major":
-        idx = stacked + (heads, blk, off)
-        out = (key.at[idx].set(k.astype(key.dtype), mode="drop"),
-               value.at[idx].set(v.astype(value.dtype), mode="drop"))
-    else:
-        kv = jnp.stack([k, v.astype(k.dtype)], axis=2).reshape(T, 2 * num_kv_heads, D)  # K head h at 2h, V at 2h + 1
-        out = (key.at[stacked + (blk, off)].set(kv[:, None].astype(key.dtype), mode="drop"),)
-    return q, k, out
+    q, k, *out = jrc.rope_and_cache_qkv(qkv, key, value, slots, positions, cos, sin, layout=layout, layer=layer,
+                                        num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, **options)
+    return (q, k, tuple(c for c in out[:2] if c is not None), *out[2:])
 
 
 def rms_norm(x, weight, eps):
@@ -478,7 +446,7 @@ class Decoder:
     """
 
     config_class = DecoderConfig
-    layouts = tuple(dict.fromkeys(jrc.LAYOUTS + attn.NEW_LAYOUTS))
+    layouts = jrc.LAYOUTS
     kv_quants = KV_QUANTS
     attentions = attn.ATTENTIONS
 
@@ -495,8 +463,9 @@ class Decoder:
         self.attention, layout = self.choose_attention(attention, layout, kv_quant, self.device)
         if layout not in self.layouts:
             raise ValueError(f"layout: expected one of {self.layouts}, got {layout!r}")
-        if kv_quant and layout in attn.NEW_LAYOUTS:
-            raise ValueError(f"kv_quant: {kv_quant!r} caches in one of {jrc.LAYOUTS}, got layout {layout!r}")
+        if kv_quant and contract.cache_layout(layout).scale_axes != ("NB", "KH", "BS"):  # dequantize_blocks' order
+            raise ValueError(f"kv_quant: {kv_quant!r} caches in a layout with [NB, KH, BS] scale caches, "
+                             f"got layout {layout!r}")
         self.hf_config = dict(config)
         self.cfg = self.config_class.from_hf(config)
         self.layout, self.block_size, self.impl, self.unroll = layout, block_size, impl, unroll
@@ -617,10 +586,8 @@ class Decoder:
         zero; "zeros" for large pools."""
         cfg = self.cfg
         cdt = self.cache_dtype
-        if self.layout in attn.NEW_LAYOUTS:  # from their definitions, whatever form the op's helpers give them
-            shapes = attn.new_layout_shapes(self.layout, num_blocks, self.block_size, cfg.kv_heads, cfg.head_dim)
-        else:
-            shapes = jrc.cache_shapes(self.layout, num_blocks, self.block_size, cfg.kv_heads, cfg.head_dim, cdt)
+        shapes = [s for s in jrc.cache_shapes(self.layout, num_blocks, self.block_size, cfg.kv_heads, cfg.head_dim, cdt)
+                  if s is not None]  # kv_merged: one array
         if self.per_layer:
             return self._filled([tuple(s) for _ in range(cfg.num_layers) for s in shapes], fill, seed, cdt)
         return self._filled([(cfg.num_layers,) + tuple(s) for s in shapes], fill, seed, cdt)

@@ -65,8 +65,9 @@ rounds float32 to the input dtype (nearest even), r32() is a float32 operation:
     scale = r32(max(amax, 1e-8f) / FP8_MAX)        (1e-8f = contract.TOKEN_AMAX_FLOOR: an all-zero
                                                     row gets a tiny nonzero scale, never 0 or NaN)
     stored_d = fp8(clamp(y_d * r32(1 / scale), -max, max))   (the static rule with this scale)
-  and `scale` is written to the scale caches at [block, h, offset] ([layer, block, h, offset]
-  stacked) of the token's slot, with the same slot rule as the caches. The max is exact, so the
+  and `scale` is written to the scale caches at (block, h, offset) of the token's slot in the
+  layout's scale axes ([block, h, offset]; head_major [h, block, offset]; stacked: [layer, ...]),
+  with the same slot rule as the caches. The max is exact, so the
   order of the reduction does not matter. A NaN stores the canonical NaN and +-inf saturates to
   +-max, as with static scales; they never make the row's scale inf or NaN. Dequantized:
   float32(stored) * scale (read_kv);
@@ -308,20 +309,21 @@ def quantize_rows(y: np.ndarray, cache_dtype, scale: np.ndarray) -> np.ndarray:
 
 
 def write_tokens(cache: np.ndarray, which: str, layout: str, blk, off, values: np.ndarray) -> None:
-    """Stores values [n, KH, D] (cache dtype) of n tokens at (blk, off) of one layer, in place."""
+    """Stores values [n, KH, D] (cache dtype; a scale cache, which="scale": [n, KH]) of n tokens at
+    (blk, off) of one layer, in place. A merged layout's "key" and "value" are the same array."""
     lay = contract.LAYOUT_TABLE[layout]
     x = lay.cache_x(which, cache.shape, cache.dtype)
-    shape, perm = lay.token_split(which, values.shape[1], values.shape[2], x)
+    shape, perm = lay.token_split(which, values.shape[1], values.shape[-1], x)
     cache[lay.token_index(which, blk, off, x)] = values.reshape((len(values),) + shape).transpose(perm)
 
 
 def read_tokens(cache: np.ndarray, which: str, layout: str, blk, off, kv_heads: int, head_dim: int) -> np.ndarray:
-    """The values [n, KH, D] stored at (blk, off) of one layer."""
+    """The values [n, KH, D] (which="scale": [n, KH]) stored at (blk, off) of one layer."""
     lay = contract.LAYOUT_TABLE[layout]
     x = lay.cache_x(which, cache.shape, cache.dtype)
     shape, perm = lay.token_split(which, kv_heads, head_dim, x)
     got = cache[lay.token_index(which, blk, off, x)]
-    return got.transpose(np.argsort(perm)).reshape(len(blk), kv_heads, head_dim)
+    return got.transpose(np.argsort(perm)).reshape((len(blk), kv_heads) + ((head_dim,) if which != "scale" else ()))
 
 
 def _valid_slots(slot_mapping: np.ndarray, num_slots: int) -> np.ndarray:
@@ -344,6 +346,7 @@ def rope_and_cache(q, k, v, key_cache, value_cache, slot_mapping, positions, cos
     order is norm "before", rotation (unless rotary_dim=0 or use_rope is false), norm "after" (on a
     call that rotated), temperature (q only, on a call that did not rotate)."""
     del impl
+    contract.check_value_cache(value_cache, layout)
     contract.check_distinct_caches(key_cache, value_cache)
     q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin = (
         None if a is None else np.asarray(a)
@@ -375,7 +378,7 @@ def rope_and_cache(q, k, v, key_cache, value_cache, slot_mapping, positions, cos
     # what the cache stores: k_out, but an fp8 cache in "fused" arithmetic quantizes the f32 values
     k_stored = k_wide if spec.fp8 and arithmetic(spec) == "fused" else k_out
 
-    caches = [key_cache.copy(), value_cache.copy()]
+    caches = [key_cache.copy(), None if value_cache is None else value_cache.copy()]  # merged: no value cache
     if spec.token_scales:
         caches += [k_scale_cache.copy(), v_scale_cache.copy()]
     out = (q_out, k_out, *caches)
@@ -383,20 +386,20 @@ def rope_and_cache(q, k, v, key_cache, value_cache, slot_mapping, positions, cos
         layer = int(np.asarray(layer))
         if not 0 <= layer < spec.num_layers:
             return out
-        caches = [c[layer] for c in caches]  # views: writes land in the stacked copies
+        caches = [None if c is None else c[layer] for c in caches]  # views: writes land in the stacked copies
     valid = _valid_slots(slot_mapping, spec.num_slots)
     slots = slot_mapping.astype(np.int64)[valid]
     blk, off = slots // spec.block_size, slots % spec.block_size
     if spec.token_scales:
         ks, vs = token_scale(k_stored[valid], spec.cache_dtype), token_scale(v[valid], spec.cache_dtype)
         kq, vq = quantize_rows(k_stored[valid], spec.cache_dtype, ks), quantize_rows(v[valid], spec.cache_dtype, vs)
-        caches[2][blk, :, off] = ks
-        caches[3][blk, :, off] = vs
+        write_tokens(caches[2], "scale", layout, blk, off, ks)
+        write_tokens(caches[3], "scale", layout, blk, off, vs)
     else:
         kq = quantize(k_stored[valid], spec.cache_dtype, k_scale)
         vq = quantize(v[valid], spec.cache_dtype, v_scale)
     write_tokens(caches[0], "key", layout, blk, off, kq)
-    write_tokens(caches[1], "value", layout, blk, off, vq)
+    write_tokens(caches[0] if caches[1] is None else caches[1], "value", layout, blk, off, vq)
     return out
 
 
@@ -407,11 +410,12 @@ def read_kv(key_cache, value_cache, slot_mapping, *, layout="flash", k_scale=Non
     caches) an fp8 cache is dequantized: float32 values float32(stored) * scale."""
     mode = contract.check_read_kv(key_cache, value_cache, slot_mapping, layout, k_scale=k_scale, v_scale=v_scale,
                                   k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache)[2]
-    key_cache, value_cache = np.asarray(key_cache), np.asarray(value_cache)
+    key_cache = np.asarray(key_cache)
+    value_cache = key_cache if value_cache is None else np.asarray(value_cache)  # merged: one array
     lay = contract.cache_layout(layout)
     x = lay.cache_x("key", key_cache.shape, key_cache.dtype)
     nb, bs = lay.block_geometry(key_cache.shape, x)
-    kh, d = key_cache.shape[lay.key_axes.index("KH")], value_cache.shape[lay.value_axes.index("D")]
+    kh, d = lay.kv_heads(key_cache.shape), lay.head_dim(key_cache.shape, x)
     s = np.asarray(slot_mapping).astype(np.int64)
     valid = _valid_slots(s, nb * bs)
     safe = np.where(valid, s, 0)
@@ -419,8 +423,8 @@ def read_kv(key_cache, value_cache, slot_mapping, *, layout="flash", k_scale=Non
     kk = read_tokens(key_cache, "key", layout, blk, off, kh, d)
     vv = read_tokens(value_cache, "value", layout, blk, off, kh, d)
     if mode == "token":
-        kk = kk.astype(_F32) * np.asarray(k_scale_cache, _F32)[blk, :, off][..., None]
-        vv = vv.astype(_F32) * np.asarray(v_scale_cache, _F32)[blk, :, off][..., None]
+        kk = kk.astype(_F32) * read_tokens(np.asarray(k_scale_cache, _F32), "scale", layout, blk, off, kh, 1)[..., None]
+        vv = vv.astype(_F32) * read_tokens(np.asarray(v_scale_cache, _F32), "scale", layout, blk, off, kh, 1)[..., None]
     elif mode == "static":
         kk = kk.astype(_F32) * np.asarray(k_scale, _F32).reshape(-1, 1)
         vv = vv.astype(_F32) * np.asarray(v_scale, _F32).reshape(-1, 1)

@@ -539,6 +539,10 @@ def custom_call_operands(args, opts, layer=0) -> list[np.ndarray]:
         scales.append(s.reshape(()) if s.size == 1 else s.reshape(-1))
     none = np.zeros(1, np.float32)
     weights = [none if opts.get(n) is None else np.asarray(opts[n]) for n in ("q_norm_weight", "k_norm_weight")]
+    args = list(args)
+    if args[4] is None:  # kv_merged (no value cache): the op's one-element placeholder per layer
+        kc = np.asarray(args[3])
+        args[4] = np.zeros(kc.shape[:kc.ndim - 4] + (1,), kc.dtype)
     return [np.asarray(a) for a in args] + scales + [np.asarray(layer, np.int32).reshape(())] + weights
 
 
@@ -570,6 +574,9 @@ def run(kernel_module, cfg, operands: list[np.ndarray]) -> list[np.ndarray]:
     names.update(zip(scale_caches, ("k_scale_cache", "v_scale_cache")))
     LAST_WRITERS = {names.get(base, hex(base)): parts for base, parts in M.writers.items()}
     out = [M.read(a_qo, q_out), M.read(a_ko, k_out), M.read(addrs[3], kc), M.read(addrs[4], vc)]
+    if cfg.layout == getattr(kernel_module, "KV_MERGED", None):  # the placeholder: untouched, no value cache
+        assert out[3].tobytes() == vc.tobytes(), "kv_merged: the value_cache placeholder was written"
+        out[3] = None
     return out + [M.read(a, operands[i]) for a, i in zip(scale_caches, (9, 10))]
 
 

@@ -23,11 +23,24 @@ def test_make_kv_cache_shapes(layout, dtype, num_layers):
     kc, vc = jrc.make_kv_cache(5, 32, 2, 128, dtype, layout=layout, num_layers=num_layers, fill="random")
     want_k, want_v = contract.cache_shapes(layout, 5, 32, 2, 128, dtype)
     lead = () if num_layers is None else (num_layers,)
-    assert kc.shape == lead + want_k and vc.shape == lead + want_v
-    assert kc.dtype == np.dtype(dtype) and vc.dtype == np.dtype(dtype)
+    assert kc.shape == lead + want_k and kc.dtype == np.dtype(dtype)
     vals = np.asarray(kc).astype(np.float32)
     assert np.count_nonzero(vals) > 0.9 * vals.size and vals.std() > 0.5  # random, not zeros
+    if contract.LAYOUT_TABLE[layout].merged:  # K and V in the one array
+        assert vc is None and want_v is None
+        return
+    assert vc.shape == lead + want_v and vc.dtype == np.dtype(dtype)
     assert not np.array_equal(np.asarray(kc).view(np.uint8), np.asarray(vc).view(np.uint8))
+
+
+@pytest.mark.parametrize("layout", contract.LAYOUTS)
+@pytest.mark.parametrize("num_layers", [None, 2])
+def test_make_kv_scale_cache_shapes(layout, num_layers):
+    """The scale caches have the layout's scale axes: [NB, KH, BS], head_major [KH, NB, BS]."""
+    ks, vs = jrc.make_kv_scale_cache(5, 32, 3, num_layers=num_layers, layout=layout)
+    want = {"head_major": (3, 5, 32)}.get(layout, (5, 3, 32))
+    assert ks.shape == vs.shape == (() if num_layers is None else (num_layers,)) + want
+    assert ks.dtype == np.float32 and (np.asarray(ks) == 1).all()
 
 
 def test_make_kv_cache_zeros():
@@ -42,8 +55,8 @@ def _read_kv_checked(platform, case, seed):
     _, _, kc, vc = reference.rope_and_cache(*args, **opts)
     slots = args[5]
     dev = jax.devices(platform)[0]
-    got_k, got_v = jrc.read_kv(jax.device_put(kc, dev), jax.device_put(vc, dev), jax.device_put(slots, dev),
-                               layout=case.layout)
+    got_k, got_v = jrc.read_kv(jax.device_put(kc, dev), None if vc is None else jax.device_put(vc, dev),
+                               jax.device_put(slots, dev), layout=case.layout)
     want_k, want_v = reference.read_kv(kc, vc, slots, layout=case.layout)
     assert_bits_equal(np.asarray(got_k), want_k, "K")
     assert_bits_equal(np.asarray(got_v), want_v, "V")

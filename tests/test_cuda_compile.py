@@ -353,6 +353,12 @@ def _random(rng, shape, dtype, scale=1.0):
     return (rng.standard_normal(shape) * scale).astype(np.float32).astype(dtype)
 
 
+def _both_none(got, want) -> bool:
+    """kv_merged's absent value cache: None on both sides (one None only is a failure)."""
+    assert (got is None) == (want is None), (type(got), type(want))
+    return got is None
+
+
 def make_inputs(spec, rng):
     t, qh, kh, d = spec.num_tokens, spec.q_heads, spec.kv_heads, spec.head_dim
     q = _random(rng, (t, qh, d), spec.dtype, 2.0)
@@ -361,7 +367,7 @@ def make_inputs(spec, rng):
     kshape, vshape = contract.cache_shapes(spec.layout, spec.num_blocks, spec.block_size, kh, d, spec.cache_dtype,
                                            spec.x)
     kc = _random(rng, kshape, spec.cache_dtype)
-    vc = _random(rng, vshape, spec.cache_dtype)
+    vc = None if vshape is None else _random(rng, vshape, spec.cache_dtype)  # kv_merged: K and V in kc
     n = spec.num_slots
     slots = rng.permutation(n)[:t].astype(np.int64)
     bad = rng.random(t) < 0.25
@@ -407,12 +413,16 @@ def run_emulation(spec, args, k_scale, v_scale, tmp_dir, layer=0, num_sms=cuda.D
     lib = _build_emulation(cfg, tmp_dir, source, math_header)
     # The kernel's unit count is the one its threads are sized by (here one host thread runs them all).
     assert lib.rc_units() == _units(cfg, spec), (lib.rc_units(), _units(cfg, spec), cfg)
-    q, k, v, kc, vc, slots, pos, cos, sin = (np.ascontiguousarray(a) for a in args)
+    merged = args[4] is None
+    q, k, v, kc, vc, slots, pos, cos, sin = (None if a is None else np.ascontiguousarray(a) for a in args)
     ks = np.ascontiguousarray(k_scale if k_scale is not None else 1.0, np.float32)
     vs = np.ascontiguousarray(v_scale if v_scale is not None else 1.0, np.float32)
     absent = np.full(1, np.nan, np.float32)  # an absent weight's placeholder (never read)
     wq, wk = (absent if w is None else np.ascontiguousarray(w) for w in (q_norm_weight, k_norm_weight))
     t, d = spec.num_tokens, spec.head_dim  # q, k, v may each be the fused [T, QH + 2 KH, D] (spec.qkv)
+    if merged:  # kv_merged: the value_cache operand is the op's placeholder, which the kernel never touches
+        shape = contract.value_operand_shape(spec)
+        vc = np.full(shape + (spec.cache_dtype.itemsize,), 0x5A, np.uint8).view(spec.cache_dtype).reshape(shape)
     outs = [np.full((t, spec.q_heads, d), 7, q.dtype), np.full((t, spec.kv_heads, d), 7, k.dtype), kc, vc]
     ops = [q, k, v, kc, vc, slots, pos, cos, sin, ks, vs, np.array(layer, np.int32), wq, wk]
     grid = -(-spec.num_tokens // cfg.tokens_per_block)
@@ -421,7 +431,11 @@ def run_emulation(spec, args, k_scale, v_scale, tmp_dir, layer=0, num_sms=cuda.D
     assert r["guards_ok"], "a write outside the outputs"
     assert r["pieces"] == _run_pieces(cfg, spec, slots, layer), "x-packed V: runs stored whole, or not, wrongly"
     assert r["run_units"] == _run_units(cfg, spec, slots, layer), "RC_VSEL: the blocks' V decomposition"
-    return tuple(r["results"])
+    q_out, k_out, kc_out, vc_out = r["results"]
+    if merged:
+        assert (np.asarray(vc_out).view(np.uint8) == 0x5A).all(), "kv_merged: the value_cache placeholder was written"
+        vc_out = None
+    return q_out, k_out, kc_out, vc_out
 
 
 def emulation_matrix():
@@ -483,6 +497,8 @@ def test_host_emulation_matches_reference_bitwise(kw, emu_dir):
                                     k_scale=ks, v_scale=vs, precision=spec.precision, table_form=spec.table_form)
     got = run_emulation(spec, args, ks, vs, emu_dir)
     for name, g, w in zip(("q_out", "k_out", "key_cache", "value_cache"), got, want):
+        if _both_none(g, w):
+            continue
         gb, wb = g.view(np.uint8), np.asarray(w).view(np.uint8)
         assert g.shape == w.shape
         if not np.array_equal(gb, wb):
@@ -557,7 +573,7 @@ def test_host_emulation_slot_runs(layout, combo, variant, emu_dir):
     want = reference.rope_and_cache(*args, layout=layout, k_scale=ks, v_scale=vs)
     got = run_emulation(spec, args, ks, vs, emu_dir, num_sms=1, defines=variant)
     for name, g, w in zip(("q_out", "k_out", "key_cache", "value_cache"), got, want):
-        assert np.array_equal(g.view(np.uint8), np.asarray(w).view(np.uint8)), name
+        assert _both_none(g, w) or np.array_equal(g.view(np.uint8), np.asarray(w).view(np.uint8)), name
 
 
 SPECIAL_COMBOS = [(BF16, BF16, None, "native"), (F16, F16, FNUZ, "native"), (BF16, F32, FN, "native"),
@@ -601,7 +617,7 @@ def test_host_emulation_subnormals_and_tiny_scales(dt, tdt, cdt, prec, scale, em
     assert (np.abs(want[0].astype(np.float32)) < 2.0**-126).sum() > 20
     got = run_emulation(spec, args, ks, vs, emu_dir)
     for name, g, w in zip(("q_out", "k_out", "key_cache", "value_cache"), got, want):
-        assert np.array_equal(g.view(np.uint8), np.asarray(w).view(np.uint8)), name
+        assert _both_none(g, w) or np.array_equal(g.view(np.uint8), np.asarray(w).view(np.uint8)), name
 
 
 @pytest.mark.parametrize("variant", [None, dict(KP, RC_TPB=8)], ids=["default", "kpairs-tpb8"])
@@ -614,13 +630,13 @@ def test_host_emulation_writes_one_layer_of_stacked_caches(layout, variant, emu_
     rng = np.random.default_rng(11)
     q, k, v, kc, vc, slots, pos, cos, sin = make_inputs(dataclasses.replace(spec, num_layers=None), rng)
     kc = np.stack([_random(rng, kc.shape, kc.dtype) for _ in range(layers)])
-    vc = np.stack([_random(rng, vc.shape, vc.dtype) for _ in range(layers)])
+    vc = None if vc is None else np.stack([_random(rng, vc.shape, vc.dtype) for _ in range(layers)])
     args = (q, k, v, kc, vc, slots, pos, cos, sin)
     for layer in (0, 2, 1, -1, 3, 2**31 - 1, -2**31):
         want = reference.rope_and_cache(*args, layout=layout, layer=np.array(layer, np.int32))  # as if traced
         got = run_emulation(spec, args, None, None, emu_dir, layer=layer, defines=variant)
         for name, g, w in zip(("q_out", "k_out", "key_cache", "value_cache"), got, want):
-            assert np.array_equal(g.view(np.uint8), np.asarray(w).view(np.uint8)), (layer, name)
+            assert _both_none(g, w) or np.array_equal(g.view(np.uint8), np.asarray(w).view(np.uint8)), (layer, name)
         if not 0 <= layer < layers:
             assert np.array_equal(got[2].view(np.uint8), kc.view(np.uint8)), layer
 
@@ -704,7 +720,7 @@ def test_host_emulation_e5m2_stacked_layers_per_head_scales(emu_dir):
     rng = np.random.default_rng(12)
     q, k, v, kc, vc, slots, pos, cos, sin = make_inputs(dataclasses.replace(spec, num_layers=None), rng)
     kc = np.stack([_random(rng, kc.shape, kc.dtype) for _ in range(layers)])
-    vc = np.stack([_random(rng, vc.shape, vc.dtype) for _ in range(layers)])
+    vc = None if vc is None else np.stack([_random(rng, vc.shape, vc.dtype) for _ in range(layers)])
     args = (q, k, v, kc, vc, slots, pos, cos, sin)
     ks, vs = np.asarray([0.3, 0.02], np.float32), np.asarray([2.5, 0.007], np.float32)
     for layer in (0, 2, -1):
@@ -829,7 +845,7 @@ def test_host_emulation_v_channels_stacked_layers(layout, vch, emu_dir):
     spec = make_spec(T=203, QH=4, KH=2, D=64, layout=layout, NB=64, max_pos=50, layers=layers)
     q, k, v, kc, vc, _, pos, cos, sin = make_inputs(dataclasses.replace(spec, num_layers=None), rng)
     kc = np.stack([_random(rng, kc.shape, kc.dtype) for _ in range(layers)])
-    vc = np.stack([_random(rng, vc.shape, vc.dtype) for _ in range(layers)])
+    vc = None if vc is None else np.stack([_random(rng, vc.shape, vc.dtype) for _ in range(layers)])
     args = (q, k, v, kc, vc, _run_slots(rng, spec.num_tokens, spec), pos, cos, sin)
     for layer in (0, 2, -1, 3):
         want = reference.rope_and_cache(*args, layout=layout, layer=np.array(layer, np.int32))
@@ -1088,7 +1104,7 @@ def test_host_emulation_v_select_stacked_layers(layout, vsel, emu_dir):
     args, opts, spec, defines = _vsel_case(kw, vsel, "allruns", rng, tail=0)
     spec = make_spec(**kw, T=spec.num_tokens, NB=96, max_pos=50, layers=layers)
     kc = np.stack([_random(rng, args[3].shape, args[3].dtype) for _ in range(layers)])
-    vc = np.stack([_random(rng, args[4].shape, args[4].dtype) for _ in range(layers)])
+    vc = None if args[4] is None else np.stack([_random(rng, args[4].shape, args[4].dtype) for _ in range(layers)])
     args = args[:3] + (kc, vc) + args[5:]
     for layer in (0, 2, -1, 3):
         want = reference.rope_and_cache(*args, layout=layout, layer=np.array(layer, np.int32))
@@ -1140,7 +1156,7 @@ def test_host_emulation_v_select_would_catch_a_wrong_choice(what, old, new, kind
         layers = 3
         lspec = make_spec(**kw, T=t, NB=96, max_pos=50, layers=layers)
         args[3] = np.stack([_random(rng, args[3].shape, args[3].dtype) for _ in range(layers)])
-        args[4] = np.stack([_random(rng, args[4].shape, args[4].dtype) for _ in range(layers)])
+        args[4] = None if args[4] is None else np.stack([_random(rng, args[4].shape, args[4].dtype) for _ in range(layers)])
         layer = 2
     def run(source, isolated=False):
         want = reference.rope_and_cache(*args, layout="xpacked", layer=None if kind != "layer" else np.array(layer, np.int32))
@@ -1309,6 +1325,8 @@ def _emulate(args, opts, emu_dir, **kw):
 
 def _assert_bitwise(got, want):
     for name, g, w in zip(("q_out", "k_out", "key_cache", "value_cache"), got, want):
+        if _both_none(g, w):
+            continue
         gb, wb = g.view(np.uint8), np.asarray(w).view(np.uint8)
         assert g.shape == w.shape, name
         if not np.array_equal(gb, wb):
@@ -1721,7 +1739,7 @@ def test_host_emulation_split_stacked_layers(layout, emu_dir, monkeypatch):
     rng = np.random.default_rng(5)
     q, k, v, kc, vc, slots, pos, cos, sin = make_inputs(dataclasses.replace(spec, num_layers=None), rng)
     kc = np.stack([_random(rng, kc.shape, kc.dtype) for _ in range(layers)])
-    vc = np.stack([_random(rng, vc.shape, vc.dtype) for _ in range(layers)])
+    vc = None if vc is None else np.stack([_random(rng, vc.shape, vc.dtype) for _ in range(layers)])
     args = (q, k, v, kc, vc, slots, pos, cos, sin)
     for layer in (2, -1):
         want = reference.rope_and_cache(*args, layout=layout, layer=np.array(layer, np.int32))
@@ -1941,11 +1959,11 @@ def test_host_emulation_of_the_node_entry_matches_reference_bitwise(kw, emu_dir)
     spec, args, ks, vs = _matrix_problem(kw)
     want = reference.rope_and_cache(*args, layout=spec.layout, is_neox=spec.is_neox, rotary_dim=spec.rotary_dim,
                                     precision=spec.precision, k_scale=ks, v_scale=vs, table_form=spec.table_form)
-    node = {"RC_NODE": 1, "RC_NODE_T": spec.num_tokens, "RC_NODE_LEAD": spec.num_blocks,
+    node = {"RC_NODE": 1, "RC_NODE_T": spec.num_tokens, "RC_NODE_LEAD": args[3].shape[0],  # as cuda.node_dims
             "RC_NODE_MAX_POS": spec.max_pos}
     got = run_emulation(spec, args, ks, vs, emu_dir, defines=node)
     for name, g, w in zip(("q_out", "k_out", "key_cache", "value_cache"), got, want):
-        assert np.array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8)), name
+        assert _both_none(g, w) or np.array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8)), name
 
 
 def test_host_emulation_of_the_node_entry_would_catch_swapped_pointers(emu_dir):

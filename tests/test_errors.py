@@ -28,6 +28,12 @@ def _xpacked(dt=BF16, x=8, d=D):
     return dict(key_cache=np.ones((NB, KH, d // x, BS, x), dt), value_cache=np.ones((NB, KH, d, BS), dt))
 
 
+def _merged(heads=2 * KH, layers=None, dt=BF16):
+    """A kv_merged call: the one array [NB, BS, 2*KH, D] as key_cache, value_cache None."""
+    lead = () if layers is None else (layers,)
+    return dict(key_cache=np.ones(lead + (NB, BS, heads, D), dt), value_cache=None)
+
+
 def _fp8(layers=None):
     lead = () if layers is None else (layers,)
     return dict(key_cache=np.ones(lead + (NB, BS, KH, D), FP8), value_cache=np.ones(lead + (NB, BS, KH, D), FP8))
@@ -138,6 +144,27 @@ BAD = [
     ("norm-eps-bool", {}, dict(norm_eps=True), TypeError, ["norm_eps", "float", "bool"]),
     ("norm-eps-vector", {}, dict(norm_eps=np.ones(2, np.float32)), TypeError, ["norm_eps", "float32[2]"]),
     ("norm-eps-int-array", {}, dict(norm_eps=np.int32(1)), TypeError, ["norm_eps", "int32"]),
+    # the layouts of JAX's Pallas kernels
+    ("head-major-shape", {}, dict(layout="head_major"), ValueError,
+     ["key_cache", "[KH, NB, BS, D]", "head_major", "[3, 16, 2, 64]"]),
+    ("head-major-value-shape", dict(key_cache=np.ones((KH, NB, BS, D), BF16), value_cache=np.ones((NB, KH, BS, D), BF16)),
+     dict(layout="head_major"), ValueError, ["value_cache", "[KH, NB, BS, D]", "[2, 3, 16, 64]", "[3, 2, 16, 64]"]),
+    ("head-major-scale-cache-shape", dict(key_cache=np.ones((KH, NB, BS, D), FP8), value_cache=np.ones((KH, NB, BS, D), FP8)),
+     dict(layout="head_major", k_scale_cache=np.ones((NB, KH, BS), np.float32),
+          v_scale_cache=np.ones((KH, NB, BS), np.float32)), ValueError,
+     ["k_scale_cache", "[KH, NB, BS] = [2, 3, 16]", "[3, 2, 16]"]),
+    ("kv-merged-value-cache-given", dict(key_cache=np.ones((NB, BS, 2 * KH, D), BF16)), dict(layout="kv_merged"),
+     ValueError, ["value_cache", "kv_merged", "one array", "expected None", "bfloat16[3, 16, 2, 64]"]),
+    ("kv-merged-odd-heads", _merged(heads=2 * KH - 1), dict(layout="kv_merged"), ValueError,
+     ["key_cache", "kv_merged", "even head axis 2*KH", "[3, 16, 3, 64]"]),
+    ("kv-merged-heads", _merged(heads=2 * KH + 2), dict(layout="kv_merged"), ValueError,
+     ["key_cache", "[NB, BS, 2*KH, D]", "[3, 16, 4, 64]", "[3, 16, 6, 64]"]),
+    ("kv-merged-flash-shaped", dict(value_cache=None), dict(layout="kv_merged"), ValueError,
+     ["key_cache", "[NB, BS, 2*KH, D]", "[3, 16, 4, 64]", "[3, 16, 2, 64]"]),
+    ("kv-merged-stacked-rank", _merged(), dict(layout="kv_merged", layer=0), ValueError,
+     ["key_cache", "rank 5", "[L, NB, BS, 2*KH, D]", "[3, 16, 4, 64]"]),
+    ("value-cache-none", dict(value_cache=None), {}, ValueError, ["value_cache", "'flash' needs a value cache",
+                                                                  "got None"]),
     ("unknown-layout", {}, dict(layout="paged"), ValueError, ["layout", "flash", "'paged'"]),
     ("unknown-precision", {}, dict(precision="bf16"), ValueError, ["precision", "fp32", "'bf16'"]),
     ("is-neox-str", {}, dict(is_neox="yes"), TypeError, ["is_neox", "bool", "str"]),

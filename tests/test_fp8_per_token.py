@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import Case, assert_bits_equal, assert_fma_close, impl_params, make_problem, ulp_diff, xla_bound
+from conftest import (Case, assert_bits_equal, assert_fma_close, impl_params, make_problem, num_blocks, ulp_diff,
+                      xla_bound)
 
 from test_structure import check_in_place
 
@@ -42,12 +43,12 @@ def per_token_problem(case: Case, seed: int, *, layers: int | None = None, norm:
     v[n, 0, 7] = np.nan
     k[n, 0, 1] = np.nan
     k[s, -1, case.D - 1] = np.inf  # a pass-through or rotated channel: inf either way
-    nb, bs, kh = kc.shape[0], case.BS, case.KH
-    sc = lambda: rng.uniform(0.1, 2.0, (nb, kh, bs)).astype(F32)  # noqa: E731
+    shape = contract.scale_shape(case.layout, num_blocks(case), case.BS, case.KH)
+    sc = lambda: rng.uniform(0.1, 2.0, shape).astype(F32)  # noqa: E731
     ksc, vsc = sc(), sc()
     if layers is not None:
-        stack = lambda a: np.stack([a] + [rng.standard_normal(a.shape).astype(F32).astype(a.dtype)  # noqa: E731
-                                          for _ in range(layers - 1)])
+        stack = lambda a: None if a is None else np.stack(  # noqa: E731
+            [a] + [rng.standard_normal(a.shape).astype(F32).astype(a.dtype) for _ in range(layers - 1)])
         kc, vc, ksc, vsc = stack(kc), stack(vc), stack(ksc), stack(vsc)
         opts["layer"] = layers - 1
     if norm:
@@ -133,9 +134,10 @@ def test_reference_per_token_equals_static_scale_of_that_token(layout):
     slots, bs = args[5], case.BS
     for t in SPECIAL_TOKENS[:2]:
         one = [a[t:t + 1] for a in args[:3]] + list(args[3:5]) + [args[5][t:t + 1], args[6][t:t + 1]] + list(args[7:])
-        b, o = slots[t] // bs, slots[t] % bs
+        b, o = np.array([slots[t] // bs]), np.array([slots[t] % bs])
         static = {n: x for n, x in opts.items() if not n.endswith("_scale_cache")}
-        want = reference.rope_and_cache(*one, **static, k_scale=out[4][b, :, o], v_scale=out[5][b, :, o])
+        ks, vs = (reference.read_tokens(out[i], "scale", layout, b, o, case.KH, 1)[0] for i in (4, 5))
+        want = reference.rope_and_cache(*one, **static, k_scale=ks, v_scale=vs)
         got = reference.rope_and_cache(*one, **opts)
         for i in (2, 3):
             assert_bits_equal(got[i], want[i], f"token {t} cache {i}")
@@ -240,6 +242,9 @@ def check_results(impl, args, got, want, what, nan_bits=True):
     with nan_bits=False a kernel result handed on by XLA) only have to be where the reference's are."""
     names = contract.RESULTS + contract.TOKEN_SCALE_RESULTS
     for name, g, w in zip(names, got, want):
+        if w is None:  # a merged layout's absent value cache
+            assert g is None, f"{what}: {name} should be None"
+            continue
         g = np.asarray(g)
         if name in ("q_out", "k_out") and (impl != "kernel" or not nan_bits):
             # NaNs where the reference has them (XLA does not make its NaNs canonical), the rest to the bound
@@ -297,18 +302,21 @@ def test_jit_donation_updates_scale_caches_in_place(platform, impl):
 
 
 @pytest.mark.parametrize("platform,impl", impl_params())
-def test_refs_and_traced_layer_in_a_scan(platform, impl):
-    """jax.Ref caches and scale caches, written layer by layer by a scan: each layer as the reference."""
-    tc = TokenCase(Case(T=9, KH=2, D=64, cache_dtype="float8_e4m3fnuz"), layers=3)
+@pytest.mark.parametrize("layout", ["flash", "head_major", "kv_merged"])
+def test_refs_and_traced_layer_in_a_scan(platform, impl, layout):
+    """jax.Ref caches and scale caches, written layer by layer by a scan: each layer as the reference
+    (kv_merged: one ref for K and V, None for the value cache)."""
+    tc = TokenCase(Case(T=9, KH=2, D=64, cache_dtype="float8_e4m3fnuz", layout=layout), layers=3)
     args, opts = _token_call(tc, seed=29)
     opts.pop("layer")
     dev = jax.devices(platform)[0]
-    caches = [np.asarray(a) for a in (args[3], args[4], opts.pop("k_scale_cache"), opts.pop("v_scale_cache"))]
+    caches = [None if a is None else np.asarray(a)
+              for a in (args[3], args[4], opts.pop("k_scale_cache"), opts.pop("v_scale_cache"))]
     want = list(caches)
     for layer in range(3):
         want = list(reference.rope_and_cache(*args[:3], want[0], want[1], *args[5:], layer=layer,
                                              k_scale_cache=want[2], v_scale_cache=want[3], **opts)[2:])
-    refs = [jax.new_ref(jax.device_put(c, dev)) for c in caches]
+    refs = [None if c is None else jax.new_ref(jax.device_put(c, dev)) for c in caches]
 
     @jax.jit
     def run(refs):
@@ -322,15 +330,19 @@ def test_refs_and_traced_layer_in_a_scan(platform, impl):
         run(refs)
     names = contract.RESULTS[2:] + contract.TOKEN_SCALE_RESULTS
     for i in range(4):
+        if want[i] is None:
+            assert refs[i] is None
+            continue
         check_cache(impl, names[i], refs[i][...], want[i], "refs in a scan")
 
 
 @pytest.mark.parametrize("platform,impl", impl_params())
-def test_vmap_over_scale_caches(platform, impl):
-    tc = TokenCase(Case(T=5, KH=2, D=64, cache_dtype="float8_e4m3fn"))
+@pytest.mark.parametrize("layout", ["flash", "head_major", "kv_merged"])
+def test_vmap_over_scale_caches(platform, impl, layout):
+    tc = TokenCase(Case(T=5, KH=2, D=64, cache_dtype="float8_e4m3fn", layout=layout))
     calls = [_token_call(tc, seed=s) for s in (31, 37)]
     want = [reference.rope_and_cache(*a, **o) for a, o in calls]
-    stack = lambda i: np.stack([a[i] for a, _ in calls])  # noqa: E731
+    stack = lambda i: None if calls[0][0][i] is None else np.stack([a[i] for a, _ in calls])  # noqa: E731
     sstack = lambda n: np.stack([o[n] for _, o in calls])  # noqa: E731
     opts = {n: x for n, x in calls[0][1].items() if not n.endswith("_scale_cache")}
     fn = jax.vmap(lambda *a: jrc.rope_and_cache(*a[:9], k_scale_cache=a[9], v_scale_cache=a[10], impl=impl, **opts))
@@ -338,16 +350,16 @@ def test_vmap_over_scale_caches(platform, impl):
         got = fn(*[stack(i) for i in range(9)], sstack("k_scale_cache"), sstack("v_scale_cache"))
     for b in range(2):
         # jax 0.11's CPU backend hands a batched result through a copy that makes a bf16 NaN 0x7FC0
-        check_results(impl, calls[b][0], [g[b] for g in got], want[b], f"vmap[{b}]",
+        check_results(impl, calls[b][0], [None if g is None else g[b] for g in got], want[b], f"vmap[{b}]",
                       nan_bits=jax.__version_info__ >= (0, 12))
 
 
 @pytest.mark.parametrize("impl", ["kernel", "xla"])
-@pytest.mark.parametrize("layout", ["flash", "xpacked", "hnd"])
+@pytest.mark.parametrize("layout", ["flash", "xpacked", "hnd", "head_major", "kv_merged"])
 def test_shard_map_over_kv_heads_shards_the_scale_caches_too(impl, layout):
-    """Tensor parallel over 4 host devices: the caches and the scale caches [NB, KH, BS] split on
-    their KV-head axis, each device quantizes its own heads' rows; the gathered result is the
-    unsharded reference's."""
+    """Tensor parallel over 4 host devices: the caches and the scale caches split on their KV-head
+    axis (contract.CacheLayout.head_axis; kv_merged: contiguous (K, V) pairs of its 2*KH axis),
+    each device quantizes its own heads' rows; the gathered result is the unsharded reference's."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -357,17 +369,19 @@ def test_shard_map_over_kv_heads_shards_the_scale_caches_too(impl, layout):
     want = reference.rope_and_cache(*args, **opts)
     devices = jax.devices("cpu")[:tp]
     mesh = jax.make_mesh((tp,), ("tp",), devices=devices)
-    axis = lambda axes: P(*([None] * axes.index("KH") + ["tp"]))  # noqa: E731
     table = contract.LAYOUT_TABLE[layout]
-    kspec, vspec, sspec, heads = axis(table.key_axes), axis(table.value_axes), P(None, "tp"), P(None, "tp")
+    axis = lambda which: P(*([None] * table.head_axis(which) + ["tp"]))  # noqa: E731
+    kspec, sspec, heads = axis("key"), axis("scale"), P(None, "tp")
+    vspec = None if table.merged else axis("value")
     ksc, vsc = opts.pop("k_scale_cache"), opts.pop("v_scale_cache")
     in_specs = (heads, heads, heads, kspec, vspec, P(), P(), P(), P(), sspec, sspec)
     out_specs = (heads, heads, kspec, vspec, sspec, sspec)
     fn = jax.shard_map(lambda *a: jrc.rope_and_cache(*a[:9], k_scale_cache=a[9], v_scale_cache=a[10], impl=impl,
                                                      **opts), mesh=mesh, in_specs=in_specs, out_specs=out_specs)
-    placed = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args + (ksc, vsc), in_specs)]
+    placed = [None if a is None else jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args + (ksc, vsc), in_specs)]
     got = jax.jit(fn, donate_argnums=(3, 4, 9, 10))(*placed)
     check_results(impl, args, got, want, f"shard_map {layout}")
+    assert got[2].sharding.is_equivalent_to(NamedSharding(mesh, kspec), args[3].ndim)
     assert got[4].sharding.is_equivalent_to(NamedSharding(mesh, sspec), 3)
 
 
@@ -379,13 +393,14 @@ def test_read_kv_dequantizes_like_the_reference(layout):
     out = reference.rope_and_cache(*args, **opts)
     scales = dict(k_scale_cache=out[4], v_scale_cache=out[5])
     want = reference.read_kv(out[2], out[3], args[5], layout=layout, **scales)
-    got = jrc.read_kv(jnp.asarray(out[2]), jnp.asarray(out[3]), args[5], layout=layout, **scales)
+    vc = None if out[3] is None else jnp.asarray(out[3])
+    got = jrc.read_kv(jnp.asarray(out[2]), vc, args[5], layout=layout, **scales)
     for g, w in zip(got, want):
         assert g.dtype == jnp.float32
         assert_values_equal(g, w, f"read_kv {layout}")
     ks = np.array([0.5, 3.0], F32)
     want = reference.read_kv(out[2], out[3], args[5], layout=layout, k_scale=ks, v_scale=0.125)
-    got = jrc.read_kv(jnp.asarray(out[2]), jnp.asarray(out[3]), args[5], layout=layout, k_scale=ks, v_scale=0.125)
+    got = jrc.read_kv(jnp.asarray(out[2]), vc, args[5], layout=layout, k_scale=ks, v_scale=0.125)
     for g, w in zip(got, want):
         assert_values_equal(g, w, f"read_kv static {layout}")
 

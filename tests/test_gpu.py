@@ -85,12 +85,21 @@ def _problem(seed=0, layout="flash", t=T, platform=None):
     return jax.device_put(args, _dev(platform)) if platform else args
 
 
+def _host(arrays) -> list:
+    return [None if a is None else np.asarray(a) for a in arrays]  # kv_merged: no value cache
+
+
+def _same(g, w) -> bool:
+    """The same bits (16-bit caches), or None on both sides (kv_merged's value cache)."""
+    if g is None or w is None:
+        return g is None and w is None
+    return np.array_equal(np.asarray(g).view(np.uint16), np.asarray(w).view(np.uint16))
+
+
 def _check(got, args, layout="flash"):
-    host = [np.asarray(a) for a in args]
-    want = reference.rope_and_cache(*host, layout=layout)
+    want = reference.rope_and_cache(*_host(args), layout=layout)
     for name, g, w in zip(("q_out", "k_out", "key_cache", "value_cache"), got, want):
-        g = np.asarray(g)
-        assert np.array_equal(g.view(np.uint16), np.asarray(w).view(np.uint16)), name
+        assert _same(g, w), name
 
 
 def _jitted(layout="flash"):
@@ -227,7 +236,7 @@ def test_caches_are_aliased_in_the_compiled_hlo_on_gpu(platform):
     assert compiled.memory_analysis().temp_size_in_bytes < cache_bytes
 
 
-@pytest.mark.parametrize("layout", ["flash", "xpacked", "xpacked_shuffled"])
+@pytest.mark.parametrize("layout", ["flash", "xpacked", "xpacked_shuffled", "head_major", "kv_merged"])
 def test_graph_replay_reads_indices_from_device(layout, platform):
     """Unrolled calls in one jit (XLA captures them into a command buffer / CUDA graph); the same
     executable run twice with different slots and positions must follow the device data."""
@@ -245,7 +254,7 @@ def test_graph_replay_reads_indices_from_device(layout, platform):
     for seed in (3, 4):
         rng = np.random.default_rng(seed)
         base = _problem(seed, layout, t=8, platform=platform)
-        kc0, vc0 = np.asarray(base[3]), np.asarray(base[4])
+        kc0, vc0 = _host(base[3:5])
         q = rng.standard_normal((n, 8, QH, D)).astype(jnp.bfloat16)
         k = rng.standard_normal((n, 8, KH, D)).astype(jnp.bfloat16)
         v = rng.standard_normal((n, 8, KH, D)).astype(jnp.bfloat16)
@@ -259,8 +268,7 @@ def test_graph_replay_reads_indices_from_device(layout, platform):
             qw, _, kw, vw = reference.rope_and_cache(*(np.asarray(a[i]) for a in (q, k, v)), kw, vw,
                                                      np.asarray(slots[i]), np.asarray(pos[i]), cos, sin, layout=layout)
             assert np.array_equal(np.asarray(outs[i]).view(np.uint16), qw.view(np.uint16))
-        assert np.array_equal(np.asarray(kc).view(np.uint16), kw.view(np.uint16))
-        assert np.array_equal(np.asarray(vc).view(np.uint16), vw.view(np.uint16))
+        assert _same(kc, kw) and _same(vc, vw)
 
 
 def test_loop_indexed_operands_replay_from_the_graph(platform):
@@ -594,13 +602,13 @@ def _node_platform(platform):
 NODE_NB = 32  # cache blocks of the node tests (512 slots: room for T = 300 distinct slots)
 
 
-def _node_problem(t, seed, layers=None, shape=(QH, KH, D)):
+def _node_problem(t, seed, layers=None, shape=(QH, KH, D), layout="flash"):
     qh, kh, d = shape
     NB = NODE_NB
     rng = np.random.default_rng(seed)
     bf16 = jnp.bfloat16
     q, k, v = (jnp.asarray(rng.standard_normal((t, h, d)), bf16) for h in (qh, kh, kh))
-    kc, vc = jrc.make_kv_cache(NB, BS, kh, d, bf16, fill="random", seed=seed, num_layers=layers)
+    kc, vc = jrc.make_kv_cache(NB, BS, kh, d, bf16, fill="random", seed=seed, num_layers=layers, layout=layout)
     slots = rng.permutation(NB * BS)[:t].astype(np.int32)
     slots[::7] = np.resize(np.array([-1, NB * BS, 2**30, -(2**31)], np.int32), len(slots[::7]))
     pos = rng.integers(-3, 70, t).astype(np.int32)
@@ -609,7 +617,7 @@ def _node_problem(t, seed, layers=None, shape=(QH, KH, D)):
             jnp.asarray(np.sin(ang), jnp.float32)]
 
 
-@pytest.mark.parametrize("layout", ["flash", "xpacked"])
+@pytest.mark.parametrize("layout", ["flash", "xpacked", "head_major", "kv_merged"])
 @pytest.mark.parametrize("t,shape", [(37, (QH, KH, D)), (1, (32, 8, 128)), (300, (32, 8, 128))])
 def test_kernel_node_is_one_ptx_call_aliased_and_bitwise(layout, t, shape, platform):
     """One `__gpu$xla.gpu.ptx` custom call (nothing else launches in the entry computation), the caches
@@ -627,28 +635,29 @@ def test_kernel_node_is_one_ptx_call_aliased_and_bitwise(layout, t, shape, platf
     assert "input_output_alias" in hlo
     entry = hlo[hlo.index("ENTRY"):]
     assert not re.findall(r"= [^ ]+ (fusion|copy|scatter|gather|dynamic-update-slice|convert)\(", entry), entry
-    host = [np.asarray(a) for a in args]
-    want = reference.rope_and_cache(*host, layout=layout)
+    want = reference.rope_and_cache(*_host(args), layout=layout)
     got = f(*args)
     for name, g, w in zip(("q_out", "k_out", "key_cache", "value_cache"), got, want):
-        assert np.array_equal(np.asarray(g).view(np.uint16), np.asarray(w).view(np.uint16)), name
+        assert _same(g, w), name
 
 
-def test_kernel_node_stacked_layers_read_on_the_device(platform):
+@pytest.mark.parametrize("layout", ["flash", "head_major", "kv_merged"])
+def test_kernel_node_stacked_layers_read_on_the_device(layout, platform):
     """Stacked caches and a traced layer through the kernel node: one executable for every layer, an
-    out-of-range layer writes nothing."""
+    out-of-range layer writes nothing (head_major: [L, KH, NB, BS, D], a layer's heads apart)."""
     _node_platform(platform)
-    q, k, v, kc, vc, slots, pos, cos, sin = jax.device_put(_node_problem(29, 5, layers=4), _dev(platform))
+    q, k, v, kc, vc, slots, pos, cos, sin = jax.device_put(_node_problem(29, 5, layers=4, layout=layout),
+                                                           _dev(platform))
     f = jax.jit(lambda q, k, v, kc, vc, s, p, c, sn, layer: jrc.rope_and_cache(
-        q, k, v, kc, vc, s, p, c, sn, layer=layer, impl="kernel"), donate_argnums=(3, 4))
-    host = [np.asarray(a) for a in (q, k, v, kc, vc, slots, pos, cos, sin)]
+        q, k, v, kc, vc, s, p, c, sn, layer=layer, layout=layout, impl="kernel"), donate_argnums=(3, 4))
+    host = _host((q, k, v, kc, vc, slots, pos, cos, sin))
     for layer in (2, 0, 3, 4, -1):
-        want = reference.rope_and_cache(*host, layer=np.array(layer, np.int32))
+        want = reference.rope_and_cache(*host, layer=np.array(layer, np.int32), layout=layout)
         out = f(q, k, v, kc, vc, slots, pos, cos, sin, jax.device_put(jnp.int32(layer), _dev(platform)))
         kc, vc = out[2], out[3]
         for name, g, w in zip(("q_out", "k_out", "key_cache", "value_cache"), out, want):
-            assert np.array_equal(np.asarray(g).view(np.uint16), np.asarray(w).view(np.uint16)), (layer, name)
-        host[3], host[4] = np.asarray(kc), np.asarray(vc)
+            assert _same(g, w), (layer, name)
+        host[3], host[4] = _host((kc, vc))
     text = f.lower(q, k, v, kc, vc, slots, pos, cos, sin, jnp.int32(0)).compile().as_text()
     assert re.findall(r'custom_call_target="([^"]+)"', text) == [kernel_node.TARGET]
 

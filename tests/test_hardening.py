@@ -46,6 +46,9 @@ S = jax.ShapeDtypeStruct
 
 def _compare(impl, got, want, args, opts, what=""):
     for name, g, w in zip(NAMES, got, want):
+        if w is None:  # kv_merged: no value cache
+            assert g is None, f"{name} {what}"
+            continue
         g = np.asarray(g)
         if impl == "kernel":
             assert_bits_equal(g, w, f"{name} {what}")
@@ -53,12 +56,13 @@ def _compare(impl, got, want, args, opts, what=""):
             assert_fma_close(g, w, xla_bound(name, args, opts), f"{name} {what}")
     for name, g, before, w in zip(NAMES[2:], got[2:], args[3:5], want[2:]):
         untouched = ulp_diff(w, before) == 0
-        assert (ulp_diff(np.asarray(g), before)[untouched] == 0).all(), f"{name} {what}: an unwritten entry changed"
+        g = None if g is None else np.asarray(g)
+        assert (ulp_diff(g, before)[untouched] == 0).all(), f"{name} {what}: an unwritten entry changed"
 
 
 def _device_args(args, platform):
     dev = jax.devices(platform)[0]
-    return tuple(jax.device_put(a, dev) if i in (3, 4) else a for i, a in enumerate(args))
+    return tuple(jax.device_put(a, dev) if i in (3, 4) and a is not None else a for i, a in enumerate(args))
 
 
 # ==== indices: silent corruption from integer widths (items 1, 2, 7) ==========================
@@ -105,7 +109,7 @@ def test_read_kv_host_int64_slots_keep_their_meaning_with_x64_off(layout):
     args, _ = _hostile_problem(layout, None, seed=7)
     kc, vc, slots = args[3], args[4], args[5]
     want = reference.read_kv(kc, vc, slots, layout=layout)
-    got = jrc.read_kv(jnp.asarray(kc), jnp.asarray(vc), slots, layout=layout)
+    got = jrc.read_kv(jnp.asarray(kc), None if vc is None else jnp.asarray(vc), slots, layout=layout)
     for g, w, name in zip(got, want, ("k", "v")):
         assert_bits_equal(np.asarray(g), w, f"read_kv {name} [{layout}]")
 
@@ -246,7 +250,7 @@ def _huge_cache_args(num_blocks, block_size, slot_dtype=np.int32, layout="flash"
     """Shapes only (nothing allocated) of a call on an fp8 cache of num_blocks * block_size slots."""
     T, QH, KH, D = 4, 2, 1, 16
     ks, vs = contract.cache_shapes(layout, num_blocks, block_size, KH, D, FP8)
-    return (S((T, QH, D), BF16), S((T, KH, D), BF16), S((T, KH, D), BF16), S(ks, FP8), S(vs, FP8),
+    return (S((T, QH, D), BF16), S((T, KH, D), BF16), S((T, KH, D), BF16), S(ks, FP8), None if vs is None else S(vs, FP8),
             S((T,), slot_dtype), S((T,), np.int32), S((64, D // 2), F32), S((64, D // 2), F32))
 
 
@@ -259,7 +263,8 @@ def test_xla_path_traces_on_caches_of_2_31_slots_or_more(layout, x64):
         args = _huge_cache_args(2**27 + 2**23, 16, layout=layout)
         out = jax.eval_shape(lambda *a: jrc.rope_and_cache(*a, impl="xla", k_scale=1.0, v_scale=1.0, layout=layout),
                              *args)
-        assert [tuple(o.shape) for o in out] == [tuple(a.shape) for a in (args[0], args[1], args[3], args[4])]
+        assert [None if o is None else tuple(o.shape) for o in out] == [
+            None if a is None else tuple(a.shape) for a in (args[0], args[1], args[3], args[4])]
         got = jax.eval_shape(lambda kc, vc, s: jrc.read_kv(kc, vc, s, layout=layout), args[3], args[4], args[5])
         assert [tuple(g.shape) for g in got] == [(4, 1, 16)] * 2
         if layout == "flash":
@@ -394,6 +399,7 @@ def _raw_problem(layout="flash", dt=BF16, cdt=None, layers=None, T=5, QH=4, KH=2
     cdt = np.dtype(cdt or dt)
     n = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
     ks, vs = contract.cache_shapes(layout, NB, BS, KH, D, cdt)
+    vs = (1,) if vs is None else vs  # kv_merged: the value_cache operand is a one-element placeholder per layer
     if layers:
         ks, vs = (layers,) + ks, (layers,) + vs
     w = D if full else D // 2
@@ -435,8 +441,11 @@ def _raw_call(ops, attrs, results=None, aliases=True):
 def _reference_of(ops, attrs, layers=None):
     layout = contract.LAYOUTS[int(attrs["layout"])]
     fp8 = np.dtype(ops["key_cache"].dtype) in contract.FP8_DTYPES
-    return reference.rope_and_cache(
-        *[ops[n] for n in contract.OPERANDS[:9]], layout=layout, is_neox=attrs["is_neox"],
+    operands = [ops[n] for n in contract.OPERANDS[:9]]
+    if contract.LAYOUT_TABLE[layout].merged:  # the reference takes no value cache; the handler keeps its placeholder
+        operands[4] = None
+    want = reference.rope_and_cache(
+        *operands, layout=layout, is_neox=attrs["is_neox"],
         rotary_dim=int(attrs["rotary_dim"]), precision="native" if attrs["native"] else "fp32",
         k_scale=ops["k_scale"] if fp8 else None, v_scale=ops["v_scale"] if fp8 else None,
         layer=ops["layer"] if layers else None, norm_eps=float(attrs["norm_eps"]),
@@ -444,6 +453,7 @@ def _reference_of(ops, attrs, layers=None):
         k_norm_weight=ops["k_norm_weight"] if attrs["k_norm"] else None,
         # the handler ABI reads the form from the width (the lowering passes checked tables only)
         table_form="full" if ops["cos"].shape[1] == int(attrs["rotary_dim"]) else "half")
+    return want[:3] + (ops["value_cache"] if want[3] is None else want[3],) + want[4:]
 
 
 VALID_RAW = [dict(layout=lay, cdt=cdt, layers=layers) for lay in contract.LAYOUTS for cdt in (None, FP8Z)
@@ -555,7 +565,7 @@ def _bad_raw_cases():
     for lay in contract.LAYOUTS:
         p = dict(layout=lay)
         add(f"key_cache-rank-{lay}", lambda o: _with(o, key_cache=o["key_cache"][0]), problem=p)
-        add(f"key_cache-heads-{lay}", lambda o, kh=contract.LAYOUT_TABLE[lay].key_axes.index("KH"): _with(
+        add(f"key_cache-heads-{lay}", lambda o, kh=contract.LAYOUT_TABLE[lay].head_axis("key"): _with(
             o, key_cache=np.concatenate([o["key_cache"]] * 2, kh)), problem=p)
         add(f"value_cache-blocks-{lay}", lambda o: _with(o, value_cache=o["value_cache"][:-1]), problem=p)
         add(f"value_cache-rank-{lay}", lambda o: _with(o, value_cache=o["value_cache"][None]), problem=p)
@@ -563,9 +573,8 @@ def _bad_raw_cases():
             problem=dict(layout=lay, layers=3))
         add(f"key_cache-stacked-vs-single-{lay}", lambda o: _with(o, key_cache=o["key_cache"][None]), problem=p,
             name="value_cache")
-        add(f"key_cache-empty-block-{lay}", lambda o: _with(o, key_cache=o["key_cache"][:, :0] if
-                                                             o["key_cache"].ndim == 4 else o["key_cache"][..., :0, :]),
-            problem=p)
+        add(f"key_cache-empty-block-{lay}", lambda o, bs=contract.LAYOUT_TABLE[lay].key_axes.index("BS"): _with(
+            o, key_cache=o["key_cache"][(slice(None),) * bs + (slice(0, 0),)]), problem=p)
         # results: shorter, other dtype, other dims (the caches' results can only differ unaliased)
         add(f"q_out-short-{lay}", None, results=lambda o: [S((o["q"].shape[0] - 1,) + o["q"].shape[1:], o["q"].dtype)]
             + _results_like(o)[1:], problem=p)
@@ -589,7 +598,19 @@ def _bad_raw_cases():
     add("value_cache-bs-not-multiple-of-x", None, problem=dict(layout="xpacked_shuffled", BS=4),
         name="value_cache")
     # attributes
-    add("attribute layout-4", None, attrs=dict(layout=np.int64(4)), name="attribute layout")
+    add("attribute layout-past-the-table", None, attrs=dict(layout=np.int64(len(contract.LAYOUTS))),
+        name="attribute layout")
+    # kv_merged: an odd head axis (a K head without its V), the one array read as another layout
+    add("key_cache-odd-heads-kv_merged", lambda o: _with(o, key_cache=o["key_cache"][:, :, :-1]),
+        problem=dict(layout="kv_merged"))
+    add("layout-kv_merged-on-flash-caches", None, attrs=dict(layout=np.int64(5)), name="key_cache")
+    add("layout-flash-on-kv_merged-caches", None, attrs=dict(layout=np.int64(0)), problem=dict(layout="kv_merged"),
+        name="key_cache")
+    add("layout-head_major-on-hnd-caches", None, attrs=dict(layout=np.int64(4)), problem=dict(layout="hnd", NB=5),
+        name="key_cache")
+    add("value_cache-placeholder-as-cache-kv_merged", lambda o: _with(o, value_cache=np.ones(o["key_cache"].shape,
+                                                                                            o["key_cache"].dtype)),
+        problem=dict(layout="kv_merged"), name="value_cache")
     add("layout-hnd-on-flash-caches", None, attrs=dict(layout=np.int64(3)), problem=dict(KH=4),
         name="key_cache")
     add("attribute layout-negative", None, attrs=dict(layout=np.int64(-1)), name="attribute layout")

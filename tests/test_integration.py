@@ -24,13 +24,16 @@ def _stack(case: Case, layers: int, seed: int):
     """A problem whose caches are stacked [L, ...] with random contents in every layer."""
     args, opts = make_problem(case, seed)
     rng = np.random.default_rng(seed + 1)
-    kc, vc = (np.stack([rng.permutation(c.ravel()).reshape(c.shape) for _ in range(layers)]) for c in args[3:5])
+    kc, vc = (None if c is None else np.stack([rng.permutation(c.ravel()).reshape(c.shape) for _ in range(layers)])
+              for c in args[3:5])
     return args[:3] + (kc, vc) + args[5:], opts
 
 
 def _check(got, want, impl, what):
     for name, g, w in zip(("q_out", "k_out", "key_cache", "value_cache"), got, want):
-        if impl == "kernel":
+        if w is None:  # kv_merged: no value cache
+            assert g is None, f"{what} {name}"
+        elif impl == "kernel":
             assert_bits_equal(np.asarray(g), w, f"{what} {name}")
         else:
             assert_fma_close(np.asarray(g), w, 2.0**-22 * 8, f"{what} {name}")
@@ -38,7 +41,7 @@ def _check(got, want, impl, what):
 
 @pytest.mark.parametrize("platform,impl", impl_params())
 @pytest.mark.parametrize("layout,cdt", [("flash", "float8_e4m3fnuz"), ("xpacked_shuffled", "float8_e4m3fnuz"),
-                                        ("hnd", "float8_e5m2")])
+                                        ("hnd", "float8_e5m2"), ("head_major", "float8_e4m3fn"), ("kv_merged", None)])
 def test_stacked_layer_writes_only_that_layer(platform, impl, layout, cdt):
     case = Case(T=9, D=64, layout=layout, cache_dtype=cdt)
     args, opts = _stack(case, layers=4, seed=31)
@@ -55,9 +58,10 @@ def test_stacked_layer_writes_only_that_layer(platform, impl, layout, cdt):
 
 
 @pytest.mark.parametrize("platform,impl", impl_params())
-def test_scan_over_layers_updates_one_stacked_cache_in_place(platform, impl):
+@pytest.mark.parametrize("layout", ["xpacked", "head_major", "kv_merged"])
+def test_scan_over_layers_updates_one_stacked_cache_in_place(platform, impl, layout):
     layers = 6
-    case = Case(T=5, QH=8, KH=2, D=64, NB=12, BS=16, layout="xpacked")
+    case = Case(T=5, QH=8, KH=2, D=64, NB=12, BS=16, layout=layout)
     args, opts = _stack(case, layers, seed=32)
     q, k, v, kc, vc, slots, pos, cos, sin = args
     static = {k: v for k, v in opts.items() if k in STATIC}
@@ -75,7 +79,9 @@ def test_scan_over_layers_updates_one_stacked_cache_in_place(platform, impl):
     step = jax.jit(model_step, donate_argnums=(3, 4))
     dargs = jax.device_put(args, jax.devices(platform)[0])
     compiled = step.lower(*dargs).compile()
-    text = check_in_place(compiled, [kc.shape, vc.shape], kc.nbytes, widened=widens_bf16_scatter(platform, impl, kc.dtype))
+    shapes = [c.shape for c in (kc, vc) if c is not None]
+    text = check_in_place(compiled, shapes, kc.nbytes, n_caches=len(shapes),
+                          widened=widens_bf16_scatter(platform, impl, kc.dtype))
     for op in ("dynamic-slice(", "dynamic-update-slice("):
         for line in text.splitlines():
             if op in line:
@@ -90,12 +96,14 @@ def test_scan_over_layers_updates_one_stacked_cache_in_place(platform, impl):
 
 
 @pytest.mark.parametrize("platform,impl", impl_params())
-def test_ref_caches_update_in_place_without_donation(platform, impl):
-    case = Case(T=6, D=64, layout="flash")
+@pytest.mark.parametrize("layout", ["flash", "kv_merged"])
+def test_ref_caches_update_in_place_without_donation(platform, impl, layout):
+    case = Case(T=6, D=64, layout=layout)
     args, opts = make_problem(case, seed=33)
     static = {k: v for k, v in opts.items() if k in STATIC}
     dev = jax.devices(platform)[0]
-    kref, vref = jax.new_ref(jax.device_put(args[3], dev)), jax.new_ref(jax.device_put(args[4], dev))
+    kref = jax.new_ref(jax.device_put(args[3], dev))
+    vref = None if args[4] is None else jax.new_ref(jax.device_put(args[4], dev))  # kv_merged: one ref
 
     @jax.jit
     def step(q, k, v, kref, vref, slots, pos, cos, sin):
@@ -105,7 +113,7 @@ def test_ref_caches_update_in_place_without_donation(platform, impl):
     rest = jax.device_put(args[5:], dev)
     q_out, k_out = step(*jax.device_put(args[:3], dev), kref, vref, *rest)
     want = reference_op(*args, **opts)
-    _check([q_out, k_out, kref[...], vref[...]], want, impl, "refs")
+    _check([q_out, k_out, kref[...], None if vref is None else vref[...]], want, impl, "refs")
     text = step.lower(*jax.device_put(args[:3], dev), kref, vref, *rest).compile().as_text()
     assert "input_output_alias=" in text
     assert not [ln for ln in text.splitlines() if re.search(r"\bcopy\(", ln) and
@@ -113,19 +121,20 @@ def test_ref_caches_update_in_place_without_donation(platform, impl):
 
 
 @pytest.mark.parametrize("platform,impl", impl_params())
-def test_vmap_over_independent_caches(platform, impl):
+@pytest.mark.parametrize("layout", ["xpacked", "head_major", "kv_merged"])
+def test_vmap_over_independent_caches(platform, impl, layout):
     batch = 3
-    case = Case(T=5, D=64, layout="xpacked")
+    case = Case(T=5, D=64, layout=layout)
     problems = [make_problem(case, seed=40 + b) for b in range(batch)]
     opts = problems[0][1]
     static = {k: v for k, v in opts.items() if k in STATIC}
-    stacked = [np.stack([p[0][i] for p in problems]) for i in range(9)]
+    stacked = [None if problems[0][0][i] is None else np.stack([p[0][i] for p in problems]) for i in range(9)]
     cos, sin = problems[0][0][7:9]
     fn = jax.vmap(lambda *a: jrc.rope_and_cache(*a, cos, sin, **static, impl=impl))
     got = jax.jit(fn)(*jax.device_put(stacked[:7], jax.devices(platform)[0]))
     for b in range(batch):
         want = reference_op(*problems[b][0][:7], cos, sin, **opts)
-        _check([g[b] for g in got], want, impl, f"vmap element {b}")
+        _check([None if g is None else g[b] for g in got], want, impl, f"vmap element {b}")
 
 
 @pytest.mark.parametrize("platform,impl", impl_params())
@@ -160,22 +169,23 @@ def _mesh(n):
 
 
 @pytest.mark.parametrize("impl", ["kernel", "xla"])
-@pytest.mark.parametrize("layout", ["flash", "xpacked", "hnd"])
+@pytest.mark.parametrize("layout", ["flash", "xpacked", "hnd", "head_major", "kv_merged"])
 def test_shard_map_tensor_parallel_over_heads(impl, layout):
+    """kv_merged: its one array splits on the 2*KH axis into contiguous (K, V) pairs of each shard's heads."""
     tp = 8
     case = Case(T=7, QH=32, KH=8, D=64, layout=layout, NB=8)
     args, opts = make_problem(case, seed=46)
     static = {k: v for k, v in opts.items() if k in STATIC}
     mesh = _mesh(tp)
-    kv_axis = contract.LAYOUT_TABLE[layout].key_axes.index("KH")  # the KV-head axis of each cache
-    cache_spec = P(*([None] * kv_axis + ["tp"]))
-    vcache_spec = P(*([None] * contract.LAYOUT_TABLE[layout].value_axes.index("KH") + ["tp"]))
+    lay = contract.LAYOUT_TABLE[layout]
+    cache_spec = P(*([None] * lay.head_axis("key") + ["tp"]))  # the KV-head axis of each cache
+    vcache_spec = None if lay.merged else P(*([None] * lay.head_axis("value") + ["tp"]))
     heads = P(None, "tp")
     in_specs = (heads, heads, heads, cache_spec, vcache_spec, P(), P(), P(), P())
     out_specs = (heads, heads, cache_spec, vcache_spec)
     fn = jax.shard_map(lambda *a: jrc.rope_and_cache(*a, **static, impl=impl), mesh=mesh, in_specs=in_specs,
                        out_specs=out_specs)
-    placed = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, in_specs)]
+    placed = [None if a is None else jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, in_specs)]
     step = jax.jit(fn, donate_argnums=(3, 4))
     got = step(*placed)
     _check(got, reference_op(*args, **opts), impl, "shard_map")

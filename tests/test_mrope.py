@@ -25,7 +25,7 @@ import pytest
 import jax_rope_cache as jrc
 from jax_rope_cache import contract, reference
 from conftest import (Case, assert_bits_equal, assert_fma_close, impl_params, make_problem, reference_op, ulp_diff,
-                      xla_bound)
+                      to_host, xla_bound)
 
 # Heavy parametrizations: the full test tier only (conftest.py deselects them from the default tier).
 FULL = [pytest.mark.full]
@@ -118,7 +118,7 @@ def _run(platform, impl, args, opts):
                   if k in opts}
         static = {k: v for k, v in opts.items() if k not in traced}
         fn = jax.jit(lambda *a, **s: jrc.rope_and_cache(*a, **s, **static, impl=impl))
-        return [np.asarray(o) for o in fn(*dargs, **traced)]
+        return to_host(fn(*dargs, **traced))
 
 
 NAMES = ("q_out", "k_out", "key_cache", "value_cache")
@@ -180,6 +180,9 @@ MATRIX = [
     (Case(T=5, QH=2, KH=2, D=80, R=64, layout="flash", table="full", precision="native"), (12, 10, 10), True, "qk"),
     (Case(T=1, QH=16, KH=1, D=128, layout="flash", precision="native", dtype="bfloat16", table_dtype="bfloat16"),
      QWEN3_VL, True, "qk"),
+    (Case(T=9, QH=8, KH=2, D=128, layout="head_major", cache_dtype="float8_e5m2"), QWEN25_VL, False, "k"),
+    (Case(T=6, QH=4, KH=2, D=64, layout="kv_merged", precision="native", dtype="bfloat16", table_dtype="bfloat16"),
+     (12, 10, 10), True, "q"),
 ]
 MATRIX_IDS = [f"{c.id}-{'il' if il else 'sec'}{'-'.join(map(str, s))}-norm{n or 'none'}" for c, s, il, n in MATRIX]
 

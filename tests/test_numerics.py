@@ -11,7 +11,8 @@ import pytest
 
 from jax_rope_cache import contract, reference
 from jax_rope_cache.backends import native
-from conftest import Case, canonical_nan_violations, impl_params, make_problem, special_problem, ulp_diff
+from conftest import (Case, canonical_nan_violations, impl_params, make_problem, num_blocks, special_problem,
+                      ulp_diff)
 from e5m2_values import E5M2, boundary_f32, oracle_e5m2
 
 native = native.native_module()
@@ -206,10 +207,11 @@ def test_reference_native_differs_from_fp32_only_by_rounding():
 
 @pytest.mark.parametrize("layout", contract.LAYOUTS)
 def test_read_kv_inverts_the_write(layout):
-    args, opts = make_problem(Case(T=7, D=64, layout=layout, cache_dtype="float8_e4m3fnuz"), seed=8)
+    case = Case(T=7, D=64, layout=layout, cache_dtype="float8_e4m3fnuz")
+    args, opts = make_problem(case, seed=8)
     _, k_out, kc, vc = reference.rope_and_cache(*args, **opts)
     k_read, v_read = reference.read_kv(kc, vc, args[5], layout=layout)
-    valid = (args[5] >= 0) & (args[5] < kc.size // (2 * 64))
+    valid = (args[5] >= 0) & (args[5] < num_blocks(case) * case.BS)
     want_k = reference.quantize(k_out, kc.dtype, opts["k_scale"])
     assert np.array_equal(k_read[valid].view(np.uint8), want_k[valid].view(np.uint8))
     assert np.array_equal(v_read[valid].view(np.uint8),

@@ -1,7 +1,7 @@
 """Every implementation present vs the numpy reference, over the option matrix.
 
 Coverage (each value of each axis appears; JRC_FULL_SWEEP=1 runs many more combinations):
-  layout       flash, xpacked, xpacked_shuffled, hnd
+  layout       every layout of contract.LAYOUTS (flash, xpacked, xpacked_shuffled, hnd, head_major, kv_merged)
   rotation     NeoX, GPT-J; rotary_dim = D and < D; "half" and "full" tables
   dtypes       q/k/v bf16, f16, f32; tables bf16, f16, f32; caches same, float8_e4m3fn, float8_e4m3fnuz,
                float8_e5m2
@@ -28,10 +28,10 @@ import pytest
 import jax_rope_cache as jrc
 from jax_rope_cache import contract, reference
 from conftest import (FULL_SWEEP, Case, assert_bits_equal, assert_fma_close, assert_within_ulp, impl_params, ulp_diff,
-                      make_problem, reference_op, xla_bound)
+                      make_problem, reference_op, to_host, xla_bound)
 
 AXES = {
-    "layout": ["flash", "xpacked", "xpacked_shuffled", "hnd"],
+    "layout": list(contract.LAYOUTS),
     "is_neox": [True, False],
     "table": ["half", "full"],
     "dtype": ["bfloat16", "float16", "float32"],
@@ -90,7 +90,7 @@ def _run_on(platform: str, impl: str, args, opts):
     scales = {k: jax.device_put(opts[k], dev) for k in ("k_scale", "v_scale") if k in opts}
     static = {k: v for k, v in opts.items() if k not in scales}
     fn = jax.jit(lambda *a, **s: jrc.rope_and_cache(*a, **s, **static, impl=impl))
-    return [np.asarray(o) for o in fn(*dargs, **scales)]
+    return to_host(fn(*dargs, **scales))
 
 
 

@@ -26,7 +26,7 @@ import jax_rope_cache as jrc
 from jax_rope_cache import backends, contract, reference
 from jax_rope_cache.backends import xla
 from conftest import (Case, assert_bits_equal, assert_fma_close, assert_within_ulp, canonical_nan_violations,
-                      impl_params, make_problem, xla_bound)
+                      impl_params, make_problem, to_host, xla_bound)
 
 BF16, F16, F32 = np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16), np.dtype(np.float32)
 NAMES = ("q_out", "k_out", "key_cache", "value_cache")
@@ -59,7 +59,7 @@ def run(platform, impl, args, opts):
     dev = jax.devices(platform)[0]
     with jax.enable_x64(any(np.asarray(a).dtype == np.int64 for a in args[5:7])):
         fn = jax.jit(lambda a, kw: jrc.rope_and_cache(*a, **kw, **static, impl=impl))
-        return [np.asarray(o) for o in fn(jax.device_put(args, dev), jax.device_put(arrays, dev))]
+        return to_host(fn(jax.device_put(args, dev), jax.device_put(arrays, dev)))
 
 
 def kernel_supports(platform, opts) -> bool:
@@ -114,7 +114,7 @@ def check(platform, impl, args, opts, what):
 # ---- the option matrix -------------------------------------------------------------------------
 def _cases():
     out = []
-    layouts = ("flash", "xpacked", "xpacked_shuffled")
+    layouts = ("flash", "xpacked", "xpacked_shuffled", "head_major", "kv_merged")
     dtypes = ("bfloat16", "float16", "float32")
     tables = ("float32", "bfloat16", "float16")
     caches = (None, "float8_e4m3fn", "float8_e4m3fnuz")
@@ -123,7 +123,7 @@ def _cases():
         dt = dtypes[i % 3]
         d = (128, 64, 256, 80)[i % 4]
         cache = caches[(i // 3) % 3]
-        layout = layouts[(i // 2) % 3]
+        layout = layouts[(i // 2) % len(layouts)]
         x = 16 if cache else {"float32": 4}.get(dt, 8)
         if layout != "flash" and d % x:
             layout = "flash"

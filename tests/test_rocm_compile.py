@@ -66,7 +66,8 @@ def matrix():
     for layout in contract.LAYOUTS:
         for neox in (True, False):
             for dt, cdt, tdt, prec in COMBOS:
-                for D in ((64, 128, 256) if layout != "hnd" else (128,)):  # hnd: flash's code with other strides
+                # hnd, head_major, kv_merged: flash's code with other strides
+                for D in ((64, 128, 256) if layout in ("flash", "xpacked", "xpacked_shuffled") else (128,)):
                     i += 1
                     # rotate the rarer options through the matrix so each appears with every layout
                     R = D // 2 if i % 3 == 0 else None

@@ -50,6 +50,10 @@ CASES = MATRIX + [
     TokenCase(Case(T=5, QH=32, KH=8, D=128, layout="xpacked_shuffled", cache_dtype="float8_e4m3fnuz"), norm=True),
     TokenCase(Case(T=6, QH=8, KH=4, D=128, R=32, layout="hnd", dtype="float16", table_dtype="float16",
                    cache_dtype="float8_e5m2", precision="native")),
+    # head_major's scale caches [L, KH, NB, BS]; kv_merged's V rows in the one array
+    TokenCase(Case(T=6, QH=4, KH=2, D=64, layout="head_major", cache_dtype="float8_e4m3fnuz"), layers=3, norm=True),
+    TokenCase(Case(T=5, QH=8, KH=2, D=128, layout="kv_merged", cache_dtype="float8_e4m3fn", precision="native"),
+              layers=2),
 ]
 
 

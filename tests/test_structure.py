@@ -1,13 +1,15 @@
 """Structure, not only values: the caches are updated in place.
 
 For every (platform, impl): a donated jit aliases both caches (`input_output_alias=` in the
-compiled HLO), contains no copy of a cache-shaped buffer, and needs less temp memory than one
-cache; a 64-step fori_loop decode keeps all of that and matches 64 reference steps; the library's
-own donating entry point consumes the caches it is given; the kernel path is one custom call.
+compiled HLO; "kv_merged": its one array), contains no copy of a cache-shaped buffer, and needs
+less temp memory than one cache; a 64-step fori_loop decode keeps all of that and matches 64
+reference steps; the library's own donating entry point consumes the caches it is given; the
+kernel path is one custom call.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -17,9 +19,10 @@ import numpy as np
 import pytest
 
 import jax_rope_cache as jrc
-from conftest import Case, assert_bits_equal, assert_fma_close, impl_params, make_problem, reference_op
+from conftest import Case, assert_bits_equal, assert_fma_close, impl_params, make_problem, reference_op, to_host
 
 CASE = Case(T=8, QH=8, KH=2, D=128, NB=64, BS=16, layout="xpacked")
+LAYOUTS = ("xpacked", "head_major", "kv_merged")  # the structure of each kind of cache argument
 OPTS_STATIC = ("layout", "is_neox", "rotary_dim", "precision")
 
 
@@ -42,15 +45,17 @@ def widens_bf16_scatter(platform, impl, cache_dtype) -> bool:
     return old and platform == "cpu" and impl == "xla" and np.dtype(cache_dtype) == np.dtype(jnp.bfloat16)
 
 
-def check_in_place(compiled, cache_shapes, cache_bytes, n_params_before_caches=3, widened=False):
-    """The caches are aliased in and out, never copied, and temp memory holds less than one cache;
+def check_in_place(compiled, cache_shapes, cache_bytes, n_params_before_caches=3, widened=False, n_caches=2):
+    """The caches (parameters n_params_before_caches.. of `n_caches` arrays: 1 for kv_merged's one
+    array) are aliased in and out, never copied, and temp memory holds less than one cache;
     `widened` (widens_bf16_scatter): a copy of each cache into its bit view is expected, and no more
     than that (temp memory below 2.25 caches). cache_bytes=None: no bound on temp memory (programs
     with GEMMs, whose workspace can exceed a cache: check_temp_independent_of_pool instead)."""
     text = compiled.as_text()
     aliases = {int(p) for _, p in re.findall(r"\{(\d*)\}: \((\d+), \{\}, (?:may|must)-alias\)", text)}
     assert "input_output_alias=" in text, "no input_output_alias in the compiled module"
-    assert {n_params_before_caches, n_params_before_caches + 1} <= aliases, f"caches not aliased: {aliases}"
+    want = set(range(n_params_before_caches, n_params_before_caches + n_caches))
+    assert want <= aliases, f"caches not aliased: {aliases}"
     for line in text.splitlines():
         if re.search(r"\bcopy(-start)?\(", line):
             for shape in cache_shapes:
@@ -87,29 +92,39 @@ def _split(args, opts):
     return static, dynamic
 
 
+def _caches(args) -> list:
+    """The cache arrays of a call: both, or kv_merged's one (its value cache is None)."""
+    return [c for c in args[3:5] if c is not None]
+
+
 @pytest.mark.parametrize("platform,impl", impl_params())
-def test_donated_jit_updates_caches_in_place(platform, impl):
-    args, opts = make_problem(CASE, seed=11)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_donated_jit_updates_caches_in_place(platform, impl, layout):
+    """kv_merged: its ONE array is donated, aliased to its result and written in place; the op's
+    value_cache placeholder is no cache-sized buffer (temp memory below one cache)."""
+    args, opts = make_problem(dataclasses.replace(CASE, layout=layout), seed=11)
     static, _ = _split(args, opts)
     step = jax.jit(lambda *a: jrc.rope_and_cache(*a, **static, impl=impl), donate_argnums=(3, 4))
     dargs = _on(platform, args)
     compiled = step.lower(*dargs).compile()
-    text = check_in_place(compiled, [args[3].shape, args[4].shape], args[3].nbytes,
+    caches = _caches(args)
+    text = check_in_place(compiled, [c.shape for c in caches], args[3].nbytes, n_caches=len(caches),
                           widened=widens_bf16_scatter(platform, impl, args[3].dtype))
     if impl == "kernel":
         calls = re.findall(r"custom_call_target=\"(jax_rope_cache[a-z_]*|__gpu\$xla\.gpu\.ptx)\"", text)
         assert len(calls) == 1, f"expected one kernel custom call, found {calls}"
     want = reference_op(*args, **opts)
-    got = [np.asarray(o) for o in compiled(*dargs)]
+    got = to_host(compiled(*dargs))
     for g, w in zip(got[2:], want[2:]):
         assert_fma_close(g, w, 2.0**-22 * 8, "cache")
-    assert dargs[3].is_deleted() and dargs[4].is_deleted(), "donated caches were not consumed"
+    assert all(c.is_deleted() for c in _caches(dargs)), "donated caches were not consumed"
 
 
 @pytest.mark.parametrize("platform,impl", impl_params())
-def test_fori_loop_decode_keeps_caches_in_place(platform, impl):
+@pytest.mark.parametrize("layout", ["flash", "kv_merged"])
+def test_fori_loop_decode_keeps_caches_in_place(platform, impl, layout):
     steps = 64
-    case = Case(T=4, QH=8, KH=2, D=64, NB=80, BS=16, layout="flash")
+    case = Case(T=4, QH=8, KH=2, D=64, NB=80, BS=16, layout=layout)
     args, opts = make_problem(case, seed=12)
     q, k, v, kc, vc, _, _, cos, sin = args
     base_slots = np.arange(case.T, dtype=np.int32) * 300  # token t owns slots [300 t, 300 t + 64)
@@ -129,7 +144,9 @@ def test_fori_loop_decode_keeps_caches_in_place(platform, impl):
     dargs = _on(platform, (q, k, v, kc, vc, cos, sin))
     compiled = loop.lower(*dargs).compile()
     text = compiled.as_text()
-    check_in_place(compiled, [kc.shape, vc.shape], kc.nbytes, widened=widens_bf16_scatter(platform, impl, kc.dtype))
+    caches = _caches(args)
+    check_in_place(compiled, [c.shape for c in caches], kc.nbytes, n_caches=len(caches),
+                   widened=widens_bf16_scatter(platform, impl, kc.dtype))
     assert not re.search(r"dynamic-update-slice\(|\bdynamic-slice\(", text) or impl == "xla"
     got_kc, got_vc, _ = compiled(*dargs)
 
@@ -138,26 +155,32 @@ def test_fori_loop_decode_keeps_caches_in_place(platform, impl):
         qi = (q.astype(np.float32) * (i + 1)).astype(q.dtype)
         _, _, want_kc, want_vc = reference_op(qi, k, v, want_kc, want_vc, base_slots + i,
                                               np.full(case.T, i, np.int32), cos, sin, **opts)
+    got_vc = None if got_vc is None else np.asarray(got_vc)
     if impl == "kernel":
-        assert_bits_equal(got_kc, want_kc, "key_cache after 64 steps")
-        assert_bits_equal(got_vc, want_vc, "value_cache after 64 steps")
+        assert_bits_equal(np.asarray(got_kc), want_kc, "key_cache after 64 steps")
     else:
-        assert_fma_close(got_kc, want_kc, 2.0**-22 * 8, "key_cache after 64 steps")
-        assert_bits_equal(got_vc, want_vc, "value_cache after 64 steps")
+        assert_fma_close(np.asarray(got_kc), want_kc, 2.0**-22 * 8, "key_cache after 64 steps")
+    assert_bits_equal(got_vc, want_vc, "value_cache after 64 steps")
 
 
 @pytest.mark.parametrize("platform,impl", impl_params())
-def test_library_donating_entry_point(platform, impl):
-    args, opts = make_problem(CASE, seed=13)
+@pytest.mark.parametrize("layout", ["xpacked", "kv_merged"])
+def test_library_donating_entry_point(platform, impl, layout):
+    args, opts = make_problem(dataclasses.replace(CASE, layout=layout), seed=13)
     static, dynamic = _split(args, opts)
     dargs = _on(platform, args)
     lowered = jrc.rope_and_cache_donated.lower(*dargs, **static, **dynamic, impl=impl)
-    check_in_place(lowered.compile(), [args[3].shape, args[4].shape], args[3].nbytes,
+    caches = _caches(args)
+    check_in_place(lowered.compile(), [c.shape for c in caches], args[3].nbytes, n_caches=len(caches),
                    widened=widens_bf16_scatter(platform, impl, args[3].dtype))
     out = jrc.rope_and_cache_donated(*dargs, **static, **dynamic, impl=impl)
-    assert dargs[3].is_deleted() and dargs[4].is_deleted()
+    assert all(c.is_deleted() for c in _caches(dargs))
     want = reference_op(*args, **opts)
-    assert_fma_close(np.asarray(out[3]), want[3], 0.0, "value_cache")
+    if layout == "kv_merged":  # V lives in the one array: its V heads (odd heads) exactly
+        assert out[3] is None
+        assert_fma_close(np.asarray(out[2])[:, :, 1::2], want[2][:, :, 1::2], 0.0, "kv_pages V heads")
+    else:
+        assert_fma_close(np.asarray(out[3]), want[3], 0.0, "value_cache")
 
 
 def test_without_donation_the_callers_caches_survive():

@@ -249,9 +249,6 @@ def main(argv=None):
         routes = parse_routes(a.routes or a.impls, ("gather",))
     print(f"device {dev.platform} ({dev.device_kind}), jax {jax.__version__}; {a.model}: {cfg.num_layers} layers, "
           f"batch {a.batch}, {a.dtype}, {a.steps} decode steps per run, {a.repeats} interleaved repeats")
-    if a.contexts and "head_major" not in jrc.LAYOUTS:
-        print("NOTE: the op does not write head_major caches in this checkout: the kernel and xla routes write them "
-              "through decoder.rope_and_write's stand-in (the op rotating, a jnp scatter writing), not the op")
     itemsize = jnp.dtype(a.dtype).itemsize
     results = {}
     for context in contexts:

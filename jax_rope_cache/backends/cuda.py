@@ -317,6 +317,8 @@ def kernel_config(spec: contract.OpSpec, num_sms: int = DEFAULT_SMS, vch: int | 
         defines += (("RC_QKV", 1),)
     if c.token_scales:  # per-token fp8 scales (the default: no RC_TOKEN_SCALES, the kernel of before)
         defines += (("RC_TOKEN_SCALES", 1),)
+    if c.nb:  # head_major: the blocks per layer (its caches lead with KH); other layouts read NB at run time
+        defines += (("RC_NB", c.nb),)
     if (K_PAIRS if kpairs is None else kpairs) and xp and tpb % 2 == 0:
         defines += (("RC_KPAIRS", 1),)
     if parts > 1:
@@ -407,12 +409,12 @@ def node_dims(avals_in) -> tuple[int, int, int]:
 def check_node_shapes(avals_in, spec: contract.OpSpec) -> None:
     """Every operand's shape is the one `spec` compiles for (what the launcher's initialize stage checks
     per execution, checked once here: the node's buffers are XLA's, of exactly these shapes)."""
-    kshape, vshape = contract.cache_shapes(spec.layout, spec.num_blocks, spec.block_size, spec.kv_heads,
-                                           spec.head_dim, spec.cache_dtype, spec.x)
+    kshape, _ = contract.cache_shapes(spec.layout, spec.num_blocks, spec.block_size, spec.kv_heads,
+                                      spec.head_dim, spec.cache_dtype, spec.x)
     lead = () if spec.num_layers is None else (spec.num_layers,)
     width = spec.rotary_dim if spec.table_full else spec.rotary_dim // 2
     t = spec.num_tokens
-    want = {**contract.input_shapes(spec), "key_cache": lead + kshape, "value_cache": lead + vshape,
+    want = {**contract.input_shapes(spec), "key_cache": lead + kshape, "value_cache": contract.value_operand_shape(spec),
             "slot_mapping": (t,), "positions": (3, t) if spec.mrope_section else (t,),
             "cos": (spec.max_pos, width), "sin": (spec.max_pos, width),
             "layer": ()}

@@ -223,11 +223,18 @@ def quantize_rows(y, cache_dtype, scale):
     return to_dtype(jnp.clip(y.astype(_F32) * inv, -m, m), cache_dtype)
 
 
+def _layer_lead(blk, spec: contract.OpSpec, layer) -> tuple:
+    """The stacked caches' leading index: the layer (clipped; an invalid one has no valid slot)."""
+    return () if spec.num_layers is None else (jnp.full_like(blk, jnp.clip(layer, 0, spec.num_layers - 1)),)
+
+
 def scatter_scales(k_scale_cache, v_scale_cache, ks, vs, blk, off, spec: contract.OpSpec, layer=None):
-    """Writes the per-token scales [T, KH] at [block, :, offset] (stacked: [layer, block, :, offset])."""
-    lead = () if spec.num_layers is None else (jnp.full_like(blk, jnp.clip(layer, 0, spec.num_layers - 1)),)
-    index = lead + (blk, slice(None), off)
-    return tuple(c.at[index].set(v, mode="drop", unique_indices=True)
+    """Writes the per-token scales [T, KH] at (block, :, offset) in the layout's scale axes."""
+    lay, lead = contract.LAYOUT_TABLE[spec.layout], _layer_lead(blk, spec, layer)
+    shape, perm = lay.token_split("scale", spec.kv_heads, 1, 1, lead=len(lead))
+    index = lead + lay.token_index("scale", blk, off, 1)
+    return tuple(c.at[index].set(v.reshape((spec.num_tokens,) + shape).transpose(perm), mode="drop",
+                                 unique_indices=True)
                  for c, v in ((k_scale_cache, ks), (v_scale_cache, vs)))
 
 
@@ -263,12 +270,18 @@ def slot_coords(slot_mapping, spec: contract.OpSpec, layer=None):
 
 def scatter_kv(key_cache, value_cache, kq, vq, blk, off, spec: contract.OpSpec, layer=None):
     """Writes kq, vq [T, KH, D] (already in the cache dtype) into both caches; with stacked
-    caches, into layer `layer` by one scatter on the whole stack (no slice of it is copied)."""
+    caches, into layer `layer` by one scatter on the whole stack (no slice of it is copied). A
+    merged layout gets ONE scatter of each token's interleaved (K, V) heads into the key_cache
+    array; its value_cache operand (the placeholder) is returned as it is."""
     lay, x = contract.LAYOUT_TABLE[spec.layout], spec.x
-    lead = () if spec.num_layers is None else (jnp.full_like(blk, jnp.clip(layer, 0, spec.num_layers - 1)),)
+    lead = _layer_lead(blk, spec, layer)
+    if lay.merged:  # [T, KH, 2, D] -> [T, 2 KH, D]: K head h at 2h, V head h at 2h + 1
+        writes = (("kv", jnp.stack([kq, vq], axis=2).reshape(spec.num_tokens, 2 * spec.kv_heads, spec.head_dim)),)
+    else:
+        writes = (("key", kq), ("value", vq))
     out = []
-    for cache, which, vals in ((key_cache, "key", kq), (value_cache, "value", vq)):
-        shape, perm = lay.token_split(which, spec.kv_heads, spec.head_dim, x)
+    for (which, vals), cache in zip(writes, (key_cache, value_cache)):
+        shape, perm = lay.token_split(which, vals.shape[1], spec.head_dim, x, lead=len(lead))
         vals = vals.reshape((spec.num_tokens,) + shape).transpose(perm)
         index = lead + lay.token_index(which, blk, off, x)
         if spec.fp8:  # scatter the bytes: XLA would otherwise convert the WHOLE fp8 cache to f16 and back
@@ -279,7 +292,7 @@ def scatter_kv(key_cache, value_cache, kq, vq, blk, off, spec: contract.OpSpec, 
                 default=lambda c=cache, i=index, x=vals: c.at[i].set(x, mode="drop", unique_indices=True)))
         else:
             out.append(cache.at[index].set(vals, mode="drop", unique_indices=True))
-    return tuple(out)
+    return tuple(out) if len(out) == 2 else (out[0], value_cache)
 
 
 # The CPU compiler of jaxlib < 0.12 has no bf16 scatter: it widens the whole cache to f32, scatters
@@ -340,12 +353,14 @@ def rope_and_cache(q, k, v, key_cache, value_cache, slot_mapping, positions, cos
 
 def read_kv(key_cache, value_cache, slot_mapping, scales=None, *, layout="flash"):
     """Cached K and V of each slot as [T, KH, D] in the cache dtype; zeros for invalid slots.
-    `scales` (k, v): per-token scale caches [NB, KH, BS] or static scales [1] / [KH]: dequantized
+    `scales` (k, v): per-token scale caches (the layout's scale axes, e.g. [NB, KH, BS]) or static
+    scales [1] / [KH]: dequantized
     float32 values float32(stored) * scale instead."""
     lay = contract.cache_layout(layout)
+    value_cache = key_cache if value_cache is None else value_cache  # merged: one array
     x = lay.cache_x("key", key_cache.shape, key_cache.dtype)
     nb, bs = lay.block_geometry(key_cache.shape, x)
-    kh, d = key_cache.shape[lay.key_axes.index("KH")], value_cache.shape[lay.value_axes.index("D")]
+    kh, d = lay.kv_heads(key_cache.shape), lay.head_dim(key_cache.shape, x)
     s, valid = slot_validity(jnp.asarray(slot_mapping), nb * bs, nb, hint="")
     safe = jnp.where(valid, s, 0)
     blk, off = safe // bs, safe % bs
@@ -356,7 +371,11 @@ def read_kv(key_cache, value_cache, slot_mapping, scales=None, *, layout="flash"
         got = cache[lay.token_index(which, blk, off, x)].transpose(np.argsort(perm)).reshape(s.shape[0], kh, d)
         if scales is not None:
             sc = scales[i]
-            sc = sc[blk, :, off] if sc.ndim == 3 else jnp.broadcast_to(sc, (kh,))  # [T, KH] or [KH]
+            if sc.ndim == 3:  # a scale cache: [T, KH]
+                _, sperm = lay.token_split("scale", kh, 1, 1)
+                sc = sc[lay.token_index("scale", blk, off, 1)].transpose(np.argsort(sperm))
+            else:
+                sc = jnp.broadcast_to(sc, (kh,))
             got = got.astype(_F32) * sc[..., None]
         out.append(jnp.where(keep, got, jnp.zeros((), got.dtype)))
     return tuple(out)

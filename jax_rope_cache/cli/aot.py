@@ -46,12 +46,17 @@ def _code(name: str) -> int:
     return contract.DTYPE_CODES[np.dtype(_DTYPES[name])]
 
 
-def configs_for(*, q_heads, kv_heads, head_dim, rotary_dim=None, block_sizes=(16,), layouts=contract.LAYOUTS,
+# Layouts whose kernels read NB at run time (the default set: one code object serves every cache size).
+RUNTIME_NB_LAYOUTS = tuple(name for name, lay in contract.LAYOUT_TABLE.items() if lay.blocks_lead)
+
+
+def configs_for(*, q_heads, kv_heads, head_dim, rotary_dim=None, block_sizes=(16,), layouts=RUNTIME_NB_LAYOUTS,
                 dtypes=("bfloat16",), cache_dtypes=None, table_dtypes=("float32",), neox=(True,),
                 tables=("half",), precisions=("fp32",), index_dtypes=("int32",), norm_eps=None,
-                norm_weight_dtypes=("same",), scale_heads=False, regimes=REGIMES, mrope=None):
+                norm_weight_dtypes=("same",), scale_heads=False, regimes=REGIMES, mrope=None, num_blocks=None):
     """Kernel configurations of every combination of the given options (one model shape); combinations
-    a layout cannot hold (D or BS not a multiple of X) are left out. `norm_eps` (a float): the fused
+    a layout cannot hold (D or BS not a multiple of X) are left out. `num_blocks`: the caches' blocks,
+    which head_major's kernels are specialised on (its caches lead with KH); needed for that layout only. `norm_eps` (a float): the fused
     QK-RMSNorm on q and k with weights in each of `norm_weight_dtypes` ("same" = q's dtype, or a
     dtype name); None: no norm. `scale_heads`: fp8 caches with one k/v scale per kv head (KH > 1).
     `regimes`: the configurations of large calls ("bandwidth") and/or of decode-sized calls
@@ -60,6 +65,10 @@ def configs_for(*, q_heads, kv_heads, head_dim, rotary_dim=None, block_sizes=(16
     for g in regimes:
         if g not in REGIMES:
             raise ValueError(f"regimes: expected a subset of {REGIMES}, got {g!r}")
+    for layout in layouts:
+        if not contract.cache_layout(layout).blocks_lead and num_blocks is None:
+            raise ValueError(f"num_blocks: layout {layout!r} compiles the caches' block count into its kernels; "
+                             "expected the blocks of the deployment's caches (--num-blocks), got None")
     r = rotary_dim or head_dim
     eps = 0.0 if norm_eps is None else float(np.float32(norm_eps))
     out = []
@@ -79,6 +88,7 @@ def configs_for(*, q_heads, kv_heads, head_dim, rotary_dim=None, block_sizes=(16
                 neox=nx, full_table=table == "full", native=prec == "native", dt=_code(dt),
                 tab_dt=_code(tdt), cache_dt=_code(cdt), slot64=idx == "int64", pos64=idx == "int64",
                 q_norm=norm, k_norm=norm, norm_eps=eps, k_scale_heads=heads, v_scale_heads=heads,
+                nb=0 if contract.cache_layout(layout).blocks_lead else int(num_blocks),
                 **_mrope_codes(mrope))
             for g in regimes:
                 cfg = rocm.kernel_config(codes, num_tokens=_REGIME_TOKENS[g])
@@ -228,6 +238,8 @@ def main(argv=None) -> None:
     p.add_argument("--block-size", type=_args.csv_of(_args.positive_int, "list of block sizes"), default=(16,))
     p.add_argument("--layout", type=csv(contract.LAYOUTS, "layout"), default=("flash",),
                    help=",".join(contract.LAYOUTS))
+    p.add_argument("--num-blocks", type=_args.positive_int, default=None,
+                   help="the caches' blocks per layer: head_major's kernels are specialised on it")
     p.add_argument("--dtype", type=csv(inputs, "dtype"), default=("bfloat16",), help="q/k/v dtypes")
     p.add_argument("--cache-dtype", type=csv(tuple(_DTYPES), "cache dtype"), default=None,
                    help="default: same as --dtype; or float8_e4m3fn,...")
@@ -277,7 +289,8 @@ def main(argv=None) -> None:
     archs = a.arch
     opts = dict(block_sizes=a.block_size, layouts=a.layout, dtypes=a.dtype, cache_dtypes=a.cache_dtype,
                 table_dtypes=a.table_dtype, tables=a.table, precisions=a.precision, index_dtypes=a.index_dtype,
-                norm_weight_dtypes=a.norm_weight_dtype, scale_heads=a.scale_heads, regimes=a.regimes)
+                norm_weight_dtypes=a.norm_weight_dtype, scale_heads=a.scale_heads, regimes=a.regimes,
+                num_blocks=a.num_blocks)
     if a.norm_eps is not None and not (np.isfinite(np.float32(a.norm_eps)) and np.float32(a.norm_eps) > 0):
         p.error(f"argument --norm-eps: expected a finite value > 0 (as float32), got {a.norm_eps!r}")
     if a.style:
@@ -297,8 +310,11 @@ def main(argv=None) -> None:
     if a.heads:
         vals = list(a.heads)
         qh, kh, d = vals[:3]
-        configs += configs_for(q_heads=qh, kv_heads=kh, head_dim=d, rotary_dim=vals[3] if len(vals) > 3 else None,
-                               norm_eps=a.norm_eps, **opts)
+        try:
+            configs += configs_for(q_heads=qh, kv_heads=kh, head_dim=d, rotary_dim=vals[3] if len(vals) > 3 else None,
+                                   norm_eps=a.norm_eps, **opts)
+        except ValueError as e:
+            p.error(str(e))
     if not configs and not a.preset and not a.mla_preset:
         p.error("give --preset NAME or --mla-preset NAME (repeatable), --heads QH,KH,D[,R] or --mla-heads QH,Dn,Dc,Dr")
     t = time.perf_counter()

@@ -34,8 +34,10 @@ enum RcDtype {
   RC_FP8_E5M2 = 5,
 };
 
-// Cache layouts (jax_rope_cache/_spec.py: LAYOUTS).
-enum RcLayout { RC_FLASH = 0, RC_XPACKED = 1, RC_XPACKED_SHUFFLED = 2, RC_HND = 3 };
+// Cache layouts (jax_rope_cache/contract.py: LAYOUT_TABLE, the codes). RC_HEAD_MAJOR's caches lead
+// with KH (its blocks per layer are not the caches' leading dim); RC_KV_MERGED holds K and V in the
+// key cache (K head h at 2h, V head h at 2h + 1), its value_cache operand a placeholder never touched.
+enum RcLayout { RC_FLASH = 0, RC_XPACKED = 1, RC_XPACKED_SHUFFLED = 2, RC_HND = 3, RC_HEAD_MAJOR = 4, RC_KV_MERGED = 5 };
 
 RC_FN rc_u32 rc_f32_bits(float f) {
 #if defined(__CUDACC__) || defined(__CUDACC_RTC__)

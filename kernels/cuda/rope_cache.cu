@@ -4,7 +4,12 @@
 // jax_rope_cache/backends/cuda.py: kernel_config):
 //   RC_QH, RC_KH, RC_D, RC_R     query heads, kv heads, head_dim, rotary_dim
 //   RC_BS                        cache block size
-//   RC_LAYOUT                    RcLayout (0 flash, 1 xpacked, 2 xpacked_shuffled, 3 hnd)
+//   RC_LAYOUT                    RcLayout (0 flash, 1 xpacked, 2 xpacked_shuffled, 3 hnd, 4 head_major,
+//                                5 kv_merged: K and V in the key cache [.., NB, BS, 2 KH, D], K head h
+//                                at 2h and V head h at 2h + 1; the value_cache pointers are a placeholder
+//                                nothing reads or writes)
+//   RC_NB                        0 (default): NB is the caches' leading dim at run time; > 0 (head_major,
+//                                whose caches lead with KH): the blocks per layer, compiled in
 //   RC_X                         0 (default): X = 16 bytes of cache elements; else X of the x-packed
 //                                layouts (the key cache's last dim): a power of two dividing D (and BS,
 //                                shuffled). A chunk wider than X is stored as one access per X group;
@@ -79,7 +84,7 @@
 //   int64  dim0[14]  the leading dimension of each operand (rank-0 operands: 1)
 // Grid: (ceil(T / RC_TPB), RC_SPLIT, 1) blocks of RC_NT threads, T = dim0[0]; static shared memory
 // only with RC_MROW (no dynamic shared memory).
-// Runtime values: T = dim0[0], NB = dim0[3] (stacked: L = dim0[3]), max_pos = dim0[7]; every index
+// Runtime values: T = dim0[0], NB = dim0[3] (stacked: L = dim0[3]; head_major: NB = RC_NB), max_pos = dim0[7]; every index
 // (slots, positions, layer) comes from device buffers, so a captured CUDA graph replays correctly
 // whatever the slots and positions hold.
 //
@@ -197,6 +202,9 @@
 #ifndef RC_MROW
 #define RC_MROW 0
 #endif
+#ifndef RC_NB  // NB from the caches' leading dim
+#define RC_NB 0
+#endif
 
 namespace rc {
 
@@ -232,6 +240,8 @@ constexpr bool NORM = Q_NORM >= 0 || K_NORM >= 0;
 constexpr bool KS_HEADS = RC_KS_HEADS != 0, VS_HEADS = RC_VS_HEADS != 0;  // scale[kv head]
 constexpr int MROPE = RC_MROPE;  // RcMrope: positions [3, T], one stream per rotary frequency
 enum : bool { MROW = MROPE != 0 && RC_MROW != 0 };  // M-RoPE rows merged per block (an enum: no symbol)
+// head_major: the blocks per layer (its caches lead with KH); kv_merged: V rows in the key cache.
+enum : int { NBL = RC_NB, NBL_DIV = RC_NB > 0 ? RC_NB : 1, MERGED = LAYOUT == RC_KV_MERGED };
 constexpr bool is_pow2(int n) { return n > 0 && (n & (n - 1)) == 0; }
 // The P lanes of a head's rotation units hold whole subtrees of the sum-of-squares tree (R == D,
 // D a power of two; NeoX: chunks j and j + P are subtrees of the two halves of the row): each
@@ -283,7 +293,9 @@ static_assert(!NEOX || HALF % W == 0, "NeoX: RC_WCH must divide R/2");
 static_assert(NEOX || W % 2 == 0, "GPT-J: RC_WCH must be even");
 static_assert(X >= 1 && (X & (X - 1)) == 0, "RC_X: a power of two");
 static_assert(X % KW == 0 && W % KW == 0, "a key-cache store stays inside one x-packed group");
-static_assert(LAYOUT >= RC_FLASH && LAYOUT <= RC_HND, "RC_LAYOUT");
+static_assert(LAYOUT >= RC_FLASH && LAYOUT <= RC_KV_MERGED, "RC_LAYOUT");
+static_assert((LAYOUT == RC_HEAD_MAJOR) == (NBL > 0) && (RC_LAYER_BLOCKS == 0 || NBL == 0 || RC_LAYER_BLOCKS == NBL),
+              "RC_NB: head_major's blocks per layer (the stacked caches' RC_LAYER_BLOCKS), 0 otherwise");
 static_assert(!XP || (D % X == 0), "x-packed layouts need D % X == 0");
 static_assert(LAYOUT != RC_XPACKED_SHUFFLED || BS % X == 0, "xpacked_shuffled needs BS % X == 0");
 static_assert(DT == RC_F32 || DT == RC_BF16 || DT == RC_F16, "RC_DT");
@@ -528,16 +540,27 @@ __device__ __forceinline__ i64 load_index(const void* base, i64 i, bool is64) {
   return is64 ? static_cast<const i64*>(base)[i] : (i64) static_cast<const int*>(base)[i];
 }
 
+// head_major [.., KH, NB, BS, D]: block blk of a stacked cache (layer * NB + block) in its layer.
+__device__ __forceinline__ i64 head_major_index(i64 blk, i64 off, int h, int d) {
+  const i64 layer = blk / NBL_DIV;
+  return (((layer * KH + h) * NBL_DIV + (blk - layer * NBL_DIV)) * BS + off) * D + d;
+}
+
 // Element offset of channel d (start of an aligned chunk) of kv head h at (blk, off).
 __device__ __forceinline__ i64 key_index(i64 blk, i64 off, int h, int d) {
   if (LAYOUT == RC_FLASH) return ((blk * BS + off) * KH + h) * D + d;
   if (LAYOUT == RC_HND) return ((blk * KH + h) * BS + off) * D + d;
+  if (LAYOUT == RC_HEAD_MAJOR) return head_major_index(blk, off, h, d);
+  if (LAYOUT == RC_KV_MERGED) return ((blk * BS + off) * (2 * KH) + 2 * h) * D + d;
   return (((blk * KH + h) * (D / X) + d / X) * BS + off) * X + d % X;
 }
 
+// kv_merged: the V row of head h right after its K row, in the key cache (vcache).
 __device__ __forceinline__ i64 value_index(i64 blk, i64 off, int h, int d) {
   if (LAYOUT == RC_FLASH) return ((blk * BS + off) * KH + h) * D + d;
   if (LAYOUT == RC_HND) return ((blk * KH + h) * BS + off) * D + d;
+  if (LAYOUT == RC_HEAD_MAJOR) return head_major_index(blk, off, h, d);
+  if (LAYOUT == RC_KV_MERGED) return ((blk * BS + off) * (2 * KH) + 2 * h + 1) * D + d;
   if (LAYOUT == RC_XPACKED) return ((blk * KH + h) * D + d) * BS + off;
   return (((blk * KH + h) * (BS / X) + off / X) * D + d) * X + off % X;
 }
@@ -592,6 +615,9 @@ __device__ __forceinline__ i64 v_row_of(i64 t, int h) { return t * IN_KVROW + IN
 struct SlotRange {
   i64 n, base;
 };
+
+// The buffer V rows go to: the value cache, or kv_merged's one array.
+__device__ __forceinline__ void* vcache(const Params& p) { return MERGED ? p.kc : p.vc; }
 
 // Cache slot of token t if it writes the cache, else -1.
 __device__ __forceinline__ i64 valid_slot(const Params& p, i64 t, SlotRange r) {
@@ -1113,8 +1139,15 @@ __device__ __forceinline__ void rotate_chunk(const Chunk& a, const Chunk& b, con
 // each k unit recomputes the whole row's values (L1 hits). V: row units (token, kv head, chunk) in
 // every layout, each reading the whole v row for its amax (v_unit_token).
 
-// Element offset of kv head h's scale at cache slot s in the scale caches [.., NB, KH, BS].
-__device__ __forceinline__ i64 scale_index(i64 s, int h) { return (s / BS * KH + h) * BS + s % BS; }
+// Element offset of kv head h's scale at cache slot s in the scale caches [.., NB, KH, BS] (head_major:
+// [.., KH, NB, BS], s counting the layers' slots one after the other).
+__device__ __forceinline__ i64 scale_index(i64 s, int h) {
+  if (LAYOUT == RC_HEAD_MAJOR) {
+    const i64 layer = s / ((i64)NBL_DIV * BS);
+    return (layer * KH + h) * NBL_DIV * BS + (s - layer * NBL_DIV * BS);
+  }
+  return (s / BS * KH + h) * BS + s % BS;
+}
 
 // The xor butterfly's levels over a group's N lanes (a k head's P, a v row's CH): offsets 1, 2, ..
 // N/2 (the GPU shuffles and their host emulation take the same levels).
@@ -1301,7 +1334,7 @@ __device__ __forceinline__ void v_unit_token(const Params& p, i64 T, i64 t0, int
     for (int e = 0; e < W; ++e)
       store_if(ok, static_cast<raw_cache*>(p.vc) + value_index(s / BS, s % BS, h, c * W + e), to_cache(x.e[e], inv));
   } else {
-    store_cache_chunk_if(ok, p.vc, value_index(s / BS, s % BS, h, c * W), x, inv);
+    store_cache_chunk_if(ok, vcache(p), value_index(s / BS, s % BS, h, c * W), x, inv);
   }
 }
 // ---- end of per-token scales ----------------------------------------------------------------------
@@ -1461,7 +1494,7 @@ __device__ __forceinline__ void v_unit_flash(const Params& p, i64 T, i64 t0, int
   const bool ok = s_raw >= 0 && s_raw < sr.n;
   if constexpr (VS_HEADS) inv_v = head_inv(p.v_scale, h, inv_v, true);
   const i64 s = ok ? sr.base + s_raw : 0;
-  store_cache_chunk_if(ok, p.vc, value_index(s / BS, s % BS, h, c * W), x, inv_v);
+  store_cache_chunk_if(ok, vcache(p), value_index(s / BS, s % BS, h, c * W), x, inv_v);
 }
 
 // x-packed V unit u -> (group g of VG tokens, kv head h, channel group c of VCH channels), c
@@ -1712,7 +1745,7 @@ __device__ __forceinline__ void v_unit_run(const Params& p, i64 t0, int u, SlotR
 // kernel-node entry has them as compile-time constants.
 __device__ __forceinline__ void run_block(const Params& p, const i64 T, const i64 n_lead, const i64 max_pos) {
   const i64 t0 = (i64)blockIdx.x * TPB;
-  SlotRange sr{n_lead * BS, 0};
+  SlotRange sr{(NBL > 0 ? (i64)NBL : n_lead) * BS, 0};  // head_major: n_lead is KH (unstacked)
   if (LAYER_BLOCKS > 0) {  // stacked [L, NB, ...]: a layer outside [0, L) writes nothing
     const i64 layer = *p.layer, per_layer = (i64)LAYER_BLOCKS * BS;
     sr = (layer >= 0 && layer < n_lead) ? SlotRange{per_layer, layer * per_layer} : SlotRange{0, 0};

@@ -16,6 +16,8 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #if defined(__linux__)
@@ -87,7 +89,8 @@ struct Problem {
   int dt, table_dt, cache_dt, layout, arith;  // arith: rc_arith(native, dt, table_dt)
   bool neox, slots64, pos64, full_table;
   const float *inv_k_scale, *inv_v_scale;  // per kv head (one scale: KH copies)
-  float *k_sc, *v_sc;  // per-token scales: the scale caches [NB, KH, BS] of the layer; nullptr: static scales
+  float *k_sc, *v_sc;  // per-token scales: the scale caches of the layer ([NB, KH, BS]; head_major
+                       // [KH, NB, BS]); nullptr: static scales
   const float *q_norm_w, *k_norm_w;        // the norm weights widened to f32 [D]; nullptr: no norm
   float norm_eps;
   const int8_t* col_stream;  // M-RoPE: the position stream of each table column [width]; nullptr: off
@@ -141,12 +144,26 @@ CacheRow Locate(const Problem& p, int64_t blk, int64_t off, int64_t h) {
       const int64_t base = ((blk * kh + h) * bs + off) * d;
       return {base, d, 0, base, 1};
     }
+    case RC_HEAD_MAJOR: {
+      const int64_t base = ((h * p.NB + blk) * bs + off) * d;
+      return {base, d, 0, base, 1};
+    }
+    case RC_KV_MERGED: {  // one array (p.vc == p.kc): K row at head 2h, V row right after it
+      const int64_t base = ((blk * bs + off) * 2 * kh + 2 * h) * d;
+      return {base, d, 0, base + d, 1};
+    }
     case RC_XPACKED:
       return {((blk * kh + h) * (d / x) * bs + off) * x, x, bs * x, (blk * kh + h) * d * bs + off, bs};
     default:
       return {((blk * kh + h) * (d / x) * bs + off) * x, x, bs * x,
               ((blk * kh + h) * (bs / x) + off / x) * d * x + off % x, x};
   }
+}
+
+// Element offset of kv head h's scale at (blk, off) in one layer's scale cache.
+int64_t ScaleIndex(const Problem& p, int64_t blk, int64_t off, int64_t h) {
+  if (p.layout == RC_HEAD_MAJOR) return (h * p.NB + blk) * p.BS + off;  // [KH, NB, BS]
+  return (blk * p.KH + h) * p.BS + off;                                 // [NB, KH, BS]
 }
 
 // Rotates one head row x into out. With `wide` (the fp8 cache in "fused" arithmetic), also
@@ -282,7 +299,7 @@ JRC_CPU_CLONES void RunTokensT(const Problem& p, int64_t t0, int64_t t1) {
           for (int64_t d = 0; d < p.D; ++d) vm = rc_amax_step(vm, Elem<DT>::Load(vrow[d]));
           const float ks = rc_token_scale(km, static_cast<RcDtype>(CDT));
           const float vs = rc_token_scale(vm, static_cast<RcDtype>(CDT));
-          const int64_t at = (slot / p.BS * p.KH + h) * p.BS + slot % p.BS;
+          const int64_t at = ScaleIndex(p, slot / p.BS, slot % p.BS, h);
           p.k_sc[at] = ks, p.v_sc[at] = vs;
           inv_k = rc_inv_scale(ks), inv_v = rc_inv_scale(vs);
         }
@@ -476,6 +493,42 @@ ffi::Error ExpectNormWeight(const char* name, const ffi::AnyBuffer& b, bool on, 
   return ExpectDims(name, b, {d}, "[D]");
 }
 
+// One layer's dims of each cache per layout (contract.LAYOUT_TABLE spelled out), with their names.
+struct LayerDims {
+  std::vector<int64_t> key, value, scale;
+  const char *key_names, *value_names, *scale_names;
+};
+
+LayerDims ExpectedDims(int64_t layout, int64_t NB, int64_t BS, int64_t KH, int64_t D, int64_t X) {
+  switch (layout) {
+    case RC_FLASH:
+      return {{NB, BS, KH, D}, {NB, BS, KH, D}, {NB, KH, BS}, "NB, BS, KH, D]", "NB, BS, KH, D]", "NB, KH, BS]"};
+    case RC_HND:
+      return {{NB, KH, BS, D}, {NB, KH, BS, D}, {NB, KH, BS}, "NB, KH, BS, D]", "NB, KH, BS, D]", "NB, KH, BS]"};
+    case RC_HEAD_MAJOR:
+      return {{KH, NB, BS, D}, {KH, NB, BS, D}, {KH, NB, BS}, "KH, NB, BS, D]", "KH, NB, BS, D]", "KH, NB, BS]"};
+    case RC_KV_MERGED:  // the value_cache operand: a one-element placeholder per layer
+      return {{NB, BS, 2 * KH, D}, {1}, {NB, KH, BS}, "NB, BS, 2*KH, D]", "1] (kv_merged's placeholder)",
+              "NB, KH, BS]"};
+    case RC_XPACKED:
+      return {{NB, KH, D / X, BS, X}, {NB, KH, D, BS}, {NB, KH, BS}, "NB, KH, D//X, BS, X]", "NB, KH, D, BS]",
+              "NB, KH, BS]"};
+    default:
+      return {{NB, KH, D / X, BS, X}, {NB, KH, BS / X, D, X}, {NB, KH, BS}, "NB, KH, D//X, BS, X]",
+              "NB, KH, BS//X, D, X]", "NB, KH, BS]"};
+  }
+}
+
+// (NB, BS) of a key cache of one layer (dims of the layout's rank).
+std::pair<int64_t, int64_t> BlockGeometry(int64_t layout, ffi::Span<const int64_t> kcd) {
+  switch (layout) {
+    case RC_FLASH: case RC_KV_MERGED: return {kcd[0], kcd[1]};
+    case RC_HND: return {kcd[0], kcd[2]};
+    case RC_HEAD_MAJOR: return {kcd[1], kcd[2]};
+    default: return {kcd[0], kcd[3]};
+  }
+}
+
 #define JRC_CHECK(expr)                   \
   do {                                    \
     if (auto e = (expr); e.failure()) return e; \
@@ -492,9 +545,9 @@ ffi::Error ValidateCall(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const 
                         int64_t mrope_t, int64_t mrope_h, int64_t mrope_w, const ffi::AnyBuffer* k_sc_out,
                         const ffi::AnyBuffer* v_sc_out) {
   const bool scale_caches = k_sc_out != nullptr;  // the handler with per-token scales (6 results)
-  if (layout < RC_FLASH || layout > RC_HND)
-    return Invalid("attribute layout: expected 0 (flash), 1 (xpacked), 2 (xpacked_shuffled) or 3 (hnd), got " +
-                   std::to_string(layout));
+  if (layout < RC_FLASH || layout > RC_KV_MERGED)
+    return Invalid("attribute layout: expected 0 (flash), 1 (xpacked), 2 (xpacked_shuffled), 3 (hnd), 4 (head_major) "
+                   "or 5 (kv_merged), got " + std::to_string(layout));
   // q fixes T, D and the input dtype; QH and KH are q_out's and k_out's head counts. q with more
   // heads than q_out is the fused QKV tensor [T, QH + 2 KH, D], passed as k and v too.
   const auto qd = q.dimensions(), qod = q_out.dimensions(), kod = k_out.dimensions();
@@ -547,7 +600,7 @@ ffi::Error ValidateCall(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const 
   const size_t o = stacked ? 1 : 0;
   // X of the x-packed layouts: the key cache's last dim, a power of two dividing D (and BS, shuffled)
   const int64_t X = packed ? kcd[o + 4] : 16 / static_cast<int64_t>(ffi::ByteWidth(cdt));
-  const int64_t NB = kcd[o], BS = layout == RC_FLASH ? kcd[o + 1] : (layout == RC_HND ? kcd[o + 2] : kcd[o + 3]);
+  const auto [NB, BS] = BlockGeometry(layout, kcd.last(rank));
   if (BS < 1) return Invalid("key_cache: expected a block size >= 1, got dims " + DimsString(kcd));
   if (packed && (X < 1 || (X & (X - 1))))
     return Invalid("key_cache: expected X (the last dim) to be a power of two, got dims " + DimsString(kcd));
@@ -561,21 +614,10 @@ ffi::Error ValidateCall(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const 
     d.insert(d.begin(), lead.begin(), lead.end());
     return d;
   };
-  const std::string l = stacked ? "L, " : "";
-  if (layout == RC_FLASH) {
-    JRC_CHECK(ExpectDims("key_cache", key_cache, with_lead({NB, BS, KH, D}), "[" + l + "NB, BS, KH, D]"));
-    JRC_CHECK(ExpectDims("value_cache", value_cache, with_lead({NB, BS, KH, D}), "[" + l + "NB, BS, KH, D]"));
-  } else if (layout == RC_HND) {
-    JRC_CHECK(ExpectDims("key_cache", key_cache, with_lead({NB, KH, BS, D}), "[" + l + "NB, KH, BS, D]"));
-    JRC_CHECK(ExpectDims("value_cache", value_cache, with_lead({NB, KH, BS, D}), "[" + l + "NB, KH, BS, D]"));
-  } else {
-    JRC_CHECK(ExpectDims("key_cache", key_cache, with_lead({NB, KH, D / X, BS, X}), "[" + l + "NB, KH, D//X, BS, X]"));
-    if (layout == RC_XPACKED)
-      JRC_CHECK(ExpectDims("value_cache", value_cache, with_lead({NB, KH, D, BS}), "[" + l + "NB, KH, D, BS]"));
-    else
-      JRC_CHECK(ExpectDims("value_cache", value_cache, with_lead({NB, KH, BS / X, D, X}),
-                           "[" + l + "NB, KH, BS//X, D, X]"));
-  }
+  const std::string l = stacked ? "[L, " : "[";
+  const LayerDims want = ExpectedDims(layout, NB, BS, KH, D, X);
+  JRC_CHECK(ExpectDims("key_cache", key_cache, with_lead(want.key), l + want.key_names));
+  JRC_CHECK(ExpectDims("value_cache", value_cache, with_lead(want.value), l + want.value_names));
 
   for (auto [name, b] : {std::pair<const char*, const ffi::AnyBuffer*>{"slot_mapping", &slots},
                          std::pair<const char*, const ffi::AnyBuffer*>{"positions", &positions}}) {
@@ -610,16 +652,16 @@ ffi::Error ValidateCall(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const 
                    std::to_string(rotary_dim) + "], got " + DimsString(cd));
   JRC_CHECK(ExpectDims("sin", sin, {cd[0], cd[1]}, "as cos"));
   if (scale_caches) {  // per-token scales: the k_scale / v_scale operands are the scale caches
-    const std::string dims = "[" + l + "NB, KH, BS]";
+    const std::string dims = l + want.scale_names;
     JRC_CHECK(ExpectType("k_scale_cache", k_scale, ffi::DataType::F32, "float32"));
     JRC_CHECK(ExpectType("v_scale_cache", v_scale, ffi::DataType::F32, "float32"));
-    JRC_CHECK(ExpectDims("k_scale_cache", k_scale, with_lead({NB, KH, BS}), dims));
-    JRC_CHECK(ExpectDims("v_scale_cache", v_scale, with_lead({NB, KH, BS}), dims));
+    JRC_CHECK(ExpectDims("k_scale_cache", k_scale, with_lead(want.scale), dims));
+    JRC_CHECK(ExpectDims("v_scale_cache", v_scale, with_lead(want.scale), dims));
     if (!IsFp8(cdt)) return Invalid(std::string("k_scale_cache: per-token scales need a float8 cache, got ") + TypeName(cdt));
     JRC_CHECK(ExpectType("k_scale_cache result", *k_sc_out, ffi::DataType::F32, "as k_scale_cache"));
     JRC_CHECK(ExpectType("v_scale_cache result", *v_sc_out, ffi::DataType::F32, "as v_scale_cache"));
-    JRC_CHECK(ExpectDims("k_scale_cache result", *k_sc_out, with_lead({NB, KH, BS}), "as k_scale_cache"));
-    JRC_CHECK(ExpectDims("v_scale_cache result", *v_sc_out, with_lead({NB, KH, BS}), "as v_scale_cache"));
+    JRC_CHECK(ExpectDims("k_scale_cache result", *k_sc_out, with_lead(want.scale), "as k_scale_cache"));
+    JRC_CHECK(ExpectDims("v_scale_cache result", *v_sc_out, with_lead(want.scale), "as v_scale_cache"));
   } else {
     JRC_CHECK(ExpectScale("k_scale", k_scale, KH));
     JRC_CHECK(ExpectScale("v_scale", v_scale, KH));
@@ -682,7 +724,7 @@ ffi::Error RopeAndCache(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ff
     return ffi::Error::InvalidArgument("rope_and_cache cpu: unsupported dtype");
   if (p.cache_dt != p.dt && p.cache_dt != RC_FP8_E4M3FN && p.cache_dt != RC_FP8_E4M3FNUZ && p.cache_dt != RC_FP8_E5M2)
     return ffi::Error::InvalidArgument("rope_and_cache cpu: cache dtype must equal the input dtype or be fp8");
-  if (p.layout < RC_FLASH || p.layout > RC_HND)
+  if (p.layout < RC_FLASH || p.layout > RC_KV_MERGED)
     return ffi::Error::InvalidArgument("rope_and_cache cpu: unknown layout " + std::to_string(layout));
   // Stacked caches ([L, ...], one rank more than a layer's layout) are written at layer `layer`.
   auto kcd = key_cache.dimensions();
@@ -693,8 +735,7 @@ ffi::Error RopeAndCache(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ff
   const bool stacked = kcd.size() == layer_rank + 1;
   const int64_t num_layers = stacked ? kcd[0] : 1;
   if (stacked) kcd = kcd.last(kcd.size() - 1);
-  p.NB = kcd[0];
-  p.BS = p.layout == RC_FLASH ? kcd[1] : (p.layout == RC_HND ? kcd[2] : kcd[3]);
+  std::tie(p.NB, p.BS) = BlockGeometry(p.layout, kcd);
   p.X = packed ? kcd[4] : 16 / static_cast<int64_t>(ffi::ByteWidth(key_cache.element_type()));
   // Every index the loops form stays inside these element counts.
   if (auto e = CheckSame("k tokens", kd[0], p.T); e.failure()) return e;
@@ -705,10 +746,11 @@ ffi::Error RopeAndCache(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ff
   if (auto e = CheckSame("k elements", k.element_count(), p.T * p.kv_row); e.failure()) return e;
   if (auto e = CheckSame("q row", p.q_row, fused ? (p.QH + 2 * p.KH) * p.D : p.QH * p.D); e.failure()) return e;
   if (auto e = CheckSame("k row", p.kv_row, fused ? (p.QH + 2 * p.KH) * p.D : p.KH * p.D); e.failure()) return e;
-  const int64_t layer_elems = p.NB * p.BS * p.KH * p.D;
+  const bool merged = p.layout == RC_KV_MERGED;  // K and V in the key cache; the value cache: [1] per layer
+  const int64_t layer_elems = p.NB * p.BS * p.KH * p.D * (merged ? 2 : 1);
   if (auto e = CheckSame("key_cache elements", key_cache.element_count(), num_layers * layer_elems); e.failure())
     return e;
-  if (auto e = CheckSame("value_cache elements", value_cache.element_count(), num_layers * layer_elems);
+  if (auto e = CheckSame("value_cache elements", value_cache.element_count(), num_layers * (merged ? 1 : layer_elems));
       e.failure())
     return e;
   if (layer.element_count() != 1 || layer.element_type() != ffi::DataType::S32)
@@ -765,6 +807,7 @@ ffi::Error RopeAndCache(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ff
   if (layer_index < 0 || layer_index >= num_layers) p.NB = 0;  // no slot is valid: nothing is written
   const int64_t cache_offset = (p.NB ? layer_index : 0) * layer_elems * ffi::ByteWidth(key_cache.element_type());
   p.kc = static_cast<char*>(p.kc) + cache_offset, p.vc = static_cast<char*>(p.vc) + cache_offset;
+  if (merged) p.vc = p.kc;  // V rows go into the one array; the placeholder is never touched
   if (k_sc_out) {
     if (auto e = CheckSame("k_scale_cache elements", k_scale.element_count(), num_layers * p.NB * p.KH * p.BS);
         p.NB && e.failure())

@@ -2,8 +2,9 @@
 
 Static configuration: a `RocmKernelConfig` (jax_rope_cache/rocm.py builds it from an OpSpec).
 Every option of the op contract is a compile-time parameter: NeoX / GPT-J pairing, partial
-rotary (R < D), "half" / "full" cos/sin tables, the four cache layouts (any power-of-two X of the
-x-packed ones: `pack_x`), bf16/f16/f32 inputs, bf16/f16/f32 tables, caches of the input dtype or float8 e4m3fn / e4m3fnuz / e5m2 (every format on both
+rotary (R < D), "half" / "full" cos/sin tables, the six cache layouts (any power-of-two X of the
+x-packed ones: `pack_x`; head_major's blocks per layer `nb`, as its caches lead with KH; kv_merged's V
+rows in the key cache, its value_cache operand a placeholder never touched), bf16/f16/f32 inputs, bf16/f16/f32 tables, caches of the input dtype or float8 e4m3fn / e4m3fnuz / e5m2 (every format on both
 archs: the conversion is integer arithmetic, not the hardware's fp8 instructions), per-tensor
 k/v scales, "fp32" and "native" precision, int32/int64 slot_mapping and positions, one cache or
 stacked per-layer caches [L, NB, ...] (`layer_blocks` = NB) with the layer read on the device,
@@ -15,7 +16,7 @@ byte offsets 0, 8, ..., 248 (kernarg segment 256 bytes, no hidden arguments):
           positions, cos, sin, k_scale, v_scale (f32 [] or [KH]), layer (int32 scalar),
           q_norm_weight, k_norm_weight ([D], or an f32[1] placeholder when absent)
   14..17  device addresses of the results   q_out, k_out, key_cache_out, value_cache_out
-  18..31  int64 dim0 of each operand (T = dim0[0], NB = dim0[3] (stacked: L), max_pos = dim0[7]);
+  18..31  int64 dim0 of each operand (T = dim0[0], NB = dim0[3] (stacked: L; head_major: `nb`), max_pos = dim0[7]);
           T is q's dim0 (positions has dim0 3 with M-RoPE)
 With per-token scales (`token_scales`) k_scale / v_scale are the scale caches and the results
 k_scale_cache_out, v_scale_cache_out follow at 18, 19: 34 arguments (272 bytes), dim0s at 20..33.
@@ -116,7 +117,7 @@ ITEMSIZE = {F32: 4, BF16: 2, F16: 2, FP8_FN: 1, FP8_FNUZ: 1, FP8_E5M2: 1}
 FP8_CODES = (FP8_FN, FP8_FNUZ, FP8_E5M2)
 FP8_MAX = {FP8_FN: 448.0, FP8_FNUZ: 240.0, FP8_E5M2: 57344.0}  # contract.FP8_MAX
 TOKEN_AMAX_FLOOR_BITS = struct.unpack("<I", struct.pack("<f", 1e-8))[0]  # contract.TOKEN_AMAX_FLOOR (f32)
-FLASH, XPACKED, XPACKED_SHUFFLED, HND = 0, 1, 2, 3
+FLASH, XPACKED, XPACKED_SHUFFLED, HND, HEAD_MAJOR, KV_MERGED = 0, 1, 2, 3, 4, 5  # contract.LAYOUT_TABLE codes
 TABLE_BYTES_LIMIT = 1 << 32  # a cos/sin table must be smaller (32-bit buffer offsets; module docstring)
 OOB_OFFSET = 0x7FFFFFF0  # past every per-workgroup descriptor (span_problem): loads 0, stores dropped
 
@@ -128,7 +129,7 @@ class RocmKernelConfig:
     d: int
     r: int
     bs: int
-    layout: int        # 0 flash, 1 xpacked, 2 xpacked_shuffled, 3 hnd
+    layout: int        # 0 flash, 1 xpacked, 2 xpacked_shuffled, 3 hnd, 4 head_major, 5 kv_merged
     neox: bool
     full_table: bool
     native: bool       # "native" precision (arith_mode: "rounded" or "fused")
@@ -160,9 +161,12 @@ class RocmKernelConfig:
     # the q, k and v operands are each the fused QKV tensor [T, QH + 2 KH, D] (q heads, then k heads,
     # then v heads of a token): inputs read at those head offsets with that row stride
     qkv: bool = False
-    # per-token fp8 scales: k_scale / v_scale are the scale caches [NB, KH, BS] (stacked [L, NB, KH, BS],
-    # f32), results 4 and 5; each (token, kv head) row is quantized with its own scale (token_scale_row)
+    # per-token fp8 scales: k_scale / v_scale are the scale caches [NB, KH, BS] (head_major [KH, NB, BS];
+    # stacked [L, ...], f32), results 4 and 5; each (token, kv head) row is quantized with its own scale
+    # (token_scale_row)
     token_scales: bool = False
+    # head_major: the blocks per layer (its caches [.., KH, NB, BS, D] do not lead with NB); 0 otherwise
+    nb: int = 0
 
     @property
     def x(self) -> int:
@@ -187,6 +191,8 @@ class RocmKernelConfig:
                 continue  # separate q, k, v: the key of a configuration without the option
             if f.name == "token_scales" and not self.token_scales:
                 continue  # static scales: the key of a configuration without the option
+            if f.name == "nb" and not self.nb:
+                continue  # NB at run time: the key of a configuration without the field
             v = getattr(self, f.name)  # floats by their f32 bits: eps values must not collide
             out.append(struct.pack("<f", v).hex() if isinstance(v, float) else str(int(v)))
         return "_".join(out)
@@ -313,7 +319,7 @@ def make_config(*, qh, kh, d, r, bs, layout, neox, full_table, native, dt, tab_d
                 pos64, layer_blocks: int = 0, q_norm: int = -1, k_norm: int = -1, norm_eps: float = 0.0,
                 k_scale_heads: bool = False, v_scale_heads: bool = False, mrope: int = 0, mrope_t: int = 0,
                 mrope_h: int = 0, mrope_w: int = 0, x: int = 0, qkv: bool = False, token_scales: bool = False,
-                nt: int = 256, rot_cap: int | None = None, width_cap: int | None = None,
+                nb: int = 0, nt: int = 256, rot_cap: int | None = None, width_cap: int | None = None,
                 latency: bool = False) -> RocmKernelConfig:
     """`rot_cap` / `width_cap`: at most that many elements per rotation chunk / per pass-through and
     V chunk (narrower accesses, fewer values in flight per lane: the occupancy candidates of
@@ -326,6 +332,7 @@ def make_config(*, qh, kh, d, r, bs, layout, neox, full_table, native, dt, tab_d
     input rows' stride and head offsets differ).
     `token_scales`: per-token fp8 scales (an fp8 cache, no static per-head scales); the rotation
     lanes hold whole K rows as with the norm (token_scales_problem says where that cannot be).
+    `nb`: head_major's blocks per layer (required there, 0 for every other layout).
 
     Two regimes (`latency`, from latency_regime(T)):
       * bandwidth (large or unknown T): `nt` threads, as many tokens per workgroup as its lanes hold;
@@ -347,6 +354,9 @@ def make_config(*, qh, kh, d, r, bs, layout, neox, full_table, native, dt, tab_d
             raise ValueError(f"x: expected a power of two dividing D={d}" + (f" and BS={bs}" if layout ==
                              XPACKED_SHUFFLED else "") + f", got {x}")
     pack_x = x if x and layout in (XPACKED, XPACKED_SHUFFLED) and x != 16 // ITEMSIZE[cache_dt] else 0
+    if (layout == HEAD_MAJOR) != (int(nb) > 0) or (layer_blocks and nb and layer_blocks != nb):
+        raise ValueError(f"nb: expected head_major's blocks per layer (> 0) for layout 4 and 0 otherwise, got "
+                         f"nb={nb} for layout {layout}")
     if mrope not in (0, 1, 2):
         raise ValueError(f"mrope: expected 0 (off), 1 (sections) or 2 (interleaved), got {mrope}")
     section = (int(mrope_t), int(mrope_h), int(mrope_w)) if mrope else (0, 0, 0)
@@ -383,7 +393,7 @@ def make_config(*, qh, kh, d, r, bs, layout, neox, full_table, native, dt, tab_d
                                 norm_eps=float(norm_eps) if norm else 0.0, k_scale_heads=bool(k_scale_heads),
                                 v_scale_heads=bool(v_scale_heads), latency=bool(latency), mrope=int(mrope),
                                 mrope_t=section[0], mrope_h=section[1], mrope_w=section[2], pack_x=pack_x,
-                                qkv=bool(qkv), token_scales=bool(token_scales))
+                                qkv=bool(qkv), token_scales=bool(token_scales), nb=int(nb))
 
     def cpx(w):
         return (r // 2) // w if neox else r // w
@@ -1026,6 +1036,8 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
     rs_sin = E.rsrc(p_sin, tab_bytes)
     rs_wq = E.rsrc(p_wq, c64(D * ITEMSIZE[cfg.q_norm])) if QN else None
     rs_wk = E.rsrc(p_wk, c64(D * ITEMSIZE[cfg.k_norm])) if KN else None
+    if cfg.nb:  # head_major: dims[3] is KH (or L); a layer's blocks are compiled in
+        NB = c64(cfg.nb)
     num_slots, slot_base = E.mul(NB, c64(BS)), c64(0)
     if cfg.layer_blocks:  # stacked [L, NB, ...]: NB is static, L = dims[3]; a layer outside [0, L) writes nothing
         layer = E.sext64(E.rocdl.raw_ptr_buffer_load(E.i32, E.rsrc(p_layer, c64(4)), c32(0), c32(0)))
@@ -1065,10 +1077,27 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
         ok = E.and1(E.and1(E.cmp("sge", s, c64(0)), E.cmp("slt", s, num_slots)), tvalid)
         return ok, E.sel(ok, E.add(s, slot_base), c64(0))
 
+    def head_major_row(s, hh):
+        """head_major [.., KH, NB, BS, ..]: the (layer, kv head hh, block, offset) row of slot s (i64,
+        counting the layers' slots one after the other: stacked, layer * NB * BS + slot)."""
+        per = c64(cfg.nb * BS)
+        layer = E.arith.divui(s, per)
+        return E.add(E.mul(E.add(E.mul(layer, c64(KH)), hh), per), E.sub(s, E.mul(layer, per)))
+
+    def row_el(s, hh, d, value: bool):
+        """Element offset of channel d (i64) of kv head hh's row at slot s in head_major, or in
+        kv_merged [.., NB, BS, 2 KH, D] (K head h at row 2h, V (`value`) at 2h + 1)."""
+        if cfg.layout == HEAD_MAJOR:
+            return E.add(E.mul(head_major_row(s, hh), c64(D)), d)
+        row = E.add(E.mul(s, c64(2 * KH)), E.add(E.mul(hh, c64(2)), c64(int(value))))
+        return E.add(E.mul(row, c64(D)), d)
+
     def k_cache_addr(s, h, d0: int | None, dvar=None):
         """Byte address in the key cache of element d of head h for slot s (i64)."""
         hh = c64(h) if isinstance(h, int) else E.ext64(h)
-        if cfg.layout == FLASH:
+        if cfg.layout in (HEAD_MAJOR, KV_MERGED):
+            el = row_el(s, hh, c64(d0) if dvar is None else dvar, False)
+        elif cfg.layout == FLASH:
             el = E.mul(E.add(E.mul(s, c64(KH)), hh), c64(D))
             el = E.add(el, c64(d0)) if dvar is None else E.add(el, dvar)
         elif cfg.layout == HND:
@@ -1088,6 +1117,8 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
         return E.add(p_kco, E.mul(el, c64(s_c)))
 
     def v_cache_addr(s, hh64, d64):
+        if cfg.layout in (HEAD_MAJOR, KV_MERGED):  # kv_merged: V rows in the key cache
+            return E.add(p_kco if cfg.layout == KV_MERGED else p_vco, E.mul(row_el(s, hh64, d64, True), c64(s_c)))
         if cfg.layout == FLASH:
             el = E.add(E.mul(E.add(E.mul(s, c64(KH)), hh64), c64(D)), d64)
         elif cfg.layout == HND:
@@ -1125,8 +1156,11 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
         """A row's scale (f32) into its scale cache [.., KH, BS] at (block, head h (i32), offset) of
         slot s, by the row's first lane (c == 0), where the row is written (wr)."""
         def body():
-            blk, off = E.arith.divui(s, c64(BS)), E.arith.remui(s, c64(BS))
-            el = E.add(E.mul(E.add(E.mul(blk, c64(KH)), E.ext64(h)), c64(BS)), off)
+            if cfg.layout == HEAD_MAJOR:  # [.., KH, NB, BS]
+                el = head_major_row(s, E.ext64(h))
+            else:
+                blk, off = E.arith.divui(s, c64(BS)), E.arith.remui(s, c64(BS))
+                el = E.add(E.mul(E.add(E.mul(blk, c64(KH)), E.ext64(h)), c64(BS)), off)
             E.global_store_pieces([(4, E.bitcast(E.i32, scale))], E.add(p_sc, E.mul(el, c64(4))))
         guarded(E.and1(wr, E.cmp("eq", c, c32(0))), body)
 
@@ -1631,7 +1665,7 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
                 store_row_scale(wr, c, s, h, scale, p_vsc)
 
             def body(pv=pv, d0=d0, hh=hh, inv_v=inv_v, vals=vals):
-                if cfg.layout in (FLASH, HND):  # rows of D channels
+                if not cfg.packed:  # rows of D channels
                     if cfg.cache_dt == cfg.dt:
                         pieces = pv
                     else:
