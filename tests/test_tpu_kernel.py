@@ -256,19 +256,33 @@ def test_stacked_layers_with_a_traced_layer(layer, layout):
 SPECIAL = ((jnp.bfloat16, np.float32, "fp32"), (np.float32, np.float32, "fp32"), (jnp.bfloat16, jnp.bfloat16, "native"))
 
 
-def test_vmap_over_batched_caches():
+@pytest.mark.parametrize("layout", ["flash", "kv_merged"])
+def test_vmap_over_batched_caches(layout):
     """vmap runs the kernel per batch element through the stacked-layer index (primitive's batching
     rule): each element's caches are its own."""
-    case = Case(T=3, QH=4, KH=2, D=64)
+    case = Case(T=3, QH=4, KH=2, D=64, layout=layout)
     probs = [make_problem(case, seed=90 + i) for i in range(2)]
     opts = probs[0][1]
-    batched = tuple(np.stack([p[0][i] for p in probs]) for i in range(9))
+    batched = tuple(None if probs[0][0][i] is None else np.stack([p[0][i] for p in probs]) for i in range(9))
     with kernel_here():
         fn = jax.jit(jax.vmap(lambda *a: jrc.rope_and_cache(*a, **opts, impl="kernel")))
-        got = [np.asarray(o) for o in fn(*jax.device_put(batched, jax.devices(WHERE)[0]))]
+        got = [None if o is None else np.asarray(o) for o in fn(*jax.device_put(batched, jax.devices(WHERE)[0]))]
     for b, (args, _) in enumerate(probs):
         for name, g, w in zip(NAMES, got, reference_op(*args, **opts)):
+            if w is None:  # kv_merged: no value cache
+                assert g is None, name
+                continue
             assert_bits_equal(g[b], w, f"{name}[{b}]")
+
+
+def test_kv_merged_with_qk_norm_and_partial_rotary():
+    """The normalised, partly rotated K rows are the ones interleaved with V."""
+    rng = np.random.default_rng(15)
+    case = Case(T=9, QH=8, KH=2, D=128, R=64, layout="kv_merged", is_neox=False)
+    args, opts = make_problem(case, seed=16)
+    opts.update(q_norm_weight=rng.uniform(0.2, 2.0, case.D).astype(ml_dtypes.bfloat16),
+                k_norm_weight=rng.uniform(0.2, 2.0, case.D).astype(ml_dtypes.bfloat16), norm_eps=1e-6)
+    check(case, args=args, opts=opts)
 
 
 @pytest.mark.parametrize("dt,tdt,prec", SPECIAL, ids=[f"{np.dtype(d).name}-{np.dtype(t).name}-{p}" for d, t, p in SPECIAL])
