@@ -436,7 +436,8 @@ def _kernel(slot_ref, pos_ref, layer_ref, *refs, cfg: Config, sep):
         return key, emit
 
     def k_copies(t, n, s):
-        return cache_copies(kv_buf if cfg.merged else ko_ref, kc_ref, cfg.key_axes, layer, t, n, s, cfg.block_size, cfg.kv_heads)
+        src = kv_buf if cfg.merged else ko_ref
+        return cache_copies(src, kc_ref, cfg.key_axes, layer, t, n, s, cfg.block_size, cfg.kv_heads)
 
     def v_copies(t, n, s):
         return cache_copies(v_hbm, vc_ref, cfg.value_axes, layer, base + t, n, s, cfg.block_size, cfg.kv_heads)
@@ -500,7 +501,8 @@ def rope_and_cache(q, k, v, key_cache, value_cache, slots, positions, cos, sin, 
                         pltpu.VMEM((tb, d), F32), pltpu.SemaphoreType.DMA(()), pltpu.SemaphoreType.DMA(()),
                         pltpu.SemaphoreType.DMA(())]
         + ([pltpu.VMEM((tb, 2 * cfg.kv_heads, d), key_cache.dtype)] if cfg.merged else []))
-    out_shape = [jax.ShapeDtypeStruct((t, cfg.q_heads, d), q.dtype), jax.ShapeDtypeStruct((t, cfg.kv_heads, d), k.dtype)]
+    out_shape = [jax.ShapeDtypeStruct((t, cfg.q_heads, d), q.dtype),
+                 jax.ShapeDtypeStruct((t, cfg.kv_heads, d), k.dtype)]
     out_shape += [jax.ShapeDtypeStruct(c.shape, c.dtype) for c in caches]
     call = pl.pallas_call(
         functools.partial(_kernel, cfg=cfg, sep=keep if interpret else plain), grid_spec=grid_spec, out_shape=out_shape,
