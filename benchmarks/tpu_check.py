@@ -7,7 +7,7 @@ On a TPU host: the environment (jax, jaxlib, libtpu, devices), the TPU kernel te
 checked bit for bit against the numpy reference every step), and the kernel next to the XLA path
 (Llama-3.1-8B 32/8/128 and Llama-3.1-70B TP8 8/1/128, bf16; T = 1 and 64 on scattered slots,
 8192 on a prefill's consecutive slots and on scattered ones; the "flash" layout and the
-ragged-paged-attention layout "kv_merged" where the package has it).
+ragged-paged-attention layout "kv_merged").
 Without a TPU: the environment and the words "No TPU found", exit 0.
 --dry-run: the decode loop and the timing with small shapes on this machine's default device and
 its kernel (CI checks the report's code path this way), no tests.
@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_rope_cache as jrc
-from jax_rope_cache import contract, reference
+from jax_rope_cache import reference
 from jax_rope_cache.backends import tpu
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -153,7 +153,7 @@ def time_op(device, impl, t, qh, kh, d, pattern, layout, steps) -> float:
 
 
 def timing(device, models=MODELS, cases=CASES) -> list[dict]:
-    layouts = ["flash"] + [lay for lay in ("kv_merged",) if lay in contract.LAYOUTS]
+    layouts = ["flash", "kv_merged"]  # kv_merged: the layout of JAX's ragged paged attention
     rows = []
     for name, qh, kh, d in models:
         for t, pattern in cases:

@@ -5,7 +5,7 @@
 # report file: jax / jaxlib / libtpu versions and the devices, the TPU kernel tests
 # (tests/test_tpu_kernel.py, full tier) on the TPU, a decode loop checked bit for bit against the
 # numpy reference, and the kernel next to the XLA path (flash, and the ragged-paged-attention
-# layout "kv_merged" where the package has it; T = 1, 64, 8192).
+# layout "kv_merged"; T = 1, 64, 8192).
 #
 #   scripts/tpu_check.sh [--report FILE]       (default: tpu_check_report.md in the checkout)
 #

@@ -59,7 +59,7 @@ def run_kernel(args, opts, *, layer=None, params=None):
         extra = () if layer is None else (jnp.asarray(layer, jnp.int32),)
         fn = jax.jit(lambda *a: jrc.rope_and_cache(*a[:9], **opts, impl="kernel",
                                                    **({} if layer is None else {"layer": a[9]})))
-        return [np.asarray(o) for o in fn(*jax.device_put(tuple(args) + extra, dev))]
+        return [None if o is None else np.asarray(o) for o in fn(*jax.device_put(tuple(args) + extra, dev))]
 
 
 def tpu_text(args, opts, impl="kernel", **jit_kwargs) -> str:
@@ -79,6 +79,9 @@ def check(case: Case, seed: int | None = None, args=None, opts=None, params=None
     for name, g, w in zip(NAMES, got, want):
         assert_bits_equal(g, w, f"{name} [{case.id}]")
     for name, g, before, w in zip(NAMES[2:], got[2:], args[3:5], want[2:]):
+        if before is None:  # kv_merged: no value cache
+            assert g is None and w is None, name
+            continue
         untouched = ulp_diff(w, before) == 0
         assert (ulp_diff(g, before)[untouched] == 0).all(), f"{name}: an unwritten entry changed [{case.id}]"
 
@@ -94,10 +97,13 @@ SAMPLE = [
     Case(T=5, QH=8, KH=1, D=128, R=64, dtype="float32", table_dtype="float32", is_neox=False),
     Case(T=6, QH=4, KH=2, D=128, R=96, table="full", layout="hnd", dtype="float32", table_dtype="bfloat16",
          index_dtype="int64"),
+    Case(T=11, QH=8, KH=2, D=128, layout="kv_merged", BS=8),
+    Case(T=7, QH=4, KH=1, D=64, layout="kv_merged", dtype="float32", table_dtype="float32", is_neox=False),
+    Case(T=8, QH=4, KH=2, D=64, layout="head_major", table_dtype="bfloat16", index_dtype="int64"),
 ]
 AXES = {
     "dtype": ["bfloat16", "float32"], "table_dtype": ["float32", "bfloat16"], "is_neox": [True, False],
-    "table": ["half", "full"], "layout": ["flash", "hnd"], "index_dtype": ["int32", "int64"],
+    "table": ["half", "full"], "layout": ["flash", "hnd", "head_major", "kv_merged"], "index_dtype": ["int32", "int64"],
     "precision": ["fp32", "native"], "heads": [(8, 1), (4, 2), (32, 8), (16, 4)], "D": [64, 80, 128, 256],
     "partial": [False, True], "BS": [16, 32, 8], "T": [1, 7, 33],
 }
@@ -176,7 +182,7 @@ def test_prefill_slots_go_in_one_dma_per_cache_block_and_decode_in_one_per_token
     assert _runs(positions, np.ones(6, bool), np.ones(6, bool)) == [(0, 3, 3), (3, 2, 9), (5, 1, 0)]
 
 
-@pytest.mark.parametrize("layout", ["flash", "hnd"])
+@pytest.mark.parametrize("layout", ["flash", "hnd", "kv_merged"])
 def test_prefill_over_several_token_blocks(monkeypatch, layout):
     """A chunked prefill (consecutive slots from the middle of a block, consecutive positions) over
     several grid steps of 8 tokens: the runs cross token blocks and cache blocks."""
@@ -192,12 +198,13 @@ def test_prefill_over_several_token_blocks(monkeypatch, layout):
 
 
 @pytest.mark.skipif(ON_TPU, reason="the interpreter's DMA orders and race detector")
-@pytest.mark.parametrize("order", ["eager", "on_wait"])
-def test_no_dma_race_whenever_the_copies_run(order):
+@pytest.mark.parametrize("order,layout", [("eager", "hnd"), ("on_wait", "hnd"), ("eager", "kv_merged"),
+                                          ("on_wait", "kv_merged")])
+def test_no_dma_race_whenever_the_copies_run(order, layout):
     """A DMA may run any time between its start and its wait. The interpreter runs them at the
     start ("eager") or at the wait ("on_wait"), with its race detector on: a copy that reads a
     block before the kernel writes it, or whose buffer is rewritten before it completes, fails."""
-    case = Case(T=20, QH=4, KH=2, D=64, layout="hnd")
+    case = Case(T=20, QH=4, KH=2, D=64, layout=layout)
     args, opts = make_problem(case, seed=8)
     args = args[:5] + (np.concatenate([np.arange(3, 17), [40, -1, 90, 41, 60, 200]]).astype(np.int32),) + args[6:]
     check(case, args=args, opts=opts, params=pltpu.InterpretParams(dma_execution_mode=order, detect_races=True))
@@ -224,14 +231,16 @@ def test_qk_norm_f32_odd_head_dim_and_one_norm():
     check(case, args=args, opts=opts)
 
 
-@pytest.mark.parametrize("layer,layout", [(3, "flash"), (2, "hnd"), (-1, "flash"), (4, "hnd")])
+@pytest.mark.parametrize("layer,layout", [(3, "flash"), (2, "hnd"), (-1, "flash"), (4, "hnd"), (1, "head_major"),
+                                          (3, "kv_merged"), (4, "kv_merged")])
 def test_stacked_layers_with_a_traced_layer(layer, layout):
     """Caches [4, ...]: layer `layer` (a traced scalar) is written in place; a layer outside [0, 4)
     writes nothing."""
     case = Case(T=7, QH=8, KH=2, D=64, layout=layout)
     args, opts = make_problem(case, seed=21)
     rng = np.random.default_rng(22)
-    stacked = [np.stack([c] + [rng.standard_normal(c.shape).astype(c.dtype) for _ in range(3)], 1).swapaxes(0, 1)
+    stacked = [None if c is None else  # kv_merged: no value cache
+               np.stack([c] + [rng.standard_normal(c.shape).astype(c.dtype) for _ in range(3)], 1).swapaxes(0, 1)
                for c in args[3:5]]  # [4, NB, ...], layer 0 the original caches
     args = args[:3] + tuple(stacked) + args[5:]
     want = reference_op(*args, **opts, layer=np.array(layer, np.int32))  # an array: no static range check
@@ -240,25 +249,40 @@ def test_stacked_layers_with_a_traced_layer(layer, layout):
         assert_bits_equal(g, w, name)
     if not 0 <= layer < 4:
         assert_bits_equal(got[2], args[3], "key_cache untouched")
-        assert_bits_equal(got[3], args[4], "value_cache untouched")
+        if args[4] is not None:
+            assert_bits_equal(got[3], args[4], "value_cache untouched")
 
 
 SPECIAL = ((jnp.bfloat16, np.float32, "fp32"), (np.float32, np.float32, "fp32"), (jnp.bfloat16, jnp.bfloat16, "native"))
 
 
-def test_vmap_over_batched_caches():
+@pytest.mark.parametrize("layout", ["flash", "kv_merged"])
+def test_vmap_over_batched_caches(layout):
     """vmap runs the kernel per batch element through the stacked-layer index (primitive's batching
     rule): each element's caches are its own."""
-    case = Case(T=3, QH=4, KH=2, D=64)
+    case = Case(T=3, QH=4, KH=2, D=64, layout=layout)
     probs = [make_problem(case, seed=90 + i) for i in range(2)]
     opts = probs[0][1]
-    batched = tuple(np.stack([p[0][i] for p in probs]) for i in range(9))
+    batched = tuple(None if probs[0][0][i] is None else np.stack([p[0][i] for p in probs]) for i in range(9))
     with kernel_here():
         fn = jax.jit(jax.vmap(lambda *a: jrc.rope_and_cache(*a, **opts, impl="kernel")))
-        got = [np.asarray(o) for o in fn(*jax.device_put(batched, jax.devices(WHERE)[0]))]
+        got = [None if o is None else np.asarray(o) for o in fn(*jax.device_put(batched, jax.devices(WHERE)[0]))]
     for b, (args, _) in enumerate(probs):
         for name, g, w in zip(NAMES, got, reference_op(*args, **opts)):
+            if w is None:  # kv_merged: no value cache
+                assert g is None, name
+                continue
             assert_bits_equal(g[b], w, f"{name}[{b}]")
+
+
+def test_kv_merged_with_qk_norm_and_partial_rotary():
+    """The normalised, partly rotated K rows are the ones interleaved with V."""
+    rng = np.random.default_rng(15)
+    case = Case(T=9, QH=8, KH=2, D=128, R=64, layout="kv_merged", is_neox=False)
+    args, opts = make_problem(case, seed=16)
+    opts.update(q_norm_weight=rng.uniform(0.2, 2.0, case.D).astype(ml_dtypes.bfloat16),
+                k_norm_weight=rng.uniform(0.2, 2.0, case.D).astype(ml_dtypes.bfloat16), norm_eps=1e-6)
+    check(case, args=args, opts=opts)
 
 
 @pytest.mark.parametrize("dt,tdt,prec", SPECIAL, ids=[f"{np.dtype(d).name}-{np.dtype(t).name}-{p}" for d, t, p in SPECIAL])
@@ -315,10 +339,12 @@ def test_zero_tokens():
 
 
 # ---- index safety ----------------------------------------------------------------------------------
-def test_every_slot_value_writes_only_its_slot():
+@pytest.mark.parametrize("layout", tpu.layouts())
+def test_every_slot_value_writes_only_its_slot(layout):
     """All NB*BS slots once (a random order), next to -1, NB*BS, +-2^31-ish and int64 extremes:
     interpret mode raises on any DMA outside a buffer, and the caches equal the reference's."""
-    case = Case(T=32 + 8, QH=2, KH=1, D=64, BS=8, NB=4, index_dtype="int64")
+    case = Case(T=32 + 8, QH=2, KH=2 if layout == "kv_merged" else 1, D=64, BS=8, NB=4, index_dtype="int64",
+                layout=layout)
     args, opts = make_problem(case, seed=31)
     rng = np.random.default_rng(32)
     nslots = 4 * 8
@@ -343,20 +369,38 @@ def test_interpret_mode_catches_a_dma_outside_the_cache(monkeypatch):
         run_kernel(args, opts)
 
 
+@pytest.mark.skipif(ON_TPU, reason="runs a mutated kernel in interpret mode")
+def test_mutation_kv_merged_k_and_v_heads_swapped_fails(monkeypatch):
+    """The kv_merged checks see which row holds K and which V: a kernel writing K head h to row
+    2h+1 and V head h to 2h fails them."""
+    case = Case(T=6, QH=4, KH=2, D=64, layout="kv_merged")
+    args, opts = make_problem(case, seed=35)
+    check(case, args=args, opts=opts)
+    monkeypatch.setattr(K, "KV_MERGED_ROWS", (1, 0))
+    with pytest.raises(AssertionError, match="key_cache"):
+        check(case, args=args, opts=opts)
+
+
 # ---- the lowering: one Mosaic custom call, caches aliased, policy ---------------------------------
-def test_lowered_for_tpu_one_custom_call_with_the_caches_aliased():
+@pytest.mark.parametrize("layout", ["flash", "head_major", "kv_merged"])
+def test_lowered_for_tpu_one_custom_call_with_the_caches_aliased(layout):
     """jrc.export for "tpu" on any machine: one tpu_custom_call whose aliased operands are the
-    key and value caches (main's arguments 3 and 4) -> results 2 and 3; no cache-shaped copy."""
+    key and value caches (main's arguments 3 and 4) -> results 2 and 3; no cache-shaped copy.
+    kv_merged: the one cache (argument 3) -> result 2; the value operand is the op's placeholder."""
     pytest.importorskip("flatbuffers")
-    args, opts = make_problem(Case(T=5, QH=8, KH=2, D=128), seed=41)
-    step = jax.jit(lambda *a: jrc.rope_and_cache(*a, **opts, impl="kernel"), donate_argnums=(3, 4))
+    args, opts = make_problem(Case(T=5, QH=8, KH=2, D=128, layout=layout), seed=41)
+    merged = args[4] is None
+    step = jax.jit(lambda *a: jrc.rope_and_cache(*a, **opts, impl="kernel"), donate_argnums=(3,) if merged else (3, 4))
     exp = jrc.export(step, platforms=["tpu"])(*args)
     text = exp.mlir_module()
     calls = re.findall(r"stablehlo\.custom_call @tpu_custom_call\(([^)]*)\)", text)
     assert len(calls) == 1
     operands = [o.strip() for o in calls[0].split(",")]
-    aliases = re.findall(r"output_tuple_indices = \[(\d+)\], operand_index = (\d+)", text)
-    assert sorted((int(o), operands[int(i)]) for o, i in aliases) == [(2, "%arg3"), (3, "%arg4")], aliases
+    aliases = dict((int(o), operands[int(i)]) for o, i in
+                   re.findall(r"output_tuple_indices = \[(\d+)\], operand_index = (\d+)", text))
+    assert aliases[2] == "%arg3", aliases
+    if not merged:
+        assert aliases[3] == "%arg4", aliases
     assert "stablehlo.copy" not in text
     assert jax.export.deserialize(exp.serialize()).platforms == ("tpu",)
 

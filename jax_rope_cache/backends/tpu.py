@@ -72,7 +72,8 @@ def kernel_module():
 
 
 def layouts() -> tuple[str, ...]:
-    """The cache layouts of contract.LAYOUT_TABLE the kernel writes (token rows [KH, D] with D last)."""
+    """The cache layouts of contract.LAYOUT_TABLE the kernel writes (token rows [KH, D] or K and V
+    interleaved [2KH, D], D last)."""
     K = kernel_module()
     ok = []
     for name, lay in contract.LAYOUT_TABLE.items():
@@ -134,7 +135,8 @@ def config(spec: contract.OpSpec):
         rounded=spec.precision == "native", q_norm=spec.q_norm_dtype is not None, k_norm=spec.k_norm_dtype is not None,
         norm_eps=float(spec.norm_eps), key_axes=lay.key_axes, value_axes=lay.value_axes,
         block_tokens=K.block_tokens(spec.num_tokens, spec.q_heads, spec.kv_heads, spec.head_dim,
-                                    np.dtype(spec.dtype).itemsize, w, np.dtype(spec.table_dtype).itemsize))
+                                    np.dtype(spec.dtype).itemsize, w, np.dtype(spec.table_dtype).itemsize,
+                                    merged=K.row_dma(lay.key_axes) == "merged"))
 
 
 def _index32(slots, positions, spec: contract.OpSpec):

@@ -8,7 +8,8 @@ One grid step owns TB consecutive tokens (`Config.block_tokens`):
 
   scalar prefetch (SMEM)   slots [T], positions [T] (int32), layer [1]
   q, k       VMEM blocks [TB, QH, D], [TB, KH, D];  q_out, k_out the same
-  v          HBM (pl.ANY): copied into the value cache by DMA, never through VMEM
+  v          HBM (pl.ANY): copied into the value cache by DMA, never through VMEM (a merged
+             cache: a VMEM block [TB, KH, D], interleaved with k_out into [TB, 2KH, D])
   cos, sin   HBM: the rows of the block's positions DMA'd into VMEM [TB, W]
   caches     HBM, aliased to outputs 2 and 3; rows written by DMA from k_out's VMEM block and v
 
@@ -27,7 +28,10 @@ clamped before they address a table row. Nothing reads or writes outside a buffe
 
 Cache layouts come as axis names per cache (jax_rope_cache.contract.LAYOUT_TABLE: "NB", "BS", "KH",
 "D"): a cache whose token rows hold [KH, D] contiguously after BS ("flash") takes one DMA per run;
-one whose heads come before BS ("hnd", [NB, KH, BS, D]) one DMA per run and head.
+one whose heads come before BS ("hnd", [NB, KH, BS, D]) one DMA per run and head. A merged cache
+("kv_merged", [NB, BS, 2KH, D]: K head h at row 2h, V head h at 2h+1) takes V as a VMEM block; each
+token's K and V rows are interleaved into a VMEM buffer [TB, 2KH, D] after the rotation, and one DMA
+per run writes both. The value cache operand is then a placeholder the pallas_call never sees.
 
 Arithmetic without fused multiply-adds or reassociation: the rotation is x*C + P*S' with the
 partner P from lane rolls and S' the sine with the sign of its pair member folded in (x - y is
@@ -54,6 +58,8 @@ U32 = jnp.uint32
 I32 = jnp.int32
 # The NaN every output holds (reference.CANONICAL_NAN), as f32 bits: bf16 0x7FFF widened, f32 itself.
 CANONICAL_NAN_BITS = {np.dtype(jnp.bfloat16): 0x7FFF0000, np.dtype(np.float32): 0x7FFFFFFF}
+# A merged cache's rows of K head h and V head h: 2h + 0 and 2h + 1 (JAX's ragged paged attention).
+KV_MERGED_ROWS = (0, 1)
 VMEM_BLOCK_BUDGET = 4 << 20  # bytes of double-buffered q/k blocks and table rows per grid step
 
 
@@ -85,24 +91,33 @@ class Config:
         return self.rotary_dim if self.full_table else self.rotary_dim // 2
 
     @property
+    def merged(self) -> bool:
+        return row_dma(self.key_axes) == "merged"
+
+    @property
     def grid(self) -> int:
         return -(-self.tokens // self.block_tokens)
 
 
 def block_tokens(tokens: int, q_heads: int, kv_heads: int, head_dim: int, itemsize: int, table_width: int,
-                 table_itemsize: int) -> int:
+                 table_itemsize: int, merged: bool = False) -> int:
     """TB: all tokens when they fit the budget (the block is the whole array), else a multiple of 8."""
     per_token = 2 * 2 * (q_heads + kv_heads) * head_dim * itemsize + 2 * (table_width * table_itemsize + head_dim * 4)
+    if merged:  # the double-buffered V block and the interleaved [2KH, D] rows
+        per_token += 4 * kv_heads * head_dim * itemsize
     most = max(8, (VMEM_BLOCK_BUDGET // per_token) // 8 * 8)
     return max(1, tokens) if tokens <= most else most
 
 
 def row_dma(axes: tuple[str, ...]) -> str:
     """How a cache takes a run of token rows: "whole" (token rows [KH, D] contiguous after BS, one
-    DMA per run), "per_head" (heads before BS, one DMA per run and head). ValueError otherwise."""
+    DMA per run), "per_head" (heads before BS, one DMA per run and head), "merged" (rows [2KH, D] of
+    K and V interleaved, one DMA per run for both). ValueError otherwise."""
     rest = tuple(a for a in axes if a != "NB")
     if rest == ("BS", "KH", "D"):
         return "whole"
+    if rest == ("BS", "2KH", "D"):
+        return "merged"
     if sorted(rest) == ["BS", "D", "KH"] and rest[-1] == "D":
         return "per_head"
     raise ValueError(f"cache axes {axes}: the TPU kernel writes rows of [BS, KH, D] caches with D last only")
@@ -361,7 +376,8 @@ def for_each_run(count, walks):
 
 def cache_index(axes, layer, blk, off, n, head=None):
     """Ref index of n token rows at (blk, off, ...) of one cache (head: one head's rows)."""
-    pick = {"NB": blk, "BS": pl.ds(off, n), "KH": slice(None) if head is None else I32(head), "D": slice(None)}
+    pick = {"NB": blk, "BS": pl.ds(off, n), "KH": slice(None) if head is None else I32(head), "2KH": slice(None),
+            "D": slice(None)}
     return ((layer,) if layer is not None else ()) + tuple(pick[a] for a in axes)
 
 
@@ -369,7 +385,7 @@ def cache_copies(src, cache, axes, layer, t, n, slot, block_size, kv_heads):
     """The DMA descriptors (without semaphores bound yet) writing tokens t..t+n-1 of `src` [T, KH, D]
     to slots slot..slot+n-1 (one cache block)."""
     blk, off = lax.div(slot, I32(block_size)), lax.rem(slot, I32(block_size))
-    if row_dma(axes) == "whole":
+    if row_dma(axes) in ("whole", "merged"):
         return [(src.at[pl.ds(t, n)], cache.at[cache_index(axes, layer, blk, off, n)])]
     return [(src.at[pl.ds(t, n), I32(h)], cache.at[cache_index(axes, layer, blk, off, n, h)]) for h in range(kv_heads)]
 
@@ -380,9 +396,13 @@ def _kernel(slot_ref, pos_ref, layer_ref, *refs, cfg: Config, sep):
     q_ref, k_ref, v_hbm, cos_hbm, sin_hbm = (next(it) for _ in range(5))
     qw_ref = next(it) if cfg.q_norm else None
     kw_ref = next(it) if cfg.k_norm else None
-    next(it), next(it)  # the caches as inputs: aliased to the outputs below
-    qo_ref, ko_ref, kc_ref, vc_ref = (next(it) for _ in range(4))
+    ncache = 1 if cfg.merged else 2
+    for _ in range(ncache):
+        next(it)  # the caches as inputs: aliased to the outputs below
+    qo_ref, ko_ref, kc_ref = (next(it) for _ in range(3))
+    vc_ref = None if cfg.merged else next(it)
     cos_buf, sin_buf, c_buf, s_buf, table_sem, k_sem, v_sem = (next(it) for _ in range(7))
+    kv_buf = next(it) if cfg.merged else None  # merged: v is a VMEM block, K and V rows go out of kv_buf
 
     tb, t_all = cfg.block_tokens, cfg.tokens
     base = pl.program_id(0) * tb
@@ -416,12 +436,14 @@ def _kernel(slot_ref, pos_ref, layer_ref, *refs, cfg: Config, sep):
         return key, emit
 
     def k_copies(t, n, s):
-        return cache_copies(ko_ref, kc_ref, cfg.key_axes, layer, t, n, s, cfg.block_size, cfg.kv_heads)
+        src = kv_buf if cfg.merged else ko_ref
+        return cache_copies(src, kc_ref, cfg.key_axes, layer, t, n, s, cfg.block_size, cfg.kv_heads)
 
     def v_copies(t, n, s):
         return cache_copies(v_hbm, vc_ref, cfg.value_axes, layer, base + t, n, s, cfg.block_size, cfg.kv_heads)
 
-    for_each_run(count, [walk(table_copies, position, table_sem, "start"), walk(v_copies, slot, v_sem, "start")])
+    v_walks = lambda act: [] if cfg.merged else [walk(v_copies, slot, v_sem, act)]  # noqa: E731
+    for_each_run(count, [walk(table_copies, position, table_sem, "start")] + v_walks("start"))
     for_each_run(count, [walk(table_copies, position, table_sem, "wait")])
 
     c_buf[...], s_buf[...] = table_lanes(cos_buf[...].astype(F32), sin_buf[...].astype(F32), cfg)
@@ -438,12 +460,18 @@ def _kernel(slot_ref, pos_ref, layer_ref, *refs, cfg: Config, sep):
                 x = rms_norm(x, w, cfg.head_dim, cfg.norm_eps, dtype, sep)
                 tail = value_bits(x, dtype)
             o_ref[t] = lax.bitcast_convert_type(finish(rotate(x, c, s, cfg, dtype, sep), tail, cfg, dtype), dtype)
+        if cfg.merged:  # one sublane per head: K head h to row 2h, V head h to 2h+1 (bits as they are)
+            k_row, v_row = ko_ref[t], v_hbm[t]
+            kr, vr = KV_MERGED_ROWS
+            for h in range(cfg.kv_heads):
+                kv_buf[t, pl.ds(2 * h + kr, 1), :] = k_row[h : h + 1]
+                kv_buf[t, pl.ds(2 * h + vr, 1), :] = v_row[h : h + 1]
         return 0
 
     lax.fori_loop(0, tb, compute, 0)
 
     for_each_run(count, [walk(k_copies, slot, k_sem, "start")])
-    for_each_run(count, [walk(v_copies, slot, v_sem, "wait"), walk(k_copies, slot, k_sem, "wait")])
+    for_each_run(count, v_walks("wait") + [walk(k_copies, slot, k_sem, "wait")])
 
 
 def rope_and_cache(q, k, v, key_cache, value_cache, slots, positions, cos, sin, layer, q_norm_weight=None,
@@ -456,29 +484,32 @@ def rope_and_cache(q, k, v, key_cache, value_cache, slots, positions, cos, sin, 
     row = lambda h: pl.BlockSpec((tb, h, d), lambda i, *_: (i, 0, 0))  # noqa: E731
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     weight = pl.BlockSpec((1, d), lambda i, *_: (0, 0))
-    in_specs = [row(cfg.q_heads), row(cfg.kv_heads), hbm, hbm, hbm]
+    in_specs = [row(cfg.q_heads), row(cfg.kv_heads), row(cfg.kv_heads) if cfg.merged else hbm, hbm, hbm]
     operands = [q, k, v, cos, sin]
     for on, wt in ((cfg.q_norm, q_norm_weight), (cfg.k_norm, k_norm_weight)):
         if on:
             in_specs.append(weight)
             operands.append(wt.reshape(1, d))
     cache_at = 3 + len(operands)  # operand index of key_cache, counting the 3 scalar-prefetch operands
-    in_specs += [hbm, hbm]
-    operands += [key_cache, value_cache]
+    caches = [key_cache] if cfg.merged else [key_cache, value_cache]  # merged: the placeholder stays out
+    in_specs += [hbm] * len(caches)
+    operands += caches
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3, grid=(cfg.grid,), in_specs=in_specs,
-        out_specs=[row(cfg.q_heads), row(cfg.kv_heads), hbm, hbm],
+        out_specs=[row(cfg.q_heads), row(cfg.kv_heads)] + [hbm] * len(caches),
         scratch_shapes=[pltpu.VMEM((tb, w), cos.dtype), pltpu.VMEM((tb, w), sin.dtype), pltpu.VMEM((tb, d), F32),
                         pltpu.VMEM((tb, d), F32), pltpu.SemaphoreType.DMA(()), pltpu.SemaphoreType.DMA(()),
-                        pltpu.SemaphoreType.DMA(())])
-    out_shape = [jax.ShapeDtypeStruct((t, cfg.q_heads, d), q.dtype), jax.ShapeDtypeStruct((t, cfg.kv_heads, d), k.dtype),
-                 jax.ShapeDtypeStruct(key_cache.shape, key_cache.dtype),
-                 jax.ShapeDtypeStruct(value_cache.shape, value_cache.dtype)]
+                        pltpu.SemaphoreType.DMA(())]
+        + ([pltpu.VMEM((tb, 2 * cfg.kv_heads, d), key_cache.dtype)] if cfg.merged else []))
+    out_shape = [jax.ShapeDtypeStruct((t, cfg.q_heads, d), q.dtype),
+                 jax.ShapeDtypeStruct((t, cfg.kv_heads, d), k.dtype)]
+    out_shape += [jax.ShapeDtypeStruct(c.shape, c.dtype) for c in caches]
     call = pl.pallas_call(
         functools.partial(_kernel, cfg=cfg, sep=keep if interpret else plain), grid_spec=grid_spec, out_shape=out_shape,
-        input_output_aliases={cache_at: 2, cache_at + 1: 3},
+        input_output_aliases={cache_at + i: 2 + i for i in range(len(caches))},
         # each step waits for its own DMAs, so steps are independent (megacore may split them)
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
         interpret=interpret, name="rope_and_cache")
     with jax.enable_x64(False):  # the kernel's index arithmetic is int32, also inside an x64 program
-        return call(slots, positions, layer, *operands)
+        out = call(slots, positions, layer, *operands)
+    return tuple(out) + ((value_cache,) if cfg.merged else ())
