@@ -487,6 +487,10 @@ def _lower_donated(*args, **options):
 rope_and_cache_donated.lower = _lower_donated
 
 
+# int8: per-token quantized (rope_and_cache with the scale caches of make_kv_scale_cache)
+CACHE_DTYPES = contract.INPUT_DTYPES + contract.FP8_DTYPES + (contract.INT8,)
+
+
 def make_kv_cache(num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype=jnp.bfloat16, *,
                   layout: str = "flash", num_layers: int | None = None, fill: str = "zeros", seed: int = 0,
                   device=None, x: int | None = None) -> tuple[jax.Array, jax.Array | None]:
@@ -511,11 +515,10 @@ def make_kv_cache(num_blocks: int, block_size: int, kv_heads: int, head_dim: int
     try:
         dtype = np.dtype(dtype)
     except TypeError:
-        names = contract.dtype_names(contract.INPUT_DTYPES + contract.FP8_DTYPES)
+        names = contract.dtype_names(CACHE_DTYPES)
         raise TypeError(f"dtype: expected one of ({names}), got {contract.describe(dtype)}") from None
-    if dtype not in contract.INPUT_DTYPES + contract.FP8_DTYPES:
-        raise TypeError(f"dtype: expected one of "
-                        f"({contract.dtype_names(contract.INPUT_DTYPES + contract.FP8_DTYPES)}), got {dtype.name}")
+    if dtype not in CACHE_DTYPES:
+        raise TypeError(f"dtype: expected one of ({contract.dtype_names(CACHE_DTYPES)}), got {dtype.name}")
     lay = contract.cache_layout(layout)
     if x is not None:
         if not lay.packed:
@@ -532,8 +535,13 @@ def make_kv_cache(num_blocks: int, block_size: int, kv_heads: int, head_dim: int
     elif fill == "random":
         keys = jax.random.split(jax.random.key(seed), 2)
         # drawn flat then reshaped: XLA's CPU compile of a rank-5 draw took ~14 s, the flat one < 0.5 s
-        make = lambda shape, i: jax.device_put(  # noqa: E731
-            jax.random.normal(keys[i], (math.prod(shape),), jnp.float32).reshape(shape).astype(dtype), device)
+        if dtype == contract.INT8:  # every stored value, not the few a normal draw rounds to
+            make = lambda shape, i: jax.device_put(  # noqa: E731
+                jax.random.randint(keys[i], (math.prod(shape),), -127, 128, jnp.int32).reshape(shape).astype(dtype),
+                device)
+        else:
+            make = lambda shape, i: jax.device_put(  # noqa: E731
+                jax.random.normal(keys[i], (math.prod(shape),), jnp.float32).reshape(shape).astype(dtype), device)
     else:
         raise ValueError(f"fill: expected 'zeros' or 'random', got {fill!r}")
     return make(shapes[0], 0), None if shapes[1] is None else make(shapes[1], 1)
@@ -541,7 +549,7 @@ def make_kv_cache(num_blocks: int, block_size: int, kv_heads: int, head_dim: int
 
 def make_kv_scale_cache(num_blocks: int, block_size: int, kv_heads: int, *, num_layers: int | None = None,
                         device=None, layout: str = "flash") -> tuple[jax.Array, jax.Array]:
-    """Allocates (k_scale_cache, v_scale_cache) for per-token fp8 scales of caches in `layout`:
+    """Allocates (k_scale_cache, v_scale_cache) for per-token fp8 or int8 scales of caches in `layout`:
     float32 [NB, KH, BS] ("head_major": [KH, NB, BS], Pallas' k_scales_pages), with num_layers
     [L, ...], filled with 1.0 (an unwritten slot dequantizes to its stored value). One scale per
     slot and kv head; the BS scales of one block and head are contiguous (AITER's layout), as an
@@ -569,7 +577,7 @@ def read_kv(key_cache: jax.Array, value_cache: jax.Array | None, slot_mapping: A
     mapped before JAX narrows them).
 
     "kv_merged": key_cache is the one array, value_cache None.
-    Dequantization of fp8 caches: with k_scale / v_scale (a scalar or [KH], as given to
+    Dequantization of fp8 caches (int8 caches: the scale caches only): with k_scale / v_scale (a scalar or [KH], as given to
     rope_and_cache) or the per-token scale caches of one layer (the layout's scale axes, e.g.
     [NB, KH, BS]), the values are float32 float32(stored) * scale."""
     nb, bs, mode = contract.check_read_kv(key_cache, value_cache, slot_mapping, layout, k_scale=k_scale,

@@ -31,6 +31,11 @@ FP8_MAX = {FP8_DTYPES[0]: 448.0, FP8_DTYPES[1]: 240.0, FP8_DTYPES[2]: 57344.0}
 # Per-token fp8 scales (k_scale_cache / v_scale_cache): the floor of a row's absolute maximum, so
 # an all-zero (or all non-finite) row gets a finite, nonzero scale (AITER's floor).
 TOKEN_AMAX_FLOOR = float(np.float32(1e-8))
+# int8 caches (vLLM's int8_per_token_head): always with per-token scales (k_scale_cache / v_scale_cache),
+# symmetric, stored values in [-127, 127] (-128 unused, so the range is symmetric).
+INT8 = np.dtype(np.int8)
+# the largest stored magnitude of each quantized cache dtype: a per-token scale is amax / this
+QUANT_MAX = {**FP8_MAX, INT8: 127.0}
 
 
 def dtype_names(dtypes) -> str:
@@ -366,6 +371,10 @@ class OpSpec:
     @property
     def fp8(self) -> bool:
         return self.cache_dtype in FP8_DTYPES
+
+    @property
+    def int8(self) -> bool:
+        return self.cache_dtype == INT8
 
     @property
     def num_slots(self) -> int:
@@ -796,9 +805,12 @@ def check_op(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
                                         check_nope_tables(cos, sin, table_form))
 
     cache_dtype = _dtype("key_cache", key_cache)
-    if cache_dtype != dtype and cache_dtype not in FP8_DTYPES:
+    if cache_dtype == INT8 and k_scale_cache is None and v_scale_cache is None:
+        raise ValueError("key_cache: an int8 cache stores per-token quantized values; expected the scale caches "
+                         "k_scale_cache / v_scale_cache (float32, see make_kv_scale_cache), got None")
+    if cache_dtype != dtype and cache_dtype not in FP8_DTYPES + (INT8,):
         raise TypeError(f"key_cache: expected dtype {dtype.name} (same as q) or one of "
-                        f"({dtype_names(FP8_DTYPES)}), got {cache_dtype.name}")
+                        f"({dtype_names(FP8_DTYPES)}, int8 with scale caches), got {cache_dtype.name}")
     if value_cache is not None and _dtype("value_cache", value_cache) != cache_dtype:
         raise TypeError(f"value_cache: expected dtype {cache_dtype.name} (same as key_cache), "
                         f"got {np.dtype(value_cache.dtype).name}")
@@ -857,8 +869,8 @@ def check_scale_caches(k_scale_cache, v_scale_cache, k_scale, v_scale, cache_dty
             raise ValueError(f"{name}: per-token scales need both scale caches; expected an array like {other}, "
                              "got None")
     cdt = np.dtype(cache_dtype)
-    if cdt not in FP8_DTYPES:
-        raise ValueError(f"k_scale_cache: per-token scales apply to float8 caches only; expected None for a "
+    if cdt not in FP8_DTYPES + (INT8,):
+        raise ValueError(f"k_scale_cache: per-token scales apply to float8 and int8 caches only; expected None for a "
                          f"{cdt.name} cache, got {describe(k_scale_cache)}")
     for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
         if scale is not None:
@@ -884,8 +896,9 @@ def check_read_kv(key_cache, value_cache, slot_mapping, layout="flash", *, k_sca
     lay = cache_layout(layout)
     check_value_cache(value_cache, layout)
     cdt = _dtype("key_cache", key_cache)
-    if cdt not in INPUT_DTYPES + FP8_DTYPES:
-        raise TypeError(f"key_cache: expected dtype one of ({dtype_names(INPUT_DTYPES + FP8_DTYPES)}), got {cdt.name}")
+    if cdt not in INPUT_DTYPES + FP8_DTYPES + (INT8,):
+        raise TypeError(f"key_cache: expected dtype one of ({dtype_names(INPUT_DTYPES + FP8_DTYPES + (INT8,))}), "
+                        f"got {cdt.name}")
     if value_cache is not None and _dtype("value_cache", value_cache) != cdt:
         raise TypeError(f"value_cache: expected dtype {cdt.name} (same as key_cache), "
                         f"got {np.dtype(value_cache.dtype).name}")
@@ -978,7 +991,7 @@ def mrope_codes(spec: OpSpec) -> dict:
 # a call using another falls back to the XLA path (impl=None) or raises (impl="kernel").
 FEATURES = ("q_norm", "k_norm", "k_scale_heads", "v_scale_heads", "mrope", "token_scales",
             "nope", "rope_switch", "rotary_tail", "gemma_norm", "weightless_norm", "norm_after", "temperature",
-            "q_gate")
+            "q_gate", "int8_cache")
 # The options the native kernels implemented before the model-family options (the CPU handler and the
 # FlyDSL kernel implement exactly these; the family options are refused by every kernel today).
 BASE_FEATURES = FEATURES[:6]
@@ -991,7 +1004,8 @@ def features(spec: OpSpec) -> frozenset[str]:
             "mrope": spec.mrope_section is not None, "token_scales": spec.token_scales,
             "nope": spec.rotary_dim == 0, "rope_switch": spec.rope_switch, "rotary_tail": spec.rotary_tail,
             "gemma_norm": spec.norm_type == "gemma" and spec.norm, "weightless_norm": spec.norm_type == "weightless",
-            "norm_after": spec.norm_after, "temperature": spec.temperature is not None, "q_gate": spec.q_gate}
+            "norm_after": spec.norm_after, "temperature": spec.temperature is not None, "q_gate": spec.q_gate,
+            "int8_cache": spec.int8}
     return frozenset(f for f, on in used.items() if on)
 
 
@@ -1005,7 +1019,8 @@ FEATURE_NAMES = {"q_norm": "the fused q RMSNorm (q_norm_weight)", "k_norm": "the
                  "weightless_norm": "the weightless QK-norm (norm_type='weightless')",
                  "norm_after": "the QK-norm after the rotation (norm_position='after')",
                  "temperature": "the attention temperature (attn_temperature)",
-                 "q_gate": "gated q rows in the fused QKV input (q_gate)"}
+                 "q_gate": "gated q rows in the fused QKV input (q_gate)",
+                 "int8_cache": "int8 caches (per-token int8 quantization)"}
 
 
 # ---- model families: NoPE layers, tail rotary, QK-norm variants, attention temperature -----------------

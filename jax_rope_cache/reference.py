@@ -297,15 +297,18 @@ def token_scale(y: np.ndarray, cache_dtype) -> np.ndarray:
     with np.errstate(invalid="ignore"):
         a = np.where(a <= _F32_MAX, a, _F32(0))  # NaN and inf left out
     amax = np.maximum(a.max(axis=-1, initial=_F32(0)), _F32(contract.TOKEN_AMAX_FLOOR))
-    return (amax / _F32(contract.FP8_MAX[np.dtype(cache_dtype)])).astype(_F32)
+    return (amax / _F32(contract.QUANT_MAX[np.dtype(cache_dtype)])).astype(_F32)
 
 
 def quantize_rows(y: np.ndarray, cache_dtype, scale: np.ndarray) -> np.ndarray:
     """Rows y [..., KH, D] quantized with one scale per row (scale [..., KH]): the static rule."""
-    m = contract.FP8_MAX[np.dtype(cache_dtype)]
+    m = contract.QUANT_MAX[np.dtype(cache_dtype)]
     with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
         inv = np.clip(_F32(1.0) / np.asarray(scale, _F32), -_F32_MAX, _F32_MAX).astype(_F32)
-        return to_dtype(np.clip(np.asarray(y, _F32) * inv[..., None], -m, m), cache_dtype)
+        y = np.asarray(y, _F32) * inv[..., None]
+        if np.dtype(cache_dtype) == contract.INT8:  # round half to even, saturate; NaN (no int8 NaN) stores 0
+            return np.clip(np.rint(np.where(np.isnan(y), _F32(0), y)), -m, m).astype(np.int8)
+        return to_dtype(np.clip(y, -m, m), cache_dtype)
 
 
 def write_tokens(cache: np.ndarray, which: str, layout: str, blk, off, values: np.ndarray) -> None:
@@ -376,7 +379,7 @@ def rope_and_cache(q, k, v, key_cache, value_cache, slot_mapping, positions, cos
         with np.errstate(over="ignore", invalid="ignore"):
             q_out = to_dtype(q_out.astype(_F32) * temperature_rows(positions, spec)[:, None, None], spec.dtype)
     # what the cache stores: k_out, but an fp8 cache in "fused" arithmetic quantizes the f32 values
-    k_stored = k_wide if spec.fp8 and arithmetic(spec) == "fused" else k_out
+    k_stored = k_wide if (spec.fp8 or spec.int8) and arithmetic(spec) == "fused" else k_out
 
     caches = [key_cache.copy(), None if value_cache is None else value_cache.copy()]  # merged: no value cache
     if spec.token_scales:

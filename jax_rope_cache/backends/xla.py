@@ -212,15 +212,18 @@ def token_scale(y, cache_dtype):
     amax = jnp.maximum(jnp.max(a, axis=-1), _F32(contract.TOKEN_AMAX_FLOOR))
     # a divisor XLA cannot see as a constant (it would multiply by a rounded 1/FP8_MAX instead): one
     # barrier with the non-constant amax, which XLA cannot fold away as it can a barrier of a constant
-    amax, m = jax.lax.optimization_barrier((amax, jnp.full(amax.shape, contract.FP8_MAX[np.dtype(cache_dtype)], _F32)))
+    amax, m = jax.lax.optimization_barrier((amax, jnp.full(amax.shape, contract.QUANT_MAX[np.dtype(cache_dtype)], _F32)))
     return amax / m
 
 
 def quantize_rows(y, cache_dtype, scale):
     """reference.quantize_rows: rows [..., KH, D] with one scale per row (scale [..., KH])."""
-    m = contract.FP8_MAX[np.dtype(cache_dtype)]
+    m = contract.QUANT_MAX[np.dtype(cache_dtype)]
     inv = (_F32(1.0) / scale)[..., None]  # scale >= 1e-8 / 57344: never overflows
-    return to_dtype(jnp.clip(y.astype(_F32) * inv, -m, m), cache_dtype)
+    y = y.astype(_F32) * inv
+    if np.dtype(cache_dtype) == contract.INT8:  # jnp.round: half to even; NaN stores 0
+        return jnp.clip(jnp.round(jnp.where(jnp.isnan(y), _F32(0), y)), -m, m).astype(jnp.int8)
+    return to_dtype(jnp.clip(y, -m, m), cache_dtype)
 
 
 def _layer_lead(blk, spec: contract.OpSpec, layer) -> tuple:
@@ -336,7 +339,7 @@ def rope_and_cache(q, k, v, key_cache, value_cache, slot_mapping, positions, cos
     elif spec.temperature is not None:  # rotary_dim=0: every call is a NoPE call
         q_out = temperature(q_out, positions, spec)
     blk, off = slot_coords(slot_mapping, spec, layer)
-    fused = spec.fp8 and reference.arithmetic(spec) == "fused"  # fp8 quantizes the f32 values there
+    fused = (spec.fp8 or spec.int8) and reference.arithmetic(spec) == "fused"  # fp8 quantizes the f32 values there
     k_stored = k_wide if fused else k_out
     if spec.token_scales:  # k_scale / v_scale are the scale caches
         ks, vs = token_scale(k_stored, spec.cache_dtype), token_scale(v, spec.cache_dtype)
