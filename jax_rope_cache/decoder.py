@@ -350,7 +350,7 @@ def slot_mapping(block_table, positions, block_size: int):
 
 
 def dequantize_blocks(keys, values, scale_caches, layer, block_table, dtype):
-    """keys, values [B, S, KH, D] (fp8, from gather_blocks) times their per-token scales from the
+    """keys, values [B, S, KH, D] (fp8 or int8, from gather_blocks) times their per-token scales from the
     stacked scale caches [L, NB, KH, BS] ([block, head, offset] of each slot), as `dtype`."""
     bt = jnp.maximum(jnp.asarray(block_table), 0)
     B, MB = bt.shape
@@ -362,7 +362,9 @@ def dequantize_blocks(keys, values, scale_caches, layer, block_table, dtype):
     return tuple(out)
 
 
-KV_QUANTS = (None, "per_token")
+KV_QUANTS = (None, "per_token", "int8_per_token")
+# the cache dtype of each kv_quant (all with one float32 scale per token and kv head)
+KV_QUANT_DTYPES = {"per_token": np.dtype(jnp.float8_e4m3fn), "int8_per_token": np.dtype(np.int8)}
 
 
 # ---- the model ------------------------------------------------------------------------------------
@@ -435,6 +437,7 @@ class Decoder:
     jitted call donates them and stores the returned ones. The tables (cos, sin) and the weights are
     arguments of the jitted steps, not constants baked into them.
     kv_quant="per_token": float8_e4m3fn caches with one scale per (token, kv head) computed by the op;
+    kv_quant="int8_per_token": int8 caches, the same scale caches (docs/numerics.md#int8-caches-per-token-and-kv-head);
     the scale caches ([L, NB, KH, BS] each) follow the two caches in `self.caches` and attention reads
     the caches dequantized (stored * scale); gather only.
     decode_compiler_options: XLA options of the decode program only (jax.jit's compiler_options);
@@ -529,8 +532,8 @@ class Decoder:
 
     @property
     def cache_dtype(self):
-        """The caches' dtype: float8_e4m3fn with kv_quant, else the model's."""
-        return np.dtype(jnp.float8_e4m3fn) if self.kv_quant else self.dtype
+        """The caches' dtype: KV_QUANT_DTYPES[kv_quant] with kv_quant, else the model's."""
+        return KV_QUANT_DTYPES[self.kv_quant] if self.kv_quant else self.dtype
 
     @property
     def _n_caches(self) -> int:
