@@ -487,8 +487,9 @@ def _lower_donated(*args, **options):
 rope_and_cache_donated.lower = _lower_donated
 
 
-# int8: per-token quantized (rope_and_cache with the scale caches of make_kv_scale_cache)
-CACHE_DTYPES = contract.INPUT_DTYPES + contract.FP8_DTYPES + (contract.INT8,)
+# int8 and uint8 (packed int4: head_dim / 2 bytes): per-token quantized (rope_and_cache with the
+# scale caches of make_kv_scale_cache)
+CACHE_DTYPES = contract.INPUT_DTYPES + contract.FP8_DTYPES + contract.LOW_BIT
 
 
 def make_kv_cache(num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype=jnp.bfloat16, *,
@@ -498,6 +499,8 @@ def make_kv_cache(num_blocks: int, block_size: int, kv_heads: int, head_dim: int
     "kv_merged" holds K and V in one array: (kv_pages [NB, BS, 2*KH, D], None), the pair
     rope_and_cache and read_kv take.
 
+    dtype int8 or uint8 (int4, two values a byte: the caches' last dim is head_dim / 2 bytes) makes
+    the caches of per-token quantization (docs/numerics.md), with make_kv_scale_cache's scale caches.
     fill: "zeros", or "random" (standard normal values; useful for tests that must see which
     slots a kernel touched).
     x: X of the x-packed layouts (elements per group of the key cache's last dim, and of the
@@ -525,9 +528,10 @@ def make_kv_cache(num_blocks: int, block_size: int, kv_heads: int, head_dim: int
             raise ValueError(f"x: layout {layout!r} has no X (only the x-packed layouts do); expected None, "
                              f"got {contract.describe(x)}")
         x = contract.check_pack_x(x, head_dim, block_size, layout, arg="x")
-    contract.check_layout_divisibility(layout, head_dim, block_size, dtype, head_arg="head_dim",
+    dc = contract.cache_head_dim(head_dim, dtype)  # int4: D/2 bytes
+    contract.check_layout_divisibility(layout, dc, block_size, dtype, head_arg="head_dim",
                                        block_arg="block_size", x=x)
-    shapes = contract.cache_shapes(layout, num_blocks, block_size, kv_heads, head_dim, dtype, x)
+    shapes = contract.cache_shapes(layout, num_blocks, block_size, kv_heads, dc, dtype, x)
     if num_layers is not None:
         shapes = tuple(None if s is None else (num_layers,) + s for s in shapes)
     if fill == "zeros":
@@ -535,9 +539,10 @@ def make_kv_cache(num_blocks: int, block_size: int, kv_heads: int, head_dim: int
     elif fill == "random":
         keys = jax.random.split(jax.random.key(seed), 2)
         # drawn flat then reshaped: XLA's CPU compile of a rank-5 draw took ~14 s, the flat one < 0.5 s
-        if dtype == contract.INT8:  # every stored value, not the few a normal draw rounds to
+        if dtype in contract.LOW_BIT:  # every stored value, not the few a normal draw rounds to
+            lo, hi = (-127, 128) if dtype == contract.INT8 else (0, 256)
             make = lambda shape, i: jax.device_put(  # noqa: E731
-                jax.random.randint(keys[i], (math.prod(shape),), -127, 128, jnp.int32).reshape(shape).astype(dtype),
+                jax.random.randint(keys[i], (math.prod(shape),), lo, hi, jnp.int32).reshape(shape).astype(dtype),
                 device)
         else:
             make = lambda shape, i: jax.device_put(  # noqa: E731

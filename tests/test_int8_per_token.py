@@ -162,4 +162,4 @@ def test_errors():
     with pytest.raises(ValueError, match="k_scale: scales apply to float8 caches only"):  # int8: per-token only
         jrc.read_kv(args[3], args[4], args[5], k_scale=1.0, v_scale=1.0)
     with pytest.raises(TypeError, match="dtype: expected one of .*int8"):
-        jrc.make_kv_cache(4, 16, 2, 64, np.uint8)
+        jrc.make_kv_cache(4, 16, 2, 64, np.int16)
