@@ -531,7 +531,7 @@ def make_kv_cache(num_blocks: int, block_size: int, kv_heads: int, head_dim: int
     dc = contract.cache_head_dim(head_dim, dtype)  # int4: D/2 bytes
     contract.check_layout_divisibility(layout, dc, block_size, dtype, head_arg="head_dim",
                                        block_arg="block_size", x=x)
-    shapes = contract.cache_shapes(layout, num_blocks, block_size, kv_heads, dc, dtype, x)
+    shapes = contract.storage_shapes(layout, num_blocks, block_size, kv_heads, dc, dtype, x)
     if num_layers is not None:
         shapes = tuple(None if s is None else (num_layers,) + s for s in shapes)
     if fill == "zeros":

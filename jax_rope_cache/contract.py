@@ -228,10 +228,17 @@ def cache_shapes(layout: str, num_blocks: int, block_size: int, kv_heads: int, h
                  cache_dtype, x: int | None = None) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
     """(key_cache shape, value_cache shape) of one layer for `layout`; the value cache's is None for
     a merged layout (K and V in the one key_cache array); `x`: X of an x-packed layout (None: the
-    default 16 // itemsize)."""
+    default 16 // itemsize). head_dim is D, the values of a row: a uint8 (int4) cache holds D/2 bytes."""
+    return storage_shapes(layout, num_blocks, block_size, kv_heads, cache_head_dim(head_dim, cache_dtype),
+                          cache_dtype, x)
+
+
+def storage_shapes(layout: str, num_blocks: int, block_size: int, kv_heads: int, last_dim: int,
+                   cache_dtype, x: int | None = None) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+    """cache_shapes with the row's stored elements (`last_dim`: D, or D/2 bytes of int4) given."""
     lay, x = cache_layout(layout), pack_width(cache_dtype) if x is None else x
-    kshape = lay.shape("key", num_blocks, block_size, kv_heads, head_dim, x)
-    return kshape, None if lay.merged else lay.shape("value", num_blocks, block_size, kv_heads, head_dim, x)
+    kshape = lay.shape("key", num_blocks, block_size, kv_heads, last_dim, x)
+    return kshape, None if lay.merged else lay.shape("value", num_blocks, block_size, kv_heads, last_dim, x)
 
 
 def scale_shape(layout: str, num_blocks: int, block_size: int, kv_heads: int) -> tuple[int, ...]:
@@ -846,7 +853,7 @@ def check_op(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
                          f"cache's last dim), got BS={bs}")
     if bs < 1:
         raise ValueError(f"key_cache: expected block size >= 1, got shape {list(kshape)}")
-    kexp, vexp = cache_shapes(layout, nb, bs, kh, dc, cache_dtype, x)
+    kexp, vexp = storage_shapes(layout, nb, bs, kh, dc, cache_dtype, x)
     _check_shape("key_cache", key_cache, kexp, f"{kdims} for layout {layout!r}")
     if vexp is not None:
         _check_shape("value_cache", value_cache, vexp, f"{vdims} for layout {layout!r}")
@@ -929,7 +936,7 @@ def check_read_kv(key_cache, value_cache, slot_mapping, layout="flash", *, k_sca
     if lay.needs_bs_multiple_of_x and bs % x:
         raise ValueError(f"value_cache: layout {layout!r} needs the block size divisible by X={x} (the key "
                          f"cache's last dim), got BS={bs}")
-    kexp, vexp = cache_shapes(layout, nb, bs, kh, d, cdt, x)
+    kexp, vexp = storage_shapes(layout, nb, bs, kh, d, cdt, x)  # d: the stored row (int4: bytes)
     _check_shape("key_cache", key_cache, kexp, f"{kdims} for layout {layout!r}")
     if vexp is not None:
         _check_shape("value_cache", value_cache, vexp, f"{vdims} for layout {layout!r}")

@@ -26,7 +26,7 @@ def int4_problem(case: Case, seed: int, **kw):
     args, opts = per_token_problem(dataclasses.replace(case, cache_dtype="float8_e4m3fn"), seed, **kw)
     rng = np.random.default_rng(seed + 2)
     lead = () if kw.get("layers") is None else (kw["layers"],)
-    shapes = contract.cache_shapes(case.layout, num_blocks(case), case.BS, case.KH, case.D // 2, U8)
+    shapes = contract.cache_shapes(case.layout, num_blocks(case), case.BS, case.KH, case.D, U8)
     kc, vc = (None if s is None else rng.integers(0, 256, lead + s).astype(U8) for s in shapes)
     return args[:3] + (kc, vc) + args[5:], opts
 
@@ -137,6 +137,7 @@ def test_make_kv_cache_int4():
     assert kc.dtype == U8 and kc.shape == (4, 16, 2, 32)
     kc, vc = jrc.make_kv_cache(4, 16, 2, 64, np.uint8, layout="xpacked")
     assert kc.shape == (4, 2, 2, 16, 16) and vc.shape == (4, 2, 32, 16)
+    assert contract.cache_shapes("xpacked", 4, 16, 2, 64, np.uint8) == (kc.shape, vc.shape)  # D values, D/2 bytes
     with pytest.raises(ValueError, match="head_dim: layout 'xpacked' with uint8 needs a multiple of X=16"):
         jrc.make_kv_cache(4, 16, 2, 48, np.uint8, layout="xpacked")
 
