@@ -1022,6 +1022,8 @@ FEATURES = ("q_norm", "k_norm", "k_scale_heads", "v_scale_heads", "mrope", "toke
 # The options the native kernels implemented before the model-family options (the CPU handler and the
 # FlyDSL kernel implement exactly these; the family options are refused by every kernel today).
 BASE_FEATURES = FEATURES[:6]
+# The low-bit cache formats (reference and XLA path only; every kernel refuses them).
+CACHE_FORMAT_FEATURES = ("int8_cache", "int4_cache")
 
 
 def features(spec: OpSpec) -> frozenset[str]:

@@ -150,3 +150,15 @@ def test_errors():
     full = np.zeros(args[3].shape[:-1] + (64,), U8)  # D bytes, not D/2
     with pytest.raises(ValueError, match="key_cache: expected shape"):
         jrc.rope_and_cache(*args[:3], full, full.copy(), *args[5:], impl="xla", **opts)
+
+
+def test_every_backend_refuses_the_format():
+    from jax_rope_cache import backends
+    from jax_rope_cache.backends import native
+    args, opts = int4_problem(Case(T=9, QH=4, KH=2, D=64, BS=16), seed=4)
+    spec = contract.check_op(*args, **opts)
+    assert "int4_cache" in contract.features(spec) and "int4_cache" in contract.CACHE_FORMAT_FEATURES
+    for name, backend in backends.KERNEL_BACKENDS.items():
+        assert not set(contract.CACHE_FORMAT_FEATURES) & set(backend.SUPPORTS), name
+        with pytest.raises(native.KernelUnavailable, match="int4 caches"):
+            native.refuse_unsupported(spec, backend.SUPPORTS, backend.NAME)

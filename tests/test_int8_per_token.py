@@ -163,3 +163,15 @@ def test_errors():
         jrc.read_kv(args[3], args[4], args[5], k_scale=1.0, v_scale=1.0)
     with pytest.raises(TypeError, match="dtype: expected one of .*int8"):
         jrc.make_kv_cache(4, 16, 2, 64, np.int16)
+
+
+def test_every_backend_refuses_the_format():
+    from jax_rope_cache import backends
+    from jax_rope_cache.backends import native
+    args, opts = int8_problem(Case(T=9, QH=4, KH=2, D=64, BS=16), seed=4)
+    spec = contract.check_op(*args, **opts)
+    assert "int8_cache" in contract.features(spec) and "int8_cache" in contract.CACHE_FORMAT_FEATURES
+    for name, backend in backends.KERNEL_BACKENDS.items():
+        assert not set(contract.CACHE_FORMAT_FEATURES) & set(backend.SUPPORTS), name
+        with pytest.raises(native.KernelUnavailable, match="int8 caches"):
+            native.refuse_unsupported(spec, backend.SUPPORTS, backend.NAME)
