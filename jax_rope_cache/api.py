@@ -487,6 +487,11 @@ def _lower_donated(*args, **options):
 rope_and_cache_donated.lower = _lower_donated
 
 
+# int8 and uint8 (packed int4: head_dim / 2 bytes): per-token quantized (rope_and_cache with the
+# scale caches of make_kv_scale_cache)
+CACHE_DTYPES = contract.INPUT_DTYPES + contract.FP8_DTYPES + contract.LOW_BIT
+
+
 def make_kv_cache(num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype=jnp.bfloat16, *,
                   layout: str = "flash", num_layers: int | None = None, fill: str = "zeros", seed: int = 0,
                   device=None, x: int | None = None) -> tuple[jax.Array, jax.Array | None]:
@@ -494,6 +499,8 @@ def make_kv_cache(num_blocks: int, block_size: int, kv_heads: int, head_dim: int
     "kv_merged" holds K and V in one array: (kv_pages [NB, BS, 2*KH, D], None), the pair
     rope_and_cache and read_kv take.
 
+    dtype int8 or uint8 (int4, two values a byte: the caches' last dim is head_dim / 2 bytes) makes
+    the caches of per-token quantization (docs/numerics.md), with make_kv_scale_cache's scale caches.
     fill: "zeros", or "random" (standard normal values; useful for tests that must see which
     slots a kernel touched).
     x: X of the x-packed layouts (elements per group of the key cache's last dim, and of the
@@ -511,20 +518,20 @@ def make_kv_cache(num_blocks: int, block_size: int, kv_heads: int, head_dim: int
     try:
         dtype = np.dtype(dtype)
     except TypeError:
-        names = contract.dtype_names(contract.INPUT_DTYPES + contract.FP8_DTYPES)
+        names = contract.dtype_names(CACHE_DTYPES)
         raise TypeError(f"dtype: expected one of ({names}), got {contract.describe(dtype)}") from None
-    if dtype not in contract.INPUT_DTYPES + contract.FP8_DTYPES:
-        raise TypeError(f"dtype: expected one of "
-                        f"({contract.dtype_names(contract.INPUT_DTYPES + contract.FP8_DTYPES)}), got {dtype.name}")
+    if dtype not in CACHE_DTYPES:
+        raise TypeError(f"dtype: expected one of ({contract.dtype_names(CACHE_DTYPES)}), got {dtype.name}")
     lay = contract.cache_layout(layout)
     if x is not None:
         if not lay.packed:
             raise ValueError(f"x: layout {layout!r} has no X (only the x-packed layouts do); expected None, "
                              f"got {contract.describe(x)}")
         x = contract.check_pack_x(x, head_dim, block_size, layout, arg="x")
-    contract.check_layout_divisibility(layout, head_dim, block_size, dtype, head_arg="head_dim",
+    dc = contract.cache_head_dim(head_dim, dtype)  # int4: D/2 bytes
+    contract.check_layout_divisibility(layout, dc, block_size, dtype, head_arg="head_dim",
                                        block_arg="block_size", x=x)
-    shapes = contract.cache_shapes(layout, num_blocks, block_size, kv_heads, head_dim, dtype, x)
+    shapes = contract.storage_shapes(layout, num_blocks, block_size, kv_heads, dc, dtype, x)
     if num_layers is not None:
         shapes = tuple(None if s is None else (num_layers,) + s for s in shapes)
     if fill == "zeros":
@@ -532,8 +539,14 @@ def make_kv_cache(num_blocks: int, block_size: int, kv_heads: int, head_dim: int
     elif fill == "random":
         keys = jax.random.split(jax.random.key(seed), 2)
         # drawn flat then reshaped: XLA's CPU compile of a rank-5 draw took ~14 s, the flat one < 0.5 s
-        make = lambda shape, i: jax.device_put(  # noqa: E731
-            jax.random.normal(keys[i], (math.prod(shape),), jnp.float32).reshape(shape).astype(dtype), device)
+        if dtype in contract.LOW_BIT:  # every stored value, not the few a normal draw rounds to
+            lo, hi = (-127, 128) if dtype == contract.INT8 else (0, 256)
+            make = lambda shape, i: jax.device_put(  # noqa: E731
+                jax.random.randint(keys[i], (math.prod(shape),), lo, hi, jnp.int32).reshape(shape).astype(dtype),
+                device)
+        else:
+            make = lambda shape, i: jax.device_put(  # noqa: E731
+                jax.random.normal(keys[i], (math.prod(shape),), jnp.float32).reshape(shape).astype(dtype), device)
     else:
         raise ValueError(f"fill: expected 'zeros' or 'random', got {fill!r}")
     return make(shapes[0], 0), None if shapes[1] is None else make(shapes[1], 1)
@@ -541,7 +554,7 @@ def make_kv_cache(num_blocks: int, block_size: int, kv_heads: int, head_dim: int
 
 def make_kv_scale_cache(num_blocks: int, block_size: int, kv_heads: int, *, num_layers: int | None = None,
                         device=None, layout: str = "flash") -> tuple[jax.Array, jax.Array]:
-    """Allocates (k_scale_cache, v_scale_cache) for per-token fp8 scales of caches in `layout`:
+    """Allocates (k_scale_cache, v_scale_cache) for per-token fp8 or int8 scales of caches in `layout`:
     float32 [NB, KH, BS] ("head_major": [KH, NB, BS], Pallas' k_scales_pages), with num_layers
     [L, ...], filled with 1.0 (an unwritten slot dequantizes to its stored value). One scale per
     slot and kv head; the BS scales of one block and head are contiguous (AITER's layout), as an
@@ -569,7 +582,7 @@ def read_kv(key_cache: jax.Array, value_cache: jax.Array | None, slot_mapping: A
     mapped before JAX narrows them).
 
     "kv_merged": key_cache is the one array, value_cache None.
-    Dequantization of fp8 caches: with k_scale / v_scale (a scalar or [KH], as given to
+    Dequantization of fp8 caches (int8 caches: the scale caches only): with k_scale / v_scale (a scalar or [KH], as given to
     rope_and_cache) or the per-token scale caches of one layer (the layout's scale axes, e.g.
     [NB, KH, BS]), the values are float32 float32(stored) * scale."""
     nb, bs, mode = contract.check_read_kv(key_cache, value_cache, slot_mapping, layout, k_scale=k_scale,

@@ -31,6 +31,21 @@ FP8_MAX = {FP8_DTYPES[0]: 448.0, FP8_DTYPES[1]: 240.0, FP8_DTYPES[2]: 57344.0}
 # Per-token fp8 scales (k_scale_cache / v_scale_cache): the floor of a row's absolute maximum, so
 # an all-zero (or all non-finite) row gets a finite, nonzero scale (AITER's floor).
 TOKEN_AMAX_FLOOR = float(np.float32(1e-8))
+# int8 caches (vLLM's int8_per_token_head): always with per-token scales (k_scale_cache / v_scale_cache),
+# symmetric, stored values in [-127, 127] (-128 unused, so the range is symmetric).
+INT8 = np.dtype(np.int8)
+# int4 caches (vLLM's int4_per_token_head): uint8 bytes, two signed 4-bit values each (channel 2i in
+# the low nibble, 2i + 1 in the high one, two's complement), the head dim D/2 bytes; per-token
+# scales always; stored values in [-7, 7].
+INT4 = np.dtype(np.uint8)
+# the largest stored magnitude of each quantized cache dtype: a per-token scale is amax / this
+QUANT_MAX = {**FP8_MAX, INT8: 127.0, INT4: 7.0}
+LOW_BIT = (INT8, INT4)  # cache dtypes that exist only with per-token scales
+
+
+def cache_head_dim(head_dim: int, cache_dtype) -> int:
+    """The cache's last (head) dimension: D elements, D/2 bytes for a packed int4 cache."""
+    return head_dim // 2 if np.dtype(cache_dtype) == INT4 else head_dim
 
 
 def dtype_names(dtypes) -> str:
@@ -213,10 +228,17 @@ def cache_shapes(layout: str, num_blocks: int, block_size: int, kv_heads: int, h
                  cache_dtype, x: int | None = None) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
     """(key_cache shape, value_cache shape) of one layer for `layout`; the value cache's is None for
     a merged layout (K and V in the one key_cache array); `x`: X of an x-packed layout (None: the
-    default 16 // itemsize)."""
+    default 16 // itemsize). head_dim is D, the values of a row: a uint8 (int4) cache holds D/2 bytes."""
+    return storage_shapes(layout, num_blocks, block_size, kv_heads, cache_head_dim(head_dim, cache_dtype),
+                          cache_dtype, x)
+
+
+def storage_shapes(layout: str, num_blocks: int, block_size: int, kv_heads: int, last_dim: int,
+                   cache_dtype, x: int | None = None) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+    """cache_shapes with the row's stored elements (`last_dim`: D, or D/2 bytes of int4) given."""
     lay, x = cache_layout(layout), pack_width(cache_dtype) if x is None else x
-    kshape = lay.shape("key", num_blocks, block_size, kv_heads, head_dim, x)
-    return kshape, None if lay.merged else lay.shape("value", num_blocks, block_size, kv_heads, head_dim, x)
+    kshape = lay.shape("key", num_blocks, block_size, kv_heads, last_dim, x)
+    return kshape, None if lay.merged else lay.shape("value", num_blocks, block_size, kv_heads, last_dim, x)
 
 
 def scale_shape(layout: str, num_blocks: int, block_size: int, kv_heads: int) -> tuple[int, ...]:
@@ -366,6 +388,18 @@ class OpSpec:
     @property
     def fp8(self) -> bool:
         return self.cache_dtype in FP8_DTYPES
+
+    @property
+    def int8(self) -> bool:
+        return self.cache_dtype == INT8
+
+    @property
+    def int4(self) -> bool:
+        return self.cache_dtype == INT4
+
+    @property
+    def low_bit(self) -> bool:
+        return self.cache_dtype in LOW_BIT
 
     @property
     def num_slots(self) -> int:
@@ -796,9 +830,13 @@ def check_op(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
                                         check_nope_tables(cos, sin, table_form))
 
     cache_dtype = _dtype("key_cache", key_cache)
-    if cache_dtype != dtype and cache_dtype not in FP8_DTYPES:
+    if cache_dtype in LOW_BIT and k_scale_cache is None and v_scale_cache is None:
+        raise ValueError(f"key_cache: an {'int8' if cache_dtype == INT8 else 'int4 (uint8)'} cache stores per-token "
+                         "quantized values; expected the scale caches k_scale_cache / v_scale_cache (float32, see "
+                         "make_kv_scale_cache), got None")
+    if cache_dtype != dtype and cache_dtype not in FP8_DTYPES + LOW_BIT:
         raise TypeError(f"key_cache: expected dtype {dtype.name} (same as q) or one of "
-                        f"({dtype_names(FP8_DTYPES)}), got {cache_dtype.name}")
+                        f"({dtype_names(FP8_DTYPES)}, int8 or uint8 (int4) with scale caches), got {cache_dtype.name}")
     if value_cache is not None and _dtype("value_cache", value_cache) != cache_dtype:
         raise TypeError(f"value_cache: expected dtype {cache_dtype.name} (same as key_cache), "
                         f"got {np.dtype(value_cache.dtype).name}")
@@ -806,15 +844,16 @@ def check_op(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
     kdims, vdims = lay.dims("key"), lay.dims("value")
     kshape, x, nb, bs = _key_cache_geometry(key_cache, lay, cache_dtype)
     _check_merged_heads(kshape, lay)
-    if lay.needs_d_multiple_of_x and d % x:
+    dc = cache_head_dim(d, cache_dtype)
+    if lay.needs_d_multiple_of_x and dc % x:
         raise ValueError(f"key_cache: layout {layout!r} needs D divisible by X={x} (the key cache's last dim), "
-                         f"got D={d}")
+                         f"got D={dc}{' bytes (int4: D/2)' if dc != d else ''}")
     if lay.needs_bs_multiple_of_x and bs % x:
         raise ValueError(f"value_cache: layout {layout!r} needs the block size divisible by X={x} (the key "
                          f"cache's last dim), got BS={bs}")
     if bs < 1:
         raise ValueError(f"key_cache: expected block size >= 1, got shape {list(kshape)}")
-    kexp, vexp = cache_shapes(layout, nb, bs, kh, d, cache_dtype, x)
+    kexp, vexp = storage_shapes(layout, nb, bs, kh, dc, cache_dtype, x)
     _check_shape("key_cache", key_cache, kexp, f"{kdims} for layout {layout!r}")
     if vexp is not None:
         _check_shape("value_cache", value_cache, vexp, f"{vdims} for layout {layout!r}")
@@ -857,8 +896,8 @@ def check_scale_caches(k_scale_cache, v_scale_cache, k_scale, v_scale, cache_dty
             raise ValueError(f"{name}: per-token scales need both scale caches; expected an array like {other}, "
                              "got None")
     cdt = np.dtype(cache_dtype)
-    if cdt not in FP8_DTYPES:
-        raise ValueError(f"k_scale_cache: per-token scales apply to float8 caches only; expected None for a "
+    if cdt not in FP8_DTYPES + LOW_BIT:
+        raise ValueError(f"k_scale_cache: per-token scales apply to float8, int8 and int4 caches only; expected None for a "
                          f"{cdt.name} cache, got {describe(k_scale_cache)}")
     for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
         if scale is not None:
@@ -884,8 +923,9 @@ def check_read_kv(key_cache, value_cache, slot_mapping, layout="flash", *, k_sca
     lay = cache_layout(layout)
     check_value_cache(value_cache, layout)
     cdt = _dtype("key_cache", key_cache)
-    if cdt not in INPUT_DTYPES + FP8_DTYPES:
-        raise TypeError(f"key_cache: expected dtype one of ({dtype_names(INPUT_DTYPES + FP8_DTYPES)}), got {cdt.name}")
+    if cdt not in INPUT_DTYPES + FP8_DTYPES + LOW_BIT:
+        raise TypeError(f"key_cache: expected dtype one of ({dtype_names(INPUT_DTYPES + FP8_DTYPES + LOW_BIT)}), "
+                        f"got {cdt.name}")
     if value_cache is not None and _dtype("value_cache", value_cache) != cdt:
         raise TypeError(f"value_cache: expected dtype {cdt.name} (same as key_cache), "
                         f"got {np.dtype(value_cache.dtype).name}")
@@ -896,7 +936,7 @@ def check_read_kv(key_cache, value_cache, slot_mapping, layout="flash", *, k_sca
     if lay.needs_bs_multiple_of_x and bs % x:
         raise ValueError(f"value_cache: layout {layout!r} needs the block size divisible by X={x} (the key "
                          f"cache's last dim), got BS={bs}")
-    kexp, vexp = cache_shapes(layout, nb, bs, kh, d, cdt, x)
+    kexp, vexp = storage_shapes(layout, nb, bs, kh, d, cdt, x)  # d: the stored row (int4: bytes)
     _check_shape("key_cache", key_cache, kexp, f"{kdims} for layout {layout!r}")
     if vexp is not None:
         _check_shape("value_cache", value_cache, vexp, f"{vdims} for layout {layout!r}")
@@ -978,10 +1018,12 @@ def mrope_codes(spec: OpSpec) -> dict:
 # a call using another falls back to the XLA path (impl=None) or raises (impl="kernel").
 FEATURES = ("q_norm", "k_norm", "k_scale_heads", "v_scale_heads", "mrope", "token_scales",
             "nope", "rope_switch", "rotary_tail", "gemma_norm", "weightless_norm", "norm_after", "temperature",
-            "q_gate")
+            "q_gate", "int8_cache", "int4_cache")
 # The options the native kernels implemented before the model-family options (the CPU handler and the
 # FlyDSL kernel implement exactly these; the family options are refused by every kernel today).
 BASE_FEATURES = FEATURES[:6]
+# The low-bit cache formats (reference and XLA path only; every kernel refuses them).
+CACHE_FORMAT_FEATURES = ("int8_cache", "int4_cache")
 
 
 def features(spec: OpSpec) -> frozenset[str]:
@@ -991,7 +1033,8 @@ def features(spec: OpSpec) -> frozenset[str]:
             "mrope": spec.mrope_section is not None, "token_scales": spec.token_scales,
             "nope": spec.rotary_dim == 0, "rope_switch": spec.rope_switch, "rotary_tail": spec.rotary_tail,
             "gemma_norm": spec.norm_type == "gemma" and spec.norm, "weightless_norm": spec.norm_type == "weightless",
-            "norm_after": spec.norm_after, "temperature": spec.temperature is not None, "q_gate": spec.q_gate}
+            "norm_after": spec.norm_after, "temperature": spec.temperature is not None, "q_gate": spec.q_gate,
+            "int8_cache": spec.int8, "int4_cache": spec.int4}
     return frozenset(f for f, on in used.items() if on)
 
 
@@ -1005,7 +1048,9 @@ FEATURE_NAMES = {"q_norm": "the fused q RMSNorm (q_norm_weight)", "k_norm": "the
                  "weightless_norm": "the weightless QK-norm (norm_type='weightless')",
                  "norm_after": "the QK-norm after the rotation (norm_position='after')",
                  "temperature": "the attention temperature (attn_temperature)",
-                 "q_gate": "gated q rows in the fused QKV input (q_gate)"}
+                 "q_gate": "gated q rows in the fused QKV input (q_gate)",
+                 "int8_cache": "int8 caches (per-token int8 quantization)",
+                 "int4_cache": "int4 caches (per-token int4 quantization, uint8 bytes)"}
 
 
 # ---- model families: NoPE layers, tail rotary, QK-norm variants, attention temperature -----------------

@@ -47,6 +47,7 @@ import numpy as np
 import jax_rope_cache as jrc
 from jax_rope_cache import attention as attn
 from jax_rope_cache import contract
+from jax_rope_cache.backends import xla
 
 __all__ = ["DecoderConfig", "BlockAllocator", "Decoder", "TINY_CONFIGS", "LLAMA_31_8B_CONFIG", "random_params",
            "random_params_on_device", "params_digest", "hf_state_dict", "slot_mapping", "rope_and_write",
@@ -350,7 +351,7 @@ def slot_mapping(block_table, positions, block_size: int):
 
 
 def dequantize_blocks(keys, values, scale_caches, layer, block_table, dtype):
-    """keys, values [B, S, KH, D] (fp8, from gather_blocks) times their per-token scales from the
+    """keys, values [B, S, KH, D] (fp8 or int8; int4: uint8 [B, S, KH, D/2], from gather_blocks) times their per-token scales from the
     stacked scale caches [L, NB, KH, BS] ([block, head, offset] of each slot), as `dtype`."""
     bt = jnp.maximum(jnp.asarray(block_table), 0)
     B, MB = bt.shape
@@ -358,11 +359,16 @@ def dequantize_blocks(keys, values, scale_caches, layer, block_table, dtype):
     for x, sc in zip((keys, values), scale_caches):
         s = sc[layer, bt]                                   # [B, MB, KH, BS]
         s = s.transpose(0, 1, 3, 2).reshape(B, -1, s.shape[2])  # [B, MB * BS, KH]
+        if x.dtype == contract.INT4:
+            x = xla.unpack_int4(x)
         out.append((x.astype(jnp.float32) * s[..., None]).astype(dtype))
     return tuple(out)
 
 
-KV_QUANTS = (None, "per_token")
+KV_QUANTS = (None, "per_token", "int8_per_token", "int4_per_token")
+# the cache dtype of each kv_quant (all with one float32 scale per token and kv head; uint8: int4 bytes)
+KV_QUANT_DTYPES = {"per_token": np.dtype(jnp.float8_e4m3fn), "int8_per_token": contract.INT8,
+                   "int4_per_token": contract.INT4}
 
 
 # ---- the model ------------------------------------------------------------------------------------
@@ -435,6 +441,8 @@ class Decoder:
     jitted call donates them and stores the returned ones. The tables (cos, sin) and the weights are
     arguments of the jitted steps, not constants baked into them.
     kv_quant="per_token": float8_e4m3fn caches with one scale per (token, kv head) computed by the op;
+    kv_quant="int8_per_token" / "int4_per_token": int8 caches / uint8 caches of two int4 values a byte,
+    the same scale caches (docs/numerics.md#int8-caches-per-token-and-kv-head);
     the scale caches ([L, NB, KH, BS] each) follow the two caches in `self.caches` and attention reads
     the caches dequantized (stored * scale); gather only.
     decode_compiler_options: XLA options of the decode program only (jax.jit's compiler_options);
@@ -529,8 +537,8 @@ class Decoder:
 
     @property
     def cache_dtype(self):
-        """The caches' dtype: float8_e4m3fn with kv_quant, else the model's."""
-        return np.dtype(jnp.float8_e4m3fn) if self.kv_quant else self.dtype
+        """The caches' dtype: KV_QUANT_DTYPES[kv_quant] with kv_quant, else the model's."""
+        return KV_QUANT_DTYPES[self.kv_quant] if self.kv_quant else self.dtype
 
     @property
     def _n_caches(self) -> int:

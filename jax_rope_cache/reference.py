@@ -297,15 +297,31 @@ def token_scale(y: np.ndarray, cache_dtype) -> np.ndarray:
     with np.errstate(invalid="ignore"):
         a = np.where(a <= _F32_MAX, a, _F32(0))  # NaN and inf left out
     amax = np.maximum(a.max(axis=-1, initial=_F32(0)), _F32(contract.TOKEN_AMAX_FLOOR))
-    return (amax / _F32(contract.FP8_MAX[np.dtype(cache_dtype)])).astype(_F32)
+    return (amax / _F32(contract.QUANT_MAX[np.dtype(cache_dtype)])).astype(_F32)
 
 
 def quantize_rows(y: np.ndarray, cache_dtype, scale: np.ndarray) -> np.ndarray:
     """Rows y [..., KH, D] quantized with one scale per row (scale [..., KH]): the static rule."""
-    m = contract.FP8_MAX[np.dtype(cache_dtype)]
+    m = contract.QUANT_MAX[np.dtype(cache_dtype)]
     with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
         inv = np.clip(_F32(1.0) / np.asarray(scale, _F32), -_F32_MAX, _F32_MAX).astype(_F32)
-        return to_dtype(np.clip(np.asarray(y, _F32) * inv[..., None], -m, m), cache_dtype)
+        y = np.asarray(y, _F32) * inv[..., None]
+        if np.dtype(cache_dtype) in contract.LOW_BIT:  # round half to even, saturate; NaN (no int8 NaN) stores 0
+            i = np.clip(np.rint(np.where(np.isnan(y), _F32(0), y)), -m, m).astype(np.int8)
+            return pack_int4(i) if np.dtype(cache_dtype) == contract.INT4 else i
+        return to_dtype(np.clip(y, -m, m), cache_dtype)
+
+
+def pack_int4(i: np.ndarray) -> np.ndarray:
+    """int8 values in [-8, 7], [..., D] -> uint8 bytes [..., D/2]: channel 2j in the low nibble."""
+    u = i.astype(np.uint8) & np.uint8(0xF)
+    return u[..., 0::2] | (u[..., 1::2] << np.uint8(4))
+
+
+def unpack_int4(b: np.ndarray) -> np.ndarray:
+    """uint8 bytes [..., D/2] -> int8 values [..., D] (two's complement nibbles)."""
+    nib = np.stack([b & np.uint8(0xF), b >> np.uint8(4)], axis=-1).astype(np.int8)
+    return (np.where(nib >= 8, nib - 16, nib).astype(np.int8)).reshape(b.shape[:-1] + (2 * b.shape[-1],))
 
 
 def write_tokens(cache: np.ndarray, which: str, layout: str, blk, off, values: np.ndarray) -> None:
@@ -376,7 +392,7 @@ def rope_and_cache(q, k, v, key_cache, value_cache, slot_mapping, positions, cos
         with np.errstate(over="ignore", invalid="ignore"):
             q_out = to_dtype(q_out.astype(_F32) * temperature_rows(positions, spec)[:, None, None], spec.dtype)
     # what the cache stores: k_out, but an fp8 cache in "fused" arithmetic quantizes the f32 values
-    k_stored = k_wide if spec.fp8 and arithmetic(spec) == "fused" else k_out
+    k_stored = k_wide if (spec.fp8 or spec.low_bit) and arithmetic(spec) == "fused" else k_out
 
     caches = [key_cache.copy(), None if value_cache is None else value_cache.copy()]  # merged: no value cache
     if spec.token_scales:
@@ -422,6 +438,8 @@ def read_kv(key_cache, value_cache, slot_mapping, *, layout="flash", k_scale=Non
     blk, off = safe // bs, safe % bs
     kk = read_tokens(key_cache, "key", layout, blk, off, kh, d)
     vv = read_tokens(value_cache, "value", layout, blk, off, kh, d)
+    if mode == "token" and key_cache.dtype == contract.INT4:
+        kk, vv = unpack_int4(kk), unpack_int4(vv)
     if mode == "token":
         kk = kk.astype(_F32) * read_tokens(np.asarray(k_scale_cache, _F32), "scale", layout, blk, off, kh, 1)[..., None]
         vv = vv.astype(_F32) * read_tokens(np.asarray(v_scale_cache, _F32), "scale", layout, blk, off, kh, 1)[..., None]

@@ -393,7 +393,7 @@ def _quoted_list(what: str) -> str:
         "impl": lambda: _message(jrc.rope_and_cache, *good.values(), impl="gpu"),
         "cache dtype": lambda: _message(call, key_cache=fp16(), value_cache=fp16()),
         "q dtype": lambda: _message(call, q=np.ones((2, 2, 8), np.int32)),
-        "make_kv_cache dtype": lambda: _message(jrc.make_kv_cache, 1, 4, 1, 8, np.int8),
+        "make_kv_cache dtype": lambda: _message(jrc.make_kv_cache, 1, 4, 1, 8, np.int16),
         "MLA layout": lambda: _message(mla_contract.check_layout, "paged"),
         "commands": _unknown_command,
     }

@@ -107,7 +107,7 @@ BAD = [
     # per-token scales: the scale caches
     ("scale-cache-non-fp8", {}, dict(k_scale_cache=np.ones((NB, KH, BS), np.float32),
                                      v_scale_cache=np.ones((NB, KH, BS), np.float32)), ValueError,
-     ["k_scale_cache", "float8 caches only", "bfloat16 cache", "float32[3, 2, 16]"]),
+     ["k_scale_cache", "float8, int8 and int4 caches only", "bfloat16 cache", "float32[3, 2, 16]"]),
     ("scale-cache-and-static", _fp8(), dict(k_scale=1.0, k_scale_cache=np.ones((NB, KH, BS), np.float32),
                                             v_scale_cache=np.ones((NB, KH, BS), np.float32)), ValueError,
      ["k_scale", "None with per-token scales", "1.0"]),
@@ -224,8 +224,8 @@ def test_unknown_impl(bad):
 def test_make_kv_cache_rejects_bad_arguments():
     with pytest.raises(ValueError, match="layout: expected one of"):
         jrc.make_kv_cache(2, 16, 1, 64, layout="paged")
-    with pytest.raises(TypeError, match="dtype: expected one of .* got int8"):
-        jrc.make_kv_cache(2, 16, 1, 64, np.int8)
+    with pytest.raises(TypeError, match="dtype: expected one of .* got int16"):
+        jrc.make_kv_cache(2, 16, 1, 64, np.int16)
     with pytest.raises(ValueError, match="head_dim: layout 'xpacked' with float8_e4m3fn needs a multiple of X=16, got 72"):
         jrc.make_kv_cache(2, 16, 1, 72, FP8, layout="xpacked")
     with pytest.raises(ValueError, match=r"x: expected X to be a power of two \(1, 2, 4, 8, ...\), got X=6"):

@@ -434,5 +434,5 @@ def test_read_kv_scale_errors():
     bf = np.zeros((3, 16, 2, 64), ml_dtypes.bfloat16)
     with pytest.raises(ValueError, match="^k_scale: scales apply to float8 caches only"):
         jrc.read_kv(bf, bf.copy(), slots, k_scale=1.0, v_scale=1.0)
-    with pytest.raises(ValueError, match="^k_scale_cache: per-token scales apply to float8 caches only"):
+    with pytest.raises(ValueError, match="^k_scale_cache: per-token scales apply to float8, int8 and int4 caches only"):
         jrc.read_kv(bf, bf.copy(), slots, k_scale_cache=np.ones((3, 2, 16), F32), v_scale_cache=np.ones((3, 2, 16), F32))

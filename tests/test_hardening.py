@@ -1009,7 +1009,7 @@ MAKE_KV_BAD = [
     (dict(head_dim=True), ValueError, "head_dim: expected an integer >= 1, got bool"),
     (dict(num_layers=0), ValueError, "num_layers: expected an integer >= 1, got 0"),
     (dict(dtype="nope"), TypeError, "dtype: expected one of"),
-    (dict(dtype=np.int8), TypeError, "dtype: expected one of"),
+    (dict(dtype=np.int16), TypeError, "dtype: expected one of"),
 ]
 
 

@@ -212,15 +212,31 @@ def token_scale(y, cache_dtype):
     amax = jnp.maximum(jnp.max(a, axis=-1), _F32(contract.TOKEN_AMAX_FLOOR))
     # a divisor XLA cannot see as a constant (it would multiply by a rounded 1/FP8_MAX instead): one
     # barrier with the non-constant amax, which XLA cannot fold away as it can a barrier of a constant
-    amax, m = jax.lax.optimization_barrier((amax, jnp.full(amax.shape, contract.FP8_MAX[np.dtype(cache_dtype)], _F32)))
+    amax, m = jax.lax.optimization_barrier((amax, jnp.full(amax.shape, contract.QUANT_MAX[np.dtype(cache_dtype)], _F32)))
     return amax / m
 
 
 def quantize_rows(y, cache_dtype, scale):
     """reference.quantize_rows: rows [..., KH, D] with one scale per row (scale [..., KH])."""
-    m = contract.FP8_MAX[np.dtype(cache_dtype)]
+    m = contract.QUANT_MAX[np.dtype(cache_dtype)]
     inv = (_F32(1.0) / scale)[..., None]  # scale >= 1e-8 / 57344: never overflows
-    return to_dtype(jnp.clip(y.astype(_F32) * inv, -m, m), cache_dtype)
+    y = y.astype(_F32) * inv
+    if np.dtype(cache_dtype) in contract.LOW_BIT:  # jnp.round: half to even; NaN stores 0
+        i = jnp.clip(jnp.round(jnp.where(jnp.isnan(y), _F32(0), y)), -m, m).astype(jnp.int8)
+        return pack_int4(i) if np.dtype(cache_dtype) == contract.INT4 else i
+    return to_dtype(jnp.clip(y, -m, m), cache_dtype)
+
+
+def pack_int4(i):
+    """reference.pack_int4: int8 [..., D] -> uint8 [..., D/2], channel 2j in the low nibble."""
+    u = i.astype(jnp.uint8) & jnp.uint8(0xF)
+    return u[..., 0::2] | (u[..., 1::2] << jnp.uint8(4))
+
+
+def unpack_int4(b):
+    """reference.unpack_int4: uint8 [..., D/2] -> int8 [..., D]."""
+    nib = jnp.stack([b & jnp.uint8(0xF), b >> jnp.uint8(4)], axis=-1).astype(jnp.int8)
+    return jnp.where(nib >= 8, nib - 16, nib).astype(jnp.int8).reshape(b.shape[:-1] + (2 * b.shape[-1],))
 
 
 def _layer_lead(blk, spec: contract.OpSpec, layer) -> tuple:
@@ -276,12 +292,12 @@ def scatter_kv(key_cache, value_cache, kq, vq, blk, off, spec: contract.OpSpec, 
     lay, x = contract.LAYOUT_TABLE[spec.layout], spec.x
     lead = _layer_lead(blk, spec, layer)
     if lay.merged:  # [T, KH, 2, D] -> [T, 2 KH, D]: K head h at 2h, V head h at 2h + 1
-        writes = (("kv", jnp.stack([kq, vq], axis=2).reshape(spec.num_tokens, 2 * spec.kv_heads, spec.head_dim)),)
+        writes = (("kv", jnp.stack([kq, vq], axis=2).reshape(spec.num_tokens, 2 * spec.kv_heads, vq.shape[-1])),)
     else:
         writes = (("key", kq), ("value", vq))
     out = []
     for (which, vals), cache in zip(writes, (key_cache, value_cache)):
-        shape, perm = lay.token_split(which, vals.shape[1], spec.head_dim, x, lead=len(lead))
+        shape, perm = lay.token_split(which, vals.shape[1], vals.shape[-1], x, lead=len(lead))
         vals = vals.reshape((spec.num_tokens,) + shape).transpose(perm)
         index = lead + lay.token_index(which, blk, off, x)
         if spec.fp8:  # scatter the bytes: XLA would otherwise convert the WHOLE fp8 cache to f16 and back
@@ -336,7 +352,7 @@ def rope_and_cache(q, k, v, key_cache, value_cache, slot_mapping, positions, cos
     elif spec.temperature is not None:  # rotary_dim=0: every call is a NoPE call
         q_out = temperature(q_out, positions, spec)
     blk, off = slot_coords(slot_mapping, spec, layer)
-    fused = spec.fp8 and reference.arithmetic(spec) == "fused"  # fp8 quantizes the f32 values there
+    fused = (spec.fp8 or spec.low_bit) and reference.arithmetic(spec) == "fused"  # fp8 quantizes the f32 values there
     k_stored = k_wide if fused else k_out
     if spec.token_scales:  # k_scale / v_scale are the scale caches
         ks, vs = token_scale(k_stored, spec.cache_dtype), token_scale(v, spec.cache_dtype)
@@ -376,6 +392,8 @@ def read_kv(key_cache, value_cache, slot_mapping, scales=None, *, layout="flash"
                 sc = sc[lay.token_index("scale", blk, off, 1)].transpose(np.argsort(sperm))
             else:
                 sc = jnp.broadcast_to(sc, (kh,))
+            if np.dtype(got.dtype) == contract.INT4:
+                got = unpack_int4(got)
             got = got.astype(_F32) * sc[..., None]
         out.append(jnp.where(keep, got, jnp.zeros((), got.dtype)))
     return tuple(out)

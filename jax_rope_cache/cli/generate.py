@@ -181,7 +181,7 @@ def timing(model: str, impls, layout: str | None, batch: int, prompt_len: int, s
                 unroll=unroll or cfg.num_layers, cache_fill="zeros")
     print(f"\ntiming {model} ({n_params / 1e6:,.1f}M parameters, {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
           f"{heads}, vocab {cfg.vocab_size}), {np.dtype(dtype).name}, "
-          f"{made['layout']} cache{' (fp8, ' + kv_quant + ' scales)' if kv_quant else ''}, "
+          f"{made['layout']} cache{' (' + kv_quant + ' scales)' if kv_quant else ''}, "
           f"attention {made['attention']}, batch {batch}, "
           f"prompts {lengths.min()}-{lengths.max()} tokens, {steps} decode steps, "
           f"layer scan unroll={unroll or 'all'} (weights ready in {time.perf_counter() - t0:.1f} s)")
@@ -255,9 +255,9 @@ def main(argv=None):
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--unroll", type=int, default=0, help="layer scan unroll factor (0: all layers, straight-line)")
-    p.add_argument("--kv-quant", default=None, choices=("per_token",),
-                   help="float8_e4m3fn caches with per-token scales (the check then also reports how far the "
-                        "quantized run moves from the unquantized one)")
+    p.add_argument("--kv-quant", default=None, choices=tuple(q for q in decoder.KV_QUANTS if q),
+                   help="per_token: float8_e4m3fn, int8_per_token: int8 caches, both with per-token scales "
+                        "(the check then also reports how far the quantized run moves from the unquantized one)")
     a = p.parse_args(argv)
     impls = [s for s in a.impls.split(",") if s]
     for s in impls:
