@@ -673,6 +673,9 @@ def test_host_emulation_slots_at_the_edges_write_their_layer_only(emu_dir):
                 want = reference.rope_and_cache(*args, **opts, layer=np.array(layer, np.int32))
                 got = run_emulation(spec, args, None, None, emu_dir, layer=layer, defines=variant)
                 for name, g, w in zip(("q_out", "k_out", "key_cache", "value_cache"), got, want):
+                    if w is None:  # kv_merged: no value cache (run_emulation checked its placeholder)
+                        assert g is None, (layout, name)
+                        continue
                     assert np.array_equal(g.view(np.uint8), np.asarray(w).view(np.uint8)), \
                         (layout, index_dtype, variant, layer, name)
 
