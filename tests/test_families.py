@@ -8,8 +8,11 @@ temperature, and gated q rows in the fused QKV input (Qwen3-Next).
 2. The reference against independent float64 formulas of each family (transformers' arithmetic),
    within the stated bounds; a wrong variant (plain RMS weight for Gemma, no floor in the
    temperature, the head instead of the tail) is outside them.
-3. The native kernels refuse every family option today (contract.FEATURES not in their SUPPORTS):
-   impl="kernel" raises naming it, impl=None warns once and runs the XLA path.
+3. The CPU handler implements NoPE, tail rotary channels, the Gemma and weightless norms and the
+   norm after the rotation, bit for bit against the reference (impl="kernel"); the other native
+   kernels refuse every family option, the CPU handler the switch, the temperature and q_gate
+   (contract.FEATURES not in their SUPPORTS): impl="kernel" raises naming it, impl=None warns once
+   and runs the XLA path.
 4. A lax.scan over RoPE and NoPE layers is one compiled program (the switch is traced).
 5. Contradictory options raise ValueError naming the arguments.
 """
@@ -42,7 +45,8 @@ def problem(dtype=BF16, *, T=9, QH=4, KH=2, D=64, R=32, NB=6, BS=8, layout="flas
     rng = np.random.default_rng(seed)
     q, k, v = (rng.standard_normal((T, h, D)).astype(dtype) for h in (QH, KH, KH))
     kshape, vshape = contract.cache_shapes(layout, NB, BS, KH, D, dtype)
-    kc, vc = rng.standard_normal(kshape).astype(dtype), rng.standard_normal(vshape).astype(dtype)
+    kc = rng.standard_normal(kshape).astype(dtype)
+    vc = None if vshape is None else rng.standard_normal(vshape).astype(dtype)  # kv_merged: one array
     slots = rng.permutation(NB * BS)[:T].astype(np.int32)
     slots[::4] = -1
     slots[1] = NB * BS
@@ -295,17 +299,80 @@ def test_temperature_factors_match_transformers_float32_steps():
     assert np.array_equal(f, steps)
 
 
-# ---- the kernels refuse the family options today --------------------------------------------------------
+# ---- the CPU handler: the family options it implements, bit for bit ----------------------------------------
 FAMILY = tuple(f for f in contract.FEATURES if f not in contract.BASE_FEATURES + contract.CACHE_FORMAT_FEATURES)
+CPU_FAMILY = {"nope", "rotary_tail", "gemma_norm", "weightless_norm", "norm_after"}
+needs_cpu_kernel = pytest.mark.skipif("cpu" not in backends.kernel_platforms(), reason="no CPU kernel here")
 
 
-def test_every_family_option_is_a_feature_no_kernel_implements():
+def test_every_family_option_is_a_feature_and_only_the_cpu_handler_implements_some():
     assert set(FAMILY) == {"nope", "rope_switch", "rotary_tail", "gemma_norm", "weightless_norm", "norm_after",
                            "temperature", "q_gate"}
     for name, backend in backends.KERNEL_BACKENDS.items():
-        assert not set(FAMILY) & set(backend.SUPPORTS), name
+        assert set(FAMILY) & set(backend.SUPPORTS) == (CPU_FAMILY if name == "cpu" else set()), name
     for f in FAMILY:
         assert f in contract.FEATURE_NAMES
+
+
+KERNEL_CASES = [c for c in CASES if "use_rope" not in c[1](np.random.default_rng(0), 64, BF16)
+                and "attn_temperature" not in c[1](np.random.default_rng(0), 64, BF16)]
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("precision", ["fp32", "native"])
+@pytest.mark.parametrize("dtype", [BF16, F16, F32], ids=["bf16", "f16", "f32"])
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=[c[0] for c in KERNEL_CASES])
+def test_cpu_kernel_equals_the_reference(case, dtype, precision):
+    name, make, width = case
+    args, rng = problem(dtype, seed=(zlib.crc32(name.encode()) + 1) % 1000, table_w=width)
+    opts = dict(make(rng, args[0].shape[2], dtype), precision=precision)
+    assert contract.features(contract.check_op(*args, **opts)) & set(FAMILY)
+    want = reference.rope_and_cache(*args, **opts)
+    check_equal(run(args, opts, impl="kernel"), want, f"{name} {precision}")
+    if opts.get("rotary_dim") == 0:  # no positions or tables: placeholders the handler never reads
+        check_equal(run(args[:6] + (None, None, None), opts, impl="kernel"), want, name + " without positions and tables")
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("layout,cdt", [("xpacked_shuffled", ml_dtypes.float8_e4m3fn), ("hnd", ml_dtypes.float8_e5m2),
+                                        ("kv_merged", None), ("head_major", ml_dtypes.float8_e4m3fnuz)])
+@pytest.mark.parametrize("opts", [
+    dict(rotary_dim=32, rotary_position="tail", norm_type="weightless", norm_position="after"),
+    dict(rotary_dim=16, rotary_position="tail", norm_type="gemma", is_neox=False),
+    dict(rotary_dim=0, norm_type="weightless"),
+], ids=["tail-weightless-after", "tail-gemma-gptj", "nope-weightless"])
+def test_cpu_kernel_layouts_fp8_and_stacked_caches(layout, cdt, opts):
+    """fp8 caches in "fused" native arithmetic (bf16 inputs, float32 tables: the cache quantizes the
+    rotation's float32 values, but the normalised k_out after a norm "after"), stacked layers."""
+    args, rng = problem(BF16, layout=layout, seed=31, R=opts["rotary_dim"])
+    kc, vc = (None if a is None else np.stack([a, a[::-1]]) for a in args[3:5])
+    if cdt is not None:
+        kc, vc = kc.astype(cdt), None if vc is None else vc.astype(cdt)
+    args = args[:3] + (kc, vc) + args[5:]
+    opts = dict(opts, layout=layout, precision="native", layer=1)
+    if opts.get("norm_type") == "gemma":
+        opts["q_norm_weight"], opts["k_norm_weight"] = _weights(rng, 64, BF16)
+    if cdt is not None:
+        opts.update(k_scale=np.float32(0.3), v_scale=rng.uniform(0.1, 1, 2).astype(np.float32))
+    want = reference.rope_and_cache(*args, **opts)
+    got = jrc.rope_and_cache(*args, impl="kernel", **opts)
+    for n, g, w in zip(("q_out", "k_out", "key_cache", "value_cache"), got, want):
+        if w is not None:
+            assert_bits_equal(np.asarray(g), w, f"{n} [{layout}]")
+
+
+@needs_cpu_kernel
+def test_cpu_kernel_fused_qkv_with_family_options():
+    rng = np.random.default_rng(41)
+    T, QH, KH, D = 7, 4, 2, 64
+    qkv = rng.standard_normal((T, (QH + 2 * KH) * D)).astype(F16)
+    args, _ = problem(F16, T=T, QH=QH, KH=KH, D=D, R=24, seed=41)
+    w = _weights(rng, D, np.float32)
+    opts = dict(num_q_heads=QH, num_kv_heads=KH, rotary_dim=24, rotary_position="tail", norm_type="gemma",
+                norm_position="after", q_norm_weight=w[0], k_norm_weight=w[1])
+    want = reference.rope_and_cache_qkv(qkv, *args[3:], **opts)
+    got = jrc.rope_and_cache_qkv(qkv, *args[3:], impl="kernel", **opts)
+    check_equal([np.asarray(g) for g in got], want, "fused qkv")
 
 
 def _spec_using(feature):
@@ -325,10 +392,13 @@ def test_kernel_refuses_and_none_falls_back(feature):
     args, opts = _spec_using(feature)
     spec = contract.check_op(*args, **opts)
     assert feature in contract.features(spec)
-    for name, backend in backends.KERNEL_BACKENDS.items():  # every backend refuses before building anything
+    for name, backend in backends.KERNEL_BACKENDS.items():  # every other backend refuses before building anything
+        if name == "cpu" and feature in CPU_FAMILY:
+            native.refuse_unsupported(spec, backend.SUPPORTS, backend.NAME)  # implemented: no refusal
+            continue
         with pytest.raises(native.KernelUnavailable, match="does not implement"):
             native.refuse_unsupported(spec, backend.SUPPORTS, backend.NAME)
-    if "cpu" not in backends.kernel_platforms():
+    if "cpu" not in backends.kernel_platforms() or feature in CPU_FAMILY:
         return
     with pytest.raises(NotImplementedError, match=r"impl='kernel' on CPU.*" + re.escape(contract.FEATURE_NAMES[feature])):
         run(args, opts, impl="kernel")

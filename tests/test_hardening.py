@@ -400,8 +400,10 @@ def test_arrays_on_different_devices_are_named():
 
 # ==== raw_ffi: the native handlers trust nothing (item 4) ======================================
 def _raw_problem(layout="flash", dt=BF16, cdt=None, layers=None, T=5, QH=4, KH=2, D=16, BS=16, NB=3, full=False,
-                 seed=0, idx64=False, norm="", weight_dt=None, per_head=False):
-    """`norm`: "q", "k" or "qk" (weights in `weight_dt`, default q's dtype); `per_head`: fp8 scales [KH]."""
+                 seed=0, idx64=False, norm="", weight_dt=None, per_head=False, R=None, tail=False, norm_type=0,
+                 after=False):
+    """`norm`: "q", "k" or "qk" (weights in `weight_dt`, default q's dtype); `per_head`: fp8 scales [KH];
+    R (default D), tail, norm_type (0 rms, 1 gemma, 2 weightless), after: the model-family attributes."""
     rng = np.random.default_rng(seed)
     cdt = np.dtype(cdt or dt)
     n = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
@@ -409,7 +411,8 @@ def _raw_problem(layout="flash", dt=BF16, cdt=None, layers=None, T=5, QH=4, KH=2
     vs = (1,) if vs is None else vs  # kv_merged: the value_cache operand is a one-element placeholder per layer
     if layers:
         ks, vs = (layers,) + ks, (layers,) + vs
-    w = D if full else D // 2
+    R = D if R is None else R
+    w = R if full else max(R // 2, 3)  # rotary_dim=0: a placeholder table of any width
     ang = rng.uniform(-3, 3, (9, w))
     fp8 = cdt in contract.FP8_DTYPES
     ops = dict(q=n(T, QH, D).astype(dt), k=n(T, KH, D).astype(dt), v=n(T, KH, D).astype(dt),
@@ -426,9 +429,10 @@ def _raw_problem(layout="flash", dt=BF16, cdt=None, layers=None, T=5, QH=4, KH=2
         ops["k_scale"], ops["v_scale"] = rng.uniform(0.1, 1, KH).astype(np.float32), rng.uniform(0.1, 1, KH).astype(np.float32)
     if T:
         ops["slot_mapping"][0] = -1
-    attrs = dict(layout=np.int64(contract.LAYOUT_TABLE[layout].code), is_neox=True, rotary_dim=np.int64(D),
+    attrs = dict(layout=np.int64(contract.LAYOUT_TABLE[layout].code), is_neox=True, rotary_dim=np.int64(R),
                  native=False, q_norm="q" in norm, k_norm="k" in norm, norm_eps=np.float32(1e-6),
-                 mrope=np.int64(0), mrope_t=np.int64(0), mrope_h=np.int64(0), mrope_w=np.int64(0))
+                 mrope=np.int64(0), mrope_t=np.int64(0), mrope_h=np.int64(0), mrope_w=np.int64(0),
+                 rotary_tail=tail, norm_type=np.int64(norm_type), norm_after=after)
     return ops, attrs
 
 
@@ -459,7 +463,9 @@ def _reference_of(ops, attrs, layers=None):
         q_norm_weight=ops["q_norm_weight"] if attrs["q_norm"] else None,
         k_norm_weight=ops["k_norm_weight"] if attrs["k_norm"] else None,
         # the handler ABI reads the form from the width (the lowering passes checked tables only)
-        table_form="full" if ops["cos"].shape[1] == int(attrs["rotary_dim"]) else "half")
+        table_form="full" if ops["cos"].shape[1] == int(attrs["rotary_dim"]) != 0 else "half",
+        rotary_position="tail" if attrs["rotary_tail"] else "head", norm_type=contract.NORM_TYPES[int(attrs["norm_type"])],
+        norm_position="after" if attrs["norm_after"] else "before")
     return want[:3] + (ops["value_cache"] if want[3] is None else want[3],) + want[4:]
 
 
@@ -469,7 +475,12 @@ VALID_RAW = [dict(layout=lay, cdt=cdt, layers=layers) for lay in contract.LAYOUT
                                          # norms, f32 weights, per-head fp8 scales
                                          dict(norm="qk"), dict(norm="q", dt=F32), dict(norm="k", dt=F16, weight_dt=F32),
                                          dict(norm="qk", cdt=FP8, per_head=True, layout="xpacked_shuffled"),
-                                         dict(cdt=FP8Z, per_head=True, layers=3)]
+                                         dict(cdt=FP8Z, per_head=True, layers=3),
+                                         # model families: NoPE, tail rotary, the Gemma / weightless norms, after
+                                         dict(R=0), dict(R=0, norm="q", norm_type=1, layout="xpacked"),
+                                         dict(R=6, tail=True, full=True), dict(R=8, tail=True, cdt=FP8, layers=2),
+                                         dict(norm_type=2, after=True, dt=F16), dict(norm="qk", norm_type=1, after=True,
+                                                                                       R=8, tail=True, layout="hnd")]
 
 
 @pytest.mark.parametrize("aliases", [True, False])
@@ -622,9 +633,23 @@ def _bad_raw_cases():
         name="key_cache")
     add("attribute layout-negative", None, attrs=dict(layout=np.int64(-1)), name="attribute layout")
     add("attribute rotary_dim-odd", None, attrs=dict(rotary_dim=np.int64(7)), name="attribute rotary_dim")
-    add("attribute rotary_dim-zero", None, attrs=dict(rotary_dim=np.int64(0)), name="attribute rotary_dim")
+    add("attribute rotary_dim-negative", None, attrs=dict(rotary_dim=np.int64(-2)), name="attribute rotary_dim")
     add("attribute rotary_dim-too-big", None, attrs=dict(rotary_dim=np.int64(64)), name="attribute rotary_dim")
     add("cos-width-vs-rotary_dim", None, attrs=dict(rotary_dim=np.int64(4)), name="cos")
+    # model-family attributes
+    for nt in (-1, 3):
+        add(f"attribute norm_type-{nt}", None, attrs=dict(norm_type=np.int64(nt)), name="attribute norm_type")
+    add("attribute norm_after-without-norm", None, attrs=dict(norm_after=True), name="attribute norm_after")
+    add("attribute norm_after-on-nope", None, attrs=dict(norm_after=True, norm_type=np.int64(2), rotary_dim=np.int64(0)),
+        name="attribute norm_after")
+    add("attribute rotary_tail-on-nope", None, attrs=dict(rotary_tail=True, rotary_dim=np.int64(0)),
+        name="attribute rotary_tail")
+    add("attribute mrope-on-nope", lambda o: _with(o, positions=np.stack([o["positions"]] * 3)),
+        attrs=dict(mrope=np.int64(1), rotary_dim=np.int64(0)), name="attribute mrope")
+    add("attributes q_norm-with-weightless", None, attrs=dict(norm_type=np.int64(2)), problem=dict(norm="q"),
+        name="attributes q_norm/k_norm")
+    add("attribute norm_eps-weightless", None, attrs=dict(norm_type=np.int64(2), norm_eps=np.float32(0)),
+        name="attribute norm_eps")
     add("layout-flash-on-xpacked-caches", None, attrs=dict(layout=np.int64(0)), problem=dict(layout="xpacked"),
         name="key_cache")
     add("layout-shuffled-on-xpacked-caches", None, attrs=dict(layout=np.int64(2)), problem=dict(layout="xpacked"),

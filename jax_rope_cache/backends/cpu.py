@@ -15,7 +15,10 @@ TARGET = "jax_rope_cache_cpu"
 TOKEN_SCALES_TARGET = "jax_rope_cache_cpu_token_scales"  # the same handler with the scale caches as 2 more results
 MLA_TARGET = "jax_rope_cache_mla_cpu"  # the MLA op's handler (kernels/ffi/mla_cpu_handler.cc)
 # contract.FEATURES the C++ handler implements (others: the XLA path, or an error with impl="kernel").
-SUPPORTS: frozenset[str] = frozenset(contract.BASE_FEATURES)  # the model-family options: not yet
+# Of the model-family options: NoPE, tail rotary channels, the Gemma / weightless norms, the norm after
+# the rotation (not yet: the use_rope switch, the temperature, q_gate).
+SUPPORTS: frozenset[str] = frozenset(contract.BASE_FEATURES) | {
+    "nope", "rotary_tail", "gemma_norm", "weightless_norm", "norm_after"}
 
 
 def missing() -> str | None:
@@ -29,7 +32,9 @@ def kernel_attrs(spec: contract.OpSpec) -> dict:
                 rotary_dim=np.int64(spec.rotary_dim), native=spec.precision == "native",
                 q_norm=spec.q_norm_dtype is not None, k_norm=spec.k_norm_dtype is not None,
                 norm_eps=np.float32(spec.norm_eps),
-                **{k: np.int64(v) for k, v in contract.mrope_codes(spec).items()})
+                **{k: np.int64(v) for k, v in contract.mrope_codes(spec).items()},
+                rotary_tail=bool(spec.rotary_tail), norm_type=np.int64(contract.NORM_TYPES.index(spec.norm_type)),
+                norm_after=bool(spec.norm_after))
 
 
 def lower(ctx, args, spec: contract.OpSpec):

@@ -337,3 +337,13 @@ RC_FN constexpr int rc_mrope_stream(rc_i64 i, int mode, rc_i64 t, rc_i64 h, rc_i
              ? ((i % 3 == 1 && i < 3 * h) ? 1 : ((i % 3 == 2 && i < 3 * w) ? 2 : 0))
              : (i < t ? 0 : (i < t + h ? 1 : 2));
 }
+
+// ---- model-family QK-norms (jax_rope_cache/reference.py: rms_norm) ----------------------------------
+// Norm types of the CPU handler's norm_type attribute (contract.NORM_TYPES order).
+enum RcNormType { RC_NORM_RMS = 0, RC_NORM_GEMMA = 1, RC_NORM_WEIGHTLESS = 2 };
+
+// Gemma: r32(r32(x * inv) * r32(1 + w)); the caller rounds once to the input dtype.
+RC_FN float rc_norm_gemma(float x, float inv, float w) { return rc_mul(rc_mul(x, inv), rc_add(1.0f, w)); }
+
+// Weightless (Llama 4's L2 norm on q and k): r32(x * inv); the caller rounds once.
+RC_FN float rc_norm_weightless(float x, float inv) { return rc_mul(x, inv); }

@@ -93,6 +93,11 @@ struct Problem {
                        // [KH, NB, BS]); nullptr: static scales
   const float *q_norm_w, *k_norm_w;        // the norm weights widened to f32 [D]; nullptr: no norm
   float norm_eps;
+  // Model families: the norm rule (RcNormType), whether q / k are normalised (the weightless norm has
+  // no weight), the norm after the rotation, and the first rotary channel (D - R at the tail).
+  int norm_type;
+  bool q_normed, k_normed, norm_after;
+  int64_t rot_off;
   const int8_t* col_stream;  // M-RoPE: the position stream of each table column [width]; nullptr: off
 };
 
@@ -109,11 +114,12 @@ float TreeSum(float* a, int64_t n) {
   return TreeSum(a, n / 2) + TreeSum(a + n / 2, n / 2);
 }
 
-// The QK-RMSNorm of one head row (reference.rms_norm): out = r(w * r(x * (1 / sqrt(S / D + eps))))
-// with a correctly rounded sqrt and division (no approximate rsqrt). `sq`: D floats of scratch.
+// The QK-norm of one head row (reference.rms_norm), inv = 1 / sqrt(S / D + eps) with a correctly
+// rounded sqrt and division (no approximate rsqrt): "rms" out = r(w * r(x * inv)), "gemma"
+// r((x * inv) * (1 + w)), "weightless" r(x * inv) (w unused). `sq`: D floats of scratch.
 template <int DT>
 void NormRow(const typename Elem<DT>::T* __restrict x, typename Elem<DT>::T* __restrict out, const float* w,
-             int64_t d, float eps, float* __restrict sq) {
+             int64_t d, float eps, float* __restrict sq, int norm_type = RC_NORM_RMS) {
   using E = Elem<DT>;
   for (int64_t i = 0; i < d; ++i) {
     const float xf = E::Load(x[i]);
@@ -121,6 +127,14 @@ void NormRow(const typename Elem<DT>::T* __restrict x, typename Elem<DT>::T* __r
   }
   const float ms = TreeSum(sq, d) / static_cast<float>(d);
   const float inv = 1.0f / std::sqrt(ms + eps);
+  if (norm_type == RC_NORM_GEMMA) {
+    for (int64_t i = 0; i < d; ++i) out[i] = E::Store(rc_norm_gemma(E::Load(x[i]), inv, w[i]));
+    return;
+  }
+  if (norm_type == RC_NORM_WEIGHTLESS) {
+    for (int64_t i = 0; i < d; ++i) out[i] = E::Store(rc_norm_weightless(E::Load(x[i]), inv));
+    return;
+  }
   for (int64_t i = 0; i < d; ++i) {
     const float y = E::Load(E::Store(E::Load(x[i]) * inv));  // rounding point 1: the input dtype
     out[i] = E::Store(w[i] * y);                               // rounding point 2
@@ -173,19 +187,22 @@ void RotateRow(const Problem& p, const typename Elem<DT>::T* __restrict x, typen
                const float* __restrict ca, const float* __restrict cb, const float* __restrict sa,
                const float* __restrict sb, float* __restrict wide) {
   using E = Elem<DT>;
-  const int64_t half = p.R / 2;
+  const int64_t half = p.R / 2, r0 = p.rot_off, r1 = p.rot_off + p.R;  // rotary channels [r0, r1)
   const int64_t step = kNeox ? 1 : 2, b_off = kNeox ? half : 1;
+  std::memcpy(out, x, r0 * sizeof(*x));  // the tail form's leading pass-through channels
+  if constexpr (kWide)
+    for (int64_t d = 0; d < r0; ++d) wide[d] = E::Load(x[d]);
   for (int64_t i = 0; i < half; ++i) {
-    const int64_t ia = i * step, ib = ia + b_off;
+    const int64_t ia = r0 + i * step, ib = ia + b_off;
     float ya, yb;
     rc_rotate_pair(E::Load(x[ia]), E::Load(x[ib]), ca[i], sa[i], cb[i], sb[i], ARITH, &ya, &yb);
     out[ia] = E::Store(ya);
     out[ib] = E::Store(yb);
     if constexpr (kWide) wide[ia] = ya, wide[ib] = yb;
   }
-  std::memcpy(out + p.R, x + p.R, (p.D - p.R) * sizeof(*x));
+  std::memcpy(out + r1, x + r1, (p.D - r1) * sizeof(*x));
   if constexpr (kWide)
-    for (int64_t d = p.R; d < p.D; ++d) wide[d] = E::Load(x[d]);
+    for (int64_t d = r1; d < p.D; ++d) wide[d] = E::Load(x[d]);
 }
 
 // Writes one head's K (already rotated, in the input dtype) and V into the caches. An fp8 cache
@@ -238,7 +255,7 @@ JRC_CPU_CLONES void RunTokensT(const Problem& p, int64_t t0, int64_t t1) {
   std::unique_ptr<float[]> streams(p.col_stream ? new float[6 * p.width] : nullptr);
   std::unique_ptr<float[]> k_wide(kWide ? new float[p.KH * p.D] : nullptr);
   // The normalised row of one head (the rotation's input) and the norm's scratch.
-  const bool norm = p.q_norm_w || p.k_norm_w;
+  const bool norm = p.q_normed || p.k_normed;
   std::unique_ptr<T[]> normed(norm ? new T[p.D] : nullptr);
   std::unique_ptr<float[]> sq(norm ? new float[p.D] : nullptr);
   float *cos_row = table.get(), *sin_row = cos_row + p.width;
@@ -252,7 +269,8 @@ JRC_CPU_CLONES void RunTokensT(const Problem& p, int64_t t0, int64_t t1) {
   T* q_out = static_cast<T*>(p.q_out);
   T* k_out = static_cast<T*>(p.k_out);
   for (int64_t t = t0; t < t1; ++t) {
-    if (p.col_stream) {  // positions [3, T]: stream s of token t at s * T + t, each clamped on its own
+    if (p.R == 0) {  // no rotation: the tables and positions are placeholders, never read
+    } else if (p.col_stream) {  // positions [3, T]: stream s of token t at s * T + t, each clamped on its own
       float* rows = streams.get();
       for (int64_t st = 0; st < 3; ++st) {
         const int64_t row = std::clamp<int64_t>(LoadIndex(p.pos, st * p.T + t, p.pos64), 0, p.max_pos - 1) * p.width;
@@ -276,21 +294,32 @@ JRC_CPU_CLONES void RunTokensT(const Problem& p, int64_t t0, int64_t t1) {
     for (int64_t h = 0; h < p.QH; ++h) {
       const int64_t o = (t * p.QH + h) * p.D;
       const T* x = q + t * p.q_row + h * p.D;
-      if (p.q_norm_w) NormRow<DT>(x, normed.get(), p.q_norm_w, p.D, p.norm_eps, sq.get()), x = normed.get();
+      if (p.q_normed && !p.norm_after)
+        NormRow<DT>(x, normed.get(), p.q_norm_w, p.D, p.norm_eps, sq.get(), p.norm_type), x = normed.get();
       RotateRow<DT, ARITH, kNeox, false>(p, x, q_out + o, ca, cb, sa, sb, nullptr);
+      if (p.q_normed && p.norm_after) {  // normalise the rotated row (scratch: NormRow's rows are __restrict)
+        NormRow<DT>(q_out + o, normed.get(), p.q_norm_w, p.D, p.norm_eps, sq.get(), p.norm_type);
+        std::memcpy(q_out + o, normed.get(), p.D * sizeof(T));
+      }
     }
     for (int64_t h = 0; h < p.KH; ++h) {
       const int64_t o = (t * p.KH + h) * p.D;
       const T* x = k + t * p.kv_row + p.k_off + h * p.D;
-      if (p.k_norm_w) NormRow<DT>(x, normed.get(), p.k_norm_w, p.D, p.norm_eps, sq.get()), x = normed.get();
+      if (p.k_normed && !p.norm_after)
+        NormRow<DT>(x, normed.get(), p.k_norm_w, p.D, p.norm_eps, sq.get(), p.norm_type), x = normed.get();
       RotateRow<DT, ARITH, kNeox, kWide>(p, x, k_out + o, ca, cb, sa, sb, kWide ? k_wide.get() + h * p.D : nullptr);
+      if (p.k_normed && p.norm_after) {
+        NormRow<DT>(k_out + o, normed.get(), p.k_norm_w, p.D, p.norm_eps, sq.get(), p.norm_type);
+        std::memcpy(k_out + o, normed.get(), p.D * sizeof(T));
+      }
     }
     const int64_t slot = LoadIndex(p.slots, t, p.slots64);
     if (slot < 0 || slot >= p.NB * p.BS) continue;
     for (int64_t h = 0; h < p.KH; ++h) {
       const int64_t o = (t * p.KH + h) * p.D;
       const T* vrow = v + t * p.kv_row + p.v_off + h * p.D;
-      const float* kw = kWide ? k_wide.get() + h * p.D : nullptr;
+      // norm "after": the cache stores the normalised k_out, not the rotation's f32 values
+      const float* kw = kWide && !p.norm_after ? k_wide.get() + h * p.D : nullptr;
       float inv_k = p.inv_k_scale[h], inv_v = p.inv_v_scale[h];
       if constexpr (CDT != DT) {
         if (p.k_sc) {  // per-token scales from the values the cache quantizes (kw, else k_out's)
@@ -541,7 +570,8 @@ ffi::Error ValidateCall(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const 
                         const ffi::AnyBuffer& layer, const ffi::AnyBuffer& q_norm_weight,
                         const ffi::AnyBuffer& k_norm_weight, const ffi::AnyBuffer& q_out, const ffi::AnyBuffer& k_out,
                         const ffi::AnyBuffer& key_cache_out, const ffi::AnyBuffer& value_cache_out,
-                        int64_t layout, int64_t rotary_dim, bool q_norm, bool k_norm, float norm_eps, int64_t mrope,
+                        int64_t layout, int64_t rotary_dim, bool rotary_tail, int64_t norm_type, bool norm_after,
+                        bool q_norm, bool k_norm, float norm_eps, int64_t mrope,
                         int64_t mrope_t, int64_t mrope_h, int64_t mrope_w, const ffi::AnyBuffer* k_sc_out,
                         const ffi::AnyBuffer* v_sc_out) {
   const bool scale_caches = k_sc_out != nullptr;  // the handler with per-token scales (6 results)
@@ -566,9 +596,19 @@ ffi::Error ValidateCall(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const 
                      " dividing QH, got dims " + DimsString(qd));
   }
   if (D < 2 || D % 2) return Invalid("q: expected an even head_dim D >= 2, got D=" + std::to_string(D));
-  if (rotary_dim < 2 || rotary_dim % 2 || rotary_dim > D)
-    return Invalid("attribute rotary_dim: expected an even value in [2, D=" + std::to_string(D) + "], got " +
+  if (rotary_dim < 0 || rotary_dim % 2 || rotary_dim > D)
+    return Invalid("attribute rotary_dim: expected an even value in [0, D=" + std::to_string(D) + "] (0: no rotation), got " +
                    std::to_string(rotary_dim));
+  if (rotary_tail && rotary_dim == 0)
+    return Invalid("attribute rotary_tail: expected false with rotary_dim=0 (no rotary channels), got true");
+  if (norm_type < RC_NORM_RMS || norm_type > RC_NORM_WEIGHTLESS)
+    return Invalid("attribute norm_type: expected 0 (rms), 1 (gemma) or 2 (weightless), got " +
+                   std::to_string(norm_type));
+  if (norm_type == RC_NORM_WEIGHTLESS && (q_norm || k_norm))
+    return Invalid("attributes q_norm/k_norm: expected false with norm_type 2 (weightless: no weight), got true");
+  if (norm_after && (rotary_dim == 0 || !(q_norm || k_norm || norm_type == RC_NORM_WEIGHTLESS)))
+    return Invalid("attribute norm_after: expected false without rotation (rotary_dim=0) or without a QK-norm, got "
+                   "true with rotary_dim=" + std::to_string(rotary_dim));
   const ffi::DataType dt = q.element_type();
   JRC_CHECK(ExpectType("k", k, dt, "as q"));
   const auto kd = k.dimensions();
@@ -630,6 +670,8 @@ ffi::Error ValidateCall(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const 
   }
   if (mrope < RC_MROPE_OFF || mrope > RC_MROPE_INTERLEAVED)
     return Invalid("attribute mrope: expected 0 (off), 1 (sections) or 2 (interleaved), got " + std::to_string(mrope));
+  if (mrope != RC_MROPE_OFF && rotary_dim == 0)
+    return Invalid("attribute mrope: expected 0 (off) with rotary_dim=0, got " + std::to_string(mrope));
   if (mrope != RC_MROPE_OFF) {
     // Every stream must drive exactly its section's count of the R/2 frequencies.
     int64_t count[3] = {0, 0, 0};
@@ -647,7 +689,7 @@ ffi::Error ValidateCall(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const 
                    TypeName(cos.element_type()));
   JRC_CHECK(ExpectType("sin", sin, cos.element_type(), "as cos"));
   const auto cd = cos.dimensions();
-  if (cd.size() != 2 || cd[0] < 1 || (cd[1] != rotary_dim && cd[1] != rotary_dim / 2))
+  if (cd.size() != 2 || cd[0] < 1 || (rotary_dim && cd[1] != rotary_dim && cd[1] != rotary_dim / 2))
     return Invalid("cos: expected dims [max_pos >= 1, R/2=" + std::to_string(rotary_dim / 2) + " or R=" +
                    std::to_string(rotary_dim) + "], got " + DimsString(cd));
   JRC_CHECK(ExpectDims("sin", sin, {cd[0], cd[1]}, "as cos"));
@@ -669,7 +711,7 @@ ffi::Error ValidateCall(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const 
   JRC_CHECK(ExpectScalar("layer", layer, ffi::DataType::S32));
   JRC_CHECK(ExpectNormWeight("q_norm_weight", q_norm_weight, q_norm, dt, D));
   JRC_CHECK(ExpectNormWeight("k_norm_weight", k_norm_weight, k_norm, dt, D));
-  if ((q_norm || k_norm) && !(norm_eps > 0.0f && norm_eps <= 3.4028234663852886e38f))
+  if ((q_norm || k_norm || norm_type == RC_NORM_WEIGHTLESS) && !(norm_eps > 0.0f && norm_eps <= 3.4028234663852886e38f))
     return Invalid("attribute norm_eps: expected a finite value > 0, got " + std::to_string(norm_eps));
 
   // Results: the same dtype and dims as what they are computed from (the caches: as the operands
@@ -701,10 +743,11 @@ ffi::Error RopeAndCache(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ff
                         ffi::AnyBuffer* k_out, ffi::AnyBuffer* key_cache_out, ffi::AnyBuffer* value_cache_out,
                         ffi::AnyBuffer* k_sc_out, ffi::AnyBuffer* v_sc_out, int64_t layout, bool is_neox,
                         int64_t rotary_dim, bool native, bool q_norm, bool k_norm, float norm_eps, int64_t mrope,
-                        int64_t mrope_t, int64_t mrope_h, int64_t mrope_w) {
+                        int64_t mrope_t, int64_t mrope_h, int64_t mrope_w, bool rotary_tail, int64_t norm_type,
+                        bool norm_after) {
   if (auto e = ValidateCall(q, k, v, key_cache, value_cache, slots, positions, cos, sin, k_scale, v_scale, layer,
                             q_norm_weight, k_norm_weight, *q_out, *k_out, *key_cache_out, *value_cache_out, layout,
-                            rotary_dim, q_norm, k_norm, norm_eps, mrope, mrope_t, mrope_h, mrope_w, k_sc_out, v_sc_out);
+                            rotary_dim, rotary_tail, norm_type, norm_after, q_norm, k_norm, norm_eps, mrope, mrope_t, mrope_h, mrope_w, k_sc_out, v_sc_out);
       e.failure())
     return e;
   Problem p{};
@@ -758,12 +801,13 @@ ffi::Error RopeAndCache(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ff
   if (auto e = CheckSame("slot_mapping elements", slots.element_count(), p.T); e.failure()) return e;
   if (auto e = CheckSame("positions elements", positions.element_count(), (mrope ? 3 : 1) * p.T); e.failure())
     return e;
-  if (p.R < 2 || p.R % 2 || p.R > p.D || (p.width != p.R && p.width != p.R / 2) || p.max_pos < 1)
+  if (p.R < 0 || p.R % 2 || p.R > p.D || (p.R && p.width != p.R && p.width != p.R / 2) || p.max_pos < 1)
     return ffi::Error::InvalidArgument("rope_and_cache cpu: inconsistent rotary_dim / table width");
   if (packed && (p.X < 1 || p.D % p.X || (p.layout == RC_XPACKED_SHUFFLED && p.BS % p.X)))
     return ffi::Error::InvalidArgument("rope_and_cache cpu: x-packed layout needs D and BS divisible by X");
 
-  p.full_table = p.width == p.R;
+  p.full_table = p.R && p.width == p.R;
+  p.rot_off = rotary_tail ? p.D - p.R : 0;
   p.neox = is_neox, p.arith = rc_arith(native, p.dt, p.table_dt);
   p.slots64 = slots.element_type() == ffi::DataType::S64;
   p.pos64 = positions.element_type() == ffi::DataType::S64;
@@ -793,13 +837,15 @@ ffi::Error RopeAndCache(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ff
   p.q_norm_w = q_norm ? weights.data() : nullptr;
   p.k_norm_w = k_norm ? weights.data() + (q_norm ? p.D : 0) : nullptr;
   p.norm_eps = norm_eps;
-  std::vector<int8_t> col_stream(mrope ? p.width : 0);
+  p.norm_type = static_cast<int>(norm_type), p.norm_after = norm_after;
+  p.q_normed = q_norm || norm_type == RC_NORM_WEIGHTLESS, p.k_normed = k_norm || norm_type == RC_NORM_WEIGHTLESS;
+  std::vector<int8_t> col_stream(mrope && p.R ? p.width : 0);
   for (int64_t c = 0; c < static_cast<int64_t>(col_stream.size()); ++c) {
     // a "full" column serves the pair of its frequency: NeoX c mod R/2, GPT-J c / 2
     const int64_t f = p.width == p.R / 2 ? c : (p.neox ? c % (p.R / 2) : c / 2);
     col_stream[c] = static_cast<int8_t>(rc_mrope_stream(f, int(mrope), mrope_t, mrope_h, mrope_w));
   }
-  p.col_stream = mrope ? col_stream.data() : nullptr;
+  p.col_stream = mrope && p.R ? col_stream.data() : nullptr;
   const int64_t layer_index = stacked ? *static_cast<const int32_t*>(layer.untyped_data()) : 0;
   // Outputs alias the caches; should XLA ever hand separate buffers, start from the inputs' bits.
   if (p.kc != key_cache.untyped_data()) std::memcpy(p.kc, key_cache.untyped_data(), key_cache.size_bytes());
@@ -832,11 +878,12 @@ ffi::Error CpuRopeAndCache(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                            ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> key_cache_out,
                            ffi::Result<ffi::AnyBuffer> value_cache_out, int64_t layout, bool is_neox,
                            int64_t rotary_dim, bool native, bool q_norm, bool k_norm, float norm_eps,
-                           int64_t mrope, int64_t mrope_t, int64_t mrope_h, int64_t mrope_w) {
+                           int64_t mrope, int64_t mrope_t, int64_t mrope_h, int64_t mrope_w, bool rotary_tail,
+                           int64_t norm_type, bool norm_after) {
   return RopeAndCache(q, k, v, key_cache, value_cache, slots, positions, cos, sin, k_scale, v_scale, layer,
                       q_norm_weight, k_norm_weight, &*q_out, &*k_out, &*key_cache_out, &*value_cache_out, nullptr,
                       nullptr, layout, is_neox, rotary_dim, native, q_norm, k_norm, norm_eps, mrope, mrope_t, mrope_h,
-                      mrope_w);
+                      mrope_w, rotary_tail, norm_type, norm_after);
 }
 
 // Per-token scales: two more results, the scale caches (aliased to the k_scale / v_scale operands).
@@ -847,11 +894,12 @@ ffi::Error CpuRopeAndCacheTokenScales(
     ffi::Result<ffi::AnyBuffer> q_out, ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> key_cache_out,
     ffi::Result<ffi::AnyBuffer> value_cache_out, ffi::Result<ffi::AnyBuffer> k_sc_out,
     ffi::Result<ffi::AnyBuffer> v_sc_out, int64_t layout, bool is_neox, int64_t rotary_dim, bool native, bool q_norm,
-    bool k_norm, float norm_eps, int64_t mrope, int64_t mrope_t, int64_t mrope_h, int64_t mrope_w) {
+    bool k_norm, float norm_eps, int64_t mrope, int64_t mrope_t, int64_t mrope_h, int64_t mrope_w, bool rotary_tail,
+    int64_t norm_type, bool norm_after) {
   return RopeAndCache(q, k, v, key_cache, value_cache, slots, positions, cos, sin, k_scale, v_scale, layer,
                       q_norm_weight, k_norm_weight, &*q_out, &*k_out, &*key_cache_out, &*value_cache_out, &*k_sc_out,
                       &*v_sc_out, layout, is_neox, rotary_dim, native, q_norm, k_norm, norm_eps, mrope, mrope_t,
-                      mrope_h, mrope_w);
+                      mrope_h, mrope_w, rotary_tail, norm_type, norm_after);
 }
 
 // The operands and attributes of both handlers; `rets` adds the results.
@@ -890,7 +938,10 @@ auto BindAttrs(B&& b) {
       .template Attr<int64_t>("mrope")     // RcMrope; positions [3, T] unless off
       .template Attr<int64_t>("mrope_t")   // sections: frequencies per stream
       .template Attr<int64_t>("mrope_h")
-      .template Attr<int64_t>("mrope_w");
+      .template Attr<int64_t>("mrope_w")
+      .template Attr<bool>("rotary_tail")     // rotary channels [D - R, D) instead of [0, R)
+      .template Attr<int64_t>("norm_type")    // RcNormType
+      .template Attr<bool>("norm_after");     // the QK-norm after the rotation
 }
 
 }  // namespace
