@@ -1306,7 +1306,8 @@ def _norm_problem(kw, rng):
     """(args, opts) of an entry: make_inputs plus the weights, eps and (per-head) scales it names."""
     spec0 = make_spec(**{k: v for k, v in kw.items() if k not in _EXTRA})
     args = make_inputs(spec0, rng)
-    opts = dict(layout=spec0.layout, is_neox=spec0.is_neox, rotary_dim=spec0.rotary_dim, precision=spec0.precision)
+    opts = dict(layout=spec0.layout, is_neox=spec0.is_neox, rotary_dim=spec0.rotary_dim, precision=spec0.precision,
+                table_form=spec0.table_form)
     d = spec0.head_dim
     if kw.get("qn") is not None:
         opts["q_norm_weight"] = _weight(rng, d, kw["qn"])

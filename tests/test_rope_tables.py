@@ -209,8 +209,9 @@ _CFG = {"num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 16, "rop
     ({"rope_scaling": {"rope_type": "su"}}, r"config\['rope_scaling'\]\['rope_type'\]"),
     ({"rope_parameters": {"rope_type": "wavy"}}, r"config\['rope_parameters'\]\['rope_type'\]"),
     ({"rope_scaling": "yarn"}, r"config\['rope_scaling'\]"),
-    ({"rope_parameters": {"full_attention": {"rope_type": "default"}, "sliding_attention": {}}},
-     r"config\['rope_parameters'\]: per-layer"),
+    ({"rope_parameters": {"sliding_attention": {"rope_type": "default"}}},  # per layer type, no full_attention
+     r"config\['rope_parameters'\]: expected RoPE parameters for layer type 'full_attention' among "
+     r"\['sliding_attention'\]"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}, "max_position_embeddings": None},
      r"config\['max_position_embeddings'\]"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0}},
