@@ -736,17 +736,23 @@ def check_mrope(mrope_section, mrope_interleaved, rotary_dim: int) -> tuple[int,
 TABLE_FORMS = ("half", "full")
 
 
+def check_table_dtypes(cos, sin) -> np.dtype:
+    """cos and sin: the same input dtype (bf16 / f16 / f32); returns it."""
+    table_dtype = _dtype("cos", cos)
+    if table_dtype not in INPUT_DTYPES:
+        raise TypeError(f"cos: expected dtype one of ({dtype_names(INPUT_DTYPES)}), got {table_dtype.name}")
+    if _dtype("sin", sin) != table_dtype:
+        raise TypeError(f"sin: expected dtype {table_dtype.name} (same as cos), got {np.dtype(sin.dtype).name}")
+    return table_dtype
+
+
 def check_tables(cos, sin, rotary_dim: int, table_form, *, r_name: str = "R",
                  r_arg: str = "rotary_dim") -> tuple[np.dtype, int, bool]:
     """cos and sin of `table_form` for `rotary_dim`: "half" [max_pos, R/2] (the default) or "full"
     [max_pos, R]. Returns (table dtype, max_pos, full)."""
     if table_form not in TABLE_FORMS:
         raise ValueError(f"table_form: expected one of {TABLE_FORMS}, got {table_form!r}")
-    table_dtype = _dtype("cos", cos)
-    if table_dtype not in INPUT_DTYPES:
-        raise TypeError(f"cos: expected dtype one of ({dtype_names(INPUT_DTYPES)}), got {table_dtype.name}")
-    if _dtype("sin", sin) != table_dtype:
-        raise TypeError(f"sin: expected dtype {table_dtype.name} (same as cos), got {np.dtype(sin.dtype).name}")
+    table_dtype = check_table_dtypes(cos, sin)
     r = rotary_dim
     full = table_form == "full"
     want = r if full else r // 2
@@ -1156,11 +1162,7 @@ def check_nope_tables(cos, sin, table_form) -> tuple[np.dtype, int, bool]:
     for name, other, a in (("cos", "sin", cos), ("sin", "cos", sin)):
         if a is None:
             raise ValueError(f"{name}: expected an array like {other} (or both None with rotary_dim=0), got None")
-    table_dtype = _dtype("cos", cos)
-    if table_dtype not in INPUT_DTYPES:
-        raise TypeError(f"cos: expected dtype one of ({dtype_names(INPUT_DTYPES)}), got {table_dtype.name}")
-    if _dtype("sin", sin) != table_dtype:
-        raise TypeError(f"sin: expected dtype {table_dtype.name} (same as cos), got {np.dtype(sin.dtype).name}")
+    table_dtype = check_table_dtypes(cos, sin)
     max_pos, _ = _check_rank("cos", cos, 2, "[max_pos, W] (any width with rotary_dim=0)")
     if max_pos < 1:
         raise ValueError(f"cos: expected at least one row (max_pos >= 1), got shape {list(cos.shape)}")
