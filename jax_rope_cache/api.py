@@ -15,7 +15,7 @@ from jax_rope_cache import versions
 
 versions.check_jax()
 
-from jax_rope_cache import contract, primitive  # noqa: E402
+from jax_rope_cache import contract, primitive, reference  # noqa: E402
 from jax_rope_cache.backends import cpu, kernel_node, launcher, xla  # noqa: E402
 
 IMPLS = (None, "kernel", "xla")
@@ -315,8 +315,8 @@ def _run(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, *, 
          q_norm_weight, k_norm_weight, spec: contract.OpSpec, impl, k_scale_cache=None, v_scale_cache=None,
          use_rope=None):
     """The op on checked arguments: the operands (contract.OPERANDS), then the XLA path or the primitive.
-    With per-token scales the scale caches take the k_scale / v_scale operand slots; a use_rope switch
-    is one more operand at the end. Absent positions / tables (rotary_dim=0) are placeholders never read.
+    With per-token scales the scale caches take the k_scale / v_scale operand slots;
+    contract.extra_operands(spec) follow contract.OPERANDS. Absent positions / tables (rotary_dim=0) are placeholders never read.
     A merged layout (value_cache None) passes a placeholder in the value_cache slot and returns None in
     its place."""
     if value_cache is None:
@@ -337,6 +337,8 @@ def _run(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, *, 
     args += (_layer_operand(layer, spec), _weight_operand(q_norm_weight), _weight_operand(k_norm_weight))
     if spec.rope_switch:
         args += (jnp.asarray(use_rope).astype(jnp.int32).reshape(()),)
+    if spec.temperature is not None:
+        args += (jnp.asarray(reference.temperature_factors(spec.max_pos, *spec.temperature)),)
     if spec.num_tokens == 0:
         caches = args[3:5] + (args[9:11] if spec.token_scales else ())
         if spec.qkv:  # empty q_out [0, QH, D] and k_out [0, KH, D]

@@ -295,6 +295,17 @@ CACHE_ALIASES = {OPERANDS.index("key_cache"): 2, OPERANDS.index("value_cache"): 
 # which are two more results aliased to them; the operand list is the same.
 TOKEN_SCALE_RESULTS = ("k_scale_cache", "v_scale_cache")
 TOKEN_SCALE_ALIASES = {**CACHE_ALIASES, OPERANDS.index("k_scale"): 4, OPERANDS.index("v_scale"): 5}
+# Operands after OPERANDS, present only when the call uses them (every implementation gets the same
+# list): use_rope, an int32 [] switch (OpSpec.rope_switch, nonzero rotates); temperature_factors, the
+# float32 [max_pos // floor_scale + 1] table of reference.temperature_factors (OpSpec.temperature),
+# indexed by n = (clamp(p, 0, max_pos - 1) + 1) // floor_scale, so always in range.
+EXTRA_OPERANDS = ("use_rope", "temperature_factors")
+
+
+def extra_operands(spec) -> tuple[str, ...]:
+    """The EXTRA_OPERANDS of a call, in operand order."""
+    used = {"use_rope": spec.rope_switch, "temperature_factors": spec.temperature is not None}
+    return tuple(n for n in EXTRA_OPERANDS if used[n])
 
 
 def results(spec: "OpSpec") -> tuple[str, ...]:

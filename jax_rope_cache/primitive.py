@@ -41,9 +41,7 @@ def _check_operands(avals, spec: contract.OpSpec) -> None:
             "cos": spec.table_dtype, "sin": spec.table_dtype, "k_scale": np.float32, "v_scale": np.float32,
             "layer": np.int32, "q_norm_weight": np.float32 if spec.q_norm_dtype is None else spec.q_norm_dtype,
             "k_norm_weight": np.float32 if spec.k_norm_dtype is None else spec.k_norm_dtype}
-    # a use_rope switch (spec.rope_switch) is one more operand, after contract.OPERANDS: the native
-    # kernels, which refuse the switch today, never see it
-    extra = 1 if spec.rope_switch else 0
+    extra = len(contract.extra_operands(spec))
     if len(avals) != len(contract.OPERANDS) + extra:
         raise TypeError(f"rope_and_cache (internal): expected {len(contract.OPERANDS) + extra} operands, "
                         f"got {len(avals)}")
@@ -285,6 +283,6 @@ def not_differentiable(*args, message: str = NOT_DIFFERENTIABLE) -> list:
 
 def bind(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, k_scale, v_scale, layer,
          q_norm_weight, k_norm_weight, *extra, spec: contract.OpSpec, impl):
-    """`extra`: the use_rope operand with spec.rope_switch, else nothing."""
+    """`extra`: contract.extra_operands(spec), in that order."""
     return rope_cache_p.bind(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
                              k_scale, v_scale, layer, q_norm_weight, k_norm_weight, *extra, spec=spec, impl=impl)

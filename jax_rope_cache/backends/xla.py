@@ -178,11 +178,10 @@ def _select(on, a, b):
     return jax.lax.bitcast_convert_type(bits, a.dtype)
 
 
-def temperature(q, positions, spec: contract.OpSpec):
-    """reference.temperature_rows: q [T, QH, D] times its token's factor, gathered from the float32
-    table of reference.temperature_factors (a constant: n = (p + 1) // floor_scale in integers)."""
-    fs, scale = spec.temperature
-    table = jnp.asarray(reference.temperature_factors(spec.max_pos, fs, scale))
+def temperature(q, positions, table, spec: contract.OpSpec):
+    """reference.temperature_rows: q [T, QH, D] times its token's factor, gathered from `table`, the
+    temperature_factors operand (n = (p + 1) // floor_scale in integers)."""
+    fs = spec.temperature[0]
     p = jnp.clip(positions, 0, spec.max_pos - 1)
     f = jnp.take(table, (p + 1) // fs, mode="clip")
     return to_dtype(q.astype(_F32) * f[:, None, None], q.dtype)
@@ -329,7 +328,8 @@ def _scatter_bits(cache, index, vals):
 
 
 def rope_and_cache(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
-                   k_scale, v_scale, layer, q_norm_weight, k_norm_weight, use_rope=None, *, spec: contract.OpSpec):
+                   k_scale, v_scale, layer, q_norm_weight, k_norm_weight, *extra, spec: contract.OpSpec):
+    extra = dict(zip(contract.extra_operands(spec), extra))
     if spec.qkv:  # q, k and v are each the fused [T, QH + 2 KH, D] tensor: slices XLA fuses into their consumers
         qh, kh = spec.q_heads, spec.kv_heads
         nq = 2 * qh if spec.q_gate else qh  # gated rows: q head h at 2h, its gate at 2h + 1
@@ -346,11 +346,11 @@ def rope_and_cache(q, k, v, key_cache, value_cache, slot_mapping, positions, cos
     else:
         q_out, k_out, k_wide = q, k, k.astype(_F32)
     if spec.rope_switch:  # a traced switch: both results computed, one selected per call
-        on = jnp.asarray(use_rope) != 0
-        off_q = temperature(q, positions, spec) if spec.temperature is not None else q
+        on = extra["use_rope"] != 0
+        off_q = temperature(q, positions, extra["temperature_factors"], spec) if spec.temperature is not None else q
         q_out, k_out, k_wide = (_select(on, a, b) for a, b in ((q_out, off_q), (k_out, k), (k_wide, k.astype(_F32))))
     elif spec.temperature is not None:  # rotary_dim=0: every call is a NoPE call
-        q_out = temperature(q_out, positions, spec)
+        q_out = temperature(q_out, positions, extra["temperature_factors"], spec)
     blk, off = slot_coords(slot_mapping, spec, layer)
     fused = (spec.fp8 or spec.low_bit) and reference.arithmetic(spec) == "fused"  # fp8 quantizes the f32 values there
     k_stored = k_wide if fused else k_out
