@@ -30,7 +30,7 @@ import sys
 import tempfile
 
 from qk_norm import TokenSets
-from timing import add_timing_args, fmt, log, measure, over_budget, ratio, start_run, write_log
+from timing import add_timing_args, fmt, log, over_budget, ratio, save_rows, start_run, timed_row, write_log
 
 BS = 16
 MAX_POS = 16384  # two temperature steps of floor_scale 8192
@@ -161,18 +161,11 @@ def main(argv=None):
             inp = Inputs(shape, t, rotary, weights, case == "q_gate", seed=len(rows) + 1, n_sets=a.calls)
             for variant in a.variants.split(","):
                 rec = dict(case=case, model=f"{preset} TP{tp}", shape="/".join(map(str, shape)), T=t, variant=variant)
-                try:
-                    rec.update(measure(make_chain(case, variant, inp, a.calls), a, workdir))
-                except Exception as e:  # noqa: BLE001 - keep the other variants
-                    rec["error"] = f"{type(e).__name__}: {e}"[:300]
-                rows.append(rec)
-                log(json.dumps(rec))
+                timed_row(rec, lambda: make_chain(case, variant, inp, a.calls), a, workdir, rows)  # noqa: B023
             del inp
-    with open(os.path.join(a.out_dir, "bench_families.json"), "w") as fh:
-        json.dump(dict(meta=meta, rows=rows), fh, indent=1)
+    timing = save_rows(a, "bench_families", meta, rows)
     shutil.rmtree(workdir, ignore_errors=True)
 
-    timing = "device (profiler GPU busy per call)" if any(r.get("device_us") for r in rows) else "wall per call"
     log(f"\ntime = {timing}, us; {a.calls} calls per jit; sw/plain = switch / plain (target <= 1.05); "
         "xla/sw = xla / switch (target >= 1.5 at T = 8192)")
     log(f"{'case':18s} {'model':26s} {'T':>6s} " + " ".join(f"{v:>9s}" for v in VARIANTS)

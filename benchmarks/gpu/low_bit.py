@@ -26,7 +26,8 @@ import sys
 import tempfile
 
 from qk_norm import TokenSets
-from timing import add_timing_args, copy_ceiling, fmt, log, measure, over_budget, ratio, start_run, write_log
+from timing import (add_timing_args, copy_ceiling, fmt, log, over_budget, ratio, save_rows, start_run, timed_row,
+                    write_log)
 
 BS = 16
 MAX_POS = 4096
@@ -145,19 +146,13 @@ def main(argv=None):
                 for variant in variants:
                     rec = dict(model=mname, shape="/".join(map(str, shape)), T=t, layout=layout, variant=variant,
                                bytes=format_bytes(shape, variant) * t)
-                    try:
-                        rec.update(measure(make_run(variant, inp, a.calls), a, workdir))
+                    timed_row(rec, lambda: make_run(variant, inp, a.calls), a, workdir, rows)  # noqa: B023
+                    if rec.get("time_us"):
                         rec["frac_copy"] = rec["bytes"] / (rec["time_us"] * 1e-6) / ceiling
-                    except Exception as e:  # noqa: BLE001 - keep the other variants
-                        rec["error"] = f"{type(e).__name__}: {e}"[:300]
-                    rows.append(rec)
-                    log(json.dumps(rec))
                 del inp
-    with open(os.path.join(a.out_dir, "bench_low_bit.json"), "w") as fh:
-        json.dump(dict(meta=meta, rows=rows), fh, indent=1)
+    timing = save_rows(a, "bench_low_bit", meta, rows)
     shutil.rmtree(workdir, ignore_errors=True)
 
-    timing = "device (profiler GPU busy per call)" if any(r.get("device_us") for r in rows) else "wall per call"
     log(f"\ntime = {timing}, us; {a.calls} calls per jit; /fp8 = time / fp8_token time (target <= 1.15 at "
         f"T = 8192); frac = the format's bytes / time / copy ceiling ({ceiling / 1e9:.0f} GB/s)")
     log(f"{'model':24s} {'T':>6s} {'layout':8s} {'variant':10s} {'time':>9s} {'/fp8':>6s} {'/bf16':>6s} {'frac':>6s}")
