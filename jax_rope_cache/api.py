@@ -220,6 +220,12 @@ def rope_and_cache(q: ArrayLike, k: ArrayLike, v: ArrayLike, key_cache: Cache, v
         e5m2; NaN and inf left out of the amax), is stored as fp8(sat(row * (1/scale))), and the
         scale goes to [block, h, offset] of the token's slot. Updated in place like the caches
         (donate them too; jax.Refs when the caches are). jax_rope_cache.reference states every step.
+        int8 / uint8 (int4) caches take the same float32 scale caches (scale amax / 127, amax / 7).
+        NVFP4 / MXFP4: uint8 caches of E2M1 pairs with block-scale caches, whose dtype selects the
+        format: float8_e4m3fn (NVFP4, one scale per 16 values; k_scale / v_scale are then the
+        required float32 global decode scales) or float8_e8m0fnu (MXFP4, one per 32 values, no
+        k_scale / v_scale), in the layout's cache axes with D / 16 (D / 32) scales a row (flash,
+        hnd, head_major; make_kv_scale_cache(kv_format=...)). docs/numerics.md states the rules.
       precision: "fp32" (rotate in float32, round once) or "native" (AITER's arithmetic on ROCm:
         tables in the input dtype round every product and the sum; other tables promote to
         float32 with the first product fused). jax_rope_cache.reference states every rule.

@@ -71,6 +71,13 @@ rounds float32 to the input dtype (nearest even), r32() is a float32 operation:
   order of the reduction does not matter. A NaN stores the canonical NaN and +-inf saturates to
   +-max, as with static scales; they never make the row's scale inf or NaN. Dequantized:
   float32(stored) * scale (read_kv);
+* NVFP4 / MXFP4 (uint8 caches with float8_e4m3fn / float8_e8m0fnu block-scale caches; NVFP4 with
+  the global decode scales k_scale / v_scale): the row above in blocks of 16 / 32 values, each
+  block's scale from its finite amax (NVFP4 e4m3(sat(r32(r32(amax / 6) * r32(1 / g)))), MXFP4
+  2^(floor(log2(amax)) - 2) clamped to E8M0), every value rounded half to even to E2M1 after the
+  multiplication by the block's multiplier, saturating at +-6, NaN stored as +0; two values a byte,
+  channel 2j in the low nibble; the block scales written at the token's row in the layout's key axes
+  (quantize_blocks, dequantize_blocks; docs/numerics.md#nvfp4-and-mxfp4-caches);
 * NaN: every NaN the op computes (rotated channels, fp8 conversions) is the canonical quiet NaN,
   positive, all mantissa bits set: bf16/f16 0x7FFF, float32 0x7FFFFFFF, e4m3fn 0x7F, e4m3fnuz
   0x80, e5m2 0x7F (what Triton's bf16 conversion and NVIDIA's cvt write). Copies keep their bits.
