@@ -301,6 +301,19 @@ def test_slot_edges(fmt):
     assert not np.array_equal(want[2].view(np.uint8), args[3].view(np.uint8))  # something was written
 
 
+def test_nvfp4_global_scales_may_be_traced():
+    """The global decode scales are operands: one jit for any value, bit-exact to the reference."""
+    case = Case(T=5, QH=2, KH=2, D=32, BS=8)
+    args, opts = problem("nvfp4", case, seed=19)
+    fixed = {n: x for n, x in opts.items() if n not in ("k_scale", "v_scale")}
+    step = jax.jit(lambda kg, vg, *a: jrc.rope_and_cache(*a, impl="xla", k_scale=kg, v_scale=vg, **fixed))
+    for kg, vg in ((F32(0.75), F32(1.5)), (F32(3.0), F32(0.25))):
+        want = reference.rope_and_cache(*args, **{**opts, "k_scale": kg, "v_scale": vg})
+        got = step(kg, vg, *args)
+        for g, w in zip(got[2:], want[2:]):
+            np.testing.assert_array_equal(np.asarray(g).view(np.uint8), w.view(np.uint8))
+
+
 @pytest.mark.parametrize("fmt,layout", [(f, lay) for f in FORMATS for lay in LAYOUTS[f]
                                         if lay in ("flash", "head_major", "hnd", "xpacked", "kv_merged")])
 def test_read_kv_dequantizes_like_the_reference(fmt, layout):
