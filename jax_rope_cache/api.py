@@ -510,7 +510,9 @@ def make_kv_cache(num_blocks: int, block_size: int, kv_heads: int, head_dim: int
     rope_and_cache and read_kv take.
 
     dtype int8 or uint8 (int4, two values a byte: the caches' last dim is head_dim / 2 bytes) makes
-    the caches of per-token quantization (docs/numerics.md), with make_kv_scale_cache's scale caches.
+    the caches of per-token quantization (docs/numerics.md), with make_kv_scale_cache's scale caches;
+    uint8 is also the cache of NVFP4 / MXFP4 (two E2M1 values a byte), with
+    make_kv_scale_cache(kv_format=...)'s block-scale caches.
     fill: "zeros", or "random" (standard normal values; useful for tests that must see which
     slots a kernel touched).
     x: X of the x-packed layouts (elements per group of the key cache's last dim, and of the
