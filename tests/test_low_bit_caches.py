@@ -314,6 +314,27 @@ def test_nvfp4_global_scales_may_be_traced():
             np.testing.assert_array_equal(np.asarray(g).view(np.uint8), w.view(np.uint8))
 
 
+@pytest.mark.parametrize("fmt", BLOCK)
+def test_block_scaled_under_vmap(fmt):
+    """vmap over two calls' inputs and caches (the primitive's batch rule, impl=None: the XLA fallback)
+    gives each call's reference result; the global scales are shared."""
+    case = Case(T=9, QH=4, KH=2, D=64, BS=16)
+    problems = [problem(fmt, case, seed=s) for s in (1, 2)]
+    (args, opts), tables = problems[0], problems[0][0][6:9]
+    fixed = {n: x for n, x in opts.items() if n not in ("k_scale_cache", "v_scale_cache")}
+    stack = lambda get: np.stack([get(p) for p in problems])  # noqa: E731
+    batched = [stack(lambda p, i=i: p[0][i]) for i in range(6)] + [
+        stack(lambda p: p[1]["k_scale_cache"]), stack(lambda p: p[1]["v_scale_cache"])]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = jax.vmap(lambda q, k, v, kc, vc, s, ks, vs: jrc.rope_and_cache(
+            q, k, v, kc, vc, s, *tables, k_scale_cache=ks, v_scale_cache=vs, **fixed))(*batched)
+    for b, (a, o) in enumerate(problems):
+        want = reference.rope_and_cache(*a[:6], *tables, **{**o, **globals_of(opts)})
+        for g, w in zip(got[2:], want[2:]):
+            np.testing.assert_array_equal(np.asarray(g[b]).view(np.uint8), w.view(np.uint8))
+
+
 @pytest.mark.parametrize("fmt,layout", [(f, lay) for f in FORMATS for lay in LAYOUTS[f]
                                         if lay in ("flash", "head_major", "hnd", "xpacked", "kv_merged")])
 def test_read_kv_dequantizes_like_the_reference(fmt, layout):
