@@ -274,11 +274,15 @@ def test_families_dry_run_times_each_switch_next_to_its_plain_call(tmp_path):
 
 def test_low_bit_dry_run_counts_each_formats_bytes(tmp_path):
     out, res = _dry("low_bit", tmp_path, "--tokens", "8", "--models", "llama-3.1-8b:1",
-                    "--variants", "bf16,fp8_token,int8_xla,int4_xla")
+                    "--variants", "bf16,fp8_token,int8_xla,int4_xla,nvfp4_xla,mxfp4_xla")
     rows = {r["variant"]: r for r in res["rows"]}
-    assert set(rows) == {"bf16", "fp8_token", "int8_xla", "int4_xla"} and all(r["time_us"] > 0 for r in rows.values())
+    assert set(rows) == {"bf16", "fp8_token", "int8_xla", "int4_xla", "nvfp4_xla", "mxfp4_xla"}
+    assert all(r["time_us"] > 0 for r in rows.values()), rows
     # the dry run's 32 q heads, 8 KV heads, D = 32: the K and V rows at 2, 1 and 1/2 bytes a value, f32 scales
     kv_values, scales = 2 * 8 * 32, 2 * 8 * 4
     assert rows["bf16"]["bytes"] - rows["fp8_token"]["bytes"] == 8 * (kv_values - scales)
     assert rows["int8_xla"]["bytes"] - rows["int4_xla"]["bytes"] == 8 * kv_values / 2
+    # the block scales: one byte per 16 (NVFP4) or 32 (MXFP4) values instead of 4 bytes per row
+    assert rows["int4_xla"]["bytes"] - rows["nvfp4_xla"]["bytes"] == 8 * 2 * 8 * (4 - 32 // 16)
+    assert rows["int4_xla"]["bytes"] - rows["mxfp4_xla"]["bytes"] == 8 * 2 * 8 * (4 - 32 // 32)
     assert "/fp8 = time / fp8_token time" in out

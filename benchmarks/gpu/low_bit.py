@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Low-bit KV caches (int8, int4 per token-head) vs bf16 and per-token fp8 caches.
+"""Low-bit KV caches (int8, int4 per token-head; NVFP4, MXFP4 blocks) vs bf16 and per-token fp8 caches.
 
     python benchmarks/bench_gpu.py low_bit OUT_DIR [--dry-run] [--tokens 1,64,8192,32768] ...
 
@@ -10,6 +10,8 @@ impl="kernel" unless named _xla:
   fp8_token  float8_e4m3fn caches with per-token scales (the target's reference)
   int8       int8 caches, per-token scales;  int8_xla: the same call on the XLA path
   int4       int4 caches (uint8 bytes, D/2 per row), per-token scales;  int4_xla: on the XLA path
+  nvfp4      NVFP4 caches (uint8 E2M1 pairs), E4M3 block scales per 16 values, global scales 1.0;  nvfp4_xla
+  mxfp4      MXFP4 caches (uint8 E2M1 pairs), E8M0 block scales per 32 values;  mxfp4_xla
 A platform whose kernel lacks a format reports that variant as an error (impl="kernel" refuses).
 Target: at T = 8192 each format no slower than 1.15x fp8_token. Bytes = the fewest bytes a token
 moves with that format (q/k/v in, q_out/k_out out, the table row, indices, the K and V rows at the
@@ -31,25 +33,31 @@ from timing import (add_timing_args, copy_ceiling, fmt, log, over_budget, ratio,
 
 BS = 16
 MAX_POS = 4096
-# variant -> (cache dtype name, value bits, per-token scale caches, impl)
+# variant -> (cache dtype name, value bits, scale caches (None, "token" or a block format), impl)
 FORMATS = {
-    "bf16": ("bfloat16", 16, False, "kernel"),
-    "fp8_token": ("float8_e4m3fn", 8, True, "kernel"),
-    "int8": ("int8", 8, True, "kernel"),
-    "int8_xla": ("int8", 8, True, "xla"),
-    "int4": ("uint8", 4, True, "kernel"),
-    "int4_xla": ("uint8", 4, True, "xla"),
+    "bf16": ("bfloat16", 16, None, "kernel"),
+    "fp8_token": ("float8_e4m3fn", 8, "token", "kernel"),
+    "int8": ("int8", 8, "token", "kernel"),
+    "int8_xla": ("int8", 8, "token", "xla"),
+    "int4": ("uint8", 4, "token", "kernel"),
+    "int4_xla": ("uint8", 4, "token", "xla"),
+    "nvfp4": ("uint8", 4, "nvfp4", "kernel"),
+    "nvfp4_xla": ("uint8", 4, "nvfp4", "xla"),
+    "mxfp4": ("uint8", 4, "mxfp4", "kernel"),
+    "mxfp4_xla": ("uint8", 4, "mxfp4", "xla"),
 }
 
 
 def format_bytes(shape, variant) -> float:
     """The fewest bytes one token moves with a variant's cache format."""
+    from jax_rope_cache import contract
     from jax_rope_cache.models import presets
 
     qh, kh, d = shape
     _, bits, scales, _ = FORMATS[variant]
     base = presets.ModelShape("s", qh, kh, d, d).bytes_per_token(cache_size=0)
-    return base + 2 * kh * d * bits / 8 + (2 * kh * 4 if scales else 0)
+    per_row = 0 if scales is None else 4 if scales == "token" else d // contract.BLOCK_GROUP[scales]  # scale bytes
+    return base + 2 * kh * (d * bits / 8 + per_row)
 
 
 class Inputs(TokenSets):
@@ -67,8 +75,9 @@ class Inputs(TokenSets):
             dtype, _, scales, _ = FORMATS[v]
             if dtype not in self.caches:
                 self.caches[dtype] = jrc.make_kv_cache(self.nb, BS, kh, d, jnp.dtype(dtype), layout=layout)
-            if scales and "scales" not in self.caches:
-                self.caches["scales"] = jrc.make_kv_scale_cache(self.nb, BS, kh, layout=layout)
+            if scales and scales not in self.caches:
+                block = {} if scales == "token" else dict(kv_format=scales, head_dim=d)
+                self.caches[scales] = jrc.make_kv_scale_cache(self.nb, BS, kh, layout=layout, **block)
 
 
 def make_run(variant, inp, n_calls):
@@ -84,6 +93,8 @@ def make_run(variant, inp, n_calls):
         for j in range(n_calls):
             i = j % n_sets
             extra = dict(k_scale_cache=caches[2], v_scale_cache=caches[3]) if scales else {}
+            if scales == "nvfp4":  # the per-tensor global decode scales
+                extra.update(k_scale=1.0, v_scale=1.0)
             r = jrc.rope_and_cache(q[i], k[i], v[i], caches[0], caches[1], slots[i], pos[i], cos, sin,
                                    layout=inp.layout, impl=impl, **extra)
             outs += list(r[:2])
@@ -94,11 +105,11 @@ def make_run(variant, inp, n_calls):
     args = (inp.q, inp.k, inp.v, inp.slots, inp.pos, inp.cos, inp.sin)
 
     def run():  # carries the donated caches on; a failed compile leaves them for the next variant
-        caches = inp.caches[dtype] + (inp.caches["scales"] if scales else ())
+        caches = inp.caches[dtype] + (inp.caches[scales] if scales else ())
         outs, caches = f(*args, caches)
         inp.caches[dtype] = caches[:2]
         if scales:
-            inp.caches["scales"] = caches[2:]
+            inp.caches[scales] = caches[2:]
         return outs
 
     return run
