@@ -136,6 +136,15 @@ def test_maverick_dense_layers_matter(reference, monkeypatch):
     assert frac > 0.1 and err > 100 * decoder.HF_LOGIT_BOUND, (frac, err)
 
 
+def test_maverick_unrolled_groups_equal_the_scan(reference):
+    """unroll covering every group (generate's timing default): a Python loop with constant layer
+    indices, the same tokens and logits as the scan."""
+    entry = reference["tiny-llama-4-maverick"]
+    toks, logits = _generate(_decoder(entry, "xla", unroll=True), entry)
+    assert np.array_equal(toks, entry["tokens"])
+    assert float(np.abs(logits - entry["logits"]).max()) <= decoder.HF_LOGIT_BOUND
+
+
 def _rebuilt(m):
     """The decoder's jitted steps traced afresh (they read m.family when traced)."""
     import jax
