@@ -114,6 +114,8 @@ def _moe_period(config: Mapping) -> int:
         raise ValueError(f"config[{key!r}]: this decoder runs MoE layers k-1, 2k-1, ..., L-1 for a k dividing "
                          f"num_hidden_layers ({n}); got {config.get(key)!r} (MoE layers {list(moe)})")
     return k
+
+
 _SUPPORTED = ("gemma3_text", "llama4_text")
 
 
