@@ -129,7 +129,9 @@ def test_read_kv_dequantizes_like_the_reference(layout):
     assert np.asarray(raw[0]).dtype == I8
 
 
-def test_kernel_refuses_int8_and_default_falls_back():
+def test_kernel_refuses_int8_and_default_falls_back(monkeypatch):
+    from jax_rope_cache.backends import cpu
+    monkeypatch.setattr(cpu, "SUPPORTS", cpu.SUPPORTS - {"int8_cache"})  # the CPU handler runs it: a kernel without
     args, opts = int8_problem(Case(T=9, QH=4, KH=2, D=64, BS=16), seed=7)
     want = reference.rope_and_cache(*args, **opts)
     with pytest.raises(NotImplementedError, match=r"impl='kernel'.*int8 caches"):
@@ -172,6 +174,9 @@ def test_every_backend_refuses_the_format():
     spec = contract.check_op(*args, **opts)
     assert "int8_cache" in contract.features(spec) and "int8_cache" in contract.CACHE_FORMAT_FEATURES
     for name, backend in backends.KERNEL_BACKENDS.items():
+        if name == "cpu":  # the CPU handler implements it (tests/test_cpu_low_bit.py)
+            assert "int8_cache" in backend.SUPPORTS
+            continue
         assert not set(contract.CACHE_FORMAT_FEATURES) & set(backend.SUPPORTS), name
         with pytest.raises(native.KernelUnavailable, match="int8 caches"):
             native.refuse_unsupported(spec, backend.SUPPORTS, backend.NAME)
