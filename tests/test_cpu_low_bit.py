@@ -244,3 +244,124 @@ def test_bad_input_is_named():
         _direct(args, opts, value_cache=args[4].view(I8))
     with pytest.raises(Exception, match=r"k_scale_cache: expected dims"):
         _direct(args, opts, k_scale=opts["k_scale_cache"][:, :1])
+
+
+# ---- NVFP4 and MXFP4: E2M1 bytes with block-scale caches -------------------------------------------------
+def block_problem(fmt, case, seed, **kw):
+    from test_low_bit_caches import problem
+    return problem(fmt, case, seed, **kw)
+
+
+def block_check(args, opts, what):
+    """The op with impl="kernel" on the CPU (eager: NVFP4's global scales are operands too) against the
+    reference; the caches and the block-scale caches compared as bytes."""
+    want = reference.rope_and_cache(*args, **opts)
+    with jax.default_device(jax.devices("cpu")[0]):
+        got = jrc.rope_and_cache(*args, **opts, impl="kernel")
+    assert len(got) == 6
+    for name, g, w in zip(NAMES, got, want):
+        if w is not None and name.endswith("scale_cache"):
+            g, w = np.asarray(g).view(np.uint8), w.view(np.uint8)
+        assert_bits_equal(None if g is None else np.asarray(g), w, f"{name} [{what}]")
+    return want
+
+
+@pytest.mark.parametrize("layers", [None, 3], ids=["one-layer", "stacked"])
+@pytest.mark.parametrize("layout", contract.BLOCK_LAYOUTS)
+@pytest.mark.parametrize("fmt", contract.BLOCK_FORMATS)
+def test_block_formats_every_layout_bit_exact(fmt, layout, layers):
+    case = Case(T=9, QH=4, KH=2, D=64, BS=16, layout=layout)
+    args, opts = block_problem(fmt, case, seed=5 + len(layout) + (layers or 0), layers=layers, norm=layers is None)
+    block_check(args, opts, f"{fmt} {layout}")
+
+
+@pytest.mark.parametrize("case", ARITH_CASES[:3] + [Case(T=300, QH=4, KH=2, D=32, BS=16, NB=40)], ids=lambda c: c.id)
+@pytest.mark.parametrize("fmt", contract.BLOCK_FORMATS)
+def test_block_formats_dtypes_and_arithmetic(fmt, case):
+    if case.D % contract.BLOCK_GROUP[fmt]:
+        pytest.skip("D not a multiple of the format's group")
+    args, opts = block_problem(fmt, case, seed=case.T + 3, norm=True)
+    block_check(args, opts, f"{fmt} {case.id}")
+
+
+@pytest.mark.parametrize("fmt", contract.BLOCK_FORMATS)
+def test_block_formats_scalar_rules_on_every_class_of_value(fmt):
+    """One token a row: E2M1 ties (0.25, 0.75, 1.25, ..., 5 after the multiplier), values past 6, +-0,
+    +-inf, NaN, subnormals, blocks of zeros, blocks at the float32 maximum (NVFP4's scale saturating
+    at 448, MXFP4's exponent at its top), tiny and huge global scales; jitted with traced scales."""
+    T, KH, D = 16, 1, 64
+    rng = np.random.default_rng(9)
+    v = (rng.standard_normal((T, KH, D)) * 10.0 ** rng.integers(-38, 38, (T, 1, 1))).astype(F32)
+    ties = np.float32([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0, -0.25, -2.5, -5.0, 0.0, -0.0, 6.0, 1e-40, 3.0])
+    v[0, 0, :16] = ties  # NVFP4 with g = 1: amax 7 -> scale e4m3(7/6); MXFP4: 2^0 on the first 32
+    v[1, 0, :32] = np.concatenate([ties, ties]) * np.float32(4.0)
+    v[2, 0, :4] = [np.inf, -np.inf, np.nan, 1.0]
+    v[3] = 0
+    v[4, 0, :] = np.float32(1e-45) * np.arange(D)
+    v[5, 0, ::2] = np.finfo(F32).max
+    v[6, 0, :] = np.nan
+    for g in ((1.0, 1.0), (1e-30, 3e-39), (6e30, 0.37)) if fmt == "nvfp4" else ((None, None),):
+        shapes = contract.cache_shapes("flash", T, 1, KH, D, U8)
+        sshape = contract.block_scale_shape("flash", T, 1, KH, D, fmt)
+        sdt = contract.BLOCK_SCALE_DTYPE[fmt]
+        opts = dict(rotary_dim=0, k_scale_cache=np.zeros(sshape, U8).view(sdt),
+                    v_scale_cache=np.zeros(sshape, U8).view(sdt))
+        if g[0] is not None:
+            opts.update(k_scale=F32(g[0]), v_scale=F32(g[1]))
+        args = (np.zeros((T, 2, D), F32), v, v[::-1].copy(), np.zeros(shapes[0], U8), np.zeros(shapes[1], U8),
+                np.arange(T, dtype=np.int32), np.zeros(T, np.int32), None, None)
+        want = block_check(args, opts, f"{fmt} classes g={g}")
+        # jitted: the caches donated, NVFP4's global scales traced arguments
+        scales = {n: opts.pop(n) for n in ("k_scale", "v_scale") if n in opts}
+        fn = jax.jit(lambda kc, vc, ks, vs, gl: jrc.rope_and_cache(*args[:3], kc, vc, *args[5:], k_scale_cache=ks,
+                                                                     v_scale_cache=vs, rotary_dim=0, impl="kernel",
+                                                                     **gl), donate_argnums=(0, 1, 2, 3))
+        with jax.default_device(jax.devices("cpu")[0]):
+            got = fn(args[3].copy(), args[4].copy(), opts["k_scale_cache"].copy(), opts["v_scale_cache"].copy(),
+                     scales)
+        for name, x, w in zip(NAMES[2:], got[2:], want[2:]):
+            assert np.array_equal(np.asarray(x).view(np.uint8), w.view(np.uint8)), (name, g)
+
+
+@pytest.mark.parametrize("fmt", contract.BLOCK_FORMATS)
+def test_block_formats_with_family_options_and_slot_edges(fmt):
+    case = Case(T=9, QH=4, KH=2, D=64, R=32, BS=16, layout="head_major", precision="native")
+    args, opts = block_problem(fmt, case, seed=77, layers=2)
+    n = num_blocks(case) * case.BS
+    args = args[:5] + (np.array([0, n - 1, -1, n, 2**31 - 1, 5, 17, 33, 40], np.int32),) + args[6:]
+    for fam in (dict(rotary_dim=32, norm_type="weightless", norm_position="after", is_neox=False),
+                dict(rotary_dim=32, use_rope=np.int32(0), attn_temperature=(4, 0.3)),
+                dict(rotary_dim=32, use_rope=np.int32(1), attn_temperature=(4, 0.3))):
+        want = block_check(args, dict(opts, **fam), f"{fmt} {fam}")
+    assert np.array_equal(want[2][0], args[3][0])  # layer 0 untouched
+
+
+def test_block_format_bad_input_is_named():
+    case = Case(T=5, QH=4, KH=2, D=64, BS=16)
+    args, opts = block_problem("nvfp4", case, seed=3)
+    spec = contract.check_op(*args, **opts)
+    native.register_target(cpu.TOKEN_SCALES_TARGET, native.native_module().cpu_token_scales_handler, "cpu")
+    ops = dict(zip(contract.OPERANDS[:9], args))
+    ops.update(k_scale=opts["k_scale_cache"], v_scale=opts["v_scale_cache"], layer=np.zeros((), np.int32),
+               q_norm_weight=np.zeros(1, F32), k_norm_weight=np.zeros(1, F32))
+
+    def call(extra, **change):
+        o = dict(ops, **change)
+        res = [jax.ShapeDtypeStruct(o[n].shape, o[n].dtype) for n in ("q", "k", "key_cache", "value_cache",
+                                                                         "k_scale", "v_scale")]
+        with jax.default_device(jax.devices("cpu")[0]):
+            return jax.block_until_ready(jax.ffi.ffi_call(cpu.TOKEN_SCALES_TARGET, res)(
+                *[o[n] for n in contract.OPERANDS], *extra, **cpu.kernel_attrs(spec)))
+
+    g = (np.float32(1.0), np.float32(0.5))
+    call(g)  # well formed
+    with pytest.raises(Exception, match=r"operands: expected 16 \(contract.OPERANDS, k_global_scale, v_global_scale\), "
+                                        r"got 14"):
+        call(())
+    with pytest.raises(Exception, match=r"v_global_scale: expected a float32 scalar"):
+        call((g[0], np.ones(2, F32)))
+    with pytest.raises(Exception, match=r"v_scale_cache: expected dtype float8_e4m3fn \(as k_scale_cache\), got "
+                                        r"float8_e8m0fnu"):
+        call(g, v_scale=ops["v_scale"].view(np.uint8).view(ml_dtypes.float8_e8m0fnu))
+    with pytest.raises(Exception, match=r"k_scale_cache: expected dims \[NB, BS, KH, D\] with D / 16 scales a row"):
+        call(g, k_scale=ops["k_scale"][..., :2].copy())

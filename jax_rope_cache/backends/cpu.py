@@ -15,10 +15,10 @@ TARGET = "jax_rope_cache_cpu"
 TOKEN_SCALES_TARGET = "jax_rope_cache_cpu_token_scales"  # the same handler with the scale caches as 2 more results
 MLA_TARGET = "jax_rope_cache_mla_cpu"  # the MLA op's handler (kernels/ffi/mla_cpu_handler.cc)
 # contract.FEATURES the C++ handler implements (others: the XLA path, or an error with impl="kernel"):
-# every model-family option and the int8 / int4 caches.
+# every model-family option and the int8, int4, NVFP4 and MXFP4 caches.
 SUPPORTS: frozenset[str] = frozenset(contract.BASE_FEATURES) | {
     "nope", "rope_switch", "rotary_tail", "gemma_norm", "weightless_norm", "norm_after", "temperature", "q_gate",
-    "int8_cache", "int4_cache"}
+    "int8_cache", "int4_cache", "nvfp4_cache", "mxfp4_cache"}
 
 
 def missing() -> str | None:

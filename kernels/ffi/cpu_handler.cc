@@ -105,6 +105,10 @@ struct Problem {
   // (p the clamped position; temp_n entries); nullptr: off (no temperature, or a rotating call).
   const float* temp;
   int64_t temp_n, floor_scale;
+  // NVFP4 / MXFP4: the block-scale caches of the layer (the key cache's axes, D / group scales a row;
+  // k_sc / v_sc stay nullptr) and NVFP4's global decode scales.
+  uint8_t *k_bs, *v_bs;
+  float k_g, v_g;
 };
 
 // Sum of a[0..n) in reference.tree_sum's order (n even: the halves, then one add; n odd: the
@@ -180,6 +184,15 @@ CacheRow Locate(const Problem& p, int64_t blk, int64_t off, int64_t h) {
   }
 }
 
+// Element offset of kv head h's row of block scales at (blk, off) in one layer's block-scale cache: the
+// key cache's axes (flash, hnd, head_major) with D / group scales a row.
+int64_t BlockScaleRow(const Problem& p, int64_t blk, int64_t off, int64_t h) {
+  const int64_t g = p.D / (p.cache_dt == RC_NVFP4 ? 16 : 32);
+  if (p.layout == RC_HND) return ((blk * p.KH + h) * p.BS + off) * g;
+  if (p.layout == RC_HEAD_MAJOR) return ((h * p.NB + blk) * p.BS + off) * g;
+  return ((blk * p.BS + off) * p.KH + h) * g;
+}
+
 // Element offset of kv head h's scale at (blk, off) in one layer's scale cache.
 int64_t ScaleIndex(const Problem& p, int64_t blk, int64_t off, int64_t h) {
   if (p.layout == RC_HEAD_MAJOR) return (h * p.NB + blk) * p.BS + off;  // [KH, NB, BS]
@@ -250,6 +263,46 @@ void WriteRow(const Problem& p, const CacheRow& at, const typename Elem<DT>::T* 
       }
     }
     for (int64_t d = 0; d < p.D; ++d) vc[at.v_base + d * at.v_stride] = rc_quantize_fp8(E::Load(v[d]), inv_v, fp8);
+  }
+}
+
+// NVFP4 / MXFP4: one head's K and V rows (the f32 values `k_wide`, else k) in blocks of 16 / 32 values:
+// each block's scale from its finite amax, its values times the block's multiplier as E2M1 codes, two a
+// byte (channel 2j low). Block b's scale goes to element b of the token's row in the block-scale cache.
+template <int DT, int CDT>
+void WriteBlockRow(const Problem& p, const CacheRow& at, int64_t scale_row, const typename Elem<DT>::T* k,
+                   const typename Elem<DT>::T* v, const float* k_wide) {
+  using E = Elem<DT>;
+  constexpr bool nv = CDT == RC_NVFP4;
+  constexpr int64_t group = nv ? 16 : 32;
+  for (int which = 0; which < 2; ++which) {
+    uint8_t* cache = static_cast<uint8_t*>(which ? p.vc : p.kc);
+    uint8_t* scales = (which ? p.v_bs : p.k_bs) + scale_row;
+    const typename E::T* x = which ? v : k;
+    const float* wide = which ? nullptr : k_wide;
+    const float g = which ? p.v_g : p.k_g, enc = rc_inv_scale(g);
+    for (int64_t b = 0; b < p.D / group; ++b) {
+      float y[32], amax = 0.0f;
+      for (int64_t j = 0; j < group; ++j) {
+        y[j] = wide ? wide[b * group + j] : E::Load(x[b * group + j]);
+        amax = rc_amax_step(amax, y[j]);
+      }
+      float mult;
+      if constexpr (nv) {
+        scales[b] = rc_nvfp4_scale(amax, enc);
+        mult = rc_nvfp4_multiplier(scales[b], g);
+      } else {
+        const rc_i32 e = rc_mxfp4_exponent(amax);
+        scales[b] = static_cast<uint8_t>(e + 127);
+        mult = rc_mxfp4_multiplier(e);
+      }
+      for (int64_t j = 0; j < group; j += 2) {
+        const int64_t byte = (b * group + j) / 2;
+        const uint8_t code = rc_pack_int4(rc_e2m1_code(rc_mul(y[j], mult)), rc_e2m1_code(rc_mul(y[j + 1], mult)));
+        if (which) cache[at.v_base + byte * at.v_stride] = code;
+        else cache[at.k_base + (byte / at.k_group) * at.k_group_stride + byte % at.k_group] = code;
+      }
+    }
   }
 }
 
@@ -347,6 +400,11 @@ JRC_CPU_CLONES void RunTokensT(const Problem& p, int64_t t0, int64_t t1) {
       const T* vrow = v + t * p.kv_row + p.v_off + h * p.D;
       // norm "after": the cache stores the normalised k_out, not the rotation's f32 values
       const float* kw = kWide && !p.norm_after ? k_wide.get() + h * p.D : nullptr;
+      if constexpr (CDT == RC_NVFP4 || CDT == RC_MXFP4) {
+        const int64_t row = BlockScaleRow(p, slot / p.BS, slot % p.BS, h);
+        WriteBlockRow<DT, CDT>(p, Locate(p, slot / p.BS, slot % p.BS, h), row, k_out + o, vrow, kw);
+        continue;
+      }
       float inv_k = p.inv_k_scale[h], inv_v = p.inv_v_scale[h];
       if constexpr (CDT != DT) {
         if (p.k_sc) {  // per-token scales from the values the cache quantizes (kw, else k_out's)
@@ -392,6 +450,8 @@ void RunTokensCache(const Problem& p, int64_t t0, int64_t t1) {
     case RC_FP8_E5M2: return RunTokensNative<DT, RC_FP8_E5M2>(p, t0, t1);
     case RC_INT8: return RunTokensNative<DT, RC_INT8>(p, t0, t1);
     case RC_INT4: return RunTokensNative<DT, RC_INT4>(p, t0, t1);
+    case RC_NVFP4: return RunTokensNative<DT, RC_NVFP4>(p, t0, t1);
+    case RC_MXFP4: return RunTokensNative<DT, RC_MXFP4>(p, t0, t1);
     default: return RunTokensNative<DT, DT>(p, t0, t1);
   }
 }
@@ -471,6 +531,7 @@ const char* TypeName(ffi::DataType t) {
     case ffi::DataType::F8E4M3FN: return "float8_e4m3fn";
     case ffi::DataType::F8E4M3FNUZ: return "float8_e4m3fnuz";
     case ffi::DataType::F8E5M2: return "float8_e5m2";
+    case ffi::DataType::F8E8M0FNU: return "float8_e8m0fnu";
     case ffi::DataType::S8: return "int8";
     case ffi::DataType::S16: return "int16";
     case ffi::DataType::S32: return "int32";
@@ -510,6 +571,13 @@ bool IsLowBit(ffi::DataType t) { return t == ffi::DataType::S8 || t == ffi::Data
 // The cache code of the handler's loops: DtypeCode, or RC_INT8 / RC_INT4.
 int CacheCode(ffi::DataType t) {
   return t == ffi::DataType::S8 ? RC_INT8 : (t == ffi::DataType::U8 ? RC_INT4 : DtypeCode(t));
+}
+
+// The block-scaled format of a uint8 cache whose scale caches are float8_e4m3fn (NVFP4, 16 values a
+// scale) or float8_e8m0fnu (MXFP4, 32); 0: none (float32 scales: int4).
+int BlockFormat(ffi::DataType cache, ffi::DataType scale) {
+  if (cache != ffi::DataType::U8) return 0;
+  return scale == ffi::DataType::F8E4M3FN ? RC_NVFP4 : (scale == ffi::DataType::F8E8M0FNU ? RC_MXFP4 : 0);
 }
 
 // `name` must have dtype `want` (`as` says why, e.g. "as q").
@@ -743,7 +811,27 @@ ffi::Error ValidateCall(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const 
     return Invalid("cos: expected dims [max_pos >= 1, R/2=" + std::to_string(rotary_dim / 2) + " or R=" +
                    std::to_string(rotary_dim) + "], got " + DimsString(cd));
   JRC_CHECK(ExpectDims("sin", sin, {cd[0], cd[1]}, "as cos"));
-  if (scale_caches) {  // per-token scales: the k_scale / v_scale operands are the scale caches
+  const int block = scale_caches ? BlockFormat(cdt, k_scale.element_type()) : 0;
+  if (block) {  // NVFP4 / MXFP4: the scale caches have the key cache's axes, D / group scales a row
+    const int64_t group = block == RC_NVFP4 ? 16 : 32;
+    const ffi::DataType sdt = k_scale.element_type();
+    const char* fmt = block == RC_NVFP4 ? "NVFP4 (float8_e4m3fn block scales)" : "MXFP4 (float8_e8m0fnu block scales)";
+    if (layout != RC_FLASH && layout != RC_HND && layout != RC_HEAD_MAJOR)
+      return Invalid(std::string("attribute layout: ") + fmt + " is written in flash (0), hnd (3) and head_major (4), got " +
+                     std::to_string(layout));
+    if (D % group)
+      return Invalid(std::string("key_cache: ") + fmt + " needs D divisible by " + std::to_string(group) + ", got D=" +
+                     std::to_string(D));
+    const std::vector<int64_t> sd = with_lead(ExpectedDims(layout, NB, BS, KH, D / group, X).key);
+    const std::string dims = l + want.key_names + " with D / " + std::to_string(group) + " scales a row";
+    for (auto [name, b] : {std::pair<const char*, const ffi::AnyBuffer*>{"k_scale_cache", &k_scale},
+                           std::pair<const char*, const ffi::AnyBuffer*>{"v_scale_cache", &v_scale},
+                           std::pair<const char*, const ffi::AnyBuffer*>{"k_scale_cache result", k_sc_out},
+                           std::pair<const char*, const ffi::AnyBuffer*>{"v_scale_cache result", v_sc_out}}) {
+      JRC_CHECK(ExpectType(name, *b, sdt, "as k_scale_cache"));
+      JRC_CHECK(ExpectDims(name, *b, sd, dims));
+    }
+  } else if (scale_caches) {  // per-token scales: the k_scale / v_scale operands are the scale caches
     const std::string dims = l + want.scale_names;
     JRC_CHECK(ExpectType("k_scale_cache", k_scale, ffi::DataType::F32, "float32"));
     JRC_CHECK(ExpectType("v_scale_cache", v_scale, ffi::DataType::F32, "float32"));
@@ -777,11 +865,18 @@ ffi::Error ValidateCall(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const 
                    "rotary_dim=" + std::to_string(rotary_dim) + " and no rope_switch, got " + std::to_string(floor_scale));
   if (floor_scale > 0 && mrope != RC_MROPE_OFF)
     return Invalid("attribute floor_scale: expected 0 with M-RoPE positions, got " + std::to_string(floor_scale));
-  const size_t n_extra = size_t{rope_switch} + size_t{floor_scale > 0};
+  const size_t n_family = size_t{rope_switch} + size_t{floor_scale > 0};
+  const size_t n_extra = n_family + (block == RC_NVFP4 ? 2 : 0);
   if (extra.size() != n_extra)
     return Invalid("operands: expected " + std::to_string(14 + n_extra) + " (contract.OPERANDS" +
-                   (rope_switch ? ", use_rope" : "") + (floor_scale > 0 ? ", temperature_factors" : "") + "), got " +
+                   (rope_switch ? ", use_rope" : "") + (floor_scale > 0 ? ", temperature_factors" : "") +
+                   (block == RC_NVFP4 ? ", k_global_scale, v_global_scale" : "") + "), got " +
                    std::to_string(14 + extra.size()));
+  for (size_t i = n_family; i < n_extra; ++i) {  // NVFP4's global decode scales
+    auto b = extra.get<ffi::AnyBuffer>(i);
+    if (b.has_error()) return b.error();
+    JRC_CHECK(ExpectScalar(i == n_family ? "k_global_scale" : "v_global_scale", *b, ffi::DataType::F32));
+  }
   if (rope_switch) {
     auto b = extra.get<ffi::AnyBuffer>(0);
     if (b.has_error()) return b.error();
@@ -853,9 +948,12 @@ ffi::Error RopeAndCache(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ff
     return ffi::Error::InvalidArgument("rope_and_cache cpu: unsupported dtype");
   const bool low_bit = p.cache_dt == RC_INT8 || p.cache_dt == RC_INT4;
   if (p.cache_dt != p.dt && p.cache_dt != RC_FP8_E4M3FN && p.cache_dt != RC_FP8_E4M3FNUZ && p.cache_dt != RC_FP8_E5M2 &&
-      !(low_bit && k_sc_out))
+      !((low_bit || p.cache_dt == RC_NVFP4 || p.cache_dt == RC_MXFP4) && k_sc_out))
     return ffi::Error::InvalidArgument("rope_and_cache cpu: cache dtype must equal the input dtype or be fp8");
-  p.DC = p.cache_dt == RC_INT4 ? p.D / 2 : p.D;
+  if (k_sc_out && BlockFormat(key_cache.element_type(), k_scale.element_type()))
+    p.cache_dt = BlockFormat(key_cache.element_type(), k_scale.element_type());
+  const bool block = p.cache_dt == RC_NVFP4 || p.cache_dt == RC_MXFP4;
+  p.DC = p.cache_dt == RC_INT4 || block ? p.D / 2 : p.D;
   if (p.layout < RC_FLASH || p.layout > RC_KV_MERGED)
     return ffi::Error::InvalidArgument("rope_and_cache cpu: unknown layout " + std::to_string(layout));
   // Stacked caches ([L, ...], one rank more than a layer's layout) are written at layer `layer`.
@@ -950,7 +1048,23 @@ ffi::Error RopeAndCache(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ff
   const int64_t cache_offset = (p.NB ? layer_index : 0) * layer_elems * ffi::ByteWidth(key_cache.element_type());
   p.kc = static_cast<char*>(p.kc) + cache_offset, p.vc = static_cast<char*>(p.vc) + cache_offset;
   if (merged) p.vc = p.kc;  // V rows go into the one array; the placeholder is never touched
-  if (k_sc_out) {
+  if (block) {  // the block-scale caches (bytes), at the layer's rows
+    const int64_t layer_scales = p.NB * p.BS * p.KH * (p.D / (p.cache_dt == RC_NVFP4 ? 16 : 32));
+    if (auto e = CheckSame("k_scale_cache elements", k_scale.element_count(), num_layers * layer_scales);
+        p.NB && e.failure())
+      return e;
+    uint8_t* ks = static_cast<uint8_t*>(k_sc_out->untyped_data());
+    uint8_t* vs = static_cast<uint8_t*>(v_sc_out->untyped_data());
+    if (ks != k_scale.untyped_data()) std::memcpy(ks, k_scale.untyped_data(), k_scale.size_bytes());
+    if (vs != v_scale.untyped_data()) std::memcpy(vs, v_scale.untyped_data(), v_scale.size_bytes());
+    const int64_t scale_offset = (p.NB ? layer_index : 0) * layer_scales;
+    p.k_bs = ks + scale_offset, p.v_bs = vs + scale_offset;
+    const size_t n_family = size_t{rope_switch} + size_t{floor_scale > 0};
+    if (p.cache_dt == RC_NVFP4) {  // checked: float32 scalars
+      p.k_g = *static_cast<const float*>((*extra.get<ffi::AnyBuffer>(n_family)).untyped_data());
+      p.v_g = *static_cast<const float*>((*extra.get<ffi::AnyBuffer>(n_family + 1)).untyped_data());
+    }
+  } else if (k_sc_out) {
     if (auto e = CheckSame("k_scale_cache elements", k_scale.element_count(), num_layers * p.NB * p.KH * p.BS);
         p.NB && e.failure())
       return e;
