@@ -4,8 +4,8 @@
 // Bounds safety: positions are clamped to the table, a slot writes only if 0 <= slot < NB*BS,
 // and every other index is derived from buffer dimensions checked at the top of the handler.
 //
-// Numerics: kernels/common/rope_cache_math.h (the QK-RMSNorm: NormRow below), bit-exact to
-// jax_rope_cache/reference.py. The
+// Numerics: kernels/common/rope_cache_math.h (the QK-RMSNorm: NormRow below; the int8 / int4 /
+// NVFP4 / MXFP4 quantization: its low-bit sections), bit-exact to jax_rope_cache/reference.py. The
 // handler runs on XLA's threads, which compute with flush-to-zero and denormals-are-zero set;
 // every thread doing the op's arithmetic switches both off for its work and restores the
 // caller's mode afterwards (ScopedIeeeDenormals), so subnormals are kept as the reference keeps them.
