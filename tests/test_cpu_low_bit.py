@@ -1,8 +1,10 @@
-"""int8 and int4 caches in the CPU handler (impl="kernel" on CPU): per (token, KV head) scales in
-the scale caches, bit for bit against the reference in every layout, input dtype and arithmetic,
-with stacked layers, the QK-norm and family options; slot -1 and slots past the end skipped, a
-layer outside the stack writes nothing; the caches donated and aliased (no copy); the scalar
-quantization of kernels/common/rope_cache_math.h on every float32 class of value; bad input."""
+"""The low-bit caches in the CPU handler (impl="kernel" on CPU), bit for bit against the reference:
+int8 and int4 (per (token, KV head) float32 scales) in every layout, NVFP4 and MXFP4 (E2M1 bytes,
+float8_e4m3fn / float8_e8m0fnu block-scale caches, NVFP4's global scales) in flash, hnd and
+head_major; every input dtype and arithmetic, stacked layers, the QK-norm and family options; slot -1
+and slots past the end skipped, a layer outside the stack writes nothing; the caches donated and
+aliased (no copy); the scalar rules of kernels/common/rope_cache_math.h on every float32 class of
+value (ties, subnormals, inf, NaN, saturation); bad input named by the handler."""
 
 from __future__ import annotations
 
