@@ -347,3 +347,77 @@ RC_FN float rc_norm_gemma(float x, float inv, float w) { return rc_mul(rc_mul(x,
 
 // Weightless (Llama 4's L2 norm on q and k): r32(x * inv); the caller rounds once.
 RC_FN float rc_norm_weightless(float x, float inv) { return rc_mul(x, inv); }
+
+// ---- low-bit caches: int8 and int4 per (token, KV head) ---------------------------------------------
+// Cache codes next to RcDtype's (an int8 cache is int8; an int4 cache is uint8 bytes of two values).
+// Each (token, KV head) row y[0..D) gets scale = r32(max(amax, 1e-8f) / Q) (amax: rc_amax_step over
+// the row; Q = 127 for int8, 7 for int4), inv = rc_inv_scale(scale), and every value is stored as
+// round_half_even(clamp(r32(y * inv), -Q, Q)), NaN as 0 (jax_rope_cache/reference.py: quantize_rows).
+// int4 packs channels 2j (low nibble) and 2j + 1 (high nibble) of a row into byte j, two's complement.
+enum RcLowBitDtype { RC_INT8 = 6, RC_INT4 = 7 };
+
+RC_FN float rc_low_bit_max(bool int4) { return int4 ? 7.0f : 127.0f; }
+
+RC_FN float rc_low_bit_scale(float amax, bool int4) {
+  return rc_div(amax > 1e-8f ? amax : 1e-8f, rc_low_bit_max(int4));
+}
+
+// One value: clamping before rounding gives the same integer as after (the bounds are integers), and
+// inside [-127, 127] adding and subtracting 1.5 * 2^23 rounds to an integer, ties to even (IEEE
+// round to nearest), in any compiler's f32 arithmetic. +-inf saturates; NaN compares false: 0.
+RC_FN rc_i32 rc_quantize_int(float y, float inv_scale, float qmax) {
+  const float x = rc_mul(y, inv_scale);
+  const float c = x > qmax ? qmax : (x < -qmax ? -qmax : (x == x ? x : 0.0f));
+  return (rc_i32)rc_sub(rc_add(c, 12582912.0f), 12582912.0f);
+}
+
+// Channels 2j (even) and 2j + 1 (odd) of a row, each in [-8, 7], as int4 byte j.
+RC_FN rc_u8 rc_pack_int4(rc_i32 even, rc_i32 odd) {
+  return (rc_u8)(((rc_u32)even & 0xfu) | (((rc_u32)odd & 0xfu) << 4));
+}
+
+// The signed value of nibble `high` (0: the even channel, 1: the odd one) of an int4 byte.
+RC_FN rc_i32 rc_unpack_int4(rc_u8 b, int high) {
+  const rc_i32 n = (rc_i32)((b >> (high ? 4 : 0)) & 0xfu);
+  return n >= 8 ? n - 16 : n;
+}
+
+// ---- block-scaled 4-bit floats: NVFP4 and MXFP4 (jax_rope_cache/reference.py: quantize_blocks) ------
+// uint8 caches as int4's (two E2M1 codes a byte, channel 2j low), with block-scale caches: NVFP4 one
+// float8_e4m3fn scale per 16 values and a float32 global decode scale g, MXFP4 one E8M0 exponent per
+// 32 values. A block's values are multiplied by the block's multiplier, then rounded to E2M1.
+enum RcBlockDtype { RC_NVFP4 = 8, RC_MXFP4 = 9 };
+
+// E2M1 code (sign in bit 3) of p: magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6, round half to even, +-6 for
+// larger (inf included), NaN -> +0, a value rounded to zero keeps its sign.
+RC_FN rc_u8 rc_e2m1_code(float p) {
+  const float y = p == p ? p : 0.0f;
+  const float a = rc_bits_f32(rc_f32_bits(y) & 0x7fffffffu);
+  const rc_u32 code = (rc_u32)(a > 0.25f) + (rc_u32)(a >= 0.75f) + (rc_u32)(a > 1.25f) + (rc_u32)(a >= 1.75f) +
+                      (rc_u32)(a > 2.5f) + (rc_u32)(a >= 3.5f) + (rc_u32)(a > 5.0f);
+  return (rc_u8)(code | ((rc_f32_bits(y) >> 28) & 8u));
+}
+
+// NVFP4 block scale (e4m3fn bits) of a block's finite amax with enc = rc_inv_scale(g):
+// e4m3(clamp(r32(r32(amax / 6) * enc), 0, 448)); NaN stays NaN through the clamp (0x7f).
+RC_FN rc_u8 rc_nvfp4_scale(float amax, float enc) {
+  const float s = rc_mul(rc_div(amax, 6.0f), enc);
+  return rc_f32_to_fp8(s < 0.0f ? 0.0f : (s > 448.0f ? 448.0f : s), false);
+}
+
+// NVFP4 multiplier: r32(1 / r32(float32(scale) * g)), at most the largest finite float32, 0 where the
+// product is 0 (NaN stays NaN).
+RC_FN float rc_nvfp4_multiplier(rc_u8 scale, float g) {
+  const float den = rc_mul(rc_fp8_to_f32(scale, false), g);
+  const float inv = rc_recip(den);
+  return den == 0.0f ? 0.0f : (inv > 3.40282347e38f ? 3.40282347e38f : inv);
+}
+
+// MXFP4 shared exponent X = clamp(floor(log2(amax)) - 2, -127, 127) of a finite amax >= 0 (zero and
+// subnormal amax: -127 - 2, clamped); the E8M0 byte is X + 127, the multiplier 2^-X (a normal float32).
+RC_FN rc_i32 rc_mxfp4_exponent(float amax) {
+  const rc_i32 x = (rc_i32)(rc_f32_bits(amax) >> 23) - 127 - 2;
+  return x < -127 ? -127 : (x > 127 ? 127 : x);
+}
+
+RC_FN float rc_mxfp4_multiplier(rc_i32 x) { return rc_bits_f32((rc_u32)(127 - x) << 23); }
