@@ -32,7 +32,9 @@ NODE_KERNEL_NAME = "rope_cache_node"  # the kernel-node entry (RC_NODE builds)
 DEFAULT_ARCH = 90
 DEFAULT_SMS = 132
 # contract.FEATURES the CUDA kernel implements (others: the XLA path, or an error with impl="kernel").
-SUPPORTS: frozenset[str] = frozenset({"q_norm", "k_norm", "k_scale_heads", "v_scale_heads", "mrope", "token_scales"})
+SUPPORTS: frozenset[str] = frozenset({"q_norm", "k_norm", "k_scale_heads", "v_scale_heads", "mrope", "token_scales",
+                                      "nope", "rope_switch", "rotary_tail", "gemma_norm", "weightless_norm",
+                                      "norm_after", "temperature", "q_gate"})
 
 
 @functools.cache
@@ -237,7 +239,7 @@ def _latency_width(spec: contract.OpSpec, w: int, vch: int = 1) -> int:
     d = spec.head_dim
     lanes_path = spec.rotary_dim == d and d & (d - 1) == 0 and _rot_lanes(spec, half) <= 32
     # the generic norm and amax paths: each unit reads its row, so more units is more work
-    return half if not (spec.norm or spec.token_scales) or lanes_path else w
+    return half if not (spec.qk_norm or spec.token_scales) or lanes_path else w
 
 
 def kernel_config(spec: contract.OpSpec, num_sms: int = DEFAULT_SMS, vch: int | None = None,
@@ -323,7 +325,31 @@ def kernel_config(spec: contract.OpSpec, num_sms: int = DEFAULT_SMS, vch: int | 
         defines += (("RC_KPAIRS", 1),)
     if parts > 1:
         defines += (("RC_SPLIT", parts),)
+    defines = family_defines(spec, defines)
     return KernelConfig(defines=defines, tokens_per_block=tpb, threads=nt, fallback_minb=fallback)
+
+
+def family_defines(spec: contract.OpSpec, defines: tuple) -> tuple:
+    """The model-family options (rope_cache.cu's RC_ROT_OFF ... RC_QGATE) added to `defines`, each only
+    where the call uses it, so every other variant (and its cache key) stays what it was. The weightless
+    norm normalises q and k without weights: RC_Q_NORM = RC_K_NORM = q's dtype, the weights never read."""
+    extra = []
+    if spec.rotary_tail and spec.rotary_offset:
+        extra.append(("RC_ROT_OFF", spec.rotary_offset))
+    if spec.rope_switch:
+        extra.append(("RC_USE_ROPE", 1))
+    if spec.temperature is not None:
+        extra.append(("RC_TEMP_FS", int(spec.temperature[0])))
+    if spec.norm_type != "rms" and spec.qk_norm:
+        extra.append(("RC_NORM_TYPE", contract.NORM_TYPES.index(spec.norm_type)))
+    if spec.norm_after:
+        extra.append(("RC_NORM_AFTER", 1))
+    if spec.q_gate:
+        extra.append(("RC_QGATE", 1))
+    if spec.norm_type == "weightless":
+        dt = contract.DTYPE_CODES[np.dtype(spec.dtype)]
+        defines = tuple((k, dt if k in ("RC_Q_NORM", "RC_K_NORM") else v) for k, v in defines)
+    return defines + tuple(extra)
 
 
 def mrow_bytes(spec: contract.OpSpec, tpb: int) -> int:
