@@ -284,6 +284,12 @@ def family_matrix() -> list[FCase]:
             FCase(Case(**tk, D=128, layout="head_major"), use_rope=True, norm="weightless", after=True, token=True,
                   layers=2, layer=0),
             FCase(Case(**dict(tk, cache_dtype=E5), D=128, is_neox=False), norm="gemma", q_gate=True, token=True)]
+    # the norm after the rotation on rows of D / W not a power of two (the unrolled tree), GPT-J and NeoX
+    out += [FCase(Case(T=13, QH=4, KH=2, D=80, R=40, dtype="bfloat16"), norm="rms", after=True),
+            FCase(Case(T=13, QH=4, KH=2, D=80, R=40, is_neox=False, dtype="float16", cache_dtype=E4, table="full",
+                       precision="native"), norm="gemma", after=True, tail=True, token=True),
+            FCase(Case(T=13, QH=2, KH=1, D=96, R=32, dtype="float32", layout="hnd"), norm="weightless", after=True,
+                  use_rope=True)]
     # stacked layers: a valid layer and one outside [0, L) (nothing written)
     out += [FCase(Case(T=21, QH=4, KH=2, D=64, layout="xpacked", cache_dtype=E4), nope=True, layers=2, layer=5),
             FCase(Case(T=21, QH=4, KH=2, D=64, R=32, layout="hnd"), tail=True, norm="rms", after=True, layers=3,

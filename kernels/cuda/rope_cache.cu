@@ -1254,43 +1254,6 @@ __device__ __forceinline__ i64 clamped_pos(const Params& p, i64 max_pos, i64 t) 
   return r < 0 ? 0 : (r >= max_pos ? max_pos - 1 : r);
 }
 
-// Start of the table row that table column c of token t reads: its position's (M-RoPE: its stream's).
-__device__ __forceinline__ i64 col_row(const Params& p, i64 T, i64 max_pos, i64 t, int c) {
-  const int st = MROPE ? col_stream(c) : 0;
-  i64 r = load_index(p.pos, st * T + t, RC_POS64 != 0);
-  r = r < 0 ? 0 : (r >= max_pos ? max_pos - 1 : r);
-  return r * TW;
-}
-
-enum : int { HALF_DIV = HALF > 0 ? HALF : 1 };
-// Channel i of token t's q/k head h as a rotating call writes it before the norm after the rotation:
-// rotated and rounded (the rotary channels, the pair computed as rotate_chunk does), else the input.
-// For the norm's row sum where no lane group holds the row (RC_NORM_AFTER with partial rotary, ...).
-__device__ __forceinline__ float out_elem(const Params& p, i64 T, i64 max_pos, i64 t, int h, int i) {
-  const raw_in* row = reinterpret_cast<const raw_in*>(row_src(p, t, h));
-  const int l = i - ROFF;
-  if (l < 0 || l >= R) return to_f32<DT>(row[i]);
-  const int m = NEOX ? l % HALF_DIV : l / 2;  // the pair
-  const bool second = NEOX ? l >= HALF : (l & 1) != 0;
-  const int ia = ROFF + (NEOX ? m : 2 * m), ib = ia + (NEOX ? HALF : 1);
-  const int ca = FULL ? (NEOX ? m : 2 * m) : m, cb = FULL ? (NEOX ? m + HALF : 2 * m + 1) : m;
-  const raw_tab* tc = static_cast<const raw_tab*>(p.cos);
-  const raw_tab* ts = static_cast<const raw_tab*>(p.sin);
-  const i64 ra = col_row(p, T, max_pos, t, ca) + ca, rb = col_row(p, T, max_pos, t, cb) + cb;
-  float ya, yb;
-  rc_rotate_pair(to_f32<DT>(row[ia]), to_f32<DT>(row[ib]), tab_value(tc[ra]), tab_value(ts[ra]), tab_value(tc[rb]),
-                 tab_value(ts[rb]), ARITH, &ya, &yb);
-  return to_f32<DT>(from_f32(second ? yb : ya));
-}
-
-// S of token t's rotated head row h (out_elem), by the spec's tree.
-__device__ __forceinline__ float out_row_sq_sum(const Params& p, i64 T, i64 max_pos, i64 t, int h) {
-  return rc_tree_sum<0, D>([&](int i) {
-    const float y = out_elem(p, T, max_pos, t, h, i);
-    return rc_mul(y, y);
-  });
-}
-
 // Rotation chunk j of token t's q/k head h, rotated and rounded (the host emulation's other lanes of
 // the norm after the rotation).
 __device__ __forceinline__ void rot_out_chunks(const Params& p, i64 T, i64 max_pos, i64 t, int h, int j, Chunk& oa,
@@ -1310,6 +1273,52 @@ __device__ __forceinline__ void rot_out_chunks(const Params& p, i64 T, i64 max_p
   rotate_chunk(a, b, tv, ya, yb);
   oa = ob = chunk_from(ya);
   if (NEOX) ob = chunk_from(yb);
+}
+
+enum : int { HALF_DIV = HALF > 0 ? HALF : 1, LOG_CH = CH <= 1 ? 0 : 1 + (CH >= 4) + (CH >= 8) + (CH >= 16) + (CH >= 32) + (CH >= 64) + (CH >= 128) };
+// Chunk c of token t's head row h as a rotating call writes it before the norm after the rotation:
+// rotated and rounded (the rotary channels), else the input.
+__device__ __forceinline__ Chunk out_chunk(const Params& p, i64 T, i64 max_pos, i64 t, int h, int c) {
+  const int l = c * W - ROFF;  // rotary channels [ROFF, ROFF + R)
+  if (l >= 0 && l < R) {
+    Chunk oa, ob;
+    rot_out_chunks(p, T, max_pos, t, h, NEOX ? (l % HALF_DIV) / W : l / W, oa, ob);
+    return NEOX && l >= HALF ? ob : oa;
+  }
+  return load_chunk(row_src(p, t, h), c * W);
+}
+
+// S of the row out_chunk gives, by the spec's tree, for rows no lane group holds (partial rotary ...).
+// CH a power of two: every chunk is a subtree (chunk_sq_sum), combined in a loop over the chunks by
+// a carry stack (the balanced tree's levels: left + right); otherwise the unrolled tree, each chunk
+// computed at its first leaf.
+__device__ __forceinline__ float out_row_sq_sum(const Params& p, i64 T, i64 max_pos, i64 t, int h) {
+  if constexpr (is_pow2(CH)) {
+    float st[LOG_CH > 0 ? LOG_CH : 1], s = 0.0f;
+#pragma unroll 1
+    for (int c = 0; c < CH; ++c) {
+      s = chunk_sq_sum(out_chunk(p, T, max_pos, t, h, c));
+      bool carry = true;  // chunk c closes the subtrees of its trailing one bits
+#pragma unroll
+      for (int k = 0; k < LOG_CH; ++k) {
+        if (carry && ((c >> k) & 1) == 0) st[k] = s, carry = false;
+        if (carry) s = rc_add(st[k], s);
+      }
+    }
+    return s;
+  } else {
+    int cur = -1;
+    float y[W];
+    return rc_tree_sum<0, D>([&](int i) {
+      if (i / W != cur) {
+        cur = i / W;
+        const Chunk x = out_chunk(p, T, max_pos, t, h, cur);
+#pragma unroll
+        for (int e = 0; e < W; ++e) y[e] = to_f32<DT>(x.e[e]);
+      }
+      return rc_mul(y[i % W], y[i % W]);
+    });
+  }
 }
 
 // Rotation unit u's rotated chunks a, b normalised (RC_NORM_AFTER, a rotating call): the row's S over
