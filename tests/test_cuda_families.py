@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import re
 
 import jax
 import ml_dtypes
@@ -423,3 +424,46 @@ def test_gpu_kernel_family_options_bitwise(fc):
     else:
         got = jrc.rope_and_cache(*a, impl="kernel", **opts)
     assert_bitwise([None if g is None else np.asarray(g) for g in got], want)
+
+
+# ---- lowering for "cuda" on this machine ------------------------------------------------------------
+def _export_family(monkeypatch, node: bool):
+    import jax.numpy as jnp
+
+    import jax_rope_cache as jrc
+    from jax_rope_cache.backends import kernel_node, launcher
+
+    monkeypatch.setenv(kernel_node.ENV, "1" if node else "0")
+    T, QH, KH, D, NB, BS, L = 4, 8, 2, 64, 8, 16, 3
+    s = jax.ShapeDtypeStruct
+    kshape = (L, NB, BS, KH, D)
+    args = (s((T, QH, D), jnp.bfloat16), s((T, KH, D), jnp.bfloat16), s((T, KH, D), jnp.bfloat16),
+            s(kshape, jnp.bfloat16), s(kshape, jnp.bfloat16), s((T,), jnp.int32), s((T,), jnp.int32),
+            s((32, D // 2), jnp.float32), s((32, D // 2), jnp.float32), s((L,), jnp.int32))
+
+    def step(q, k, v, kc, vc, slots, pos, cos, sin, rope_flags):  # a layer's switch read from a traced table
+        return jrc.rope_and_cache(q, k, v, kc, vc, slots, pos, cos, sin, layer=1, use_rope=rope_flags[1],
+                                  norm_type="weightless", norm_position="after", attn_temperature=(8, 0.1),
+                                  impl="kernel")
+
+    checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in (launcher.GPU_TARGET, launcher.GPU_TARGET_NO_GRAPH,
+                                                                      kernel_node.TARGET)]
+    return jax.export.export(jax.jit(step, donate_argnums=(3, 4)), platforms=["cuda"],
+                             disabled_checks=checks)(*args).mlir_module()
+
+
+@pytest.mark.parametrize("node", [False, True], ids=["launcher", "kernel-node"])
+def test_cuda_lowering_passes_the_extra_operands(node, monkeypatch):
+    """One custom call with the 14 operands, then use_rope and temperature_factors; the launcher's
+    buffer names count them; the switch goes through the small operands' barrier."""
+    text = _export_family(monkeypatch, node)
+    target = "__gpu$xla.gpu.ptx" if node else "@jax_rope_cache_gpu"
+    calls = [ln for ln in text.splitlines() if "stablehlo.custom_call" in ln and target in ln]
+    assert len(calls) == 1, calls
+    operands = calls[0].split("(", 1)[1].split(")", 1)[0]
+    assert operands.count("%") == len(contract.OPERANDS) + 2, calls[0]
+    if not node:
+        names = re.search(r'buffer_names = "([^"]*)"', calls[0]).group(1).split(",")
+        assert names[14:16] == ["use_rope", "temperature_factors"] and len(names) == 16 + 4, names
+    if node:
+        assert "rope_cache_node" in calls[0]
