@@ -17,7 +17,7 @@ from conftest import child_env
 
 BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks")
 HARNESS = os.path.join(BENCH, "bench_gpu.py")
-SUITES = ["op", "qk_norm", "mrope", "mla", "qkv", "tp", "fp8"]
+SUITES = ["op", "qk_norm", "mrope", "mla", "qkv", "tp", "fp8", "families"]
 
 
 def _run(*args, timeout=120):
@@ -36,7 +36,7 @@ def test_the_harness_lists_its_suites_and_refuses_an_unknown_one():
     r = _run("--help")
     assert r.returncode == 0 and all(f"bench_gpu.py {s}" in r.stdout for s in SUITES)
     r = _run("bogus")
-    assert r.returncode == 2 and "suite: expected one of op, qk_norm, mrope, mla, qkv, tp, fp8, got 'bogus'" in r.stderr
+    assert r.returncode == 2 and "suite: expected one of op, qk_norm, mrope, mla, qkv, tp, fp8, families, got 'bogus'" in r.stderr
 
 
 def _dry(suite, tmp_path, *extra):
