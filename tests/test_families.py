@@ -8,11 +8,10 @@ temperature, and gated q rows in the fused QKV input (Qwen3-Next).
 2. The reference against independent float64 formulas of each family (transformers' arithmetic),
    within the stated bounds; a wrong variant (plain RMS weight for Gemma, no floor in the
    temperature, the head instead of the tail) is outside them.
-3. The CPU handler implements NoPE, tail rotary channels, the Gemma and weightless norms and the
-   norm after the rotation, bit for bit against the reference (impl="kernel"); the other native
-   kernels refuse every family option, the CPU handler the switch, the temperature and q_gate
-   (contract.FEATURES not in their SUPPORTS): impl="kernel" raises naming it, impl=None warns once
-   and runs the XLA path.
+3. The CPU handler implements every option, bit for bit against the reference (impl="kernel"; the
+   switch, the temperature and q_gate: tests/test_cpu_families.py); the other native kernels refuse
+   every family option (contract.FEATURES not in their SUPPORTS): impl="kernel" raises naming it,
+   impl=None warns once and runs the XLA path.
 4. A lax.scan over RoPE and NoPE layers is one compiled program (the switch is traced).
 5. Contradictory options raise ValueError naming the arguments.
 """
@@ -301,7 +300,7 @@ def test_temperature_factors_match_transformers_float32_steps():
 
 # ---- the CPU handler: the family options it implements, bit for bit ----------------------------------------
 FAMILY = tuple(f for f in contract.FEATURES if f not in contract.BASE_FEATURES + contract.CACHE_FORMAT_FEATURES)
-CPU_FAMILY = {"nope", "rotary_tail", "gemma_norm", "weightless_norm", "norm_after"}
+CPU_FAMILY = set(FAMILY)
 needs_cpu_kernel = pytest.mark.skipif("cpu" not in backends.kernel_platforms(), reason="no CPU kernel here")
 
 
@@ -314,8 +313,7 @@ def test_every_family_option_is_a_feature_and_only_the_cpu_handler_implements_so
         assert f in contract.FEATURE_NAMES
 
 
-KERNEL_CASES = [c for c in CASES if "use_rope" not in c[1](np.random.default_rng(0), 64, BF16)
-                and "attn_temperature" not in c[1](np.random.default_rng(0), 64, BF16)]
+KERNEL_CASES = CASES
 
 
 @needs_cpu_kernel
@@ -329,7 +327,7 @@ def test_cpu_kernel_equals_the_reference(case, dtype, precision):
     assert contract.features(contract.check_op(*args, **opts)) & set(FAMILY)
     want = reference.rope_and_cache(*args, **opts)
     check_equal(run(args, opts, impl="kernel"), want, f"{name} {precision}")
-    if opts.get("rotary_dim") == 0:  # no positions or tables: placeholders the handler never reads
+    if opts.get("rotary_dim") == 0 and opts.get("attn_temperature") is None:  # placeholders the handler never reads
         check_equal(run(args[:6] + (None, None, None), opts, impl="kernel"), want, name + " without positions and tables")
 
 
@@ -409,18 +407,22 @@ def test_kernel_refuses_and_none_falls_back(feature):
     check_equal(got, run(args, opts, impl="xla"), f"impl=None fallback [{feature}]")
 
 
-def test_gated_qkv_is_refused_by_the_kernel():
+@needs_cpu_kernel
+def test_gated_qkv_runs_in_the_cpu_kernel():
     rng = np.random.default_rng(2)
     T, QH, KH, D = 3, 2, 1, 32
     qkv = rng.standard_normal((T, (2 * QH + 2 * KH) * D)).astype(np.float32)
     kc, vc = (rng.standard_normal((4, 4, KH, D)).astype(np.float32) for _ in "kv")
     cos, sin = jrc.rope_tables(16, D, base=1e4)
     slots, pos = np.arange(T, dtype=np.int32), np.arange(T, dtype=np.int32)
-    with pytest.raises(NotImplementedError, match="gated q rows"):
-        jrc.rope_and_cache_qkv(qkv, kc, vc, slots, pos, cos, sin, num_q_heads=QH, num_kv_heads=KH, q_gate=True,
-                               impl="kernel")
-    plain = jrc.rope_and_cache_qkv(qkv[:, :(2 * QH + 2 * KH - QH) * D], kc, vc, slots, pos, cos, sin,
-                                   num_q_heads=QH, num_kv_heads=KH, impl="kernel")  # no gate: the kernel runs
+    with jax.default_device(jax.devices("cpu")[0]):  # the CPU handler reads the q heads of the gated rows
+        got = jrc.rope_and_cache_qkv(qkv, kc, vc, slots, pos, cos, sin, num_q_heads=QH, num_kv_heads=KH, q_gate=True,
+                                     impl="kernel")
+        plain = jrc.rope_and_cache_qkv(qkv[:, :(2 * QH + 2 * KH - QH) * D], kc, vc, slots, pos, cos, sin,
+                                       num_q_heads=QH, num_kv_heads=KH, impl="kernel")  # no gate
+    want = reference.rope_and_cache_qkv(qkv, kc, vc, slots, pos, cos, sin, num_q_heads=QH, num_kv_heads=KH,
+                                        q_gate=True)
+    check_equal([np.asarray(g) for g in got], want, "gated rows in the CPU kernel")
     assert plain[0].shape == (T, QH, D)
 
 

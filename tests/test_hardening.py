@@ -432,7 +432,8 @@ def _raw_problem(layout="flash", dt=BF16, cdt=None, layers=None, T=5, QH=4, KH=2
     attrs = dict(layout=np.int64(contract.LAYOUT_TABLE[layout].code), is_neox=True, rotary_dim=np.int64(R),
                  native=False, q_norm="q" in norm, k_norm="k" in norm, norm_eps=np.float32(1e-6),
                  mrope=np.int64(0), mrope_t=np.int64(0), mrope_h=np.int64(0), mrope_w=np.int64(0),
-                 rotary_tail=tail, norm_type=np.int64(norm_type), norm_after=after)
+                 rotary_tail=tail, norm_type=np.int64(norm_type), norm_after=after,
+                 q_gate=False, rope_switch=False, floor_scale=np.int64(0))
     return ops, attrs
 
 

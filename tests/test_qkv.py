@@ -410,7 +410,8 @@ def _direct(q, k, v, q_out_heads, k_out_heads, kc, vc, slots, pos, cos, sin):
             q, k, v, kc, vc, slots, pos, cos, sin, one, one, lay, none, none, layout=np.int64(0), is_neox=True,
             rotary_dim=np.int64(d), native=False, q_norm=False, k_norm=False, norm_eps=np.float32(0),
             mrope=np.int64(0), mrope_t=np.int64(0), mrope_h=np.int64(0), mrope_w=np.int64(0),
-            rotary_tail=False, norm_type=np.int64(0), norm_after=False))
+            rotary_tail=False, norm_type=np.int64(0), norm_after=False, q_gate=False, rope_switch=False,
+            floor_scale=np.int64(0)))
 
 
 def test_cpu_handler_reads_a_direct_fused_call_and_refuses_bad_dims():

@@ -347,3 +347,37 @@ RC_FN float rc_norm_gemma(float x, float inv, float w) { return rc_mul(rc_mul(x,
 
 // Weightless (Llama 4's L2 norm on q and k): r32(x * inv); the caller rounds once.
 RC_FN float rc_norm_weightless(float x, float inv) { return rc_mul(x, inv); }
+
+// ---- low-bit caches: int8 and int4 per (token, KV head) ---------------------------------------------
+// Cache codes next to RcDtype's (an int8 cache is int8; an int4 cache is uint8 bytes of two values).
+// Each (token, KV head) row y[0..D) gets scale = r32(max(amax, 1e-8f) / Q) (amax: rc_amax_step over
+// the row; Q = 127 for int8, 7 for int4), inv = rc_inv_scale(scale), and every value is stored as
+// round_half_even(clamp(r32(y * inv), -Q, Q)), NaN as 0 (jax_rope_cache/reference.py: quantize_rows).
+// int4 packs channels 2j (low nibble) and 2j + 1 (high nibble) of a row into byte j, two's complement.
+enum RcLowBitDtype { RC_INT8 = 6, RC_INT4 = 7 };
+
+RC_FN float rc_low_bit_max(bool int4) { return int4 ? 7.0f : 127.0f; }
+
+RC_FN float rc_low_bit_scale(float amax, bool int4) {
+  return rc_div(amax > 1e-8f ? amax : 1e-8f, rc_low_bit_max(int4));
+}
+
+// One value: clamping before rounding gives the same integer as after (the bounds are integers), and
+// inside [-127, 127] adding and subtracting 1.5 * 2^23 rounds to an integer, ties to even (IEEE
+// round to nearest), in any compiler's f32 arithmetic. +-inf saturates; NaN compares false: 0.
+RC_FN rc_i32 rc_quantize_int(float y, float inv_scale, float qmax) {
+  const float x = rc_mul(y, inv_scale);
+  const float c = x > qmax ? qmax : (x < -qmax ? -qmax : (x == x ? x : 0.0f));
+  return (rc_i32)rc_sub(rc_add(c, 12582912.0f), 12582912.0f);
+}
+
+// Channels 2j (even) and 2j + 1 (odd) of a row, each in [-8, 7], as int4 byte j.
+RC_FN rc_u8 rc_pack_int4(rc_i32 even, rc_i32 odd) {
+  return (rc_u8)(((rc_u32)even & 0xfu) | (((rc_u32)odd & 0xfu) << 4));
+}
+
+// The signed value of nibble `high` (0: the even channel, 1: the odd one) of an int4 byte.
+RC_FN rc_i32 rc_unpack_int4(rc_u8 b, int high) {
+  const rc_i32 n = (rc_i32)((b >> (high ? 4 : 0)) & 0xfu);
+  return n >= 8 ? n - 16 : n;
+}

@@ -81,11 +81,13 @@ struct Problem {
   const void *q, *k, *v, *slots, *pos, *cos, *sin;
   void *q_out, *k_out, *kc, *vc;
   int64_t T, QH, KH, D, R, NB, BS, max_pos, width, X;
+  int64_t DC;  // elements of a cache row: D, or D / 2 bytes of an int4 cache
   // Where the inputs' rows are (elements): head h of token t is q[t * q_row + h * D],
   // k[t * kv_row + k_off + h * D], v[t * kv_row + v_off + h * D]. Separate q, k, v: q_row = QH * D,
   // kv_row = KH * D, offsets 0; the fused QKV tensor [T, QH + 2 KH, D] in all three: q_row = kv_row =
   // (QH + 2 KH) * D, k_off = QH * D, v_off = (QH + KH) * D.
   int64_t q_row, kv_row, k_off, v_off;
+  int64_t q_head;  // q head h at h * q_head: D, or 2 D in gated rows (q_gate: each q head, then its gate)
   int dt, table_dt, cache_dt, layout, arith;  // arith: rc_arith(native, dt, table_dt)
   bool neox, slots64, pos64, full_table;
   const float *inv_k_scale, *inv_v_scale;  // per kv head (one scale: KH copies)
@@ -99,6 +101,10 @@ struct Problem {
   bool q_normed, k_normed, norm_after;
   int64_t rot_off;
   const int8_t* col_stream;  // M-RoPE: the position stream of each table column [width]; nullptr: off
+  // The attention temperature of a call that does not rotate: q_out times temp[(p + 1) / floor_scale]
+  // (p the clamped position; temp_n entries); nullptr: off (no temperature, or a rotating call).
+  const float* temp;
+  int64_t temp_n, floor_scale;
 };
 
 // Sum of a[0..n) in reference.tree_sum's order (n even: the halves, then one add; n odd: the
@@ -148,7 +154,7 @@ struct CacheRow {
 };
 
 CacheRow Locate(const Problem& p, int64_t blk, int64_t off, int64_t h) {
-  const int64_t bs = p.BS, kh = p.KH, d = p.D, x = p.X;
+  const int64_t bs = p.BS, kh = p.KH, d = p.DC, x = p.X;  // d: the stored row's elements
   switch (p.layout) {
     case RC_FLASH: {
       const int64_t base = ((blk * bs + off) * kh + h) * d;
@@ -205,8 +211,8 @@ void RotateRow(const Problem& p, const typename Elem<DT>::T* __restrict x, typen
     for (int64_t d = r1; d < p.D; ++d) wide[d] = E::Load(x[d]);
 }
 
-// Writes one head's K (already rotated, in the input dtype) and V into the caches. An fp8 cache
-// quantizes `k_wide` instead of k where given (the f32 values of "fused" arithmetic).
+// Writes one head's K (already rotated, in the input dtype) and V into the caches. An fp8, int8 or
+// int4 cache quantizes `k_wide` instead of k where given (the f32 values of "fused" arithmetic).
 template <int DT, int CDT>
 void WriteRow(const Problem& p, const CacheRow& at, const typename Elem<DT>::T* k, const typename Elem<DT>::T* v,
               const float* k_wide, float inv_k, float inv_v) {
@@ -217,6 +223,20 @@ void WriteRow(const Problem& p, const CacheRow& at, const typename Elem<DT>::T* 
     for (int64_t d0 = 0; d0 < p.D; d0 += at.k_group)
       std::memcpy(kc + at.k_base + (d0 / at.k_group) * at.k_group_stride, k + d0, at.k_group * sizeof(*k));
     for (int64_t d = 0; d < p.D; ++d) vc[at.v_base + d * at.v_stride] = v[d];
+  } else if constexpr (CDT == RC_INT8 || CDT == RC_INT4) {
+    // int8: one value per byte; int4: byte j holds channels 2j (low nibble) and 2j + 1
+    constexpr bool int4 = CDT == RC_INT4;
+    const float qmax = rc_low_bit_max(int4);
+    auto* kc = static_cast<uint8_t*>(p.kc);
+    auto* vc = static_cast<uint8_t*>(p.vc);
+    auto kq = [&](int64_t d) { return rc_quantize_int(k_wide ? k_wide[d] : E::Load(k[d]), inv_k, qmax); };
+    auto vq = [&](int64_t d) { return rc_quantize_int(E::Load(v[d]), inv_v, qmax); };
+    for (int64_t j = 0; j < p.DC; ++j) {
+      const uint8_t kb = int4 ? rc_pack_int4(kq(2 * j), kq(2 * j + 1)) : static_cast<uint8_t>(kq(j));
+      const uint8_t vb = int4 ? rc_pack_int4(vq(2 * j), vq(2 * j + 1)) : static_cast<uint8_t>(vq(j));
+      kc[at.k_base + (j / at.k_group) * at.k_group_stride + j % at.k_group] = kb;
+      vc[at.v_base + j * at.v_stride] = vb;
+    }
   } else {
     constexpr RcDtype fp8 = static_cast<RcDtype>(CDT);
     auto* kc = static_cast<uint8_t*>(p.kc);
@@ -291,9 +311,14 @@ JRC_CPU_CLONES void RunTokensT(const Problem& p, int64_t t0, int64_t t1) {
         ca[i] = cos_row[2 * i], cb[i] = cos_row[2 * i + 1], sa[i] = sin_row[2 * i], sb[i] = sin_row[2 * i + 1];
       }
     }
+    float temp = 1.0f;  // the temperature factor of this token (calls that do not rotate)
+    if (p.temp) {
+      const int64_t pos = std::clamp<int64_t>(LoadIndex(p.pos, t, p.pos64), 0, p.max_pos - 1);
+      temp = p.temp[std::min((pos + 1) / p.floor_scale, p.temp_n - 1)];
+    }
     for (int64_t h = 0; h < p.QH; ++h) {
       const int64_t o = (t * p.QH + h) * p.D;
-      const T* x = q + t * p.q_row + h * p.D;
+      const T* x = q + t * p.q_row + h * p.q_head;
       if (p.q_normed && !p.norm_after)
         NormRow<DT>(x, normed.get(), p.q_norm_w, p.D, p.norm_eps, sq.get(), p.norm_type), x = normed.get();
       RotateRow<DT, ARITH, kNeox, false>(p, x, q_out + o, ca, cb, sa, sb, nullptr);
@@ -301,6 +326,8 @@ JRC_CPU_CLONES void RunTokensT(const Problem& p, int64_t t0, int64_t t1) {
         NormRow<DT>(q_out + o, normed.get(), p.q_norm_w, p.D, p.norm_eps, sq.get(), p.norm_type);
         std::memcpy(q_out + o, normed.get(), p.D * sizeof(T));
       }
+      if (p.temp)  // r(r32(q * f)), q after any norm
+        for (int64_t d = 0; d < p.D; ++d) q_out[o + d] = Elem<DT>::Store(rc_mul(Elem<DT>::Load(q_out[o + d]), temp));
     }
     for (int64_t h = 0; h < p.KH; ++h) {
       const int64_t o = (t * p.KH + h) * p.D;
@@ -326,8 +353,12 @@ JRC_CPU_CLONES void RunTokensT(const Problem& p, int64_t t0, int64_t t1) {
           float km = 0.0f, vm = 0.0f;
           for (int64_t d = 0; d < p.D; ++d) km = rc_amax_step(km, kw ? kw[d] : Elem<DT>::Load(k_out[o + d]));
           for (int64_t d = 0; d < p.D; ++d) vm = rc_amax_step(vm, Elem<DT>::Load(vrow[d]));
-          const float ks = rc_token_scale(km, static_cast<RcDtype>(CDT));
-          const float vs = rc_token_scale(vm, static_cast<RcDtype>(CDT));
+          float ks, vs;
+          if constexpr (CDT == RC_INT8 || CDT == RC_INT4) {
+            ks = rc_low_bit_scale(km, CDT == RC_INT4), vs = rc_low_bit_scale(vm, CDT == RC_INT4);
+          } else {
+            ks = rc_token_scale(km, static_cast<RcDtype>(CDT)), vs = rc_token_scale(vm, static_cast<RcDtype>(CDT));
+          }
           const int64_t at = ScaleIndex(p, slot / p.BS, slot % p.BS, h);
           p.k_sc[at] = ks, p.v_sc[at] = vs;
           inv_k = rc_inv_scale(ks), inv_v = rc_inv_scale(vs);
@@ -359,6 +390,8 @@ void RunTokensCache(const Problem& p, int64_t t0, int64_t t1) {
     case RC_FP8_E4M3FN: return RunTokensNative<DT, RC_FP8_E4M3FN>(p, t0, t1);
     case RC_FP8_E4M3FNUZ: return RunTokensNative<DT, RC_FP8_E4M3FNUZ>(p, t0, t1);
     case RC_FP8_E5M2: return RunTokensNative<DT, RC_FP8_E5M2>(p, t0, t1);
+    case RC_INT8: return RunTokensNative<DT, RC_INT8>(p, t0, t1);
+    case RC_INT4: return RunTokensNative<DT, RC_INT4>(p, t0, t1);
     default: return RunTokensNative<DT, DT>(p, t0, t1);
   }
 }
@@ -471,6 +504,14 @@ bool IsFp8(ffi::DataType t) {
   return t == ffi::DataType::F8E4M3FN || t == ffi::DataType::F8E4M3FNUZ || t == ffi::DataType::F8E5M2;
 }
 
+// The low-bit caches: int8, and int4 as uint8 bytes of two values (always with per-token scales).
+bool IsLowBit(ffi::DataType t) { return t == ffi::DataType::S8 || t == ffi::DataType::U8; }
+
+// The cache code of the handler's loops: DtypeCode, or RC_INT8 / RC_INT4.
+int CacheCode(ffi::DataType t) {
+  return t == ffi::DataType::S8 ? RC_INT8 : (t == ffi::DataType::U8 ? RC_INT4 : DtypeCode(t));
+}
+
 // `name` must have dtype `want` (`as` says why, e.g. "as q").
 ffi::Error ExpectType(const char* name, const ffi::AnyBuffer& b, ffi::DataType want, const char* as) {
   if (b.element_type() == want) return ffi::Error::Success();
@@ -573,7 +614,8 @@ ffi::Error ValidateCall(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const 
                         int64_t layout, int64_t rotary_dim, bool rotary_tail, int64_t norm_type, bool norm_after,
                         bool q_norm, bool k_norm, float norm_eps, int64_t mrope,
                         int64_t mrope_t, int64_t mrope_h, int64_t mrope_w, const ffi::AnyBuffer* k_sc_out,
-                        const ffi::AnyBuffer* v_sc_out) {
+                        const ffi::AnyBuffer* v_sc_out, bool q_gate, bool rope_switch, int64_t floor_scale,
+                        const ffi::RemainingArgs& extra) {
   const bool scale_caches = k_sc_out != nullptr;  // the handler with per-token scales (6 results)
   if (layout < RC_FLASH || layout > RC_KV_MERGED)
     return Invalid("attribute layout: expected 0 (flash), 1 (xpacked), 2 (xpacked_shuffled), 3 (hnd), 4 (head_major) "
@@ -585,12 +627,16 @@ ffi::Error ValidateCall(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const 
     return Invalid(std::string("q: expected dtype float32, bfloat16 or float16, got ") + TypeName(q.element_type()));
   if (qd.size() != 3) return Invalid("q: expected rank 3 [T, QH, D], got dims " + DimsString(qd));
   if (qod.size() != 3) return Invalid("q_out: expected rank 3 [T, QH, D], got dims " + DimsString(qod));
-  const bool fused = qod[1] != qd[1];
+  const bool fused = q_gate || qod[1] != qd[1];
   const int64_t T = qd[0], QH = qod[1], D = qd[2];
-  if (fused) {  // the fused tensor: k_out says KH; q, k and v are [T, QH + 2 KH, D]
+  const int64_t NQ = q_gate ? 2 * QH : QH;  // q rows of a fused token: with q_gate each q head, then its gate
+  if (q_gate && kod.size() == 3 && qd[1] != NQ + 2 * kod[1])
+    return Invalid("q: attribute q_gate expects the gated fused tensor [T, 2 QH + 2 KH, D] with QH = q_out's " +
+                   std::to_string(QH) + " and KH = k_out's " + std::to_string(kod[1]) + ", got dims " + DimsString(qd));
+  if (fused) {  // the fused tensor: k_out says KH; q, k and v are [T, QH + 2 KH, D] ([T, 2 QH + 2 KH, D] gated)
     if (kod.size() != 3) return Invalid("k_out: expected rank 3 [T, KH, D], got dims " + DimsString(kod));
     const int64_t KH = kod[1];
-    if (KH < 1 || QH < KH || QH % KH || qd[1] != QH + 2 * KH)
+    if (KH < 1 || QH < KH || QH % KH || qd[1] != NQ + 2 * KH)
       return Invalid("q: expected dims [T, QH, D] with QH = q_out's " + std::to_string(QH) +
                      ", or the fused QKV tensor [T, QH + 2 KH, D] with KH = k_out's " + std::to_string(KH) +
                      " dividing QH, got dims " + DimsString(qd));
@@ -616,17 +662,21 @@ ffi::Error ValidateCall(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const 
   const int64_t KH = fused ? kod[1] : kd[1];
   if (KH < 1 || QH % KH)
     return Invalid("k: expected KH >= 1 dividing QH=" + std::to_string(QH) + ", got dims " + DimsString(kd));
-  const std::vector<int64_t> kv_dims = fused ? std::vector<int64_t>{T, QH + 2 * KH, D} : std::vector<int64_t>{T, KH, D};
-  const char* kv_names = fused ? "[T, QH + 2 KH, D] (the fused QKV tensor, as q)" : "[T, KH, D]";
+  const std::vector<int64_t> kv_dims = fused ? std::vector<int64_t>{T, NQ + 2 * KH, D} : std::vector<int64_t>{T, KH, D};
+  const char* kv_names = !fused ? "[T, KH, D]" : (q_gate ? "[T, 2 QH + 2 KH, D] (the gated fused QKV tensor, as q)"
+                                                          : "[T, QH + 2 KH, D] (the fused QKV tensor, as q)");
   JRC_CHECK(ExpectDims("k", k, kv_dims, kv_names));
   JRC_CHECK(ExpectType("v", v, dt, "as q"));
   JRC_CHECK(ExpectDims("v", v, kv_dims, kv_names));
 
   // The key cache fixes the cache dtype, L (stacked), NB and BS; the value cache must agree.
   const ffi::DataType cdt = key_cache.element_type();
-  if (cdt != dt && !IsFp8(cdt))
+  if (cdt != dt && !IsFp8(cdt) && !(IsLowBit(cdt) && scale_caches))
     return Invalid(std::string("key_cache: expected dtype ") + TypeName(dt) +
-                   " (as q), float8_e4m3fn, float8_e4m3fnuz or float8_e5m2, got " + TypeName(cdt));
+                   " (as q), float8_e4m3fn, float8_e4m3fnuz or float8_e5m2" +
+                   (scale_caches ? ", int8 or uint8 (int4)" : " (int8 and uint8 (int4) caches: with scale caches)") +
+                   ", got " + TypeName(cdt));
+  const int64_t DC = cdt == ffi::DataType::U8 ? D / 2 : D;  // a cache row: D values, int4 D / 2 bytes
   JRC_CHECK(ExpectType("value_cache", value_cache, cdt, "as key_cache"));
   const bool packed = layout == RC_XPACKED || layout == RC_XPACKED_SHUFFLED;
   const size_t rank = packed ? 5 : 4;
@@ -644,9 +694,9 @@ ffi::Error ValidateCall(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const 
   if (BS < 1) return Invalid("key_cache: expected a block size >= 1, got dims " + DimsString(kcd));
   if (packed && (X < 1 || (X & (X - 1))))
     return Invalid("key_cache: expected X (the last dim) to be a power of two, got dims " + DimsString(kcd));
-  if (packed && D % X)
+  if (packed && DC % X)
     return Invalid("key_cache: an x-packed layout needs D divisible by X=" + std::to_string(X) + ", got D=" +
-                   std::to_string(D));
+                   std::to_string(DC) + (DC != D ? " bytes (int4: D/2)" : ""));
   if (layout == RC_XPACKED_SHUFFLED && BS % X)
     return Invalid("value_cache: layout xpacked_shuffled needs the block size divisible by X=" + std::to_string(X) +
                    ", got BS=" + std::to_string(BS));
@@ -655,7 +705,7 @@ ffi::Error ValidateCall(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const 
     return d;
   };
   const std::string l = stacked ? "[L, " : "[";
-  const LayerDims want = ExpectedDims(layout, NB, BS, KH, D, X);
+  const LayerDims want = ExpectedDims(layout, NB, BS, KH, DC, X);
   JRC_CHECK(ExpectDims("key_cache", key_cache, with_lead(want.key), l + want.key_names));
   JRC_CHECK(ExpectDims("value_cache", value_cache, with_lead(want.value), l + want.value_names));
 
@@ -699,7 +749,9 @@ ffi::Error ValidateCall(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const 
     JRC_CHECK(ExpectType("v_scale_cache", v_scale, ffi::DataType::F32, "float32"));
     JRC_CHECK(ExpectDims("k_scale_cache", k_scale, with_lead(want.scale), dims));
     JRC_CHECK(ExpectDims("v_scale_cache", v_scale, with_lead(want.scale), dims));
-    if (!IsFp8(cdt)) return Invalid(std::string("k_scale_cache: per-token scales need a float8 cache, got ") + TypeName(cdt));
+    if (!IsFp8(cdt) && !IsLowBit(cdt))
+      return Invalid(std::string("k_scale_cache: per-token scales need a float8, int8 or uint8 (int4) cache, got ") +
+                     TypeName(cdt));
     JRC_CHECK(ExpectType("k_scale_cache result", *k_sc_out, ffi::DataType::F32, "as k_scale_cache"));
     JRC_CHECK(ExpectType("v_scale_cache result", *v_sc_out, ffi::DataType::F32, "as v_scale_cache"));
     JRC_CHECK(ExpectDims("k_scale_cache result", *k_sc_out, with_lead(want.scale), "as k_scale_cache"));
@@ -713,6 +765,34 @@ ffi::Error ValidateCall(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const 
   JRC_CHECK(ExpectNormWeight("k_norm_weight", k_norm_weight, k_norm, dt, D));
   if ((q_norm || k_norm || norm_type == RC_NORM_WEIGHTLESS) && !(norm_eps > 0.0f && norm_eps <= 3.4028234663852886e38f))
     return Invalid("attribute norm_eps: expected a finite value > 0, got " + std::to_string(norm_eps));
+
+  // The model-family operands after contract.OPERANDS: use_rope (rope_switch), then the temperature table.
+  if (rope_switch && rotary_dim == 0)
+    return Invalid("attribute rope_switch: expected false with rotary_dim=0 (no call rotates), got true");
+  if (floor_scale < 0)
+    return Invalid("attribute floor_scale: expected 0 (no temperature) or a positive integer, got " +
+                   std::to_string(floor_scale));
+  if (floor_scale > 0 && rotary_dim && !rope_switch)
+    return Invalid("attribute floor_scale: the temperature scales q on calls that do not rotate; expected 0 with "
+                   "rotary_dim=" + std::to_string(rotary_dim) + " and no rope_switch, got " + std::to_string(floor_scale));
+  if (floor_scale > 0 && mrope != RC_MROPE_OFF)
+    return Invalid("attribute floor_scale: expected 0 with M-RoPE positions, got " + std::to_string(floor_scale));
+  const size_t n_extra = size_t{rope_switch} + size_t{floor_scale > 0};
+  if (extra.size() != n_extra)
+    return Invalid("operands: expected " + std::to_string(14 + n_extra) + " (contract.OPERANDS" +
+                   (rope_switch ? ", use_rope" : "") + (floor_scale > 0 ? ", temperature_factors" : "") + "), got " +
+                   std::to_string(14 + extra.size()));
+  if (rope_switch) {
+    auto b = extra.get<ffi::AnyBuffer>(0);
+    if (b.has_error()) return b.error();
+    JRC_CHECK(ExpectScalar("use_rope", *b, ffi::DataType::S32));
+  }
+  if (floor_scale > 0) {
+    auto b = extra.get<ffi::AnyBuffer>(rope_switch ? 1 : 0);
+    if (b.has_error()) return b.error();
+    JRC_CHECK(ExpectType("temperature_factors", *b, ffi::DataType::F32, "float32"));
+    JRC_CHECK(ExpectDims("temperature_factors", *b, {cd[0] / floor_scale + 1}, "[max_pos // floor_scale + 1]"));
+  }
 
   // Results: the same dtype and dims as what they are computed from (the caches: as the operands
   // they alias; without the alias the handler copies the operand's bytes into the result first).
@@ -739,17 +819,22 @@ ffi::Error ValidateCall(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const 
 ffi::Error RopeAndCache(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer key_cache,
                         ffi::AnyBuffer value_cache, ffi::AnyBuffer slots, ffi::AnyBuffer positions, ffi::AnyBuffer cos,
                         ffi::AnyBuffer sin, ffi::AnyBuffer k_scale, ffi::AnyBuffer v_scale, ffi::AnyBuffer layer,
-                        ffi::AnyBuffer q_norm_weight, ffi::AnyBuffer k_norm_weight, ffi::AnyBuffer* q_out,
+                        ffi::AnyBuffer q_norm_weight, ffi::AnyBuffer k_norm_weight, const ffi::RemainingArgs& extra,
+                        ffi::AnyBuffer* q_out,
                         ffi::AnyBuffer* k_out, ffi::AnyBuffer* key_cache_out, ffi::AnyBuffer* value_cache_out,
                         ffi::AnyBuffer* k_sc_out, ffi::AnyBuffer* v_sc_out, int64_t layout, bool is_neox,
                         int64_t rotary_dim, bool native, bool q_norm, bool k_norm, float norm_eps, int64_t mrope,
                         int64_t mrope_t, int64_t mrope_h, int64_t mrope_w, bool rotary_tail, int64_t norm_type,
-                        bool norm_after) {
+                        bool norm_after, bool q_gate, bool rope_switch, int64_t floor_scale) {
   if (auto e = ValidateCall(q, k, v, key_cache, value_cache, slots, positions, cos, sin, k_scale, v_scale, layer,
                             q_norm_weight, k_norm_weight, *q_out, *k_out, *key_cache_out, *value_cache_out, layout,
-                            rotary_dim, rotary_tail, norm_type, norm_after, q_norm, k_norm, norm_eps, mrope, mrope_t, mrope_h, mrope_w, k_sc_out, v_sc_out);
+                            rotary_dim, rotary_tail, norm_type, norm_after, q_norm, k_norm, norm_eps, mrope, mrope_t,
+                            mrope_h, mrope_w, k_sc_out, v_sc_out, q_gate, rope_switch, floor_scale, extra);
       e.failure())
     return e;
+  // The switch of this call (ValidateCall checked the operand): a call that does not rotate is a NoPE call.
+  bool rotating = rotary_dim > 0;
+  if (rope_switch) rotating = rotating && *static_cast<const int32_t*>((*extra.get<ffi::AnyBuffer>(0)).untyped_data()) != 0;
   Problem p{};
   auto qd = q.dimensions(), kd = k.dimensions(), cd = cos.dimensions();
   auto qod = q_out->dimensions(), kod = k_out->dimensions();
@@ -757,16 +842,20 @@ ffi::Error RopeAndCache(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ff
       key_cache.dimensions().size() < 4)
     return ffi::Error::InvalidArgument("rope_and_cache cpu: unexpected ranks");
   p.T = qd[0], p.QH = qod[1], p.D = qd[2], p.KH = kod[1], p.R = rotary_dim;
-  const bool fused = qd[1] != p.QH;  // ValidateCall: then q, k and v are the fused [T, QH + 2 KH, D]
-  p.q_row = qd[1] * p.D, p.kv_row = kd[1] * p.D;
-  p.k_off = fused ? p.QH * p.D : 0, p.v_off = fused ? (p.QH + p.KH) * p.D : 0;
+  const bool fused = q_gate || qd[1] != p.QH;  // ValidateCall: then q, k and v are the fused [T, NQ + 2 KH, D]
+  const int64_t nq = q_gate ? 2 * p.QH : p.QH;  // gated rows: q head h at row 2h, its gate at 2h + 1
+  p.q_row = qd[1] * p.D, p.kv_row = kd[1] * p.D, p.q_head = q_gate ? 2 * p.D : p.D;
+  p.k_off = fused ? nq * p.D : 0, p.v_off = fused ? (nq + p.KH) * p.D : 0;
   p.max_pos = cd[0], p.width = cd[1], p.layout = static_cast<int>(layout);
   p.dt = DtypeCode(q.element_type()), p.table_dt = DtypeCode(cos.element_type());
-  p.cache_dt = DtypeCode(key_cache.element_type());
+  p.cache_dt = CacheCode(key_cache.element_type());
   if (p.dt < 0 || p.dt > RC_F16 || p.table_dt < 0 || p.table_dt > RC_F16 || p.cache_dt < 0)
     return ffi::Error::InvalidArgument("rope_and_cache cpu: unsupported dtype");
-  if (p.cache_dt != p.dt && p.cache_dt != RC_FP8_E4M3FN && p.cache_dt != RC_FP8_E4M3FNUZ && p.cache_dt != RC_FP8_E5M2)
+  const bool low_bit = p.cache_dt == RC_INT8 || p.cache_dt == RC_INT4;
+  if (p.cache_dt != p.dt && p.cache_dt != RC_FP8_E4M3FN && p.cache_dt != RC_FP8_E4M3FNUZ && p.cache_dt != RC_FP8_E5M2 &&
+      !(low_bit && k_sc_out))
     return ffi::Error::InvalidArgument("rope_and_cache cpu: cache dtype must equal the input dtype or be fp8");
+  p.DC = p.cache_dt == RC_INT4 ? p.D / 2 : p.D;
   if (p.layout < RC_FLASH || p.layout > RC_KV_MERGED)
     return ffi::Error::InvalidArgument("rope_and_cache cpu: unknown layout " + std::to_string(layout));
   // Stacked caches ([L, ...], one rank more than a layer's layout) are written at layer `layer`.
@@ -787,10 +876,10 @@ ffi::Error RopeAndCache(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ff
   // The rows read stay inside q, k and v: the last head of a row ends at its row's end.
   if (auto e = CheckSame("q elements", q.element_count(), p.T * p.q_row); e.failure()) return e;
   if (auto e = CheckSame("k elements", k.element_count(), p.T * p.kv_row); e.failure()) return e;
-  if (auto e = CheckSame("q row", p.q_row, fused ? (p.QH + 2 * p.KH) * p.D : p.QH * p.D); e.failure()) return e;
-  if (auto e = CheckSame("k row", p.kv_row, fused ? (p.QH + 2 * p.KH) * p.D : p.KH * p.D); e.failure()) return e;
+  if (auto e = CheckSame("q row", p.q_row, fused ? (nq + 2 * p.KH) * p.D : p.QH * p.D); e.failure()) return e;
+  if (auto e = CheckSame("k row", p.kv_row, fused ? (nq + 2 * p.KH) * p.D : p.KH * p.D); e.failure()) return e;
   const bool merged = p.layout == RC_KV_MERGED;  // K and V in the key cache; the value cache: [1] per layer
-  const int64_t layer_elems = p.NB * p.BS * p.KH * p.D * (merged ? 2 : 1);
+  const int64_t layer_elems = p.NB * p.BS * p.KH * p.DC * (merged ? 2 : 1);
   if (auto e = CheckSame("key_cache elements", key_cache.element_count(), num_layers * layer_elems); e.failure())
     return e;
   if (auto e = CheckSame("value_cache elements", value_cache.element_count(), num_layers * (merged ? 1 : layer_elems));
@@ -803,11 +892,12 @@ ffi::Error RopeAndCache(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ff
     return e;
   if (p.R < 0 || p.R % 2 || p.R > p.D || (p.R && p.width != p.R && p.width != p.R / 2) || p.max_pos < 1)
     return ffi::Error::InvalidArgument("rope_and_cache cpu: inconsistent rotary_dim / table width");
-  if (packed && (p.X < 1 || p.D % p.X || (p.layout == RC_XPACKED_SHUFFLED && p.BS % p.X)))
+  if (packed && (p.X < 1 || p.DC % p.X || (p.layout == RC_XPACKED_SHUFFLED && p.BS % p.X)))
     return ffi::Error::InvalidArgument("rope_and_cache cpu: x-packed layout needs D and BS divisible by X");
 
+  if (!rotating) p.R = 0;  // a switched-off call: no rotation, and no norm "after" (below)
   p.full_table = p.R && p.width == p.R;
-  p.rot_off = rotary_tail ? p.D - p.R : 0;
+  p.rot_off = rotary_tail && p.R ? p.D - p.R : 0;
   p.neox = is_neox, p.arith = rc_arith(native, p.dt, p.table_dt);
   p.slots64 = slots.element_type() == ffi::DataType::S64;
   p.pos64 = positions.element_type() == ffi::DataType::S64;
@@ -839,7 +929,13 @@ ffi::Error RopeAndCache(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ff
   p.norm_eps = norm_eps;
   p.norm_type = static_cast<int>(norm_type), p.norm_after = norm_after;
   p.q_normed = q_norm || norm_type == RC_NORM_WEIGHTLESS, p.k_normed = k_norm || norm_type == RC_NORM_WEIGHTLESS;
-  std::vector<int8_t> col_stream(mrope && p.R ? p.width : 0);
+  if (norm_after && !rotating) p.q_normed = p.k_normed = p.norm_after = false;  // the norm "after" needs a rotation
+  if (floor_scale > 0 && !rotating) {  // checked: float32 [max_pos // floor_scale + 1]
+    const ffi::AnyBuffer table = *extra.get<ffi::AnyBuffer>(rope_switch ? 1 : 0);
+    p.temp = static_cast<const float*>(table.untyped_data());
+    p.temp_n = table.element_count(), p.floor_scale = floor_scale;
+  }
+  std::vector<int8_t> col_stream(mrope && p.R ? p.width : 0);  // p.R: 0 on a switched-off call
   for (int64_t c = 0; c < static_cast<int64_t>(col_stream.size()); ++c) {
     // a "full" column serves the pair of its frequency: NeoX c mod R/2, GPT-J c / 2
     const int64_t f = p.width == p.R / 2 ? c : (p.neox ? c % (p.R / 2) : c / 2);
@@ -874,16 +970,17 @@ ffi::Error RopeAndCache(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ff
 ffi::Error CpuRopeAndCache(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer key_cache,
                            ffi::AnyBuffer value_cache, ffi::AnyBuffer slots, ffi::AnyBuffer positions, ffi::AnyBuffer cos,
                            ffi::AnyBuffer sin, ffi::AnyBuffer k_scale, ffi::AnyBuffer v_scale, ffi::AnyBuffer layer,
-                           ffi::AnyBuffer q_norm_weight, ffi::AnyBuffer k_norm_weight, ffi::Result<ffi::AnyBuffer> q_out,
+                           ffi::AnyBuffer q_norm_weight, ffi::AnyBuffer k_norm_weight, ffi::RemainingArgs extra,
+                           ffi::Result<ffi::AnyBuffer> q_out,
                            ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> key_cache_out,
                            ffi::Result<ffi::AnyBuffer> value_cache_out, int64_t layout, bool is_neox,
                            int64_t rotary_dim, bool native, bool q_norm, bool k_norm, float norm_eps,
                            int64_t mrope, int64_t mrope_t, int64_t mrope_h, int64_t mrope_w, bool rotary_tail,
-                           int64_t norm_type, bool norm_after) {
+                           int64_t norm_type, bool norm_after, bool q_gate, bool rope_switch, int64_t floor_scale) {
   return RopeAndCache(q, k, v, key_cache, value_cache, slots, positions, cos, sin, k_scale, v_scale, layer,
-                      q_norm_weight, k_norm_weight, &*q_out, &*k_out, &*key_cache_out, &*value_cache_out, nullptr,
-                      nullptr, layout, is_neox, rotary_dim, native, q_norm, k_norm, norm_eps, mrope, mrope_t, mrope_h,
-                      mrope_w, rotary_tail, norm_type, norm_after);
+                      q_norm_weight, k_norm_weight, extra, &*q_out, &*k_out, &*key_cache_out, &*value_cache_out,
+                      nullptr, nullptr, layout, is_neox, rotary_dim, native, q_norm, k_norm, norm_eps, mrope, mrope_t,
+                      mrope_h, mrope_w, rotary_tail, norm_type, norm_after, q_gate, rope_switch, floor_scale);
 }
 
 // Per-token scales: two more results, the scale caches (aliased to the k_scale / v_scale operands).
@@ -891,15 +988,15 @@ ffi::Error CpuRopeAndCacheTokenScales(
     ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer key_cache, ffi::AnyBuffer value_cache,
     ffi::AnyBuffer slots, ffi::AnyBuffer positions, ffi::AnyBuffer cos, ffi::AnyBuffer sin, ffi::AnyBuffer k_scale,
     ffi::AnyBuffer v_scale, ffi::AnyBuffer layer, ffi::AnyBuffer q_norm_weight, ffi::AnyBuffer k_norm_weight,
-    ffi::Result<ffi::AnyBuffer> q_out, ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> key_cache_out,
+    ffi::RemainingArgs extra, ffi::Result<ffi::AnyBuffer> q_out, ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> key_cache_out,
     ffi::Result<ffi::AnyBuffer> value_cache_out, ffi::Result<ffi::AnyBuffer> k_sc_out,
     ffi::Result<ffi::AnyBuffer> v_sc_out, int64_t layout, bool is_neox, int64_t rotary_dim, bool native, bool q_norm,
     bool k_norm, float norm_eps, int64_t mrope, int64_t mrope_t, int64_t mrope_h, int64_t mrope_w, bool rotary_tail,
-    int64_t norm_type, bool norm_after) {
+    int64_t norm_type, bool norm_after, bool q_gate, bool rope_switch, int64_t floor_scale) {
   return RopeAndCache(q, k, v, key_cache, value_cache, slots, positions, cos, sin, k_scale, v_scale, layer,
-                      q_norm_weight, k_norm_weight, &*q_out, &*k_out, &*key_cache_out, &*value_cache_out, &*k_sc_out,
-                      &*v_sc_out, layout, is_neox, rotary_dim, native, q_norm, k_norm, norm_eps, mrope, mrope_t,
-                      mrope_h, mrope_w, rotary_tail, norm_type, norm_after);
+                      q_norm_weight, k_norm_weight, extra, &*q_out, &*k_out, &*key_cache_out, &*value_cache_out,
+                      &*k_sc_out, &*v_sc_out, layout, is_neox, rotary_dim, native, q_norm, k_norm, norm_eps, mrope,
+                      mrope_t, mrope_h, mrope_w, rotary_tail, norm_type, norm_after, q_gate, rope_switch, floor_scale);
 }
 
 // The operands and attributes of both handlers; `rets` adds the results.
@@ -919,6 +1016,7 @@ auto BindArgs() {
       .Arg<ffi::AnyBuffer>()   // layer (i32[], used with stacked caches)
       .Arg<ffi::AnyBuffer>()   // q_norm_weight ([D]; f32[1] when q_norm is off)
       .Arg<ffi::AnyBuffer>()   // k_norm_weight
+      .RemainingArgs()         // contract.extra_operands: use_rope (rope_switch), temperature_factors (floor_scale > 0)
       .Ret<ffi::AnyBuffer>()   // q_out
       .Ret<ffi::AnyBuffer>()   // k_out
       .Ret<ffi::AnyBuffer>()   // key_cache (aliased)
@@ -941,7 +1039,10 @@ auto BindAttrs(B&& b) {
       .template Attr<int64_t>("mrope_w")
       .template Attr<bool>("rotary_tail")     // rotary channels [D - R, D) instead of [0, R)
       .template Attr<int64_t>("norm_type")    // RcNormType
-      .template Attr<bool>("norm_after");     // the QK-norm after the rotation
+      .template Attr<bool>("norm_after")      // the QK-norm after the rotation
+      .template Attr<bool>("q_gate")          // gated fused rows: q head h at row 2h, its gate at 2h + 1
+      .template Attr<bool>("rope_switch")     // a use_rope operand follows OPERANDS (nonzero: rotate)
+      .template Attr<int64_t>("floor_scale");  // > 0: the temperature_factors operand follows (Llama 4)
 }
 
 }  // namespace
