@@ -1070,11 +1070,8 @@ __device__ __forceinline__ unsigned int group_mask(bool paired, int& sh) {
   return mask;
 }
 #endif
-// `lane(t, h, i, a, b)`: the host emulation's chunks of lane i (the inputs' chunks; RC_NORM_AFTER: the
-// rotated ones).
-template <class Lane>
 __device__ __forceinline__ float norm_lanes(const Params& p, i64 t0, int u, bool is_k, const Chunk& a,
-                                            const Chunk& b, const Lane& lane) {
+                                            const Chunk& b) {
   LaneSums v = lane_sums(a, b);
   const bool paired = KPAIRS && is_k;
 #ifdef RC_EMULATE
@@ -1082,8 +1079,9 @@ __device__ __forceinline__ float norm_lanes(const Params& p, i64 t0, int u, bool
   emu_check_group(u, paired);
   LaneSums g[P_DIV];
   for (int i = 0; i < P; ++i) {
-    Chunk oa, ob;
-    lane(t0 + me.tt, me.h, i, oa, ob);
+    const char* src = rot_src(p, t0 + me.tt, me.h, i);
+    Chunk oa = load_chunk(src, 0), ob = oa;
+    if (NEOX) ob = load_chunk(src, HALF);
     g[i] = lane_sums(oa, ob);
   }
   for (int k = 0; k < NSUB; ++k)
@@ -1096,7 +1094,7 @@ __device__ __forceinline__ float norm_lanes(const Params& p, i64 t0, int u, bool
   }
   v = g[me.j];
 #else
-  (void)p, (void)t0, (void)u, (void)lane;
+  (void)p, (void)t0, (void)u;
   int sh = 0;
   const unsigned int mask = group_mask(paired, sh);
 #pragma unroll
@@ -1120,11 +1118,7 @@ __device__ __forceinline__ void norm_rot(const Params& p, i64 t0, int u, bool is
                                          const void* w, Chunk& a, Chunk& b, const WeightChunks& ew) {
   float S;
   if constexpr (NORM_LANES) {
-    S = norm_lanes(p, t0, u, is_k, a, b, [&](i64 t, int h, int i, Chunk& oa, Chunk& ob) {
-      const char* s = rot_src(p, t, h, i);
-      oa = ob = load_chunk(s, 0);
-      if (NEOX) ob = load_chunk(s, HALF);
-    });
+    S = norm_lanes(p, t0, u, is_k, a, b);
   } else {
     S = row_sq_sum(src - (ROFF + j * W) * S_IN);
   }
@@ -1321,6 +1315,44 @@ __device__ __forceinline__ float out_row_sq_sum(const Params& p, i64 T, i64 max_
   }
 }
 
+// norm_lanes over the rotated chunks a, b (RC_NORM_AFTER): the same butterfly; the host emulation
+// rebuilds the other lanes' rotated chunks (rot_out_chunks). A function of its own so that norm_lanes,
+// and the kernels without the norm after the rotation, stay as they were.
+__device__ __forceinline__ float norm_lanes_after(const Params& p, i64 T, i64 max_pos, i64 t0, int u, bool is_k,
+                                                  const Chunk& a, const Chunk& b) {
+  LaneSums v = lane_sums(a, b);
+  const bool paired = KPAIRS && is_k;
+#ifdef RC_EMULATE
+  const RotIdx me = rot_idx(u);
+  emu_check_group(u, paired);
+  LaneSums g[P_DIV];
+  for (int i = 0; i < P; ++i) {
+    Chunk oa, ob;
+    rot_out_chunks(p, T, max_pos, t0 + me.tt, me.h, i, oa, ob);
+    g[i] = lane_sums(oa, ob);
+  }
+  for (int k = 0; k < NSUB; ++k)
+    if (__float_as_uint(g[me.j].s[k]) != __float_as_uint(v.s[k])) ++rc_emu_errors;
+  for (int off = 1; off < P; off <<= 1) {
+    LaneSums n[P_DIV];
+    for (int i = 0; i < P; ++i)
+      for (int k = 0; k < NSUB; ++k) n[i].s[k] = rc_add(g[i].s[k], g[i ^ off].s[k]);
+    for (int i = 0; i < P; ++i) g[i] = n[i];
+  }
+  v = g[me.j];
+#else
+  (void)p, (void)T, (void)max_pos, (void)t0, (void)u;
+  int sh = 0;
+  const unsigned int mask = group_mask(paired, sh);
+#pragma unroll
+  for (int off = 1; off < P; off <<= 1) {
+#pragma unroll
+    for (int k = 0; k < NSUB; ++k) v.s[k] = rc_add(v.s[k], __shfl_xor_sync(mask, v.s[k], off << sh));
+  }
+#endif
+  return NEOX ? rc_add(v.s[0], v.s[NSUB - 1]) : v.s[0];
+}
+
 // Rotation unit u's rotated chunks a, b normalised (RC_NORM_AFTER, a rotating call): the row's S over
 // the head's lanes (NORM_LANES) or from the whole rotated row.
 template <int WDT>
@@ -1329,9 +1361,7 @@ __device__ __forceinline__ void norm_after_rot(const Params& p, i64 T, i64 max_p
   const RotIdx ix = rot_idx(u);
   float S;
   if constexpr (NORM_LANES) {
-    S = norm_lanes(p, t0, u, is_k, a, b, [&](i64 t, int h, int i, Chunk& oa, Chunk& ob) {
-      rot_out_chunks(p, T, max_pos, t, h, i, oa, ob);
-    });
+    S = norm_lanes_after(p, T, max_pos, t0, u, is_k, a, b);
   } else {
     S = out_row_sq_sum(p, T, max_pos, t0 + ix.tt, ix.h);
   }
