@@ -54,6 +54,7 @@ class FCase:
     layers: int | None = None        # stacked caches
     layer: int | None = None         # the layer written (None: the last)
     f32_weight: bool = False         # norm weights in float32 (else q's dtype)
+    int8: bool = False               # an int8 cache (per-token scales; case.cache_dtype an fp8 stand-in)
 
     @property
     def id(self) -> str:
@@ -61,7 +62,7 @@ class FCase:
         parts = [f"T{c.T}-h{c.QH}x{c.KH}-D{c.D}-R{c.R or c.D}-{c.layout}-{'neox' if c.is_neox else 'gptj'}-{c.table}",
                  f"{c.dtype}-{c.table_dtype}-{c.cache_dtype or 'same'}-{c.precision}"]
         for on, name in ((self.nope, "nope"), (self.tail, "tail"), (self.after, "after"), (self.q_gate, "qgate"),
-                         (self.token, "token"), (self.f32_weight, "wf32")):
+                         (self.token, "token"), (self.f32_weight, "wf32"), (self.int8, "int8")):
             if on:
                 parts.append(name)
         if self.use_rope is not None:
@@ -94,6 +95,10 @@ def problem(fc: FCase, seed: int = 5):
     if fc.layers is not None and fc.layer is not None:
         opts["layer"] = np.array(fc.layer, np.int32)
     rng = np.random.default_rng(seed + 3)
+    if fc.int8:  # random int8 caches of the same shapes (untouched entries show)
+        assert fc.token
+        args = args[:3] + tuple(None if a is None else rng.integers(-128, 128, a.shape).astype(np.int8)
+                                for a in args[3:5]) + args[5:]
     q, k, v = args[:3]
     if fc.nope:
         opts["rotary_dim"] = 0
@@ -309,7 +314,9 @@ def test_matrix_covers_every_option():
     assert {"nope", "rope_switch", "rotary_tail", "gemma_norm", "weightless_norm", "norm_after", "temperature",
             "q_gate", "token_scales"} <= on
     assert {"nope", "rope_switch", "rotary_tail", "gemma_norm", "weightless_norm", "norm_after", "temperature",
-            "q_gate"} <= cuda.SUPPORTS
+            "q_gate", "int8_cache"} <= cuda.SUPPORTS
+    assert "int4_cache" not in cuda.SUPPORTS  # refused: int4 caches are not in the CUDA kernel yet
+    assert any(problem(fc)[0].int8 for fc in INT8_MATRIX)
 
 
 @pytest.mark.parametrize("fc", tier_sample(MATRIX, 5), ids=lambda fc: fc.id)
@@ -353,6 +360,56 @@ def test_host_emulation_families_would_catch_wrong_arithmetic(emu_dir):
             assert_bitwise(got, want)
 
 
+# ---- int8 caches (per-token scales) ---------------------------------------------------------------------
+def int8_matrix() -> list[FCase]:
+    out = []
+    for i, lay in enumerate(contract.LAYOUTS):
+        base = dict(T=(37, 9, 21)[i % 3], QH=4, KH=2, D=(64, 128)[i % 2], layout=lay, cache_dtype=E4,
+                    is_neox=bool(i % 2), dtype=("bfloat16", "float16", "float32")[i % 3],
+                    precision=("fp32", "native")[i % 2], index_dtype=("int32", "int64")[i % 2])
+        out.append(FCase(Case(**base), token=True, int8=True))
+        out.append(FCase(Case(**dict(base, R=base["D"] // 2)), token=True, int8=True, norm="rms"))
+    out += [
+        FCase(Case(T=21, QH=4, KH=2, D=128, cache_dtype=E4, precision="native"), token=True, int8=True),  # "fused"
+        FCase(Case(T=13, QH=4, KH=2, D=80, cache_dtype=E4), token=True, int8=True),  # rows read by every unit
+        FCase(Case(T=21, QH=4, KH=2, D=64, cache_dtype=E4, layout="xpacked"), token=True, int8=True, layers=3,
+              layer=1),
+        FCase(Case(T=21, QH=4, KH=2, D=64, cache_dtype=E4, layout="hnd"), token=True, int8=True, layers=2, layer=7),
+        FCase(Case(T=21, QH=8, KH=2, D=128, cache_dtype=E4), token=True, int8=True, use_rope=False,
+              norm="weightless", temp=(8, 0.1)),
+        FCase(Case(T=21, QH=8, KH=2, D=128, cache_dtype=E4, precision="native"), token=True, int8=True,
+              use_rope=True, norm="weightless", after=True),
+        FCase(Case(T=21, QH=4, KH=2, D=256, R=64, cache_dtype=E4), token=True, int8=True, norm="gemma", q_gate=True,
+              tail=True),
+        FCase(Case(T=21, QH=4, KH=2, D=64, cache_dtype=E4), token=True, int8=True, nope=True, norm="rms"),
+    ]
+    return out
+
+
+INT8_MATRIX = int8_matrix()
+
+
+@pytest.mark.parametrize("fc", tier_sample(INT8_MATRIX, 3), ids=lambda fc: fc.id)
+def test_host_emulation_int8_caches_bitwise(fc, emu_dir):
+    spec, want = check(fc, emu_dir)
+    assert spec.int8 and spec.token_scales
+
+
+def test_host_emulation_int8_would_catch_a_wrong_rounding(emu_dir):
+    src, _ = cuda.kernel_sources()
+    fc = FCase(Case(T=21, QH=4, KH=2, D=64, cache_dtype=E4), token=True, int8=True)
+    spec, kargs, ref = problem(fc)
+    want = reference_results(spec, ref)
+    for old, new in [("if constexpr (INT8C) return rc_low_bit_scale(amax, false);",
+                      "if constexpr (INT8C) return rc_low_bit_scale(amax, true);"),
+                     ("if constexpr (INT8C) return (raw_cache)(rc_u8)rc_quantize_int(to_f32<DT>(x), inv_scale, 127.0f);",
+                      "if constexpr (INT8C) return (raw_cache)(rc_u8)rc_quantize_int(to_f32<DT>(x), inv_scale, 128.0f);")]:
+        assert src.count(old) == 1, old
+        got = run_family_emulation(spec, kargs, ref["opts"], emu_dir, source=src.replace(old, new))
+        with pytest.raises(AssertionError):
+            assert_bitwise(got, want)
+
+
 # ---- NVRTC --------------------------------------------------------------------------------------------
 def compile_cases() -> list[FCase]:
     llama4 = Case(T=8192, QH=40, KH=8, D=128, dtype="bfloat16")
@@ -367,7 +424,10 @@ def compile_cases() -> list[FCase]:
            FCase(Case(T=64, QH=16, KH=4, D=128, R=64, dtype="float16", cache_dtype=E4, precision="native"),
                  norm="rms", after=True, token=True),
            FCase(Case(T=64, QH=8, KH=8, D=128, dtype="bfloat16", layout="hnd", cache_dtype=E5), nope=True,
-                 token=True, temp=(4, 0.1))]
+                 token=True, temp=(4, 0.1)),
+           FCase(Case(T=8192, QH=32, KH=8, D=128, dtype="bfloat16", layout="xpacked", cache_dtype=E4), token=True,
+                 int8=True),
+           FCase(Case(T=8, QH=32, KH=8, D=128, dtype="bfloat16", cache_dtype=E4), token=True, int8=True, norm="rms")]
     return out
 
 
@@ -467,3 +527,26 @@ def test_cuda_lowering_passes_the_extra_operands(node, monkeypatch):
         assert names[14:16] == ["use_rope", "temperature_factors"] and len(names) == 16 + 4, names
     if node:
         assert "rope_cache_node" in calls[0]
+
+
+def test_cuda_lowering_of_an_int8_cache(monkeypatch):
+    """An int8 cache lowers to the one custom call; the launcher's signature names int8 (XLA S8) caches."""
+    import jax.numpy as jnp
+
+    import jax_rope_cache as jrc
+    from jax_rope_cache.backends import kernel_node, launcher
+
+    monkeypatch.setenv(kernel_node.ENV, "0")
+    T, QH, KH, D, NB, BS = 4, 8, 2, 64, 8, 16
+    s = jax.ShapeDtypeStruct
+    args = (s((T, QH, D), jnp.bfloat16), s((T, KH, D), jnp.bfloat16), s((T, KH, D), jnp.bfloat16),
+            s((NB, BS, KH, D), jnp.int8), s((NB, BS, KH, D), jnp.int8), s((T,), jnp.int32), s((T,), jnp.int32),
+            s((32, D // 2), jnp.float32), s((32, D // 2), jnp.float32), s((NB, KH, BS), jnp.float32),
+            s((NB, KH, BS), jnp.float32))
+    step = lambda q, k, v, kc, vc, sl, p, c, sn, ks, vs: jrc.rope_and_cache(  # noqa: E731
+        q, k, v, kc, vc, sl, p, c, sn, k_scale_cache=ks, v_scale_cache=vs, impl="kernel")
+    checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in (launcher.GPU_TARGET, launcher.GPU_TARGET_NO_GRAPH)]
+    text = jax.export.export(jax.jit(step, donate_argnums=(3, 4, 9, 10)), platforms=["cuda"],
+                             disabled_checks=checks)(*args).mlir_module()
+    calls = [ln for ln in text.splitlines() if "stablehlo.custom_call @jax_rope_cache_gpu" in ln]
+    assert len(calls) == 1 and "tensor<8x16x2x64xi8>" in calls[0], calls

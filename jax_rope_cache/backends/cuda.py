@@ -34,7 +34,7 @@ DEFAULT_SMS = 132
 # contract.FEATURES the CUDA kernel implements (others: the XLA path, or an error with impl="kernel").
 SUPPORTS: frozenset[str] = frozenset({"q_norm", "k_norm", "k_scale_heads", "v_scale_heads", "mrope", "token_scales",
                                       "nope", "rope_switch", "rotary_tail", "gemma_norm", "weightless_norm",
-                                      "norm_after", "temperature", "q_gate"})
+                                      "norm_after", "temperature", "q_gate", "int8_cache"})
 
 
 @functools.cache
@@ -303,9 +303,9 @@ def kernel_config(spec: contract.OpSpec, num_sms: int = DEFAULT_SMS, vch: int | 
     # early chunks cost ~8 registers, which in larger calls would take resident blocks away.
     early_w = int(-(-t // tpb) <= num_sms)
     if vsel is None:  # the default: several KV heads only; fp8 caches at most 2 channels (registers)
-        vsel = 0 if spec.kv_heads < 2 else min(V_SELECT_CHANNELS, 2) if spec.fp8 else V_SELECT_CHANNELS
+        vsel = 0 if spec.kv_heads < 2 else min(V_SELECT_CHANNELS, 2) if spec.fp8 or spec.int8 else V_SELECT_CHANNELS
     vsel = v_select(spec, tpb, vch, vsel)
-    c = contract.kernel_codes(spec)
+    c = kernel_codes(spec)
     defines = tuple((f"RC_{name}", int(getattr(c, field))) for name, field in _DEFINES) + (
         ("RC_NORM_EPS_BITS", _f32_bits(c.norm_eps)), ("RC_WCH", w), ("RC_TPB", tpb), ("RC_NT", nt), ("RC_MINB", minb),
         ("RC_VPAIRS", 1), ("RC_VCH", vch), ("RC_VSEL", vsel), ("RC_EARLY_W", early_w))
@@ -350,6 +350,19 @@ def family_defines(spec: contract.OpSpec, defines: tuple) -> tuple:
         dt = contract.DTYPE_CODES[np.dtype(spec.dtype)]
         defines = tuple((k, dt if k in ("RC_Q_NORM", "RC_K_NORM") else v) for k, v in defines)
     return defines + tuple(extra)
+
+
+# RcLowBitDtype of kernels/common/rope_cache_math.h: the int8 cache's code (contract.DTYPE_CODES has the
+# floating-point formats only).
+INT8_CODE = 6
+
+
+def kernel_codes(spec: contract.OpSpec) -> contract.KernelCodes:
+    """contract.kernel_codes, with an int8 cache's code (the rest as for a one-byte fp8 cache)."""
+    if spec.int8:
+        fp8 = dataclasses.replace(spec, cache_dtype=contract.FP8_DTYPES[0])
+        return dataclasses.replace(contract.kernel_codes(fp8), cache_dt=INT8_CODE)
+    return contract.kernel_codes(spec)
 
 
 def mrow_bytes(spec: contract.OpSpec, tpb: int) -> int:

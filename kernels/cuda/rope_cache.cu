@@ -65,7 +65,8 @@
 //                                are each the fused QKV tensor [T, QH + 2 KH, D] (rope_and_cache_qkv):
 //                                q head h of token t at row t, head h; k head h at head QH + h; v head h
 //                                at head QH + KH + h (in_row_of, v_row_of); outputs as with 0
-//   RC_TOKEN_SCALES              0 (default): static scales; 1 (fp8 caches): per-token scales: the
+//   RC_TOKEN_SCALES              0 (default): static scales; 1 (fp8 or int8 caches, RC_CACHE_DT 6:
+//                                int8, always per token): per-token scales: the
 //                                k_scale / v_scale operands are the scale caches [.., NB, KH, BS] f32,
 //                                two more results (k_sc, v_sc: the same buffers) receive one scale per
 //                                (token, kv head) at the token's slot (block "per-token scales"); V
@@ -261,15 +262,17 @@ constexpr int TPB = RC_TPB, NT = RC_NT, SPLIT = RC_SPLIT;
 constexpr bool NEOX = RC_NEOX != 0, FULL = RC_FULL_TABLE != 0, NATIVE = RC_NATIVE != 0;
 constexpr int DT = RC_DT, TAB_DT = RC_TAB_DT, CDT = RC_CACHE_DT, LAYOUT = RC_LAYOUT;
 constexpr bool FP8 = CDT == RC_FP8_E4M3FN || CDT == RC_FP8_E4M3FNUZ || CDT == RC_FP8_E5M2;
+// int8 caches (RC_CACHE_DT = RC_INT8): per-token scales only (RC_TOKEN_SCALES), values in [-127, 127].
+enum : int { INT8C = CDT == RC_INT8 };
 constexpr int ARITH = rc_arith(NATIVE, DT, TAB_DT);  // RC_ARITH_FP32, "rounded" (DT) or RC_ARITH_FUSED
 // An fp8 key cache in "fused" arithmetic quantizes the rotated f32 values, not the rounded k_out.
 // The norm after the rotation makes k_out (rounded, normalised) what the cache stores.
-constexpr bool WIDE_K = FP8 && ARITH == RC_ARITH_FUSED && !NORM_AFTER;
+constexpr bool WIDE_K = (FP8 || INT8C) && ARITH == RC_ARITH_FUSED && !NORM_AFTER;
 constexpr RcDtype FP8_DT = static_cast<RcDtype>(CDT);  // the fp8 format rc_quantize_fp8 writes (FP8 only)
 constexpr bool XP = LAYOUT == RC_XPACKED || LAYOUT == RC_XPACKED_SHUFFLED;  // flash and hnd: rows of D
 constexpr int S_IN = DT == RC_F32 ? 4 : 2;
 constexpr int S_TAB = TAB_DT == RC_F32 ? 4 : 2;
-constexpr int S_CACHE = FP8 ? 1 : S_IN;
+constexpr int S_CACHE = (FP8 || INT8C) ? 1 : S_IN;
 constexpr int X = RC_X > 0 ? RC_X : 16 / S_CACHE;  // x-packed group width (elements)
 constexpr bool X_FITS = X * S_CACHE <= 16;           // a group of X elements is one access
 // Elements per key-cache store of a chunk: the chunk, or one X group of it where X < W.
@@ -352,7 +355,7 @@ static_assert((LAYOUT == RC_HEAD_MAJOR) == (NBL > 0) && (RC_LAYER_BLOCKS == 0 ||
 static_assert(!XP || (D % X == 0), "x-packed layouts need D % X == 0");
 static_assert(LAYOUT != RC_XPACKED_SHUFFLED || BS % X == 0, "xpacked_shuffled needs BS % X == 0");
 static_assert(DT == RC_F32 || DT == RC_BF16 || DT == RC_F16, "RC_DT");
-static_assert(FP8 || CDT == DT, "cache dtype: q's dtype or fp8");
+static_assert(FP8 || INT8C || CDT == DT, "cache dtype: q's dtype, fp8 or int8");
 static_assert(TPB >= 1 && (TPB & (TPB - 1)) == 0, "RC_TPB: a power of two");
 static_assert(SPLIT >= 1 && SPLIT <= 64, "RC_SPLIT: 1 .. 64 parts");
 static_assert(RC_F16 == 2, "RC_PACKED_NATIVE's #if spells RC_F16 as 2");
@@ -361,7 +364,8 @@ static_assert(K_NORM == -1 || K_NORM == RC_F32 || K_NORM == DT, "RC_K_NORM: -1, 
 static_assert(!NORM_LANES || (is_pow2(P) && 32 % P == 0 && U_ROT % P == 0 && CH == (NEOX ? 2 : 1) * P),
               "a head's rotation units: P aligned lanes of one warp covering the row");
 static_assert(!(KS_HEADS || VS_HEADS) || FP8, "per-head scales: fp8 caches only");
-static_assert(!TOKEN || (FP8 && !KS_HEADS && !VS_HEADS && VCH == 1 && VSEL == 0),
+static_assert(!INT8C || TOKEN, "int8 caches: per-token scales (RC_TOKEN_SCALES)");
+static_assert(!TOKEN || ((FP8 || INT8C) && !KS_HEADS && !VS_HEADS && VCH == 1 && VSEL == 0),
               "RC_TOKEN_SCALES: fp8 caches, no static per-head scales, one-channel V units");
 static_assert(VCH == 1 || X * S_CACHE == 16, "RC_VCH > 1: 16-byte x-packed groups (the default X)");
 static_assert(VSEL == 0 || X * S_CACHE == 16, "RC_VSEL: 16-byte x-packed groups (the default X)");
@@ -501,6 +505,7 @@ __device__ __forceinline__ void store_chunk(void* base, i64 elem, const Chunk& c
 }
 
 __device__ __forceinline__ raw_cache to_cache(raw_in x, float inv_scale) {
+  if constexpr (INT8C) return (raw_cache)(rc_u8)rc_quantize_int(to_f32<DT>(x), inv_scale, 127.0f);
   if (FP8) return (raw_cache)rc_quantize_fp8(to_f32<DT>(x), inv_scale, FP8_DT);
   return (raw_cache)x;
 }
@@ -516,7 +521,10 @@ __device__ __forceinline__ void store_cache_chunk(void* base, i64 elem, const Ch
 __device__ __forceinline__ void store_cache_chunk_f32(void* base, i64 elem, const float* x, float inv_scale) {
   CacheChunk o;
 #pragma unroll
-  for (int e = 0; e < W; ++e) o.e[e] = (raw_cache)rc_quantize_fp8(x[e], inv_scale, FP8_DT);
+  for (int e = 0; e < W; ++e) {
+    if constexpr (INT8C) o.e[e] = (raw_cache)(rc_u8)rc_quantize_int(x[e], inv_scale, 127.0f);
+    else o.e[e] = (raw_cache)rc_quantize_fp8(x[e], inv_scale, FP8_DT);
+  }
   *reinterpret_cast<VecOf<W * S_CACHE>::T*>(static_cast<char*>(base) + elem * S_CACHE) = o.v;
 }
 
@@ -579,7 +587,10 @@ __device__ __forceinline__ void store_key_chunk_f32(void* base, const KeyIndex& 
     for (int m = 0; m < W / KW; ++m) {
       KeyPiece o;
 #pragma unroll
-      for (int e = 0; e < KW; ++e) o.e[e] = (raw_cache)rc_quantize_fp8(x[m * KW + e], inv_scale, FP8_DT);
+      for (int e = 0; e < KW; ++e) {
+        if constexpr (INT8C) o.e[e] = (raw_cache)(rc_u8)rc_quantize_int(x[m * KW + e], inv_scale, 127.0f);
+        else o.e[e] = (raw_cache)rc_quantize_fp8(x[m * KW + e], inv_scale, FP8_DT);
+      }
       *reinterpret_cast<VecOf<KW * S_CACHE>::T*>(static_cast<char*>(base) + at(m * KW) * S_CACHE) = o.v;
     }
   }
@@ -1416,6 +1427,12 @@ __device__ __forceinline__ Chunk norm_pass_after_unit(const Params& p, i64 T, i6
 // each k unit recomputes the whole row's values (L1 hits). V: row units (token, kv head, chunk) in
 // every layout, each reading the whole v row for its amax (v_unit_token).
 
+// A row's scale from its amax: r32(max(amax, 1e-8) / Q), Q the cache format's largest value.
+__device__ __forceinline__ float row_scale(float amax) {
+  if constexpr (INT8C) return rc_low_bit_scale(amax, false);
+  return rc_token_scale(amax, FP8_DT);
+}
+
 // Element offset of kv head h's scale at cache slot s in the scale caches [.., NB, KH, BS] (head_major:
 // [.., KH, NB, BS], s counting the layers' slots one after the other).
 __device__ __forceinline__ i64 scale_index(i64 s, int h) {
@@ -1629,7 +1646,7 @@ __device__ __forceinline__ void v_unit_token(const Params& p, i64 T, i64 t0, int
       for (int e = 0; e < W; ++e) m = rc_amax_step(m, to_f32<DT>(y.e[e]));
     }
   }
-  const float scale = rc_token_scale(m, FP8_DT), inv = rc_inv_scale(scale);
+  const float scale = row_scale(m), inv = rc_inv_scale(scale);
 #if RC_TOKEN_SCALES
   store_if(ok && c == 0, p.v_sc + scale_index(s, h), __float_as_uint(scale));
 #endif
@@ -1748,7 +1765,7 @@ __device__ __forceinline__ void rot_unit(const Params& p, i64 T, i64 max_pos, i6
         }
         own = chunk_amax(va, vb);
       }
-      const float scale = rc_token_scale(k_amax(p, T, max_pos, t0, u, own, rotate), FP8_DT);
+      const float scale = row_scale(k_amax(p, T, max_pos, t0, u, own, rotate));
       inv_k = rc_inv_scale(scale);
 #if RC_TOKEN_SCALES
       if (j == 0 && s_any >= 0) p.k_sc[scale_index(s_any, h - QH)] = scale;
@@ -1807,7 +1824,7 @@ __device__ __forceinline__ void pass_unit(const Params& p, i64 T, i64 max_pos, i
   if constexpr (KS_HEADS) inv_k = head_inv(p.k_scale, is_k ? h - QH : 0, inv_k, true);
   if constexpr (TOKEN) {  // R < D: never TOKEN_LANES; the rotation unit of chunk 0 writes the scale
     if (is_k) {
-      const float scale = rc_token_scale(k_row_amax(p, T, max_pos, t, h, rotate), FP8_DT);
+      const float scale = row_scale(k_row_amax(p, T, max_pos, t, h, rotate));
       inv_k = rc_inv_scale(scale);
 #if RC_TOKEN_SCALES
       if constexpr (P == 0) {  // NoPE: no rotation unit, pass chunk 0 writes it
