@@ -28,7 +28,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from conftest import TIER, Case, make_problem, tier_sample
+from conftest import TIER, Case, make_problem, num_blocks, tier_sample
 from jax_rope_cache import contract, reference
 
 tcc = pytest.importorskip("test_cuda_compile")  # skips this module where NVRTC is missing, as that one
@@ -55,6 +55,7 @@ class FCase:
     layer: int | None = None         # the layer written (None: the last)
     f32_weight: bool = False         # norm weights in float32 (else q's dtype)
     int8: bool = False               # an int8 cache (per-token scales; case.cache_dtype an fp8 stand-in)
+    int4: bool = False               # an int4 cache (uint8 bytes of two values), the same way
 
     @property
     def id(self) -> str:
@@ -62,7 +63,8 @@ class FCase:
         parts = [f"T{c.T}-h{c.QH}x{c.KH}-D{c.D}-R{c.R or c.D}-{c.layout}-{'neox' if c.is_neox else 'gptj'}-{c.table}",
                  f"{c.dtype}-{c.table_dtype}-{c.cache_dtype or 'same'}-{c.precision}"]
         for on, name in ((self.nope, "nope"), (self.tail, "tail"), (self.after, "after"), (self.q_gate, "qgate"),
-                         (self.token, "token"), (self.f32_weight, "wf32"), (self.int8, "int8")):
+                         (self.token, "token"), (self.f32_weight, "wf32"), (self.int8, "int8"),
+                         (self.int4, "int4")):
             if on:
                 parts.append(name)
         if self.use_rope is not None:
@@ -99,6 +101,12 @@ def problem(fc: FCase, seed: int = 5):
         assert fc.token
         args = args[:3] + tuple(None if a is None else rng.integers(-128, 128, a.shape).astype(np.int8)
                                 for a in args[3:5]) + args[5:]
+    if fc.int4:  # random bytes in the int4 storage shapes (rows of D / 2 bytes)
+        assert fc.token
+        lead = () if fc.layers is None else (fc.layers,)
+        shapes = contract.cache_shapes(c.layout, num_blocks(c), c.BS, c.KH, c.D, contract.INT4)
+        args = args[:3] + tuple(None if sh is None else rng.integers(0, 256, lead + tuple(sh)).astype(np.uint8)
+                                for sh in shapes) + args[5:]
     q, k, v = args[:3]
     if fc.nope:
         opts["rotary_dim"] = 0
@@ -315,7 +323,7 @@ def test_matrix_covers_every_option():
             "q_gate", "token_scales"} <= on
     assert {"nope", "rope_switch", "rotary_tail", "gemma_norm", "weightless_norm", "norm_after", "temperature",
             "q_gate", "int8_cache"} <= cuda.SUPPORTS
-    assert "int4_cache" not in cuda.SUPPORTS  # refused: int4 caches are not in the CUDA kernel yet
+    assert "int4_cache" in cuda.SUPPORTS
     assert any(problem(fc)[0].int8 for fc in INT8_MATRIX)
 
 
@@ -400,10 +408,45 @@ def test_host_emulation_int8_would_catch_a_wrong_rounding(emu_dir):
     fc = FCase(Case(T=21, QH=4, KH=2, D=64, cache_dtype=E4), token=True, int8=True)
     spec, kargs, ref = problem(fc)
     want = reference_results(spec, ref)
-    for old, new in [("if constexpr (INT8C) return rc_low_bit_scale(amax, false);",
-                      "if constexpr (INT8C) return rc_low_bit_scale(amax, true);"),
+    for old, new in [("if constexpr (LOWB) return rc_low_bit_scale(amax, INT4C != 0);",
+                      "if constexpr (LOWB) return rc_low_bit_scale(amax, true);"),
                      ("if constexpr (INT8C) return (raw_cache)(rc_u8)rc_quantize_int(to_f32<DT>(x), inv_scale, 127.0f);",
                       "if constexpr (INT8C) return (raw_cache)(rc_u8)rc_quantize_int(to_f32<DT>(x), inv_scale, 128.0f);")]:
+        assert src.count(old) == 1, old
+        got = run_family_emulation(spec, kargs, ref["opts"], emu_dir, source=src.replace(old, new))
+        with pytest.raises(AssertionError):
+            assert_bitwise(got, want)
+
+
+# ---- int4 caches (per-token scales, two values a byte) --------------------------------------------------
+def int4_matrix() -> list[FCase]:
+    out = [dataclasses.replace(fc, int8=False, int4=True) for fc in INT8_MATRIX
+           if fc.case.D % 32 == 0 or not contract.LAYOUT_TABLE[fc.case.layout].packed]
+    out.append(FCase(Case(T=21, QH=4, KH=2, D=64, cache_dtype=E4, is_neox=False, table="full", dtype="float32"),
+                     token=True, int4=True, norm="gemma"))
+    return out
+
+
+INT4_MATRIX = int4_matrix()
+
+
+@pytest.mark.parametrize("fc", tier_sample(INT4_MATRIX, 3), ids=lambda fc: fc.id)
+def test_host_emulation_int4_caches_bitwise(fc, emu_dir):
+    spec, want = check(fc, emu_dir)
+    assert spec.int4 and spec.token_scales
+
+
+def test_host_emulation_int4_would_catch_a_wrong_nibble_order(emu_dir):
+    src, _ = cuda.kernel_sources()
+    fc = FCase(Case(T=21, QH=4, KH=2, D=64, cache_dtype=E4), token=True, int4=True)
+    spec, kargs, ref = problem(fc)
+    want = reference_results(spec, ref)
+    for old, new in [("o.e[e] = (raw_cache)rc_pack_int4(rc_quantize_int(y[2 * e], inv_scale, 7.0f),\n"
+                      "                                     rc_quantize_int(y[2 * e + 1], inv_scale, 7.0f));",
+                      "o.e[e] = (raw_cache)rc_pack_int4(rc_quantize_int(y[2 * e + 1], inv_scale, 7.0f),\n"
+                      "                                     rc_quantize_int(y[2 * e], inv_scale, 7.0f));"),
+                     ("if constexpr (LOWB) return rc_low_bit_scale(amax, INT4C != 0);",
+                      "if constexpr (LOWB) return rc_low_bit_scale(amax, false);")]:
         assert src.count(old) == 1, old
         got = run_family_emulation(spec, kargs, ref["opts"], emu_dir, source=src.replace(old, new))
         with pytest.raises(AssertionError):
@@ -427,7 +470,12 @@ def compile_cases() -> list[FCase]:
                  token=True, temp=(4, 0.1)),
            FCase(Case(T=8192, QH=32, KH=8, D=128, dtype="bfloat16", layout="xpacked", cache_dtype=E4), token=True,
                  int8=True),
-           FCase(Case(T=8, QH=32, KH=8, D=128, dtype="bfloat16", cache_dtype=E4), token=True, int8=True, norm="rms")]
+           FCase(Case(T=8, QH=32, KH=8, D=128, dtype="bfloat16", cache_dtype=E4), token=True, int8=True, norm="rms"),
+           FCase(Case(T=8192, QH=32, KH=8, D=128, dtype="bfloat16", layout="xpacked", cache_dtype=E4), token=True,
+                 int4=True),
+           FCase(Case(T=8, QH=32, KH=8, D=128, dtype="bfloat16", cache_dtype=E4), token=True, int4=True, norm="rms"),
+           FCase(Case(T=64, QH=8, KH=1, D=64, dtype="float32", layout="hnd", cache_dtype=E4, is_neox=False),
+                 token=True, int4=True, use_rope=True, norm="weightless", after=True)]
     return out
 
 
@@ -550,3 +598,16 @@ def test_cuda_lowering_of_an_int8_cache(monkeypatch):
                              disabled_checks=checks)(*args).mlir_module()
     calls = [ln for ln in text.splitlines() if "stablehlo.custom_call @jax_rope_cache_gpu" in ln]
     assert len(calls) == 1 and "tensor<8x16x2x64xi8>" in calls[0], calls
+
+
+def test_int4_shapes_the_kernel_cannot_take_are_refused():
+    """An int4 cache with one-channel chunks (NeoX, odd R / 2): KernelUnavailable from NotImplementedError."""
+    from jax_rope_cache.backends import native
+
+    ok = problem(FCase(Case(T=9, QH=2, KH=1, D=64, cache_dtype=E4), token=True, int4=True))[0]
+    cuda.refuse_int4_shape(ok)
+    odd = problem(FCase(Case(T=9, QH=2, KH=1, D=64, R=6, cache_dtype=E4), token=True, int4=True))[0]
+    assert cuda.chunk_width(odd) == 1
+    with pytest.raises(native.KernelUnavailable) as e:
+        cuda.refuse_int4_shape(odd)
+    assert isinstance(e.value.__cause__, NotImplementedError) and "odd R / 2" in str(e.value.__cause__)

@@ -34,7 +34,7 @@ DEFAULT_SMS = 132
 # contract.FEATURES the CUDA kernel implements (others: the XLA path, or an error with impl="kernel").
 SUPPORTS: frozenset[str] = frozenset({"q_norm", "k_norm", "k_scale_heads", "v_scale_heads", "mrope", "token_scales",
                                       "nope", "rope_switch", "rotary_tail", "gemma_norm", "weightless_norm",
-                                      "norm_after", "temperature", "q_gate", "int8_cache"})
+                                      "norm_after", "temperature", "q_gate", "int8_cache", "int4_cache"})
 
 
 @functools.cache
@@ -234,7 +234,7 @@ def _latency_width(spec: contract.OpSpec, w: int, vch: int = 1) -> int:
     / 2.15 -> 1.91 us, with the norm 2.26 -> 1.94 / 2.39 -> 2.16; Llama-8B (448 -> 896 threads)
     2.01 -> 2.08: slower, so not there."""
     half = chunk_width(spec, max_bytes=max(1, w * np.dtype(spec.dtype).itemsize // 2))
-    if half >= w or _block_units(spec, half, vch)[0](1) > MAX_THREADS:
+    if half >= w or _block_units(spec, half, vch)[0](1) > MAX_THREADS or (spec.int4 and half % 2):
         return w
     d = spec.head_dim
     lanes_path = spec.rotary_dim == d and d & (d - 1) == 0 and _rot_lanes(spec, half) <= 32
@@ -303,7 +303,7 @@ def kernel_config(spec: contract.OpSpec, num_sms: int = DEFAULT_SMS, vch: int | 
     # early chunks cost ~8 registers, which in larger calls would take resident blocks away.
     early_w = int(-(-t // tpb) <= num_sms)
     if vsel is None:  # the default: several KV heads only; fp8 caches at most 2 channels (registers)
-        vsel = 0 if spec.kv_heads < 2 else min(V_SELECT_CHANNELS, 2) if spec.fp8 or spec.int8 else V_SELECT_CHANNELS
+        vsel = 0 if spec.kv_heads < 2 else min(V_SELECT_CHANNELS, 2) if spec.fp8 or spec.low_bit else V_SELECT_CHANNELS
     vsel = v_select(spec, tpb, vch, vsel)
     c = kernel_codes(spec)
     defines = tuple((f"RC_{name}", int(getattr(c, field))) for name, field in _DEFINES) + (
@@ -354,14 +354,15 @@ def family_defines(spec: contract.OpSpec, defines: tuple) -> tuple:
 
 # RcLowBitDtype of kernels/common/rope_cache_math.h: the int8 cache's code (contract.DTYPE_CODES has the
 # floating-point formats only).
-INT8_CODE = 6
+INT8_CODE, INT4_CODE = 6, 7
 
 
 def kernel_codes(spec: contract.OpSpec) -> contract.KernelCodes:
-    """contract.kernel_codes, with an int8 cache's code (the rest as for a one-byte fp8 cache)."""
-    if spec.int8:
+    """contract.kernel_codes, with an int8 / int4 cache's code (the rest as for a one-byte fp8 cache: X is
+    16 bytes either way; an int4 row is D / 2 bytes, which the kernel derives from RC_D)."""
+    if spec.low_bit:
         fp8 = dataclasses.replace(spec, cache_dtype=contract.FP8_DTYPES[0])
-        return dataclasses.replace(contract.kernel_codes(fp8), cache_dt=INT8_CODE)
+        return dataclasses.replace(contract.kernel_codes(fp8), cache_dt=INT8_CODE if spec.int8 else INT4_CODE)
     return contract.kernel_codes(spec)
 
 
@@ -503,8 +504,26 @@ def buffer_names(spec: contract.OpSpec) -> str:
     return ",".join(names[:n] + list(contract.extra_operands(spec)) + names[n:])
 
 
+def refuse_int4_shape(spec: contract.OpSpec) -> None:
+    """int4 caches: a thread stores whole bytes (two channels) of its chunk, so the chunks must be of an
+    even width (NeoX with an odd R / 2 has one-channel chunks) and X the default; KernelUnavailable
+    otherwise (impl=None: the XLA path with a warning, impl="kernel": NotImplementedError)."""
+    if not spec.int4:
+        return
+    why = None
+    if chunk_width(spec) % 2:
+        why = f"NeoX rotary_dim={spec.rotary_dim} (an odd R / 2 leaves one-channel chunks)"
+    elif spec.pack_x:
+        why = f"an x-packed group of X={spec.pack_x} bytes (only the default 16)"
+    if why is not None:
+        raise native.KernelUnavailable(f"int4 caches with {why}, which the {NAME} kernel does not implement") from (
+            NotImplementedError(f"rope_and_cache: impl='kernel' on {NAME}: int4 caches with {why} are not "
+                                "implemented; use impl=None (the XLA implementation then runs) or impl='xla'"))
+
+
 def lower(ctx, args, spec: contract.OpSpec):
     native.refuse_unsupported(spec, SUPPORTS, NAME)
+    refuse_int4_shape(spec)
     cc, sms = _local_cuda_arch()
     cfg = kernel_config(spec, sms)
     if spec.num_tokens > 0 and kernel_node.wanted()[0]:

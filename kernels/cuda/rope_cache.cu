@@ -263,16 +263,17 @@ constexpr bool NEOX = RC_NEOX != 0, FULL = RC_FULL_TABLE != 0, NATIVE = RC_NATIV
 constexpr int DT = RC_DT, TAB_DT = RC_TAB_DT, CDT = RC_CACHE_DT, LAYOUT = RC_LAYOUT;
 constexpr bool FP8 = CDT == RC_FP8_E4M3FN || CDT == RC_FP8_E4M3FNUZ || CDT == RC_FP8_E5M2;
 // int8 caches (RC_CACHE_DT = RC_INT8): per-token scales only (RC_TOKEN_SCALES), values in [-127, 127].
-enum : int { INT8C = CDT == RC_INT8 };
+// int4 caches (RC_INT4): bytes of two values (channel 2j in the low nibble), rows of D / 2 bytes.
+enum : int { INT8C = CDT == RC_INT8, INT4C = CDT == RC_INT4, LOWB = INT8C || INT4C, CPB = INT4C ? 2 : 1 };
 constexpr int ARITH = rc_arith(NATIVE, DT, TAB_DT);  // RC_ARITH_FP32, "rounded" (DT) or RC_ARITH_FUSED
 // An fp8 key cache in "fused" arithmetic quantizes the rotated f32 values, not the rounded k_out.
 // The norm after the rotation makes k_out (rounded, normalised) what the cache stores.
-constexpr bool WIDE_K = (FP8 || INT8C) && ARITH == RC_ARITH_FUSED && !NORM_AFTER;
+constexpr bool WIDE_K = (FP8 || LOWB) && ARITH == RC_ARITH_FUSED && !NORM_AFTER;
 constexpr RcDtype FP8_DT = static_cast<RcDtype>(CDT);  // the fp8 format rc_quantize_fp8 writes (FP8 only)
 constexpr bool XP = LAYOUT == RC_XPACKED || LAYOUT == RC_XPACKED_SHUFFLED;  // flash and hnd: rows of D
 constexpr int S_IN = DT == RC_F32 ? 4 : 2;
 constexpr int S_TAB = TAB_DT == RC_F32 ? 4 : 2;
-constexpr int S_CACHE = (FP8 || INT8C) ? 1 : S_IN;
+constexpr int S_CACHE = (FP8 || LOWB) ? 1 : S_IN;
 constexpr int X = RC_X > 0 ? RC_X : 16 / S_CACHE;  // x-packed group width (elements)
 constexpr bool X_FITS = X * S_CACHE <= 16;           // a group of X elements is one access
 // Elements per key-cache store of a chunk: the chunk, or one X group of it where X < W.
@@ -353,9 +354,11 @@ static_assert(LAYOUT >= RC_FLASH && LAYOUT <= RC_KV_MERGED, "RC_LAYOUT");
 static_assert((LAYOUT == RC_HEAD_MAJOR) == (NBL > 0) && (RC_LAYER_BLOCKS == 0 || NBL == 0 || RC_LAYER_BLOCKS == NBL),
               "RC_NB: head_major's blocks per layer (the stacked caches' RC_LAYER_BLOCKS), 0 otherwise");
 static_assert(!XP || (D % X == 0), "x-packed layouts need D % X == 0");
+static_assert(!XP || !INT4C || ((D / 2) % X == 0), "x-packed int4 caches need (D / 2) % X == 0");
 static_assert(LAYOUT != RC_XPACKED_SHUFFLED || BS % X == 0, "xpacked_shuffled needs BS % X == 0");
 static_assert(DT == RC_F32 || DT == RC_BF16 || DT == RC_F16, "RC_DT");
-static_assert(FP8 || INT8C || CDT == DT, "cache dtype: q's dtype, fp8 or int8");
+static_assert(FP8 || LOWB || CDT == DT, "cache dtype: q's dtype, fp8, int8 or int4");
+static_assert(!INT4C || (W % 2 == 0 && RC_X == 0), "int4 caches: chunks of whole bytes, the default X");
 static_assert(TPB >= 1 && (TPB & (TPB - 1)) == 0, "RC_TPB: a power of two");
 static_assert(SPLIT >= 1 && SPLIT <= 64, "RC_SPLIT: 1 .. 64 parts");
 static_assert(RC_F16 == 2, "RC_PACKED_NATIVE's #if spells RC_F16 as 2");
@@ -364,8 +367,8 @@ static_assert(K_NORM == -1 || K_NORM == RC_F32 || K_NORM == DT, "RC_K_NORM: -1, 
 static_assert(!NORM_LANES || (is_pow2(P) && 32 % P == 0 && U_ROT % P == 0 && CH == (NEOX ? 2 : 1) * P),
               "a head's rotation units: P aligned lanes of one warp covering the row");
 static_assert(!(KS_HEADS || VS_HEADS) || FP8, "per-head scales: fp8 caches only");
-static_assert(!INT8C || TOKEN, "int8 caches: per-token scales (RC_TOKEN_SCALES)");
-static_assert(!TOKEN || ((FP8 || INT8C) && !KS_HEADS && !VS_HEADS && VCH == 1 && VSEL == 0),
+static_assert(!LOWB || TOKEN, "int8 / int4 caches: per-token scales (RC_TOKEN_SCALES)");
+static_assert(!TOKEN || ((FP8 || LOWB) && !KS_HEADS && !VS_HEADS && VCH == 1 && VSEL == 0),
               "RC_TOKEN_SCALES: fp8 caches, no static per-head scales, one-channel V units");
 static_assert(VCH == 1 || X * S_CACHE == 16, "RC_VCH > 1: 16-byte x-packed groups (the default X)");
 static_assert(VSEL == 0 || X * S_CACHE == 16, "RC_VSEL: 16-byte x-packed groups (the default X)");
@@ -405,8 +408,8 @@ union Chunk {
 };
 // W cache elements moved as one access (same bytes as Chunk unless the cache is fp8).
 union CacheChunk {
-  VecOf<W * S_CACHE>::T v;
-  raw_cache e[W];
+  VecOf<W * S_CACHE / CPB>::T v;
+  raw_cache e[W / CPB];
 };
 // X cache elements: one piece (16 bytes at the default X) of an x-packed row (V_RUNS: X_FITS).
 union CachePiece {
@@ -505,27 +508,52 @@ __device__ __forceinline__ void store_chunk(void* base, i64 elem, const Chunk& c
 }
 
 __device__ __forceinline__ raw_cache to_cache(raw_in x, float inv_scale) {
+  if constexpr (INT4C) return (raw_cache)0;  // never called: int4 stores pack pairs (int4_chunk)
   if constexpr (INT8C) return (raw_cache)(rc_u8)rc_quantize_int(to_f32<DT>(x), inv_scale, 127.0f);
   if (FP8) return (raw_cache)rc_quantize_fp8(to_f32<DT>(x), inv_scale, FP8_DT);
   return (raw_cache)x;
 }
 
+// int4: W f32 values as W / 2 bytes (pairs 2j, 2j + 1 of the chunk; chunks start at even channels).
+__device__ __forceinline__ CacheChunk int4_chunk(const float* y, float inv_scale) {
+  CacheChunk o;
+#pragma unroll
+  for (int e = 0; e < W / CPB; ++e)
+    o.e[e] = (raw_cache)rc_pack_int4(rc_quantize_int(y[2 * e], inv_scale, 7.0f),
+                                     rc_quantize_int(y[2 * e + 1], inv_scale, 7.0f));
+  return o;
+}
+__device__ __forceinline__ CacheChunk int4_chunk(const Chunk& c, float inv_scale) {
+  float y[W];
+#pragma unroll
+  for (int e = 0; e < W; ++e) y[e] = to_f32<DT>(c.e[e]);
+  return int4_chunk(y, inv_scale);
+}
+
 __device__ __forceinline__ void store_cache_chunk(void* base, i64 elem, const Chunk& c, float inv_scale) {
+  if constexpr (INT4C) {
+    *reinterpret_cast<VecOf<W * S_CACHE / CPB>::T*>(static_cast<char*>(base) + elem) = int4_chunk(c, inv_scale).v;
+    return;
+  }
   CacheChunk o;
 #pragma unroll
   for (int e = 0; e < W; ++e) o.e[e] = to_cache(c.e[e], inv_scale);
-  *reinterpret_cast<VecOf<W * S_CACHE>::T*>(static_cast<char*>(base) + elem * S_CACHE) = o.v;
+  *reinterpret_cast<decltype(o.v)*>(static_cast<char*>(base) + elem * S_CACHE) = o.v;
 }
 
 // W f32 values quantized into an fp8 cache as one access (WIDE_K only).
 __device__ __forceinline__ void store_cache_chunk_f32(void* base, i64 elem, const float* x, float inv_scale) {
+  if constexpr (INT4C) {
+    *reinterpret_cast<VecOf<W * S_CACHE / CPB>::T*>(static_cast<char*>(base) + elem) = int4_chunk(x, inv_scale).v;
+    return;
+  }
   CacheChunk o;
 #pragma unroll
   for (int e = 0; e < W; ++e) {
     if constexpr (INT8C) o.e[e] = (raw_cache)(rc_u8)rc_quantize_int(x[e], inv_scale, 127.0f);
     else o.e[e] = (raw_cache)rc_quantize_fp8(x[e], inv_scale, FP8_DT);
   }
-  *reinterpret_cast<VecOf<W * S_CACHE>::T*>(static_cast<char*>(base) + elem * S_CACHE) = o.v;
+  *reinterpret_cast<decltype(o.v)*>(static_cast<char*>(base) + elem * S_CACHE) = o.v;
 }
 
 // *addr = v if `pred`, as one predicated store (no branch: the loads feeding it stay ahead of the
@@ -556,6 +584,10 @@ __device__ __forceinline__ void store_if(bool pred, void* addr, V v) {
 }
 
 __device__ __forceinline__ void store_cache_chunk_if(bool pred, void* base, i64 elem, const Chunk& c, float inv_scale) {
+  if constexpr (INT4C) {
+    store_if(pred, static_cast<char*>(base) + elem, int4_chunk(c, inv_scale).v);
+    return;
+  }
   CacheChunk o;
 #pragma unroll
   for (int e = 0; e < W; ++e) o.e[e] = to_cache(c.e[e], inv_scale);
@@ -610,8 +642,27 @@ __device__ __forceinline__ i64 head_major_index(i64 blk, i64 off, int h, int d) 
   return (((layer * KH + h) * NBL_DIV + (blk - layer * NBL_DIV)) * BS + off) * D + d;
 }
 
+// int4 caches: the byte offsets of key_index / value_index in rows of DR = D / 2 bytes, e = d / 2.
+template <int DR>
+__device__ __forceinline__ i64 key_index_bytes(i64 blk, i64 off, int h, int e) {
+  const i64 layer = blk / NBL_DIV;
+  if (LAYOUT == RC_FLASH) return ((blk * BS + off) * KH + h) * DR + e;
+  if (LAYOUT == RC_HND) return ((blk * KH + h) * BS + off) * DR + e;
+  if (LAYOUT == RC_HEAD_MAJOR) return (((layer * KH + h) * NBL_DIV + (blk - layer * NBL_DIV)) * BS + off) * DR + e;
+  if (LAYOUT == RC_KV_MERGED) return ((blk * BS + off) * (2 * KH) + 2 * h) * DR + e;
+  return (((blk * KH + h) * (DR / X) + e / X) * BS + off) * X + e % X;
+}
+template <int DR>
+__device__ __forceinline__ i64 value_index_bytes(i64 blk, i64 off, int h, int e) {
+  if (LAYOUT == RC_KV_MERGED) return ((blk * BS + off) * (2 * KH) + 2 * h + 1) * DR + e;
+  if (LAYOUT == RC_XPACKED) return ((blk * KH + h) * DR + e) * BS + off;
+  if (LAYOUT == RC_XPACKED_SHUFFLED) return (((blk * KH + h) * (BS / X) + off / X) * DR + e) * X + off % X;
+  return key_index_bytes<DR>(blk, off, h, e);
+}
+
 // Element offset of channel d (start of an aligned chunk) of kv head h at (blk, off).
 __device__ __forceinline__ i64 key_index(i64 blk, i64 off, int h, int d) {
+  if constexpr (INT4C) return key_index_bytes<D / 2>(blk, off, h, d / 2);
   if (LAYOUT == RC_FLASH) return ((blk * BS + off) * KH + h) * D + d;
   if (LAYOUT == RC_HND) return ((blk * KH + h) * BS + off) * D + d;
   if (LAYOUT == RC_HEAD_MAJOR) return head_major_index(blk, off, h, d);
@@ -621,6 +672,7 @@ __device__ __forceinline__ i64 key_index(i64 blk, i64 off, int h, int d) {
 
 // kv_merged: the V row of head h right after its K row, in the key cache (vcache).
 __device__ __forceinline__ i64 value_index(i64 blk, i64 off, int h, int d) {
+  if constexpr (INT4C) return value_index_bytes<D / 2>(blk, off, h, d / 2);
   if (LAYOUT == RC_FLASH) return ((blk * BS + off) * KH + h) * D + d;
   if (LAYOUT == RC_HND) return ((blk * KH + h) * BS + off) * D + d;
   if (LAYOUT == RC_HEAD_MAJOR) return head_major_index(blk, off, h, d);
@@ -1429,7 +1481,7 @@ __device__ __forceinline__ Chunk norm_pass_after_unit(const Params& p, i64 T, i6
 
 // A row's scale from its amax: r32(max(amax, 1e-8) / Q), Q the cache format's largest value.
 __device__ __forceinline__ float row_scale(float amax) {
-  if constexpr (INT8C) return rc_low_bit_scale(amax, false);
+  if constexpr (LOWB) return rc_low_bit_scale(amax, INT4C != 0);
   return rc_token_scale(amax, FP8_DT);
 }
 
@@ -1650,7 +1702,12 @@ __device__ __forceinline__ void v_unit_token(const Params& p, i64 T, i64 t0, int
 #if RC_TOKEN_SCALES
   store_if(ok && c == 0, p.v_sc + scale_index(s, h), __float_as_uint(scale));
 #endif
-  if constexpr (XP) {  // x-packed: the chunk's channels are not adjacent in a value row
+  if constexpr (XP && INT4C) {  // one byte (two channels) at a time
+    const CacheChunk o = int4_chunk(x, inv);
+#pragma unroll
+    for (int e = 0; e < W / 2; ++e)
+      store_if(ok, static_cast<raw_cache*>(p.vc) + value_index(s / BS, s % BS, h, c * W + 2 * e), o.e[e]);
+  } else if constexpr (XP) {  // x-packed: the chunk's channels are not adjacent in a value row
 #pragma unroll
     for (int e = 0; e < W; ++e)
       store_if(ok, static_cast<raw_cache*>(p.vc) + value_index(s / BS, s % BS, h, c * W + e), to_cache(x.e[e], inv));
