@@ -516,7 +516,7 @@ def _cuda_devices():
 
 
 @pytest.mark.skipif(not _cuda_devices(), reason="needs a CUDA device")
-@pytest.mark.parametrize("fc", MATRIX, ids=lambda fc: fc.id)
+@pytest.mark.parametrize("fc", MATRIX + INT8_MATRIX + INT4_MATRIX, ids=lambda fc: fc.id)
 def test_gpu_kernel_family_options_bitwise(fc):
     import jax_rope_cache as jrc
 
