@@ -56,6 +56,7 @@ class FCase:
     f32_weight: bool = False         # norm weights in float32 (else q's dtype)
     int8: bool = False               # an int8 cache (per-token scales; case.cache_dtype an fp8 stand-in)
     int4: bool = False               # an int4 cache (uint8 bytes of two values), the same way
+    mrope: tuple | None = None       # M-RoPE sections (positions [3, T])
 
     @property
     def id(self) -> str:
@@ -73,6 +74,8 @@ class FCase:
             parts.append(self.norm)
         if self.temp:
             parts.append(f"temp{self.temp[0]}")
+        if self.mrope:
+            parts.append("mrope" + ".".join(map(str, self.mrope)))
         if self.layers:
             parts.append(f"L{self.layers}.{self.layer}")
         if c.index_dtype == "int64":
@@ -126,6 +129,11 @@ def problem(fc: FCase, seed: int = 5):
         opts["norm_position"] = "after"
     if fc.temp:
         opts["attn_temperature"] = fc.temp
+    if fc.mrope:  # three position streams near each other (text tokens: equal)
+        p = args[6]
+        pos = np.stack([p, p + rng.integers(0, 3, len(p)), p + rng.integers(-2, 5, len(p))]).astype(p.dtype)
+        args = args[:6] + (pos,) + args[7:]
+        opts["mrope_section"] = fc.mrope
     spec = contract.check_op(*args, **{n: o for n, o in opts.items()})
     kargs = list(args)
     ref = dict(args=args, opts=opts)
@@ -304,6 +312,11 @@ def family_matrix() -> list[FCase]:
                        precision="native"), norm="gemma", after=True, tail=True, token=True),
             FCase(Case(T=13, QH=2, KH=1, D=96, R=32, dtype="float32", layout="hnd"), norm="weightless", after=True,
                   use_rope=True)]
+    # M-RoPE with the switch (blocks of several tokens: the merged rows and their barrier, RC_MROW) and the
+    # norm after the rotation
+    mr = Case(T=300, QH=4, KH=2, D=64, dtype="bfloat16", layout="xpacked", NB=40)
+    out += [FCase(mr, mrope=(8, 12, 12), use_rope=rope, norm="rms", after=after)
+            for rope, after in ((False, False), (True, True), (False, True))]
     # stacked layers: a valid layer and one outside [0, L) (nothing written)
     out += [FCase(Case(T=21, QH=4, KH=2, D=64, layout="xpacked", cache_dtype=E4), nope=True, layers=2, layer=5),
             FCase(Case(T=21, QH=4, KH=2, D=64, R=32, layout="hnd"), tail=True, norm="rms", after=True, layers=3,
