@@ -308,7 +308,7 @@ def test_every_family_option_is_a_feature_and_only_the_cpu_handler_implements_so
     assert set(FAMILY) == {"nope", "rope_switch", "rotary_tail", "gemma_norm", "weightless_norm", "norm_after",
                            "temperature", "q_gate"}
     for name, backend in backends.KERNEL_BACKENDS.items():
-        assert set(FAMILY) & set(backend.SUPPORTS) == (CPU_FAMILY if name == "cpu" else set()), name
+        assert set(FAMILY) & set(backend.SUPPORTS) == {"cpu": CPU_FAMILY, "cuda": set(FAMILY)}.get(name, set()), name
     for f in FAMILY:
         assert f in contract.FEATURE_NAMES
 

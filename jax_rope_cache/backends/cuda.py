@@ -32,7 +32,9 @@ NODE_KERNEL_NAME = "rope_cache_node"  # the kernel-node entry (RC_NODE builds)
 DEFAULT_ARCH = 90
 DEFAULT_SMS = 132
 # contract.FEATURES the CUDA kernel implements (others: the XLA path, or an error with impl="kernel").
-SUPPORTS: frozenset[str] = frozenset({"q_norm", "k_norm", "k_scale_heads", "v_scale_heads", "mrope", "token_scales"})
+SUPPORTS: frozenset[str] = frozenset({"q_norm", "k_norm", "k_scale_heads", "v_scale_heads", "mrope", "token_scales",
+                                      "nope", "rope_switch", "rotary_tail", "gemma_norm", "weightless_norm",
+                                      "norm_after", "temperature", "q_gate", "int8_cache", "int4_cache"})
 
 
 @functools.cache
@@ -232,12 +234,12 @@ def _latency_width(spec: contract.OpSpec, w: int, vch: int = 1) -> int:
     / 2.15 -> 1.91 us, with the norm 2.26 -> 1.94 / 2.39 -> 2.16; Llama-8B (448 -> 896 threads)
     2.01 -> 2.08: slower, so not there."""
     half = chunk_width(spec, max_bytes=max(1, w * np.dtype(spec.dtype).itemsize // 2))
-    if half >= w or _block_units(spec, half, vch)[0](1) > MAX_THREADS:
+    if half >= w or _block_units(spec, half, vch)[0](1) > MAX_THREADS or (spec.int4 and half % 2):
         return w
     d = spec.head_dim
     lanes_path = spec.rotary_dim == d and d & (d - 1) == 0 and _rot_lanes(spec, half) <= 32
     # the generic norm and amax paths: each unit reads its row, so more units is more work
-    return half if not (spec.norm or spec.token_scales) or lanes_path else w
+    return half if not (spec.qk_norm or spec.token_scales) or lanes_path else w
 
 
 def kernel_config(spec: contract.OpSpec, num_sms: int = DEFAULT_SMS, vch: int | None = None,
@@ -301,9 +303,9 @@ def kernel_config(spec: contract.OpSpec, num_sms: int = DEFAULT_SMS, vch: int | 
     # early chunks cost ~8 registers, which in larger calls would take resident blocks away.
     early_w = int(-(-t // tpb) <= num_sms)
     if vsel is None:  # the default: several KV heads only; fp8 caches at most 2 channels (registers)
-        vsel = 0 if spec.kv_heads < 2 else min(V_SELECT_CHANNELS, 2) if spec.fp8 else V_SELECT_CHANNELS
+        vsel = 0 if spec.kv_heads < 2 else min(V_SELECT_CHANNELS, 2) if spec.fp8 or spec.low_bit else V_SELECT_CHANNELS
     vsel = v_select(spec, tpb, vch, vsel)
-    c = contract.kernel_codes(spec)
+    c = kernel_codes(spec)
     defines = tuple((f"RC_{name}", int(getattr(c, field))) for name, field in _DEFINES) + (
         ("RC_NORM_EPS_BITS", _f32_bits(c.norm_eps)), ("RC_WCH", w), ("RC_TPB", tpb), ("RC_NT", nt), ("RC_MINB", minb),
         ("RC_VPAIRS", 1), ("RC_VCH", vch), ("RC_VSEL", vsel), ("RC_EARLY_W", early_w))
@@ -323,7 +325,45 @@ def kernel_config(spec: contract.OpSpec, num_sms: int = DEFAULT_SMS, vch: int | 
         defines += (("RC_KPAIRS", 1),)
     if parts > 1:
         defines += (("RC_SPLIT", parts),)
+    defines = family_defines(spec, defines)
     return KernelConfig(defines=defines, tokens_per_block=tpb, threads=nt, fallback_minb=fallback)
+
+
+def family_defines(spec: contract.OpSpec, defines: tuple) -> tuple:
+    """The model-family options (rope_cache.cu's RC_ROT_OFF ... RC_QGATE) added to `defines`, each only
+    where the call uses it, so every other variant (and its cache key) stays what it was. The weightless
+    norm normalises q and k without weights: RC_Q_NORM = RC_K_NORM = q's dtype, the weights never read."""
+    extra = []
+    if spec.rotary_tail and spec.rotary_offset:
+        extra.append(("RC_ROT_OFF", spec.rotary_offset))
+    if spec.rope_switch:
+        extra.append(("RC_USE_ROPE", 1))
+    if spec.temperature is not None:
+        extra.append(("RC_TEMP_FS", int(spec.temperature[0])))
+    if spec.norm_type != "rms" and spec.qk_norm:
+        extra.append(("RC_NORM_TYPE", contract.NORM_TYPES.index(spec.norm_type)))
+    if spec.norm_after:
+        extra.append(("RC_NORM_AFTER", 1))
+    if spec.q_gate:
+        extra.append(("RC_QGATE", 1))
+    if spec.norm_type == "weightless":
+        dt = contract.DTYPE_CODES[np.dtype(spec.dtype)]
+        defines = tuple((k, dt if k in ("RC_Q_NORM", "RC_K_NORM") else v) for k, v in defines)
+    return defines + tuple(extra)
+
+
+# RcLowBitDtype of kernels/common/rope_cache_math.h: the int8 cache's code (contract.DTYPE_CODES has the
+# floating-point formats only).
+INT8_CODE, INT4_CODE = 6, 7
+
+
+def kernel_codes(spec: contract.OpSpec) -> contract.KernelCodes:
+    """contract.kernel_codes, with an int8 / int4 cache's code (the rest as for a one-byte fp8 cache: X is
+    16 bytes either way; an int4 row is D / 2 bytes, which the kernel derives from RC_D)."""
+    if spec.low_bit:
+        fp8 = dataclasses.replace(spec, cache_dtype=contract.FP8_DTYPES[0])
+        return dataclasses.replace(contract.kernel_codes(fp8), cache_dt=INT8_CODE if spec.int8 else INT4_CODE)
+    return contract.kernel_codes(spec)
 
 
 def mrow_bytes(spec: contract.OpSpec, tpb: int) -> int:
@@ -447,8 +487,43 @@ def build_node_ptx(cfg: KernelConfig, cc: int | None) -> tuple[KernelConfig, nvr
     return cfg, compile_variant(cfg, f"compute_{ptx_arch}")
 
 
+def fenced(spec: contract.OpSpec) -> tuple[int, ...]:
+    """launcher.fenced(spec) and the use_rope switch: a scan over layers indexes it per step (use_rope[l]),
+    like the slots, so it goes through the same optimization barrier (contract.extra_operands follow the
+    14 operands)."""
+    extra = contract.extra_operands(spec)
+    sw = (len(contract.OPERANDS) + extra.index("use_rope"),) if "use_rope" in extra else ()
+    return launcher.fenced(spec) + sw
+
+
+def buffer_names(spec: contract.OpSpec) -> str:
+    """launcher.buffer_names(spec) with the extra operands (contract.extra_operands) after the 14: the
+    launcher checks that the names count its buffers."""
+    names = launcher.buffer_names(spec).split(",")
+    n = len(contract.OPERANDS)
+    return ",".join(names[:n] + list(contract.extra_operands(spec)) + names[n:])
+
+
+def refuse_int4_shape(spec: contract.OpSpec) -> None:
+    """int4 caches: a thread stores whole bytes (two channels) of its chunk, so the chunks must be of an
+    even width (NeoX with an odd R / 2 has one-channel chunks) and X the default; KernelUnavailable
+    otherwise (impl=None: the XLA path with a warning, impl="kernel": NotImplementedError)."""
+    if not spec.int4:
+        return
+    why = None
+    if chunk_width(spec) % 2:
+        why = f"NeoX rotary_dim={spec.rotary_dim} (an odd R / 2 leaves one-channel chunks)"
+    elif spec.pack_x:
+        why = f"an x-packed group of X={spec.pack_x} bytes (only the default 16)"
+    if why is not None:
+        raise native.KernelUnavailable(f"int4 caches with {why}, which the {NAME} kernel does not implement") from (
+            NotImplementedError(f"rope_and_cache: impl='kernel' on {NAME}: int4 caches with {why} are not "
+                                "implemented; use impl=None (the XLA implementation then runs) or impl='xla'"))
+
+
 def lower(ctx, args, spec: contract.OpSpec):
     native.refuse_unsupported(spec, SUPPORTS, NAME)
+    refuse_int4_shape(spec)
     cc, sms = _local_cuda_arch()
     cfg = kernel_config(spec, sms)
     if spec.num_tokens > 0 and kernel_node.wanted()[0]:
@@ -458,8 +533,8 @@ def lower(ctx, args, spec: contract.OpSpec):
         if use:
             grid = (-(-spec.num_tokens // ncfg.tokens_per_block), ncfg.parts, 1)
             return kernel_node.lower(ctx, args, ptx=ptx.code, kernel=NODE_KERNEL_NAME, grid=grid, block=ncfg.threads,
-                                     aliases=contract.cache_aliases(spec), fenced=launcher.fenced(spec))
+                                     aliases=contract.cache_aliases(spec), fenced=fenced(spec))
     return launcher.lower_launch(ctx, args, table=build_code_table(cfg, cc), kernel=KERNEL_NAME,
                                  grid_div=cfg.tokens_per_block, block=cfg.threads, grid_y=cfg.parts,
-                                 aliases=contract.cache_aliases(spec), fenced=launcher.fenced(spec),
-                                 buffer_names=launcher.buffer_names(spec))
+                                 aliases=contract.cache_aliases(spec), fenced=fenced(spec),
+                                 buffer_names=buffer_names(spec))

@@ -160,7 +160,9 @@ def decide(ptx: bytes | str) -> tuple[bool, str]:
 def lower(ctx, args, *, ptx: bytes | str, kernel: str, grid: tuple[int, int, int], block: int,
           aliases: dict[int, int] | None = None, fenced: tuple[int, ...] | None = None):
     """The call as XLA's PTX custom call: `kernel` of `ptx` on `grid` blocks of `block` threads, its
-    arguments the 14 operands then the results (4, or 6 with per-token scales), the caches (and scale
+    arguments the 14 operands, the extra operands of the call (contract.extra_operands: use_rope,
+    temperature_factors; rope_cache_node takes them after the 14) then the results (4, or 6 with per-token
+    scales), the caches (and scale
     caches) aliased in place (`aliases`, operand -> result; None: contract.CACHE_ALIASES). The small
     operands (`fenced`: their indices; None: the launcher's default) go through the same optimization
     barrier as the launcher's call."""

@@ -161,6 +161,7 @@ XLA_TYPES = {
     np.dtype(ml_dtypes.float8_e4m3fn): 20, np.dtype(ml_dtypes.float8_e4m3fnuz): 25,
     np.dtype(ml_dtypes.float8_e5m2): 19,
     np.dtype(np.int32): 4, np.dtype(np.int64): 5,
+    np.dtype(np.int8): 2, np.dtype(np.uint8): 6,  # int8 caches; int4 caches (bytes of two values)
 }
 
 

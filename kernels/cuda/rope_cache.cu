@@ -65,11 +65,29 @@
 //                                are each the fused QKV tensor [T, QH + 2 KH, D] (rope_and_cache_qkv):
 //                                q head h of token t at row t, head h; k head h at head QH + h; v head h
 //                                at head QH + KH + h (in_row_of, v_row_of); outputs as with 0
-//   RC_TOKEN_SCALES              0 (default): static scales; 1 (fp8 caches): per-token scales: the
+//   RC_TOKEN_SCALES              0 (default): static scales; 1 (fp8 or int8 caches, RC_CACHE_DT 6:
+//                                int8, always per token): per-token scales: the
 //                                k_scale / v_scale operands are the scale caches [.., NB, KH, BS] f32,
 //                                two more results (k_sc, v_sc: the same buffers) receive one scale per
 //                                (token, kv head) at the token's slot (block "per-token scales"); V
 //                                units are row units (token, kv head, chunk) in every layout
+//   Model-family options (block "model families"; each macro absent by default, the kernel then
+//   the same code as without them):
+//   RC_ROT_OFF                   0: rotary channels [0, R); D - R (rotary_position="tail"): the
+//                                rotary channels are [D - R, D), channels [0, D - R) pass through
+//                                (RC_R = 0, NoPE: no rotation units, every chunk passes through)
+//   RC_USE_ROPE                  1: the use_rope operand (int32 [], after the 14 operands) switches
+//                                the rotation per call (0: no rotation, no norm "after", temperature)
+//   RC_TEMP_FS                   floor_scale of the attention temperature: the temperature_factors
+//                                operand (f32 [max_pos / FS + 1], after use_rope) scales q on calls
+//                                that do not rotate: q_out = r(r32(q * f[(clamp(p) + 1) / FS]))
+//   RC_NORM_TYPE                 0 rms (r(w * r(x * inv))), 1 gemma (r(r32(x * inv) * r32(1 + w))),
+//                                2 weightless (r(x * inv) on q and k; RC_Q_NORM = RC_K_NORM = RC_DT, the
+//                                weights are placeholders never read)
+//   RC_NORM_AFTER                1: the QK-norm runs on the rotated, rounded q and k rows (on calls
+//                                that rotate; none on calls that do not)
+//   RC_QGATE                     1 (with RC_QKV): the fused rows hold 2 QH q heads, q head h at 2h
+//                                (its gate at 2h + 1, never read), then the k and v heads
 // Without the norm and per-head scales (all at their defaults) the kernel is the same code as
 // before them (every norm / per-head-scale path is behind `if constexpr`).
 //
@@ -205,8 +223,36 @@
 #ifndef RC_NB  // NB from the caches' leading dim
 #define RC_NB 0
 #endif
+#ifndef RC_ROT_OFF  // model families (header comment); the defaults are the kernel without them
+#define RC_ROT_OFF 0
+#endif
+#ifndef RC_USE_ROPE
+#define RC_USE_ROPE 0
+#endif
+#ifndef RC_TEMP_FS
+#define RC_TEMP_FS 0
+#endif
+#ifndef RC_NORM_TYPE
+#define RC_NORM_TYPE 0
+#endif
+#ifndef RC_NORM_AFTER
+#define RC_NORM_AFTER 0
+#endif
+#ifndef RC_QGATE
+#define RC_QGATE 0
+#endif
 
 namespace rc {
+
+// Model families (enums: no new symbols, so a kernel without them keeps its PTX byte for byte).
+enum : int {
+  ROFF = RC_ROT_OFF,  // the first rotary channel
+  USE_ROPE = RC_USE_ROPE != 0,
+  TEMP_FS = RC_TEMP_FS,
+  NORM_TYPE = RC_NORM_TYPE,
+  NORM_AFTER = RC_NORM_AFTER != 0,
+  QGATE = RC_QGATE != 0
+};
 
 constexpr int QH = RC_QH, KH = RC_KH, D = RC_D, R = RC_R, BS = RC_BS;
 constexpr int LAYER_BLOCKS = RC_LAYER_BLOCKS;
@@ -216,14 +262,18 @@ constexpr int TPB = RC_TPB, NT = RC_NT, SPLIT = RC_SPLIT;
 constexpr bool NEOX = RC_NEOX != 0, FULL = RC_FULL_TABLE != 0, NATIVE = RC_NATIVE != 0;
 constexpr int DT = RC_DT, TAB_DT = RC_TAB_DT, CDT = RC_CACHE_DT, LAYOUT = RC_LAYOUT;
 constexpr bool FP8 = CDT == RC_FP8_E4M3FN || CDT == RC_FP8_E4M3FNUZ || CDT == RC_FP8_E5M2;
+// int8 caches (RC_CACHE_DT = RC_INT8): per-token scales only (RC_TOKEN_SCALES), values in [-127, 127].
+// int4 caches (RC_INT4): bytes of two values (channel 2j in the low nibble), rows of D / 2 bytes.
+enum : int { INT8C = CDT == RC_INT8, INT4C = CDT == RC_INT4, LOWB = INT8C || INT4C, CPB = INT4C ? 2 : 1 };
 constexpr int ARITH = rc_arith(NATIVE, DT, TAB_DT);  // RC_ARITH_FP32, "rounded" (DT) or RC_ARITH_FUSED
 // An fp8 key cache in "fused" arithmetic quantizes the rotated f32 values, not the rounded k_out.
-constexpr bool WIDE_K = FP8 && ARITH == RC_ARITH_FUSED;
+// The norm after the rotation makes k_out (rounded, normalised) what the cache stores.
+constexpr bool WIDE_K = (FP8 || LOWB) && ARITH == RC_ARITH_FUSED && !NORM_AFTER;
 constexpr RcDtype FP8_DT = static_cast<RcDtype>(CDT);  // the fp8 format rc_quantize_fp8 writes (FP8 only)
 constexpr bool XP = LAYOUT == RC_XPACKED || LAYOUT == RC_XPACKED_SHUFFLED;  // flash and hnd: rows of D
 constexpr int S_IN = DT == RC_F32 ? 4 : 2;
 constexpr int S_TAB = TAB_DT == RC_F32 ? 4 : 2;
-constexpr int S_CACHE = FP8 ? 1 : S_IN;
+constexpr int S_CACHE = (FP8 || LOWB) ? 1 : S_IN;
 constexpr int X = RC_X > 0 ? RC_X : 16 / S_CACHE;  // x-packed group width (elements)
 constexpr bool X_FITS = X * S_CACHE <= 16;           // a group of X elements is one access
 // Elements per key-cache store of a chunk: the chunk, or one X group of it where X < W.
@@ -233,7 +283,7 @@ constexpr int TW = FULL ? R : HALF;      // table row width
 constexpr int CH = D / W;                // chunks per head row
 constexpr int P = NEOX ? HALF / W : R / W;  // rotation units per head
 constexpr int CPASS = (D - R) / W;       // pass-through chunks per head
-constexpr int PASS0 = R / W;             // first pass-through chunk
+constexpr int PASS0 = ROFF > 0 ? 0 : R / W;  // first pass-through chunk (tail rotary: chunk 0)
 // QK-RMSNorm: -1, or the RcDtype of the weight (q's dtype or f32).
 constexpr int Q_NORM = RC_Q_NORM, K_NORM = RC_K_NORM;
 constexpr bool NORM = Q_NORM >= 0 || K_NORM >= 0;
@@ -249,7 +299,8 @@ constexpr bool is_pow2(int n) { return n > 0 && (n & (n - 1)) == 0; }
 // every unit computes the whole tree from the row itself (norm_generic).
 constexpr bool NORM_LANES = NORM && R == D && is_pow2(D) && P <= 32;
 // Weights of q's dtype (the usual case): a rotation unit can hold its weight chunks as Chunks.
-constexpr bool EARLY_W = RC_EARLY_W != 0 && NORM && (Q_NORM < 0 || Q_NORM == DT) && (K_NORM < 0 || K_NORM == DT);
+constexpr bool EARLY_W = RC_EARLY_W != 0 && NORM && NORM_TYPE != RC_NORM_WEIGHTLESS && (Q_NORM < 0 || Q_NORM == DT) &&
+                        (K_NORM < 0 || K_NORM == DT);
 
 // Units of one block, in this order: rotation, pass-through, V.
 constexpr int U_ROT = RH * P;                            // per token
@@ -260,6 +311,7 @@ constexpr bool V_RUNS = XP && VG == X && BS % X == 0;    // aligned runs can be 
 constexpr int VCH = RC_VCH;                              // channels per x-packed V unit
 constexpr int DC = D / VCH;                              // channel groups per kv head
 constexpr int N_ROT = TPB * U_ROT;
+enum : int { P_DIV = P > 0 ? P : 1, UROT_DIV = U_ROT > 0 ? U_ROT : 1 };  // RC_R = 0 (NoPE): no rotation units
 // RC_KPAIRS: k-head units paired by token (rot_idx). With the K norm's lane butterfly, a head's P
 // units sit on every other lane of 2P aligned lanes (shuffles xor 2..P): needs 2P <= 32, else unpaired.
 // (An enum, not constexpr variables: no new symbols, so RC_KPAIRS=0 gives today's PTX byte for byte.)
@@ -289,6 +341,11 @@ constexpr int N_V_RUN = VSEL > 0 ? (TPB / X) * KH * (D / VSEL) : N_V;
 
 static_assert(W >= 1 && (W & (W - 1)) == 0 && W * S_IN <= 16, "RC_WCH: power of two, at most 16 bytes");
 static_assert(D % W == 0 && R % W == 0 && R % 2 == 0 && R <= D, "RC_WCH must divide D and R");
+static_assert(ROFF == 0 || (R > 0 && ROFF == D - R), "RC_ROT_OFF: 0 or D - R (tail rotary)");
+static_assert(TEMP_FS == 0 || MROPE == 0, "RC_TEMP_FS: positions [T]");
+static_assert(NORM_TYPE >= 0 && NORM_TYPE <= 2 && (NORM_TYPE != RC_NORM_WEIGHTLESS || (Q_NORM == DT && K_NORM == DT)),
+              "RC_NORM_TYPE: 0, 1 or 2 (weightless: RC_Q_NORM = RC_K_NORM = RC_DT)");
+static_assert(!NORM_AFTER || (NORM && R > 0), "RC_NORM_AFTER: a norm and a rotation");
 static_assert(!NEOX || HALF % W == 0, "NeoX: RC_WCH must divide R/2");
 static_assert(NEOX || W % 2 == 0, "GPT-J: RC_WCH must be even");
 static_assert(X >= 1 && (X & (X - 1)) == 0, "RC_X: a power of two");
@@ -297,9 +354,11 @@ static_assert(LAYOUT >= RC_FLASH && LAYOUT <= RC_KV_MERGED, "RC_LAYOUT");
 static_assert((LAYOUT == RC_HEAD_MAJOR) == (NBL > 0) && (RC_LAYER_BLOCKS == 0 || NBL == 0 || RC_LAYER_BLOCKS == NBL),
               "RC_NB: head_major's blocks per layer (the stacked caches' RC_LAYER_BLOCKS), 0 otherwise");
 static_assert(!XP || (D % X == 0), "x-packed layouts need D % X == 0");
+static_assert(!XP || !INT4C || ((D / 2) % X == 0), "x-packed int4 caches need (D / 2) % X == 0");
 static_assert(LAYOUT != RC_XPACKED_SHUFFLED || BS % X == 0, "xpacked_shuffled needs BS % X == 0");
 static_assert(DT == RC_F32 || DT == RC_BF16 || DT == RC_F16, "RC_DT");
-static_assert(FP8 || CDT == DT, "cache dtype: q's dtype or fp8");
+static_assert(FP8 || LOWB || CDT == DT, "cache dtype: q's dtype, fp8, int8 or int4");
+static_assert(!INT4C || (W % 2 == 0 && RC_X == 0), "int4 caches: chunks of whole bytes, the default X");
 static_assert(TPB >= 1 && (TPB & (TPB - 1)) == 0, "RC_TPB: a power of two");
 static_assert(SPLIT >= 1 && SPLIT <= 64, "RC_SPLIT: 1 .. 64 parts");
 static_assert(RC_F16 == 2, "RC_PACKED_NATIVE's #if spells RC_F16 as 2");
@@ -308,7 +367,8 @@ static_assert(K_NORM == -1 || K_NORM == RC_F32 || K_NORM == DT, "RC_K_NORM: -1, 
 static_assert(!NORM_LANES || (is_pow2(P) && 32 % P == 0 && U_ROT % P == 0 && CH == (NEOX ? 2 : 1) * P),
               "a head's rotation units: P aligned lanes of one warp covering the row");
 static_assert(!(KS_HEADS || VS_HEADS) || FP8, "per-head scales: fp8 caches only");
-static_assert(!TOKEN || (FP8 && !KS_HEADS && !VS_HEADS && VCH == 1 && VSEL == 0),
+static_assert(!LOWB || TOKEN, "int8 / int4 caches: per-token scales (RC_TOKEN_SCALES)");
+static_assert(!TOKEN || ((FP8 || LOWB) && !KS_HEADS && !VS_HEADS && VCH == 1 && VSEL == 0),
               "RC_TOKEN_SCALES: fp8 caches, no static per-head scales, one-channel V units");
 static_assert(VCH == 1 || X * S_CACHE == 16, "RC_VCH > 1: 16-byte x-packed groups (the default X)");
 static_assert(VSEL == 0 || X * S_CACHE == 16, "RC_VSEL: 16-byte x-packed groups (the default X)");
@@ -348,8 +408,8 @@ union Chunk {
 };
 // W cache elements moved as one access (same bytes as Chunk unless the cache is fp8).
 union CacheChunk {
-  VecOf<W * S_CACHE>::T v;
-  raw_cache e[W];
+  VecOf<W * S_CACHE / CPB>::T v;
+  raw_cache e[W / CPB];
 };
 // X cache elements: one piece (16 bytes at the default X) of an x-packed row (V_RUNS: X_FITS).
 union CachePiece {
@@ -448,23 +508,52 @@ __device__ __forceinline__ void store_chunk(void* base, i64 elem, const Chunk& c
 }
 
 __device__ __forceinline__ raw_cache to_cache(raw_in x, float inv_scale) {
+  if constexpr (INT4C) return (raw_cache)0;  // never called: int4 stores pack pairs (int4_chunk)
+  if constexpr (INT8C) return (raw_cache)(rc_u8)rc_quantize_int(to_f32<DT>(x), inv_scale, 127.0f);
   if (FP8) return (raw_cache)rc_quantize_fp8(to_f32<DT>(x), inv_scale, FP8_DT);
   return (raw_cache)x;
 }
 
+// int4: W f32 values as W / 2 bytes (pairs 2j, 2j + 1 of the chunk; chunks start at even channels).
+__device__ __forceinline__ CacheChunk int4_chunk(const float* y, float inv_scale) {
+  CacheChunk o;
+#pragma unroll
+  for (int e = 0; e < W / CPB; ++e)
+    o.e[e] = (raw_cache)rc_pack_int4(rc_quantize_int(y[2 * e], inv_scale, 7.0f),
+                                     rc_quantize_int(y[2 * e + 1], inv_scale, 7.0f));
+  return o;
+}
+__device__ __forceinline__ CacheChunk int4_chunk(const Chunk& c, float inv_scale) {
+  float y[W];
+#pragma unroll
+  for (int e = 0; e < W; ++e) y[e] = to_f32<DT>(c.e[e]);
+  return int4_chunk(y, inv_scale);
+}
+
 __device__ __forceinline__ void store_cache_chunk(void* base, i64 elem, const Chunk& c, float inv_scale) {
+  if constexpr (INT4C) {
+    *reinterpret_cast<VecOf<W * S_CACHE / CPB>::T*>(static_cast<char*>(base) + elem) = int4_chunk(c, inv_scale).v;
+    return;
+  }
   CacheChunk o;
 #pragma unroll
   for (int e = 0; e < W; ++e) o.e[e] = to_cache(c.e[e], inv_scale);
-  *reinterpret_cast<VecOf<W * S_CACHE>::T*>(static_cast<char*>(base) + elem * S_CACHE) = o.v;
+  *reinterpret_cast<decltype(o.v)*>(static_cast<char*>(base) + elem * S_CACHE) = o.v;
 }
 
 // W f32 values quantized into an fp8 cache as one access (WIDE_K only).
 __device__ __forceinline__ void store_cache_chunk_f32(void* base, i64 elem, const float* x, float inv_scale) {
+  if constexpr (INT4C) {
+    *reinterpret_cast<VecOf<W * S_CACHE / CPB>::T*>(static_cast<char*>(base) + elem) = int4_chunk(x, inv_scale).v;
+    return;
+  }
   CacheChunk o;
 #pragma unroll
-  for (int e = 0; e < W; ++e) o.e[e] = (raw_cache)rc_quantize_fp8(x[e], inv_scale, FP8_DT);
-  *reinterpret_cast<VecOf<W * S_CACHE>::T*>(static_cast<char*>(base) + elem * S_CACHE) = o.v;
+  for (int e = 0; e < W; ++e) {
+    if constexpr (INT8C) o.e[e] = (raw_cache)(rc_u8)rc_quantize_int(x[e], inv_scale, 127.0f);
+    else o.e[e] = (raw_cache)rc_quantize_fp8(x[e], inv_scale, FP8_DT);
+  }
+  *reinterpret_cast<decltype(o.v)*>(static_cast<char*>(base) + elem * S_CACHE) = o.v;
 }
 
 // *addr = v if `pred`, as one predicated store (no branch: the loads feeding it stay ahead of the
@@ -495,6 +584,10 @@ __device__ __forceinline__ void store_if(bool pred, void* addr, V v) {
 }
 
 __device__ __forceinline__ void store_cache_chunk_if(bool pred, void* base, i64 elem, const Chunk& c, float inv_scale) {
+  if constexpr (INT4C) {
+    store_if(pred, static_cast<char*>(base) + elem, int4_chunk(c, inv_scale).v);
+    return;
+  }
   CacheChunk o;
 #pragma unroll
   for (int e = 0; e < W; ++e) o.e[e] = to_cache(c.e[e], inv_scale);
@@ -526,7 +619,10 @@ __device__ __forceinline__ void store_key_chunk_f32(void* base, const KeyIndex& 
     for (int m = 0; m < W / KW; ++m) {
       KeyPiece o;
 #pragma unroll
-      for (int e = 0; e < KW; ++e) o.e[e] = (raw_cache)rc_quantize_fp8(x[m * KW + e], inv_scale, FP8_DT);
+      for (int e = 0; e < KW; ++e) {
+        if constexpr (INT8C) o.e[e] = (raw_cache)(rc_u8)rc_quantize_int(x[m * KW + e], inv_scale, 127.0f);
+        else o.e[e] = (raw_cache)rc_quantize_fp8(x[m * KW + e], inv_scale, FP8_DT);
+      }
       *reinterpret_cast<VecOf<KW * S_CACHE>::T*>(static_cast<char*>(base) + at(m * KW) * S_CACHE) = o.v;
     }
   }
@@ -546,8 +642,27 @@ __device__ __forceinline__ i64 head_major_index(i64 blk, i64 off, int h, int d) 
   return (((layer * KH + h) * NBL_DIV + (blk - layer * NBL_DIV)) * BS + off) * D + d;
 }
 
+// int4 caches: the byte offsets of key_index / value_index in rows of DR = D / 2 bytes, e = d / 2.
+template <int DR>
+__device__ __forceinline__ i64 key_index_bytes(i64 blk, i64 off, int h, int e) {
+  const i64 layer = blk / NBL_DIV;
+  if (LAYOUT == RC_FLASH) return ((blk * BS + off) * KH + h) * DR + e;
+  if (LAYOUT == RC_HND) return ((blk * KH + h) * BS + off) * DR + e;
+  if (LAYOUT == RC_HEAD_MAJOR) return (((layer * KH + h) * NBL_DIV + (blk - layer * NBL_DIV)) * BS + off) * DR + e;
+  if (LAYOUT == RC_KV_MERGED) return ((blk * BS + off) * (2 * KH) + 2 * h) * DR + e;
+  return (((blk * KH + h) * (DR / X) + e / X) * BS + off) * X + e % X;
+}
+template <int DR>
+__device__ __forceinline__ i64 value_index_bytes(i64 blk, i64 off, int h, int e) {
+  if (LAYOUT == RC_KV_MERGED) return ((blk * BS + off) * (2 * KH) + 2 * h + 1) * DR + e;
+  if (LAYOUT == RC_XPACKED) return ((blk * KH + h) * DR + e) * BS + off;
+  if (LAYOUT == RC_XPACKED_SHUFFLED) return (((blk * KH + h) * (BS / X) + off / X) * DR + e) * X + off % X;
+  return key_index_bytes<DR>(blk, off, h, e);
+}
+
 // Element offset of channel d (start of an aligned chunk) of kv head h at (blk, off).
 __device__ __forceinline__ i64 key_index(i64 blk, i64 off, int h, int d) {
+  if constexpr (INT4C) return key_index_bytes<D / 2>(blk, off, h, d / 2);
   if (LAYOUT == RC_FLASH) return ((blk * BS + off) * KH + h) * D + d;
   if (LAYOUT == RC_HND) return ((blk * KH + h) * BS + off) * D + d;
   if (LAYOUT == RC_HEAD_MAJOR) return head_major_index(blk, off, h, d);
@@ -557,6 +672,7 @@ __device__ __forceinline__ i64 key_index(i64 blk, i64 off, int h, int d) {
 
 // kv_merged: the V row of head h right after its K row, in the key cache (vcache).
 __device__ __forceinline__ i64 value_index(i64 blk, i64 off, int h, int d) {
+  if constexpr (INT4C) return value_index_bytes<D / 2>(blk, off, h, d / 2);
   if (LAYOUT == RC_FLASH) return ((blk * BS + off) * KH + h) * D + d;
   if (LAYOUT == RC_HND) return ((blk * KH + h) * BS + off) * D + d;
   if (LAYOUT == RC_HEAD_MAJOR) return head_major_index(blk, off, h, d);
@@ -580,6 +696,12 @@ struct Params {
   const int* layer;
   const void* q_norm_w;  // [D] weight of q's dtype or f32 (absent: a placeholder, never read)
   const void* k_norm_w;
+#if RC_USE_ROPE
+  const int* use_rope;  // the rotation switch (nonzero rotates), int32 []
+#endif
+#if RC_TEMP_FS
+  const float* temp;  // the temperature factors, f32 [max_pos / RC_TEMP_FS + 1]
+#endif
   void* q_out;
   void* k_out;
   void* kc;
@@ -588,7 +710,7 @@ struct Params {
   float* k_sc;  // the scale-cache results [.., NB, KH, BS] (aliased to the k_scale / v_scale operands)
   float* v_sc;
 #endif
-  i64 dim0[14];
+  i64 dim0[14 + (RC_USE_ROPE != 0) + (RC_TEMP_FS > 0)];  // the operands' leading dims (the extra operands too)
 };
 
 // Row of one token's head h (h < QH: q, else k head h - QH) in the rotation outputs (q_out, k_out).
@@ -601,12 +723,15 @@ __device__ __forceinline__ i64 row_of(i64 t, int h) {
 #define RC_QKV 0
 #endif
 constexpr bool QKV = RC_QKV != 0;
-constexpr i64 IN_QROW = QKV ? (i64)(QH + 2 * KH) * D : (i64)QH * D;   // elements per token in q's operand
-constexpr i64 IN_KVROW = QKV ? (i64)(QH + 2 * KH) * D : (i64)KH * D;  // ... in k's and v's
-constexpr i64 IN_KOFF = QKV ? (i64)QH * D : 0, IN_VOFF = QKV ? (i64)(QH + KH) * D : 0;
+static_assert(!QGATE || QKV, "RC_QGATE: the fused QKV input");
+// RC_QGATE: each q head followed by its gate (2 QH q-side heads a token; the gates are never read).
+constexpr i64 IN_QROW = QKV ? (i64)((QGATE ? 2 : 1) * QH + 2 * KH) * D : (i64)QH * D;  // per token in q's operand
+constexpr i64 IN_KVROW = QKV ? (i64)((QGATE ? 2 : 1) * QH + 2 * KH) * D : (i64)KH * D;  // ... in k's and v's
+constexpr i64 IN_KOFF = QKV ? (i64)((QGATE ? 2 : 1) * QH) * D : 0;
+constexpr i64 IN_VOFF = QKV ? (i64)((QGATE ? 2 : 1) * QH + KH) * D : 0;
 // Row of token t's head h (h < QH: q, else k head h - QH) in the rotation inputs (q, k).
 __device__ __forceinline__ i64 in_row_of(i64 t, int h) {
-  return h < QH ? t * IN_QROW + (i64)h * D : t * IN_KVROW + IN_KOFF + (i64)(h - QH) * D;
+  return h < QH ? t * IN_QROW + (i64)(QGATE ? 2 * h : h) * D : t * IN_KVROW + IN_KOFF + (i64)(h - QH) * D;
 }
 // Row of token t's kv head h in v.
 __device__ __forceinline__ i64 v_row_of(i64 t, int h) { return t * IN_KVROW + IN_VOFF + (i64)h * D; }
@@ -879,13 +1004,21 @@ __device__ __forceinline__ void load_weights(const void* w, int idx, float* out)
   }
 }
 
+// One normalised value before its final rounding (RC_NORM_TYPE): rms w * r(x * inv), gemma
+// r32(x * inv) * r32(1 + w), weightless x * inv (w unused).
+__device__ __forceinline__ float norm_value(float x, float w, float inv) {
+  if constexpr (NORM_TYPE == RC_NORM_GEMMA) return rc_norm_gemma(x, inv, w);
+  if constexpr (NORM_TYPE == RC_NORM_WEIGHTLESS) return rc_norm_weightless(x, inv);
+  return rc_mul(w, rc_round_to(rc_mul(x, inv), DT));
+}
+
 // The chunk x normalised by `inv` and weighted by wc (weights of q's dtype, already loaded),
 // rounded to the input dtype. 16-bit on sm_90: the weight product r(w * y) of two 16-bit values is
 // one packed mul.rn (the same bits as the f32 product rounded once, checked for all 2^32 pairs: see
 // "native precision with packed multiplies"), and y = r(x * inv) two values per cvt.
 __device__ __forceinline__ Chunk norm_chunk_w(const Chunk& x, const Chunk& wc, float inv) {
 #ifdef RC_PACKED_NATIVE
-  if constexpr (S_IN == 2 && W % 2 == 0) {
+  if constexpr (S_IN == 2 && W % 2 == 0 && NORM_TYPE == RC_NORM_RMS) {
     Chunk n;
 #pragma unroll
     for (int k = 0; k < W / 2; ++k)
@@ -895,18 +1028,24 @@ __device__ __forceinline__ Chunk norm_chunk_w(const Chunk& x, const Chunk& wc, f
 #endif
   float n[W];
 #pragma unroll
-  for (int e = 0; e < W; ++e) n[e] = rc_mul(to_f32<DT>(wc.e[e]), rc_round_to(rc_mul(to_f32<DT>(x.e[e]), inv), DT));
+  for (int e = 0; e < W; ++e) n[e] = norm_value(to_f32<DT>(x.e[e]), to_f32<DT>(wc.e[e]), inv);
   return chunk_from(n);
 }
 
 // The chunk of channels c0.. of a row, normalised by `inv` and weighted by w[c0..] (WDT: w's dtype).
 template <int WDT>
 __device__ __forceinline__ Chunk norm_chunk(const Chunk& x, const void* w, int c0, float inv) {
+  if constexpr (NORM_TYPE == RC_NORM_WEIGHTLESS) {  // no weight (its operand a placeholder)
+    float n[W];
+#pragma unroll
+    for (int e = 0; e < W; ++e) n[e] = rc_norm_weightless(to_f32<DT>(x.e[e]), inv);
+    return chunk_from(n);
+  }
   if constexpr (WDT == DT) return norm_chunk_w(x, load_chunk(w, c0), inv);
   float wv[W], n[W];
   load_weights<WDT, W>(w, c0, wv);
 #pragma unroll
-  for (int e = 0; e < W; ++e) n[e] = rc_mul(wv[e], rc_round_to(rc_mul(to_f32<DT>(x.e[e]), inv), DT));
+  for (int e = 0; e < W; ++e) n[e] = norm_value(to_f32<DT>(x.e[e]), wv[e], inv);
   return chunk_from(n);
 }
 
@@ -918,17 +1057,21 @@ struct RotIdx {
 __device__ __forceinline__ RotIdx rot_idx(int u) {
   if constexpr (KPAIRS) {
     if (u >= N_QROT) {
-      const int v = u - N_QROT, w = v >> 1, r = w % (KH * P);
-      return RotIdx{2 * (w / (KH * P)) + (v & 1), QH + r / P, r % P};
+      const int v = u - N_QROT, w = v >> 1, r = w % (KH * P_DIV);
+      return RotIdx{2 * (w / (KH * P_DIV)) + (v & 1), QH + r / P_DIV, r % P_DIV};
     }
-    const int tt = u / (QH * P), r = u % (QH * P);
-    return RotIdx{tt, r / P, r % P};
+    const int tt = u / (QH * P_DIV), r = u % (QH * P_DIV);
+    return RotIdx{tt, r / P_DIV, r % P_DIV};
   }
-  const int tt = u / U_ROT, r = u % U_ROT;
-  return RotIdx{tt, r / P, r % P};
+  const int tt = u / UROT_DIV, r = u % UROT_DIV;
+  return RotIdx{tt, r / P_DIV, r % P_DIV};
 }
 __device__ __forceinline__ const char* rot_src(const Params& p, i64 t, int h, int j) {
-  return static_cast<const char*>(h >= QH ? p.k : p.q) + (in_row_of(t, h) + j * W) * S_IN;
+  return static_cast<const char*>(h >= QH ? p.k : p.q) + (in_row_of(t, h) + ROFF + j * W) * S_IN;
+}
+// The start of token t's q/k head row h in the inputs.
+__device__ __forceinline__ const char* row_src(const Params& p, i64 t, int h) {
+  return static_cast<const char*>(h >= QH ? p.k : p.q) + in_row_of(t, h) * S_IN;
 }
 
 constexpr int NSUB = NEOX ? 2 : 1;  // subtrees per lane: NeoX chunk j (first half) and j + P (second)
@@ -954,7 +1097,7 @@ static int rc_emu_errors = 0;
 // st = 2 from the unit of chunk 0 of the same token) are the P chunks of its (token, head) in order.
 __device__ __forceinline__ void emu_check_group(int u, bool paired) {
   const int st = paired ? 2 : 1;
-  const int u0 = paired ? u - ((u - N_QROT) % (2 * P) - (u & 1)) : u - u % P;
+  const int u0 = paired ? u - ((u - N_QROT) % (2 * P_DIV) - (u & 1)) : u - u % P_DIV;
   const RotIdx me = rot_idx(u);
   if ((u - u0) % st != 0 || (u - u0) / st != me.j) ++rc_emu_errors;
   for (int i = 0; i < P; ++i) {
@@ -997,7 +1140,7 @@ __device__ __forceinline__ float norm_lanes(const Params& p, i64 t0, int u, bool
 #ifdef RC_EMULATE
   const RotIdx me = rot_idx(u);
   emu_check_group(u, paired);
-  LaneSums g[P];
+  LaneSums g[P_DIV];
   for (int i = 0; i < P; ++i) {
     const char* src = rot_src(p, t0 + me.tt, me.h, i);
     Chunk oa = load_chunk(src, 0), ob = oa;
@@ -1007,7 +1150,7 @@ __device__ __forceinline__ float norm_lanes(const Params& p, i64 t0, int u, bool
   for (int k = 0; k < NSUB; ++k)
     if (__float_as_uint(g[me.j].s[k]) != __float_as_uint(v.s[k])) ++rc_emu_errors;
   for (int off = 1; off < P; off <<= 1) {
-    LaneSums n[P];
+    LaneSums n[P_DIV];
     for (int i = 0; i < P; ++i)
       for (int k = 0; k < NSUB; ++k) n[i].s[k] = rc_add(g[i].s[k], g[i ^ off].s[k]);
     for (int i = 0; i < P; ++i) g[i] = n[i];
@@ -1040,15 +1183,15 @@ __device__ __forceinline__ void norm_rot(const Params& p, i64 t0, int u, bool is
   if constexpr (NORM_LANES) {
     S = norm_lanes(p, t0, u, is_k, a, b);
   } else {
-    S = row_sq_sum(src - j * W * S_IN);
+    S = row_sq_sum(src - (ROFF + j * W) * S_IN);
   }
   const float inv = rc_rms_inv(S, D, norm_eps());
   if constexpr (EARLY_W) {
     a = norm_chunk_w(a, ew.a, inv);
     if (NEOX) b = norm_chunk_w(b, ew.b, inv);
   } else {
-    a = norm_chunk<WDT>(a, w, j * W, inv);
-    if (NEOX) b = norm_chunk<WDT>(b, w, HALF + j * W, inv);
+    a = norm_chunk<WDT>(a, w, ROFF + j * W, inv);
+    if (NEOX) b = norm_chunk<WDT>(b, w, ROFF + HALF + j * W, inv);
   }
 }
 
@@ -1131,6 +1274,203 @@ __device__ __forceinline__ void rotate_chunk(const Chunk& a, const Chunk& b, con
   }
 }
 
+// ---- model families (RC_USE_ROPE, RC_TEMP_FS, RC_NORM_AFTER; RC_ROT_OFF and RC_NORM_TYPE are in the
+// index and norm helpers above) ---------------------------------------------------------------------
+// Whether this call rotates: the use_rope operand (the same in every thread), else always.
+__device__ __forceinline__ bool rope_on(const Params& p) {
+#if RC_USE_ROPE
+  return *p.use_rope != 0;
+#else
+  (void)p;
+  return true;
+#endif
+}
+
+// The temperature factor of a token at clamped position prow (< max_pos, so (prow + 1) / FS is inside
+// the table's max_pos / FS + 1 entries).
+__device__ __forceinline__ float temp_factor(const Params& p, i64 prow) {
+#if RC_TEMP_FS
+  return p.temp[(prow + 1) / RC_TEMP_FS];
+#else
+  (void)p, (void)prow;
+  return 1.0f;
+#endif
+}
+
+// r(r32(x * f)): a q chunk scaled by the temperature.
+__device__ __forceinline__ Chunk scale_chunk(const Chunk& x, float f) {
+  float y[W];
+#pragma unroll
+  for (int e = 0; e < W; ++e) y[e] = rc_mul(to_f32<DT>(x.e[e]), f);
+  return chunk_from(y);
+}
+
+// Clamped position of token t (positions [T]).
+__device__ __forceinline__ i64 clamped_pos(const Params& p, i64 max_pos, i64 t) {
+  const i64 r = load_index(p.pos, t, RC_POS64 != 0);
+  return r < 0 ? 0 : (r >= max_pos ? max_pos - 1 : r);
+}
+
+// Rotation chunk j of token t's q/k head h, rotated and rounded (the host emulation's other lanes of
+// the norm after the rotation).
+__device__ __forceinline__ void rot_out_chunks(const Params& p, i64 T, i64 max_pos, i64 t, int h, int j, Chunk& oa,
+                                               Chunk& ob) {
+  const char* src = rot_src(p, t, h, j);
+  Chunk a = load_chunk(src, 0), b = a;
+  if (NEOX) b = load_chunk(src, HALF);
+  i64 trows[MROPE ? 3 : 1];
+#pragma unroll
+  for (int st = 0; st < (MROPE ? 3 : 1); ++st) {
+    const i64 r = load_index(p.pos, st * T + t, RC_POS64 != 0);
+    trows[st] = (r < 0 ? 0 : (r >= max_pos ? max_pos - 1 : r)) * TW;
+  }
+  TabVals tv;
+  load_chunk_tabs<MROPE != 0>(p.cos, p.sin, trows[0], trows, j, tv);
+  float ya[W], yb[NEOX ? W : 1];
+  rotate_chunk(a, b, tv, ya, yb);
+  oa = ob = chunk_from(ya);
+  if (NEOX) ob = chunk_from(yb);
+}
+
+enum : int { HALF_DIV = HALF > 0 ? HALF : 1, LOG_CH = CH <= 1 ? 0 : 1 + (CH >= 4) + (CH >= 8) + (CH >= 16) + (CH >= 32) + (CH >= 64) + (CH >= 128) };
+// Chunk c of token t's head row h as a rotating call writes it before the norm after the rotation:
+// rotated and rounded (the rotary channels), else the input.
+__device__ __forceinline__ Chunk out_chunk(const Params& p, i64 T, i64 max_pos, i64 t, int h, int c) {
+  const int l = c * W - ROFF;  // rotary channels [ROFF, ROFF + R)
+  if (l >= 0 && l < R) {
+    Chunk oa, ob;
+    rot_out_chunks(p, T, max_pos, t, h, NEOX ? (l % HALF_DIV) / W : l / W, oa, ob);
+    return NEOX && l >= HALF ? ob : oa;
+  }
+  return load_chunk(row_src(p, t, h), c * W);
+}
+
+// S of the row out_chunk gives, by the spec's tree, for rows no lane group holds (partial rotary ...).
+// CH a power of two: every chunk is a subtree (chunk_sq_sum), combined in a loop over the chunks by
+// a carry stack (the balanced tree's levels: left + right); otherwise the unrolled tree, each chunk
+// computed at its first leaf.
+__device__ __forceinline__ float out_row_sq_sum(const Params& p, i64 T, i64 max_pos, i64 t, int h) {
+  if constexpr (is_pow2(CH)) {
+    float st[LOG_CH > 0 ? LOG_CH : 1], s = 0.0f;
+#pragma unroll 1
+    for (int c = 0; c < CH; ++c) {
+      s = chunk_sq_sum(out_chunk(p, T, max_pos, t, h, c));
+      bool carry = true;  // chunk c closes the subtrees of its trailing one bits
+#pragma unroll
+      for (int k = 0; k < LOG_CH; ++k) {
+        if (carry && ((c >> k) & 1) == 0) st[k] = s, carry = false;
+        if (carry) s = rc_add(st[k], s);
+      }
+    }
+    return s;
+  } else {
+    int cur = -1;
+    float y[W];
+    return rc_tree_sum<0, D>([&](int i) {
+      if (i / W != cur) {
+        cur = i / W;
+        const Chunk x = out_chunk(p, T, max_pos, t, h, cur);
+#pragma unroll
+        for (int e = 0; e < W; ++e) y[e] = to_f32<DT>(x.e[e]);
+      }
+      return rc_mul(y[i % W], y[i % W]);
+    });
+  }
+}
+
+// norm_lanes over the rotated chunks a, b (RC_NORM_AFTER): the same butterfly; the host emulation
+// rebuilds the other lanes' rotated chunks (rot_out_chunks). A function of its own so that norm_lanes,
+// and the kernels without the norm after the rotation, stay as they were.
+__device__ __forceinline__ float norm_lanes_after(const Params& p, i64 T, i64 max_pos, i64 t0, int u, bool is_k,
+                                                  const Chunk& a, const Chunk& b) {
+  LaneSums v = lane_sums(a, b);
+  const bool paired = KPAIRS && is_k;
+#ifdef RC_EMULATE
+  const RotIdx me = rot_idx(u);
+  emu_check_group(u, paired);
+  LaneSums g[P_DIV];
+  for (int i = 0; i < P; ++i) {
+    Chunk oa, ob;
+    rot_out_chunks(p, T, max_pos, t0 + me.tt, me.h, i, oa, ob);
+    g[i] = lane_sums(oa, ob);
+  }
+  for (int k = 0; k < NSUB; ++k)
+    if (__float_as_uint(g[me.j].s[k]) != __float_as_uint(v.s[k])) ++rc_emu_errors;
+  for (int off = 1; off < P; off <<= 1) {
+    LaneSums n[P_DIV];
+    for (int i = 0; i < P; ++i)
+      for (int k = 0; k < NSUB; ++k) n[i].s[k] = rc_add(g[i].s[k], g[i ^ off].s[k]);
+    for (int i = 0; i < P; ++i) g[i] = n[i];
+  }
+  v = g[me.j];
+#else
+  (void)p, (void)T, (void)max_pos, (void)t0, (void)u;
+  int sh = 0;
+  const unsigned int mask = group_mask(paired, sh);
+#pragma unroll
+  for (int off = 1; off < P; off <<= 1) {
+#pragma unroll
+    for (int k = 0; k < NSUB; ++k) v.s[k] = rc_add(v.s[k], __shfl_xor_sync(mask, v.s[k], off << sh));
+  }
+#endif
+  return NEOX ? rc_add(v.s[0], v.s[NSUB - 1]) : v.s[0];
+}
+
+// Rotation unit u's rotated chunks a, b normalised (RC_NORM_AFTER, a rotating call): the row's S over
+// the head's lanes (NORM_LANES) or from the whole rotated row.
+template <int WDT>
+__device__ __forceinline__ void norm_after_rot(const Params& p, i64 T, i64 max_pos, i64 t0, int u, bool is_k, int j,
+                                               const void* w, Chunk& a, Chunk& b, const WeightChunks& ew) {
+  const RotIdx ix = rot_idx(u);
+  float S;
+  if constexpr (NORM_LANES) {
+    S = norm_lanes_after(p, T, max_pos, t0, u, is_k, a, b);
+  } else {
+    S = out_row_sq_sum(p, T, max_pos, t0 + ix.tt, ix.h);
+  }
+  const float inv = rc_rms_inv(S, D, norm_eps());
+  if constexpr (EARLY_W) {
+    a = norm_chunk_w(a, ew.a, inv);
+    if (NEOX) b = norm_chunk_w(b, ew.b, inv);
+  } else {
+    a = norm_chunk<WDT>(a, w, ROFF + j * W, inv);
+    if (NEOX) b = norm_chunk<WDT>(b, w, ROFF + HALF + j * W, inv);
+  }
+}
+
+__device__ __forceinline__ void norm_after_unit(const Params& p, i64 T, i64 max_pos, i64 t0, int u, bool is_k, int j,
+                                                Chunk& a, Chunk& b, const WeightChunks& ew) {
+  if constexpr (Q_NORM == K_NORM) {
+    if constexpr (Q_NORM >= 0)
+      norm_after_rot<Q_NORM>(p, T, max_pos, t0, u, is_k, j, is_k ? p.k_norm_w : p.q_norm_w, a, b, ew);
+  } else if (is_k) {
+    if constexpr (K_NORM >= 0) norm_after_rot<K_NORM>(p, T, max_pos, t0, u, true, j, p.k_norm_w, a, b, ew);
+  } else {
+    if constexpr (Q_NORM >= 0) norm_after_rot<Q_NORM>(p, T, max_pos, t0, u, false, j, p.q_norm_w, a, b, ew);
+  }
+}
+
+// Pass-through chunk c of token t's head h normalised with the rotated row's S (RC_NORM_AFTER).
+template <int WDT>
+__device__ __forceinline__ Chunk norm_pass_after(const Params& p, i64 T, i64 max_pos, i64 t, int h, int c,
+                                                 const void* w, const Chunk& x) {
+  return norm_chunk<WDT>(x, w, c * W, rc_rms_inv(out_row_sq_sum(p, T, max_pos, t, h), D, norm_eps()));
+}
+
+__device__ __forceinline__ Chunk norm_pass_after_unit(const Params& p, i64 T, i64 max_pos, i64 t, int h, int c,
+                                                      const Chunk& x) {
+  const bool is_k = h >= QH;
+  if constexpr (Q_NORM == K_NORM) {
+    if constexpr (Q_NORM >= 0) return norm_pass_after<Q_NORM>(p, T, max_pos, t, h, c, is_k ? p.k_norm_w : p.q_norm_w, x);
+  } else if (is_k) {
+    if constexpr (K_NORM >= 0) return norm_pass_after<K_NORM>(p, T, max_pos, t, h, c, p.k_norm_w, x);
+  } else {
+    if constexpr (Q_NORM >= 0) return norm_pass_after<Q_NORM>(p, T, max_pos, t, h, c, p.q_norm_w, x);
+  }
+  return x;
+}
+// ---- end of model families ----------------------------------------------------------------------
+
 // ---- per-token scales (RC_TOKEN_SCALES) ----------------------------------------------------------
 // Each (token, kv head) row of the values a cache quantizes gets scale = rc_token_scale(amax) (the
 // max of the row's finite |values|, exact in any order), written at the token's slot of the scale
@@ -1138,6 +1478,12 @@ __device__ __forceinline__ void rotate_chunk(const Chunk& a, const Chunk& b, con
 // amax with xor shuffles (TOKEN_LANES); otherwise (partial rotary, D not a power of two, P > 32)
 // each k unit recomputes the whole row's values (L1 hits). V: row units (token, kv head, chunk) in
 // every layout, each reading the whole v row for its amax (v_unit_token).
+
+// A row's scale from its amax: r32(max(amax, 1e-8) / Q), Q the cache format's largest value.
+__device__ __forceinline__ float row_scale(float amax) {
+  if constexpr (LOWB) return rc_low_bit_scale(amax, INT4C != 0);
+  return rc_token_scale(amax, FP8_DT);
+}
 
 // Element offset of kv head h's scale at cache slot s in the scale caches [.., NB, KH, BS] (head_major:
 // [.., KH, NB, BS], s counting the layers' slots one after the other).
@@ -1159,17 +1505,27 @@ __device__ __forceinline__ void over_levels(F&& level) {
 
 // The f32 values the key cache quantizes for rotation chunk j of token t's k head h (h >= QH) (NeoX:
 // chunks j and j + P into ya, yb), recomputed from the inputs as rot_unit computes them: normalised
-// with `inv` (K_NORM), rotated, rounded to the input dtype unless WIDE_K.
+// with `inv` (K_NORM), rotated (if `rotate`: RC_USE_ROPE), normalised after the rotation instead
+// (RC_NORM_AFTER), rounded to the input dtype unless WIDE_K.
 __device__ __forceinline__ void k_rot_values(const Params& p, i64 T, i64 max_pos, i64 t, int h, int j, float inv,
-                                             float* ya, float* yb) {
+                                             float* ya, float* yb, bool rotate = true) {
   const char* src = rot_src(p, t, h, j);
   Chunk a = load_chunk(src, 0), b = a;
   if (NEOX) b = load_chunk(src, HALF);
-  if constexpr (K_NORM >= 0) {
-    a = norm_chunk<K_NORM>(a, p.k_norm_w, j * W, inv);
-    if (NEOX) b = norm_chunk<K_NORM>(b, p.k_norm_w, HALF + j * W, inv);
+  if constexpr (K_NORM >= 0 && !NORM_AFTER) {
+    a = norm_chunk<K_NORM>(a, p.k_norm_w, ROFF + j * W, inv);
+    if (NEOX) b = norm_chunk<K_NORM>(b, p.k_norm_w, ROFF + HALF + j * W, inv);
   }
   (void)inv;
+  if (USE_ROPE && !rotate) {
+#pragma unroll
+    for (int e = 0; e < W; ++e) ya[e] = to_f32<DT>(a.e[e]);
+    if (NEOX) {
+#pragma unroll
+      for (int e = 0; e < W; ++e) yb[e] = to_f32<DT>(b.e[e]);
+    }
+    return;
+  }
   i64 trows[MROPE ? 3 : 1];
 #pragma unroll
   for (int st = 0; st < (MROPE ? 3 : 1); ++st) {
@@ -1179,6 +1535,16 @@ __device__ __forceinline__ void k_rot_values(const Params& p, i64 T, i64 max_pos
   TabVals tv;
   load_chunk_tabs<MROPE != 0>(p.cos, p.sin, trows[0], trows, j, tv);
   rotate_chunk(a, b, tv, ya, yb);
+  if constexpr (K_NORM >= 0 && NORM_AFTER) {  // k_out: the rotated row rounded, then normalised
+    Chunk oa = norm_chunk<K_NORM>(chunk_from(ya), p.k_norm_w, ROFF + j * W, inv);
+#pragma unroll
+    for (int e = 0; e < W; ++e) ya[e] = to_f32<DT>(oa.e[e]);
+    if (NEOX) {
+      Chunk ob = norm_chunk<K_NORM>(chunk_from(yb), p.k_norm_w, ROFF + HALF + j * W, inv);
+#pragma unroll
+      for (int e = 0; e < W; ++e) yb[e] = to_f32<DT>(ob.e[e]);
+    }
+  }
   if (!WIDE_K) {  // k_out's rounded values
     const Chunk oa = chunk_from(ya);
 #pragma unroll
@@ -1191,10 +1557,14 @@ __device__ __forceinline__ void k_rot_values(const Params& p, i64 T, i64 max_pos
   }
 }
 
-// 1/rms of token t's k row (K_NORM), the same bits as the lanes' sum (the spec's tree).
-__device__ __forceinline__ float k_row_inv(const Params& p, i64 t, int h) {
-  if constexpr (K_NORM >= 0) return rc_rms_inv(row_sq_sum(rot_src(p, t, h, 0)), D, norm_eps());
-  (void)p, (void)t, (void)h;
+// 1/rms of token t's k row (K_NORM), the same bits as the lanes' sum (the spec's tree); RC_NORM_AFTER:
+// of the rotated row (a call that does not rotate has no norm).
+__device__ __forceinline__ float k_row_inv(const Params& p, i64 T, i64 max_pos, i64 t, int h, bool rotate = true) {
+  if constexpr (K_NORM >= 0 && NORM_AFTER) {
+    return rotate ? rc_rms_inv(out_row_sq_sum(p, T, max_pos, t, h), D, norm_eps()) : 0.0f;
+  }
+  if constexpr (K_NORM >= 0) return rc_rms_inv(row_sq_sum(row_src(p, t, h)), D, norm_eps());
+  (void)p, (void)T, (void)max_pos, (void)t, (void)h, (void)rotate;
   return 0.0f;
 }
 
@@ -1211,21 +1581,23 @@ __device__ __forceinline__ float chunk_amax(const float* ya, const float* yb) {
 }
 
 // amax of token t's whole k row (k head h >= QH), recomputed by one unit: rotated and pass-through chunks.
-__device__ __forceinline__ float k_row_amax(const Params& p, i64 T, i64 max_pos, i64 t, int h) {
-  const float inv = k_row_inv(p, t, h);
+__device__ __forceinline__ float k_row_amax(const Params& p, i64 T, i64 max_pos, i64 t, int h, bool rotate = true) {
+  const float inv = k_row_inv(p, T, max_pos, t, h, rotate);
   float m = 0.0f;
 #pragma unroll 1
   for (int j = 0; j < P; ++j) {
     float ya[W], yb[NEOX ? W : 1];
-    k_rot_values(p, T, max_pos, t, h, j, inv, ya, yb);
+    k_rot_values(p, T, max_pos, t, h, j, inv, ya, yb, rotate);
     const float c = chunk_amax(ya, yb);
     m = c > m ? c : m;
   }
-  const char* row = rot_src(p, t, h, 0);
+  const char* row = row_src(p, t, h);
 #pragma unroll 1
-  for (int c = PASS0; c < CH; ++c) {
+  for (int c = PASS0; c < PASS0 + CPASS; ++c) {
     Chunk x = load_chunk(row, c * W);
-    if constexpr (K_NORM >= 0) x = norm_chunk<K_NORM>(x, p.k_norm_w, c * W, inv);
+    if constexpr (K_NORM >= 0) {
+      if (!NORM_AFTER || rotate) x = norm_chunk<K_NORM>(x, p.k_norm_w, c * W, inv);
+    }
 #pragma unroll
     for (int e = 0; e < W; ++e) m = rc_amax_step(m, to_f32<DT>(x.e[e]));
   }
@@ -1234,31 +1606,32 @@ __device__ __forceinline__ float k_row_amax(const Params& p, i64 T, i64 max_pos,
 
 // The k row's amax from rotation unit u, whose own chunk values are m_own's (TOKEN_LANES: the xor
 // butterfly over the head's P lanes, paired k units as norm_lanes), else k_row_amax.
-__device__ __forceinline__ float k_amax(const Params& p, i64 T, i64 max_pos, i64 t0, int u, float m_own) {
+__device__ __forceinline__ float k_amax(const Params& p, i64 T, i64 max_pos, i64 t0, int u, float m_own,
+                                        bool rotate = true) {
   const RotIdx me = rot_idx(u);
   if constexpr (!TOKEN_LANES) {
     (void)m_own;
-    return k_row_amax(p, T, max_pos, t0 + me.tt, me.h);
+    return k_row_amax(p, T, max_pos, t0 + me.tt, me.h, rotate);
   }
 #ifdef RC_EMULATE
   // The other lanes rebuilt from the inputs (k_rot_values), this lane's checked against its own.
   emu_check_group(u, KPAIRS != 0);
-  const float inv = k_row_inv(p, t0 + me.tt, me.h);
-  float g[P];
+  const float inv = k_row_inv(p, T, max_pos, t0 + me.tt, me.h, rotate);
+  float g[P_DIV];
   for (int i = 0; i < P; ++i) {
     float ya[W], yb[NEOX ? W : 1];
-    k_rot_values(p, T, max_pos, t0 + me.tt, me.h, i, inv, ya, yb);
+    k_rot_values(p, T, max_pos, t0 + me.tt, me.h, i, inv, ya, yb, rotate);
     g[i] = chunk_amax(ya, yb);
   }
   if (__float_as_uint(g[me.j]) != __float_as_uint(m_own)) ++rc_emu_errors;
   over_levels([&](int off) {
-    float n[P];
+    float n[P_DIV];
     for (int i = 0; i < P; ++i) n[i] = g[i ^ off] > g[i] ? g[i ^ off] : g[i];
     for (int i = 0; i < P; ++i) g[i] = n[i];
   });
   return g[me.j];
 #else
-  (void)p, (void)T, (void)max_pos, (void)t0;
+  (void)p, (void)T, (void)max_pos, (void)t0, (void)rotate;
   int sh = 0;
   const unsigned int mask = group_mask(KPAIRS != 0, sh);
   float m = m_own;
@@ -1325,11 +1698,16 @@ __device__ __forceinline__ void v_unit_token(const Params& p, i64 T, i64 t0, int
       for (int e = 0; e < W; ++e) m = rc_amax_step(m, to_f32<DT>(y.e[e]));
     }
   }
-  const float scale = rc_token_scale(m, FP8_DT), inv = rc_inv_scale(scale);
+  const float scale = row_scale(m), inv = rc_inv_scale(scale);
 #if RC_TOKEN_SCALES
   store_if(ok && c == 0, p.v_sc + scale_index(s, h), __float_as_uint(scale));
 #endif
-  if constexpr (XP) {  // x-packed: the chunk's channels are not adjacent in a value row
+  if constexpr (XP && INT4C) {  // one byte (two channels) at a time
+    const CacheChunk o = int4_chunk(x, inv);
+#pragma unroll
+    for (int e = 0; e < W / 2; ++e)
+      store_if(ok, static_cast<raw_cache*>(p.vc) + value_index(s / BS, s % BS, h, c * W + 2 * e), o.e[e]);
+  } else if constexpr (XP) {  // x-packed: the chunk's channels are not adjacent in a value row
 #pragma unroll
     for (int e = 0; e < W; ++e)
       store_if(ok, static_cast<raw_cache*>(p.vc) + value_index(s / BS, s % BS, h, c * W + e), to_cache(x.e[e], inv));
@@ -1357,10 +1735,13 @@ __device__ __forceinline__ void rot_unit(const Params& p, i64 T, i64 max_pos, i6
   if constexpr (EARLY_W) {
     if (is_k ? K_NORM >= 0 : Q_NORM >= 0) {  // a tensor without a norm has a placeholder weight
       const void* wp = is_k ? p.k_norm_w : p.q_norm_w;
-      ew.a = load_chunk(wp, j * W);
-      if (NEOX) ew.b = load_chunk(wp, HALF + j * W);
+      ew.a = load_chunk(wp, ROFF + j * W);
+      if (NEOX) ew.b = load_chunk(wp, ROFF + HALF + j * W);
     }
   }
+  const bool rotate = rope_on(p);  // RC_USE_ROPE: this call's switch, else true
+  i64 pclamp = 0;                  // RC_TEMP_FS: the clamped position
+  (void)pclamp;
   // The cos/sin row: table row `position`, or (RC_MROW) the token's merged row in shared memory.
   i64 trow, trows[MROPE && !MROW ? 3 : 1];  // M-RoPE: the row of each stream (stream 0 is `trow`)
   if constexpr (MROW) {
@@ -1369,6 +1750,7 @@ __device__ __forceinline__ void rot_unit(const Params& p, i64 T, i64 max_pos, i6
     i64 prow = load_index_after(p.pos, t, RC_POS64 != 0, src);
     prow = prow < 0 ? 0 : (prow >= max_pos ? max_pos - 1 : prow);
     trow = trows[0] = prow * TW;
+    if constexpr (TEMP_FS > 0) pclamp = prow;
   }
   if constexpr (MROPE != 0 && !MROW) {
 #pragma unroll
@@ -1391,22 +1773,41 @@ __device__ __forceinline__ void rot_unit(const Params& p, i64 T, i64 max_pos, i6
   Chunk oa, ob;
   float ya[W], yb[NEOX ? W : 1];  // the rotated f32 values (WIDE_K: quantized from these)
   (void)yb;
-  if (PACKED_NATIVE) {
+  if (USE_ROPE && !rotate) {  // no rotation: the (normalised) inputs; q scaled by the temperature
+    if constexpr (NORM && !NORM_AFTER) norm_rot_unit(p, t0, u, is_k, src, j, a, b, ew);
+    if constexpr (TEMP_FS > 0) {
+      if (!is_k) {
+        const float f = temp_factor(p, pclamp);
+        a = scale_chunk(a, f);
+        if (NEOX) b = scale_chunk(b, f);
+      }
+    }
+    oa = a, ob = b;
+#pragma unroll
+    for (int e = 0; e < W; ++e) ya[e] = to_f32<DT>(a.e[e]);
+    if (NEOX) {
+#pragma unroll
+      for (int e = 0; e < W; ++e) yb[e] = to_f32<DT>(b.e[e]);
+    }
+  } else if (PACKED_NATIVE) {
     const TabWords c = load_words(tcos, trow + c0), sn = load_words(tsin, trow + c0);
     TabWords c2 = c, s2 = sn;
     if (FULL) {
       c2 = load_words(tcos, trow + HALF + j * W);
       s2 = load_words(tsin, trow + HALF + j * W);
     }
-    if constexpr (NORM) norm_rot_unit(p, t0, u, is_k, src, j, a, b, ew);  // while the table row is in flight
+    if constexpr (NORM && !NORM_AFTER) norm_rot_unit(p, t0, u, is_k, src, j, a, b, ew);  // while the table row is in flight
     rot_native_packed(a, b, c, sn, c2, s2, oa, ob);
   } else {
     TabVals tv;
     load_chunk_tabs<MROPE != 0 && !MROW>(tcos, tsin, trow, trows, j, tv);
-    if constexpr (NORM) norm_rot_unit(p, t0, u, is_k, src, j, a, b, ew);  // while the table row is in flight
+    if constexpr (NORM && !NORM_AFTER) norm_rot_unit(p, t0, u, is_k, src, j, a, b, ew);  // while the table row is in flight
     rotate_chunk(a, b, tv, ya, yb);
     oa = chunk_from(ya);
     if (NEOX) ob = chunk_from(yb);
+  }
+  if constexpr (NORM_AFTER) {  // the rotated, rounded chunks normalised (the head's lanes all rotate or not)
+    if (rotate) norm_after_unit(p, T, max_pos, t0, u, is_k, j, oa, ob, ew);
   }
   if constexpr (TOKEN) {
     if (is_k) {  // the row's scale (all P lanes of the head take this branch together)
@@ -1421,7 +1822,7 @@ __device__ __forceinline__ void rot_unit(const Params& p, i64 T, i64 max_pos, i6
         }
         own = chunk_amax(va, vb);
       }
-      const float scale = rc_token_scale(k_amax(p, T, max_pos, t0, u, own), FP8_DT);
+      const float scale = row_scale(k_amax(p, T, max_pos, t0, u, own, rotate));
       inv_k = rc_inv_scale(scale);
 #if RC_TOKEN_SCALES
       if (j == 0 && s_any >= 0) p.k_sc[scale_index(s_any, h - QH)] = scale;
@@ -1429,8 +1830,8 @@ __device__ __forceinline__ void rot_unit(const Params& p, i64 T, i64 max_pos, i6
     }
   }
   void* dst = is_k ? p.k_out : p.q_out;
-  store_chunk(dst, row + j * W, oa);
-  if (NEOX) store_chunk(dst, row + HALF + j * W, ob);
+  store_chunk(dst, row + ROFF + j * W, oa);
+  if (NEOX) store_chunk(dst, row + ROFF + HALF + j * W, ob);
   const i64 s = is_k ? s_any : -1;
   if (s >= 0) {
     const i64 blk = s / BS, off = s % BS;
@@ -1438,18 +1839,18 @@ __device__ __forceinline__ void rot_unit(const Params& p, i64 T, i64 max_pos, i6
     if constexpr (KW < W) {  // RC_X below the chunk: one store per X group
       auto at = [&](int d0) { return [=](int e) { return key_index(blk, off, kh, d0 + e); }; };
       if (WIDE_K) {
-        store_key_chunk_f32(p.kc, at(j * W), ya, inv_k);
-        if (NEOX) store_key_chunk_f32(p.kc, at(HALF + j * W), yb, inv_k);
+        store_key_chunk_f32(p.kc, at(ROFF + j * W), ya, inv_k);
+        if (NEOX) store_key_chunk_f32(p.kc, at(ROFF + HALF + j * W), yb, inv_k);
       } else {
-        store_key_chunk(p.kc, at(j * W), oa, inv_k);
-        if (NEOX) store_key_chunk(p.kc, at(HALF + j * W), ob, inv_k);
+        store_key_chunk(p.kc, at(ROFF + j * W), oa, inv_k);
+        if (NEOX) store_key_chunk(p.kc, at(ROFF + HALF + j * W), ob, inv_k);
       }
     } else if (WIDE_K) {  // never PACKED_NATIVE ("rounded"), so ya/yb hold the values
-      store_cache_chunk_f32(p.kc, key_index(blk, off, kh, j * W), ya, inv_k);
-      if (NEOX) store_cache_chunk_f32(p.kc, key_index(blk, off, kh, HALF + j * W), yb, inv_k);
+      store_cache_chunk_f32(p.kc, key_index(blk, off, kh, ROFF + j * W), ya, inv_k);
+      if (NEOX) store_cache_chunk_f32(p.kc, key_index(blk, off, kh, ROFF + HALF + j * W), yb, inv_k);
     } else {
-      store_cache_chunk(p.kc, key_index(blk, off, kh, j * W), oa, inv_k);
-      if (NEOX) store_cache_chunk(p.kc, key_index(blk, off, kh, HALF + j * W), ob, inv_k);
+      store_cache_chunk(p.kc, key_index(blk, off, kh, ROFF + j * W), oa, inv_k);
+      if (NEOX) store_cache_chunk(p.kc, key_index(blk, off, kh, ROFF + HALF + j * W), ob, inv_k);
     }
   }
 }
@@ -1468,10 +1869,26 @@ __device__ __forceinline__ void pass_unit(const Params& p, i64 T, i64 max_pos, i
   const i64 s_raw = load_index_after(p.slots, t, RC_SLOT64 != 0, src);
   const bool ok = is_k && s_raw >= 0 && s_raw < sr.n;
   const i64 s = ok ? sr.base + s_raw : 0;
-  if constexpr (NORM) x = norm_pass_unit(p, is_k, src - c * W * S_IN, c, x);
+  const bool rotate = R > 0 && rope_on(p);  // this call rotates (its rotary channels)
+  (void)rotate;
+  if constexpr (NORM && !NORM_AFTER) x = norm_pass_unit(p, is_k, src - c * W * S_IN, c, x);
+  if constexpr (NORM && NORM_AFTER) {
+    if (rotate) x = norm_pass_after_unit(p, T, max_pos, t, h, c, x);
+  }
+  if constexpr (TEMP_FS > 0) {  // a call that does not rotate: q times its token's factor
+    if (!rotate && !is_k) x = scale_chunk(x, temp_factor(p, clamped_pos(p, max_pos, t)));
+  }
   if constexpr (KS_HEADS) inv_k = head_inv(p.k_scale, is_k ? h - QH : 0, inv_k, true);
   if constexpr (TOKEN) {  // R < D: never TOKEN_LANES; the rotation unit of chunk 0 writes the scale
-    if (is_k) inv_k = rc_inv_scale(rc_token_scale(k_row_amax(p, T, max_pos, t, h), FP8_DT));
+    if (is_k) {
+      const float scale = row_scale(k_row_amax(p, T, max_pos, t, h, rotate));
+      inv_k = rc_inv_scale(scale);
+#if RC_TOKEN_SCALES
+      if constexpr (P == 0) {  // NoPE: no rotation unit, pass chunk 0 writes it
+        if (ok && c == 0) p.k_sc[scale_index(s, h - QH)] = scale;
+      }
+#endif
+    }
   }
   (void)max_pos;
   store_chunk(is_k ? p.k_out : p.q_out, row + c * W, x);
@@ -1825,12 +2242,33 @@ extern "C" __global__ void __launch_bounds__(RC_NT, RC_MINB) rope_cache_kernel(c
 extern "C" __global__ void __launch_bounds__(RC_NT, RC_MINB) rope_cache_node(
     const void* q, const void* k, const void* v, const void* key_cache, const void* value_cache, const void* slots,
     const void* pos, const void* cos, const void* sin, const float* k_scale, const float* v_scale, const int* layer,
-    const void* q_norm_w, const void* k_norm_w, void* q_out, void* k_out, void* kc, void* vc
+    const void* q_norm_w, const void* k_norm_w,
+#if RC_USE_ROPE
+    const int* use_rope,  // the extra operands (contract.extra_operands), after the 14
+#endif
+#if RC_TEMP_FS
+    const float* temp,
+#endif
+    void* q_out, void* k_out, void* kc, void* vc
 #if RC_TOKEN_SCALES
     , float* k_sc, float* v_sc  // the scale-cache results (aliased: the k_scale / v_scale addresses)
 #endif
 ) {
+#if RC_USE_ROPE || RC_TEMP_FS
+  rc::Params p{};
+  p.q = q, p.k = k, p.v = v, p.key_cache_in = key_cache, p.value_cache_in = value_cache, p.slots = slots;
+  p.pos = pos, p.cos = cos, p.sin = sin, p.k_scale = k_scale, p.v_scale = v_scale, p.layer = layer;
+  p.q_norm_w = q_norm_w, p.k_norm_w = k_norm_w, p.q_out = q_out, p.k_out = k_out, p.kc = kc, p.vc = vc;
+#if RC_USE_ROPE
+  p.use_rope = use_rope;
+#endif
+#if RC_TEMP_FS
+  p.temp = temp;
+#endif
 #if RC_TOKEN_SCALES
+  p.k_sc = k_sc, p.v_sc = v_sc;
+#endif
+#elif RC_TOKEN_SCALES
   const rc::Params p{q, k, v, key_cache, value_cache, slots, pos, cos, sin, k_scale, v_scale, layer, q_norm_w,
                      k_norm_w, q_out, k_out, kc, vc, k_sc, v_sc, {}};
 #else
@@ -1866,7 +2304,14 @@ extern "C" int rc_emulate(const rc::Params* p, long long grid) {
 #else  // the kernel-node entry, its pointers in custom-call order (the dims are its constants)
       const rc::Params& w = *p;
       rope_cache_node(w.q, w.k, w.v, w.key_cache_in, w.value_cache_in, w.slots, w.pos, w.cos, w.sin, w.k_scale,
-                      w.v_scale, w.layer, w.q_norm_w, w.k_norm_w, w.q_out, w.k_out, w.kc, w.vc
+                      w.v_scale, w.layer, w.q_norm_w, w.k_norm_w,
+#if RC_USE_ROPE
+                      w.use_rope,
+#endif
+#if RC_TEMP_FS
+                      w.temp,
+#endif
+                      w.q_out, w.k_out, w.kc, w.vc
 #if RC_TOKEN_SCALES
                       , w.k_sc, w.v_sc
 #endif
