@@ -62,6 +62,9 @@ def run_kernel(args, opts, *, layer=None, params=None):
         return [None if o is None else np.asarray(o) for o in fn(*jax.device_put(tuple(args) + extra, dev))]
 
 
+FP8_NAMES = tuple(d.name for d in contract.FP8_DTYPES)
+
+
 def tpu_text(args, opts, impl="kernel", **jit_kwargs) -> str:
     """The StableHLO of the op lowered for "tpu" (Mosaic; on any machine)."""
     with jax.enable_x64(_x64(args)):
@@ -76,14 +79,22 @@ def check(case: Case, seed: int | None = None, args=None, opts=None, params=None
     assert text.count("stablehlo.custom_call @tpu_custom_call") == 1, case.id
     want = reference_op(*args, **opts)
     got = run_kernel(args, opts, params=params)
-    for name, g, w in zip(NAMES, got, want):
-        assert_bits_equal(g, w, f"{name} [{case.id}]")
-    for name, g, before, w in zip(NAMES[2:], got[2:], args[3:5], want[2:]):
+    check_results(got, want, args, opts, case.id)
+
+
+def check_results(got, want, args, opts, what=""):
+    """Every result bit-exact; entries of the caches (and scale caches) the reference leaves alone unchanged."""
+    names = NAMES + ("k_scale_cache", "v_scale_cache")
+    assert len(got) == len(want), (len(got), len(want))
+    for name, g, w in zip(names, got, want):
+        assert_bits_equal(g, w, f"{name} [{what}]")
+    befores = list(args[3:5]) + [opts.get("k_scale_cache"), opts.get("v_scale_cache")]
+    for name, g, before, w in zip(names[2:], got[2:], befores, want[2:]):
         if before is None:  # kv_merged: no value cache
             assert g is None and w is None, name
             continue
         untouched = ulp_diff(w, before) == 0
-        assert (ulp_diff(g, before)[untouched] == 0).all(), f"{name}: an unwritten entry changed [{case.id}]"
+        assert (ulp_diff(g, before)[untouched] == 0).all(), f"{name}: an unwritten entry changed [{what}]"
 
 
 # ---- the case matrix ------------------------------------------------------------------------------
@@ -407,7 +418,6 @@ def test_lowered_for_tpu_one_custom_call_with_the_caches_aliased(layout):
 
 @pytest.mark.parametrize("what,opts,match", [
     ("float16", dict(dtype="float16", table_dtype="float32"), "float16 inputs"),
-    ("fp8", dict(cache_dtype="float8_e4m3fn"), "float8_e4m3fn caches"),
     ("xpacked", dict(layout="xpacked"), "layout 'xpacked'"),
     ("native f32 tables", dict(precision="native"), "precision='native'"),
 ])
@@ -537,3 +547,208 @@ def test_a_head_major_cache_is_written_from_its_axes_alone():
     assert_bits_equal(got[0], want[0], "q_out")
     assert_bits_equal(got[2], want[2].transpose(2, 0, 1, 3), "key_cache")
     assert_bits_equal(got[3], want[3].transpose(2, 0, 1, 3), "value_cache")
+
+
+# ---- fp8 caches ------------------------------------------------------------------------------------
+def _f32_patterns():
+    """Every f32 upper half (sign, exponent, 7 mantissa bits) with low halves that make exact ties,
+    values just above and below them, and random ones: every rounding case of every fp8 format."""
+    rng = np.random.default_rng(100)
+    hi = np.arange(1 << 16, dtype=np.uint32) << 16
+    lows = np.array([0, 1, 0x7FFF, 0x8000, 0xFFFF, 0x4000], np.uint32)
+    u = (hi[:, None] | lows[None, :]).ravel()
+    return np.concatenate([u, rng.integers(0, 2**32, 1 << 18, dtype=np.uint64).astype(np.uint32)]).view(np.float32)
+
+
+@pytest.mark.parametrize("name", FP8_NAMES)
+def test_fp8_conversion_is_the_reference_rounding(name):
+    """f8_codes (integer arithmetic on the f32 bits) equals reference.quantize with scale 1 (clamp to
+    +-max, round to nearest even, canonical NaN, subnormals kept) on every f32 exponent and sign,
+    with ties and their neighbours in every mantissa position."""
+    from jax_rope_cache import reference
+
+    x = _f32_patterns()
+    cdt = np.dtype(getattr(ml_dtypes, name))
+    got = np.asarray(jax.jit(lambda y: K.f8_codes(y, name))(jax.device_put(x, jax.devices("cpu")[0])))
+    want = reference.quantize(x, cdt, np.float32(1.0)).view(np.uint8)
+    bad = np.flatnonzero(got != want)
+    assert len(bad) == 0, f"{len(bad)} differ, first {x.view(np.uint32)[bad[0]]:#x}: {got[bad[0]]:#x} != {want[bad[0]]:#x}"
+
+
+def test_inverse_and_token_scales_are_the_reference_ones():
+    """1/scale correctly rounded with the reference's overflow rule (0, -0, below 2^-128, inf, NaN,
+    negative); the per-token scale r32(max(amax, 1e-8) / max) with NaN and inf left out of amax."""
+    from jax_rope_cache import reference
+
+    rng = np.random.default_rng(101)
+    s = (rng.uniform(1, 2, 4000) * 2.0 ** rng.integers(-125, 126, 4000) * rng.choice([-1, 1], 4000)).astype(np.float32)
+    s[:6] = [0.0, -0.0, np.inf, -np.inf, np.nan, 2.0**-126]
+    cpu = jax.devices("cpu")[0]
+    got = np.asarray(jax.jit(K.inverse_scale)(jax.device_put(s, cpu)))
+    want = np.array([reference.inverse_scale(x) for x in s], np.float32)
+    assert_bits_equal(got, want, "inverse_scale")
+    rows = (rng.standard_normal((64, 4, 80)) * 10.0 ** rng.uniform(-12, 6, (64, 4, 1))).astype(np.float32)
+    rows[0, 0] = 0
+    rows[1, 1, 3], rows[1, 2, 5], rows[2, 0, 7] = np.inf, -np.inf, np.nan
+    for name in FP8_NAMES:
+        got = np.asarray(jax.jit(lambda y: K.token_scale(K.row_amax(y), name))(jax.device_put(rows, cpu)))[..., 0]
+        assert_bits_equal(got, reference.token_scale(rows, np.dtype(getattr(ml_dtypes, name))), name)
+
+
+FP8_SAMPLE = [
+    Case(T=7, QH=4, KH=2, D=128, cache_dtype="float8_e4m3fn"),
+    Case(T=9, QH=4, KH=2, D=64, cache_dtype="float8_e5m2", layout="kv_merged", is_neox=False, R=32),
+    Case(T=6, QH=8, KH=2, D=64, cache_dtype="float8_e4m3fnuz", layout="head_major", dtype="float32",
+         index_dtype="int64"),
+]
+FP8_FULL = [Case(T=t, QH=4, KH=kh, D=d, cache_dtype=c, layout=lay, dtype=dt, table="full" if t == 33 else "half",
+                 precision="native" if dt == "bfloat16" and t == 1 else "fp32",
+                 table_dtype="bfloat16" if dt == "bfloat16" and t == 1 else "float32")
+            for t, kh, d, lay, dt, c in [(1, 2, 128, "hnd", "bfloat16", "float8_e4m3fn"),
+                                         (33, 1, 80, "flash", "float32", "float8_e5m2"),
+                                         (7, 4, 256, "kv_merged", "float32", "float8_e4m3fnuz"),
+                                         (12, 2, 64, "head_major", "bfloat16", "float8_e5m2"),
+                                         (5, 2, 128, "flash", "bfloat16", "float8_e4m3fnuz")]]
+
+
+def _fp8_scales(case, opts, kind, seed):
+    """The static scales of a case: scalars (make_problem's), per head [KH] (KH > 1), or scales so
+    small that most values saturate."""
+    rng = np.random.default_rng(seed)
+    if kind == "heads" and case.KH > 1:
+        opts.update(k_scale=rng.uniform(0.02, 0.5, case.KH).astype(np.float32),
+                    v_scale=rng.uniform(0.02, 0.5, case.KH).astype(ml_dtypes.bfloat16))
+    elif kind == "saturating":
+        opts.update(k_scale=np.float32(2e-3), v_scale=np.float32(5e-6))
+    return opts
+
+
+FP8_KINDS = [(c, "scalar") for c in FP8_SAMPLE] + [(FP8_SAMPLE[0], "heads"), (FP8_SAMPLE[1], "saturating")]
+FP8_KINDS_FULL = [(c, k) for c in FP8_SAMPLE for k in ("heads", "saturating") if (c, k) not in FP8_KINDS]
+
+
+def _fp8_static(case, kind):
+    args, opts = make_problem(case, zlib.crc32(case.id.encode()))
+    args = list(args)
+    args[2] = args[2].copy()
+    args[2][1, 0, :3] = [np.nan, np.inf, -np.inf]  # v: NaN stores the canonical code, +-inf saturates
+    check(case, args=tuple(args), opts=_fp8_scales(case, opts, kind, 5))
+
+
+@pytest.mark.parametrize("case,kind", FP8_KINDS, ids=[f"{c.id}-{k}" for c, k in FP8_KINDS])
+def test_fp8_static_scales(case, kind):
+    """Every fp8 dtype, scalar scales; per-head and saturating scales once (the rest: full tier)."""
+    _fp8_static(case, kind)
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("case,kind", FP8_KINDS_FULL, ids=[f"{c.id}-{k}" for c, k in FP8_KINDS_FULL])
+def test_fp8_static_scales_other_kinds(case, kind):
+    _fp8_static(case, kind)
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("case", FP8_FULL, ids=[c.id for c in FP8_FULL])
+def test_fp8_static_scales_full(case):
+    args, opts = make_problem(case, zlib.crc32(case.id.encode()))
+    check(case, args=args, opts=_fp8_scales(case, opts, "heads", 6))
+
+
+TOKEN_SAMPLE = [
+    (Case(T=7, QH=4, KH=2, D=128, cache_dtype="float8_e4m3fn"), None),
+    (Case(T=9, QH=4, KH=2, D=64, cache_dtype="float8_e5m2", layout="head_major", index_dtype="int64"), 3),
+    (Case(T=8, QH=4, KH=2, D=64, cache_dtype="float8_e4m3fnuz", layout="kv_merged", dtype="float32", R=32), None),
+    (Case(T=6, QH=8, KH=1, D=80, cache_dtype="float8_e4m3fn", layout="hnd", is_neox=False), 2),
+]
+
+
+@pytest.mark.parametrize("case,layers", TOKEN_SAMPLE, ids=[c.id + f"-L{n}" for c, n in TOKEN_SAMPLE])
+def test_fp8_per_token_scales(case, layers):
+    """Scale caches written per (token, kv head) and aliased: rows of magnitudes 1e-3..1e3, an
+    all-zero row, rows with inf and NaN (tests/test_fp8_per_token.per_token_problem); stacked
+    layers with the last layer written."""
+    from test_fp8_per_token import per_token_problem
+
+    args, opts = per_token_problem(case, zlib.crc32(case.id.encode()), layers=layers, norm=case.KH == 1)
+    check(case, args=args, opts=opts)
+
+
+@pytest.mark.parametrize("layout", ["flash", "kv_merged"])
+def test_fp8_per_token_over_several_token_blocks(monkeypatch, layout):
+    """Token blocks of 8 over a chunked prefill: each block's scales go to its own lanes."""
+    from test_fp8_per_token import per_token_problem
+
+    monkeypatch.setattr(K, "VMEM_BLOCK_BUDGET", 1)
+    case = Case(T=21, QH=4, KH=2, D=64, cache_dtype="float8_e5m2", layout=layout, NB=8, max_pos=128)
+    args, opts = per_token_problem(case, seed=9)
+    args = list(args)
+    args[5] = np.arange(13, 13 + case.T, dtype=np.int32)
+    args[5][10] = -1
+    assert tpu.config(contract.check_op(*args, **opts)).block_tokens == 8
+    check(case, args=tuple(args), opts=opts)
+
+
+@pytest.mark.skipif(ON_TPU, reason="the interpreter's DMA orders and race detector")
+@pytest.mark.parametrize("order", ["eager", "on_wait"])
+def test_fp8_no_dma_race_whenever_the_copies_run(order):
+    from test_fp8_per_token import per_token_problem
+
+    case = Case(T=12, QH=4, KH=2, D=64, cache_dtype="float8_e4m3fn")
+    args, opts = per_token_problem(case, seed=10)
+    check(case, args=args, opts=opts, params=pltpu.InterpretParams(dma_execution_mode=order, detect_races=True))
+
+
+@pytest.mark.parametrize("layout", tpu.layouts())
+def test_fp8_every_slot_value_writes_only_its_slot(layout):
+    """Per-token scales: every slot once next to out-of-range ones; the interpreter raises on a DMA
+    outside the caches or the scale caches."""
+    from test_fp8_per_token import per_token_problem
+
+    case = Case(T=32 + 6, QH=2, KH=2, D=64, BS=8, NB=4, index_dtype="int64", layout=layout,
+                cache_dtype="float8_e4m3fn")
+    args, opts = per_token_problem(case, seed=36)
+    rng = np.random.default_rng(37)
+    slots = np.concatenate([rng.permutation(32), [-1, 32, 2**31 - 1, -(2**31), 2**40, -(2**62)]]).astype(np.int64)
+    check(case, args=args[:5] + (slots,) + args[6:], opts=opts)
+
+
+@pytest.mark.parametrize("what", ["static", "token"])
+def test_fp8_lowered_for_tpu_with_the_caches_aliased(what):
+    """One tpu_custom_call; per-token scales: the scale caches (main's arguments 5 and 6 here) are
+    aliased to results 4 and 5 as well."""
+    pytest.importorskip("flatbuffers")
+    case = Case(T=5, QH=8, KH=2, D=128, cache_dtype="float8_e4m3fn")
+    if what == "token":
+        from test_fp8_per_token import per_token_problem
+
+        args, opts = per_token_problem(case, seed=42)
+        ksc, vsc = opts.pop("k_scale_cache"), opts.pop("v_scale_cache")
+        step = jax.jit(lambda q, k, v, kc, vc, ks, vs, *r: jrc.rope_and_cache(
+            q, k, v, kc, vc, *r, k_scale_cache=ks, v_scale_cache=vs, **opts, impl="kernel"),
+            donate_argnums=(3, 4, 5, 6))
+        args = args[:5] + (ksc, vsc) + args[5:]
+    else:
+        args, opts = make_problem(case, seed=42)
+        step = jax.jit(lambda *a: jrc.rope_and_cache(*a, **opts, impl="kernel"), donate_argnums=(3, 4))
+    text = jrc.export(step, platforms=["tpu"])(*args).mlir_module()
+    calls = re.findall(r"stablehlo\.custom_call @tpu_custom_call\(([^)]*)\)", text)
+    assert len(calls) == 1
+    operands = [o.strip() for o in calls[0].split(",")]
+    aliases = dict((int(o), operands[int(i)]) for o, i in
+                   re.findall(r"output_tuple_indices = \[(\d+)\], operand_index = (\d+)", text))
+    want = {2: "%arg3", 3: "%arg4"} if what == "static" else {2: "%arg3", 3: "%arg4", 4: "%arg5", 5: "%arg6"}
+    assert aliases == want, aliases
+    assert "stablehlo.copy" not in text
+
+
+@pytest.mark.skipif(ON_TPU, reason="runs a mutated kernel in interpret mode")
+def test_mutation_fp8_round_toward_zero_fails(monkeypatch):
+    """The fp8 checks see the rounding: a conversion that truncates fails them."""
+    case = Case(T=6, QH=4, KH=2, D=64, cache_dtype="float8_e4m3fn")
+    args, opts = make_problem(case, seed=38)
+    check(case, args=args, opts=opts)
+    monkeypatch.setattr(K, "_shift_rne", lambda m, s: m >> s)
+    real = K.f8_codes
+    monkeypatch.setattr(K, "f8_codes", lambda y, name: real(K.from_bits(K.bits(y) & np.uint32(0xFFF00000)), name))
+    with pytest.raises(AssertionError, match="key_cache|value_cache"):
+        check(case, args=args, opts=opts)

@@ -31,8 +31,8 @@ from jax_rope_cache.compilers import cache
 PLATFORM = "tpu"
 NAME = "TPU"
 KERNEL_SOURCE = "tpu/rope_cache_pallas.py"
-# contract.FEATURES the kernel implements (per-head scales come with fp8 caches, refused below).
-SUPPORTS: frozenset[str] = frozenset({"q_norm", "k_norm"})
+# contract.FEATURES the kernel implements.
+SUPPORTS: frozenset[str] = frozenset({"q_norm", "k_norm", "k_scale_heads", "v_scale_heads", "token_scales"})
 # Mosaic has no float16 arithmetic (JAX's Pallas TPU tests run float16 on Mosaic GPU only).
 DTYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float32))
 INT32_MAX = 2**31 - 1
@@ -93,9 +93,6 @@ def unsupported(spec: contract.OpSpec) -> list[str]:
                    "are implemented)")
     if np.dtype(spec.table_dtype) not in DTYPES:
         out.append(f"{np.dtype(spec.table_dtype).name} cos/sin tables")
-    if spec.fp8:
-        out.append(f"{np.dtype(spec.cache_dtype).name} caches (the fp8 conversion of Mosaic is not checked "
-                   "against the reference)")
     if spec.layout not in layouts():
         out.append(f"layout {spec.layout!r} (implemented: {', '.join(layouts())})")
     if spec.precision == "native" and not (np.dtype(spec.dtype) == np.dtype(spec.table_dtype) == DTYPES[0]):
@@ -136,7 +133,9 @@ def config(spec: contract.OpSpec):
         norm_eps=float(spec.norm_eps), key_axes=lay.key_axes, value_axes=lay.value_axes,
         block_tokens=K.block_tokens(spec.num_tokens, spec.q_heads, spec.kv_heads, spec.head_dim,
                                     np.dtype(spec.dtype).itemsize, w, np.dtype(spec.table_dtype).itemsize,
-                                    merged=K.row_dma(lay.key_axes) == "merged"))
+                                    merged=K.row_dma(lay.key_axes) == "merged", quant=spec.fp8),
+        cache_dtype=np.dtype(spec.cache_dtype).name if spec.fp8 else "", token_scales=spec.token_scales,
+        scale_axes=lay.scale_axes)
 
 
 def _index32(slots, positions, spec: contract.OpSpec):
@@ -157,13 +156,17 @@ def kernel_fn(spec: contract.OpSpec, interpret=None):
 
     def op(q, k, v, key_cache, value_cache, slots, positions, cos, sin, k_scale, v_scale, layer, q_norm_weight,
            k_norm_weight):
-        del k_scale, v_scale  # fp8 only
         if spec.num_tokens == 0:
-            return q, k, key_cache, value_cache
+            return (q, k, key_cache, value_cache) + ((k_scale, v_scale) if spec.token_scales else ())
         slots, positions = _index32(slots, positions, spec)
+        if spec.fp8 and not spec.token_scales:  # static scales as [KH, 1] f32 (a scalar broadcast)
+            k_scale, v_scale = (jnp.broadcast_to(jnp.reshape(s, (-1, 1)).astype(jnp.float32), (spec.kv_heads, 1))
+                                for s in (k_scale, v_scale))
+        elif not spec.fp8:
+            k_scale = v_scale = None
         return K.rope_and_cache(
             q, k, v, key_cache, value_cache, slots, positions, cos, sin, jnp.reshape(layer, (1,)).astype(jnp.int32),
-            q_norm_weight if cfg.q_norm else None, k_norm_weight if cfg.k_norm else None, cfg=cfg,
+            q_norm_weight if cfg.q_norm else None, k_norm_weight if cfg.k_norm else None, k_scale, v_scale, cfg=cfg,
             interpret=interpret or False)
 
     return op

@@ -85,6 +85,9 @@ class Config:
     key_axes: tuple[str, ...]    # one layer's axes in memory order, e.g. ("NB", "BS", "KH", "D")
     value_axes: tuple[str, ...]
     block_tokens: int          # TB: tokens per grid step
+    cache_dtype: str = ""      # an fp8 cache dtype's name (quantized stores), "" for a cache of the input dtype
+    token_scales: bool = False  # per-token scales written to the scale caches (else static scales)
+    scale_axes: tuple[str, ...] = ("NB", "KH", "BS")  # one layer's scale cache axes (token_scales)
 
     @property
     def table_width(self) -> int:
@@ -98,13 +101,31 @@ class Config:
     def grid(self) -> int:
         return -(-self.tokens // self.block_tokens)
 
+    @property
+    def quant(self) -> bool:
+        """The caches hold fp8: V goes through VMEM (quantized), both caches from fp8 VMEM buffers."""
+        return bool(self.cache_dtype)
+
+    @property
+    def v_in_vmem(self) -> bool:
+        return self.merged or self.quant
+
+    @property
+    def scale_lanes(self) -> int:
+        """Lanes of a scale buffer [KH, lanes]: TB rounded up to whole 128-lane tiles."""
+        return -(-self.block_tokens // 128) * 128
+
 
 def block_tokens(tokens: int, q_heads: int, kv_heads: int, head_dim: int, itemsize: int, table_width: int,
-                 table_itemsize: int, merged: bool = False) -> int:
+                 table_itemsize: int, merged: bool = False, quant: bool = False) -> int:
     """TB: all tokens when they fit the budget (the block is the whole array), else a multiple of 8."""
     per_token = 2 * 2 * (q_heads + kv_heads) * head_dim * itemsize + 2 * (table_width * table_itemsize + head_dim * 4)
-    if merged:  # the double-buffered V block and the interleaved [2KH, D] rows
-        per_token += 4 * kv_heads * head_dim * itemsize
+    if merged or quant:  # the double-buffered V block
+        per_token += 2 * kv_heads * head_dim * itemsize
+    if merged:  # the interleaved [2KH, D] rows
+        per_token += 2 * kv_heads * head_dim * itemsize
+    if quant:  # fp8 rows of K and V, one f32 scale per head each
+        per_token += 2 * kv_heads * (head_dim + 4)
     most = max(8, (VMEM_BLOCK_BUDGET // per_token) // 8 * 8)
     return max(1, tokens) if tokens <= most else most
 
@@ -276,6 +297,70 @@ def rms_norm(x, w, head_dim: int, eps: float, dtype, sep=keep):
     return jnp.where(jnp.isnan(n), canon, n)
 
 
+# ---- fp8 caches ------------------------------------------------------------------------------------
+# (mantissa bits M, exponent bias B, largest finite code, canonical NaN code, no negative zero, max value)
+FP8 = {"float8_e4m3fn": (3, 7, 0x7E, 0x7F, False, 448.0), "float8_e4m3fnuz": (3, 8, 0x7F, 0x80, True, 240.0),
+       "float8_e5m2": (2, 15, 0x7B, 0x7F, False, 57344.0)}
+F32_MAX = float(np.finfo(np.float32).max)
+TOKEN_AMAX_FLOOR = float(np.float32(1e-8))  # contract.TOKEN_AMAX_FLOOR
+
+
+def _shift_rne(m, s):
+    """m >> s rounded to nearest, ties to even (u32 m < 2^24, 1 <= s <= 25)."""
+    return (m + ((U32(1) << (s - U32(1))) - U32(1)) + ((m >> s) & U32(1))) >> s
+
+
+def f8_codes(y, name: str):
+    """The fp8 bits (uint8) of f32 y in the cache dtype `name`: round to nearest even, saturating to the
+    largest finite value (inf included), every NaN the canonical code, subnormals kept. Integer
+    arithmetic on the f32 bits only: no conversion of the hardware's is trusted to round, saturate
+    or write NaNs as the reference does."""
+    m_bits, bias, max_code, nan_code, fnuz, _ = FP8[name]
+    u = bits(y)
+    sign, a = (u >> 24) & U32(0x80), u & U32(0x7FFFFFFF)
+    shift = 23 - m_bits
+    rebased = a - U32((127 - bias) << 23)  # wraps below the fp8 normal range: unused there
+    normal = (rebased + U32((1 << (shift - 1)) - 1) + ((rebased >> shift) & U32(1))) >> shift
+    e = a >> 23  # fp8 subnormal: k * 2^(1 - B - M) with k = mant * 2^(e - 150 - (1 - B - M)), rounded
+    mant = jnp.where(e == 0, U32(0), (a & U32(0x007FFFFF)) | U32(0x00800000))  # f32 subnormals round to 0
+    s = jnp.clip(U32(151 - bias - m_bits) - jnp.minimum(e, U32(151 - bias - m_bits - 1)), 1, 25)
+    sub = _shift_rne(mant, s)
+    code = jnp.where(a < U32((128 - bias) << 23), sub, normal)
+    code = jnp.minimum(code, U32(max_code))
+    out = jnp.where(code == 0, U32(0), sign | code) if fnuz else sign | code
+    return jnp.where(a > U32(0x7F800000), U32(nan_code), out).astype(jnp.uint8)
+
+
+def inverse_scale(s, sep=keep):
+    """reference.inverse_scale of f32 scales: the correctly rounded 1/|s| (div_rn) with s's sign,
+    an overflow to inf the largest finite f32 (0 and scales below 2^-128; a subnormal scale reads
+    as 0 where the hardware flushes it)."""
+    a = from_bits(bits(s) & U32(0x7FFFFFFF))
+    q = div_rn(jnp.ones_like(a), a, sep=sep)
+    q = jnp.where(q == F32(jnp.inf), F32(F32_MAX), q)
+    return from_bits(bits(q) | (bits(s) & U32(0x80000000)))
+
+
+def row_amax(y):
+    """max |y| over the last axis of f32 rows, NaN and +-inf left out (0 when none is left): [..., 1].
+    A max is exact, so its reduction order does not matter."""
+    a = from_bits(bits(y) & U32(0x7FFFFFFF))
+    return jnp.max(jnp.where(a <= F32(F32_MAX), a, F32(0.0)), axis=-1, keepdims=True)
+
+
+def token_scale(amax, name: str, sep=keep):
+    """reference.token_scale: r32(max(amax, 1e-8) / FP8_MAX), correctly rounded."""
+    top = jnp.maximum(amax, F32(TOKEN_AMAX_FLOOR))
+    return div_rn(top, jnp.full(top.shape, FP8[name][5], F32), sep=sep)
+
+
+def widen(out_bits, dtype):
+    """The f32 values of output bits in `dtype` (bf16: a shift)."""
+    if np.dtype(dtype).itemsize == 4:
+        return from_bits(out_bits)
+    return from_bits(out_bits.astype(U32) << U32(16))
+
+
 # ---- the rotation ---------------------------------------------------------------------------------
 def _lanes(shape):
     return lax.broadcasted_iota(I32, shape, len(shape) - 1)
@@ -390,19 +475,35 @@ def cache_copies(src, cache, axes, layer, t, n, slot, block_size, kv_heads):
     return [(src.at[pl.ds(t, n), I32(h)], cache.at[cache_index(axes, layer, blk, off, n, h)]) for h in range(kv_heads)]
 
 
+def scale_copies(src, cache, axes, layer, t, n, slot, block_size, kv_heads):
+    """The DMA descriptors writing the per-token scales of tokens t..t+n-1 (`src` [KH, lanes], one
+    token per lane) to slots slot..slot+n-1 of a scale cache (BS last: one DMA per head)."""
+    blk, off = lax.div(slot, I32(block_size)), lax.rem(slot, I32(block_size))
+    out = []
+    for h in range(kv_heads):
+        pick = {"NB": blk, "BS": pl.ds(off, n), "KH": I32(h)}
+        idx = ((layer,) if layer is not None else ()) + tuple(pick[a] for a in axes)
+        out.append((src.at[I32(h), pl.ds(t, n)], cache.at[idx]))
+    return out
+
+
 # ---- the kernel ----------------------------------------------------------------------------------
 def _kernel(slot_ref, pos_ref, layer_ref, *refs, cfg: Config, sep):
     it = iter(refs)
-    q_ref, k_ref, v_hbm, cos_hbm, sin_hbm = (next(it) for _ in range(5))
+    q_ref, k_ref, v_ref, cos_hbm, sin_hbm = (next(it) for _ in range(5))
     qw_ref = next(it) if cfg.q_norm else None
     kw_ref = next(it) if cfg.k_norm else None
-    ncache = 1 if cfg.merged else 2
+    ks_ref, vs_ref = (next(it), next(it)) if cfg.quant and not cfg.token_scales else (None, None)
+    ncache = (1 if cfg.merged else 2) + (2 if cfg.token_scales else 0)
     for _ in range(ncache):
         next(it)  # the caches as inputs: aliased to the outputs below
     qo_ref, ko_ref, kc_ref = (next(it) for _ in range(3))
     vc_ref = None if cfg.merged else next(it)
+    ksc_ref, vsc_ref = (next(it), next(it)) if cfg.token_scales else (None, None)
     cos_buf, sin_buf, c_buf, s_buf, table_sem, k_sem, v_sem = (next(it) for _ in range(7))
-    kv_buf = next(it) if cfg.merged else None  # merged: v is a VMEM block, K and V rows go out of kv_buf
+    kv_buf = next(it) if cfg.merged else None  # merged: K and V rows go out of kv_buf
+    kq_buf, vq_buf = (next(it), next(it)) if cfg.quant and not cfg.merged else (None, None)  # fp8 rows
+    ksc_buf, vsc_buf, sc_sem = (next(it) for _ in range(3)) if cfg.token_scales else (None, None, None)
 
     tb, t_all = cfg.block_tokens, cfg.tokens
     base = pl.program_id(0) * tb
@@ -436,21 +537,47 @@ def _kernel(slot_ref, pos_ref, layer_ref, *refs, cfg: Config, sep):
         return key, emit
 
     def k_copies(t, n, s):
-        src = kv_buf if cfg.merged else ko_ref
+        src = kv_buf if cfg.merged else kq_buf if cfg.quant else ko_ref
         return cache_copies(src, kc_ref, cfg.key_axes, layer, t, n, s, cfg.block_size, cfg.kv_heads)
 
     def v_copies(t, n, s):
-        return cache_copies(v_hbm, vc_ref, cfg.value_axes, layer, base + t, n, s, cfg.block_size, cfg.kv_heads)
+        if cfg.quant:  # the quantized rows, from VMEM
+            return cache_copies(vq_buf, vc_ref, cfg.value_axes, layer, t, n, s, cfg.block_size, cfg.kv_heads)
+        return cache_copies(v_ref, vc_ref, cfg.value_axes, layer, base + t, n, s, cfg.block_size, cfg.kv_heads)
 
-    v_walks = lambda act: [] if cfg.merged else [walk(v_copies, slot, v_sem, act)]  # noqa: E731
-    for_each_run(count, [walk(table_copies, position, table_sem, "start")] + v_walks("start"))
+    def scale_walks(act):
+        if not cfg.token_scales:
+            return []
+        return [walk(lambda t, n, s, src=src, dst=dst: scale_copies(src, dst, cfg.scale_axes, layer, t, n, s,
+                                                                      cfg.block_size, cfg.kv_heads), slot, sc_sem, act)
+                for src, dst in ((ksc_buf, ksc_ref), (vsc_buf, vsc_ref))]
+
+    v_direct = not cfg.v_in_vmem  # v HBM -> the value cache, before the compute
+    v_early = lambda act: [walk(v_copies, slot, v_sem, act)] if v_direct else []  # noqa: E731
+    v_late = lambda act: [walk(v_copies, slot, v_sem, act)] if cfg.quant and not cfg.merged else []  # noqa: E731
+    for_each_run(count, [walk(table_copies, position, table_sem, "start")] + v_early("start"))
     for_each_run(count, [walk(table_copies, position, table_sem, "wait")])
 
     c_buf[...], s_buf[...] = table_lanes(cos_buf[...].astype(F32), sin_buf[...].astype(F32), cfg)
     weights = [None if w is None else w[...].astype(F32) for w in (qw_ref, kw_ref)]
+    static_inv = [None if r is None else inverse_scale(r[...], sep) for r in (ks_ref, vs_ref)]  # [KH, 1]
+    fp8 = None if not cfg.quant else jnp.dtype(cfg.cache_dtype)
+
+    def quantize(y, inv_static, sc_buf, t):
+        """fp8 rows of f32 rows y [KH, D] (the static rule, or the row's own scale, put in lane t of sc_buf)."""
+        if sc_buf is None:
+            inv = inv_static
+        else:
+            scale = token_scale(row_amax(y), cfg.cache_dtype, sep)  # [KH, 1]
+            inv = inverse_scale(scale, sep)
+            c0 = pl.multiple_of(lax.div(t, I32(128)) * 128, 128)  # t >= 0: no floor correction
+            cur = sc_buf[:, pl.ds(c0, 128)]
+            sc_buf[:, pl.ds(c0, 128)] = jnp.where(_lanes(cur.shape) == t - c0, scale, cur)
+        return lax.bitcast_convert_type(f8_codes(y * inv, cfg.cache_dtype), fp8)
 
     def compute(t, _):
         c, s = c_buf[pl.ds(t, 1), :], s_buf[pl.ds(t, 1), :]
+        rows = []
         for x_ref, o_ref, w in ((q_ref, qo_ref, weights[0]), (k_ref, ko_ref, weights[1])):
             x_in = x_ref[t]
             dtype = x_in.dtype
@@ -459,50 +586,72 @@ def _kernel(slot_ref, pos_ref, layer_ref, *refs, cfg: Config, sep):
             if w is not None:
                 x = rms_norm(x, w, cfg.head_dim, cfg.norm_eps, dtype, sep)
                 tail = value_bits(x, dtype)
-            o_ref[t] = lax.bitcast_convert_type(finish(rotate(x, c, s, cfg, dtype, sep), tail, cfg, dtype), dtype)
+            out = finish(rotate(x, c, s, cfg, dtype, sep), tail, cfg, dtype)
+            o_ref[t] = lax.bitcast_convert_type(out, dtype)
+            rows.append((out, dtype))
+        if cfg.quant:  # the cache stores the rounded k_out and v, quantized
+            k_row = quantize(widen(*rows[1]), static_inv[0], ksc_buf, t)
+            v_row = quantize(v_ref[t].astype(F32), static_inv[1], vsc_buf, t)
+        elif cfg.merged:
+            k_row, v_row = ko_ref[t], v_ref[t]
         if cfg.merged:  # one sublane per head: K head h to row 2h, V head h to 2h+1 (bits as they are)
-            k_row, v_row = ko_ref[t], v_hbm[t]
             kr, vr = KV_MERGED_ROWS
             for h in range(cfg.kv_heads):
                 kv_buf[t, pl.ds(2 * h + kr, 1), :] = k_row[h : h + 1]
                 kv_buf[t, pl.ds(2 * h + vr, 1), :] = v_row[h : h + 1]
+        elif cfg.quant:
+            kq_buf[t] = k_row
+            vq_buf[t] = v_row
         return 0
 
     lax.fori_loop(0, tb, compute, 0)
 
-    for_each_run(count, [walk(k_copies, slot, k_sem, "start")])
-    for_each_run(count, v_walks("wait") + [walk(k_copies, slot, k_sem, "wait")])
+    late = lambda act: [walk(k_copies, slot, k_sem, act)] + v_late(act) + scale_walks(act)  # noqa: E731
+    for_each_run(count, late("start"))
+    for_each_run(count, v_early("wait") + late("wait"))
 
 
 def rope_and_cache(q, k, v, key_cache, value_cache, slots, positions, cos, sin, layer, q_norm_weight=None,
-                   k_norm_weight=None, *, cfg: Config, interpret=False):
-    """(q_out, k_out, key_cache, value_cache); slots and positions int32 [T] (slots outside
-    [0, NB*BS) write nothing, positions are clamped here), layer int32 [1]. The caches are aliased:
-    donate them for an in-place update. `interpret`: pallas_call's (e.g. pltpu.InterpretParams())."""
-    tb, t, d = cfg.block_tokens, cfg.tokens, cfg.head_dim
+                   k_norm_weight=None, k_scale=None, v_scale=None, *, cfg: Config, interpret=False):
+    """(q_out, k_out, key_cache, value_cache[, k_scale_cache, v_scale_cache]); slots and positions
+    int32 [T] (slots outside [0, NB*BS) write nothing, positions are clamped here), layer int32 [1].
+    fp8 caches: k_scale / v_scale f32 [KH, 1] (static scales), or with cfg.token_scales the scale
+    caches (written, aliased). The caches are aliased: donate them for an in-place update.
+    `interpret`: pallas_call's (e.g. pltpu.InterpretParams())."""
+    tb, t, d, kh = cfg.block_tokens, cfg.tokens, cfg.head_dim, cfg.kv_heads
     w = cfg.table_width
     row = lambda h: pl.BlockSpec((tb, h, d), lambda i, *_: (i, 0, 0))  # noqa: E731
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     weight = pl.BlockSpec((1, d), lambda i, *_: (0, 0))
-    in_specs = [row(cfg.q_heads), row(cfg.kv_heads), row(cfg.kv_heads) if cfg.merged else hbm, hbm, hbm]
+    in_specs = [row(cfg.q_heads), row(kh), row(kh) if cfg.v_in_vmem else hbm, hbm, hbm]
     operands = [q, k, v, cos, sin]
     for on, wt in ((cfg.q_norm, q_norm_weight), (cfg.k_norm, k_norm_weight)):
         if on:
             in_specs.append(weight)
             operands.append(wt.reshape(1, d))
+    if cfg.quant and not cfg.token_scales:
+        in_specs += [pl.BlockSpec((kh, 1), lambda i, *_: (0, 0))] * 2
+        operands += [k_scale, v_scale]
     cache_at = 3 + len(operands)  # operand index of key_cache, counting the 3 scalar-prefetch operands
     caches = [key_cache] if cfg.merged else [key_cache, value_cache]  # merged: the placeholder stays out
+    if cfg.token_scales:
+        caches += [k_scale, v_scale]
     in_specs += [hbm] * len(caches)
     operands += caches
+    scratch = [pltpu.VMEM((tb, w), cos.dtype), pltpu.VMEM((tb, w), sin.dtype), pltpu.VMEM((tb, d), F32),
+               pltpu.VMEM((tb, d), F32), pltpu.SemaphoreType.DMA(()), pltpu.SemaphoreType.DMA(()),
+               pltpu.SemaphoreType.DMA(())]
+    if cfg.merged:
+        scratch.append(pltpu.VMEM((tb, 2 * kh, d), key_cache.dtype))
+    elif cfg.quant:
+        scratch += [pltpu.VMEM((tb, kh, d), key_cache.dtype), pltpu.VMEM((tb, kh, d), value_cache.dtype)]
+    if cfg.token_scales:
+        scratch += [pltpu.VMEM((kh, cfg.scale_lanes), F32), pltpu.VMEM((kh, cfg.scale_lanes), F32),
+                    pltpu.SemaphoreType.DMA(())]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3, grid=(cfg.grid,), in_specs=in_specs,
-        out_specs=[row(cfg.q_heads), row(cfg.kv_heads)] + [hbm] * len(caches),
-        scratch_shapes=[pltpu.VMEM((tb, w), cos.dtype), pltpu.VMEM((tb, w), sin.dtype), pltpu.VMEM((tb, d), F32),
-                        pltpu.VMEM((tb, d), F32), pltpu.SemaphoreType.DMA(()), pltpu.SemaphoreType.DMA(()),
-                        pltpu.SemaphoreType.DMA(())]
-        + ([pltpu.VMEM((tb, 2 * cfg.kv_heads, d), key_cache.dtype)] if cfg.merged else []))
-    out_shape = [jax.ShapeDtypeStruct((t, cfg.q_heads, d), q.dtype),
-                 jax.ShapeDtypeStruct((t, cfg.kv_heads, d), k.dtype)]
+        out_specs=[row(cfg.q_heads), row(kh)] + [hbm] * len(caches), scratch_shapes=scratch)
+    out_shape = [jax.ShapeDtypeStruct((t, cfg.q_heads, d), q.dtype), jax.ShapeDtypeStruct((t, kh, d), k.dtype)]
     out_shape += [jax.ShapeDtypeStruct(c.shape, c.dtype) for c in caches]
     call = pl.pallas_call(
         functools.partial(_kernel, cfg=cfg, sep=keep if interpret else plain), grid_spec=grid_spec, out_shape=out_shape,
@@ -511,5 +660,7 @@ def rope_and_cache(q, k, v, key_cache, value_cache, slots, positions, cos, sin, 
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
         interpret=interpret, name="rope_and_cache")
     with jax.enable_x64(False):  # the kernel's index arithmetic is int32, also inside an x64 program
-        out = call(slots, positions, layer, *operands)
-    return tuple(out) + ((value_cache,) if cfg.merged else ())
+        out = list(call(slots, positions, layer, *operands))
+    if cfg.merged:
+        out.insert(3, value_cache)
+    return tuple(out)
