@@ -111,9 +111,11 @@ SAMPLE = [
     Case(T=11, QH=8, KH=2, D=128, layout="kv_merged", BS=8),
     Case(T=7, QH=4, KH=1, D=64, layout="kv_merged", dtype="float32", table_dtype="float32", is_neox=False),
     Case(T=8, QH=4, KH=2, D=64, layout="head_major", table_dtype="bfloat16", index_dtype="int64"),
+    Case(T=6, QH=4, KH=2, D=128, layout="hnd", dtype="float16", table_dtype="float16", precision="native"),
+    Case(T=5, QH=8, KH=2, D=64, R=32, layout="kv_merged", dtype="float16", is_neox=False),
 ]
 AXES = {
-    "dtype": ["bfloat16", "float32"], "table_dtype": ["float32", "bfloat16"], "is_neox": [True, False],
+    "dtype": ["bfloat16", "float32", "float16"], "table_dtype": ["float32", "bfloat16", "float16"], "is_neox": [True, False],
     "table": ["half", "full"], "layout": ["flash", "hnd", "head_major", "kv_merged"], "index_dtype": ["int32", "int64"],
     "precision": ["fp32", "native"], "heads": [(8, 1), (4, 2), (32, 8), (16, 4)], "D": [64, 80, 128, 256],
     "partial": [False, True], "BS": [16, 32, 8], "T": [1, 7, 33],
@@ -129,8 +131,8 @@ def _full_case(i: int) -> Case:
     qh, kh = pick.pop("heads")
     d = pick.pop("D")
     r = (d // 2 if d % 4 == 0 else d - 16) if pick.pop("partial") else None
-    if pick["precision"] == "native":
-        pick["dtype"] = pick["table_dtype"] = "bfloat16"
+    if pick["precision"] == "native":  # "rounded" arithmetic: bf16 or f16 inputs and tables of that dtype
+        pick["table_dtype"] = pick["dtype"] = "bfloat16" if pick["dtype"] == "float32" else pick["dtype"]
     return Case(QH=qh, KH=kh, D=d, R=r, **pick)
 
 
@@ -149,7 +151,7 @@ def test_matches_reference_full(case):
 
 
 def test_sample_covers_every_axis_value():
-    for axis, values in (("dtype", ("bfloat16", "float32")), ("table_dtype", ("bfloat16", "float32")),
+    for axis, values in (("dtype", ("bfloat16", "float32", "float16")), ("table_dtype", ("bfloat16", "float32", "float16")),
                          ("is_neox", (True, False)), ("table", ("half", "full")), ("layout", tpu.layouts()),
                          ("index_dtype", ("int32", "int64")), ("precision", ("fp32", "native"))):
         assert set(values) <= {getattr(c, axis) for c in SAMPLE}, axis
@@ -222,10 +224,11 @@ def test_no_dma_race_whenever_the_copies_run(order, layout):
 
 
 # ---- options -------------------------------------------------------------------------------------
-@pytest.mark.parametrize("weights", ["bfloat16", "float32"])
+@pytest.mark.parametrize("weights", ["bfloat16", "float32", "float16"])
 def test_qk_norm(weights):
     rng = np.random.default_rng(11)
-    case = Case(T=6, QH=8, KH=2, D=128, R=64 if weights == "float32" else None)
+    case = Case(T=6, QH=8, KH=2, D=128, R=64 if weights == "float32" else None,
+                dtype="float16" if weights == "float16" else "bfloat16")
     args, opts = make_problem(case, seed=12)
     wdt = np.dtype(getattr(ml_dtypes, weights, None) or weights)
     opts.update(q_norm_weight=rng.uniform(0.2, 2.0, case.D).astype(wdt),
@@ -264,7 +267,8 @@ def test_stacked_layers_with_a_traced_layer(layer, layout):
             assert_bits_equal(got[3], args[4], "value_cache untouched")
 
 
-SPECIAL = ((jnp.bfloat16, np.float32, "fp32"), (np.float32, np.float32, "fp32"), (jnp.bfloat16, jnp.bfloat16, "native"))
+SPECIAL = ((jnp.bfloat16, np.float32, "fp32"), (np.float32, np.float32, "fp32"), (jnp.bfloat16, jnp.bfloat16, "native"),
+           (np.float16, np.float32, "fp32"), (np.float16, np.float16, "native"))
 
 
 @pytest.mark.parametrize("layout", ["flash", "kv_merged"])
@@ -417,7 +421,6 @@ def test_lowered_for_tpu_one_custom_call_with_the_caches_aliased(layout):
 
 
 @pytest.mark.parametrize("what,opts,match", [
-    ("float16", dict(dtype="float16", table_dtype="float32"), "float16 inputs"),
     ("xpacked", dict(layout="xpacked"), "layout 'xpacked'"),
     ("native f32 tables", dict(precision="native"), "precision='native'"),
 ])
@@ -658,7 +661,7 @@ TOKEN_SAMPLE = [
     (Case(T=7, QH=4, KH=2, D=128, cache_dtype="float8_e4m3fn"), None),
     (Case(T=9, QH=4, KH=2, D=64, cache_dtype="float8_e5m2", layout="head_major", index_dtype="int64"), 3),
     (Case(T=8, QH=4, KH=2, D=64, cache_dtype="float8_e4m3fnuz", layout="kv_merged", dtype="float32", R=32), None),
-    (Case(T=6, QH=8, KH=1, D=80, cache_dtype="float8_e4m3fn", layout="hnd", is_neox=False), 2),
+    (Case(T=6, QH=8, KH=1, D=80, cache_dtype="float8_e4m3fn", layout="hnd", is_neox=False, dtype="float16"), 2),
 ]
 
 
@@ -752,3 +755,25 @@ def test_mutation_fp8_round_toward_zero_fails(monkeypatch):
     monkeypatch.setattr(K, "f8_codes", lambda y, name: real(K.from_bits(K.bits(y) & np.uint32(0xFFF00000)), name))
     with pytest.raises(AssertionError, match="key_cache|value_cache"):
         check(case, args=args, opts=opts)
+
+
+# ---- float16 ---------------------------------------------------------------------------------------
+def test_f16_widening_and_rounding_are_the_reference_ones():
+    """f16_widen on all 65536 f16 patterns: exact values, NaN payloads moved (sign, 0x7F800000,
+    mantissa << 13); narrow_codes to f16 equals reference.to_dtype (nearest even, overflow to inf,
+    subnormals kept, NaN 0x7FFF) on every f32 exponent with ties and their neighbours."""
+    from jax_rope_cache import reference
+
+    cpu = jax.devices("cpu")[0]
+    h = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    got = np.asarray(jax.jit(K.f16_widen)(jax.device_put(h, cpu))).view(np.uint32)
+    f = h.view(np.float16)
+    want = f.astype(np.float32).view(np.uint32)
+    nan = np.isnan(f)
+    want[nan] = ((h[nan].astype(np.uint32) & 0x8000) << 16) | 0x7F800000 | ((h[nan].astype(np.uint32) & 0x3FF) << 13)
+    assert_bits_equal(got.view(np.float32), want.view(np.float32), "f16_widen")
+    x = _f32_patterns()
+    got = np.asarray(jax.jit(lambda y: K.narrow_codes(y, K.F16_FORMAT, 16).astype(jnp.uint16))(jax.device_put(x, cpu)))
+    want = reference.to_dtype(x, np.float16).view(np.uint16)
+    bad = np.flatnonzero(got != want)
+    assert len(bad) == 0, f"{len(bad)} differ, first {x.view(np.uint32)[bad[0]]:#x}: {got[bad[0]]:#x} != {want[bad[0]]:#x}"

@@ -33,8 +33,9 @@ NAME = "TPU"
 KERNEL_SOURCE = "tpu/rope_cache_pallas.py"
 # contract.FEATURES the kernel implements.
 SUPPORTS: frozenset[str] = frozenset({"q_norm", "k_norm", "k_scale_heads", "v_scale_heads", "token_scales"})
-# Mosaic has no float16 arithmetic (JAX's Pallas TPU tests run float16 on Mosaic GPU only).
-DTYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float32))
+# float16 is moved as bits and widened / rounded in integer arithmetic (Mosaic has no float16 arithmetic).
+DTYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float32), np.dtype(np.float16))
+ROUNDED = (np.dtype(jnp.bfloat16), np.dtype(np.float16))  # "native" precision's "rounded" arithmetic
 INT32_MAX = 2**31 - 1
 # Slots and positions live in SMEM as scalar prefetch (8 bytes a token; 1 MiB of SMEM on v4 and later).
 MAX_TOKENS = 65536
@@ -89,15 +90,15 @@ def unsupported(spec: contract.OpSpec) -> list[str]:
     """What of this call the TPU kernel does not implement (besides contract.FEATURES), in words."""
     out = []
     if np.dtype(spec.dtype) not in DTYPES:
-        out.append(f"{np.dtype(spec.dtype).name} inputs (Mosaic has no float16 arithmetic; bfloat16 and float32 "
-                   "are implemented)")
+        out.append(f"{np.dtype(spec.dtype).name} inputs (bfloat16, float16 and float32 are implemented)")
     if np.dtype(spec.table_dtype) not in DTYPES:
         out.append(f"{np.dtype(spec.table_dtype).name} cos/sin tables")
     if spec.layout not in layouts():
         out.append(f"layout {spec.layout!r} (implemented: {', '.join(layouts())})")
-    if spec.precision == "native" and not (np.dtype(spec.dtype) == np.dtype(spec.table_dtype) == DTYPES[0]):
-        out.append("precision='native' with other than bfloat16 inputs and tables (its \"fused\" arithmetic: a "
-                   "correctly rounded FMA)")
+    if spec.precision == "native" and not (np.dtype(spec.dtype) == np.dtype(spec.table_dtype)
+                                           and np.dtype(spec.dtype) in ROUNDED):
+        out.append("precision='native' other than with bfloat16 or float16 inputs and tables of that dtype (its "
+                   "\"fused\" arithmetic: a correctly rounded FMA)")
     if spec.qkv:
         out.append("the fused QKV input (rope_and_cache_qkv)")
     if spec.num_slots > INT32_MAX:

@@ -57,7 +57,8 @@ F32 = jnp.float32
 U32 = jnp.uint32
 I32 = jnp.int32
 # The NaN every output holds (reference.CANONICAL_NAN), as f32 bits: bf16 0x7FFF widened, f32 itself.
-CANONICAL_NAN_BITS = {np.dtype(jnp.bfloat16): 0x7FFF0000, np.dtype(np.float32): 0x7FFFFFFF}
+CANONICAL_NAN_BITS = {np.dtype(jnp.bfloat16): 0x7FFF0000, np.dtype(np.float32): 0x7FFFFFFF,
+                      np.dtype(np.float16): 0x7FFFFFFF}  # f16: any NaN, its encoder writes 0x7FFF
 # A merged cache's rows of K head h and V head h: 2h + 0 and 2h + 1 (JAX's ragged paged attention).
 KV_MERGED_ROWS = (0, 1)
 VMEM_BLOCK_BUDGET = 4 << 20  # bytes of double-buffered q/k blocks and table rows per grid step
@@ -161,9 +162,57 @@ def round_bf16(y):
     return jnp.where(jnp.isnan(y), y, from_bits(r))
 
 
+F16 = np.dtype(np.float16)
+# f16 as a narrow float: 10 mantissa bits, bias 15, overflow to inf (0x7C00), canonical NaN 0x7FFF
+F16_FORMAT = (10, 15, 0x7C00, 0x7FFF, False)
+
+
+def _shift_rne(m, s):
+    """m >> s rounded to nearest, ties to even (u32 m < 2^24, 1 <= s <= 25)."""
+    return (m + ((U32(1) << (s - U32(1))) - U32(1)) + ((m >> s) & U32(1))) >> s
+
+
+def narrow_codes(y, fmt, width: int):
+    """The bits (u32) of f32 y in a float of `width` bits, fmt = (mantissa bits M, bias B, largest code,
+    NaN code, no negative zero): round to nearest even, codes above the largest (inf included)
+    saturate to it (f16: the largest code is inf's), every NaN the NaN code, subnormals kept.
+    Integer arithmetic on the f32 bits only: no conversion of the hardware's is trusted to round,
+    saturate or write NaNs as the reference does."""
+    m_bits, bias, max_code, nan_code, fnuz = fmt[:5]
+    u = bits(y)
+    sign, a = (u >> (32 - width)) & U32(1 << (width - 1)), u & U32(0x7FFFFFFF)
+    shift = 23 - m_bits
+    rebased = a - U32((127 - bias) << 23)  # wraps below the normal range: unused there
+    normal = (rebased + U32((1 << (shift - 1)) - 1) + ((rebased >> shift) & U32(1))) >> shift
+    e = a >> 23  # a subnormal result: k * 2^(1 - B - M), k = mant * 2^(e - 150 - (1 - B - M)) rounded
+    mant = jnp.where(e == 0, U32(0), (a & U32(0x007FFFFF)) | U32(0x00800000))  # f32 subnormals round to 0
+    s = jnp.clip(U32(151 - bias - m_bits) - jnp.minimum(e, U32(151 - bias - m_bits - 1)), 1, 25)
+    code = jnp.where(a < U32((128 - bias) << 23), _shift_rne(mant, s), normal)
+    code = jnp.minimum(code, U32(max_code))
+    out = jnp.where(code == 0, U32(0), sign | code) if fnuz else sign | code
+    return jnp.where(a > U32(0x7F800000), U32(nan_code), out)
+
+
+def f16_widen(h):
+    """f32 values of f16 bits (u16), exactly: normal and special values by moving bit fields (NaN
+    payloads kept), subnormals as k * 2^-24 (an exact int conversion and product; normal in f32)."""
+    h = h.astype(U32)
+    sign, e, m = (h & U32(0x8000)) << 16, (h >> 10) & U32(0x1F), h & U32(0x3FF)
+    normal = from_bits(sign | ((e + U32(112)) << 23) | (m << 13))
+    special = from_bits(sign | U32(0x7F800000) | (m << 13))
+    sub = from_bits(sign | bits(m.astype(I32).astype(F32) * F32(2.0**-24)))
+    return jnp.where(e == 0, sub, jnp.where(e == 31, special, normal))
+
+
+def round_f16(y):
+    """f32 -> the f32 value of its f16 rounding (nearest even, overflow to inf), NaN kept NaN."""
+    return jnp.where(jnp.isnan(y), y, f16_widen(narrow_codes(y, F16_FORMAT, 16)))
+
+
 def rounder(dtype):
     """The rounding r() of the reference to `dtype`, staying f32."""
-    return round_bf16 if np.dtype(dtype) == np.dtype(jnp.bfloat16) else (lambda y: y)
+    dtype = np.dtype(dtype)
+    return round_bf16 if dtype == np.dtype(jnp.bfloat16) else round_f16 if dtype == F16 else (lambda y: y)
 
 
 UINT = {2: jnp.uint16, 4: U32}  # the unsigned integer of each element width
@@ -173,14 +222,25 @@ def value_bits(x, dtype):
     """The bits in `dtype` of f32 values exactly representable in it (unsigned ints of its width).
     Bits, never a conversion: a conversion may rewrite a NaN's payload (XLA:CPU's f32 -> bf16 writes
     0x7FC0 for every NaN)."""
+    if np.dtype(dtype) == F16:  # the encoder: exact for these values, NaN the canonical one
+        return narrow_codes(x, F16_FORMAT, 16).astype(jnp.uint16)
     u = bits(x)
     return u if np.dtype(dtype).itemsize == 4 else (u >> 16).astype(jnp.uint16)
 
 
 def output_bits(y, dtype):
     """The bits in `dtype` of f32 results: rounded to nearest even, every NaN the canonical one."""
+    if np.dtype(dtype) == F16:
+        return narrow_codes(y, F16_FORMAT, 16).astype(jnp.uint16)
     canon = from_bits(jnp.full(y.shape, CANONICAL_NAN_BITS[np.dtype(dtype)], U32))
     return value_bits(jnp.where(jnp.isnan(y), canon, rounder(dtype)(y)), dtype)
+
+
+def to_f32(x):
+    """f32 values of a loaded vector (bf16: a shift; f16: f16_widen, never a conversion)."""
+    if np.dtype(x.dtype) == F16:
+        return f16_widen(lax.bitcast_convert_type(x, jnp.uint16))
+    return x.astype(F32)
 
 
 def keep(x):
@@ -305,30 +365,10 @@ F32_MAX = float(np.finfo(np.float32).max)
 TOKEN_AMAX_FLOOR = float(np.float32(1e-8))  # contract.TOKEN_AMAX_FLOOR
 
 
-def _shift_rne(m, s):
-    """m >> s rounded to nearest, ties to even (u32 m < 2^24, 1 <= s <= 25)."""
-    return (m + ((U32(1) << (s - U32(1))) - U32(1)) + ((m >> s) & U32(1))) >> s
-
-
 def f8_codes(y, name: str):
-    """The fp8 bits (uint8) of f32 y in the cache dtype `name`: round to nearest even, saturating to the
-    largest finite value (inf included), every NaN the canonical code, subnormals kept. Integer
-    arithmetic on the f32 bits only: no conversion of the hardware's is trusted to round, saturate
-    or write NaNs as the reference does."""
-    m_bits, bias, max_code, nan_code, fnuz, _ = FP8[name]
-    u = bits(y)
-    sign, a = (u >> 24) & U32(0x80), u & U32(0x7FFFFFFF)
-    shift = 23 - m_bits
-    rebased = a - U32((127 - bias) << 23)  # wraps below the fp8 normal range: unused there
-    normal = (rebased + U32((1 << (shift - 1)) - 1) + ((rebased >> shift) & U32(1))) >> shift
-    e = a >> 23  # fp8 subnormal: k * 2^(1 - B - M) with k = mant * 2^(e - 150 - (1 - B - M)), rounded
-    mant = jnp.where(e == 0, U32(0), (a & U32(0x007FFFFF)) | U32(0x00800000))  # f32 subnormals round to 0
-    s = jnp.clip(U32(151 - bias - m_bits) - jnp.minimum(e, U32(151 - bias - m_bits - 1)), 1, 25)
-    sub = _shift_rne(mant, s)
-    code = jnp.where(a < U32((128 - bias) << 23), sub, normal)
-    code = jnp.minimum(code, U32(max_code))
-    out = jnp.where(code == 0, U32(0), sign | code) if fnuz else sign | code
-    return jnp.where(a > U32(0x7F800000), U32(nan_code), out).astype(jnp.uint8)
+    """The fp8 bits (uint8) of f32 y in the cache dtype `name` (narrow_codes: the reference's
+    saturating conversion)."""
+    return narrow_codes(y, FP8[name], 8).astype(jnp.uint8)
 
 
 def inverse_scale(s, sep=keep):
@@ -356,6 +396,8 @@ def token_scale(amax, name: str, sep=keep):
 
 def widen(out_bits, dtype):
     """The f32 values of output bits in `dtype` (bf16: a shift)."""
+    if np.dtype(dtype) == F16:
+        return f16_widen(out_bits)
     if np.dtype(dtype).itemsize == 4:
         return from_bits(out_bits)
     return from_bits(out_bits.astype(U32) << U32(16))
@@ -558,8 +600,8 @@ def _kernel(slot_ref, pos_ref, layer_ref, *refs, cfg: Config, sep):
     for_each_run(count, [walk(table_copies, position, table_sem, "start")] + v_early("start"))
     for_each_run(count, [walk(table_copies, position, table_sem, "wait")])
 
-    c_buf[...], s_buf[...] = table_lanes(cos_buf[...].astype(F32), sin_buf[...].astype(F32), cfg)
-    weights = [None if w is None else w[...].astype(F32) for w in (qw_ref, kw_ref)]
+    c_buf[...], s_buf[...] = table_lanes(to_f32(cos_buf[...]), to_f32(sin_buf[...]), cfg)
+    weights = [None if w is None else to_f32(w[...]) for w in (qw_ref, kw_ref)]
     static_inv = [None if r is None else inverse_scale(r[...], sep) for r in (ks_ref, vs_ref)]  # [KH, 1]
     fp8 = None if not cfg.quant else jnp.dtype(cfg.cache_dtype)
 
@@ -581,7 +623,7 @@ def _kernel(slot_ref, pos_ref, layer_ref, *refs, cfg: Config, sep):
         for x_ref, o_ref, w in ((q_ref, qo_ref, weights[0]), (k_ref, ko_ref, weights[1])):
             x_in = x_ref[t]
             dtype = x_in.dtype
-            x = x_in.astype(F32)
+            x = to_f32(x_in)
             tail = lax.bitcast_convert_type(x_in, UINT[np.dtype(dtype).itemsize])
             if w is not None:
                 x = rms_norm(x, w, cfg.head_dim, cfg.norm_eps, dtype, sep)
@@ -591,7 +633,7 @@ def _kernel(slot_ref, pos_ref, layer_ref, *refs, cfg: Config, sep):
             rows.append((out, dtype))
         if cfg.quant:  # the cache stores the rounded k_out and v, quantized
             k_row = quantize(widen(*rows[1]), static_inv[0], ksc_buf, t)
-            v_row = quantize(v_ref[t].astype(F32), static_inv[1], vsc_buf, t)
+            v_row = quantize(to_f32(v_ref[t]), static_inv[1], vsc_buf, t)
         elif cfg.merged:
             k_row, v_row = ko_ref[t], v_ref[t]
         if cfg.merged:  # one sublane per head: K head h to row 2h, V head h to 2h+1 (bits as they are)
