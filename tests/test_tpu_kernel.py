@@ -450,11 +450,17 @@ def test_a_call_longer_than_the_scalar_prefetch_allows_is_refused():
         jax.jit(lambda *a: jrc.rope_and_cache(*a, impl="kernel")).trace(*args).lower(lowering_platforms=("tpu",))
 
 
-def test_multimodal_rope_is_refused_by_feature():
-    args, opts = make_problem(Case(T=4, QH=4, KH=2, D=64), seed=52)
-    args = args[:6] + (np.stack([args[6]] * 3),) + args[7:]
-    with pytest.raises(NotImplementedError, match="multimodal RoPE"):
-        tpu_text(args, dict(opts, mrope_section=(16, 8, 8)))
+def test_an_mrope_call_longer_than_the_scalar_prefetch_allows_is_refused():
+    """Three position streams: 16 bytes of scalar prefetch a token, half the tokens."""
+    s = jax.ShapeDtypeStruct
+    t = tpu.MAX_TOKENS // 2 + 1
+    bf = jnp.bfloat16
+    args = (s((t, 8, 128), bf), s((t, 2, 128), bf), s((t, 2, 128), bf), s((64, 16, 2, 128), bf),
+            s((64, 16, 2, 128), bf), s((t,), jnp.int32), s((3, t), jnp.int32), s((64, 64), jnp.float32),
+            s((64, 64), jnp.float32))
+    with pytest.raises(NotImplementedError, match=f"calls of {t} > {t - 1} tokens"):
+        jax.jit(lambda *a: jrc.rope_and_cache(*a, impl="kernel", mrope_section=(24, 20, 20))).trace(*args).lower(
+            lowering_platforms=("tpu",))
 
 
 def test_impl_none_takes_the_kernel_only_when_mosaic_lowers_it(monkeypatch):
@@ -777,3 +783,74 @@ def test_f16_widening_and_rounding_are_the_reference_ones():
     want = reference.to_dtype(x, np.float16).view(np.uint16)
     bad = np.flatnonzero(got != want)
     assert len(bad) == 0, f"{len(bad)} differ, first {x.view(np.uint32)[bad[0]]:#x}: {got[bad[0]]:#x} != {want[bad[0]]:#x}"
+
+
+# ---- multimodal RoPE ---------------------------------------------------------------------------------
+def _mrope_cases():
+    from test_mrope import QWEN25_VL, QWEN3_VL
+
+    return [
+        (Case(T=37, QH=8, KH=2, D=128), QWEN3_VL, True, "qk"),
+        (Case(T=5, QH=4, KH=2, D=128, layout="hnd", precision="native", table_dtype="bfloat16", table="full"),
+         QWEN25_VL, False, ""),
+        (Case(T=9, QH=2, KH=2, D=80, R=64, is_neox=False, table="full", dtype="float32", table_dtype="bfloat16",
+              layout="kv_merged", index_dtype="int64"), (12, 10, 10), True, "k"),
+        (Case(T=13, QH=4, KH=1, D=64, R=48, is_neox=False, dtype="float16", cache_dtype="float8_e4m3fn",
+              layout="head_major"), (8, 8, 8), False, "q"),
+        (Case(T=1, QH=16, KH=1, D=128, precision="native", table_dtype="bfloat16"), QWEN3_VL, True, "qk"),
+        (Case(T=20, QH=8, KH=1, D=256, R=128, table="full"), (16, 24, 24), False, ""),
+    ]
+
+
+MROPE_DEFAULT = (0, 2, 3)  # the rest: full tier
+MROPE_IDS = [f"{c.id}-{'il' if il else 'sec'}-norm{n or 'none'}" for c, _, il, n in _mrope_cases()]
+
+
+def _mrope(i):
+    from test_mrope import make_mrope_problem
+
+    case, section, interleaved, norm = _mrope_cases()[i]
+    args, opts = make_mrope_problem(case, section, interleaved, seed=60 + i, norm=norm)
+    check(case, args=args, opts=opts)
+
+
+@pytest.mark.parametrize("i", MROPE_DEFAULT, ids=[MROPE_IDS[i] for i in MROPE_DEFAULT])
+def test_mrope(i):
+    """Positions [3, T] (temporal, height, width), each clamped on its own; a column's values from
+    its frequency's stream (sections, or interleaved), half and full tables, NeoX and GPT-J."""
+    _mrope(i)
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("i", [i for i in range(len(MROPE_IDS)) if i not in MROPE_DEFAULT],
+                         ids=[MROPE_IDS[i] for i in range(len(MROPE_IDS)) if i not in MROPE_DEFAULT])
+def test_mrope_full(i):
+    _mrope(i)
+
+
+def test_mrope_over_several_token_blocks(monkeypatch):
+    """Token blocks of 8: each block reads its rows of the three streams (runs of consecutive
+    positions per stream)."""
+    from test_mrope import QWEN3_VL, make_mrope_problem
+
+    monkeypatch.setattr(K, "VMEM_BLOCK_BUDGET", 1)
+    case = Case(T=19, QH=4, KH=2, D=128, max_pos=128)
+    args, opts = make_mrope_problem(case, QWEN3_VL, True, seed=70)
+    pos = np.stack([np.arange(19), np.arange(40, 59), np.full(19, 7)]).astype(np.int32)
+    pos[1, 5] = -3
+    args = args[:6] + (pos,) + args[7:]
+    assert tpu.config(contract.check_op(*args, **opts)).block_tokens == 8
+    check(case, args=args, opts=opts)
+
+
+@pytest.mark.skipif(ON_TPU, reason="runs a mutated kernel in interpret mode")
+def test_mutation_mrope_height_and_width_swapped_fails(monkeypatch):
+    from test_mrope import QWEN3_VL, make_mrope_problem
+
+    case = Case(T=6, QH=4, KH=2, D=128)
+    args, opts = make_mrope_problem(case, QWEN3_VL, True, seed=71)
+    check(case, args=args, opts=opts)
+    real = K.mrope_rows
+    monkeypatch.setattr(K, "mrope_rows", lambda rows, cfg: real(jnp.stack([rows[0], rows[2], rows[1]]), cfg))
+    with pytest.raises(AssertionError, match="q_out"):
+        check(case, args=args, opts=opts)

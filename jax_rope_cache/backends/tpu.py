@@ -32,13 +32,18 @@ PLATFORM = "tpu"
 NAME = "TPU"
 KERNEL_SOURCE = "tpu/rope_cache_pallas.py"
 # contract.FEATURES the kernel implements.
-SUPPORTS: frozenset[str] = frozenset({"q_norm", "k_norm", "k_scale_heads", "v_scale_heads", "token_scales"})
+SUPPORTS: frozenset[str] = frozenset({"q_norm", "k_norm", "k_scale_heads", "v_scale_heads", "token_scales", "mrope"})
 # float16 is moved as bits and widened / rounded in integer arithmetic (Mosaic has no float16 arithmetic).
 DTYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float32), np.dtype(np.float16))
 ROUNDED = (np.dtype(jnp.bfloat16), np.dtype(np.float16))  # "native" precision's "rounded" arithmetic
 INT32_MAX = 2**31 - 1
-# Slots and positions live in SMEM as scalar prefetch (8 bytes a token; 1 MiB of SMEM on v4 and later).
+# Slots and positions live in SMEM as scalar prefetch (8 bytes a token, 16 with M-RoPE's three position
+# streams; 1 MiB of SMEM on v4 and later): at most 512 KiB of them.
 MAX_TOKENS = 65536
+
+
+def max_tokens(spec: contract.OpSpec) -> int:
+    return MAX_TOKENS * 2 // (1 + (3 if spec.mrope_section is not None else 1))
 
 
 def _pallas_problem() -> str | None:
@@ -103,9 +108,9 @@ def unsupported(spec: contract.OpSpec) -> list[str]:
         out.append("the fused QKV input (rope_and_cache_qkv)")
     if spec.num_slots > INT32_MAX:
         out.append(f"caches of {spec.num_slots} >= 2**31 slots (int32 scalar indices)")
-    if spec.num_tokens > MAX_TOKENS:
-        out.append(f"calls of {spec.num_tokens} > {MAX_TOKENS} tokens (slots and positions are scalar prefetch "
-                   "in SMEM; split the call)")
+    if spec.num_tokens > max_tokens(spec):
+        out.append(f"calls of {spec.num_tokens} > {max_tokens(spec)} tokens (slots and positions are scalar "
+                   "prefetch in SMEM; split the call)")
     return out
 
 
@@ -134,7 +139,9 @@ def config(spec: contract.OpSpec):
         norm_eps=float(spec.norm_eps), key_axes=lay.key_axes, value_axes=lay.value_axes,
         block_tokens=K.block_tokens(spec.num_tokens, spec.q_heads, spec.kv_heads, spec.head_dim,
                                     np.dtype(spec.dtype).itemsize, w, np.dtype(spec.table_dtype).itemsize,
-                                    merged=K.row_dma(lay.key_axes) == "merged", quant=spec.fp8),
+                                    merged=K.row_dma(lay.key_axes) == "merged", quant=spec.fp8,
+                                    streams=3 if spec.mrope_section is not None else 1),
+        mrope=spec.mrope_section, mrope_interleaved=spec.mrope_interleaved,
         cache_dtype=np.dtype(spec.cache_dtype).name if spec.fp8 else "", token_scales=spec.token_scales,
         scale_axes=lay.scale_axes)
 
@@ -160,6 +167,7 @@ def kernel_fn(spec: contract.OpSpec, interpret=None):
         if spec.num_tokens == 0:
             return (q, k, key_cache, value_cache) + ((k_scale, v_scale) if spec.token_scales else ())
         slots, positions = _index32(slots, positions, spec)
+        positions = jnp.reshape(positions, (-1,))  # M-RoPE [3, T]: stream-major
         if spec.fp8 and not spec.token_scales:  # static scales as [KH, 1] f32 (a scalar broadcast)
             k_scale, v_scale = (jnp.broadcast_to(jnp.reshape(s, (-1, 1)).astype(jnp.float32), (spec.kv_heads, 1))
                                 for s in (k_scale, v_scale))

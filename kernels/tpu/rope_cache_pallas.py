@@ -89,6 +89,13 @@ class Config:
     cache_dtype: str = ""      # an fp8 cache dtype's name (quantized stores), "" for a cache of the input dtype
     token_scales: bool = False  # per-token scales written to the scale caches (else static scales)
     scale_axes: tuple[str, ...] = ("NB", "KH", "BS")  # one layer's scale cache axes (token_scales)
+    mrope: tuple[int, int, int] | None = None  # M-RoPE sections (t, h, w): positions [3, T], rows per stream
+    mrope_interleaved: bool = False
+
+    @property
+    def streams(self) -> int:
+        """Position streams: 3 with M-RoPE (temporal, height, width), else 1."""
+        return 3 if self.mrope else 1
 
     @property
     def table_width(self) -> int:
@@ -118,9 +125,10 @@ class Config:
 
 
 def block_tokens(tokens: int, q_heads: int, kv_heads: int, head_dim: int, itemsize: int, table_width: int,
-                 table_itemsize: int, merged: bool = False, quant: bool = False) -> int:
+                 table_itemsize: int, merged: bool = False, quant: bool = False, streams: int = 1) -> int:
     """TB: all tokens when they fit the budget (the block is the whole array), else a multiple of 8."""
-    per_token = 2 * 2 * (q_heads + kv_heads) * head_dim * itemsize + 2 * (table_width * table_itemsize + head_dim * 4)
+    per_token = (2 * 2 * (q_heads + kv_heads) * head_dim * itemsize
+                 + 2 * (streams * table_width * table_itemsize + head_dim * 4))
     if merged or quant:  # the double-buffered V block
         per_token += 2 * kv_heads * head_dim * itemsize
     if merged:  # the interleaved [2KH, D] rows
@@ -420,6 +428,23 @@ def _spread_pairs(c, d: int):
     return jnp.where((lane & 1) == 1, pltpu.roll(v, 1, 1), v)
 
 
+def mrope_rows(rows, cfg: Config):
+    """[TB, W] table values: the rows themselves, or with M-RoPE ([3, TB, W], one row per stream)
+    column c from the row of its frequency's stream (contract.mrope_stream, by lane arithmetic)."""
+    if not cfg.mrope:
+        return rows
+    t, h, w = cfg.mrope
+    half = cfg.rotary_dim // 2
+    c = _lanes(rows.shape[1:])
+    i = (jnp.where(c >= half, c - half, c) if cfg.neox else c >> 1) if cfg.full_table else c  # the frequency
+    if cfg.mrope_interleaved:
+        m3 = lax.rem(i, I32(3))
+        stream = jnp.where((m3 == 1) & (i < 3 * h), 1, jnp.where((m3 == 2) & (i < 3 * w), 2, 0))
+    else:
+        stream = jnp.where(i < t, 0, jnp.where(i < t + h, 1, 2))
+    return jnp.where(stream == 0, rows[0], jnp.where(stream == 1, rows[1], rows[2]))
+
+
 def table_lanes(cos, sin, cfg: Config):
     """(C, S') [TB, D] f32 from the rows [TB, W]: C the cosine of each channel's pair, S' its sine
     negated on the first member of the pair (a' = a*C + b*S'). Lanes >= R are never used."""
@@ -558,17 +583,25 @@ def _kernel(slot_ref, pos_ref, layer_ref, *refs, cfg: Config, sep):
     else:
         layer, layer_ok = None, True
 
-    def position(t):
-        p = jnp.clip(pos_ref[base + t], 0, cfg.max_pos - 1)
-        return p, True, True
+    def position(stream):
+        def key(t):  # positions [streams * T]: stream s of token t at s * T + t
+            p = jnp.clip(pos_ref[stream * t_all + base + t], 0, cfg.max_pos - 1)
+            return p, True, True
+        return key
 
     def slot(t):
         s = slot_ref[base + t]
         ok = (s >= 0) & (s < nslots) & layer_ok
         return s, ok, lax.rem(jnp.maximum(s, 0), I32(cfg.block_size)) != 0
 
-    def table_copies(t, n, p):
-        return [(tab.at[pl.ds(p, n)], buf.at[pl.ds(t, n)]) for tab, buf in ((cos_hbm, cos_buf), (sin_hbm, sin_buf))]
+    def table_copies(stream):
+        def copies(t, n, p):
+            at = (lambda b: b.at[pl.ds(t, n)]) if cfg.streams == 1 else (lambda b: b.at[stream, pl.ds(t, n)])
+            return [(tab.at[pl.ds(p, n)], at(buf)) for tab, buf in ((cos_hbm, cos_buf), (sin_hbm, sin_buf))]
+        return copies
+
+    def table_walks(act):
+        return [walk(table_copies(st), position(st), table_sem, act) for st in range(cfg.streams)]
 
     def walk(copies_of, key, sem, act):
         """(key, emit) starting or waiting for the copies of each run: a wait mirrors its start."""
@@ -597,10 +630,10 @@ def _kernel(slot_ref, pos_ref, layer_ref, *refs, cfg: Config, sep):
     v_direct = not cfg.v_in_vmem  # v HBM -> the value cache, before the compute
     v_early = lambda act: [walk(v_copies, slot, v_sem, act)] if v_direct else []  # noqa: E731
     v_late = lambda act: [walk(v_copies, slot, v_sem, act)] if cfg.quant and not cfg.merged else []  # noqa: E731
-    for_each_run(count, [walk(table_copies, position, table_sem, "start")] + v_early("start"))
-    for_each_run(count, [walk(table_copies, position, table_sem, "wait")])
+    for_each_run(count, table_walks("start") + v_early("start"))
+    for_each_run(count, table_walks("wait"))
 
-    c_buf[...], s_buf[...] = table_lanes(to_f32(cos_buf[...]), to_f32(sin_buf[...]), cfg)
+    c_buf[...], s_buf[...] = table_lanes(*(mrope_rows(to_f32(b[...]), cfg) for b in (cos_buf, sin_buf)), cfg)
     weights = [None if w is None else to_f32(w[...]) for w in (qw_ref, kw_ref)]
     static_inv = [None if r is None else inverse_scale(r[...], sep) for r in (ks_ref, vs_ref)]  # [KH, 1]
     fp8 = None if not cfg.quant else jnp.dtype(cfg.cache_dtype)
@@ -655,8 +688,9 @@ def _kernel(slot_ref, pos_ref, layer_ref, *refs, cfg: Config, sep):
 
 def rope_and_cache(q, k, v, key_cache, value_cache, slots, positions, cos, sin, layer, q_norm_weight=None,
                    k_norm_weight=None, k_scale=None, v_scale=None, *, cfg: Config, interpret=False):
-    """(q_out, k_out, key_cache, value_cache[, k_scale_cache, v_scale_cache]); slots and positions
-    int32 [T] (slots outside [0, NB*BS) write nothing, positions are clamped here), layer int32 [1].
+    """(q_out, k_out, key_cache, value_cache[, k_scale_cache, v_scale_cache]); slots int32 [T] and
+    positions int32 [T] (M-RoPE: [3 * T], stream-major) (slots outside [0, NB*BS) write nothing,
+    positions are clamped here), layer int32 [1].
     fp8 caches: k_scale / v_scale f32 [KH, 1] (static scales), or with cfg.token_scales the scale
     caches (written, aliased). The caches are aliased: donate them for an in-place update.
     `interpret`: pallas_call's (e.g. pltpu.InterpretParams())."""
@@ -680,7 +714,8 @@ def rope_and_cache(q, k, v, key_cache, value_cache, slots, positions, cos, sin, 
         caches += [k_scale, v_scale]
     in_specs += [hbm] * len(caches)
     operands += caches
-    scratch = [pltpu.VMEM((tb, w), cos.dtype), pltpu.VMEM((tb, w), sin.dtype), pltpu.VMEM((tb, d), F32),
+    rows = (tb, w) if cfg.streams == 1 else (cfg.streams, tb, w)
+    scratch = [pltpu.VMEM(rows, cos.dtype), pltpu.VMEM(rows, sin.dtype), pltpu.VMEM((tb, d), F32),
                pltpu.VMEM((tb, d), F32), pltpu.SemaphoreType.DMA(()), pltpu.SemaphoreType.DMA(()),
                pltpu.SemaphoreType.DMA(())]
     if cfg.merged:
