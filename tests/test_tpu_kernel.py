@@ -854,3 +854,91 @@ def test_mutation_mrope_height_and_width_swapped_fails(monkeypatch):
     monkeypatch.setattr(K, "mrope_rows", lambda rows, cfg: real(jnp.stack([rows[0], rows[2], rows[1]]), cfg))
     with pytest.raises(AssertionError, match="q_out"):
         check(case, args=args, opts=opts)
+
+
+# ---- the fused QKV input -------------------------------------------------------------------------------
+def _qkv_problem(case, seed, gate=False, rank=3):
+    """make_problem's q, k, v as one fused tensor [T, nq + 2KH, D] (rank 2: [T, (nq + 2KH) * D]); with
+    the gate, q head h at row 2h and a random gate row at 2h + 1."""
+    args, opts = make_problem(case, seed)
+    q, k, v = args[:3]
+    if gate:
+        g = np.random.default_rng(seed + 1).standard_normal(q.shape).astype(np.float32).astype(q.dtype)
+        q = np.stack([q, g], axis=2).reshape(case.T, 2 * case.QH, case.D)
+    qkv = np.concatenate([q, k, v], axis=1)
+    if rank == 2:
+        qkv = qkv.reshape(case.T, -1)
+    return (qkv,) + args[3:], dict(opts, num_q_heads=case.QH, num_kv_heads=case.KH, q_gate=gate)
+
+
+def _check_qkv(case, args, opts):
+    from jax_rope_cache import reference
+
+    with jax.enable_x64(_x64((None,) * 4 + args[:3])):
+        fn = jax.jit(lambda *a: jrc.rope_and_cache_qkv(*a, **opts, impl="kernel"))
+        text = fn.trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+    assert text.count("stablehlo.custom_call @tpu_custom_call") == 1, case.id
+    with jax.enable_x64(_x64((None,) * 4 + args[:3])), kernel_here():
+        got = [None if o is None else np.asarray(o) for o in fn(*jax.device_put(args, jax.devices(WHERE)[0]))]
+    want = reference.rope_and_cache_qkv(*args, **opts)
+    q, k, v = reference.split_qkv(args[0], case.QH, case.KH, opts["q_gate"])
+    check_results(got, want, (q, k, v) + args[1:], opts, case.id)
+
+
+QKV_CASES = [
+    (Case(T=7, QH=8, KH=2, D=128), False, 3),
+    (Case(T=9, QH=4, KH=2, D=64, layout="hnd", is_neox=False, R=32), True, 2),
+    (Case(T=6, QH=4, KH=1, D=128, layout="kv_merged", dtype="float32", index_dtype="int64"), True, 3),
+    (Case(T=5, QH=2, KH=2, D=64, layout="head_major", cache_dtype="float8_e4m3fn", dtype="float16"), True, 3),
+    (Case(T=11, QH=8, KH=2, D=128, cache_dtype="float8_e5m2", layout="hnd"), False, 2),
+]
+QKV_DEFAULT = (0, 1, 3)
+QKV_IDS = [f"{c.id}-{'gate' if g else 'nogate'}-rank{r}" for c, g, r in QKV_CASES]
+
+
+@pytest.mark.parametrize("i", QKV_DEFAULT, ids=[QKV_IDS[i] for i in QKV_DEFAULT])
+def test_fused_qkv(i):
+    """rope_and_cache_qkv: q, k and v rows read from one tensor (V's DMA from its rows in HBM, or
+    through VMEM with fp8 and kv_merged); q_gate: q head h at row 2h, its gate never read."""
+    case, gate, rank = QKV_CASES[i]
+    _check_qkv(case, *_qkv_problem(case, 80 + i, gate, rank))
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("i", [i for i in range(len(QKV_CASES)) if i not in QKV_DEFAULT],
+                         ids=[QKV_IDS[i] for i in range(len(QKV_CASES)) if i not in QKV_DEFAULT])
+def test_fused_qkv_full(i):
+    case, gate, rank = QKV_CASES[i]
+    _check_qkv(case, *_qkv_problem(case, 80 + i, gate, rank))
+
+
+def test_fused_qkv_with_qk_norm_and_mrope():
+    from test_mrope import QWEN3_VL, mrope_positions
+
+    case = Case(T=8, QH=4, KH=2, D=128)
+    args, opts = _qkv_problem(case, 90, gate=True)
+    rng = np.random.default_rng(91)
+    args = args[:4] + (mrope_positions(case.T, case.max_pos, rng).astype(np.int32),) + args[5:]
+    opts.update(mrope_section=QWEN3_VL, mrope_interleaved=True, q_norm_weight=rng.uniform(0.2, 2, 128).astype(
+        ml_dtypes.bfloat16), k_norm_weight=rng.uniform(0.2, 2, 128).astype(np.float32))
+    _check_qkv(case, args, opts)
+
+
+@pytest.mark.skipif(ON_TPU, reason="the interpreter's DMA orders and race detector")
+def test_fused_qkv_every_slot_value_and_dma_orders():
+    """Every slot once with out-of-range ones, the late DMA order and the race detector: V's DMA
+    reads only the fused tensor's v rows."""
+    case = Case(T=32 + 4, QH=2, KH=1, D=64, BS=8, NB=4, index_dtype="int64")
+    args, opts = _qkv_problem(case, 92, gate=True)
+    rng = np.random.default_rng(93)
+    slots = np.concatenate([rng.permutation(32), [-1, 32, 2**40, -(2**62)]]).astype(np.int64)
+    args = args[:3] + (slots,) + args[4:]
+    with tpu_kernel_on_cpu(pltpu.InterpretParams(dma_execution_mode="on_wait", detect_races=True)):
+        from jax_rope_cache import reference
+
+        with jax.enable_x64(True):
+            fn = jax.jit(lambda *a: jrc.rope_and_cache_qkv(*a, **opts, impl="kernel"))
+            got = [np.asarray(o) for o in fn(*jax.device_put(args, jax.devices("cpu")[0]))]
+    want = reference.rope_and_cache_qkv(*args, **opts)
+    for name, g, w in zip(NAMES, got, want):
+        assert_bits_equal(g, w, name)

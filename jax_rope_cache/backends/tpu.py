@@ -32,7 +32,8 @@ PLATFORM = "tpu"
 NAME = "TPU"
 KERNEL_SOURCE = "tpu/rope_cache_pallas.py"
 # contract.FEATURES the kernel implements.
-SUPPORTS: frozenset[str] = frozenset({"q_norm", "k_norm", "k_scale_heads", "v_scale_heads", "token_scales", "mrope"})
+SUPPORTS: frozenset[str] = frozenset({"q_norm", "k_norm", "k_scale_heads", "v_scale_heads", "token_scales", "mrope",
+                                          "q_gate"})
 # float16 is moved as bits and widened / rounded in integer arithmetic (Mosaic has no float16 arithmetic).
 DTYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float32), np.dtype(np.float16))
 ROUNDED = (np.dtype(jnp.bfloat16), np.dtype(np.float16))  # "native" precision's "rounded" arithmetic
@@ -104,8 +105,6 @@ def unsupported(spec: contract.OpSpec) -> list[str]:
                                            and np.dtype(spec.dtype) in ROUNDED):
         out.append("precision='native' other than with bfloat16 or float16 inputs and tables of that dtype (its "
                    "\"fused\" arithmetic: a correctly rounded FMA)")
-    if spec.qkv:
-        out.append("the fused QKV input (rope_and_cache_qkv)")
     if spec.num_slots > INT32_MAX:
         out.append(f"caches of {spec.num_slots} >= 2**31 slots (int32 scalar indices)")
     if spec.num_tokens > max_tokens(spec):
@@ -137,11 +136,12 @@ def config(spec: contract.OpSpec):
         num_layers=spec.num_layers or 0, max_pos=spec.max_pos, neox=spec.is_neox, full_table=spec.table_full,
         rounded=spec.precision == "native", q_norm=spec.q_norm_dtype is not None, k_norm=spec.k_norm_dtype is not None,
         norm_eps=float(spec.norm_eps), key_axes=lay.key_axes, value_axes=lay.value_axes,
-        block_tokens=K.block_tokens(spec.num_tokens, spec.q_heads, spec.kv_heads, spec.head_dim,
+        block_tokens=K.block_tokens(spec.num_tokens, spec.qkv_heads if spec.qkv else spec.q_heads, spec.kv_heads,
+                                    spec.head_dim,
                                     np.dtype(spec.dtype).itemsize, w, np.dtype(spec.table_dtype).itemsize,
                                     merged=K.row_dma(lay.key_axes) == "merged", quant=spec.fp8,
                                     streams=3 if spec.mrope_section is not None else 1),
-        mrope=spec.mrope_section, mrope_interleaved=spec.mrope_interleaved,
+        mrope=spec.mrope_section, mrope_interleaved=spec.mrope_interleaved, qkv=spec.qkv, q_gate=spec.q_gate,
         cache_dtype=np.dtype(spec.cache_dtype).name if spec.fp8 else "", token_scales=spec.token_scales,
         scale_axes=lay.scale_axes)
 
@@ -165,7 +165,8 @@ def kernel_fn(spec: contract.OpSpec, interpret=None):
     def op(q, k, v, key_cache, value_cache, slots, positions, cos, sin, k_scale, v_scale, layer, q_norm_weight,
            k_norm_weight):
         if spec.num_tokens == 0:
-            return (q, k, key_cache, value_cache) + ((k_scale, v_scale) if spec.token_scales else ())
+            outs = (q[:, :spec.q_heads], q[:, :spec.kv_heads]) if spec.qkv else (q, k)
+            return outs + (key_cache, value_cache) + ((k_scale, v_scale) if spec.token_scales else ())
         slots, positions = _index32(slots, positions, spec)
         positions = jnp.reshape(positions, (-1,))  # M-RoPE [3, T]: stream-major
         if spec.fp8 and not spec.token_scales:  # static scales as [KH, 1] f32 (a scalar broadcast)

@@ -91,6 +91,8 @@ class Config:
     scale_axes: tuple[str, ...] = ("NB", "KH", "BS")  # one layer's scale cache axes (token_scales)
     mrope: tuple[int, int, int] | None = None  # M-RoPE sections (t, h, w): positions [3, T], rows per stream
     mrope_interleaved: bool = False
+    qkv: bool = False          # q, k and v rows of one fused tensor [T, nq + 2KH, D] (nq: QH, or 2QH gated)
+    q_gate: bool = False       # fused rows hold q head h at 2h, its gate (not read) at 2h + 1
 
     @property
     def streams(self) -> int:
@@ -533,13 +535,16 @@ def cache_index(axes, layer, blk, off, n, head=None):
     return ((layer,) if layer is not None else ()) + tuple(pick[a] for a in axes)
 
 
-def cache_copies(src, cache, axes, layer, t, n, slot, block_size, kv_heads):
+def cache_copies(src, cache, axes, layer, t, n, slot, block_size, kv_heads, head0=None):
     """The DMA descriptors (without semaphores bound yet) writing tokens t..t+n-1 of `src` [T, KH, D]
-    to slots slot..slot+n-1 (one cache block)."""
+    (head0: src's rows [head0, head0 + KH) of [T, H, D], the fused QKV tensor's v rows) to slots
+    slot..slot+n-1 (one cache block)."""
     blk, off = lax.div(slot, I32(block_size)), lax.rem(slot, I32(block_size))
     if row_dma(axes) in ("whole", "merged"):
-        return [(src.at[pl.ds(t, n)], cache.at[cache_index(axes, layer, blk, off, n)])]
-    return [(src.at[pl.ds(t, n), I32(h)], cache.at[cache_index(axes, layer, blk, off, n, h)]) for h in range(kv_heads)]
+        rows = src.at[pl.ds(t, n)] if head0 is None else src.at[pl.ds(t, n), pl.ds(head0, kv_heads)]
+        return [(rows, cache.at[cache_index(axes, layer, blk, off, n)])]
+    return [(src.at[pl.ds(t, n), I32(h + (head0 or 0))], cache.at[cache_index(axes, layer, blk, off, n, h)])
+            for h in range(kv_heads)]
 
 
 def scale_copies(src, cache, axes, layer, t, n, slot, block_size, kv_heads):
@@ -557,7 +562,19 @@ def scale_copies(src, cache, axes, layer, t, n, slot, block_size, kv_heads):
 # ---- the kernel ----------------------------------------------------------------------------------
 def _kernel(slot_ref, pos_ref, layer_ref, *refs, cfg: Config, sep):
     it = iter(refs)
-    q_ref, k_ref, v_ref, cos_hbm, sin_hbm = (next(it) for _ in range(5))
+    kh, nq = cfg.kv_heads, cfg.q_heads * (2 if cfg.q_gate else 1)
+    if cfg.qkv:  # one VMEM block of fused rows [TB, nq + 2KH, D] (and the tensor in HBM for V's DMA)
+        x_ref = next(it)
+        v_ref = x_ref if cfg.v_in_vmem else next(it)
+        q_ref, k_ref = x_ref, x_ref
+        heads = {"q": pl.ds(0, cfg.q_heads, stride=2) if cfg.q_gate else pl.ds(0, cfg.q_heads), "k": pl.ds(nq, kh),
+                "v": pl.ds(nq + kh, kh)}
+        v_head0 = nq + kh
+    else:
+        q_ref, k_ref, v_ref = (next(it) for _ in range(3))
+        heads = dict.fromkeys("qkv", slice(None))
+        v_head0 = None
+    cos_hbm, sin_hbm = next(it), next(it)
     qw_ref = next(it) if cfg.q_norm else None
     kw_ref = next(it) if cfg.k_norm else None
     ks_ref, vs_ref = (next(it), next(it)) if cfg.quant and not cfg.token_scales else (None, None)
@@ -618,7 +635,8 @@ def _kernel(slot_ref, pos_ref, layer_ref, *refs, cfg: Config, sep):
     def v_copies(t, n, s):
         if cfg.quant:  # the quantized rows, from VMEM
             return cache_copies(vq_buf, vc_ref, cfg.value_axes, layer, t, n, s, cfg.block_size, cfg.kv_heads)
-        return cache_copies(v_ref, vc_ref, cfg.value_axes, layer, base + t, n, s, cfg.block_size, cfg.kv_heads)
+        return cache_copies(v_ref, vc_ref, cfg.value_axes, layer, base + t, n, s, cfg.block_size, cfg.kv_heads,
+                            v_head0)
 
     def scale_walks(act):
         if not cfg.token_scales:
@@ -653,8 +671,8 @@ def _kernel(slot_ref, pos_ref, layer_ref, *refs, cfg: Config, sep):
     def compute(t, _):
         c, s = c_buf[pl.ds(t, 1), :], s_buf[pl.ds(t, 1), :]
         rows = []
-        for x_ref, o_ref, w in ((q_ref, qo_ref, weights[0]), (k_ref, ko_ref, weights[1])):
-            x_in = x_ref[t]
+        for x_ref, which, o_ref, w in ((q_ref, "q", qo_ref, weights[0]), (k_ref, "k", ko_ref, weights[1])):
+            x_in = x_ref[t, heads[which], :]
             dtype = x_in.dtype
             x = to_f32(x_in)
             tail = lax.bitcast_convert_type(x_in, UINT[np.dtype(dtype).itemsize])
@@ -666,9 +684,9 @@ def _kernel(slot_ref, pos_ref, layer_ref, *refs, cfg: Config, sep):
             rows.append((out, dtype))
         if cfg.quant:  # the cache stores the rounded k_out and v, quantized
             k_row = quantize(widen(*rows[1]), static_inv[0], ksc_buf, t)
-            v_row = quantize(to_f32(v_ref[t]), static_inv[1], vsc_buf, t)
+            v_row = quantize(to_f32(v_ref[t, heads["v"], :]), static_inv[1], vsc_buf, t)
         elif cfg.merged:
-            k_row, v_row = ko_ref[t], v_ref[t]
+            k_row, v_row = ko_ref[t], v_ref[t, heads["v"], :]
         if cfg.merged:  # one sublane per head: K head h to row 2h, V head h to 2h+1 (bits as they are)
             kr, vr = KV_MERGED_ROWS
             for h in range(cfg.kv_heads):
@@ -699,8 +717,12 @@ def rope_and_cache(q, k, v, key_cache, value_cache, slots, positions, cos, sin, 
     row = lambda h: pl.BlockSpec((tb, h, d), lambda i, *_: (i, 0, 0))  # noqa: E731
     hbm = pl.BlockSpec(memory_space=pl.ANY)
     weight = pl.BlockSpec((1, d), lambda i, *_: (0, 0))
-    in_specs = [row(cfg.q_heads), row(kh), row(kh) if cfg.v_in_vmem else hbm, hbm, hbm]
-    operands = [q, k, v, cos, sin]
+    if cfg.qkv:  # q is the fused tensor (k and v the same one)
+        in_specs, operands = [row(q.shape[1])] + ([] if cfg.v_in_vmem else [hbm]), [q] + ([] if cfg.v_in_vmem else [q])
+    else:
+        in_specs, operands = [row(cfg.q_heads), row(kh), row(kh) if cfg.v_in_vmem else hbm], [q, k, v]
+    in_specs += [hbm, hbm]
+    operands += [cos, sin]
     for on, wt in ((cfg.q_norm, q_norm_weight), (cfg.k_norm, k_norm_weight)):
         if on:
             in_specs.append(weight)
@@ -728,7 +750,7 @@ def rope_and_cache(q, k, v, key_cache, value_cache, slots, positions, cos, sin, 
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3, grid=(cfg.grid,), in_specs=in_specs,
         out_specs=[row(cfg.q_heads), row(kh)] + [hbm] * len(caches), scratch_shapes=scratch)
-    out_shape = [jax.ShapeDtypeStruct((t, cfg.q_heads, d), q.dtype), jax.ShapeDtypeStruct((t, kh, d), k.dtype)]
+    out_shape = [jax.ShapeDtypeStruct((t, cfg.q_heads, d), q.dtype), jax.ShapeDtypeStruct((t, kh, d), q.dtype)]
     out_shape += [jax.ShapeDtypeStruct(c.shape, c.dtype) for c in caches]
     call = pl.pallas_call(
         functools.partial(_kernel, cfg=cfg, sep=keep if interpret else plain), grid_spec=grid_spec, out_shape=out_shape,
