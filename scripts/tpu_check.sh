@@ -22,7 +22,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --report) REPORT=$2; shift 2 ;;
     --report=*) REPORT=${1#--report=}; shift ;;
-    -h|--help) sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "error: unknown argument $1 (expected --report FILE)" >&2; exit 2 ;;
   esac
 done
