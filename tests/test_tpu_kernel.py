@@ -942,3 +942,75 @@ def test_fused_qkv_every_slot_value_and_dma_orders():
     want = reference.rope_and_cache_qkv(*args, **opts)
     for name, g, w in zip(NAMES, got, want):
         assert_bits_equal(g, w, name)
+
+
+# ---- model-family options --------------------------------------------------------------------------------
+def _family(name, dtype, layout="flash", extra=None, seed=0):
+    """test_families' case `name` (its problem and options) through the TPU kernel, use_rope and the
+    norm weights traced; every result bit-exact."""
+    import test_families as tf
+
+    _, make, table_w = {c[0]: c for c in tf.family_cases()}[name]
+    args, rng = tf.problem(dtype, seed=seed, layout=layout, table_w=table_w)
+    opts = dict(make(rng, args[0].shape[2], dtype), layout=layout, **(extra or {}))
+    arrays = {n: opts[n] for n in ("q_norm_weight", "k_norm_weight", "use_rope") if opts.get(n) is not None}
+    static = {n: v for n, v in opts.items() if n not in arrays}
+    fn = jax.jit(lambda a, kw: jrc.rope_and_cache(*a, **kw, **static, impl="kernel"))
+    text = fn.trace(args, arrays).lower(lowering_platforms=("tpu",)).as_text()
+    assert text.count("stablehlo.custom_call @tpu_custom_call") == 1, name
+    with kernel_here():
+        dev = jax.devices(WHERE)[0]
+        got = [None if o is None else np.asarray(o) for o in fn(jax.device_put(args, dev), jax.device_put(arrays, dev))]
+    want = reference_op(*args, **opts)
+    check_results(got, want, args, opts, f"{name}-{np.dtype(dtype).name}-{layout}")
+
+
+def _family_names():
+    import test_families as tf
+
+    return [c[0] for c in tf.family_cases()]
+
+
+FAMILY_NAMES = _family_names()
+FAMILY_DEFAULT = [("gemma-tail-after", BF16 := np.dtype(ml_dtypes.bfloat16)), ("nope-temperature", np.dtype(np.float16)),
+                  ("llama4-rope-layer", BF16), ("llama4-nope-layer", np.dtype(np.float32)),
+                  ("tail-gptj", np.dtype(np.float16)), ("weightless-before", np.dtype(np.float32)),
+                  ("nope-rms-norm", BF16), ("tail-full-table", BF16), ("gemma-k-only", np.dtype(np.float16))]
+FAMILY_FULL = [(n, np.dtype(d)) for n in FAMILY_NAMES for d in (ml_dtypes.bfloat16, np.float16, np.float32)
+               if (n, np.dtype(d)) not in FAMILY_DEFAULT]
+
+
+@pytest.mark.parametrize("name,dtype", FAMILY_DEFAULT, ids=[f"{n}-{d.name}" for n, d in FAMILY_DEFAULT])
+def test_family_options(name, dtype):
+    """NoPE, the use_rope switch (traced, on and off), tail rotary, the Gemma and weightless norms,
+    the norm after the rotation and the attention temperature, alone and as models combine them."""
+    _family(name, dtype)
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("name,dtype", FAMILY_FULL, ids=[f"{n}-{d.name}" for n, d in FAMILY_FULL])
+def test_family_options_full(name, dtype):
+    _family(name, dtype)
+
+
+@pytest.mark.parametrize("name,layout,extra", [
+    ("llama4-rope-layer", "kv_merged", None),
+    ("gemma-tail-after", "hnd", dict(is_neox=False)),
+    ("llama4-nope-layer", "head_major", None),
+])
+def test_family_options_other_layouts(name, layout, extra):
+    _family(name, BF16, layout, extra, seed=3)
+
+
+def test_family_options_with_fp8_per_token_scales():
+    """The cache stores the normalised, rotated k_out (norm after) quantized per token."""
+    import test_families as tf
+
+    args, rng = tf.problem(BF16, seed=4, layout="flash")
+    kc, vc = (c.astype(ml_dtypes.float8_e4m3fn) for c in args[3:5])
+    args = args[:3] + (kc, vc) + args[5:]
+    shape = contract.scale_shape("flash", 6, 8, 2)
+    opts = dict(rotary_dim=32, is_neox=False, norm_type="weightless", norm_position="after",
+                k_scale_cache=rng.uniform(0.1, 2, shape).astype(np.float32),
+                v_scale_cache=rng.uniform(0.1, 2, shape).astype(np.float32), rotary_position="tail")
+    check(Case(), args=args, opts=opts)

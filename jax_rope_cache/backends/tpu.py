@@ -33,7 +33,8 @@ NAME = "TPU"
 KERNEL_SOURCE = "tpu/rope_cache_pallas.py"
 # contract.FEATURES the kernel implements.
 SUPPORTS: frozenset[str] = frozenset({"q_norm", "k_norm", "k_scale_heads", "v_scale_heads", "token_scales", "mrope",
-                                          "q_gate"})
+                                          "q_gate", "nope", "rope_switch", "rotary_tail", "gemma_norm",
+                                          "weightless_norm", "norm_after", "temperature"})
 # float16 is moved as bits and widened / rounded in integer arithmetic (Mosaic has no float16 arithmetic).
 DTYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float32), np.dtype(np.float16))
 ROUNDED = (np.dtype(jnp.bfloat16), np.dtype(np.float16))  # "native" precision's "rounded" arithmetic
@@ -134,7 +135,10 @@ def config(spec: contract.OpSpec):
         tokens=spec.num_tokens, q_heads=spec.q_heads, kv_heads=spec.kv_heads, head_dim=spec.head_dim,
         rotary_dim=spec.rotary_dim, block_size=spec.block_size, num_blocks=spec.num_blocks,
         num_layers=spec.num_layers or 0, max_pos=spec.max_pos, neox=spec.is_neox, full_table=spec.table_full,
-        rounded=spec.precision == "native", q_norm=spec.q_norm_dtype is not None, k_norm=spec.k_norm_dtype is not None,
+        rounded=spec.precision == "native", q_norm=spec.q_norm_dtype is not None or spec.norm_type == "weightless",
+        k_norm=spec.k_norm_dtype is not None or spec.norm_type == "weightless", norm_type=spec.norm_type,
+        norm_after=spec.norm_after, rotary_tail=spec.rotary_tail, rope_switch=spec.rope_switch,
+        temperature=spec.temperature[0] if spec.temperature is not None else 0,
         norm_eps=float(spec.norm_eps), key_axes=lay.key_axes, value_axes=lay.value_axes,
         block_tokens=K.block_tokens(spec.num_tokens, spec.qkv_heads if spec.qkv else spec.q_heads, spec.kv_heads,
                                     spec.head_dim,
@@ -163,7 +167,8 @@ def kernel_fn(spec: contract.OpSpec, interpret=None):
     cfg = config(spec)
 
     def op(q, k, v, key_cache, value_cache, slots, positions, cos, sin, k_scale, v_scale, layer, q_norm_weight,
-           k_norm_weight):
+           k_norm_weight, *extra):
+        extra = dict(zip(contract.extra_operands(spec), extra))
         if spec.num_tokens == 0:
             outs = (q[:, :spec.q_heads], q[:, :spec.kv_heads]) if spec.qkv else (q, k)
             return outs + (key_cache, value_cache) + ((k_scale, v_scale) if spec.token_scales else ())
@@ -176,8 +181,9 @@ def kernel_fn(spec: contract.OpSpec, interpret=None):
             k_scale = v_scale = None
         return K.rope_and_cache(
             q, k, v, key_cache, value_cache, slots, positions, cos, sin, jnp.reshape(layer, (1,)).astype(jnp.int32),
-            q_norm_weight if cfg.q_norm else None, k_norm_weight if cfg.k_norm else None, k_scale, v_scale, cfg=cfg,
-            interpret=interpret or False)
+            q_norm_weight if cfg.q_norm else None, k_norm_weight if cfg.k_norm else None, k_scale, v_scale,
+            jnp.reshape(extra["use_rope"], (1,)).astype(jnp.int32) if spec.rope_switch else None,
+            extra.get("temperature_factors"), cfg=cfg, interpret=interpret or False)
 
     return op
 

@@ -91,8 +91,22 @@ class Config:
     scale_axes: tuple[str, ...] = ("NB", "KH", "BS")  # one layer's scale cache axes (token_scales)
     mrope: tuple[int, int, int] | None = None  # M-RoPE sections (t, h, w): positions [3, T], rows per stream
     mrope_interleaved: bool = False
+    norm_type: str = "rms"     # "rms", "gemma" or "weightless" (q_norm / k_norm: which rows it normalises)
+    norm_after: bool = False   # the norm on the rotated rows (calls that rotate), else before the rotation
+    rotary_tail: bool = False  # rotary channels [D - R, D), else [0, R)
+    rope_switch: bool = False  # a use_rope scalar (4th scalar prefetch) switches the rotation per call
+    temperature: int = 0       # floor_scale of the attention temperature (q on calls that do not rotate), 0: none
     qkv: bool = False          # q, k and v rows of one fused tensor [T, nq + 2KH, D] (nq: QH, or 2QH gated)
     q_gate: bool = False       # fused rows hold q head h at 2h, its gate (not read) at 2h + 1
+
+    @property
+    def rotary_offset(self) -> int:
+        return self.head_dim - self.rotary_dim if self.rotary_tail else 0
+
+    @property
+    def scalar_prefetch(self) -> int:
+        """slots, positions, layer (and use_rope)."""
+        return 4 if self.rope_switch else 3
 
     @property
     def streams(self) -> int:
@@ -355,14 +369,20 @@ def lane_tree_sum(a):
     return tree(d)[..., 0:1]
 
 
-def rms_norm(x, w, head_dim: int, eps: float, dtype, sep=keep):
-    """reference.rms_norm of f32 rows x [..., D] (values of `dtype`) with w [1, D] f32; f32 values
-    of `dtype`, NaNs canonical."""
+def rms_norm(x, w, head_dim: int, eps: float, dtype, sep=keep, norm_type: str = "rms"):
+    """reference.rms_norm of f32 rows x [..., D] (values of `dtype`) with w [1, D] f32 ("rms":
+    r(w * r(x * inv)); "gemma": r((x * inv) * (1 + w)), one rounding; "weightless": r(x * inv), w
+    unused); f32 values of `dtype`, NaNs canonical."""
     r = rounder(dtype)
     s = lane_tree_sum(sep(x * x))
     ms = div_rn(s, jnp.full(s.shape, float(head_dim), F32), sep=sep)
     inv = div_rn(jnp.ones_like(ms), sqrt_rn(ms + F32(eps), sep=sep), sep=sep)
-    n = r(w * r(x * inv))
+    if norm_type == "weightless":
+        n = r(x * inv)
+    elif norm_type == "gemma":
+        n = r(sep(x * inv) * (F32(1.0) + w))
+    else:
+        n = r(w * r(x * inv))
     canon = from_bits(jnp.full(n.shape, CANONICAL_NAN_BITS[np.dtype(dtype)], U32))
     return jnp.where(jnp.isnan(n), canon, n)
 
@@ -450,7 +470,7 @@ def mrope_rows(rows, cfg: Config):
 def table_lanes(cos, sin, cfg: Config):
     """(C, S') [TB, D] f32 from the rows [TB, W]: C the cosine of each channel's pair, S' its sine
     negated on the first member of the pair (a' = a*C + b*S'). Lanes >= R are never used."""
-    d, r = cfg.head_dim, cfg.rotary_dim
+    d, r, off = cfg.head_dim, cfg.rotary_dim, cfg.rotary_offset
     g = cos.shape[0]
 
     def widen(t):
@@ -458,15 +478,18 @@ def table_lanes(cos, sin, cfg: Config):
             parts = [t]
         elif cfg.neox:
             parts = [t, t]
-        else:
-            return _spread_pairs(t, d)
-        if d > r:
+        else:  # spread over [0, R), then moved to the tail
+            v = _spread_pairs(t, d)
+            return pltpu.roll(v, off, 1) if off else v
+        if off:
+            parts.insert(0, jnp.zeros((g, off), F32))
+        elif d > r:
             parts.append(jnp.zeros((g, d - r), F32))
         return jnp.concatenate(parts, axis=-1) if len(parts) > 1 else t
 
     c, s = widen(cos), widen(sin)
-    lane = _lanes(c.shape)
-    first = lane < r // 2 if cfg.neox else (lane & 1) == 0
+    rel = _lanes(c.shape) - off  # the channel within the rotary part
+    first = rel < r // 2 if cfg.neox else (rel & 1) == 0
     return c, jnp.where(first, -s, s)
 
 
@@ -474,10 +497,10 @@ def partner(x, cfg: Config):
     """The other member of each channel's rotary pair, by lane rolls over D."""
     d, r = cfg.head_dim, cfg.rotary_dim
     ax = x.ndim - 1
-    lane = _lanes(x.shape)
+    rel = _lanes(x.shape) - cfg.rotary_offset  # the channel within the rotary part
     if cfg.neox:
-        return jnp.where(lane < r // 2, pltpu.roll(x, d - r // 2, ax), pltpu.roll(x, r // 2, ax))
-    return jnp.where((lane & 1) == 0, pltpu.roll(x, d - 1, ax), pltpu.roll(x, 1, ax))
+        return jnp.where(rel < r // 2, pltpu.roll(x, d - r // 2, ax), pltpu.roll(x, r // 2, ax))
+    return jnp.where((rel & 1) == 0, pltpu.roll(x, d - 1, ax), pltpu.roll(x, 1, ax))
 
 
 def rotate(x, c, s, cfg: Config, dtype, sep=keep):
@@ -496,6 +519,9 @@ def finish(y, tail, cfg: Config, dtype):
     out = output_bits(y, dtype)
     if cfg.rotary_dim == cfg.head_dim:
         return out
+    if cfg.rotary_tail:  # channels [0, D - R) pass through
+        off = cfg.rotary_offset
+        return jnp.concatenate([tail[..., :off], out[..., off:]], axis=-1)
     return jnp.concatenate([out[..., : cfg.rotary_dim], tail[..., cfg.rotary_dim :]], axis=-1)
 
 
@@ -562,6 +588,7 @@ def scale_copies(src, cache, axes, layer, t, n, slot, block_size, kv_heads):
 # ---- the kernel ----------------------------------------------------------------------------------
 def _kernel(slot_ref, pos_ref, layer_ref, *refs, cfg: Config, sep):
     it = iter(refs)
+    use_ref = next(it) if cfg.rope_switch else None  # the 4th scalar prefetch
     kh, nq = cfg.kv_heads, cfg.q_heads * (2 if cfg.q_gate else 1)
     if cfg.qkv:  # one VMEM block of fused rows [TB, nq + 2KH, D] (and the tensor in HBM for V's DMA)
         x_ref = next(it)
@@ -574,17 +601,22 @@ def _kernel(slot_ref, pos_ref, layer_ref, *refs, cfg: Config, sep):
         q_ref, k_ref, v_ref = (next(it) for _ in range(3))
         heads = dict.fromkeys("qkv", slice(None))
         v_head0 = None
-    cos_hbm, sin_hbm = next(it), next(it)
-    qw_ref = next(it) if cfg.q_norm else None
-    kw_ref = next(it) if cfg.k_norm else None
+    rotary = cfg.rotary_dim > 0  # NoPE: no tables at all
+    cos_hbm, sin_hbm = (next(it), next(it)) if rotary else (None, None)
+    weighted = cfg.norm_type != "weightless"
+    qw_ref = next(it) if cfg.q_norm and weighted else None
+    kw_ref = next(it) if cfg.k_norm and weighted else None
     ks_ref, vs_ref = (next(it), next(it)) if cfg.quant and not cfg.token_scales else (None, None)
+    temp_hbm = next(it) if cfg.temperature else None  # temperature factors [N, 1] f32
     ncache = (1 if cfg.merged else 2) + (2 if cfg.token_scales else 0)
     for _ in range(ncache):
         next(it)  # the caches as inputs: aliased to the outputs below
     qo_ref, ko_ref, kc_ref = (next(it) for _ in range(3))
     vc_ref = None if cfg.merged else next(it)
     ksc_ref, vsc_ref = (next(it), next(it)) if cfg.token_scales else (None, None)
-    cos_buf, sin_buf, c_buf, s_buf, table_sem, k_sem, v_sem = (next(it) for _ in range(7))
+    cos_buf, sin_buf, c_buf, s_buf, table_sem = (next(it) for _ in range(5)) if rotary else (None,) * 5
+    k_sem, v_sem = next(it), next(it)
+    f_buf, f_sem = (next(it), next(it)) if cfg.temperature else (None, None)  # each token's factor [TB, 1]
     kv_buf = next(it) if cfg.merged else None  # merged: K and V rows go out of kv_buf
     kq_buf, vq_buf = (next(it), next(it)) if cfg.quant and not cfg.merged else (None, None)  # fp8 rows
     ksc_buf, vsc_buf, sc_sem = (next(it) for _ in range(3)) if cfg.token_scales else (None, None, None)
@@ -617,8 +649,16 @@ def _kernel(slot_ref, pos_ref, layer_ref, *refs, cfg: Config, sep):
             return [(tab.at[pl.ds(p, n)], at(buf)) for tab, buf in ((cos_hbm, cos_buf), (sin_hbm, sin_buf))]
         return copies
 
+    def factor(t):  # n = (p + 1) // floor_scale: the row of the temperature factors
+        p = position(0)(t)[0]
+        return lax.div(p + 1, I32(cfg.temperature)), True, True
+
+    def factor_copies(t, n, k):
+        return [(temp_hbm.at[pl.ds(k, n)], f_buf.at[pl.ds(t, n)])]
+
     def table_walks(act):
-        return [walk(table_copies(st), position(st), table_sem, act) for st in range(cfg.streams)]
+        out = [walk(table_copies(st), position(st), table_sem, act) for st in range(cfg.streams)] if rotary else []
+        return out + ([walk(factor_copies, factor, f_sem, act)] if cfg.temperature else [])
 
     def walk(copies_of, key, sem, act):
         """(key, emit) starting or waiting for the copies of each run: a wait mirrors its start."""
@@ -651,8 +691,10 @@ def _kernel(slot_ref, pos_ref, layer_ref, *refs, cfg: Config, sep):
     for_each_run(count, table_walks("start") + v_early("start"))
     for_each_run(count, table_walks("wait"))
 
-    c_buf[...], s_buf[...] = table_lanes(*(mrope_rows(to_f32(b[...]), cfg) for b in (cos_buf, sin_buf)), cfg)
+    if rotary:
+        c_buf[...], s_buf[...] = table_lanes(*(mrope_rows(to_f32(b[...]), cfg) for b in (cos_buf, sin_buf)), cfg)
     weights = [None if w is None else to_f32(w[...]) for w in (qw_ref, kw_ref)]
+    norms = (cfg.q_norm, cfg.k_norm)
     static_inv = [None if r is None else inverse_scale(r[...], sep) for r in (ks_ref, vs_ref)]  # [KH, 1]
     fp8 = None if not cfg.quant else jnp.dtype(cfg.cache_dtype)
 
@@ -669,17 +711,29 @@ def _kernel(slot_ref, pos_ref, layer_ref, *refs, cfg: Config, sep):
         return lax.bitcast_convert_type(f8_codes(y * inv, cfg.cache_dtype), fp8)
 
     def compute(t, _):
-        c, s = c_buf[pl.ds(t, 1), :], s_buf[pl.ds(t, 1), :]
+        c, s = (c_buf[pl.ds(t, 1), :], s_buf[pl.ds(t, 1), :]) if rotary else (None, None)
         rows = []
-        for x_ref, which, o_ref, w in ((q_ref, "q", qo_ref, weights[0]), (k_ref, "k", ko_ref, weights[1])):
+        for x_ref, which, o_ref, w, normed in ((q_ref, "q", qo_ref, weights[0], norms[0]),
+                                               (k_ref, "k", ko_ref, weights[1], norms[1])):
             x_in = x_ref[t, heads[which], :]
             dtype = x_in.dtype
             x = to_f32(x_in)
             tail = lax.bitcast_convert_type(x_in, UINT[np.dtype(dtype).itemsize])
-            if w is not None:
-                x = rms_norm(x, w, cfg.head_dim, cfg.norm_eps, dtype, sep)
+            norm = lambda y: rms_norm(y, w, cfg.head_dim, cfg.norm_eps, dtype, sep, cfg.norm_type)  # noqa: E731
+            if normed and not cfg.norm_after:
+                x = norm(x)
                 tail = value_bits(x, dtype)
-            out = finish(rotate(x, c, s, cfg, dtype, sep), tail, cfg, dtype)
+            off = tail  # the row of a call that does not rotate
+            if which == "q" and cfg.temperature:  # q times its token's factor, one rounding
+                off = output_bits(x * f_buf[pl.ds(t, 1), :], dtype)
+            if rotary:
+                out = finish(rotate(x, c, s, cfg, dtype, sep), tail, cfg, dtype)
+                if normed and cfg.norm_after:  # the norm of the rotated, rounded row
+                    out = value_bits(norm(widen(out, dtype)), dtype)
+                if cfg.rope_switch:
+                    out = jnp.where(jnp.full(out.shape, use_ref[0], I32) != 0, out, off)
+            else:
+                out = off
             o_ref[t] = lax.bitcast_convert_type(out, dtype)
             rows.append((out, dtype))
         if cfg.quant:  # the cache stores the rounded k_out and v, quantized
@@ -705,7 +759,8 @@ def _kernel(slot_ref, pos_ref, layer_ref, *refs, cfg: Config, sep):
 
 
 def rope_and_cache(q, k, v, key_cache, value_cache, slots, positions, cos, sin, layer, q_norm_weight=None,
-                   k_norm_weight=None, k_scale=None, v_scale=None, *, cfg: Config, interpret=False):
+                   k_norm_weight=None, k_scale=None, v_scale=None, use_rope=None, temperature_factors=None, *,
+                   cfg: Config, interpret=False):
     """(q_out, k_out, key_cache, value_cache[, k_scale_cache, v_scale_cache]); slots int32 [T] and
     positions int32 [T] (M-RoPE: [3 * T], stream-major) (slots outside [0, NB*BS) write nothing,
     positions are clamped here), layer int32 [1].
@@ -721,16 +776,20 @@ def rope_and_cache(q, k, v, key_cache, value_cache, slots, positions, cos, sin, 
         in_specs, operands = [row(q.shape[1])] + ([] if cfg.v_in_vmem else [hbm]), [q] + ([] if cfg.v_in_vmem else [q])
     else:
         in_specs, operands = [row(cfg.q_heads), row(kh), row(kh) if cfg.v_in_vmem else hbm], [q, k, v]
-    in_specs += [hbm, hbm]
-    operands += [cos, sin]
+    if cfg.rotary_dim:  # NoPE: the tables stay out
+        in_specs += [hbm, hbm]
+        operands += [cos, sin]
     for on, wt in ((cfg.q_norm, q_norm_weight), (cfg.k_norm, k_norm_weight)):
-        if on:
+        if on and cfg.norm_type != "weightless":
             in_specs.append(weight)
             operands.append(wt.reshape(1, d))
     if cfg.quant and not cfg.token_scales:
         in_specs += [pl.BlockSpec((kh, 1), lambda i, *_: (0, 0))] * 2
         operands += [k_scale, v_scale]
-    cache_at = 3 + len(operands)  # operand index of key_cache, counting the 3 scalar-prefetch operands
+    if cfg.temperature:
+        in_specs.append(hbm)
+        operands.append(temperature_factors.reshape(-1, 1))
+    cache_at = cfg.scalar_prefetch + len(operands)  # operand index of key_cache, counting the scalar prefetch
     caches = [key_cache] if cfg.merged else [key_cache, value_cache]  # merged: the placeholder stays out
     if cfg.token_scales:
         caches += [k_scale, v_scale]
@@ -738,8 +797,10 @@ def rope_and_cache(q, k, v, key_cache, value_cache, slots, positions, cos, sin, 
     operands += caches
     rows = (tb, w) if cfg.streams == 1 else (cfg.streams, tb, w)
     scratch = [pltpu.VMEM(rows, cos.dtype), pltpu.VMEM(rows, sin.dtype), pltpu.VMEM((tb, d), F32),
-               pltpu.VMEM((tb, d), F32), pltpu.SemaphoreType.DMA(()), pltpu.SemaphoreType.DMA(()),
-               pltpu.SemaphoreType.DMA(())]
+               pltpu.VMEM((tb, d), F32), pltpu.SemaphoreType.DMA(())] if cfg.rotary_dim else []
+    scratch += [pltpu.SemaphoreType.DMA(()), pltpu.SemaphoreType.DMA(())]
+    if cfg.temperature:
+        scratch += [pltpu.VMEM((tb, 1), F32), pltpu.SemaphoreType.DMA(())]
     if cfg.merged:
         scratch.append(pltpu.VMEM((tb, 2 * kh, d), key_cache.dtype))
     elif cfg.quant:
@@ -748,7 +809,7 @@ def rope_and_cache(q, k, v, key_cache, value_cache, slots, positions, cos, sin, 
         scratch += [pltpu.VMEM((kh, cfg.scale_lanes), F32), pltpu.VMEM((kh, cfg.scale_lanes), F32),
                     pltpu.SemaphoreType.DMA(())]
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=3, grid=(cfg.grid,), in_specs=in_specs,
+        num_scalar_prefetch=cfg.scalar_prefetch, grid=(cfg.grid,), in_specs=in_specs,
         out_specs=[row(cfg.q_heads), row(kh)] + [hbm] * len(caches), scratch_shapes=scratch)
     out_shape = [jax.ShapeDtypeStruct((t, cfg.q_heads, d), q.dtype), jax.ShapeDtypeStruct((t, kh, d), q.dtype)]
     out_shape += [jax.ShapeDtypeStruct(c.shape, c.dtype) for c in caches]
@@ -759,7 +820,8 @@ def rope_and_cache(q, k, v, key_cache, value_cache, slots, positions, cos, sin, 
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",)),
         interpret=interpret, name="rope_and_cache")
     with jax.enable_x64(False):  # the kernel's index arithmetic is int32, also inside an x64 program
-        out = list(call(slots, positions, layer, *operands))
+        prefetch = (slots, positions, layer) + ((use_rope,) if cfg.rope_switch else ())
+        out = list(call(*prefetch, *operands))
     if cfg.merged:
         out.insert(3, value_cache)
     return tuple(out)
