@@ -1014,3 +1014,42 @@ def test_family_options_with_fp8_per_token_scales():
                 k_scale_cache=rng.uniform(0.1, 2, shape).astype(np.float32),
                 v_scale_cache=rng.uniform(0.1, 2, shape).astype(np.float32), rotary_position="tail")
     check(Case(), args=args, opts=opts)
+
+
+# ---- int8 caches ---------------------------------------------------------------------------------------
+def test_int8_rounding_is_the_reference_rule():
+    """int8_codes (integer rounding of the f32 bits) equals reference.quantize_rows' rule (NaN 0,
+    round half to even, saturate to +-127) on every f32 exponent and sign, ties included, and on
+    every multiple of 1/4 in [-130, 130]."""
+    x = np.concatenate([_f32_patterns(), np.arange(-520, 521, dtype=np.float32) / 4])
+    got = np.asarray(jax.jit(K.int8_codes)(jax.device_put(x, jax.devices("cpu")[0])))
+    want = np.clip(np.rint(np.where(np.isnan(x), 0, x)), -127, 127).astype(np.int8)
+    bad = np.flatnonzero(got != want)
+    assert len(bad) == 0, f"{len(bad)} differ, first {x[bad[0]]!r}: {got[bad[0]]} != {want[bad[0]]}"
+
+
+INT8_CASES = [(Case(T=9, QH=4, KH=2, D=64, layout="flash"), None),
+              (Case(T=7, QH=8, KH=2, D=128, layout="kv_merged", dtype="float32"), 2),
+              (Case(T=6, QH=4, KH=1, D=80, layout="head_major", dtype="float16", index_dtype="int64"), None),
+              (Case(T=11, QH=4, KH=2, D=64, layout="hnd", is_neox=False, R=32), 3)]
+
+
+@pytest.mark.parametrize("case,layers", INT8_CASES, ids=[c.id + f"-L{n}" for c, n in INT8_CASES])
+def test_int8_per_token(case, layers):
+    """int8 caches with per-token scales (Q = 127): rows of magnitudes 1e-3..1e3, a zero row, inf
+    and NaN (tests/test_int8_per_token.int8_problem), stacked layers."""
+    from test_int8_per_token import int8_problem
+
+    args, opts = int8_problem(case, zlib.crc32(case.id.encode()), layers=layers)
+    check(case, args=args, opts=opts)
+
+
+@pytest.mark.parametrize("layout", ["flash", "kv_merged"])
+def test_int8_every_slot_value_writes_only_its_slot(layout):
+    from test_int8_per_token import int8_problem
+
+    case = Case(T=32 + 4, QH=2, KH=2, D=64, BS=8, NB=4, index_dtype="int64", layout=layout)
+    args, opts = int8_problem(case, seed=39)
+    rng = np.random.default_rng(40)
+    slots = np.concatenate([rng.permutation(32), [-1, 32, 2**40, -(2**62)]]).astype(np.int64)
+    check(case, args=args[:5] + (slots,) + args[6:], opts=opts)

@@ -86,7 +86,7 @@ class Config:
     key_axes: tuple[str, ...]    # one layer's axes in memory order, e.g. ("NB", "BS", "KH", "D")
     value_axes: tuple[str, ...]
     block_tokens: int          # TB: tokens per grid step
-    cache_dtype: str = ""      # an fp8 cache dtype's name (quantized stores), "" for a cache of the input dtype
+    cache_dtype: str = ""      # an fp8 cache dtype's name or "int8" (quantized stores), "" for the input dtype
     token_scales: bool = False  # per-token scales written to the scale caches (else static scales)
     scale_axes: tuple[str, ...] = ("NB", "KH", "BS")  # one layer's scale cache axes (token_scales)
     mrope: tuple[int, int, int] | None = None  # M-RoPE sections (t, h, w): positions [3, T], rows per stream
@@ -418,10 +418,25 @@ def row_amax(y):
     return jnp.max(jnp.where(a <= F32(F32_MAX), a, F32(0.0)), axis=-1, keepdims=True)
 
 
+QUANT_MAX = {**{name: fmt[5] for name, fmt in FP8.items()}, "int8": 127.0}  # contract.QUANT_MAX
+
+
+def int8_codes(y):
+    """reference.quantize_rows' int8 rule on f32 y (already scaled): NaN stores 0, then round half to
+    even and saturate to +-127 (clamping first is the same: the bounds are integers). The rounding
+    is integer arithmetic on the f32 bits (the mantissa shifted by the exponent difference)."""
+    u = bits(jnp.clip(jnp.where(jnp.isnan(y), F32(0.0), y), F32(-127.0), F32(127.0)))
+    a = u & U32(0x7FFFFFFF)
+    e = a >> 23
+    mant = jnp.where(e == 0, U32(0), (a & U32(0x007FFFFF)) | U32(0x00800000))
+    code = _shift_rne(mant, jnp.clip(U32(150) - jnp.minimum(e, U32(149)), 1, 25)).astype(I32)
+    return jnp.where((u >> 31) == 1, -code, code).astype(jnp.int8)
+
+
 def token_scale(amax, name: str, sep=keep):
-    """reference.token_scale: r32(max(amax, 1e-8) / FP8_MAX), correctly rounded."""
+    """reference.token_scale: r32(max(amax, 1e-8) / Q) (Q: the format's largest value), correctly rounded."""
     top = jnp.maximum(amax, F32(TOKEN_AMAX_FLOOR))
-    return div_rn(top, jnp.full(top.shape, FP8[name][5], F32), sep=sep)
+    return div_rn(top, jnp.full(top.shape, QUANT_MAX[name], F32), sep=sep)
 
 
 def widen(out_bits, dtype):
@@ -708,6 +723,8 @@ def _kernel(slot_ref, pos_ref, layer_ref, *refs, cfg: Config, sep):
             c0 = pl.multiple_of(lax.div(t, I32(128)) * 128, 128)  # t >= 0: no floor correction
             cur = sc_buf[:, pl.ds(c0, 128)]
             sc_buf[:, pl.ds(c0, 128)] = jnp.where(_lanes(cur.shape) == t - c0, scale, cur)
+        if cfg.cache_dtype == "int8":
+            return int8_codes(y * inv)
         return lax.bitcast_convert_type(f8_codes(y * inv, cfg.cache_dtype), fp8)
 
     def compute(t, _):
