@@ -1053,3 +1053,49 @@ def test_int8_every_slot_value_writes_only_its_slot(layout):
     rng = np.random.default_rng(40)
     slots = np.concatenate([rng.permutation(32), [-1, 32, 2**40, -(2**62)]]).astype(np.int64)
     check(case, args=args[:5] + (slots,) + args[6:], opts=opts)
+
+
+# ---- int4 caches ---------------------------------------------------------------------------------------
+def test_int4_packing_is_the_reference_one():
+    """pack_int4 (pairs combined at even lanes, compacted by lane rolls) equals reference.pack_int4
+    for every row width the kernel meets, on random nibbles; and the int4 rounding (Q = 7)."""
+    from jax_rope_cache import reference
+
+    rng = np.random.default_rng(110)
+    cpu = jax.devices("cpu")[0]
+    for d in (64, 80, 96, 128, 256):
+        c = rng.integers(-8, 8, (5, d)).astype(np.int8)
+        got = np.asarray(jax.jit(K.pack_int4)(jax.device_put(c, cpu)))
+        assert_bits_equal(got, reference.pack_int4(c), f"D={d}")
+    x = np.concatenate([_f32_patterns(), np.arange(-40, 41, dtype=np.float32) / 4])
+    got = np.asarray(jax.jit(lambda y: K.int8_codes(y, 7.0))(jax.device_put(x, cpu)))
+    want = np.clip(np.rint(np.where(np.isnan(x), 0, x)), -7, 7).astype(np.int8)
+    assert (got == want).all()
+
+
+INT4_CASES = [(Case(T=9, QH=4, KH=2, D=64, layout="flash"), None),
+              (Case(T=7, QH=8, KH=2, D=128, layout="kv_merged", dtype="float32"), 2),
+              (Case(T=6, QH=4, KH=1, D=80, layout="head_major", dtype="float16", index_dtype="int64"), None),
+              (Case(T=11, QH=4, KH=2, D=64, layout="hnd", is_neox=False, R=32), 3)]
+INT4_DEFAULT = (0, 1)
+
+
+def _int4(i):
+    from test_int4_per_token import int4_problem
+
+    case, layers = INT4_CASES[i]
+    args, opts = int4_problem(case, zlib.crc32(case.id.encode()), layers=layers)
+    check(case, args=args, opts=opts)
+
+
+@pytest.mark.parametrize("i", INT4_DEFAULT, ids=[INT4_CASES[i][0].id for i in INT4_DEFAULT])
+def test_int4_per_token(i):
+    """int4 caches (uint8 bytes, two nibbles, channel 2j low) with per-token scales (Q = 7)."""
+    _int4(i)
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("i", [i for i in range(len(INT4_CASES)) if i not in INT4_DEFAULT],
+                         ids=[INT4_CASES[i][0].id for i in range(len(INT4_CASES)) if i not in INT4_DEFAULT])
+def test_int4_per_token_full(i):
+    _int4(i)

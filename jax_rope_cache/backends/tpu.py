@@ -35,7 +35,7 @@ KERNEL_SOURCE = "tpu/rope_cache_pallas.py"
 SUPPORTS: frozenset[str] = frozenset({"q_norm", "k_norm", "k_scale_heads", "v_scale_heads", "token_scales", "mrope",
                                           "q_gate", "nope", "rope_switch", "rotary_tail", "gemma_norm",
                                           "weightless_norm", "norm_after", "temperature",
-                                          "int8_cache"})
+                                          "int8_cache", "int4_cache"})
 # float16 is moved as bits and widened / rounded in integer arithmetic (Mosaic has no float16 arithmetic).
 DTYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float32), np.dtype(np.float16))
 ROUNDED = (np.dtype(jnp.bfloat16), np.dtype(np.float16))  # "native" precision's "rounded" arithmetic
@@ -144,10 +144,10 @@ def config(spec: contract.OpSpec):
         block_tokens=K.block_tokens(spec.num_tokens, spec.qkv_heads if spec.qkv else spec.q_heads, spec.kv_heads,
                                     spec.head_dim,
                                     np.dtype(spec.dtype).itemsize, w, np.dtype(spec.table_dtype).itemsize,
-                                    merged=K.row_dma(lay.key_axes) == "merged", quant=spec.fp8 or spec.int8,
+                                    merged=K.row_dma(lay.key_axes) == "merged", quant=spec.fp8 or spec.low_bit,
                                     streams=3 if spec.mrope_section is not None else 1),
         mrope=spec.mrope_section, mrope_interleaved=spec.mrope_interleaved, qkv=spec.qkv, q_gate=spec.q_gate,
-        cache_dtype=np.dtype(spec.cache_dtype).name if spec.fp8 or spec.int8 else "", token_scales=spec.token_scales,
+        cache_dtype="int4" if spec.int4 else np.dtype(spec.cache_dtype).name if spec.fp8 or spec.int8 else "", token_scales=spec.token_scales,
         scale_axes=lay.scale_axes)
 
 

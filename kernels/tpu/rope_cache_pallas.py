@@ -418,19 +418,39 @@ def row_amax(y):
     return jnp.max(jnp.where(a <= F32(F32_MAX), a, F32(0.0)), axis=-1, keepdims=True)
 
 
-QUANT_MAX = {**{name: fmt[5] for name, fmt in FP8.items()}, "int8": 127.0}  # contract.QUANT_MAX
+QUANT_MAX = {**{name: fmt[5] for name, fmt in FP8.items()}, "int8": 127.0, "int4": 7.0}  # contract.QUANT_MAX
 
 
-def int8_codes(y):
-    """reference.quantize_rows' int8 rule on f32 y (already scaled): NaN stores 0, then round half to
-    even and saturate to +-127 (clamping first is the same: the bounds are integers). The rounding
+def int8_codes(y, q: float = 127.0):
+    """reference.quantize_rows' integer rule on f32 y (already scaled): NaN stores 0, then round half
+    to even and saturate to +-q (clamping first is the same: the bounds are integers). The rounding
     is integer arithmetic on the f32 bits (the mantissa shifted by the exponent difference)."""
-    u = bits(jnp.clip(jnp.where(jnp.isnan(y), F32(0.0), y), F32(-127.0), F32(127.0)))
+    u = bits(jnp.clip(jnp.where(jnp.isnan(y), F32(0.0), y), F32(-q), F32(q)))
     a = u & U32(0x7FFFFFFF)
     e = a >> 23
     mant = jnp.where(e == 0, U32(0), (a & U32(0x007FFFFF)) | U32(0x00800000))
     code = _shift_rne(mant, jnp.clip(U32(150) - jnp.minimum(e, U32(149)), 1, 25)).astype(I32)
     return jnp.where((u >> 31) == 1, -code, code).astype(jnp.int8)
+
+
+def pack_int4(c):
+    """int8 values in [-7, 7], [..., D] -> uint8 bytes [..., D/2], channel 2j in the low nibble of byte
+    j (reference.pack_int4). The pairs are combined at the even lanes, then compacted to lanes
+    [0, D/2) by lane rolls: stage k moves down by 2^k every byte whose index has bit k set (lowest
+    bit first: the bytes keep their order, so no two ever share a lane), each byte tagged with its
+    index so a stage knows which lanes hold one."""
+    d = c.shape[-1]
+    ax = c.ndim - 1
+    nib = c.astype(I32) & I32(0xF)
+    lane = _lanes(c.shape)
+    v = nib | (pltpu.roll(nib, d - 1, ax) << 4)  # even lane 2j: byte j
+    tag = jnp.where((lane & 1) == 0, lane >> 1, -1)
+    for k in range(max(1, (d // 2 - 1).bit_length())):
+        moving = (tag >= 0) & (((tag >> k) & 1) == 1)
+        v_in, tag_in = pltpu.roll(v, d - (1 << k), ax), pltpu.roll(jnp.where(moving, tag, -1), d - (1 << k), ax)
+        v = jnp.where(tag_in >= 0, v_in, v)
+        tag = jnp.where(tag_in >= 0, tag_in, jnp.where(moving, -1, tag))
+    return v[..., : d // 2].astype(jnp.uint8)
 
 
 def token_scale(amax, name: str, sep=keep):
@@ -725,6 +745,8 @@ def _kernel(slot_ref, pos_ref, layer_ref, *refs, cfg: Config, sep):
             sc_buf[:, pl.ds(c0, 128)] = jnp.where(_lanes(cur.shape) == t - c0, scale, cur)
         if cfg.cache_dtype == "int8":
             return int8_codes(y * inv)
+        if cfg.cache_dtype == "int4":
+            return pack_int4(int8_codes(y * inv, 7.0))
         return lax.bitcast_convert_type(f8_codes(y * inv, cfg.cache_dtype), fp8)
 
     def compute(t, _):
@@ -819,9 +841,10 @@ def rope_and_cache(q, k, v, key_cache, value_cache, slots, positions, cos, sin, 
     if cfg.temperature:
         scratch += [pltpu.VMEM((tb, 1), F32), pltpu.SemaphoreType.DMA(())]
     if cfg.merged:
-        scratch.append(pltpu.VMEM((tb, 2 * kh, d), key_cache.dtype))
-    elif cfg.quant:
-        scratch += [pltpu.VMEM((tb, kh, d), key_cache.dtype), pltpu.VMEM((tb, kh, d), value_cache.dtype)]
+        scratch.append(pltpu.VMEM((tb, 2 * kh, key_cache.shape[-1]), key_cache.dtype))
+    elif cfg.quant:  # (int4: D/2 bytes a row)
+        scratch += [pltpu.VMEM((tb, kh, key_cache.shape[-1]), key_cache.dtype),
+                    pltpu.VMEM((tb, kh, value_cache.shape[-1]), value_cache.dtype)]
     if cfg.token_scales:
         scratch += [pltpu.VMEM((kh, cfg.scale_lanes), F32), pltpu.VMEM((kh, cfg.scale_lanes), F32),
                     pltpu.SemaphoreType.DMA(())]
