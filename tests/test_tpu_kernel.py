@@ -10,6 +10,7 @@ a case): the default tier runs a sample, the `full` marker the rest of the matri
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
 import warnings
 import zlib
@@ -1099,3 +1100,31 @@ def test_int4_per_token(i):
                          ids=[INT4_CASES[i][0].id for i in range(len(INT4_CASES)) if i not in INT4_DEFAULT])
 def test_int4_per_token_full(i):
     _int4(i)
+
+
+# ---- mutations of the newer paths: the checks above see them -------------------------------------------
+@pytest.mark.skipif(ON_TPU, reason="runs a mutated kernel in interpret mode")
+@pytest.mark.parametrize("what", ["gemma weight", "switch ignored", "tail pairs", "int4 nibble order",
+                                  "token scale floor"])
+def test_mutations_of_the_newer_paths_fail(monkeypatch, what):
+    if what == "gemma weight":  # r((x * inv) * w) instead of (1 + w)
+        real = K.rms_norm
+        monkeypatch.setattr(K, "rms_norm", lambda x, w, *a: real(x, w, *a[:4], "rms" if a[4] == "gemma" else a[4])
+                            if len(a) > 4 else real(x, w, *a))
+        run = lambda: _family("gemma", BF16)  # noqa: E731
+    elif what == "switch ignored":
+        monkeypatch.setattr(K, "switch", lambda use_rope, rotated, off: rotated)
+        run = lambda: _family("switch-off", BF16)  # noqa: E731
+    elif what == "tail pairs":  # the partners of the head's channels instead of the tail's
+        real = K.partner
+        monkeypatch.setattr(K, "partner", lambda x, cfg: real(x, dataclasses.replace(cfg, rotary_tail=False)))
+        run = lambda: _family("tail-neox", BF16)  # noqa: E731 (GPT-J pairs do not depend on an even offset)
+    elif what == "int4 nibble order":
+        real = K.pack_int4
+        monkeypatch.setattr(K, "pack_int4", lambda c: real(K.pltpu.roll(c, 1, c.ndim - 1)))
+        run = lambda: _int4(0)  # noqa: E731
+    else:
+        monkeypatch.setattr(K, "TOKEN_AMAX_FLOOR", 1e-3)
+        run = lambda: _int4(0)  # noqa: E731  (its all-zero row's scale)
+    with pytest.raises(AssertionError):
+        run()

@@ -621,6 +621,12 @@ def scale_copies(src, cache, axes, layer, t, n, slot, block_size, kv_heads):
 
 
 # ---- the kernel ----------------------------------------------------------------------------------
+def switch(use_rope, rotated, off):
+    """The row of this call: `rotated` where the use_rope scalar is nonzero, else `off` (bits)."""
+    return jnp.where(jnp.full(rotated.shape, use_rope, I32) != 0, rotated, off)
+
+
+
 def _kernel(slot_ref, pos_ref, layer_ref, *refs, cfg: Config, sep):
     it = iter(refs)
     use_ref = next(it) if cfg.rope_switch else None  # the 4th scalar prefetch
@@ -770,7 +776,7 @@ def _kernel(slot_ref, pos_ref, layer_ref, *refs, cfg: Config, sep):
                 if normed and cfg.norm_after:  # the norm of the rotated, rounded row
                     out = value_bits(norm(widen(out, dtype)), dtype)
                 if cfg.rope_switch:
-                    out = jnp.where(jnp.full(out.shape, use_ref[0], I32) != 0, out, off)
+                    out = switch(use_ref[0], out, off)
             else:
                 out = off
             o_ref[t] = lax.bitcast_convert_type(out, dtype)
