@@ -1,9 +1,10 @@
 """impl="kernel" on TPUs: one Pallas TPU (Mosaic) kernel, kernels/tpu/rope_cache_pallas.py.
 
 The lowering runs Pallas' Mosaic lowering (on any machine: `jax.export` for "tpu" needs no TPU) and
-emits one `tpu_custom_call` whose key and value caches are aliased to results 2 and 3. The
-kernel's static configuration (`config`) comes from the op's OpSpec; slots, positions and the layer
-stay device values (scalar prefetch), so one executable serves every step and every layer.
+emits one `tpu_custom_call` whose key and value caches are aliased to results 2 and 3 (per-token
+scales: the scale caches to 4 and 5). The kernel's static configuration (`config`) comes from the
+op's OpSpec; slots, positions, the layer and use_rope stay device values (scalar prefetch), so one
+executable serves every step and every layer.
 
 What the kernel does not implement is refused through the package's mechanism (impl=None: the
 XLA path with one warning; impl="kernel": an error naming it), see `unsupported`. A configuration
@@ -142,13 +143,12 @@ def config(spec: contract.OpSpec):
         temperature=spec.temperature[0] if spec.temperature is not None else 0,
         norm_eps=float(spec.norm_eps), key_axes=lay.key_axes, value_axes=lay.value_axes,
         block_tokens=K.block_tokens(spec.num_tokens, spec.qkv_heads if spec.qkv else spec.q_heads, spec.kv_heads,
-                                    spec.head_dim,
-                                    np.dtype(spec.dtype).itemsize, w, np.dtype(spec.table_dtype).itemsize,
+                                    spec.head_dim, np.dtype(spec.dtype).itemsize, w, np.dtype(spec.table_dtype).itemsize,
                                     merged=K.row_dma(lay.key_axes) == "merged", quant=spec.fp8 or spec.low_bit,
                                     streams=3 if spec.mrope_section is not None else 1),
         mrope=spec.mrope_section, mrope_interleaved=spec.mrope_interleaved, qkv=spec.qkv, q_gate=spec.q_gate,
-        cache_dtype="int4" if spec.int4 else np.dtype(spec.cache_dtype).name if spec.fp8 or spec.int8 else "", token_scales=spec.token_scales,
-        scale_axes=lay.scale_axes)
+        cache_dtype="int4" if spec.int4 else np.dtype(spec.cache_dtype).name if spec.fp8 or spec.int8 else "",
+        token_scales=spec.token_scales, scale_axes=lay.scale_axes)
 
 
 def _index32(slots, positions, spec: contract.OpSpec):

@@ -33,6 +33,16 @@ one whose heads come before BS ("hnd", [NB, KH, BS, D]) one DMA per run and head
 token's K and V rows are interleaved into a VMEM buffer [TB, 2KH, D] after the rotation, and one DMA
 per run writes both. The value cache operand is then a placeholder the pallas_call never sees.
 
+Quantized caches (fp8 with static, per-head or per-token scales; int8 and int4 with per-token
+scales) take v as a VMEM block too: k_out's and v's rows are quantized in VMEM (integer conversions
+from the f32 bits) and both caches are written from VMEM after the compute; per-token scales go
+to the scale caches (aliased) from a [KH, lanes] buffer, one DMA per run and head. M-RoPE reads
+the table rows of each of its three position streams and picks each column's stream. The fused
+QKV input is one VMEM block of fused rows. float16 is moved as bits, widened and rounded in
+integer arithmetic. The model-family options (NoPE, the use_rope switch as a 4th scalar
+prefetch, tail rotary, Gemma / weightless norms, the norm after the rotation, the temperature
+factors DMA'd per token) follow reference.py's order.
+
 Arithmetic without fused multiply-adds or reassociation: the rotation is x*C + P*S' with the
 partner P from lane rolls and S' the sine with the sign of its pair member folded in (x - y is
 x + (-y) in IEEE). Roundings to bf16 are integer round-to-nearest-even on the f32 bits, so no
