@@ -1128,3 +1128,70 @@ def test_mutations_of_the_newer_paths_fail(monkeypatch, what):
         run = lambda: _int4(0)  # noqa: E731  (its all-zero row's scale)
     with pytest.raises(AssertionError):
         run()
+
+
+def _aliases(text):
+    calls = re.findall(r"stablehlo\.custom_call @tpu_custom_call\(([^)]*)\)", text)
+    assert len(calls) == 1, len(calls)
+    operands = [o.strip() for o in calls[0].split(",")]
+    return dict((int(o), operands[int(i)]) for o, i in
+                re.findall(r"output_tuple_indices = \[(\d+)\], operand_index = (\d+)", text))
+
+
+@pytest.mark.parametrize("what", ["int8", "int4", "mrope", "qkv_gate", "llama4_switch", "float16"])
+def test_newer_options_lowered_for_tpu_with_the_caches_aliased(what):
+    """jrc.export for "tpu": one tpu_custom_call, the caches (and scale caches) aliased, no copy."""
+    pytest.importorskip("flatbuffers")
+    case = Case(T=5, QH=4, KH=2, D=128, dtype="float16" if what == "float16" else "bfloat16")
+    if what in ("int8", "int4"):
+        from test_int4_per_token import int4_problem
+        from test_int8_per_token import int8_problem
+
+        args, opts = (int8_problem if what == "int8" else int4_problem)(case, seed=43)
+        ksc, vsc = opts.pop("k_scale_cache"), opts.pop("v_scale_cache")
+        step = jax.jit(lambda q, k, v, kc, vc, ks, vs, *r: jrc.rope_and_cache(
+            q, k, v, kc, vc, *r, k_scale_cache=ks, v_scale_cache=vs, **opts, impl="kernel"),
+            donate_argnums=(3, 4, 5, 6))
+        args = args[:5] + (ksc, vsc) + args[5:]
+        want = {2: "%arg3", 3: "%arg4", 4: "%arg5", 5: "%arg6"}
+    elif what == "qkv_gate":
+        args, opts = _qkv_problem(case, 44, gate=True)
+        step = jax.jit(lambda *a: jrc.rope_and_cache_qkv(*a, **opts, impl="kernel"), donate_argnums=(1, 2))
+        want = {2: "%arg1", 3: "%arg2"}
+    elif what == "llama4_switch":
+        import test_families as tf
+
+        args, rng = tf.problem(BF16, seed=45)
+        opts = dict(rotary_dim=32, is_neox=False, norm_type="weightless", norm_position="after",
+                    attn_temperature=(8, 0.1))
+        step = jax.jit(lambda *a: jrc.rope_and_cache(*a[:9], use_rope=a[9], **opts, impl="kernel"),
+                       donate_argnums=(3, 4))
+        args = tuple(args) + (np.int32(1),)
+        want = {2: "%arg3", 3: "%arg4"}
+    else:
+        args, opts = make_problem(case, seed=46)
+        if what == "mrope":
+            from test_mrope import QWEN3_VL, make_mrope_problem
+
+            args, opts = make_mrope_problem(case, QWEN3_VL, True, seed=46)
+        step = jax.jit(lambda *a: jrc.rope_and_cache(*a, **opts, impl="kernel"), donate_argnums=(3, 4))
+        want = {2: "%arg3", 3: "%arg4"}
+    text = jrc.export(step, platforms=["tpu"])(*args).mlir_module()
+    assert _aliases(text) == want
+    assert "stablehlo.copy" not in text
+
+
+@pytest.mark.parametrize("kind", ["int4", "fp8_static"])
+def test_more_every_slot_values(kind):
+    """int4 per-token and fp8 static scales: every slot once next to out-of-range ones."""
+    case = Case(T=32 + 4, QH=2, KH=2, D=64, BS=8, NB=4, index_dtype="int64", layout="hnd",
+                cache_dtype="float8_e5m2" if kind == "fp8_static" else None)
+    if kind == "int4":
+        from test_int4_per_token import int4_problem
+
+        args, opts = int4_problem(case, seed=47)
+    else:
+        args, opts = make_problem(case, seed=47)
+    rng = np.random.default_rng(48)
+    slots = np.concatenate([rng.permutation(32), [-1, 32, 2**40, -(2**62)]]).astype(np.int64)
+    check(case, args=args[:5] + (slots,) + args[6:], opts=opts)
