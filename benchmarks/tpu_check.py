@@ -4,10 +4,13 @@
 
 On a TPU host: the environment (jax, jaxlib, libtpu, devices), the TPU kernel tests
 (tests/test_tpu_kernel.py, full tier) on the TPU, a decode loop (stacked layers, caches donated,
-checked bit for bit against the numpy reference every step), and the kernel next to the XLA path
+checked bit for bit against the numpy reference every step), one call of each newer kernel option
+bit for bit against the reference (fp8 caches with static, per-head and per-token scales, float16,
+M-RoPE, the fused QKV input with q_gate rows: `feature_checks`), and the kernel next to the XLA path
 (Llama-3.1-8B 32/8/128 and Llama-3.1-70B TP8 8/1/128, bf16; T = 1 and 64 on scattered slots,
 8192 on a prefill's consecutive slots and on scattered ones; the "flash" layout and the
-ragged-paged-attention layout "kv_merged").
+ragged-paged-attention layout "kv_merged"; for the 8B model also an fp8 cache with per-token
+scales and the fused QKV input).
 Without a TPU: the environment and the words "No TPU found", exit 0.
 --dry-run: the decode loop and the timing with small shapes on this machine's default device and
 its kernel (CI checks the report's code path this way), no tests.
@@ -29,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_rope_cache as jrc
-from jax_rope_cache import reference
+from jax_rope_cache import contract, reference
 from jax_rope_cache.backends import tpu
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -130,41 +133,125 @@ def decode_loop(device, steps: int = 16, layers: int = 4, shape=(16, 4, 128)) ->
     return True, f"{steps} steps x {layers} layers, T={t}, heads {qh}/{kh}/{d}: q_out and every layer's caches bit-exact"
 
 
-def time_op(device, impl, t, qh, kh, d, pattern, layout, steps) -> float:
-    """Seconds per call: `steps` calls in one jit (lax.fori_loop, caches carried and donated)."""
+def _bits(a):
+    a = np.asarray(a)
+    return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
+
+
+def feature_checks(device) -> list[tuple[str, bool, str]]:
+    """One call of each newer option with impl="kernel" on `device`, every result compared bit for
+    bit with the reference: (name, passed, detail)."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(5)
+    t, qh, kh, d, nb, bs, max_pos = 12, 4, 2, 128, 8, 16, 64
+    bf, f16 = np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16)
+    e4, e5 = np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2)
+
+    def problem(dt=bf, cdt=None, layout="flash", tdt=np.float32, gate=False):
+        q = rng.standard_normal((t, 2 * qh if gate else qh, d)).astype(np.float32).astype(dt)
+        k, v = (rng.standard_normal((t, kh, d)).astype(np.float32).astype(dt) for _ in range(2))
+        ks, vs = contract.cache_shapes(layout, nb, bs, kh, d, cdt or dt)
+        kc = rng.standard_normal(ks).astype(np.float32).astype(cdt or dt)
+        vc = None if vs is None else rng.standard_normal(vs).astype(np.float32).astype(cdt or dt)
+        slots = rng.permutation(nb * bs)[:t].astype(np.int32)
+        slots[::5] = -1
+        pos = rng.integers(0, max_pos, t).astype(np.int32)
+        ang = rng.uniform(-np.pi, np.pi, (max_pos, d // 2))
+        return [q, k, v, kc, vc, slots, pos, np.cos(ang).astype(tdt), np.sin(ang).astype(tdt)]
+
+    scale_cache = lambda layout: rng.uniform(0.1, 2, contract.scale_shape(layout, nb, bs, kh)).astype(np.float32)  # noqa: E731
+    cases = []
+    a = problem(cdt=e4)
+    cases.append(("fp8 e4m3fn, static scales", a, dict(k_scale=np.float32(0.05), v_scale=np.float32(0.3))))
+    a = problem(cdt=e5, layout="kv_merged")
+    cases.append(("fp8 e5m2, per-head scales, kv_merged", a,
+                  dict(layout="kv_merged", k_scale=np.float32([0.01, 0.2]), v_scale=np.float32([0.5, 0.003]))))
+    a = problem(cdt=e4, layout="head_major")
+    cases.append(("fp8 e4m3fn, per-token scales, head_major", a,
+                  dict(layout="head_major", k_scale_cache=scale_cache("head_major"),
+                       v_scale_cache=scale_cache("head_major"))))
+    a = problem(dt=f16, layout="hnd", tdt=np.float16)
+    cases.append(("float16, native precision, hnd", a, dict(layout="hnd", precision="native")))
+    a = problem()
+    a[6] = np.stack([a[6], rng.integers(0, max_pos, t), rng.integers(0, max_pos, t)]).astype(np.int32)
+    cases.append(("M-RoPE (24, 20, 20) interleaved", a, dict(mrope_section=(24, 20, 20), mrope_interleaved=True)))
+    a = problem(gate=True)
+    cases.append(("fused QKV with q_gate rows", a, dict(qkv=True)))
+    out = []
+    for name, args, opts in cases:
+        try:
+            if opts.pop("qkv", False):
+                fused = np.concatenate(args[:3], axis=1)
+                kw = dict(num_q_heads=qh, num_kv_heads=kh, q_gate=True)
+                got = jax.jit(lambda *x: jrc.rope_and_cache_qkv(*x, **kw, impl="kernel"))(
+                    *jax.device_put([fused] + args[3:], device))
+                want = reference.rope_and_cache_qkv(fused, *args[3:], **kw)
+            else:
+                got = jax.jit(lambda *x: jrc.rope_and_cache(*x, **opts, impl="kernel"))(*jax.device_put(args, device))
+                want = reference.rope_and_cache(*args, **opts)
+            same = [g is None and w is None or np.array_equal(_bits(g), _bits(w)) for g, w in zip(got, want)]
+            out.append((name, all(same), "bit-exact" if all(same) else
+                        f"results equal (q_out, k_out, caches...): {same}"))
+        except Exception as e:  # noqa: BLE001 - a refusal or failure goes into the report
+            out.append((name, False, f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"))
+    return out
+
+
+def time_op(device, impl, t, qh, kh, d, pattern, layout, steps, variant="") -> float:
+    """Seconds per call: `steps` calls in one jit (lax.fori_loop, caches carried and donated).
+    variant: "" (bf16 caches), "fp8 per-token" (e4m3fn caches, scale caches carried too) or "qkv"
+    (rope_and_cache_qkv with the fused [T, QH + 2KH, D] input)."""
     nb = max(64, -(-2 * t // 16))
     q, k, v, kc, vc, slots, pos, cos, sin = _problem(t, qh, kh, d, pattern, nb=nb, layout=layout)
+    extra = ()
+    if variant == "fp8 per-token":
+        kc, vc = (c.astype(jnp.float8_e4m3fn) for c in (kc, vc))
+        extra = tuple(jnp.ones(contract.scale_shape(layout, nb, 16, kh), jnp.float32) for _ in range(2))
+    if variant == "qkv":
+        q = jnp.concatenate([q, k, v], axis=1)
 
-    def loop(q, k, v, kc, vc, slots, pos, cos, sin):
-        def body(_, carry):
-            kc, vc = carry
-            return tuple(jrc.rope_and_cache(q, k, v, kc, vc, slots, pos, cos, sin, layout=layout, impl=impl)[2:])
-        return jax.lax.fori_loop(0, steps, body, (kc, vc))
+    def call(kc, vc, ex):
+        if variant == "qkv":
+            return jrc.rope_and_cache_qkv(q, kc, vc, slots, pos, cos, sin, num_q_heads=qh, num_kv_heads=kh,
+                                          layout=layout, impl=impl)[2:]
+        scales = dict(k_scale_cache=ex[0], v_scale_cache=ex[1]) if ex else {}
+        return jrc.rope_and_cache(q, k, v, kc, vc, slots, pos, cos, sin, layout=layout, impl=impl, **scales)[2:]
 
-    run = jax.jit(loop, donate_argnums=(3, 4))
-    args = jax.device_put((q, k, v, kc, vc, slots, pos, cos, sin), device)
-    kc, vc = jax.block_until_ready(run(*args))  # compile and warm up
+    def loop(kc, vc, *ex):
+        return jax.lax.fori_loop(0, steps, lambda _, c: tuple(call(c[0], c[1], c[2:])), (kc, vc) + ex)
+
+    run = jax.jit(loop, donate_argnums=tuple(range(2 + len(extra))))
+    carry = jax.device_put((kc, vc) + extra, device)
+    q, k, v, slots, pos, cos, sin = jax.device_put((q, k, v, slots, pos, cos, sin), device)
+    carry = jax.block_until_ready(run(*carry))  # compile and warm up
     times = []
     for _ in range(5):
         t0 = time.perf_counter()
-        kc, vc = jax.block_until_ready(run(*args[:3], kc, vc, *args[5:]))
+        carry = jax.block_until_ready(run(*carry))
         times.append(time.perf_counter() - t0)
     return float(np.median(times)) / steps
 
 
-def timing(device, models=MODELS, cases=CASES) -> list[dict]:
+VARIANT_CASES = ((1, "scattered"), (64, "scattered"), (8192, "prefill"))
+
+
+def timing(device, models=MODELS, cases=CASES, variants=False) -> list[dict]:
+    """Rows of the timing table; `variants`: also the first model with an fp8 cache (per-token
+    scales) and with the fused QKV input, on VARIANT_CASES."""
     layouts = ["flash", "kv_merged"]  # kv_merged: the layout of JAX's ragged paged attention
+    runs = [(m, t, p, lay, "") for m in models for t, p in cases for lay in layouts]
+    if variants:
+        runs += [(models[0], t, p, "flash", var) for var in ("fp8 per-token", "qkv") for t, p in VARIANT_CASES]
     rows = []
-    for name, qh, kh, d in models:
-        for t, pattern in cases:
-            for layout in layouts:
-                row = dict(model=name, T=t, slots=pattern, layout=layout)
-                for impl in ("kernel", "xla"):
-                    try:
-                        row[impl] = time_op(device, impl, t, qh, kh, d, pattern, layout, 100 if t <= 64 else 10)
-                    except Exception as e:  # noqa: BLE001 - a refusal or failure goes into the report
-                        row[impl] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
-                rows.append(row)
+    for (name, qh, kh, d), t, pattern, layout, variant in runs:
+        row = dict(model=name + (f" ({variant})" if variant else ""), T=t, slots=pattern, layout=layout)
+        for impl in ("kernel", "xla"):
+            try:
+                row[impl] = time_op(device, impl, t, qh, kh, d, pattern, layout, 100 if t <= 64 else 10, variant)
+            except Exception as e:  # noqa: BLE001 - a refusal or failure goes into the report
+                row[impl] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+        rows.append(row)
     return rows
 
 
@@ -172,7 +259,7 @@ def _us(x) -> str:
     return f"{x * 1e6:.2f}" if isinstance(x, float) else str(x)
 
 
-def report_text(env: dict, found: bool, tests=None, loop=None, rows=None, note: str = "") -> str:
+def report_text(env: dict, found: bool, tests=None, loop=None, rows=None, note: str = "", features=None) -> str:
     out = ["# jax_rope_cache TPU check", ""]
     if not found:
         out += ["No TPU found on this machine: nothing was run on a TPU.", ""]
@@ -185,6 +272,8 @@ def report_text(env: dict, found: bool, tests=None, loop=None, rows=None, note: 
         out.append(f"| tests/test_tpu_kernel.py (full tier) | {'PASS' if tests[0] else 'FAIL'} |")
     if loop is not None:
         out.append(f"| decode loop, bit-exact | {'PASS' if loop[0] else 'FAIL'}: {loop[1]} |")
+    for name, ok, what in features or ():
+        out.append(f"| {name} | {'PASS' if ok else 'FAIL'}: {what} |")
     out.append("")
     if tests is not None:
         out += ["## Tests", "", "```text", tests[1], "```", ""]
@@ -219,8 +308,10 @@ def main(argv=None) -> int:
     else:
         tests = run_tests()
         loop = decode_loop(devs[0])
-        rows = timing(devs[0])
-        text, ok = report_text(env, True, tests=tests, loop=loop, rows=rows), tests[0] and loop[0]
+        features = feature_checks(devs[0])
+        rows = timing(devs[0], variants=True)
+        text = report_text(env, True, tests=tests, loop=loop, rows=rows, features=features)
+        ok = tests[0] and loop[0] and all(f[1] for f in features)
     with open(a.report, "w") as f:
         f.write(text)
     print(text)

@@ -4,8 +4,9 @@
 # package built from the checkout), then runs benchmarks/tpu_check.py, which prints and writes ONE
 # report file: jax / jaxlib / libtpu versions and the devices, the TPU kernel tests
 # (tests/test_tpu_kernel.py, full tier) on the TPU, a decode loop checked bit for bit against the
-# numpy reference, and the kernel next to the XLA path (flash, and the ragged-paged-attention
-# layout "kv_merged"; T = 1, 64, 8192).
+# numpy reference, one call each of fp8 caches (static, per-head, per-token scales), float16, M-RoPE
+# and the fused QKV input (q_gate) checked bit for bit, and the kernel next to the XLA path (flash,
+# and the ragged-paged-attention layout "kv_merged"; T = 1, 64, 8192; fp8 per-token and fused QKV).
 #
 #   scripts/tpu_check.sh [--report FILE]       (default: tpu_check_report.md in the checkout)
 #

@@ -55,3 +55,17 @@ def test_the_decode_loop_with_the_tpu_kernel_interpreted():
     with tpu_kernel_on_cpu():
         ok, what = tpu_check.decode_loop(jax.devices("cpu")[0], steps=2, layers=2, shape=(4, 2, 64))
     assert ok, what
+
+
+def test_the_feature_checks_with_the_tpu_kernel_interpreted():
+    """The report's one-call checks of fp8 (static, per-head, per-token scales), float16, M-RoPE and
+    the fused QKV input with q_gate run the TPU kernel interpreted, each bit-exact; and the timing
+    of the fp8 per-token and fused QKV variants runs (tiny shapes)."""
+    from tpu_interpret import tpu_kernel_on_cpu
+
+    with tpu_kernel_on_cpu():
+        cpu = jax.devices("cpu")[0]
+        got = tpu_check.feature_checks(cpu)
+        for variant in ("fp8 per-token", "qkv"):
+            assert isinstance(tpu_check.time_op(cpu, "kernel", 3, 4, 2, 64, "scattered", "flash", 1, variant), float)
+    assert len(got) == 6 and all(ok for _, ok, _ in got), got

@@ -1,9 +1,10 @@
 """impl="kernel" on TPUs: one Pallas TPU (Mosaic) kernel, kernels/tpu/rope_cache_pallas.py.
 
 The lowering runs Pallas' Mosaic lowering (on any machine: `jax.export` for "tpu" needs no TPU) and
-emits one `tpu_custom_call` whose key and value caches are aliased to results 2 and 3. The
-kernel's static configuration (`config`) comes from the op's OpSpec; slots, positions and the layer
-stay device values (scalar prefetch), so one executable serves every step and every layer.
+emits one `tpu_custom_call` whose key and value caches are aliased to results 2 and 3 (per-token
+scales: the scale caches to 4 and 5). The kernel's static configuration (`config`) comes from the
+op's OpSpec; slots, positions, the layer and use_rope stay device values (scalar prefetch), so one
+executable serves every step and every layer.
 
 What the kernel does not implement is refused through the package's mechanism (impl=None: the
 XLA path with one warning; impl="kernel": an error naming it), see `unsupported`. A configuration
@@ -31,13 +32,22 @@ from jax_rope_cache.compilers import cache
 PLATFORM = "tpu"
 NAME = "TPU"
 KERNEL_SOURCE = "tpu/rope_cache_pallas.py"
-# contract.FEATURES the kernel implements (per-head scales come with fp8 caches, refused below).
-SUPPORTS: frozenset[str] = frozenset({"q_norm", "k_norm"})
-# Mosaic has no float16 arithmetic (JAX's Pallas TPU tests run float16 on Mosaic GPU only).
-DTYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float32))
+# contract.FEATURES the kernel implements.
+SUPPORTS: frozenset[str] = frozenset({"q_norm", "k_norm", "k_scale_heads", "v_scale_heads", "token_scales", "mrope",
+                                          "q_gate", "nope", "rope_switch", "rotary_tail", "gemma_norm",
+                                          "weightless_norm", "norm_after", "temperature",
+                                          "int8_cache", "int4_cache"})
+# float16 is moved as bits and widened / rounded in integer arithmetic (Mosaic has no float16 arithmetic).
+DTYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float32), np.dtype(np.float16))
+ROUNDED = (np.dtype(jnp.bfloat16), np.dtype(np.float16))  # "native" precision's "rounded" arithmetic
 INT32_MAX = 2**31 - 1
-# Slots and positions live in SMEM as scalar prefetch (8 bytes a token; 1 MiB of SMEM on v4 and later).
+# Slots and positions live in SMEM as scalar prefetch (8 bytes a token, 16 with M-RoPE's three position
+# streams; 1 MiB of SMEM on v4 and later): at most 512 KiB of them.
 MAX_TOKENS = 65536
+
+
+def max_tokens(spec: contract.OpSpec) -> int:
+    return MAX_TOKENS * 2 // (1 + (3 if spec.mrope_section is not None else 1))
 
 
 def _pallas_problem() -> str | None:
@@ -89,25 +99,20 @@ def unsupported(spec: contract.OpSpec) -> list[str]:
     """What of this call the TPU kernel does not implement (besides contract.FEATURES), in words."""
     out = []
     if np.dtype(spec.dtype) not in DTYPES:
-        out.append(f"{np.dtype(spec.dtype).name} inputs (Mosaic has no float16 arithmetic; bfloat16 and float32 "
-                   "are implemented)")
+        out.append(f"{np.dtype(spec.dtype).name} inputs (bfloat16, float16 and float32 are implemented)")
     if np.dtype(spec.table_dtype) not in DTYPES:
         out.append(f"{np.dtype(spec.table_dtype).name} cos/sin tables")
-    if spec.fp8:
-        out.append(f"{np.dtype(spec.cache_dtype).name} caches (the fp8 conversion of Mosaic is not checked "
-                   "against the reference)")
     if spec.layout not in layouts():
         out.append(f"layout {spec.layout!r} (implemented: {', '.join(layouts())})")
-    if spec.precision == "native" and not (np.dtype(spec.dtype) == np.dtype(spec.table_dtype) == DTYPES[0]):
-        out.append("precision='native' with other than bfloat16 inputs and tables (its \"fused\" arithmetic: a "
-                   "correctly rounded FMA)")
-    if spec.qkv:
-        out.append("the fused QKV input (rope_and_cache_qkv)")
+    if spec.precision == "native" and not (np.dtype(spec.dtype) == np.dtype(spec.table_dtype)
+                                           and np.dtype(spec.dtype) in ROUNDED):
+        out.append("precision='native' other than with bfloat16 or float16 inputs and tables of that dtype (its "
+                   "\"fused\" arithmetic: a correctly rounded FMA)")
     if spec.num_slots > INT32_MAX:
         out.append(f"caches of {spec.num_slots} >= 2**31 slots (int32 scalar indices)")
-    if spec.num_tokens > MAX_TOKENS:
-        out.append(f"calls of {spec.num_tokens} > {MAX_TOKENS} tokens (slots and positions are scalar prefetch "
-                   "in SMEM; split the call)")
+    if spec.num_tokens > max_tokens(spec):
+        out.append(f"calls of {spec.num_tokens} > {max_tokens(spec)} tokens (slots and positions are scalar "
+                   "prefetch in SMEM; split the call)")
     return out
 
 
@@ -132,11 +137,18 @@ def config(spec: contract.OpSpec):
         tokens=spec.num_tokens, q_heads=spec.q_heads, kv_heads=spec.kv_heads, head_dim=spec.head_dim,
         rotary_dim=spec.rotary_dim, block_size=spec.block_size, num_blocks=spec.num_blocks,
         num_layers=spec.num_layers or 0, max_pos=spec.max_pos, neox=spec.is_neox, full_table=spec.table_full,
-        rounded=spec.precision == "native", q_norm=spec.q_norm_dtype is not None, k_norm=spec.k_norm_dtype is not None,
+        rounded=spec.precision == "native", q_norm=spec.q_norm_dtype is not None or spec.norm_type == "weightless",
+        k_norm=spec.k_norm_dtype is not None or spec.norm_type == "weightless", norm_type=spec.norm_type,
+        norm_after=spec.norm_after, rotary_tail=spec.rotary_tail, rope_switch=spec.rope_switch,
+        temperature=spec.temperature[0] if spec.temperature is not None else 0,
         norm_eps=float(spec.norm_eps), key_axes=lay.key_axes, value_axes=lay.value_axes,
-        block_tokens=K.block_tokens(spec.num_tokens, spec.q_heads, spec.kv_heads, spec.head_dim,
-                                    np.dtype(spec.dtype).itemsize, w, np.dtype(spec.table_dtype).itemsize,
-                                    merged=K.row_dma(lay.key_axes) == "merged"))
+        block_tokens=K.block_tokens(spec.num_tokens, spec.qkv_heads if spec.qkv else spec.q_heads, spec.kv_heads,
+                                    spec.head_dim, np.dtype(spec.dtype).itemsize, w, np.dtype(spec.table_dtype).itemsize,
+                                    merged=K.row_dma(lay.key_axes) == "merged", quant=spec.fp8 or spec.low_bit,
+                                    streams=3 if spec.mrope_section is not None else 1),
+        mrope=spec.mrope_section, mrope_interleaved=spec.mrope_interleaved, qkv=spec.qkv, q_gate=spec.q_gate,
+        cache_dtype="int4" if spec.int4 else np.dtype(spec.cache_dtype).name if spec.fp8 or spec.int8 else "",
+        token_scales=spec.token_scales, scale_axes=lay.scale_axes)
 
 
 def _index32(slots, positions, spec: contract.OpSpec):
@@ -156,15 +168,23 @@ def kernel_fn(spec: contract.OpSpec, interpret=None):
     cfg = config(spec)
 
     def op(q, k, v, key_cache, value_cache, slots, positions, cos, sin, k_scale, v_scale, layer, q_norm_weight,
-           k_norm_weight):
-        del k_scale, v_scale  # fp8 only
+           k_norm_weight, *extra):
+        extra = dict(zip(contract.extra_operands(spec), extra))
         if spec.num_tokens == 0:
-            return q, k, key_cache, value_cache
+            outs = (q[:, :spec.q_heads], q[:, :spec.kv_heads]) if spec.qkv else (q, k)
+            return outs + (key_cache, value_cache) + ((k_scale, v_scale) if spec.token_scales else ())
         slots, positions = _index32(slots, positions, spec)
+        positions = jnp.reshape(positions, (-1,))  # M-RoPE [3, T]: stream-major
+        if spec.fp8 and not spec.token_scales:  # static scales as [KH, 1] f32 (a scalar broadcast)
+            k_scale, v_scale = (jnp.broadcast_to(jnp.reshape(s, (-1, 1)).astype(jnp.float32), (spec.kv_heads, 1))
+                                for s in (k_scale, v_scale))
+        elif not spec.token_scales:  # no scales at all
+            k_scale = v_scale = None
         return K.rope_and_cache(
             q, k, v, key_cache, value_cache, slots, positions, cos, sin, jnp.reshape(layer, (1,)).astype(jnp.int32),
-            q_norm_weight if cfg.q_norm else None, k_norm_weight if cfg.k_norm else None, cfg=cfg,
-            interpret=interpret or False)
+            q_norm_weight if cfg.q_norm else None, k_norm_weight if cfg.k_norm else None, k_scale, v_scale,
+            jnp.reshape(extra["use_rope"], (1,)).astype(jnp.int32) if spec.rope_switch else None,
+            extra.get("temperature_factors"), cfg=cfg, interpret=interpret or False)
 
     return op
 
