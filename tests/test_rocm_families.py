@@ -1,0 +1,225 @@
+"""The FlyDSL (AMD) kernel's model-family options without an AMD GPU.
+
+NoPE calls (rotary_dim=0), the traced use_rope switch, rotary channels at the tail, the Gemma and
+weightless QK-norms, the norm after the rotation, the attention temperature and the gated fused QKV
+rows:
+1. The lane emulator (tests/rocm_emulator.py) runs the kernel's program against the numpy
+   reference, every result bit for bit, alone and combined with fp8 caches (static, per-head and
+   per-token scales), the layouts, NeoX and GPT-J, partial rotary, stacked layers, both regimes;
+   the emulator asserts every access is in range.
+2. Routing: the options are in backends/rocm.SUPPORTS, configurations without them keep the fields'
+   off values (their code is unchanged), shapes the kernel cannot take are refused.
+3. With FlyDSL: a compile for gfx942 and gfx950 of each option.
+The default tier runs a sample of the matrices; JRC_TEST_TIER=full all of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import rocm_emulator
+from conftest import Case, assert_bits_equal, flydsl_kernel_module, make_problem, tier_sample
+from jax_rope_cache import contract, reference
+from jax_rope_cache.backends import native, rocm
+from jax_rope_cache.compilers import flydsl
+
+K = flydsl_kernel_module()
+BIG_T = 100_000  # a token count of the bandwidth regime (the configuration only; the calls stay small)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fam:
+    case: Case
+    nope: bool = False
+    tail: bool = False
+    switch: int | None = None   # use_rope's value (None: no switch)
+    norm: str | None = None     # "rms", "gemma", "weightless" (None: no norm)
+    qn: bool = True             # a q weight (rms / gemma)
+    kn: bool = True
+    after: bool = False         # norm_position="after"
+    temp: tuple | None = None   # attn_temperature
+    gate: bool = False          # fused QKV rows with the q gate
+    qkv: bool = False           # fused QKV rows
+    layers: int | None = None   # stacked caches
+    token: bool = False         # per-token fp8 scales
+    wdtype: str = "same"        # norm weight dtype: as q, or "float32"
+    no_pos: bool = False        # NoPE without positions and tables
+
+    @property
+    def id(self) -> str:
+        c = self.case
+        parts = [f"T{c.T}-h{c.QH}x{c.KH}-D{c.D}-R{c.R or c.D}-{c.layout}-{'neox' if c.is_neox else 'gptj'}-{c.table}-"
+                 f"{c.dtype}-{c.table_dtype}-{c.cache_dtype or 'same'}-{c.precision}"]
+        parts += [n for n, on in (("nope", self.nope), ("tail", self.tail), ("gate", self.gate), ("qkv", self.qkv),
+                                  ("after", self.after), ("token", self.token), ("nopos", self.no_pos)) if on]
+        if self.switch is not None:
+            parts.append(f"use_rope{self.switch}")
+        if self.norm:
+            parts.append(f"{self.norm}{'q' if self.qn else ''}{'k' if self.kn else ''}-{self.wdtype}")
+        if self.temp:
+            parts.append(f"temp{self.temp[0]}")
+        if self.layers:
+            parts.append(f"L{self.layers}")
+        return "-".join(parts)
+
+
+def family_call(fc: Fam, seed: int):
+    """(reference args, options, the kernel's q / k / v operands) of a fresh random call."""
+    c = fc.case
+    args, opts = make_problem(c, seed)
+    rng = np.random.default_rng(seed + 77)
+    args = list(args)
+    dt = np.dtype(args[0].dtype)
+    if fc.nope:
+        opts["rotary_dim"] = 0
+        if fc.no_pos:
+            args[6] = args[7] = args[8] = None
+    if fc.tail:
+        opts["rotary_position"] = "tail"
+    if fc.switch is not None:
+        opts["use_rope"] = np.int32(fc.switch)
+    if fc.norm:
+        opts["norm_type"] = fc.norm
+        opts["norm_eps"] = 1e-6
+        if fc.norm != "weightless":
+            wd = dt if fc.wdtype == "same" else np.dtype(np.float32)
+            lo = -0.9 if fc.norm == "gemma" else 0.25  # Gemma's weights sit around 0
+            for name, on in (("q_norm_weight", fc.qn), ("k_norm_weight", fc.kn)):
+                if on:
+                    opts[name] = rng.uniform(lo, 2.0, c.D).astype(np.float32).astype(wd)
+        if fc.after:
+            opts["norm_position"] = "after"
+    if fc.temp:
+        opts["attn_temperature"] = fc.temp
+    if fc.layers:
+        stacks = []
+        for cache in args[3:5]:
+            if cache is None:
+                stacks.append(None)
+                continue
+            bits = rng.standard_normal((fc.layers,) + cache.shape).astype(np.float32)
+            stacks.append(bits.astype(cache.dtype))
+        args[3:5] = stacks
+        opts["layer"] = np.int32(fc.layers - 1)
+    if fc.token:
+        nb = contract.check_op(*args, **opts).num_blocks
+        shape = ((fc.layers,) if fc.layers else ()) + tuple(contract.scale_shape(c.layout, nb, c.BS, c.KH))
+        for k in ("k_scale", "v_scale"):
+            opts.pop(k, None)
+        for k in ("k_scale_cache", "v_scale_cache"):
+            opts[k] = rng.uniform(0.5, 2.0, shape).astype(np.float32)
+    inputs = args[:3]
+    if fc.qkv or fc.gate:
+        q, k, v = args[:3]
+        if fc.gate:  # q head h at row 2h, its gate (fresh values, never read) at 2h + 1
+            gates = rng.standard_normal(q.shape).astype(np.float32).astype(dt)
+            q = np.stack([q, gates], axis=2).reshape(c.T, 2 * c.QH, c.D)
+        inputs = (np.concatenate([q, k, v], axis=1),) * 3
+    return args, opts, inputs
+
+
+def spec_of(fc: Fam, args, opts):
+    spec = contract.check_op(*args, **opts)
+    if fc.qkv or fc.gate:
+        spec = dataclasses.replace(spec, qkv=True, q_gate=fc.gate)
+    return spec
+
+
+def emulate(fc: Fam, regime: str = "latency", seed: int = 7, cfg=None, layer=None):
+    """(config, the kernel's results under the lane emulator, the reference's)."""
+    args, opts, inputs = family_call(fc, seed)
+    spec = spec_of(fc, args, opts)
+    if cfg is None:
+        cfg = rocm.kernel_config(spec, K, num_tokens=None if regime == "latency" else BIG_T)
+    assert cfg.latency == (regime == "latency"), cfg
+    assert K.family_problem(cfg) is None and K.token_scales_problem(cfg) is None
+    layer = opts.get("layer", 0) if layer is None else layer
+    operands = rocm_emulator.custom_call_operands(list(inputs) + args[3:], opts, layer=layer)
+    operands += rocm_emulator.extra_operands(spec, opts)
+    if layer is not None and fc.layers:
+        opts = dict(opts, layer=np.int32(layer))
+    with np.errstate(all="ignore"):
+        got = rocm_emulator.run(K, cfg, operands)
+        want = reference.rope_and_cache(*args, **opts)
+    return cfg, got, want
+
+
+def assert_all_equal(got, want, what=""):
+    names = contract.RESULTS + contract.TOKEN_SCALE_RESULTS
+    assert len(got) == len(want)
+    for name, g, w in zip(names, got, want):
+        assert_bits_equal(g, w, f"{what}{name}")
+
+
+C = Case  # shorthand
+BF, F16, F32 = "bfloat16", "float16", "float32"
+
+# Each option alone, then combined with the kernel's other axes.
+CASES = [
+    # NoPE: caches written, no rotation; with a norm, without positions / tables
+    Fam(C(T=5, QH=4, KH=2, D=64), nope=True),
+    Fam(C(T=6, QH=8, KH=1, D=128, layout="xpacked", cache_dtype="float8_e4m3fn"), nope=True, norm="rms"),
+    Fam(C(T=4, QH=4, KH=2, D=64, dtype=F32, table_dtype=F32), nope=True, no_pos=True, norm="weightless"),
+    Fam(C(T=5, QH=4, KH=4, D=64, layout="hnd", dtype=F16, table_dtype=F16), nope=True, norm="gemma", kn=False),
+    # the temperature on NoPE calls (Llama 4), floor_scale 1 and 8
+    Fam(C(T=7, QH=4, KH=1, D=128, max_pos=64), nope=True, temp=(8, 0.1)),
+    Fam(C(T=6, QH=4, KH=2, D=64, dtype=F32, table_dtype=F32, cache_dtype="float8_e4m3fnuz"), nope=True,
+        temp=(1, 0.37), norm="weightless"),
+    # the use_rope switch: on, off, off with the temperature (Llama 4's stacked layers)
+    Fam(C(T=5, QH=4, KH=2, D=64), switch=1),
+    Fam(C(T=5, QH=4, KH=2, D=64, is_neox=False), switch=0),
+    Fam(C(T=6, QH=8, KH=2, D=128, R=64, cache_dtype="float8_e4m3fn", precision="native"), switch=0, temp=(4, 0.1)),
+    Fam(C(T=6, QH=8, KH=2, D=128, R=64, cache_dtype="float8_e4m3fn", precision="native"), switch=5, temp=(4, 0.1)),
+    # rotary channels at the tail (nope-first heads): NeoX / GPT-J, half / full tables, layouts
+    Fam(C(T=5, QH=4, KH=2, D=128, R=64), tail=True),
+    Fam(C(T=6, QH=4, KH=2, D=96, R=32, is_neox=False, table="full", layout="xpacked", dtype=F16,
+          table_dtype=F16, precision="native"), tail=True),
+    Fam(C(T=5, QH=8, KH=1, D=192, R=64, layout="xpacked_shuffled", cache_dtype="float8_e4m3fnuz"), tail=True),
+    Fam(C(T=5, QH=4, KH=2, D=128, R=64, dtype=F32, table_dtype=F32), tail=True, norm="rms"),
+    Fam(C(T=4, QH=4, KH=2, D=64, R=16, is_neox=False, dtype=F32, table_dtype=F32, layout="hnd"), tail=True,
+        norm="rms", kn=False),
+    # QK-norm variants: Gemma (1 + w), weightless; q only / k only / both; float32 weights
+    Fam(C(T=5, QH=8, KH=2, D=128, dtype=F32, table_dtype=F32), norm="gemma"),
+    Fam(C(T=6, QH=8, KH=1, D=128), norm="gemma", wdtype="float32", kn=False),
+    Fam(C(T=5, QH=4, KH=2, D=256, dtype=F32, table_dtype=F32, layout="xpacked_shuffled"), norm="weightless"),
+    Fam(C(T=5, QH=4, KH=2, D=80, dtype=F32, table_dtype=F32, cache_dtype="float8_e4m3fn"), norm="gemma"),
+    # the norm after the rotation (Llama 4's RoPE layers): rms / weightless, switch on and off
+    Fam(C(T=5, QH=4, KH=2, D=128, dtype=F32, table_dtype=F32, is_neox=False), norm="weightless", after=True),
+    Fam(C(T=6, QH=8, KH=1, D=128, is_neox=False, precision="native", cache_dtype="float8_e4m3fn"), norm="rms",
+        after=True, qn=False),
+    Fam(C(T=5, QH=4, KH=2, D=64, dtype=F32, table_dtype=F32), norm="weightless", after=True, switch=1, temp=(4, 0.1)),
+    Fam(C(T=5, QH=4, KH=2, D=64, dtype=F32, table_dtype=F32), norm="weightless", after=True, switch=0, temp=(4, 0.1)),
+    Fam(C(T=5, QH=4, KH=2, D=64, R=32, dtype=F32, table_dtype=F32), norm="gemma", after=True, kn=False),
+    # gated fused QKV rows (Qwen3-Next): with the norm, partial rotary, fp8
+    Fam(C(T=5, QH=4, KH=2, D=64), gate=True),
+    Fam(C(T=6, QH=8, KH=2, D=128, R=64, cache_dtype="float8_e4m3fn"), gate=True, norm="gemma"),
+    Fam(C(T=5, QH=4, KH=1, D=64, is_neox=False, layout="xpacked"), gate=True, nope=True),
+    # per-token fp8 scales, stacked layers, layouts with the options
+    Fam(C(T=5, QH=4, KH=2, D=64, cache_dtype="float8_e4m3fn"), token=True, norm="gemma"),
+    Fam(C(T=5, QH=4, KH=2, D=128, R=64, cache_dtype="float8_e4m3fn"), token=True, tail=True),
+    Fam(C(T=5, QH=4, KH=2, D=64, cache_dtype="float8_e5m2"), token=True, switch=0, temp=(2, 0.2)),
+    Fam(C(T=6, QH=4, KH=2, D=64), layers=3, nope=True, norm="rms"),
+    Fam(C(T=6, QH=4, KH=2, D=64, layout="xpacked"), layers=2, switch=0),
+    Fam(C(T=5, QH=4, KH=2, D=64, R=32, layout="head_major"), tail=True, layers=2),
+    Fam(C(T=5, QH=4, KH=2, D=64, layout="kv_merged", cache_dtype="float8_e4m3fn"), nope=True, temp=(1, 0.1)),
+    Fam(C(T=5, QH=4, KH=2, D=64, layout="kv_merged"), qkv=True, norm="weightless"),
+]
+
+
+@pytest.mark.parametrize("regime", ["latency", "bandwidth"])
+@pytest.mark.parametrize("fc", tier_sample(CASES, 3), ids=lambda fc: fc.id)
+def test_emulated_kernel_matches_reference(fc, regime):
+    cfg, got, want = emulate(fc, regime)
+    assert_all_equal(got, want)
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("regime", ["latency", "bandwidth"])
+@pytest.mark.parametrize("fc", CASES, ids=lambda fc: fc.id)
+def test_emulated_kernel_matches_reference_full(fc, regime):
+    cfg, got, want = emulate(fc, regime)
+    assert_all_equal(got, want)
