@@ -223,3 +223,151 @@ def test_emulated_kernel_matches_reference(fc, regime):
 def test_emulated_kernel_matches_reference_full(fc, regime):
     cfg, got, want = emulate(fc, regime)
     assert_all_equal(got, want)
+
+
+# ---- 2. routing ----------------------------------------------------------------------------------------
+FAMILY_FEATURES = ("nope", "rope_switch", "rotary_tail", "gemma_norm", "weightless_norm", "norm_after",
+                   "temperature", "q_gate")
+
+
+def test_supports_lists_the_family_options_and_no_low_bit_cache():
+    assert set(FAMILY_FEATURES) <= rocm.SUPPORTS
+    assert not set(contract.CACHE_FORMAT_FEATURES) & rocm.SUPPORTS
+
+
+@pytest.mark.parametrize("fc", CASES[:: 5], ids=lambda fc: fc.id)
+def test_options_off_keep_the_configuration_of_a_call_without_them(fc):
+    """A call without the options gets the fields' off values: the key and the code of a configuration
+    made before the options existed (tools/kernel_digest.py checks the bytes)."""
+    args, opts, _ = family_call(dataclasses.replace(fc, nope=False, tail=False, switch=None, norm=None, after=False,
+                                                    temp=None, gate=False), 7)
+    cfg = rocm.kernel_config(contract.check_op(*args, **opts), K)
+    assert all(getattr(cfg, f) == v for f, v in rocm.FAMILY_DEFAULTS.items())
+    assert K.num_operands(cfg) == 14 and K.kernel_args(cfg) in (32, 34) and K.launch_args(cfg) == K.NUM_ARGS
+    assert not any(f in cfg.key() for f in ("tail", "rope_switch", "q_gate"))
+
+
+def test_extra_operands_widen_the_argument_list():
+    fc = Fam(C(T=5, QH=4, KH=2, D=64, cache_dtype="float8_e4m3fn"), token=True, switch=0, temp=(2, 0.2))
+    args, opts, _ = family_call(fc, 3)
+    spec = spec_of(fc, args, opts)
+    cfg = rocm.kernel_config(spec, K)
+    assert K.num_operands(cfg) == 16 and K.kernel_args(cfg) == 16 + 6 + 16
+    buffers = rocm.launch_buffers(spec)
+    names = buffers["buffer_names"].split(",")
+    assert names[14:16] == ["use_rope", "temperature_factors"] and len(names) == 16 + 6
+    assert 14 in buffers["fenced"] and 15 not in buffers["fenced"]
+
+
+def test_norm_after_on_a_row_the_butterfly_does_not_fit_is_refused():
+    """D = 80 (5 lanes per row): the norm after the rotation has no rotated row sum; refused (impl=None
+    then runs the XLA path), not computed from the unrotated row."""
+    fc = Fam(C(T=5, QH=4, KH=2, D=80, dtype=F32, table_dtype=F32), norm="weightless", after=True)
+    args, opts, _ = family_call(fc, 3)
+    cfg = rocm.kernel_config(contract.check_op(*args, **opts), K)
+    assert "norm_position='after'" in K.family_problem(cfg)
+    with pytest.raises(native.KernelUnavailable, match="model-family"):
+        rocm.refuse_families(cfg, K)
+    ok = rocm.kernel_config(contract.check_op(*family_call(CASES[19], 3)[:2][0], **family_call(CASES[19], 3)[1]), K)
+    rocm.refuse_families(ok, K)  # D = 128: taken
+
+
+def test_nope_temperature_reads_only_inside_the_factor_table():
+    """Positions far outside the tables (and negative): the factor index is clamped like the rows; the
+    emulator asserts every access is in range and the result matches."""
+    fc = Fam(C(T=9, QH=4, KH=2, D=64, max_pos=40), nope=True, temp=(3, 0.5))
+    args, opts, inputs = family_call(fc, 11)
+    args[6] = np.array([0, 39, 40, -5, 2**31 - 1, -(2**31), 7, 38, 1], np.int32)
+    spec = spec_of(fc, args, opts)
+    cfg = rocm.kernel_config(spec, K)
+    operands = rocm_emulator.custom_call_operands(list(inputs) + args[3:], opts) + rocm_emulator.extra_operands(spec, opts)
+    with np.errstate(all="ignore"):
+        got = rocm_emulator.run(K, cfg, operands)
+        want = reference.rope_and_cache(*args, **opts)
+    assert_all_equal(got, want)
+    factors = reference.temperature_rows(args[6], spec)
+    assert len(np.unique(factors)) >= 3  # the positions pick different factors
+
+
+def _plant(x, rng):
+    """NaN with payloads, +-inf, subnormals and +-0 at random places of x."""
+    x = x.copy()
+    u = x.view({2: np.uint16, 4: np.uint32}[x.dtype.itemsize])
+    bits = x.dtype.itemsize * 8
+    specials = ([0x7FC1, 0xFF81, 0x7F80, 0xFF80, 0x0001, 0x8000] if bits == 16 and x.dtype == ml_dtypes.bfloat16
+                else [0x7E01, 0xFC01, 0x7C00, 0xFC00, 0x0001, 0x8000] if bits == 16
+                else [0x7FC00001, 0xFF800001, 0x7F800000, 0xFF800000, 0x00000001, 0x80000000])
+    flat = u.reshape(-1)
+    idx = rng.choice(flat.size, size=min(flat.size, 6 * 8), replace=False)
+    for i, j in enumerate(idx):
+        flat[j] = specials[i % len(specials)]
+    return x
+
+
+@pytest.mark.parametrize("fc", [
+    Fam(C(T=6, QH=4, KH=2, D=64), nope=True, temp=(2, 0.3)),
+    Fam(C(T=6, QH=4, KH=2, D=64, dtype=F32, table_dtype=F32, cache_dtype="float8_e4m3fn"), switch=0, temp=(2, 0.3)),
+    Fam(C(T=6, QH=4, KH=2, D=64, R=32, dtype=F16, table_dtype=F16), tail=True, switch=0),
+    Fam(C(T=6, QH=4, KH=2, D=64, dtype=F32, table_dtype=F32), norm="gemma"),
+], ids=lambda fc: fc.id)
+def test_special_values_bit_for_bit(fc):
+    """NaN payloads are copied where the op copies (NoPE k, a call that does not rotate) and canonical
+    where it computes (the temperature product, the norm); inf saturates fp8."""
+    args, opts, inputs = family_call(fc, 5)
+    rng = np.random.default_rng(5)
+    args[0], args[1], args[2] = (_plant(a, rng) for a in args[:3])
+    spec = spec_of(fc, args, opts)
+    cfg = rocm.kernel_config(spec, K)
+    operands = (rocm_emulator.custom_call_operands(list(args[:3]) + args[3:], opts)
+                + rocm_emulator.extra_operands(spec, opts))
+    with np.errstate(all="ignore"):
+        got = rocm_emulator.run(K, cfg, operands)
+        want = reference.rope_and_cache(*args, **opts)
+    assert_all_equal(got, want)
+    assert any(np.isnan(np.asarray(w, np.float32)).any() for w in want[:2])
+
+
+# ---- 3. FlyDSL: each option compiles for gfx942 and gfx950 ---------------------------------------------
+needs_flydsl = pytest.mark.skipif(not flydsl.available(),
+                                  reason=f"FlyDSL cannot compile here ({flydsl.unavailable_reason()})")
+ARCHS = ("gfx942", "gfx950")
+COMPILE_CASES = [
+    Fam(C(T=1, QH=32, KH=8, D=128), nope=True, temp=(8192, 0.1), norm="weightless"),       # Llama 4 NoPE layer
+    Fam(C(T=1, QH=32, KH=8, D=128, is_neox=False), switch=1, temp=(8192, 0.1), norm="weightless", after=True),
+    Fam(C(T=1, QH=16, KH=2, D=256, R=64, table_dtype=BF), norm="gemma", gate=True),         # Qwen3-Next
+    Fam(C(T=1, QH=16, KH=8, D=256, cache_dtype="float8_e4m3fn"), norm="gemma"),             # Gemma 3
+    Fam(C(T=1, QH=8, KH=1, D=192, R=64, layout="xpacked", cache_dtype="float8_e4m3fnuz"), tail=True),
+    Fam(C(T=1, QH=8, KH=2, D=128, layout="hnd", cache_dtype="float8_e4m3fn"), token=True, switch=0, temp=(4, 0.1)),
+]
+
+
+@needs_flydsl
+@pytest.mark.parametrize("regime", ["latency", "bandwidth"])
+@pytest.mark.parametrize("fc", tier_sample(COMPILE_CASES, 2), ids=lambda fc: fc.id)
+def test_family_variant_compiles_for_both_archs(fc, regime):
+    from jax_rope_cache.backends import launcher
+    from jax_rope_cache.compilers import amdgpu_elf
+
+    args, opts, _ = family_call(fc, 1)
+    spec = spec_of(fc, args, opts)
+    cfg = rocm.kernel_config(spec, num_tokens=None if regime == "latency" else BIG_T)
+    table, symbol, objs = rocm.build_code_table(cfg, ARCHS)
+    assert [o.arch for o in objs] == list(ARCHS) and len({o.config for o in objs}) == 1
+    for o in objs:
+        info = amdgpu_elf.kernel_info(o.code)
+        n = K.kernel_args(o.config)
+        assert n == 2 * (14 + len(contract.extra_operands(spec))) + len(contract.results(spec))
+        assert info["target"].endswith(o.arch) and info["name"] == symbol
+        assert info["args"] == [dict(offset=8 * i, size=8, kind="by_value") for i in range(n)]
+        assert info["kernarg_size"] == 8 * n
+        assert info["private_segment_size"] == 0 and info["vgpr_spill_count"] == 0 and info["sgpr_spill_count"] == 0
+        assert list(info["reqd_workgroup_size"]) == [o.config.nt, 1, 1]
+    assert launcher.unpack_code_table(table) == [(3, a, o.code) for a, o in zip(ARCHS, objs)]
+
+
+@needs_flydsl
+@pytest.mark.full
+@pytest.mark.parametrize("fc", COMPILE_CASES, ids=lambda fc: fc.id)
+def test_family_variant_compiles_full(fc):
+    test_family_variant_compiles_for_both_archs(fc, "latency")
+    test_family_variant_compiles_for_both_archs(fc, "bandwidth")
