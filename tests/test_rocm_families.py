@@ -165,6 +165,8 @@ CASES = [
     Fam(C(T=6, QH=8, KH=1, D=128, layout="xpacked", cache_dtype="float8_e4m3fn"), nope=True, norm="rms"),
     Fam(C(T=4, QH=4, KH=2, D=64, dtype=F32, table_dtype=F32), nope=True, no_pos=True, norm="weightless"),
     Fam(C(T=5, QH=4, KH=4, D=64, layout="hnd", dtype=F16, table_dtype=F16), nope=True, norm="gemma", kn=False),
+    Fam(C(T=5, QH=4, KH=2, D=80, dtype=F32, table_dtype=F32), nope=True, norm="rms"),  # 20 lanes: the row reloaded
+    Fam(C(T=3, QH=2, KH=2, D=256, dtype=F32, table_dtype=F32), nope=True, norm="rms", kn=False),  # 64-lane butterfly
     # the temperature on NoPE calls (Llama 4), floor_scale 1 and 8
     Fam(C(T=7, QH=4, KH=1, D=128, max_pos=64), nope=True, temp=(8, 0.1)),
     Fam(C(T=6, QH=4, KH=2, D=64, dtype=F32, table_dtype=F32, cache_dtype="float8_e4m3fnuz"), nope=True,

@@ -238,9 +238,13 @@ def kernel_args(cfg: RocmKernelConfig) -> int:
     return num_operands(cfg) + num_results(cfg) + num_operands(cfg)
 
 
+MAX_LAUNCH_ARGS = NUM_OPERANDS + 2 + 6 + NUM_OPERANDS + 2  # both extra operands, per-token scales
+
+
 def launch_args(cfg: RocmKernelConfig) -> int:
-    """The arguments build_launcher's launch function takes (what the compile worker passes)."""
-    return max(NUM_ARGS, kernel_args(cfg))
+    """The arguments build_launcher's launch function takes (what the compile worker passes): NUM_ARGS,
+    or MAX_LAUNCH_ARGS where the kernel takes more."""
+    return NUM_ARGS if kernel_args(cfg) <= NUM_ARGS else MAX_LAUNCH_ARGS
 
 
 def mrope_streams(cfg: RocmKernelConfig) -> list[int]:
@@ -1743,6 +1747,19 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
         def pass_setup(c):
             return (E.mul(c, c32(WP)), cfg.pass_lo, WP)
 
+        # R = 0 with a norm: the head's cpx_p lanes hold its row, one tree node each where they are a
+        # power-of-two group of one wave: S by the xor butterfly (the other shapes reload the row)
+        nope_butterfly = R == 0 and cfg.norm and cpx_p & (cpx_p - 1) == 0 and cpx_p <= 64
+
+        def chunk_row_sum(pieces):
+            xs = E.elems_from_pieces(pieces, cfg.dt, WP)
+            v = tree_sum([E.arith.mulf(x, x) for x in xs], E.arith.addf)
+            m = 1
+            while m < cpx_p:  # lanes c and c^m hold sibling nodes
+                v = E.arith.addf(v, E.lane_xor(v, m, tid))
+                m *= 2
+            return v
+
         def pass_token(tl, tvalid, c, heads, ch):
             kslot = token_slot(tl, tvalid)
             fac = temp_factor(tl) if cfg.temp_floor else None
@@ -1754,7 +1771,10 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
             for h, hvalid, inv_k in heads:
                 is_q, hk, _ = qk_head(h)
                 got = ld_qk(tl, h, hk, is_q, hvalid, ch)
-                S = row_sum_sq(tl, h, hk, is_q, hvalid) if cfg.norm else None
+                if nope_butterfly:
+                    S = chunk_row_sum(got[0])
+                else:
+                    S = row_sum_sq(tl, h, hk, is_q, hvalid) if cfg.norm else None
                 loaded.append((h, hvalid, inv_k, is_q, hk, got, S))
             for h, hvalid, inv_k, is_q, hk, (pieces, oq, ok), S in loaded:
                 vals = None
