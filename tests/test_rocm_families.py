@@ -373,3 +373,42 @@ def test_family_variant_compiles_for_both_archs(fc, regime):
 def test_family_variant_compiles_full(fc):
     test_family_variant_compiles_for_both_archs(fc, "latency")
     test_family_variant_compiles_for_both_archs(fc, "bandwidth")
+
+
+@needs_flydsl
+def test_export_rocm_with_a_traced_switch_and_the_temperature():
+    """jax.export for rocm on this CPU: a Llama 4 layer step with a traced use_rope, the temperature and
+    the weightless norm after the rotation lowers to ONE launcher call with 16 operands (use_rope,
+    then the factor table), the kernel's 38-word argument block and named buffers."""
+    import jax
+    import jax.numpy as jnp
+
+    import jax_rope_cache as jrc
+    from jax_rope_cache.backends import launcher
+    from test_rocm_compile import custom_calls
+
+    T, QH, KH, D, NB, BS = 4, 8, 2, 128, 16, 16
+    s = jax.ShapeDtypeStruct
+    kc, vc = contract.cache_shapes("flash", NB, BS, KH, D, np.dtype(jnp.bfloat16))
+
+    def step(q, k, v, kc, vc, slots, pos, cos, sin, use_rope):
+        return jrc.rope_and_cache(q, k, v, kc, vc, slots, pos, cos, sin, impl="kernel", is_neox=False,
+                                  use_rope=use_rope, norm_type="weightless", norm_position="after",
+                                  attn_temperature=(8192, 0.1))
+
+    checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in ("jax_rope_cache_gpu", "jax_rope_cache_gpu_nograph")]
+    exp = jax.export.export(jax.jit(step, donate_argnums=(3, 4)), platforms=["rocm"], disabled_checks=checks)(
+        s((T, QH, D), jnp.bfloat16), s((T, KH, D), jnp.bfloat16), s((T, KH, D), jnp.bfloat16), s(kc, jnp.bfloat16),
+        s(vc, jnp.bfloat16), s((T,), jnp.int32), s((T,), jnp.int32), s((4096, D // 2), jnp.float32),
+        s((4096, D // 2), jnp.float32), s((), jnp.int32))
+    calls = [c for c in custom_calls(exp) if c[0].startswith("jax_rope_cache_gpu")]
+    assert len(calls) == 1, calls
+    attrs = calls[0][1]
+    names = attrs["buffer_names"].decode().split(",")
+    assert names[14:16] == ["use_rope", "temperature_factors"] and len(names) == 20
+    entries = launcher.unpack_code_table(attrs["code"])
+    assert [(k, a) for k, a, _ in entries] == [(3, "gfx942"), (3, "gfx950")]
+    from jax_rope_cache.compilers import amdgpu_elf
+
+    for _, arch, code in entries:
+        assert amdgpu_elf.kernel_info(code)["kernarg_size"] == 8 * (16 + 4 + 16)
