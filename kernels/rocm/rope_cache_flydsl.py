@@ -350,8 +350,8 @@ def family_problem(cfg: "RocmKernelConfig") -> str | None:
         return None
     nl = norm_layout(cfg) if whole_rows(cfg) else None
     if nl is None or nl.plan is None or (cfg.r < cfg.d and not nl.merged):
-        return (f"norm_position='after' needs a head row held by one power-of-two group of rotation lanes that the "
-                f"reduction tree fits (D={cfg.d}, R={cfg.r})")
+        return (f"norm_position='after' for this shape (the norm of the rotated row needs the row held by one "
+                f"power-of-two group of rotation lanes that the reduction tree fits; D={cfg.d}, R={cfg.r})")
     return None
 
 
