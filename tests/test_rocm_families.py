@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import rocm_emulator
-from conftest import Case, assert_bits_equal, flydsl_kernel_module, make_problem, tier_sample
+from conftest import Case, assert_bits_equal, flydsl_kernel_module, make_problem, num_blocks, tier_sample
 from jax_rope_cache import contract, reference
 from jax_rope_cache.backends import native, rocm
 from jax_rope_cache.compilers import flydsl
@@ -48,6 +48,7 @@ class Fam:
     token: bool = False         # per-token fp8 scales
     wdtype: str = "same"        # norm weight dtype: as q, or "float32"
     no_pos: bool = False        # NoPE without positions and tables
+    int8: bool = False          # an int8 cache (per-token scales always)
 
     @property
     def id(self) -> str:
@@ -55,7 +56,8 @@ class Fam:
         parts = [f"T{c.T}-h{c.QH}x{c.KH}-D{c.D}-R{c.R or c.D}-{c.layout}-{'neox' if c.is_neox else 'gptj'}-{c.table}-"
                  f"{c.dtype}-{c.table_dtype}-{c.cache_dtype or 'same'}-{c.precision}"]
         parts += [n for n, on in (("nope", self.nope), ("tail", self.tail), ("gate", self.gate), ("qkv", self.qkv),
-                                  ("after", self.after), ("token", self.token), ("nopos", self.no_pos)) if on]
+                                  ("after", self.after), ("token", self.token), ("nopos", self.no_pos),
+                                  ("int8", self.int8)) if on]
         if self.switch is not None:
             parts.append(f"use_rope{self.switch}")
         if self.norm:
@@ -95,18 +97,24 @@ def family_call(fc: Fam, seed: int):
             opts["norm_position"] = "after"
     if fc.temp:
         opts["attn_temperature"] = fc.temp
+    if fc.int8:  # fresh int8 caches (every value in [-128, 127], -128 never written by the op)
+        shapes = contract.cache_shapes(c.layout, num_blocks(c), c.BS, c.KH, c.D, np.dtype(np.int8), c.X)
+        args[3:5] = [None if sh is None else rng.integers(-128, 128, sh).astype(np.int8) for sh in shapes]
     if fc.layers:
         stacks = []
         for cache in args[3:5]:
             if cache is None:
                 stacks.append(None)
                 continue
+            if cache.dtype == np.int8:
+                stacks.append(rng.integers(-128, 128, (fc.layers,) + cache.shape).astype(np.int8))
+                continue
             bits = rng.standard_normal((fc.layers,) + cache.shape).astype(np.float32)
             stacks.append(bits.astype(cache.dtype))
         args[3:5] = stacks
         opts["layer"] = np.int32(fc.layers - 1)
-    if fc.token:
-        nb = contract.check_op(*args, **opts).num_blocks
+    if fc.token or fc.int8:
+        nb = num_blocks(c)
         shape = ((fc.layers,) if fc.layers else ()) + tuple(contract.scale_shape(c.layout, nb, c.BS, c.KH))
         for k in ("k_scale", "v_scale"):
             opts.pop(k, None)
@@ -204,12 +212,45 @@ CASES = [
     Fam(C(T=5, QH=4, KH=2, D=64, cache_dtype="float8_e4m3fn"), token=True, norm="gemma"),
     Fam(C(T=5, QH=4, KH=2, D=128, R=64, cache_dtype="float8_e4m3fn"), token=True, tail=True),
     Fam(C(T=5, QH=4, KH=2, D=64, cache_dtype="float8_e5m2"), token=True, switch=0, temp=(2, 0.2)),
+    Fam(C(T=5, QH=4, KH=2, D=64, cache_dtype="float8_e4m3fn"), token=True, nope=True, temp=(4, 0.3)),
     Fam(C(T=6, QH=4, KH=2, D=64), layers=3, nope=True, norm="rms"),
     Fam(C(T=6, QH=4, KH=2, D=64, layout="xpacked"), layers=2, switch=0),
     Fam(C(T=5, QH=4, KH=2, D=64, R=32, layout="head_major"), tail=True, layers=2),
     Fam(C(T=5, QH=4, KH=2, D=64, layout="kv_merged", cache_dtype="float8_e4m3fn"), nope=True, temp=(1, 0.1)),
     Fam(C(T=5, QH=4, KH=2, D=64, layout="kv_merged"), qkv=True, norm="weightless"),
 ]
+
+# int8 caches (per-token scales): every layout, NeoX / GPT-J, partial rotary, the norm, fused and rounded
+# native arithmetic, f32 inputs, a narrow X, stacked layers, with the family options
+INT8_CASES = [
+    Fam(C(T=5, QH=4, KH=2, D=64), int8=True),
+    Fam(C(T=6, QH=8, KH=1, D=128, layout="xpacked", precision="native"), int8=True, norm="rms"),
+    Fam(C(T=5, QH=4, KH=2, D=128, R=64, layout="xpacked_shuffled", is_neox=False, table="full", dtype=F16,
+          table_dtype=F16, precision="native"), int8=True),
+    Fam(C(T=5, QH=4, KH=2, D=64, layout="hnd", dtype=F32, table_dtype=F32, index_dtype="int64"), int8=True),
+    Fam(C(T=6, QH=4, KH=2, D=64, layout="head_major"), int8=True, layers=2),
+    Fam(C(T=5, QH=8, KH=2, D=128, layout="kv_merged", precision="native"), int8=True, norm="gemma"),
+    Fam(C(T=5, QH=4, KH=2, D=64, layout="xpacked", X=4, is_neox=False), int8=True, layers=3),
+    Fam(C(T=5, QH=4, KH=2, D=128, R=64), int8=True, tail=True, norm="weightless", after=True),
+    Fam(C(T=5, QH=4, KH=2, D=64), int8=True, switch=0, temp=(2, 0.2), gate=True),
+    Fam(C(T=6, QH=4, KH=2, D=128, layout="xpacked"), int8=True, nope=True, norm="rms", layers=2),
+    Fam(C(T=7, QH=4, KH=2, D=256, dtype=F32, table_dtype=F32), int8=True),
+]
+
+
+@pytest.mark.parametrize("regime", ["latency", "bandwidth"])
+@pytest.mark.parametrize("fc", tier_sample(INT8_CASES, 3), ids=lambda fc: fc.id)
+def test_emulated_int8_cache_matches_reference(fc, regime):
+    cfg, got, want = emulate(fc, regime)
+    assert cfg.cache_dt == K.INT8 and cfg.token_scales
+    assert_all_equal(got, want)
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("regime", ["latency", "bandwidth"])
+@pytest.mark.parametrize("fc", INT8_CASES, ids=lambda fc: fc.id)
+def test_emulated_int8_cache_matches_reference_full(fc, regime):
+    test_emulated_int8_cache_matches_reference(fc, regime)
 
 
 @pytest.mark.parametrize("regime", ["latency", "bandwidth"])
@@ -232,9 +273,22 @@ FAMILY_FEATURES = ("nope", "rope_switch", "rotary_tail", "gemma_norm", "weightle
                    "temperature", "q_gate")
 
 
-def test_supports_lists_the_family_options_and_no_low_bit_cache():
+def test_supports_lists_the_family_options_and_the_int8_cache():
     assert set(FAMILY_FEATURES) <= rocm.SUPPORTS
-    assert not set(contract.CACHE_FORMAT_FEATURES) & rocm.SUPPORTS
+    assert "int8_cache" in rocm.SUPPORTS and "int4_cache" not in rocm.SUPPORTS  # int4: the XLA path
+
+
+def test_int4_cache_is_refused():
+    """An int4 (uint8) cache: not implemented by the kernel, refused before any lowering."""
+    q = np.zeros((2, 4, 64), ml_dtypes.bfloat16)
+    k = v = np.zeros((2, 2, 64), ml_dtypes.bfloat16)
+    kc, vc = contract.cache_shapes("flash", 4, 16, 2, 64, contract.INT4)
+    sc = np.ones((4, 2, 16), np.float32)
+    spec = contract.check_op(q, k, v, np.zeros(kc, np.uint8), np.zeros(vc, np.uint8), np.zeros(2, np.int32),
+                             np.zeros(2, np.int32), np.zeros((8, 32), np.float32), np.zeros((8, 32), np.float32),
+                             k_scale_cache=sc, v_scale_cache=sc.copy())
+    with pytest.raises(Exception, match="int4"):
+        native.refuse_unsupported(spec, rocm.SUPPORTS, rocm.NAME)
 
 
 @pytest.mark.parametrize("fc", CASES[:: 5], ids=lambda fc: fc.id)
@@ -311,6 +365,8 @@ def _plant(x, rng):
     Fam(C(T=6, QH=4, KH=2, D=64, dtype=F32, table_dtype=F32, cache_dtype="float8_e4m3fn"), switch=0, temp=(2, 0.3)),
     Fam(C(T=6, QH=4, KH=2, D=64, R=32, dtype=F16, table_dtype=F16), tail=True, switch=0),
     Fam(C(T=6, QH=4, KH=2, D=64, dtype=F32, table_dtype=F32), norm="gemma"),
+    Fam(C(T=6, QH=4, KH=2, D=64, dtype=F32, table_dtype=F32), int8=True),  # NaN stores 0, inf saturates
+    Fam(C(T=6, QH=4, KH=2, D=64), int8=True, nope=True, temp=(2, 0.3)),
 ], ids=lambda fc: fc.id)
 def test_special_values_bit_for_bit(fc):
     """NaN payloads are copied where the op copies (NoPE k, a call that does not rotate) and canonical

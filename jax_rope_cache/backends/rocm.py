@@ -45,7 +45,8 @@ ARCH_NAMES = {"gfx942": "MI300", "gfx950": "MI350/MI355"}
 # Per-token scales: for shapes where a row is a power-of-two lane group (refuse_token_scales); the norm
 # after the rotation: where the rotation lanes hold the whole row (refuse_families).
 SUPPORTS: frozenset[str] = frozenset(contract.BASE_FEATURES) | {
-    "nope", "rope_switch", "rotary_tail", "gemma_norm", "weightless_norm", "norm_after", "temperature", "q_gate"}
+    "nope", "rope_switch", "rotary_tail", "gemma_norm", "weightless_norm", "norm_after", "temperature", "q_gate",
+    "int8_cache"}
 
 
 class UnsupportedArch(RuntimeError):
@@ -116,12 +117,22 @@ def kernel_config(spec_or_codes, module=None, num_tokens: int | None = None):
     if isinstance(spec_or_codes, contract.OpSpec):
         num_tokens = codes.num_tokens if num_tokens is None else num_tokens
         family = family_codes(codes)
-        codes = contract.kernel_codes(codes)
+        codes = op_codes(codes, module)
     K = module or flydsl.kernel_module()
     extra = {}
     if "latency" in inspect.signature(K.make_config).parameters:
         extra["latency"] = K.latency_regime(num_tokens)
     return K.make_config(**config_codes(codes, K, family), **extra)
+
+
+def op_codes(spec: contract.OpSpec, module=None) -> contract.KernelCodes:
+    """contract.kernel_codes, with an int8 cache as the kernel's INT8 code (contract.DTYPE_CODES holds
+    the float dtypes only)."""
+    if not spec.int8:
+        return contract.kernel_codes(spec)
+    K = module or flydsl.kernel_module()
+    codes = contract.kernel_codes(dataclasses.replace(spec, cache_dtype=contract.FP8_DTYPES[0]))  # the same geometry
+    return dataclasses.replace(codes, cache_dt=K.INT8)
 
 
 # The model-family fields of the kernel's make_config (not in contract.KernelCodes) and their off values.

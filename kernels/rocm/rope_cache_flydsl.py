@@ -113,9 +113,11 @@ ARG_BYTES = 8
 
 # dtype codes: jax_rope_cache/_spec.py DTYPE_CODES
 F32, BF16, F16, FP8_FN, FP8_FNUZ, FP8_E5M2 = 0, 1, 2, 3, 4, 5
-ITEMSIZE = {F32: 4, BF16: 2, F16: 2, FP8_FN: 1, FP8_FNUZ: 1, FP8_E5M2: 1}
+INT8 = 6  # an int8 cache (per-token scales only; backends/rocm.py maps np.int8 to it)
+ITEMSIZE = {F32: 4, BF16: 2, F16: 2, FP8_FN: 1, FP8_FNUZ: 1, FP8_E5M2: 1, INT8: 1}
 FP8_CODES = (FP8_FN, FP8_FNUZ, FP8_E5M2)
 FP8_MAX = {FP8_FN: 448.0, FP8_FNUZ: 240.0, FP8_E5M2: 57344.0}  # contract.FP8_MAX
+QUANT_MAX = {**FP8_MAX, INT8: 127.0}  # contract.QUANT_MAX: a per-token scale is amax / this
 TOKEN_AMAX_FLOOR_BITS = struct.unpack("<I", struct.pack("<f", 1e-8))[0]  # contract.TOKEN_AMAX_FLOOR (f32)
 FLASH, XPACKED, XPACKED_SHUFFLED, HND, HEAD_MAJOR, KV_MERGED = 0, 1, 2, 3, 4, 5  # contract.LAYOUT_TABLE codes
 RMS, GEMMA, WEIGHTLESS = 0, 1, 2  # norm_type codes (contract.NORM_TYPES)
@@ -328,8 +330,11 @@ def token_scales_problem(cfg: "RocmKernelConfig") -> str | None:
     every channel."""
     if not cfg.token_scales:
         return None
-    if not cfg.r:
-        return "R = 0: no rotation lanes hold the K rows"
+    if not cfg.r:  # R = 0: the pass-through phase's lanes of a head hold its K row
+        for what, n in (("a K row", cfg.d // cfg.w_pass), ("a V row", cfg.d // cfg.w_v)):
+            if n & (n - 1) or n > 64:
+                return f"{what} spans {n} lanes (D={cfg.d}, R=0): not a power of two of at most 64"
+        return None
     nl = norm_layout(cfg)
     covered = sorted(ch for off, w in nl.families for ch in range(off, off + w * nl.lanes))
     cpx_v = cfg.d // cfg.w_v
@@ -417,8 +422,10 @@ def make_config(*, qh, kh, d, r, bs, layout, neox, full_table, native, dt, tab_d
     if temp_floor < 0 or (temp_floor and r and not rope_switch):
         raise ValueError(f"temp_floor: expected >= 0, and with R > 0 a rope_switch, got {temp_floor} (R={r})")
     whole = r > 0 and (norm or token_scales)  # the rotation lanes hold whole rows (norm_layout)
-    if token_scales and (cache_dt not in FP8_CODES or k_scale_heads or v_scale_heads):
-        raise ValueError(f"token_scales: expected an fp8 cache ({FP8_CODES}) without per-head static scales, got "
+    if (token_scales and (cache_dt not in FP8_CODES + (INT8,) or k_scale_heads or v_scale_heads)) or (
+            cache_dt == INT8 and not token_scales):
+        raise ValueError(f"token_scales: expected an fp8 or int8 cache ({FP8_CODES + (INT8,)}) without per-head "
+                         f"static scales (int8: always per-token), got token_scales={token_scales}, "
                          f"cache_dt={cache_dt}, k_scale_heads={k_scale_heads}, v_scale_heads={v_scale_heads}")
     x = int(x)
     if x and layout in (XPACKED, XPACKED_SHUFFLED):
@@ -931,6 +938,20 @@ class _Emitter:
         out = self.bor(sign, code)
         return self.sel(self.cmp("ugt", x, c(0x7F800000)), c(0x7F), out)  # canonical NaN
 
+    def f32_to_int_bits(self, y, q: int, mask: int):
+        """clamp(round_half_even(y), -q, q) as two's complement bits & mask, NaN -> 0 (reference.quantize_rows
+        of a low-bit cache). On the bits: |y| above q (+-inf too) saturates by its sign; otherwise
+        y + 1.5 * 2^23 rounds y to an integer (nearest even, |y| <= q < 2^22) in its low mantissa bits."""
+        c = self.i32c
+        u = self.bitcast(self.i32, y)
+        a = self.band(u, c(0x7FFFFFFF))
+        qb = struct.unpack("<I", struct.pack("<f", float(q)))[0]
+        rounded = self.sub(self.bitcast(self.i32, self.arith.addf(y, self.c(12582912.0, self.f32))), c(0x4B400000))
+        sat = self.sel(self.cmp("ne", self.lshr(u, c(31)), c(0)), c(-q), c(q))
+        out = self.sel(self.cmp("ugt", a, c(qb)), sat, rounded)
+        out = self.sel(self.cmp("ugt", a, c(0x7F800000)), c(0), out)  # NaN
+        return self.band(out, c(mask))
+
     def pack_bits(self, bits: list, elem_bytes: int) -> list:
         """Element bit patterns (i32 each, low bits used) -> list of (bytes, word) for storing."""
         per = 4 // elem_bytes if elem_bytes < 4 else 1
@@ -966,6 +987,8 @@ class _Emitter:
             return self.f32_to_f16_bits(f)
         if code == FP8_E5M2:
             return self.f32_to_e5m2_bits(self.arith.mulf(f, inv_scale))
+        if code == INT8:
+            return self.f32_to_int_bits(self.arith.mulf(f, inv_scale), 127, 0xFF)
         return self.f32_to_fp8_bits(self.arith.mulf(f, inv_scale), code == FP8_FNUZ)
 
     def store_elems_pieces(self, vals: list, code: int, inv_scale=None) -> list:
@@ -1018,7 +1041,7 @@ class _Emitter:
             amax = self.arith.maxui(amax, self.lane_xor_bits(amax, m, tid))
             m *= 2
         amax = self.arith.maxui(amax, c(TOKEN_AMAX_FLOOR_BITS))
-        scale = self.arith.divf(self.bitcast(self.f32, amax), self.c(FP8_MAX[self.cfg.cache_dt], self.f32))
+        scale = self.arith.divf(self.bitcast(self.f32, amax), self.c(QUANT_MAX[self.cfg.cache_dt], self.f32))
         return scale, self.inv_scale(scale)
 
     def sqrt(self, f):
@@ -1780,6 +1803,14 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
                 vals = None
                 if cfg.norm:
                     (pieces,), (vals,) = normalized([pieces], [ch], S, is_q, [1])
+                if cfg.token_scales:  # R = 0: the head's lanes hold its K row (token_scales_problem)
+                    s_ok, s = kslot
+                    wr = E.and1(s_ok, E.arith.xori(is_q, E.c(1, E.i1)))
+                    if hvalid is not None:
+                        wr = E.and1(wr, hvalid)
+                    vals = vals if vals is not None else E.elems_from_pieces(pieces, cfg.dt, WP)
+                    scale, inv_k = E.token_scale_row(vals, cpx_p, tid)
+                    store_row_scale(wr, c, s, hk, scale, p_ksc)
                 if scaled is not None:
                     xs = vals if vals is not None else E.elems_from_pieces(pieces, cfg.dt, WP)
                     tp = E.store_elems_pieces([E.arith.mulf(x, fac) for x in xs], cfg.dt)
