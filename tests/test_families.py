@@ -302,14 +302,15 @@ def test_temperature_factors_match_transformers_float32_steps():
 # ---- the CPU handler: the family options it implements, bit for bit ----------------------------------------
 FAMILY = tuple(f for f in contract.FEATURES if f not in contract.BASE_FEATURES + contract.CACHE_FORMAT_FEATURES)
 CPU_FAMILY = {"nope", "rotary_tail", "gemma_norm", "weightless_norm", "norm_after"}
+IMPLEMENTED = {"cpu": CPU_FAMILY, "rocm": set(FAMILY)}  # the kernels implementing family options
 needs_cpu_kernel = pytest.mark.skipif("cpu" not in backends.kernel_platforms(), reason="no CPU kernel here")
 
 
-def test_every_family_option_is_a_feature_and_only_the_cpu_handler_implements_some():
+def test_every_family_option_is_a_feature_and_the_kernels_implement_theirs():
     assert set(FAMILY) == {"nope", "rope_switch", "rotary_tail", "gemma_norm", "weightless_norm", "norm_after",
                            "temperature", "q_gate"}
     for name, backend in backends.KERNEL_BACKENDS.items():
-        assert set(FAMILY) & set(backend.SUPPORTS) == (CPU_FAMILY if name == "cpu" else set()), name
+        assert set(FAMILY) & set(backend.SUPPORTS) == IMPLEMENTED.get(name, set()), name
     for f in FAMILY:
         assert f in contract.FEATURE_NAMES
 
@@ -393,7 +394,7 @@ def test_kernel_refuses_and_none_falls_back(feature):
     spec = contract.check_op(*args, **opts)
     assert feature in contract.features(spec)
     for name, backend in backends.KERNEL_BACKENDS.items():  # every other backend refuses before building anything
-        if name == "cpu" and feature in CPU_FAMILY:
+        if feature in IMPLEMENTED.get(name, ()):
             native.refuse_unsupported(spec, backend.SUPPORTS, backend.NAME)  # implemented: no refusal
             continue
         with pytest.raises(native.KernelUnavailable, match="does not implement"):
