@@ -20,6 +20,8 @@ byte offsets 0, 8, ..., 248 (kernarg segment 256 bytes, no hidden arguments):
           T is q's dim0 (positions has dim0 3 with M-RoPE)
 With per-token scales (`token_scales`) k_scale / v_scale are the scale caches and the results
 k_scale_cache_out, v_scale_cache_out follow at 18, 19: 34 arguments (272 bytes), dim0s at 20..33.
+The extra operands (`rope_switch`: use_rope, int32 []; `temp_floor`: temperature_factors, f32) follow
+the 14 operands: the results and the dim0s move up by their count (kernel_args: 34, 36 or 38).
 Grid: (ceil(T / TPB), SPLIT, 1) workgroups of NT threads (NT is the required workgroup size).
 
 Work decomposition. A workgroup owns TPB consecutive tokens (latency regime, small T: one token,
@@ -89,6 +91,14 @@ V row. Each row's absolute maximum is an unsigned max of |x|'s bits (NaN and inf
 norm's xor butterfly with that max (token_scale_row); scale and 1/scale by correctly rounded
 divisions; the row's first lane writes the scale. Rows that are no power-of-two lane group of one
 wave are refused (token_scales_problem).
+
+Model families (docs/rocm.md#model-family-options): R = 0 (no rotation phase: the pass-through phase
+holds whole rows, its lanes' xor butterfly sums a row for the norm and scales it), `tail` (rotary
+channels [D - R, D)), `rope_switch` (the rotation lanes select the unrotated bits on a call that does
+not rotate), `norm_type` GEMMA / WEIGHTLESS, `norm_after` (the rotated row normalised by the rotation
+lanes: family_problem), `temp_floor` (q * factor on calls that do not rotate), `q_gate` (q head h at
+row 2h of the fused rows). int8 caches (`INT8`): per-token scales with 127, quantized on the bits
+(f32_to_int_bits).
 
 Multimodal RoPE (`mrope` 1: sections, 2: interleaved; `mrope_t/h/w` the frequency counts; 0: off,
 positions [T], and the code is that of a kernel without the option). positions is [3, T]: stream s
