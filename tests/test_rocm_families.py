@@ -468,3 +468,18 @@ def test_export_rocm_with_a_traced_switch_and_the_temperature():
 
     for _, arch, code in entries:
         assert amdgpu_elf.kernel_info(code)["kernarg_size"] == 8 * (16 + 4 + 16)
+
+
+@pytest.mark.parametrize("fc", [CASES[1], CASES[13], CASES[21], CASES[25], INT8_CASES[1]], ids=lambda fc: fc.id)
+def test_every_occupancy_candidate_keeps_the_options(fc):
+    """The narrower configurations the lowering may build instead (backends/rocm.occupancy_candidates)
+    keep every option and run bit-exact."""
+    args, opts, _ = family_call(fc, 7)
+    spec = spec_of(fc, args, opts)
+    for regime in ("latency", "bandwidth"):
+        cfg = rocm.kernel_config(spec, K, num_tokens=None if regime == "latency" else BIG_T)
+        cands = rocm.occupancy_candidates(cfg, K)
+        for cand, _ in cands:
+            assert all(getattr(cand, f) == getattr(cfg, f) for f in rocm.FAMILY_DEFAULTS)
+            _, got, want = emulate(fc, "latency" if cand.latency else "bandwidth", cfg=cand)
+            assert_all_equal(got, want, f"{cand.key()}: ")
