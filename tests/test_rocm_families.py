@@ -49,6 +49,7 @@ class Fam:
     wdtype: str = "same"        # norm weight dtype: as q, or "float32"
     no_pos: bool = False        # NoPE without positions and tables
     int8: bool = False          # an int8 cache (per-token scales always)
+    int4: bool = False          # an int4 (uint8) cache (per-token scales always)
 
     @property
     def id(self) -> str:
@@ -57,7 +58,7 @@ class Fam:
                  f"{c.dtype}-{c.table_dtype}-{c.cache_dtype or 'same'}-{c.precision}"]
         parts += [n for n, on in (("nope", self.nope), ("tail", self.tail), ("gate", self.gate), ("qkv", self.qkv),
                                   ("after", self.after), ("token", self.token), ("nopos", self.no_pos),
-                                  ("int8", self.int8)) if on]
+                                  ("int8", self.int8), ("int4", self.int4)) if on]
         if self.switch is not None:
             parts.append(f"use_rope{self.switch}")
         if self.norm:
@@ -100,20 +101,23 @@ def family_call(fc: Fam, seed: int):
     if fc.int8:  # fresh int8 caches (every value in [-128, 127], -128 never written by the op)
         shapes = contract.cache_shapes(c.layout, num_blocks(c), c.BS, c.KH, c.D, np.dtype(np.int8), c.X)
         args[3:5] = [None if sh is None else rng.integers(-128, 128, sh).astype(np.int8) for sh in shapes]
+    if fc.int4:  # fresh bytes (two nibbles each)
+        shapes = contract.cache_shapes(c.layout, num_blocks(c), c.BS, c.KH, c.D, contract.INT4, c.X)
+        args[3:5] = [None if sh is None else rng.integers(0, 256, sh).astype(np.uint8) for sh in shapes]
     if fc.layers:
         stacks = []
         for cache in args[3:5]:
             if cache is None:
                 stacks.append(None)
                 continue
-            if cache.dtype == np.int8:
-                stacks.append(rng.integers(-128, 128, (fc.layers,) + cache.shape).astype(np.int8))
+            if cache.dtype in (np.int8, np.uint8):
+                stacks.append(rng.integers(0, 256, (fc.layers,) + cache.shape).astype(np.uint8).view(cache.dtype))
                 continue
             bits = rng.standard_normal((fc.layers,) + cache.shape).astype(np.float32)
             stacks.append(bits.astype(cache.dtype))
         args[3:5] = stacks
         opts["layer"] = np.int32(fc.layers - 1)
-    if fc.token or fc.int8:
+    if fc.token or fc.int8 or fc.int4:
         nb = num_blocks(c)
         shape = ((fc.layers,) if fc.layers else ()) + tuple(contract.scale_shape(c.layout, nb, c.BS, c.KH))
         for k in ("k_scale", "v_scale"):
@@ -238,6 +242,39 @@ INT8_CASES = [
 ]
 
 
+# int4 (uint8) caches: the int8 matrix's axes, x-packed with D/2 a multiple of 16 bytes
+INT4_CASES = [
+    Fam(C(T=5, QH=4, KH=2, D=64), int4=True),
+    Fam(C(T=6, QH=8, KH=1, D=128, layout="xpacked", precision="native"), int4=True, norm="rms"),
+    Fam(C(T=5, QH=4, KH=2, D=128, R=64, layout="xpacked_shuffled", is_neox=False, table="full", dtype=F16,
+          table_dtype=F16, precision="native"), int4=True),
+    Fam(C(T=5, QH=4, KH=2, D=64, layout="hnd", dtype=F32, table_dtype=F32, index_dtype="int64"), int4=True),
+    Fam(C(T=6, QH=4, KH=2, D=64, layout="head_major"), int4=True, layers=2),
+    Fam(C(T=5, QH=8, KH=2, D=128, layout="kv_merged", precision="native"), int4=True, norm="gemma"),
+    Fam(C(T=5, QH=4, KH=2, D=64, layout="xpacked", X=4, is_neox=False), int4=True, layers=3),
+    Fam(C(T=5, QH=4, KH=2, D=128, R=64), int4=True, tail=True, norm="weightless", after=True),
+    Fam(C(T=5, QH=4, KH=2, D=64), int4=True, switch=0, temp=(2, 0.2), gate=True),
+    Fam(C(T=6, QH=4, KH=2, D=128, layout="xpacked"), int4=True, nope=True, norm="rms", layers=2),
+    Fam(C(T=7, QH=4, KH=2, D=256, dtype=F32, table_dtype=F32), int4=True),
+    Fam(C(T=5, QH=4, KH=2, D=64, R=16, is_neox=False, dtype=F32, table_dtype=F32), int4=True, norm="rms"),
+]
+
+
+@pytest.mark.parametrize("regime", ["latency", "bandwidth"])
+@pytest.mark.parametrize("fc", tier_sample(INT4_CASES, 3), ids=lambda fc: fc.id)
+def test_emulated_int4_cache_matches_reference(fc, regime):
+    cfg, got, want = emulate(fc, regime)
+    assert cfg.cache_dt == K.INT4 and cfg.token_scales
+    assert_all_equal(got, want)
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("regime", ["latency", "bandwidth"])
+@pytest.mark.parametrize("fc", INT4_CASES, ids=lambda fc: fc.id)
+def test_emulated_int4_cache_matches_reference_full(fc, regime):
+    test_emulated_int4_cache_matches_reference(fc, regime)
+
+
 @pytest.mark.parametrize("regime", ["latency", "bandwidth"])
 @pytest.mark.parametrize("fc", tier_sample(INT8_CASES, 3), ids=lambda fc: fc.id)
 def test_emulated_int8_cache_matches_reference(fc, regime):
@@ -273,22 +310,20 @@ FAMILY_FEATURES = ("nope", "rope_switch", "rotary_tail", "gemma_norm", "weightle
                    "temperature", "q_gate")
 
 
-def test_supports_lists_the_family_options_and_the_int8_cache():
+def test_supports_lists_the_family_options_and_the_low_bit_caches():
     assert set(FAMILY_FEATURES) <= rocm.SUPPORTS
-    assert "int8_cache" in rocm.SUPPORTS and "int4_cache" not in rocm.SUPPORTS  # int4: the XLA path
+    assert {"int8_cache", "int4_cache"} <= rocm.SUPPORTS
 
 
-def test_int4_cache_is_refused():
-    """An int4 (uint8) cache: not implemented by the kernel, refused before any lowering."""
-    q = np.zeros((2, 4, 64), ml_dtypes.bfloat16)
-    k = v = np.zeros((2, 2, 64), ml_dtypes.bfloat16)
-    kc, vc = contract.cache_shapes("flash", 4, 16, 2, 64, contract.INT4)
-    sc = np.ones((4, 2, 16), np.float32)
-    spec = contract.check_op(q, k, v, np.zeros(kc, np.uint8), np.zeros(vc, np.uint8), np.zeros(2, np.int32),
-                             np.zeros(2, np.int32), np.zeros((8, 32), np.float32), np.zeros((8, 32), np.float32),
-                             k_scale_cache=sc, v_scale_cache=sc.copy())
-    with pytest.raises(Exception, match="int4"):
-        native.refuse_unsupported(spec, rocm.SUPPORTS, rocm.NAME)
+def test_int4_chunks_that_split_a_pair_are_refused():
+    """An int4 lane stores whole bytes: a NeoX rotation of R = 2 (one pair per half, at channels 0 and 1)
+    has chunks of one channel; refused (impl=None: the XLA path), never a half-written byte."""
+    fc = Fam(C(T=3, QH=2, KH=1, D=64, R=2), int4=True)
+    args, opts, _ = family_call(fc, 1)
+    cfg = rocm.kernel_config(contract.check_op(*args, **opts), K)
+    assert "int4" in K.token_scales_problem(cfg)
+    with pytest.raises(native.KernelUnavailable, match="int4"):
+        rocm.refuse_token_scales(cfg, K)
 
 
 @pytest.mark.parametrize("fc", CASES[:: 5], ids=lambda fc: fc.id)
@@ -367,6 +402,7 @@ def _plant(x, rng):
     Fam(C(T=6, QH=4, KH=2, D=64, dtype=F32, table_dtype=F32), norm="gemma"),
     Fam(C(T=6, QH=4, KH=2, D=64, dtype=F32, table_dtype=F32), int8=True),  # NaN stores 0, inf saturates
     Fam(C(T=6, QH=4, KH=2, D=64), int8=True, nope=True, temp=(2, 0.3)),
+    Fam(C(T=6, QH=4, KH=2, D=64, dtype=F32, table_dtype=F32, layout="xpacked"), int4=True),
 ], ids=lambda fc: fc.id)
 def test_special_values_bit_for_bit(fc):
     """NaN payloads are copied where the op copies (NoPE k, a call that does not rotate) and canonical

@@ -46,7 +46,7 @@ ARCH_NAMES = {"gfx942": "MI300", "gfx950": "MI350/MI355"}
 # after the rotation: where the rotation lanes hold the whole row (refuse_families).
 SUPPORTS: frozenset[str] = frozenset(contract.BASE_FEATURES) | {
     "nope", "rope_switch", "rotary_tail", "gemma_norm", "weightless_norm", "norm_after", "temperature", "q_gate",
-    "int8_cache"}
+    "int8_cache", "int4_cache"}
 
 
 class UnsupportedArch(RuntimeError):
@@ -126,13 +126,13 @@ def kernel_config(spec_or_codes, module=None, num_tokens: int | None = None):
 
 
 def op_codes(spec: contract.OpSpec, module=None) -> contract.KernelCodes:
-    """contract.kernel_codes, with an int8 cache as the kernel's INT8 code (contract.DTYPE_CODES holds
-    the float dtypes only)."""
-    if not spec.int8:
+    """contract.kernel_codes, with an int8 / int4 cache as the kernel's INT8 / INT4 code (contract.DTYPE_CODES
+    holds the float dtypes only)."""
+    if not spec.low_bit:
         return contract.kernel_codes(spec)
     K = module or flydsl.kernel_module()
     codes = contract.kernel_codes(dataclasses.replace(spec, cache_dtype=contract.FP8_DTYPES[0]))  # the same geometry
-    return dataclasses.replace(codes, cache_dt=K.INT8)
+    return dataclasses.replace(codes, cache_dt=K.INT8 if spec.int8 else K.INT4)
 
 
 # The model-family fields of the kernel's make_config (not in contract.KernelCodes) and their off values.

@@ -124,10 +124,12 @@ ARG_BYTES = 8
 # dtype codes: jax_rope_cache/_spec.py DTYPE_CODES
 F32, BF16, F16, FP8_FN, FP8_FNUZ, FP8_E5M2 = 0, 1, 2, 3, 4, 5
 INT8 = 6  # an int8 cache (per-token scales only; backends/rocm.py maps np.int8 to it)
-ITEMSIZE = {F32: 4, BF16: 2, F16: 2, FP8_FN: 1, FP8_FNUZ: 1, FP8_E5M2: 1, INT8: 1}
+INT4 = 7  # an int4 cache: uint8 bytes, channel 2j in the low nibble (per-token scales only)
+ITEMSIZE = {F32: 4, BF16: 2, F16: 2, FP8_FN: 1, FP8_FNUZ: 1, FP8_E5M2: 1, INT8: 1, INT4: 1}  # INT4: a byte (2 values)
 FP8_CODES = (FP8_FN, FP8_FNUZ, FP8_E5M2)
 FP8_MAX = {FP8_FN: 448.0, FP8_FNUZ: 240.0, FP8_E5M2: 57344.0}  # contract.FP8_MAX
-QUANT_MAX = {**FP8_MAX, INT8: 127.0}  # contract.QUANT_MAX: a per-token scale is amax / this
+QUANT_MAX = {**FP8_MAX, INT8: 127.0, INT4: 7.0}
+LOW_BIT = (INT8, INT4)  # contract.QUANT_MAX: a per-token scale is amax / this
 TOKEN_AMAX_FLOOR_BITS = struct.unpack("<I", struct.pack("<f", 1e-8))[0]  # contract.TOKEN_AMAX_FLOOR (f32)
 FLASH, XPACKED, XPACKED_SHUFFLED, HND, HEAD_MAJOR, KV_MERGED = 0, 1, 2, 3, 4, 5  # contract.LAYOUT_TABLE codes
 RMS, GEMMA, WEIGHTLESS = 0, 1, 2  # norm_type codes (contract.NORM_TYPES)
@@ -340,6 +342,15 @@ def token_scales_problem(cfg: "RocmKernelConfig") -> str | None:
     every channel."""
     if not cfg.token_scales:
         return None
+    if cfg.cache_dt == INT4:  # a lane stores whole bytes: every chunk holds channel pairs (2j, 2j + 1)
+        chunks = [(0, cfg.w_v)] + ([(cfg.pass_lo, cfg.w_pass)] if cfg.r < cfg.d else [])
+        if cfg.r:
+            nl = norm_layout(cfg)
+            chunks += [(off, w) for off, w in nl.families] + [(off, nl.w_psub) for off, _ in nl.families[nl.n_rot:]]
+        odd = [(off, w) for off, w in chunks if off % 2 or w % 2]
+        if odd:
+            return (f"int4 packs channel pairs into bytes, but a lane's chunk of {odd[0][1]} channel(s) at {odd[0][0]} "
+                    f"(D={cfg.d}, R={cfg.r}) splits a pair")
     if not cfg.r:  # R = 0: the pass-through phase's lanes of a head hold its K row
         for what, n in (("a K row", cfg.d // cfg.w_pass), ("a V row", cfg.d // cfg.w_v)):
             if n & (n - 1) or n > 64:
@@ -432,14 +443,14 @@ def make_config(*, qh, kh, d, r, bs, layout, neox, full_table, native, dt, tab_d
     if temp_floor < 0 or (temp_floor and r and not rope_switch):
         raise ValueError(f"temp_floor: expected >= 0, and with R > 0 a rope_switch, got {temp_floor} (R={r})")
     whole = r > 0 and (norm or token_scales)  # the rotation lanes hold whole rows (norm_layout)
-    if (token_scales and (cache_dt not in FP8_CODES + (INT8,) or k_scale_heads or v_scale_heads)) or (
-            cache_dt == INT8 and not token_scales):
-        raise ValueError(f"token_scales: expected an fp8 or int8 cache ({FP8_CODES + (INT8,)}) without per-head "
-                         f"static scales (int8: always per-token), got token_scales={token_scales}, "
+    if (token_scales and (cache_dt not in FP8_CODES + LOW_BIT or k_scale_heads or v_scale_heads)) or (
+            cache_dt in LOW_BIT and not token_scales):
+        raise ValueError(f"token_scales: expected an fp8, int8 or int4 cache ({FP8_CODES + LOW_BIT}) without per-head "
+                         f"static scales (int8 / int4: always per-token), got token_scales={token_scales}, "
                          f"cache_dt={cache_dt}, k_scale_heads={k_scale_heads}, v_scale_heads={v_scale_heads}")
     x = int(x)
     if x and layout in (XPACKED, XPACKED_SHUFFLED):
-        if x & (x - 1) or d % x or (layout == XPACKED_SHUFFLED and bs % x):
+        if x & (x - 1) or (d // 2 if cache_dt == INT4 else d) % x or (layout == XPACKED_SHUFFLED and bs % x):
             raise ValueError(f"x: expected a power of two dividing D={d}" + (f" and BS={bs}" if layout ==
                              XPACKED_SHUFFLED else "") + f", got {x}")
     pack_x = x if x and layout in (XPACKED, XPACKED_SHUFFLED) and x != 16 // ITEMSIZE[cache_dt] else 0
@@ -460,6 +471,8 @@ def make_config(*, qh, kh, d, r, bs, layout, neox, full_table, native, dt, tab_d
 
     def rot_width(cap):
         cap = min(vmax, cap)
+        if cache_dt == INT4:
+            cap = max(cap, 2)  # int4: whole channel pairs per lane (token_scales_problem)
         if whole and r < d:
             # the norm's (or the row scale's) lanes also hold the channels >= R: narrower rotation chunks keep a lane's
             # share of the row at 2 x 16 bytes (more lanes per head, one butterfly step more)
@@ -472,6 +485,8 @@ def make_config(*, qh, kh, d, r, bs, layout, neox, full_table, native, dt, tab_d
         return max(w, 1 if neox else 2)
 
     wmax = min(vmax, width_cap or vmax)
+    if cache_dt == INT4:
+        wmax = max(wmax, 2)
     w_pass = _pow2_width(wmax, r, d) if r < d else 1
     w_v = _pow2_width(wmax, d)
     rh = qh + kh
@@ -962,6 +977,11 @@ class _Emitter:
         out = self.sel(self.cmp("ugt", a, c(0x7F800000)), c(0), out)  # NaN
         return self.band(out, c(mask))
 
+    def int4_bytes(self, nibbles: list) -> list:
+        """Byte bits (i32) of nibble pairs: nibbles[2j] | nibbles[2j + 1] << 4."""
+        assert len(nibbles) % 2 == 0, len(nibbles)
+        return [self.bor(nibbles[j], self.shl(nibbles[j + 1], self.i32c(4))) for j in range(0, len(nibbles), 2)]
+
     def pack_bits(self, bits: list, elem_bytes: int) -> list:
         """Element bit patterns (i32 each, low bits used) -> list of (bytes, word) for storing."""
         per = 4 // elem_bytes if elem_bytes < 4 else 1
@@ -999,10 +1019,14 @@ class _Emitter:
             return self.f32_to_e5m2_bits(self.arith.mulf(f, inv_scale))
         if code == INT8:
             return self.f32_to_int_bits(self.arith.mulf(f, inv_scale), 127, 0xFF)
+        if code == INT4:
+            return self.f32_to_int_bits(self.arith.mulf(f, inv_scale), 7, 0xF)
         return self.f32_to_fp8_bits(self.arith.mulf(f, inv_scale), code == FP8_FNUZ)
 
     def store_elems_pieces(self, vals: list, code: int, inv_scale=None) -> list:
         bits = [self.to_bits(v, code, inv_scale) for v in vals]
+        if code == INT4:  # channel 2j in the low nibble: one byte per pair
+            bits = self.int4_bytes(bits)
         return self.words_to_pieces(self.pack_bits(bits, ITEMSIZE[code]))
 
     def zero_raw(self, nbytes: int):
@@ -1110,6 +1134,8 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
     s_c = ITEMSIZE[cfg.cache_dt]
     fp8 = cfg.cache_dt in FP8_CODES
     D, R, QH, KH, BS, X = cfg.d, cfg.r, cfg.qh, cfg.kh, cfg.bs, cfg.x
+    PACK = 2 if cfg.cache_dt == INT4 else 1  # channels per stored cache element (int4: a byte holds 2)
+    DC, XC = D // PACK, X * PACK  # a cache row's elements; the channels of one X group
     RH = QH + KH
     TPB = cfg.tpb
     tw = R if cfg.full_table else R // 2
@@ -1214,9 +1240,9 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
         """Element offset of channel d (i64) of kv head hh's row at slot s in head_major, or in
         kv_merged [.., NB, BS, 2 KH, D] (K head h at row 2h, V (`value`) at 2h + 1)."""
         if cfg.layout == HEAD_MAJOR:
-            return E.add(E.mul(head_major_row(s, hh), c64(D)), d)
+            return E.add(E.mul(head_major_row(s, hh), c64(DC)), d)
         row = E.add(E.mul(s, c64(2 * KH)), E.add(E.mul(hh, c64(2)), c64(int(value))))
-        return E.add(E.mul(row, c64(D)), d)
+        return E.add(E.mul(row, c64(DC)), d)
 
     def k_cache_addr(s, h, d0: int | None, dvar=None):
         """Byte address in the key cache of element d of head h for slot s (i64)."""
@@ -1224,19 +1250,19 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
         if cfg.layout in (HEAD_MAJOR, KV_MERGED):
             el = row_el(s, hh, c64(d0) if dvar is None else dvar, False)
         elif cfg.layout == FLASH:
-            el = E.mul(E.add(E.mul(s, c64(KH)), hh), c64(D))
+            el = E.mul(E.add(E.mul(s, c64(KH)), hh), c64(DC))
             el = E.add(el, c64(d0)) if dvar is None else E.add(el, dvar)
         elif cfg.layout == HND:
             blk = E.arith.divui(s, c64(BS))
             off = E.arith.remui(s, c64(BS))
-            el = E.mul(E.add(E.mul(E.add(E.mul(blk, c64(KH)), hh), c64(BS)), off), c64(D))
+            el = E.mul(E.add(E.mul(E.add(E.mul(blk, c64(KH)), hh), c64(BS)), off), c64(DC))
             el = E.add(el, c64(d0)) if dvar is None else E.add(el, dvar)
         else:
             blk = E.arith.divui(s, c64(BS))
             off = E.arith.remui(s, c64(BS))
             d = c64(d0) if dvar is None else dvar
             grp = E.arith.divui(d, c64(X))
-            el = E.mul(E.add(E.mul(blk, c64(KH)), hh), c64(D // X))
+            el = E.mul(E.add(E.mul(blk, c64(KH)), hh), c64(DC // X))
             el = E.add(el, grp)
             el = E.add(E.mul(el, c64(BS)), off)
             el = E.add(E.mul(el, c64(X)), E.arith.remui(d, c64(X)))
@@ -1246,20 +1272,20 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
         if cfg.layout in (HEAD_MAJOR, KV_MERGED):  # kv_merged: V rows in the key cache
             return E.add(p_kco if cfg.layout == KV_MERGED else p_vco, E.mul(row_el(s, hh64, d64, True), c64(s_c)))
         if cfg.layout == FLASH:
-            el = E.add(E.mul(E.add(E.mul(s, c64(KH)), hh64), c64(D)), d64)
+            el = E.add(E.mul(E.add(E.mul(s, c64(KH)), hh64), c64(DC)), d64)
         elif cfg.layout == HND:
             blk = E.arith.divui(s, c64(BS))
             off = E.arith.remui(s, c64(BS))
-            el = E.add(E.mul(E.add(E.mul(E.add(E.mul(blk, c64(KH)), hh64), c64(BS)), off), c64(D)), d64)
+            el = E.add(E.mul(E.add(E.mul(E.add(E.mul(blk, c64(KH)), hh64), c64(BS)), off), c64(DC)), d64)
         else:
             blk = E.arith.divui(s, c64(BS))
             off = E.arith.remui(s, c64(BS))
             bh = E.add(E.mul(blk, c64(KH)), hh64)
             if cfg.layout == XPACKED:
-                el = E.add(E.mul(E.add(E.mul(bh, c64(D)), d64), c64(BS)), off)
+                el = E.add(E.mul(E.add(E.mul(bh, c64(DC)), d64), c64(BS)), off)
             else:
                 el = E.add(E.mul(bh, c64(BS // X)), E.arith.divui(off, c64(X)))
-                el = E.add(E.mul(E.add(E.mul(el, c64(D)), d64), c64(X)), E.arith.remui(off, c64(X)))
+                el = E.add(E.mul(E.add(E.mul(el, c64(DC)), d64), c64(X)), E.arith.remui(off, c64(X)))
         return E.add(p_vco, E.mul(el, c64(s_c)))
 
     def guarded(cond, fn):
@@ -1275,7 +1301,8 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
         def body():
             for m in range(0, len(vals), g):
                 pieces = E.store_elems_pieces(vals[m:m + g], cfg.cache_dt, inv_k)
-                E.global_store_pieces(pieces, k_cache_addr(s, h_k, None, dvar=E.add(d0, c64(m)) if m else d0))
+                d = E.add(d0, c64(m)) if m else d0
+                E.global_store_pieces(pieces, k_cache_addr(s, h_k, None, dvar=E.lshr(d, c64(1)) if PACK == 2 else d))
         guarded(s_ok, body)
 
     def store_row_scale(wr, c, s, h, scale, p_sc):
@@ -1293,7 +1320,7 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
     def k_group(n):
         """Elements per key-cache store of a chunk of n channels (starting at a multiple of n): the
         chunk, or one X group of it where an x-packed X is narrower."""
-        return X if cfg.packed and X < n else n
+        return XC if cfg.packed and XC < n else n
 
     def store_k_same(s_ok, s, h_k, d0, pieces, n):
         """A chunk of n channels already in the cache dtype (raw pieces) into the key cache, one
@@ -1874,12 +1901,14 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
                     else:
                         vals = vals or E.elems_from_pieces(pv, cfg.dt, WV)
                         pieces = E.store_elems_pieces(vals, cfg.cache_dt, inv_v)
-                    E.global_store_pieces(pieces, v_cache_addr(s, hh, d0))
+                    E.global_store_pieces(pieces, v_cache_addr(s, hh, E.lshr(d0, c64(1)) if PACK == 2 else d0))
                 else:  # one element per row of the value cache
                     vals = vals or E.elems_from_pieces(pv, cfg.dt, WV)
-                    for i, v in enumerate(vals):
-                        bits = E.to_bits(v, cfg.cache_dt, inv_v)
-                        words = E.pack_bits([bits], s_c)
+                    bits = [E.to_bits(v, cfg.cache_dt, inv_v) for v in vals]
+                    if PACK == 2:  # one byte per channel pair, at element d / 2
+                        bits, d0 = E.int4_bytes(bits), E.lshr(d0, c64(1))
+                    for i, b in enumerate(bits):
+                        words = E.pack_bits([b], s_c)
                         E.global_store_pieces(E.words_to_pieces(words), v_cache_addr(s, hh, E.add(d0, c64(i))))
             guarded(wr, body)
 
