@@ -432,6 +432,8 @@ COMPILE_CASES = [
     Fam(C(T=1, QH=16, KH=8, D=256, cache_dtype="float8_e4m3fn"), norm="gemma"),             # Gemma 3
     Fam(C(T=1, QH=8, KH=1, D=192, R=64, layout="xpacked", cache_dtype="float8_e4m3fnuz"), tail=True),
     Fam(C(T=1, QH=8, KH=2, D=128, layout="hnd", cache_dtype="float8_e4m3fn"), token=True, switch=0, temp=(4, 0.1)),
+    Fam(C(T=1, QH=32, KH=8, D=128), int8=True),                                              # Llama-3.1-8B int8
+    Fam(C(T=1, QH=32, KH=8, D=128, layout="xpacked"), int4=True, norm="rms"),
 ]
 
 
