@@ -272,9 +272,10 @@ def refuse_token_scales(cfg, module=None) -> None:
     problem = K.token_scales_problem(cfg) if getattr(cfg, "token_scales", False) else None
     if problem is None:
         return
-    raise native.KernelUnavailable(f"a kernel with per-token fp8 scales for this shape ({problem})") from (
-        NotImplementedError(f"rope_and_cache: impl='kernel' on {NAME}: the kernel does not implement per-token fp8 "
-                            f"scales (k_scale_cache / v_scale_cache) for this shape: {problem}; use impl=None (the "
+    what = "per-token fp8 scales" if cfg.cache_dt in K.FP8_CODES else "per-token int8 / int4 quantization"
+    raise native.KernelUnavailable(f"a kernel with {what} for this shape ({problem})") from (
+        NotImplementedError(f"rope_and_cache: impl='kernel' on {NAME}: the kernel does not implement {what} "
+                            f"(k_scale_cache / v_scale_cache) for this shape: {problem}; use impl=None (the "
                             "XLA implementation then runs) or impl='xla'"))
 
 
