@@ -445,8 +445,8 @@ def make_config(*, qh, kh, d, r, bs, layout, neox, full_table, native, dt, tab_d
     whole = r > 0 and (norm or token_scales)  # the rotation lanes hold whole rows (norm_layout)
     if (token_scales and (cache_dt not in FP8_CODES + LOW_BIT or k_scale_heads or v_scale_heads)) or (
             cache_dt in LOW_BIT and not token_scales):
-        raise ValueError(f"token_scales: expected an fp8, int8 or int4 cache ({FP8_CODES + LOW_BIT}) without per-head "
-                         f"static scales (int8 / int4: always per-token), got token_scales={token_scales}, "
+        raise ValueError(f"token_scales: expected an fp8 cache ({FP8_CODES}) or an int8 / int4 one ({LOW_BIT}, always "
+                         f"per-token) without per-head static scales, got token_scales={token_scales}, "
                          f"cache_dt={cache_dt}, k_scale_heads={k_scale_heads}, v_scale_heads={v_scale_heads}")
     x = int(x)
     if x and layout in (XPACKED, XPACKED_SHUFFLED):
@@ -1075,7 +1075,8 @@ class _Emitter:
             amax = self.arith.maxui(amax, self.lane_xor_bits(amax, m, tid))
             m *= 2
         amax = self.arith.maxui(amax, c(TOKEN_AMAX_FLOOR_BITS))
-        scale = self.arith.divf(self.bitcast(self.f32, amax), self.c(QUANT_MAX[self.cfg.cache_dt], self.f32))
+        q = FP8_MAX.get(self.cfg.cache_dt) or QUANT_MAX[self.cfg.cache_dt]
+        scale = self.arith.divf(self.bitcast(self.f32, amax), self.c(q, self.f32))
         return scale, self.inv_scale(scale)
 
     def sqrt(self, f):
