@@ -50,6 +50,7 @@ class Fam:
     no_pos: bool = False        # NoPE without positions and tables
     int8: bool = False          # an int8 cache (per-token scales always)
     int4: bool = False          # an int4 (uint8) cache (per-token scales always)
+    mrope: tuple | None = None  # mrope_section (positions [3, T])
 
     @property
     def id(self) -> str:
@@ -67,6 +68,8 @@ class Fam:
             parts.append(f"temp{self.temp[0]}")
         if self.layers:
             parts.append(f"L{self.layers}")
+        if self.mrope:
+            parts.append("mrope" + "-".join(map(str, self.mrope)))
         return "-".join(parts)
 
 
@@ -83,6 +86,11 @@ def family_call(fc: Fam, seed: int):
             args[6] = args[7] = args[8] = None
     if fc.tail:
         opts["rotary_position"] = "tail"
+    if fc.mrope:  # three position streams, partly out of range, text tokens (equal streams) mixed in
+        pos = np.stack([args[6], rng.integers(-3, c.max_pos + 5, c.T), rng.integers(0, c.max_pos, c.T)])
+        pos[:, ::3] = pos[0, ::3]
+        args[6] = pos.astype(args[6].dtype)
+        opts["mrope_section"] = fc.mrope
     if fc.switch is not None:
         opts["use_rope"] = np.int32(fc.switch)
     if fc.norm:
@@ -222,6 +230,11 @@ CASES = [
     Fam(C(T=5, QH=4, KH=2, D=64, R=32, layout="head_major"), tail=True, layers=2),
     Fam(C(T=5, QH=4, KH=2, D=64, layout="kv_merged", cache_dtype="float8_e4m3fn"), nope=True, temp=(1, 0.1)),
     Fam(C(T=5, QH=4, KH=2, D=64, layout="kv_merged"), qkv=True, norm="weightless"),
+    # M-RoPE with the switch, the tail and the norm after
+    Fam(C(T=6, QH=4, KH=2, D=128), mrope=(16, 24, 24), switch=0),
+    Fam(C(T=6, QH=4, KH=2, D=128, dtype=F32, table_dtype=F32), mrope=(16, 24, 24), switch=1, norm="weightless",
+        after=True),
+    Fam(C(T=5, QH=4, KH=2, D=128, R=64), mrope=(8, 12, 12), tail=True, norm="gemma"),
 ]
 
 # int8 caches (per-token scales): every layout, NeoX / GPT-J, partial rotary, the norm, fused and rounded
