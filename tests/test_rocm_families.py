@@ -534,3 +534,20 @@ def test_every_occupancy_candidate_keeps_the_options(fc):
             assert all(getattr(cand, f) == getattr(cfg, f) for f in rocm.FAMILY_DEFAULTS)
             _, got, want = emulate(fc, "latency" if cand.latency else "bandwidth", cfg=cand)
             assert_all_equal(got, want, f"{cand.key()}: ")
+
+
+@needs_flydsl
+def test_isa_arch_specific_instructions_are_the_reviewed_ones():
+    """The emulator runs the emitter, not the ISA: the family options, int8 and int4 (f16 inputs too)
+    must use no instruction on one arch that the other lacks beyond the reviewed list
+    (test_rocm_compile.ARCH_ONLY)."""
+    from test_rocm_compile import ARCH_ONLY, isa_mnemonics
+
+    cases = COMPILE_CASES + [Fam(C(T=1, QH=8, KH=2, D=128, dtype=F16, table_dtype=F16, precision="native"),
+                                 int4=True, switch=0, temp=(4, 0.1), norm="gemma")]
+    for fc in cases:
+        args, opts, _ = family_call(fc, 1)
+        cfg = rocm.kernel_config(spec_of(fc, args, opts))
+        ops = {a: isa_mnemonics(flydsl.isa(cfg, a)) for a in ARCHS}
+        for a, b in (ARCHS, ARCHS[::-1]):
+            assert ops[a] - ops[b] <= set(ARCH_ONLY[a]), (fc.id, a, sorted(ops[a] - ops[b]))
