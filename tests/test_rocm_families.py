@@ -551,3 +551,49 @@ def test_isa_arch_specific_instructions_are_the_reviewed_ones():
         ops = {a: isa_mnemonics(flydsl.isa(cfg, a)) for a in ARCHS}
         for a, b in (ARCHS, ARCHS[::-1]):
             assert ops[a] - ops[b] <= set(ARCH_ONLY[a]), (fc.id, a, sorted(ops[a] - ops[b]))
+
+
+# ---- mutations: a kernel computing another rule must fail the comparison -------------------------------
+def _mismatch(fc, cfg=None, regime="latency"):
+    """True when the kernel's results (with `cfg`, a mutated configuration) differ from the reference."""
+    try:
+        _, got, want = emulate(fc, regime, cfg=cfg)
+        assert_all_equal(got, want)
+    except AssertionError:
+        return True
+    return False
+
+
+def _first(**want):
+    return next(fc for fc in CASES if all(getattr(fc, k) == v for k, v in want.items()))
+
+
+MUTATIONS = [  # (case, field of the lowering's configuration set to another value)
+    (_first(nope=True, temp=(8, 0.1)), "temp_floor", 4),        # floor_scale 8 read as 4
+    (_first(norm="gemma", after=False, gate=False), "norm_type", 0),  # Gemma's (1 + w) as the RMS weight
+    (_first(norm="weightless", after=True), "norm_after", False),  # the norm before the rotation
+    (_first(tail=True), "tail", False),                           # tail rotary at the head
+    (_first(gate=True), "q_gate", False),                         # gated rows read as plain fused rows
+]
+
+
+@pytest.mark.parametrize("fc,field,value", MUTATIONS, ids=lambda v: getattr(v, "id", str(v)))
+def test_mutated_option_fails(fc, field, value):
+    args, opts, _ = family_call(fc, 7)
+    cfg = rocm.kernel_config(spec_of(fc, args, opts), K)
+    assert not _mismatch(fc, cfg)
+    bad = dataclasses.replace(cfg, **{field: value})
+    assert _mismatch(fc, bad), (field, value)
+
+
+def test_mutated_low_bit_rules_fail(monkeypatch):
+    """Nibbles swapped, 127 / 7 replaced by 126 / 8 in the rounding's saturation: the int8 / int4 cases fail."""
+    int8, int4 = INT8_CASES[0], dataclasses.replace(INT4_CASES[0], case=dataclasses.replace(INT4_CASES[0].case))
+    assert not _mismatch(int8) and not _mismatch(int4)
+    with monkeypatch.context() as m:
+        m.setattr(K._Emitter, "int4_bytes", lambda self, n: [self.bor(n[j + 1], self.shl(n[j], self.i32c(4)))
+                                                             for j in range(0, len(n), 2)])
+        assert _mismatch(int4)
+    with monkeypatch.context() as m:
+        m.setattr(K, "QUANT_MAX", {**K.QUANT_MAX, K.INT8: 126.0, K.INT4: 8.0})
+        assert _mismatch(int8) and _mismatch(int4)
