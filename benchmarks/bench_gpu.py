@@ -8,6 +8,8 @@ by side with the baseline it must beat, in one process, on the default GPU.
     python benchmarks/bench_gpu.py qkv OUT_DIR [--dry-run] ...             fused QKV input vs sliced q/k/v
     python benchmarks/bench_gpu.py tp [--layers 32 --steps 64 ...]          tensor-parallel decode over every GPU
     python benchmarks/bench_gpu.py fp8 OUT_DIR [--dry-run] ...             per-token vs per-tensor fp8 vs bf16 caches
+    python benchmarks/bench_gpu.py families OUT_DIR [--dry-run] ...        each model-family option vs the plain op
+    python benchmarks/bench_gpu.py low_bit OUT_DIR [--dry-run] ...         int8 / int4 / fp4 caches vs bf16 and fp8
 
 `python benchmarks/bench_gpu.py SUITE --help` lists a suite's options. The suites live in
 benchmarks/gpu/; the CPU harness is benchmarks/bench_cpu.py, one-off probes benchmarks/diagnostics/.
@@ -20,7 +22,7 @@ import os
 import sys
 
 SUITES = {"op": "op", "qk_norm": "qk_norm", "mrope": "mrope", "mla": "mla", "qkv": "qkv", "tp": "tp_decode",
-          "fp8": "fp8"}
+          "fp8": "fp8", "families": "families", "low_bit": "low_bit"}
 
 
 def main(argv=None) -> int:

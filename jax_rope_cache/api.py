@@ -220,6 +220,12 @@ def rope_and_cache(q: ArrayLike, k: ArrayLike, v: ArrayLike, key_cache: Cache, v
         e5m2; NaN and inf left out of the amax), is stored as fp8(sat(row * (1/scale))), and the
         scale goes to [block, h, offset] of the token's slot. Updated in place like the caches
         (donate them too; jax.Refs when the caches are). jax_rope_cache.reference states every step.
+        int8 / uint8 (int4) caches take the same float32 scale caches (scale amax / 127, amax / 7).
+        NVFP4 / MXFP4: uint8 caches of E2M1 pairs with block-scale caches, whose dtype selects the
+        format: float8_e4m3fn (NVFP4, one scale per 16 values; k_scale / v_scale are then the
+        required float32 global decode scales) or float8_e8m0fnu (MXFP4, one per 32 values, no
+        k_scale / v_scale), in the layout's cache axes with D / 16 (D / 32) scales a row (flash,
+        hnd, head_major; make_kv_scale_cache(kv_format=...)). docs/numerics.md states the rules.
       precision: "fp32" (rotate in float32, round once) or "native" (AITER's arithmetic on ROCm:
         tables in the input dtype round every product and the sum; other tables promote to
         float32 with the first product fused). jax_rope_cache.reference states every rule.
@@ -339,6 +345,8 @@ def _run(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin, *, 
         args += (jnp.asarray(use_rope).astype(jnp.int32).reshape(()),)
     if spec.temperature is not None:
         args += (jnp.asarray(reference.temperature_factors(spec.max_pos, *spec.temperature)),)
+    if spec.cache_format == "nvfp4":  # the global decode scales: float32 [] operands
+        args += tuple(jnp.asarray(g, jnp.float32).reshape(()) for g in (k_scale, v_scale))
     if spec.num_tokens == 0:
         caches = args[3:5] + (args[9:11] if spec.token_scales else ())
         if spec.qkv:  # empty q_out [0, QH, D] and k_out [0, KH, D]
@@ -502,7 +510,9 @@ def make_kv_cache(num_blocks: int, block_size: int, kv_heads: int, head_dim: int
     rope_and_cache and read_kv take.
 
     dtype int8 or uint8 (int4, two values a byte: the caches' last dim is head_dim / 2 bytes) makes
-    the caches of per-token quantization (docs/numerics.md), with make_kv_scale_cache's scale caches.
+    the caches of per-token quantization (docs/numerics.md), with make_kv_scale_cache's scale caches;
+    uint8 is also the cache of NVFP4 / MXFP4 (two E2M1 values a byte), with
+    make_kv_scale_cache(kv_format=...)'s block-scale caches.
     fill: "zeros", or "random" (standard normal values; useful for tests that must see which
     slots a kernel touched).
     x: X of the x-packed layouts (elements per group of the key cache's last dim, and of the
@@ -555,24 +565,45 @@ def make_kv_cache(num_blocks: int, block_size: int, kv_heads: int, head_dim: int
 
 
 def make_kv_scale_cache(num_blocks: int, block_size: int, kv_heads: int, *, num_layers: int | None = None,
-                        device=None, layout: str = "flash") -> tuple[jax.Array, jax.Array]:
-    """Allocates (k_scale_cache, v_scale_cache) for per-token fp8 or int8 scales of caches in `layout`:
+                        device=None, layout: str = "flash", kv_format: str | None = None,
+                        head_dim: int | None = None) -> tuple[jax.Array, jax.Array]:
+    """Allocates (k_scale_cache, v_scale_cache) for per-token fp8, int8 or int4 scales of caches in `layout`:
     float32 [NB, KH, BS] ("head_major": [KH, NB, BS], Pallas' k_scales_pages), with num_layers
     [L, ...], filled with 1.0 (an unwritten slot dequantizes to its stored value). One scale per
     slot and kv head; the BS scales of one block and head are contiguous (AITER's layout), as an
-    attention kernel reads them next to that block's rows."""
+    attention kernel reads them next to that block's rows.
+
+    kv_format "nvfp4" / "mxfp4" (with head_dim): the block-scale caches of a uint8 cache of that
+    format instead, the layout's key axes with D / group scales a row (flash [NB, BS, KH, D/16],
+    hnd [NB, KH, BS, D/16], head_major [KH, NB, BS, D/16]; MXFP4 D/32), float8_e4m3fn (NVFP4) or
+    float8_e8m0fnu (MXFP4) filled with 1.0; their dtype is what selects the format
+    (docs/numerics.md#nvfp4-and-mxfp4-caches)."""
     for name, value in (("num_blocks", num_blocks), ("block_size", block_size), ("kv_heads", kv_heads),
                         ("num_layers", num_layers)):
         if value is None and name == "num_layers":
             continue
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
             raise ValueError(f"{name}: expected an integer >= 1, got {contract.describe(value)}")
-    shape = ((num_layers,) if num_layers is not None else ()) + contract.scale_shape(layout, num_blocks, block_size,
-                                                                                     kv_heads)
-    return tuple(jnp.ones(shape, jnp.float32, device=device) for _ in range(2))
+    lead = (num_layers,) if num_layers is not None else ()
+    if kv_format is None:
+        if head_dim is not None:
+            raise ValueError(f"head_dim: per-token scale caches do not depend on it (only kv_format 'nvfp4' / "
+                             f"'mxfp4' does); expected None, got {contract.describe(head_dim)}")
+        shape = lead + contract.scale_shape(layout, num_blocks, block_size, kv_heads)
+        return tuple(jnp.ones(shape, jnp.float32, device=device) for _ in range(2))
+    if kv_format not in contract.BLOCK_FORMATS:
+        raise ValueError(f"kv_format: expected None (per-token scales) or one of {contract.BLOCK_FORMATS}, "
+                         f"got {kv_format!r}")
+    group = contract.BLOCK_GROUP[kv_format]
+    if isinstance(head_dim, bool) or not isinstance(head_dim, numbers.Integral) or head_dim < 1 or head_dim % group:
+        raise ValueError(f"head_dim: kv_format {kv_format!r} needs the head dim D, a positive multiple of {group} "
+                         f"(one scale per {group} values of a row), got {contract.describe(head_dim)}")
+    contract.check_block_cache_dtype(kv_format, contract.INT4, contract.cache_layout(layout).name, head_dim)
+    shape = lead + contract.block_scale_shape(layout, num_blocks, block_size, kv_heads, head_dim, kv_format)
+    return tuple(jnp.ones(shape, contract.BLOCK_SCALE_DTYPE[kv_format], device=device) for _ in range(2))
 
 
-_read_kv_jit = jax.jit(xla.read_kv, static_argnames=("layout",))
+_read_kv_jit = jax.jit(xla.read_kv, static_argnames=("layout", "fmt"))
 
 
 def read_kv(key_cache: jax.Array, value_cache: jax.Array | None, slot_mapping: ArrayLike, *,
@@ -586,13 +617,21 @@ def read_kv(key_cache: jax.Array, value_cache: jax.Array | None, slot_mapping: A
     "kv_merged": key_cache is the one array, value_cache None.
     Dequantization of fp8 caches (int8 caches: the scale caches only): with k_scale / v_scale (a scalar or [KH], as given to
     rope_and_cache) or the per-token scale caches of one layer (the layout's scale axes, e.g.
-    [NB, KH, BS]), the values are float32 float32(stored) * scale."""
+    [NB, KH, BS]), the values are float32 float32(stored) * scale. NVFP4 / MXFP4 (uint8 caches with
+    block-scale caches; NVFP4 with the global scales k_scale / v_scale): the float32 values
+    e2m1 * block_scale (* global_scale) [T, KH, D]."""
     nb, bs, mode = contract.check_read_kv(key_cache, value_cache, slot_mapping, layout, k_scale=k_scale,
                                           v_scale=v_scale, k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache)
     _check_concrete((("key_cache", key_cache), ("value_cache", value_cache), ("slot_mapping", slot_mapping),
                      ("k_scale_cache", k_scale_cache), ("v_scale_cache", v_scale_cache)), distinct=False)
     if _is_host(slot_mapping) and jax.dtypes.canonicalize_dtype(slot_mapping.dtype) != slot_mapping.dtype:
         slot_mapping = contract.narrow_slots(slot_mapping, nb * bs)
+    if mode == "nvfp4":
+        scales = (k_scale_cache, v_scale_cache) + tuple(jnp.asarray(g, jnp.float32).reshape(()) for g in (k_scale, v_scale))
+        return _read_kv_jit(key_cache, value_cache, slot_mapping, scales, layout=layout, fmt=mode)
+    if mode == "mxfp4":
+        return _read_kv_jit(key_cache, value_cache, slot_mapping, (k_scale_cache, v_scale_cache), layout=layout,
+                            fmt=mode)
     if mode == "token":
         scales = (k_scale_cache, v_scale_cache)
     elif mode == "static":

@@ -41,6 +41,24 @@ INT4 = np.dtype(np.uint8)
 # the largest stored magnitude of each quantized cache dtype: a per-token scale is amax / this
 QUANT_MAX = {**FP8_MAX, INT8: 127.0, INT4: 7.0}
 LOW_BIT = (INT8, INT4)  # cache dtypes that exist only with per-token scales
+# Block-scaled 4-bit float caches (NVFP4, MXFP4): uint8 bytes as int4's (two E2M1 values a byte, channel
+# 2j in the low nibble, the head dim D/2 bytes), with block-scale caches instead of per-token ones. The
+# scale caches' dtype names the format: float8_e4m3fn (one scale per 16 values: NVFP4, with a per-tensor
+# float32 global decode scale in k_scale / v_scale) or float8_e8m0fnu (one power of two per 32 values:
+# OCP MX v1.0 MXFP4). A block-scale cache has the layout's key-cache axes with D replaced by D / group:
+# flash [NB, BS, KH, D/16], hnd [NB, KH, BS, D/16], head_major [KH, NB, BS, D/16] (FlashInfer's
+# nvfp4 append writes this linear layout, NHD and HND).
+E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+E8M0 = np.dtype(ml_dtypes.float8_e8m0fnu)
+BLOCK_FORMATS = ("nvfp4", "mxfp4")
+BLOCK_GROUP = {"nvfp4": 16, "mxfp4": 32}  # values per block scale, along the head dim
+BLOCK_SCALE_DTYPE = {"nvfp4": E4M3, "mxfp4": E8M0}
+BLOCK_FORMAT_OF_SCALE = {E4M3: "nvfp4", E8M0: "mxfp4"}
+BLOCK_FORMAT_NAMES = {"nvfp4": "NVFP4", "mxfp4": "MXFP4"}
+FP4_MAX = 6.0  # E2M1's largest magnitude
+# the layouts a block-scale cache is defined for (x-packed layouts and kv_merged: no reader of
+# block scales in them exists to follow, so they are refused)
+BLOCK_LAYOUTS = ("flash", "hnd", "head_major")
 
 
 def cache_head_dim(head_dim: int, cache_dtype) -> int:
@@ -241,6 +259,13 @@ def storage_shapes(layout: str, num_blocks: int, block_size: int, kv_heads: int,
     return kshape, None if lay.merged else lay.shape("value", num_blocks, block_size, kv_heads, last_dim, x)
 
 
+def block_scale_shape(layout: str, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
+                      fmt: str) -> tuple[int, ...]:
+    """The shape of one layer's block-scale cache of format `fmt` ("nvfp4", "mxfp4") for `layout`: the
+    key cache's axes with D / group scales a row (e.g. flash [NB, BS, KH, D/16])."""
+    return cache_layout(layout).shape("key", num_blocks, block_size, kv_heads, head_dim // BLOCK_GROUP[fmt], 1)
+
+
 def scale_shape(layout: str, num_blocks: int, block_size: int, kv_heads: int) -> tuple[int, ...]:
     """The shape of one layer's per-token scale cache for `layout` (e.g. [NB, KH, BS])."""
     return cache_layout(layout).shape("scale", num_blocks, block_size, kv_heads, 1, 1)
@@ -299,12 +324,15 @@ TOKEN_SCALE_ALIASES = {**CACHE_ALIASES, OPERANDS.index("k_scale"): 4, OPERANDS.i
 # list): use_rope, an int32 [] switch (OpSpec.rope_switch, nonzero rotates); temperature_factors, the
 # float32 [max_pos // floor_scale + 1] table of reference.temperature_factors (OpSpec.temperature),
 # indexed by n = (clamp(p, 0, max_pos - 1) + 1) // floor_scale, so always in range.
-EXTRA_OPERANDS = ("use_rope", "temperature_factors")
+# k_global_scale / v_global_scale: NVFP4's float32 [] global decode scales (OpSpec.cache_format "nvfp4").
+EXTRA_OPERANDS = ("use_rope", "temperature_factors", "k_global_scale", "v_global_scale")
 
 
 def extra_operands(spec) -> tuple[str, ...]:
     """The EXTRA_OPERANDS of a call, in operand order."""
-    used = {"use_rope": spec.rope_switch, "temperature_factors": spec.temperature is not None}
+    nv = getattr(spec, "cache_format", None) == "nvfp4"
+    used = {"use_rope": spec.rope_switch, "temperature_factors": spec.temperature is not None,
+            "k_global_scale": nv, "v_global_scale": nv}
     return tuple(n for n in EXTRA_OPERANDS if used[n])
 
 
@@ -320,9 +348,17 @@ def cache_aliases(spec: "OpSpec") -> dict[int, int]:
 
 def scale_cache_shape(spec: "OpSpec") -> tuple[int, ...]:
     """One float32 scale per slot and kv head: the layout's scale axes, e.g. [NB, KH, BS]
-    (stacked: [L, NB, KH, BS])."""
+    (stacked: [L, NB, KH, BS]); NVFP4 / MXFP4: the block-scale caches (block_scale_shape)."""
     lead = () if spec.num_layers is None else (spec.num_layers,)
+    if spec.cache_format is not None:
+        return lead + block_scale_shape(spec.layout, spec.num_blocks, spec.block_size, spec.kv_heads,
+                                        spec.head_dim, spec.cache_format)
     return lead + scale_shape(spec.layout, spec.num_blocks, spec.block_size, spec.kv_heads)
+
+
+def scale_cache_dtype(spec: "OpSpec") -> np.dtype:
+    """The scale caches' dtype: float32 per-token scales, or the block scales' (E4M3, E8M0)."""
+    return np.dtype(np.float32) if spec.cache_format is None else BLOCK_SCALE_DTYPE[spec.cache_format]
 
 
 def value_operand_shape(spec: "OpSpec") -> tuple[int, ...]:
@@ -387,6 +423,9 @@ class OpSpec:
     norm_after: bool = False  # the norm runs on the rotated q and k (norm_position="after", Llama 4)
     temperature: tuple[int, float] | None = None  # (floor_scale, attn_scale): Llama 4's q scale on NoPE layers
     q_gate: bool = False  # fused QKV rows hold [q_h, gate_h] per q head (Qwen3-Next's gated attention)
+    # "nvfp4" / "mxfp4": a uint8 cache of E2M1 pairs with block-scale caches (token_scales is then True:
+    # the scale caches take the k_scale / v_scale operand slots); None: every other cache
+    cache_format: str | None = None
 
     @property
     def norm(self) -> bool:
@@ -406,7 +445,7 @@ class OpSpec:
 
     @property
     def int4(self) -> bool:
-        return self.cache_dtype == INT4
+        return self.cache_dtype == INT4 and self.cache_format is None
 
     @property
     def low_bit(self) -> bool:
@@ -847,9 +886,13 @@ def check_op(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
                                         check_nope_tables(cos, sin, table_form))
 
     cache_dtype = _dtype("key_cache", key_cache)
+    fmt = block_format(k_scale_cache, v_scale_cache)
+    if fmt is not None:
+        check_block_cache_dtype(fmt, cache_dtype, layout, d)
     if cache_dtype in LOW_BIT and k_scale_cache is None and v_scale_cache is None:
-        raise ValueError(f"key_cache: an {'int8' if cache_dtype == INT8 else 'int4 (uint8)'} cache stores per-token "
-                         "quantized values; expected the scale caches k_scale_cache / v_scale_cache (float32, see "
+        raise ValueError(f"key_cache: an {'int8' if cache_dtype == INT8 else 'int4, NVFP4 or MXFP4 (uint8)'} cache "
+                         "stores quantized values; expected the scale caches k_scale_cache / v_scale_cache (float32 "
+                         "per-token scales, float8_e4m3fn NVFP4 or float8_e8m0fnu MXFP4 block scales; see "
                          "make_kv_scale_cache), got None")
     if cache_dtype != dtype and cache_dtype not in FP8_DTYPES + LOW_BIT:
         raise TypeError(f"key_cache: expected dtype {dtype.name} (same as q) or one of "
@@ -878,8 +921,13 @@ def check_op(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
         raise ValueError(f"key_cache: too many slots ({nb}*{bs})")
 
     fp8 = cache_dtype in FP8_DTYPES
-    token = check_scale_caches(k_scale_cache, v_scale_cache, k_scale, v_scale, cache_dtype,
-                               scale_shape(layout, nb, bs, kh), layout, num_layers)
+    if fmt is not None:
+        check_block_caches(fmt, k_scale_cache, v_scale_cache, k_scale, v_scale,
+                           block_scale_shape(layout, nb, bs, kh, d, fmt), layout, num_layers)
+        token = True
+    else:
+        token = check_scale_caches(k_scale_cache, v_scale_cache, k_scale, v_scale, cache_dtype,
+                                   scale_shape(layout, nb, bs, kh), layout, num_layers)
     k_heads = False if token else check_scale("k_scale", k_scale, fp8, cache_dtype, kh)
     v_heads = False if token else check_scale("v_scale", v_scale, fp8, cache_dtype, kh)
     q_norm = check_norm_weight("q_norm_weight", q_norm_weight, d, dtype)
@@ -897,7 +945,85 @@ def check_op(q, k, v, key_cache, value_cache, slot_mapping, positions, cos, sin,
         q_norm_dtype=q_norm, k_norm_dtype=k_norm, norm_eps=eps32 if normed else 0.0,
         k_scale_heads=k_heads, v_scale_heads=v_heads, mrope_section=section,
         mrope_interleaved=bool(mrope_interleaved) if section is not None else False,
-        pack_x=x if lay.packed and x != pack_width(cache_dtype) else 0, token_scales=token, **family)
+        pack_x=x if lay.packed and x != pack_width(cache_dtype) else 0, token_scales=token, cache_format=fmt,
+        **family)
+
+
+def block_format(k_scale_cache, v_scale_cache) -> str | None:
+    """The block-scaled format the scale caches' dtype names (float8_e4m3fn: "nvfp4", float8_e8m0fnu:
+    "mxfp4"), from either cache; None for every other dtype (float32: per-token scales) or no caches."""
+    for sc in (k_scale_cache, v_scale_cache):
+        if sc is not None and hasattr(sc, "dtype") and np.dtype(sc.dtype) in BLOCK_FORMAT_OF_SCALE:
+            return BLOCK_FORMAT_OF_SCALE[np.dtype(sc.dtype)]
+    return None
+
+
+def _block_format_intro(fmt: str) -> str:
+    return (f"{BLOCK_FORMAT_NAMES[fmt]} ({BLOCK_SCALE_DTYPE[fmt].name} block-scale caches, one scale per "
+            f"{BLOCK_GROUP[fmt]} values of a row)")
+
+
+def check_block_cache_dtype(fmt: str, cache_dtype, layout: str, head_dim: int) -> None:
+    """The cache dtype (uint8: two E2M1 values a byte), the layout and the head dim of a block-scaled cache."""
+    if np.dtype(cache_dtype) != INT4:
+        raise ValueError(f"key_cache: {_block_format_intro(fmt)} stores two E2M1 values a byte; expected a uint8 "
+                         f"cache, got {np.dtype(cache_dtype).name}")
+    if layout not in BLOCK_LAYOUTS:
+        raise ValueError(f"layout: {_block_format_intro(fmt)} is written in the layouts {BLOCK_LAYOUTS} (no "
+                         f"reader defines block scales for the others); got {layout!r}")
+    group = BLOCK_GROUP[fmt]
+    if head_dim % group:
+        raise ValueError(f"key_cache: {_block_format_intro(fmt)} needs the head_dim D divisible by {group} (the "
+                         f"blocks run along a row), got D={head_dim}")
+
+
+def check_global_scale(arg: str, scale) -> None:
+    """NVFP4's global decode scale: a float scalar (shape () or (1,), any float dtype, used as
+    float32; may be traced), finite and > 0 where its value is known."""
+    if scale is None:
+        raise ValueError(f"{arg}: an NVFP4 cache needs its per-tensor global decode scale (dequantized = "
+                         "e2m1 * block_scale * global_scale); expected a float scalar (used as float32), got None")
+    if isinstance(scale, (bool, np.bool_)) or not (isinstance(scale, numbers.Real) or (
+            hasattr(scale, "dtype") and hasattr(scale, "shape") and is_float_dtype(scale.dtype)
+            and tuple(scale.shape) in ((), (1,)))):
+        raise TypeError(f"{arg}: expected NVFP4's global decode scale, a float scalar (shape () or (1,), any float "
+                        f"dtype, used as float32), got {describe(scale)}")
+    try:
+        value = np.float32(np.asarray(scale, np.float32).reshape(()))
+    except Exception:  # noqa: BLE001 - a traced scale has no value here
+        return
+    if not (np.isfinite(value) and value > 0):
+        raise ValueError(f"{arg}: expected NVFP4's global decode scale finite and > 0 (as float32), got {value!r}")
+
+
+def check_block_caches(fmt: str, k_scale_cache, v_scale_cache, k_scale, v_scale, shape: tuple[int, ...],
+                       layout: str, num_layers: int | None = None) -> None:
+    """The block-scale caches of format `fmt` (both, its dtype, one layer's `shape`, stacked [L, ...]
+    with num_layers, distinct) and the global scales: NVFP4 needs k_scale and v_scale, MXFP4 none."""
+    want = BLOCK_SCALE_DTYPE[fmt]
+    for name, other, given in (("k_scale_cache", "v_scale_cache", k_scale_cache),
+                               ("v_scale_cache", "k_scale_cache", v_scale_cache)):
+        if given is None:
+            raise ValueError(f"{name}: {_block_format_intro(fmt)} needs both scale caches; expected an array like "
+                             f"{other}, got None")
+        got = _dtype(name, given)
+        if got != want:
+            raise ValueError(f"{name}: expected dtype {want.name} (as {other}: {_block_format_intro(fmt)}), "
+                             f"got {got.name}")
+    dims = cache_layout(layout).dims("key").replace("D]", f"D/{BLOCK_GROUP[fmt]}]")
+    if num_layers is not None:
+        shape, dims = (num_layers,) + tuple(shape), f"[L, {dims[1:]} (stacked layers, as layer is given)"
+    for name, sc in (("k_scale_cache", k_scale_cache), ("v_scale_cache", v_scale_cache)):
+        _check_shape(name, sc, tuple(shape), f"{dims} for layout {layout!r}")
+    if k_scale_cache is v_scale_cache:
+        raise ValueError("v_scale_cache: expected a different array from k_scale_cache, got the same "
+                         f"{type(v_scale_cache).__name__} for both (the V scales would overwrite the K scales)")
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if fmt == "nvfp4":
+            check_global_scale(name, scale)
+        elif scale is not None:
+            raise ValueError(f"{name}: MXFP4 has no global scale (its block scales are powers of two); expected "
+                             f"None, got {describe(scale)}")
 
 
 def check_scale_caches(k_scale_cache, v_scale_cache, k_scale, v_scale, cache_dtype, shape: tuple[int, ...],
@@ -936,7 +1062,7 @@ def check_scale_caches(k_scale_cache, v_scale_cache, k_scale, v_scale, cache_dty
 def check_read_kv(key_cache, value_cache, slot_mapping, layout="flash", *, k_scale=None, v_scale=None,
                   k_scale_cache=None, v_scale_cache=None) -> tuple[int, int, str | None]:
     """Validates a read_kv call (one layer of caches in `layout`, [T] integer slots, optional scales);
-    returns (NB, BS, dequantization: None (values as stored), "static" or "token")."""
+    returns (NB, BS, dequantization: None (values as stored), "static", "token", "nvfp4" or "mxfp4")."""
     lay = cache_layout(layout)
     check_value_cache(value_cache, layout)
     cdt = _dtype("key_cache", key_cache)
@@ -950,6 +1076,9 @@ def check_read_kv(key_cache, value_cache, slot_mapping, layout="flash", *, k_sca
     kshape, x, nb, bs = _key_cache_geometry(key_cache, lay, cdt)
     _check_merged_heads(kshape, lay)
     kh, d = lay.kv_heads(kshape), lay.head_dim(kshape, x)
+    fmt = block_format(k_scale_cache, v_scale_cache)
+    if fmt is not None:
+        check_block_cache_dtype(fmt, cdt, layout, 2 * d)
     if lay.needs_bs_multiple_of_x and bs % x:
         raise ValueError(f"value_cache: layout {layout!r} needs the block size divisible by X={x} (the key "
                          f"cache's last dim), got BS={bs}")
@@ -961,6 +1090,10 @@ def check_read_kv(key_cache, value_cache, slot_mapping, layout="flash", *, k_sca
     if idt not in INDEX_DTYPES:
         raise TypeError(f"slot_mapping: expected dtype int32 or int64, got {idt.name}")
     _check_rank("slot_mapping", slot_mapping, 1, "[T]")
+    if fmt is not None:
+        check_block_caches(fmt, k_scale_cache, v_scale_cache, k_scale, v_scale,
+                           block_scale_shape(layout, nb, bs, kh, 2 * d, fmt), layout)
+        return nb, bs, fmt
     if check_scale_caches(k_scale_cache, v_scale_cache, k_scale, v_scale, cdt, scale_shape(layout, nb, bs, kh), layout):
         return nb, bs, "token"
     if k_scale is None and v_scale is None:
@@ -1035,12 +1168,12 @@ def mrope_codes(spec: OpSpec) -> dict:
 # a call using another falls back to the XLA path (impl=None) or raises (impl="kernel").
 FEATURES = ("q_norm", "k_norm", "k_scale_heads", "v_scale_heads", "mrope", "token_scales",
             "nope", "rope_switch", "rotary_tail", "gemma_norm", "weightless_norm", "norm_after", "temperature",
-            "q_gate", "int8_cache", "int4_cache")
+            "q_gate", "int8_cache", "int4_cache", "nvfp4_cache", "mxfp4_cache")
 # The options the native kernels implemented before the model-family options (the CPU handler and the
 # FlyDSL kernel implement exactly these; the family options are refused by every kernel today).
 BASE_FEATURES = FEATURES[:6]
 # The low-bit cache formats (reference and XLA path only; every kernel refuses them).
-CACHE_FORMAT_FEATURES = ("int8_cache", "int4_cache")
+CACHE_FORMAT_FEATURES = ("int8_cache", "int4_cache", "nvfp4_cache", "mxfp4_cache")
 
 
 def features(spec: OpSpec) -> frozenset[str]:
@@ -1051,7 +1184,8 @@ def features(spec: OpSpec) -> frozenset[str]:
             "nope": spec.rotary_dim == 0, "rope_switch": spec.rope_switch, "rotary_tail": spec.rotary_tail,
             "gemma_norm": spec.norm_type == "gemma" and spec.norm, "weightless_norm": spec.norm_type == "weightless",
             "norm_after": spec.norm_after, "temperature": spec.temperature is not None, "q_gate": spec.q_gate,
-            "int8_cache": spec.int8, "int4_cache": spec.int4}
+            "int8_cache": spec.int8, "int4_cache": spec.int4, "nvfp4_cache": spec.cache_format == "nvfp4",
+            "mxfp4_cache": spec.cache_format == "mxfp4"}
     return frozenset(f for f, on in used.items() if on)
 
 
@@ -1067,7 +1201,9 @@ FEATURE_NAMES = {"q_norm": "the fused q RMSNorm (q_norm_weight)", "k_norm": "the
                  "temperature": "the attention temperature (attn_temperature)",
                  "q_gate": "gated q rows in the fused QKV input (q_gate)",
                  "int8_cache": "int8 caches (per-token int8 quantization)",
-                 "int4_cache": "int4 caches (per-token int4 quantization, uint8 bytes)"}
+                 "int4_cache": "int4 caches (per-token int4 quantization, uint8 bytes)",
+                 "nvfp4_cache": "NVFP4 caches (E2M1 bytes, float8_e4m3fn block scales, a global scale)",
+                 "mxfp4_cache": "MXFP4 caches (E2M1 bytes, float8_e8m0fnu block scales)"}
 
 
 # ---- model families: NoPE layers, tail rotary, QK-norm variants, attention temperature -----------------

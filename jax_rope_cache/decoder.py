@@ -365,10 +365,20 @@ def dequantize_blocks(keys, values, scale_caches, layer, block_table, dtype):
     return tuple(out)
 
 
-KV_QUANTS = (None, "per_token", "int8_per_token", "int4_per_token")
-# the cache dtype of each kv_quant (all with one float32 scale per token and kv head; uint8: int4 bytes)
+KV_QUANTS = (None, "per_token", "int8_per_token", "int4_per_token", "nvfp4", "mxfp4")
+# the cache dtype of each kv_quant (per_token, int8, int4: one float32 scale per token and kv head;
+# uint8: int4 bytes, or E2M1 pairs of the block-scaled formats nvfp4 / mxfp4)
 KV_QUANT_DTYPES = {"per_token": np.dtype(jnp.float8_e4m3fn), "int8_per_token": contract.INT8,
-                   "int4_per_token": contract.INT4}
+                   "int4_per_token": contract.INT4, "nvfp4": contract.INT4, "mxfp4": contract.INT4}
+
+
+def dequantize_block_scaled(keys, values, scale_caches, layer, block_table, layout: str, fmt: str, global_scale,
+                            dtype):
+    """keys, values: uint8 E2M1 pairs [B, S, KH, D/2] (from gather_blocks) dequantized with their
+    block scales, gathered the same way (a block-scale cache has the cache's axes), as `dtype`."""
+    ks, vs = attn.gather_blocks(scale_caches, layer, block_table, layout)
+    return tuple(xla.dequantize_blocks(x, s, fmt, global_scale if fmt == "nvfp4" else None).astype(dtype)
+                 for x, s in ((keys, ks), (values, vs)))
 
 
 # ---- the model ------------------------------------------------------------------------------------
@@ -443,6 +453,10 @@ class Decoder:
     kv_quant="per_token": float8_e4m3fn caches with one scale per (token, kv head) computed by the op;
     kv_quant="int8_per_token" / "int4_per_token": int8 caches / uint8 caches of two int4 values a byte,
     the same scale caches (docs/numerics.md#int8-caches-per-token-and-kv-head);
+    kv_quant="nvfp4" / "mxfp4": uint8 caches of two E2M1 values a byte with block-scale caches
+    (docs/numerics.md#nvfp4-and-mxfp4-caches; layouts flash, hnd, head_major); NVFP4's global decode
+    scale is `kv_global_scale` for K and V (default 1.0: block scales amax / 6, in E4M3's range for
+    |values| from ~0.01 to 2688);
     the scale caches ([L, NB, KH, BS] each) follow the two caches in `self.caches` and attention reads
     the caches dequantized (stored * scale); gather only.
     decode_compiler_options: XLA options of the decode program only (jax.jit's compiler_options);
@@ -461,7 +475,7 @@ class Decoder:
     def __init__(self, config: Mapping, params: dict, *, layout=None, block_size=16, num_blocks=None,
                  max_seqs=8, max_len=None, impl="kernel", dtype=jnp.float32, unroll=1, seed=0, tables=None,
                  device=None, cache_fill="random", kv_quant=None, decode_compiler_options=None, attention=None,
-                 per_layer=None):
+                 per_layer=None, kv_global_scale=1.0):
         if impl not in IMPLS:
             raise ValueError(f"impl: expected one of {IMPLS}, got {impl!r}")
         if kv_quant not in self.kv_quants:
@@ -471,11 +485,20 @@ class Decoder:
         self.attention, layout = self.choose_attention(attention, layout, kv_quant, self.device)
         if layout not in self.layouts:
             raise ValueError(f"layout: expected one of {self.layouts}, got {layout!r}")
-        if kv_quant and contract.cache_layout(layout).scale_axes != ("NB", "KH", "BS"):  # dequantize_blocks' order
+        self.block_format = kv_quant if kv_quant in contract.BLOCK_FORMATS else None
+        if kv_quant != "nvfp4" and kv_global_scale != 1.0:
+            raise ValueError(f"kv_global_scale: NVFP4's global decode scale (kv_quant='nvfp4'); expected 1.0 (unused) "
+                             f"with kv_quant={kv_quant!r}, got {kv_global_scale!r}")
+        if kv_quant == "nvfp4":
+            contract.check_global_scale("kv_global_scale", kv_global_scale)
+        self.kv_global_scale = float(np.float32(kv_global_scale)) if kv_quant == "nvfp4" else None
+        if kv_quant and self.block_format is None and contract.cache_layout(layout).scale_axes != ("NB", "KH", "BS"):
             raise ValueError(f"kv_quant: {kv_quant!r} caches in a layout with [NB, KH, BS] scale caches, "
                              f"got layout {layout!r}")
         self.hf_config = dict(config)
         self.cfg = self.config_class.from_hf(config)
+        if self.block_format is not None:  # the layout and the head dim (whole blocks in a row)
+            contract.check_block_cache_dtype(self.block_format, contract.INT4, layout, self.cfg.head_dim)
         self.layout, self.block_size, self.impl, self.unroll = layout, block_size, impl, unroll
         # a Pallas kernel reads a layer's caches as an operand: one cache per layer, layers unrolled
         self.per_layer = self.attention != "gather" if per_layer is None else bool(per_layer)
@@ -500,7 +523,11 @@ class Decoder:
         if cache_fill not in ("random", "zeros"):
             raise ValueError(f"cache_fill: expected 'random' or 'zeros', got {cache_fill!r}")
         self.caches = self._new_caches(num_blocks, cache_fill, seed)
-        if kv_quant:
+        if self.block_format is not None:
+            self.caches += jrc.make_kv_scale_cache(num_blocks, block_size, self.cfg.kv_heads,
+                                                   num_layers=self.cfg.num_layers, device=self.device, layout=layout,
+                                                   kv_format=self.block_format, head_dim=self.cfg.head_dim)
+        elif kv_quant:
             self.caches += jrc.make_kv_scale_cache(num_blocks, block_size, self.cfg.kv_heads,
                                                    num_layers=self.cfg.num_layers, device=self.device)
         # Matmuls in full float32 where the model is float32 (GPUs would otherwise use TF32).
@@ -635,6 +662,8 @@ class Decoder:
             norm = dict(q_norm_weight=w["q_norm"], k_norm_weight=w["k_norm"],
                         norm_eps=cfg.rms_norm_eps) if cfg.qk_norm else {}
             scales = dict(k_scale_cache=sc[0], v_scale_cache=sc[1]) if sc else {}
+            if self.kv_global_scale is not None:
+                scales.update(k_scale=self.kv_global_scale, v_scale=self.kv_global_scale)
             q, k, mine, *sc = rope_and_write(qkv, mine, step["slots"], step["flat_pos"], cos, sin, layout=self.layout,
                                              layer=layer, num_q_heads=cfg.q_heads, num_kv_heads=cfg.kv_heads,
                                              is_neox=self.is_neox, rotary_dim=self.rotary_dim, impl=self.impl,
@@ -646,7 +675,10 @@ class Decoder:
             o = o.reshape(B, 1, cfg.q_heads * cfg.head_dim)
         else:
             keys, values = attn.gather_blocks(mine, layer, step["block_table"], self.layout)
-            if sc:
+            if sc and self.block_format is not None:
+                keys, values = dequantize_block_scaled(keys, values, sc, i, step["block_table"], self.layout,
+                                                       self.block_format, self.kv_global_scale, self.dtype)
+            elif sc:
                 keys, values = dequantize_blocks(keys, values, sc, i, step["block_table"], self.dtype)
             o = attn.attend(q, keys, values, step["q_pos"], precision=self._precision)
         if self.per_layer:

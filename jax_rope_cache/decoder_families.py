@@ -11,7 +11,13 @@ Llama 4 text (Llama4ForCausalLM):
     L x [RMSNorm -> q/k/v -> op (RoPE layers: GPT-J rotation, then the weightless q/k norm; NoPE
     layers: no rotation, q times the attention temperature; use_rope traced per layer) -> attention
     (chunked on RoPE layers, full on NoPE layers) -> o, residual -> RMSNorm -> MoE (sigmoid top-k
-    router scaling the experts' input, a shared expert)] -> RMSNorm -> LM head.
+    router scaling the experts' input, a shared expert) on the MoE layers, a SwiGLU MLP of width
+    intermediate_size_mlp on the dense ones] -> RMSNorm -> LM head. Scout: every layer MoE; Maverick
+    (interleave_moe_layer_step 2): every second, as transformers picks them (moe_layers, by default
+    layers step-1, 2 step-1, ...). An interleaved model's scan runs over groups of `step` layers
+    (step-1 dense, then the MoE one, unrolled in the body): one loop with no per-layer branch (a
+    lax.cond would make a GPU read its predicate on the host every layer) and each kind's weights
+    stacked apart (no MoE weights padded onto the dense layers).
 
 The native kernels refuse the family options today (contract.FEATURES), so impl="kernel" calls the op
 with impl=None for them: the kernel where a layer's options allow, the XLA path (one warning)
@@ -60,11 +66,56 @@ TINY_FAMILY_CONFIGS: dict[str, dict] = {
         "num_local_experts": 4, "num_experts_per_tok": 1, "interleave_moe_layer_step": 1, "hidden_act": "silu",
         "attention_bias": False, "tie_word_embeddings": False,
     },
+    "tiny-llama-4-maverick": {
+        # Maverick's text model: every second layer MoE (1, 3, 5; the others dense, intermediate_size_mlp
+        # wide), no q/k norm, no rope scaling; NoPE every third layer (2, 5: both MLP kinds meet both
+        # attention kinds) with the temperature, chunks of 8 positions on the RoPE layers
+        "model_type": "llama4_text", "architectures": ["Llama4ForCausalLM"], "vocab_size": 256, "hidden_size": 128,
+        "intermediate_size": 64, "intermediate_size_mlp": 160, "num_hidden_layers": 6, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 256, "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0, "rope_scaling": None, "no_rope_layer_interval": 3, "attention_chunk_size": 8,
+        "attn_temperature_tuning": True, "floor_scale": 4, "attn_scale": 0.5, "use_qk_norm": False,
+        "num_local_experts": 4, "num_experts_per_tok": 1, "interleave_moe_layer_step": 2, "hidden_act": "silu",
+        "attention_bias": False, "tie_word_embeddings": False,
+    },
 }
-TINY_FAMILY_SEEDS = {"tiny-gemma-3": 12, "tiny-llama-4": 4}
+TINY_FAMILY_SEEDS = {"tiny-gemma-3": 12, "tiny-llama-4": 4, "tiny-llama-4-maverick": 5}
 
 _GAIN = {"wq": 2.0, "wk": 2.0, "wv": 1.0, "wo": 1.0, "w_gate": 1.0, "w_up": 1.0, "w_down": 1.0, "lm_head": 2.0,
-         "router": 1.0, "experts_gate_up": 1.0, "experts_down": 1.0}
+         "router": 1.0, "experts_gate_up": 1.0, "experts_down": 1.0, "dense_gate": 1.0, "dense_up": 1.0,
+         "dense_down": 1.0}
+_MOE = ("w_gate", "w_up", "w_down", "router", "experts_gate_up", "experts_down")  # one per MoE layer
+_DENSE = ("dense_gate", "dense_up", "dense_down")  # one per dense layer (interleaved models)
+
+
+def moe_layers(config: Mapping) -> tuple[int, ...]:
+    """The layers transformers gives the MoE block (Llama4TextConfig): config['moe_layers'] when given,
+    else every interleave_moe_layer_step-th layer counted from step - 1."""
+    n = decoder.config_int(config, "num_hidden_layers")
+    given = config.get("moe_layers")
+    if given is not None:
+        if not isinstance(given, (list, tuple)) or any(
+                isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not 0 <= i < n for i in given):
+            raise ValueError(f"config['moe_layers']: expected layer indices in [0, {n}), got {given!r}")
+        return tuple(sorted({int(i) for i in given}))
+    step = config.get("interleave_moe_layer_step", 1)
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 1:
+        raise ValueError(f"config['interleave_moe_layer_step']: expected a positive integer, got {step!r}")
+    return tuple(range(step - 1, n, step))
+
+
+def _moe_period(config: Mapping) -> int:
+    """k when the MoE layers are the last of every group of k layers (k | L), as the scan runs them."""
+    n = decoder.config_int(config, "num_hidden_layers")
+    moe = moe_layers(config)
+    k = n // len(moe) if moe else 0
+    if not moe or n % len(moe) or moe != tuple(range(k - 1, n, k)):
+        key = "moe_layers" if config.get("moe_layers") is not None else "interleave_moe_layer_step"
+        raise ValueError(f"config[{key!r}]: this decoder runs MoE layers k-1, 2k-1, ..., L-1 for a k dividing "
+                         f"num_hidden_layers ({n}); got {config.get(key)!r} (MoE layers {list(moe)})")
+    return k
+
+
 _SUPPORTED = ("gemma3_text", "llama4_text")
 
 
@@ -76,6 +127,8 @@ class FamilyDecoderConfig(decoder.DecoderConfig):
     query_pre_attn_scalar: float = 0.0
     num_experts: int = 0
     top_k: int = 0
+    moe_step: int = 1  # Llama 4: every moe_step-th layer MoE, the others dense (Maverick 2)
+    intermediate_size_mlp: int = 0  # the dense layers' width
     family: tuple = ()  # family_options as sorted items (hashable)
 
     @property
@@ -94,14 +147,14 @@ class FamilyDecoderConfig(decoder.DecoderConfig):
             if config.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
                 raise ValueError(f"config['hidden_activation']: expected 'gelu_pytorch_tanh', got "
                                  f"{config['hidden_activation']!r}")
-        elif config.get("interleave_moe_layer_step", 1) != 1 or config.get("moe_layers") is not None:
-            raise ValueError("config['interleave_moe_layer_step']: dense layers between MoE layers are not "
-                             f"implemented by this decoder; expected 1, got {config.get('interleave_moe_layer_step')!r}")
         base = decoder.DecoderConfig.from_hf(dict(config, model_type="llama"))
         need = functools.partial(decoder.config_int, config)
         extra = {}
         if mt == "llama4_text":
-            extra = dict(num_experts=need("num_local_experts"), top_k=need("num_experts_per_tok"))
+            extra = dict(num_experts=need("num_local_experts"), top_k=need("num_experts_per_tok"),
+                         moe_step=_moe_period(config))
+            if extra["moe_step"] > 1:
+                extra["intermediate_size_mlp"] = need("intermediate_size_mlp")
         return cls(**{**dataclasses.asdict(base), "model_type": mt, "qk_norm": mt == "gemma3_text"},
                    layers_plan=hfconfig.layer_plan(config),
                    query_pre_attn_scalar=float(config.get("query_pre_attn_scalar", base.head_dim)),
@@ -114,10 +167,13 @@ class FamilyDecoderConfig(decoder.DecoderConfig):
         if self.gemma:
             lay |= {"post_attn_norm": (L, H), "post_mlp_norm": (L, H)}
         else:
-            E = self.num_experts
+            E, M = self.num_experts, L // self.moe_step
             for n in ("w_gate", "w_up", "w_down"):  # the shared expert: intermediate_size wide
-                lay[n] = (L, I, H) if n == "w_down" else (L, H, I)
-            lay |= {"router": (L, H, E), "experts_gate_up": (L, E, H, 2 * I), "experts_down": (L, E, I, H)}
+                lay[n] = (M, I, H) if n == "w_down" else (M, H, I)
+            lay |= {"router": (M, H, E), "experts_gate_up": (M, E, H, 2 * I), "experts_down": (M, E, I, H)}
+            if self.moe_step > 1:  # the dense layers' SwiGLU, intermediate_size_mlp wide
+                D, J = L - M, self.intermediate_size_mlp
+                lay |= {"dense_gate": (D, H, J), "dense_up": (D, H, J), "dense_down": (D, J, H)}
         out["layers"] = lay
         return out
 
@@ -135,17 +191,29 @@ def hf_state_dict(cfg: FamilyDecoderConfig, params: dict) -> dict[str, np.ndarra
                  "mlp_norm": "pre_feedforward_layernorm", "post_mlp_norm": "post_feedforward_layernorm",
                  "q_norm": "self_attn.q_norm", "k_norm": "self_attn.k_norm"}
     else:
-        proj |= {"w_gate": "feed_forward.shared_expert.gate_proj", "w_up": "feed_forward.shared_expert.up_proj",
-                 "w_down": "feed_forward.shared_expert.down_proj", "router": "feed_forward.router"}
         norms = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
+    moe = {"w_gate": "feed_forward.shared_expert.gate_proj", "w_up": "feed_forward.shared_expert.up_proj",
+           "w_down": "feed_forward.shared_expert.down_proj", "router": "feed_forward.router"}
+    dense = {"dense_gate": "feed_forward.gate_proj", "dense_up": "feed_forward.up_proj",
+             "dense_down": "feed_forward.down_proj"}
+    step = cfg.moe_step
     for i in range(cfg.num_layers):
         for ours, theirs in proj.items():
             sd[f"model.layers.{i}.{theirs}.weight"] = t(lay[ours][i])
         for ours, theirs in norms.items():
             sd[f"model.layers.{i}.{theirs}.weight"] = np.asarray(lay[ours][i])
-        if not cfg.gemma:  # stored as the module holds them: [E, H, 2I] and [E, I, H]
-            sd[f"model.layers.{i}.feed_forward.experts.gate_up_proj"] = np.asarray(lay["experts_gate_up"][i])
-            sd[f"model.layers.{i}.feed_forward.experts.down_proj"] = np.asarray(lay["experts_down"][i])
+        if cfg.gemma:
+            continue
+        if (i + 1) % step:  # a dense layer (interleaved models): its index among the dense ones
+            for ours, theirs in dense.items():
+                sd[f"model.layers.{i}.{theirs}.weight"] = t(lay[ours][i - i // step])
+            continue
+        m = i // step
+        for ours, theirs in moe.items():
+            sd[f"model.layers.{i}.{theirs}.weight"] = t(lay[ours][m])
+        # stored as the module holds them: [E, H, 2I] and [E, I, H]
+        sd[f"model.layers.{i}.feed_forward.experts.gate_up_proj"] = np.asarray(lay["experts_gate_up"][m])
+        sd[f"model.layers.{i}.feed_forward.experts.down_proj"] = np.asarray(lay["experts_down"][m])
     return sd
 
 
@@ -239,9 +307,14 @@ class FamilyDecoder(decoder.Decoder):
         out = jnp.einsum("ebpf,efh->ebph", up * jax.nn.silu(gate), w["experts_down"], precision=self._precision)
         return shared + out.sum(0)
 
+    def _dense_mlp(self, w, h):
+        return self._mm(jax.nn.silu(self._mm(h, w["dense_gate"])) * self._mm(h, w["dense_up"]), w["dense_down"])
+
     def _forward(self, params, tables, caches, tokens, positions, block_table):
-        if not self.cfg.gemma:
+        if not self.cfg.gemma and self.cfg.moe_step == 1:
             return super()._forward(params, tables, caches, tokens, positions, block_table)
+        if not self.cfg.gemma:
+            return self._forward_interleaved(params, tables, caches, tokens, positions, block_table)
         cfg = self.cfg
         step = dict(slots=decoder.slot_mapping(block_table, positions, self.block_size).reshape(-1),
                     flat_pos=jnp.maximum(positions, 0).reshape(-1), q_pos=jnp.maximum(positions, 0),
@@ -263,4 +336,40 @@ class FamilyDecoder(decoder.Decoder):
                 (x, caches), _ = layer((x, caches), (jax.tree.map(lambda a: a[j], weights), j))
         else:
             (x, caches), _ = jax.lax.scan(layer, (x, caches), (weights, jnp.arange(cfg.num_layers)), unroll=self.unroll)
+        return norm(x, params["final_norm"]), caches
+
+    def _forward_interleaved(self, params, tables, caches, tokens, positions, block_table):
+        """Llama 4 with dense layers between the MoE ones (Maverick): one scan over L / k groups of k
+        layers (module docstring); a group's body runs its k - 1 dense layers, then the MoE one."""
+        cfg = self.cfg
+        k, G = cfg.moe_step, cfg.num_layers // cfg.moe_step
+        step = dict(slots=decoder.slot_mapping(block_table, positions, self.block_size).reshape(-1),
+                    flat_pos=jnp.maximum(positions, 0).reshape(-1), q_pos=jnp.maximum(positions, 0),
+                    block_table=block_table)
+        norm = functools.partial(decoder.rms_norm, eps=cfg.rms_norm_eps)
+        lay = params["layers"]
+        # [G, k, ...] per layer, [G, k - 1, ...] per dense layer, [G, ...] per MoE layer
+        weights = {n: a.reshape((G, k - 1) + a.shape[1:]) if n in _DENSE else
+                   a if n in _MOE else a.reshape((G, k) + a.shape[1:]) for n, a in lay.items()}
+
+        def group(carry, xs):
+            x, caches = carry
+            w, g = xs
+            for j in range(k):
+                mine = {n: a[j] for n, a in w.items() if n not in _MOE and n not in _DENSE}
+                o, caches = self._attention(mine, g * k + j, norm(x, mine["attn_norm"]), caches, step, tables)
+                x = x + o
+                h = norm(x, mine["mlp_norm"])
+                if j < k - 1:
+                    x = x + self._dense_mlp({n: w[n][j] for n in _DENSE}, h)
+                else:
+                    x = x + self._mlp({n: w[n] for n in _MOE}, h)
+            return (x, caches), None
+
+        x = params["embed"][tokens]
+        if self.unroll is True or self.unroll >= G:
+            for g in range(G):
+                (x, caches), _ = group((x, caches), (jax.tree.map(lambda a: a[g], weights), g))
+        else:
+            (x, caches), _ = jax.lax.scan(group, (x, caches), (weights, jnp.arange(G)), unroll=self.unroll)
         return norm(x, params["final_norm"]), caches

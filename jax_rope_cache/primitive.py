@@ -38,8 +38,8 @@ def _check_operands(avals, spec: contract.OpSpec) -> None:
     widths included) and read the buffers XLA hands them, so a mismatch is a bug caught here."""
     want = {"q": spec.dtype, "k": spec.dtype, "v": spec.dtype, "key_cache": spec.cache_dtype,
             "value_cache": spec.cache_dtype, "slot_mapping": spec.slot_dtype, "positions": spec.pos_dtype,
-            "cos": spec.table_dtype, "sin": spec.table_dtype, "k_scale": np.float32, "v_scale": np.float32,
-            "layer": np.int32, "q_norm_weight": np.float32 if spec.q_norm_dtype is None else spec.q_norm_dtype,
+            "cos": spec.table_dtype, "sin": spec.table_dtype, "k_scale": contract.scale_cache_dtype(spec),
+            "v_scale": contract.scale_cache_dtype(spec), "layer": np.int32, "q_norm_weight": np.float32 if spec.q_norm_dtype is None else spec.q_norm_dtype,
             "k_norm_weight": np.float32 if spec.k_norm_dtype is None else spec.k_norm_dtype}
     extra = len(contract.extra_operands(spec))
     if len(avals) != len(contract.OPERANDS) + extra:

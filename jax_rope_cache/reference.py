@@ -71,6 +71,13 @@ rounds float32 to the input dtype (nearest even), r32() is a float32 operation:
   order of the reduction does not matter. A NaN stores the canonical NaN and +-inf saturates to
   +-max, as with static scales; they never make the row's scale inf or NaN. Dequantized:
   float32(stored) * scale (read_kv);
+* NVFP4 / MXFP4 (uint8 caches with float8_e4m3fn / float8_e8m0fnu block-scale caches; NVFP4 with
+  the global decode scales k_scale / v_scale): the row above in blocks of 16 / 32 values, each
+  block's scale from its finite amax (NVFP4 e4m3(sat(r32(r32(amax / 6) * r32(1 / g)))), MXFP4
+  2^(floor(log2(amax)) - 2) clamped to E8M0), every value rounded half to even to E2M1 after the
+  multiplication by the block's multiplier, saturating at +-6, NaN stored as +0; two values a byte,
+  channel 2j in the low nibble; the block scales written at the token's row in the layout's key axes
+  (quantize_blocks, dequantize_blocks; docs/numerics.md#nvfp4-and-mxfp4-caches);
 * NaN: every NaN the op computes (rotated channels, fp8 conversions) is the canonical quiet NaN,
   positive, all mantissa bits set: bf16/f16 0x7FFF, float32 0x7FFFFFFF, e4m3fn 0x7F, e4m3fnuz
   0x80, e5m2 0x7F (what Triton's bf16 conversion and NVIDIA's cvt write). Copies keep their bits.
@@ -92,7 +99,7 @@ import numpy as np
 from jax_rope_cache import contract
 
 __all__ = ["rope_and_cache", "read_kv", "rotate", "rotate_values", "quantize", "token_scale", "quantize_rows",
-           "write_tokens", "read_tokens",
+           "quantize_blocks", "dequantize_blocks", "e2m1_codes", "e2m1_decode", "write_tokens", "read_tokens",
            "arithmetic", "fma32", "to_dtype", "inverse_scale", "tree_sum", "rms_norm", "table_rows", "CANONICAL_NAN",
            "temperature_factors", "temperature_rows"]
 
@@ -324,6 +331,123 @@ def unpack_int4(b: np.ndarray) -> np.ndarray:
     return (np.where(nib >= 8, nib - 16, nib).astype(np.int8)).reshape(b.shape[:-1] + (2 * b.shape[-1],))
 
 
+# ---- NVFP4 / MXFP4: E2M1 values with block scales (docs/numerics.md#nvfp4-and-mxfp4-caches) ----
+E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], _F32)  # magnitude of codes 0..7
+# code >= k + 1 where |y| passes threshold k: strictly above it where the tie goes to the lower
+# (even) code, at or above it where it goes to the upper (even) one: round half to even
+E2M1_STEPS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+
+
+def e2m1_codes(y: np.ndarray) -> np.ndarray:
+    """float32 values -> E2M1 codes (uint8, sign in bit 3): round half to even, saturating at +-6
+    (+-inf too), NaN -> +0; the sign of a value rounded to zero is kept (-0 = 0x8)."""
+    y = np.asarray(y, _F32)
+    y = np.where(np.isnan(y), _F32(0), y)
+    a = np.abs(y)
+    code = np.zeros(y.shape, np.uint8)
+    for t, up in E2M1_STEPS:
+        code += ((a >= _F32(t)) if up else (a > _F32(t))).astype(np.uint8)
+    return code | (np.signbit(y).astype(np.uint8) << np.uint8(3))
+
+
+def e2m1_decode(code: np.ndarray) -> np.ndarray:
+    """E2M1 codes (uint8, low 4 bits) -> float32 values."""
+    code = np.asarray(code, np.uint8)
+    mag = E2M1_VALUES[code & np.uint8(7)]
+    return np.where(code & np.uint8(8), -mag, mag).astype(_F32)
+
+
+def pack_nibbles(code: np.ndarray) -> np.ndarray:
+    """4-bit codes [..., D] -> bytes [..., D/2], channel 2j in the low nibble (as pack_int4)."""
+    code = np.asarray(code, np.uint8) & np.uint8(0xF)
+    return code[..., 0::2] | (code[..., 1::2] << np.uint8(4))
+
+
+def unpack_nibbles(b: np.ndarray) -> np.ndarray:
+    """bytes [..., D/2] -> 4-bit codes [..., D] (uint8)."""
+    b = np.asarray(b, np.uint8)
+    return np.stack([b & np.uint8(0xF), b >> np.uint8(4)], axis=-1).reshape(b.shape[:-1] + (2 * b.shape[-1],))
+
+
+def block_amax(y: np.ndarray, group: int) -> np.ndarray:
+    """max |y| over each group of `group` values of the last axis, NaN and +-inf left out (0 if none):
+    [..., D] -> [..., D/group]."""
+    a = np.abs(np.asarray(y, _F32))
+    with np.errstate(invalid="ignore"):
+        a = np.where(a <= _F32_MAX, a, _F32(0))
+    return a.reshape(a.shape[:-1] + (a.shape[-1] // group, group)).max(axis=-1)
+
+
+def nvfp4_scales(amax: np.ndarray, global_scale) -> np.ndarray:
+    """NVFP4 block scales (float8_e4m3fn) of block maxima amax with the global decode scale g:
+    e4m3(clamp(r32(r32(amax / 6) * r32(1 / g)), 0, 448)) (1 / g: inverse_scale's rule)."""
+    enc = inverse_scale(np.asarray(global_scale, _F32).reshape(()))
+    with np.errstate(over="ignore", invalid="ignore"):
+        s = (np.asarray(amax, _F32) / _F32(contract.FP4_MAX)) * enc
+    return to_dtype(np.clip(s, _F32(0), _F32(contract.FP8_MAX[contract.E4M3])), contract.E4M3)
+
+
+def nvfp4_multiplier(block_scale: np.ndarray, global_scale) -> np.ndarray:
+    """r32(1 / r32(float32(block_scale) * g)), the finite float32 maximum where that overflows, 0 where
+    the product is 0: what a block's values are multiplied by before the E2M1 rounding."""
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        den = np.asarray(block_scale).astype(_F32) * _F32(np.asarray(global_scale, _F32).reshape(()))
+        inv = np.minimum(_F32(1.0) / den, _F32_MAX)
+    return np.where(den == 0, _F32(0), inv).astype(_F32)
+
+
+def mxfp4_exponents(amax: np.ndarray) -> np.ndarray:
+    """MXFP4's shared exponents X = floor(log2(amax)) - 2 (E2M1's emax), int32 clamped to [-127, 127]
+    (E8M0's range); floor(log2) is the biased float32 exponent - 127 (a zero or subnormal amax: -127)."""
+    e = (np.asarray(amax, _F32).view(np.uint32) >> np.uint32(23)).astype(np.int32) - 127
+    return np.clip(e - 2, -127, 127).astype(np.int32)
+
+
+def e8m0_from_exponent(x: np.ndarray) -> np.ndarray:
+    return (np.asarray(x, np.int32) + 127).astype(np.uint8).view(contract.E8M0)
+
+
+def e8m0_value(scale: np.ndarray) -> np.ndarray:
+    """float32 2^(code - 127) of E8M0 scales (code 0: 2^-127, a float32 subnormal; 0xFF: NaN)."""
+    code = np.asarray(scale).view(np.uint8).astype(np.uint32)
+    bits = np.where(code == 0, np.uint32(0x00400000), code << np.uint32(23))
+    return np.where(code == 255, np.uint32(0x7FFFFFFF), bits).astype(np.uint32).view(_F32)
+
+
+def quantize_blocks(y: np.ndarray, fmt: str, global_scale=None) -> tuple[np.ndarray, np.ndarray]:
+    """Rows y [..., D] (float32) in format `fmt`: (block scales [..., D/group] in the scale dtype,
+    bytes [..., D/2]). NVFP4 multiplies a block by nvfp4_multiplier, MXFP4 by 2^-X (exact); then
+    e2m1_codes."""
+    group = contract.BLOCK_GROUP[fmt]
+    y = np.asarray(y, _F32)
+    amax = block_amax(y, group)
+    if fmt == "nvfp4":
+        scales = nvfp4_scales(amax, global_scale)
+        mult = nvfp4_multiplier(scales, global_scale)
+    else:
+        x = mxfp4_exponents(amax)
+        scales = e8m0_from_exponent(x)
+        mult = ((127 - x).astype(np.uint32) << np.uint32(23)).view(_F32)  # 2^-X, a normal float32
+    blocks = y.reshape(y.shape[:-1] + (y.shape[-1] // group, group))
+    with np.errstate(over="ignore", invalid="ignore"):
+        p = (blocks * mult[..., None]).reshape(y.shape)
+    return scales, pack_nibbles(e2m1_codes(p))
+
+
+def dequantize_blocks(b: np.ndarray, scales: np.ndarray, fmt: str, global_scale=None) -> np.ndarray:
+    """bytes [..., D/2] and block scales [..., D/group] -> float32 [..., D]: NVFP4
+    r32(r32(e2m1 * float32(scale)) * g), MXFP4 r32(e2m1 * 2^X)."""
+    group = contract.BLOCK_GROUP[fmt]
+    v = e2m1_decode(unpack_nibbles(b))
+    v = v.reshape(v.shape[:-1] + (v.shape[-1] // group, group))
+    with np.errstate(over="ignore", invalid="ignore"):
+        if fmt == "nvfp4":
+            out = (v * np.asarray(scales).astype(_F32)[..., None]) * _F32(np.asarray(global_scale, _F32).reshape(()))
+        else:
+            out = v * e8m0_value(scales)[..., None]
+    return out.reshape(out.shape[:-2] + (-1,)).astype(_F32)
+
+
 def write_tokens(cache: np.ndarray, which: str, layout: str, blk, off, values: np.ndarray) -> None:
     """Stores values [n, KH, D] (cache dtype; a scale cache, which="scale": [n, KH]) of n tokens at
     (blk, off) of one layer, in place. A merged layout's "key" and "value" are the same array."""
@@ -406,7 +530,12 @@ def rope_and_cache(q, k, v, key_cache, value_cache, slot_mapping, positions, cos
     valid = _valid_slots(slot_mapping, spec.num_slots)
     slots = slot_mapping.astype(np.int64)[valid]
     blk, off = slots // spec.block_size, slots % spec.block_size
-    if spec.token_scales:
+    if spec.cache_format is not None:  # block scales, written like the caches' rows (the key axes)
+        ks, kq = quantize_blocks(k_stored[valid], spec.cache_format, k_scale)
+        vs, vq = quantize_blocks(v[valid], spec.cache_format, v_scale)
+        write_tokens(caches[2], "key", layout, blk, off, ks)
+        write_tokens(caches[3], "key", layout, blk, off, vs)
+    elif spec.token_scales:
         ks, vs = token_scale(k_stored[valid], spec.cache_dtype), token_scale(v[valid], spec.cache_dtype)
         kq, vq = quantize_rows(k_stored[valid], spec.cache_dtype, ks), quantize_rows(v[valid], spec.cache_dtype, vs)
         write_tokens(caches[2], "scale", layout, blk, off, ks)
@@ -423,7 +552,8 @@ def read_kv(key_cache, value_cache, slot_mapping, *, layout="flash", k_scale=Non
             k_scale_cache=None, v_scale_cache=None):
     """Gathers the cached K and V of each slot as [T, KH, D] in the cache dtype (zeros for
     slots outside [0, NB*BS)). With scales (static k_scale / v_scale, or the per-token scale
-    caches) an fp8 cache is dequantized: float32 values float32(stored) * scale."""
+    caches) an fp8 cache is dequantized: float32 values float32(stored) * scale; with block-scale
+    caches (NVFP4: and the global scales k_scale / v_scale) the E2M1 bytes (dequantize_blocks)."""
     mode = contract.check_read_kv(key_cache, value_cache, slot_mapping, layout, k_scale=k_scale, v_scale=v_scale,
                                   k_scale_cache=k_scale_cache, v_scale_cache=v_scale_cache)[2]
     key_cache = np.asarray(key_cache)
@@ -438,6 +568,11 @@ def read_kv(key_cache, value_cache, slot_mapping, *, layout="flash", k_scale=Non
     blk, off = safe // bs, safe % bs
     kk = read_tokens(key_cache, "key", layout, blk, off, kh, d)
     vv = read_tokens(value_cache, "value", layout, blk, off, kh, d)
+    if mode in contract.BLOCK_FORMATS:
+        g = contract.BLOCK_GROUP[mode]
+        ks = read_tokens(np.asarray(k_scale_cache), "key", layout, blk, off, kh, 2 * d // g)
+        vs = read_tokens(np.asarray(v_scale_cache), "key", layout, blk, off, kh, 2 * d // g)
+        kk, vv = dequantize_blocks(kk, ks, mode, k_scale), dequantize_blocks(vv, vs, mode, v_scale)
     if mode == "token" and key_cache.dtype == contract.INT4:
         kk, vv = unpack_int4(kk), unpack_int4(vv)
     if mode == "token":

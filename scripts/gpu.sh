@@ -26,6 +26,10 @@
 #   model     the model client: tiny Llama-3.1 / Qwen3 vs transformers' recorded tokens,
 #             tiny Llama bf16 decode at batch 64: kernel vs XLA path vs "baseline" (no RoPE, a one-element cache write:
 #             the op's share of a step)
+#   families  benchmarks/bench_gpu.py families: each model-family option vs the plain op and the XLA path (FAM_ARGS)
+#   low_bit   benchmarks/bench_gpu.py low_bit: int8 / int4 caches vs bf16 and per-token fp8 (LB_ARGS)
+#   model_steps  benchmarks/diagnostics/model_step.py: a Llama-8B decode step per attention route at
+#             contexts 512 and 2048, then 8192 (batch 64)
 #   model_8b  the same timing for 32 layers of Llama-3.1-8B's shapes (bf16, random weights), batch 64
 STAGES="${STAGES:-install suite test_gpu memcheck bench}"
 source "$(dirname "${BASH_SOURCE[0]}")/_stages.sh"
@@ -82,6 +86,14 @@ if has tp && [ "$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)" -g
 fi
 has soak && TAIL=7 run soak "$(( ${SOAK_LIMIT:-140} + 60 ))" "$PY" -P "$ROOT/benchmarks/soak.py" --platform cuda \
     --steps "${SOAK_STEPS:-1000000}" --time-limit "${SOAK_LIMIT:-140}" --report-every 50 --json "$OUT/soak_cuda.json"
+has families && TAIL=20 run families 400 "$PY" -P "$ROOT/benchmarks/bench_gpu.py" families "$OUT/families" ${FAM_ARGS:-}
+has low_bit && TAIL=30 run low_bit 450 "$PY" -P "$ROOT/benchmarks/bench_gpu.py" low_bit "$OUT/low_bit" ${LB_ARGS:-}
+if has model_steps; then
+  TAIL=20 run model_steps 300 "$PY" -P "$ROOT/benchmarks/diagnostics/model_step.py" --contexts 512,2048 --batch 64 \
+      --steps 32 --repeats 7 --out "$OUT/model_steps_512_2048.json"
+  TAIL=12 run model_steps_8192 280 "$PY" -P "$ROOT/benchmarks/diagnostics/model_step.py" --contexts 8192 --batch 64 \
+      --steps 32 --repeats 7 --out "$OUT/model_steps_8192.json"
+fi
 has model && TAIL=20 run model 240 "$PY" -P -m jax_rope_cache generate --reference "$ROOT/tests/data/hf_greedy.npz" \
     --batch 64 --dtype bfloat16 --impls kernel,xla,baseline
 has model_8b && TAIL=9 run model_8b 420 "$PY" -P -m jax_rope_cache generate --model llama-3.1-8b --dtype bfloat16 \

@@ -17,7 +17,7 @@ from conftest import child_env
 
 BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks")
 HARNESS = os.path.join(BENCH, "bench_gpu.py")
-SUITES = ["op", "qk_norm", "mrope", "mla", "qkv", "tp", "fp8"]
+SUITES = ["op", "qk_norm", "mrope", "mla", "qkv", "tp", "fp8", "families", "low_bit"]
 
 
 def _run(*args, timeout=120):
@@ -36,7 +36,7 @@ def test_the_harness_lists_its_suites_and_refuses_an_unknown_one():
     r = _run("--help")
     assert r.returncode == 0 and all(f"bench_gpu.py {s}" in r.stdout for s in SUITES)
     r = _run("bogus")
-    assert r.returncode == 2 and "suite: expected one of op, qk_norm, mrope, mla, qkv, tp, fp8, got 'bogus'" in r.stderr
+    assert r.returncode == 2 and "suite: expected one of op, qk_norm, mrope, mla, qkv, tp, fp8, families, low_bit, got 'bogus'" in r.stderr
 
 
 def _dry(suite, tmp_path, *extra):
@@ -260,3 +260,29 @@ def test_model_step_context_routes_run_on_the_cpu(tmp_path):
         table = r.stdout[r.stdout.index(f"context {ctx}:"):].splitlines()
         assert [ln.split()[0] for ln in table[2:6]] == routes, table[:6]
         assert table[2].split()[-3].endswith("%")  # the op's share, against the baseline with the same attention
+
+
+def test_families_dry_run_times_each_switch_next_to_its_plain_call(tmp_path):
+    out, res = _dry("families", tmp_path, "--tokens", "1", "--cases", "nope,gemma_norm,rotary_tail")
+    rows = res["rows"]
+    assert [(r["case"], r["variant"]) for r in rows] == [
+        (c, v) for c in ("nope", "gemma_norm", "rotary_tail") for v in ("switch", "plain", "xla")]
+    assert all(r["time_us"] > 0 for r in rows), rows
+    table = out[out.index("sw/plain = switch / plain"):].splitlines()
+    assert len(table) == 2 + 3 and table[1].split()[:3] == ["case", "model", "T"]
+
+
+def test_low_bit_dry_run_counts_each_formats_bytes(tmp_path):
+    out, res = _dry("low_bit", tmp_path, "--tokens", "8", "--models", "llama-3.1-8b:1",
+                    "--variants", "bf16,fp8_token,int8_xla,int4_xla,nvfp4_xla,mxfp4_xla")
+    rows = {r["variant"]: r for r in res["rows"]}
+    assert set(rows) == {"bf16", "fp8_token", "int8_xla", "int4_xla", "nvfp4_xla", "mxfp4_xla"}
+    assert all(r["time_us"] > 0 for r in rows.values()), rows
+    # the dry run's 32 q heads, 8 KV heads, D = 32: the K and V rows at 2, 1 and 1/2 bytes a value, f32 scales
+    kv_values, scales = 2 * 8 * 32, 2 * 8 * 4
+    assert rows["bf16"]["bytes"] - rows["fp8_token"]["bytes"] == 8 * (kv_values - scales)
+    assert rows["int8_xla"]["bytes"] - rows["int4_xla"]["bytes"] == 8 * kv_values / 2
+    # the block scales: one byte per 16 (NVFP4) or 32 (MXFP4) values instead of 4 bytes per row
+    assert rows["int4_xla"]["bytes"] - rows["nvfp4_xla"]["bytes"] == 8 * 2 * 8 * (4 - 32 // 16)
+    assert rows["int4_xla"]["bytes"] - rows["mxfp4_xla"]["bytes"] == 8 * 2 * 8 * (4 - 32 // 32)
+    assert "/fp8 = time / fp8_token time" in out

@@ -85,7 +85,8 @@ def test_generate_without_model_checks_every_fixture_and_times_the_default(calls
 
 @pytest.mark.parametrize("model,fixture", [("tiny-qwen3", "hf_greedy.npz"), ("tiny-deepseek-v3", "hf_greedy_mla.npz"),
                                            ("tiny-gemma-3", "hf_greedy_families.npz"),
-                                           ("tiny-llama-4", "hf_greedy_families.npz")])
+                                           ("tiny-llama-4", "hf_greedy_families.npz"),
+                                           ("tiny-llama-4-maverick", "hf_greedy_families.npz")])
 def test_generate_model_checks_and_times_that_model_only(calls, model, fixture):
     _main("--model", model)
     assert calls.checks == [(fixture, {model})]

@@ -155,3 +155,13 @@ def test_layer_plan_checks_the_per_layer_lists():
     cfg = dict(presets.preset_config("gemma-3-4b"), layer_types=["full_attention"])
     with pytest.raises(ValueError, match=r"config\['layer_types'\]: expected 34 layer types"):
         hfconfig.layer_plan(cfg)
+
+
+def test_an_empty_no_rope_layers_list_is_llama_4s_default():
+    """Llama 4's released configs carry "no_rope_layers": []: every fourth layer NoPE, as without the key."""
+    cfg = presets.preset_config("llama-4-scout")
+    plain = [p.rope for p in hfconfig.layer_plan(cfg)]
+    assert plain == [(i + 1) % 4 != 0 for i in range(48)]
+    assert [p.rope for p in hfconfig.layer_plan(dict(cfg, no_rope_layers=[]))] == plain
+    with pytest.raises(ValueError, match=r"config\['no_rope_layers'\]: expected 36 entries"):
+        hfconfig.layer_plan(dict(presets.preset_config("smollm3-3b"), no_rope_layers=[]))

@@ -1,18 +1,21 @@
 """Records transformers' greedy generation of the tiny Gemma 3 and Llama 4 (text) models of
 jax_rope_cache/decoder_families.py into tests/data/hf_greedy_families.npz: the reference of
-tests/test_model_families.py and of `generate --model tiny-gemma-3 / tiny-llama-4`.
+tests/test_model_families.py and of `generate --model tiny-gemma-3 / tiny-llama-4 / tiny-llama-4-maverick`.
 
     python tools/record_hf_families.py                       # needs jax (this package) + torch + transformers
     python tools/record_hf_families.py --stage export --weights W.npz   # the jax side alone (Python >= 3.12)
     python tools/record_hf_families.py --stage record --weights W.npz   # the torch side alone (numpy only)
+    ... --models tiny-llama-4-maverick    # (both stages) only these; the fixture's other models kept as stored
 
 The two stages let a machine whose torch and jax need different Pythons record it: `export` draws the
 weights (decoder.random_params with the model's seed) and writes them under transformers' names with
 the configs and prompts; `record` loads them into Gemma3ForCausalLM / Llama4ForCausalLM (float32, eager
 attention) and, for each prompt, NEW_TOKENS greedy tokens, each from a full forward pass over the whole
 sequence so far (no KV cache on that side). Stored per model as tools/record_hf_model.py stores its
-models (decoder.load_hf_reference reads both). A tiny top-2 logit gap or router gap is refused (pick
-another seed): equal tokens must not be luck.
+models (decoder.load_hf_reference reads both), plus, for Llama 4, the layers transformers built with
+the MoE block (`<name>/moe_layers`). A tiny top-2 logit gap or router gap is refused (pick another
+seed): equal tokens must not be luck. With --models the other models' arrays are copied unchanged,
+and only into a fixture whose recorded versions (meta) are the running ones.
 """
 
 from __future__ import annotations
@@ -33,12 +36,14 @@ FIXTURE = os.path.join(ROOT, "tests", "data", "hf_greedy_families.npz")
 from record_hf_model import NEW_TOKENS, PROMPT_LENGTHS, ROUTER_MARGIN, make_prompts, top2_margin  # noqa: E402
 
 
-def export(path: str) -> None:
+def export(path: str, models=None) -> None:
     """The jax side: configs, seeds, weight digests, prompts and the weights under transformers' names."""
     from jax_rope_cache import decoder, decoder_families as fam
 
     out = {"bound": np.float64(decoder.HF_LOGIT_BOUND)}
     for name, config in fam.TINY_FAMILY_CONFIGS.items():
+        if models is not None and name not in models:
+            continue
         cfg = fam.FamilyDecoderConfig.from_hf(config)
         params = decoder.random_params(cfg, fam.TINY_FAMILY_SEEDS[name])
         out[f"{name}/config"] = np.array(json.dumps(config, sort_keys=True))
@@ -69,8 +74,8 @@ def hf_model(config: dict, state: dict):
     return model
 
 
-def record(weights: str, out: str) -> None:
-    """The torch side: transformers' greedy tokens and logits of every exported model."""
+def record(weights: str, out: str, models=None) -> None:
+    """The torch side: transformers' greedy tokens and logits of every exported model (of `models`)."""
     import torch
     import transformers
 
@@ -79,9 +84,11 @@ def record(weights: str, out: str) -> None:
 
     w = np.load(weights)
     bound = float(w["bound"])
-    names = sorted({k.split("/")[0] for k in w.files if "/" in k})
+    names = sorted({k.split("/")[0] for k in w.files if "/" in k and (not models or k.split("/")[0] in models)})
     data = {"meta": np.array(json.dumps({"torch": torch.__version__, "transformers": transformers.__version__,
                                          "numpy": np.__version__, "new_tokens": NEW_TOKENS}))}
+    if models:
+        data = kept(out, names, data["meta"])
     torch.set_num_threads(1)
     for name in names:
         config = json.loads(str(w[f"{name}/config"]))
@@ -109,6 +116,9 @@ def record(weights: str, out: str) -> None:
                  f"{name}/digest": w[f"{name}/digest"], f"{name}/prompts": padded,
                  f"{name}/lengths": np.array(PROMPT_LENGTHS, np.int32), f"{name}/tokens": tokens,
                  f"{name}/logits": logits}
+        if config["model_type"] == "llama4_text":
+            data[f"{name}/moe_layers"] = np.array([i for i, lay in enumerate(model.model.layers) if lay.is_moe_layer],
+                                                  np.int32)
         print(f"{name}: prompts {list(PROMPT_LENGTHS)}, {NEW_TOKENS} tokens each, min top-2 margin {margin:.3f}, "
               f"|logit| max {np.abs(logits).max():.2f}" + (f", least router gap {min(gaps):.2e}" if len(gaps) > 1 else ""))
     os.makedirs(os.path.dirname(out), exist_ok=True)
@@ -116,17 +126,29 @@ def record(weights: str, out: str) -> None:
     print(f"wrote {out} ({os.path.getsize(out) / 1024:.0f} KiB)")
 
 
+def kept(out: str, names, meta) -> dict:
+    """The stored fixture's arrays of every model not in `names` (and its meta), refused unless that meta
+    is the running one: one fixture, one recording setup."""
+    with np.load(out) as f:
+        old = {k: f[k] for k in f.files}
+    if str(old["meta"]) != str(meta):
+        raise SystemExit(f"{out} was recorded with {old['meta']}, this is {meta}: record every model (no --models)")
+    return {k: v for k, v in old.items() if k.split("/")[0] not in names}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--stage", choices=("both", "export", "record"), default="both")
     p.add_argument("--weights", default=None, help="the exported weights (export writes, record reads)")
     p.add_argument("--out", default=FIXTURE)
+    p.add_argument("--models", default=None, help="comma list: record only these, keep the others as stored")
     a = p.parse_args(argv)
+    models = a.models.split(",") if a.models else None
     weights = a.weights or os.path.join(tempfile.mkdtemp(), "families_weights.npz")
     if a.stage in ("both", "export"):
-        export(weights)
+        export(weights, models)
     if a.stage in ("both", "record"):
-        record(weights, a.out)
+        record(weights, a.out, models)
 
 
 if __name__ == "__main__":

@@ -166,6 +166,29 @@ def wall_note(rec: dict, expect_device: bool) -> str:
     return f"WALL time ({rec.get('trace_error', 'no device time')})"
 
 
+def timed_row(rec: dict, run_factory, a, workdir, rows: list) -> dict:
+    """rec updated with measure()'s record of run_factory() (or the error that kept it from running:
+    the other variants go on), appended to rows and logged."""
+    import json
+
+    try:
+        rec.update(measure(run_factory(), a, workdir))
+    except Exception as e:  # noqa: BLE001 - keep the other variants
+        rec["error"] = f"{type(e).__name__}: {e}"[:300]
+    rows.append(rec)
+    log(json.dumps(rec))
+    return rec
+
+
+def save_rows(a, name: str, meta: dict, rows: list) -> str:
+    """Writes OUT_DIR/NAME.json ({meta, rows}); returns the table header's timing words."""
+    import json
+
+    with open(os.path.join(a.out_dir, f"{name}.json"), "w") as fh:
+        json.dump(dict(meta=meta, rows=rows), fh, indent=1)
+    return "device (profiler GPU busy per call)" if any(r.get("device_us") for r in rows) else "wall per call"
+
+
 def fmt(x, w=9, p=2):
     return f"{x:{w}.{p}f}" if isinstance(x, (int, float)) else f"{'-':>{w}}"
 

@@ -238,9 +238,96 @@ def unpack_int4(b):
     return jnp.where(nib >= 8, nib - 16, nib).astype(jnp.int8).reshape(b.shape[:-1] + (2 * b.shape[-1],))
 
 
+# ---- NVFP4 / MXFP4 (reference.quantize_blocks) ----
+_E2M1_VALUES = reference.E2M1_VALUES
+
+
+def e2m1_codes(y):
+    """reference.e2m1_codes: f32 -> E2M1 codes (uint8), half to even, saturating, NaN -> +0."""
+    y = jnp.where(jnp.isnan(y), _F32(0), y)
+    a = jnp.abs(y)
+    code = jnp.zeros(y.shape, jnp.uint8)
+    for t, up in reference.E2M1_STEPS:
+        code = code + ((a >= _F32(t)) if up else (a > _F32(t))).astype(jnp.uint8)
+    return code | (jnp.signbit(y).astype(jnp.uint8) << jnp.uint8(3))
+
+
+def e2m1_decode(code):
+    mag = jnp.asarray(_E2M1_VALUES)[(code & jnp.uint8(7)).astype(jnp.int32)]
+    return jnp.where((code & jnp.uint8(8)) != 0, -mag, mag)
+
+
+def pack_nibbles(code):
+    code = code & jnp.uint8(0xF)
+    return code[..., 0::2] | (code[..., 1::2] << jnp.uint8(4))
+
+
+def unpack_nibbles(b):
+    return jnp.stack([b & jnp.uint8(0xF), b >> jnp.uint8(4)], axis=-1).reshape(b.shape[:-1] + (2 * b.shape[-1],))
+
+
+def block_amax(y, group: int):
+    a = jnp.abs(y.astype(_F32))
+    a = jnp.where(a <= np.finfo(np.float32).max, a, _F32(0))  # NaN and inf left out
+    return jnp.max(a.reshape(a.shape[:-1] + (a.shape[-1] // group, group)), axis=-1)
+
+
+def quantize_blocks(y, fmt: str, global_scale=None):
+    """reference.quantize_blocks: rows [..., D] -> (block scales [..., D/group], bytes [..., D/2])."""
+    group = contract.BLOCK_GROUP[fmt]
+    y = y.astype(_F32)
+    amax = block_amax(y, group)
+    if fmt == "nvfp4":
+        g = jnp.asarray(global_scale, _F32).reshape(())
+        # a divisor XLA cannot see as a constant (it would multiply by a rounded 1/6): the barrier
+        amax, six = jax.lax.optimization_barrier((amax, jnp.full(amax.shape, contract.FP4_MAX, _F32)))
+        s = (amax / six) * _inverse_scale(g, False)
+        scales = to_dtype(jnp.clip(s, _F32(0), _F32(contract.FP8_MAX[contract.E4M3])), contract.E4M3)
+        den = scales.astype(_F32) * g
+        mult = jnp.where(den == 0, _F32(0), jnp.minimum(_F32(1.0) / den, np.finfo(np.float32).max))
+    else:
+        bits = jax.lax.bitcast_convert_type(amax, jnp.uint32)
+        x = jnp.clip((bits >> jnp.uint32(23)).astype(jnp.int32) - 129, -127, 127)
+        scales = jax.lax.bitcast_convert_type((x + 127).astype(jnp.uint8), contract.E8M0)
+        mult = jax.lax.bitcast_convert_type((127 - x).astype(jnp.uint32) << jnp.uint32(23), _F32)  # 2^-X
+    blocks = y.reshape(y.shape[:-1] + (y.shape[-1] // group, group))
+    p = (blocks * mult[..., None]).reshape(y.shape)
+    return scales, pack_nibbles(e2m1_codes(p))
+
+
+def e8m0_value(scale):
+    """reference.e8m0_value: 2^(code - 127) as f32 (code 0: 2^-127; 0xFF: NaN)."""
+    code = jax.lax.bitcast_convert_type(scale, jnp.uint8).astype(jnp.uint32)
+    bits = jnp.where(code == 0, jnp.uint32(0x00400000), code << jnp.uint32(23))
+    return jax.lax.bitcast_convert_type(jnp.where(code == 255, jnp.uint32(0x7FFFFFFF), bits), _F32)
+
+
+def dequantize_blocks(b, scales, fmt: str, global_scale=None):
+    """reference.dequantize_blocks: bytes [..., D/2], block scales [..., D/group] -> f32 [..., D]."""
+    group = contract.BLOCK_GROUP[fmt]
+    v = e2m1_decode(unpack_nibbles(b))
+    v = v.reshape(v.shape[:-1] + (v.shape[-1] // group, group))
+    if fmt == "nvfp4":
+        out = (v * scales.astype(_F32)[..., None]) * jnp.asarray(global_scale, _F32).reshape(())
+    else:
+        out = v * e8m0_value(scales)[..., None]
+    return out.reshape(out.shape[:-2] + (-1,))
+
+
 def _layer_lead(blk, spec: contract.OpSpec, layer) -> tuple:
     """The stacked caches' leading index: the layer (clipped; an invalid one has no valid slot)."""
     return () if spec.num_layers is None else (jnp.full_like(blk, jnp.clip(layer, 0, spec.num_layers - 1)),)
+
+
+def scatter_block_scales(k_scale_cache, v_scale_cache, ks, vs, blk, off, spec: contract.OpSpec, layer=None):
+    """Writes the block scales [T, KH, D/group] at the token's row in the layout's key axes (as bytes)."""
+    lay, lead = contract.LAYOUT_TABLE[spec.layout], _layer_lead(blk, spec, layer)
+    out = []
+    for c, v in ((k_scale_cache, ks), (v_scale_cache, vs)):
+        shape, perm = lay.token_split("key", spec.kv_heads, v.shape[-1], 1, lead=len(lead))
+        index = lead + lay.token_index("key", blk, off, 1)
+        out.append(_scatter_bits(c, index, v.reshape((spec.num_tokens,) + shape).transpose(perm)))
+    return tuple(out)
 
 
 def scatter_scales(k_scale_cache, v_scale_cache, ks, vs, blk, off, spec: contract.OpSpec, layer=None):
@@ -354,7 +441,12 @@ def rope_and_cache(q, k, v, key_cache, value_cache, slot_mapping, positions, cos
     blk, off = slot_coords(slot_mapping, spec, layer)
     fused = (spec.fp8 or spec.low_bit) and reference.arithmetic(spec) == "fused"  # fp8 quantizes the f32 values there
     k_stored = k_wide if fused else k_out
-    if spec.token_scales:  # k_scale / v_scale are the scale caches
+    if spec.cache_format is not None:  # k_scale / v_scale are the block-scale caches
+        kg, vg = extra.get("k_global_scale"), extra.get("v_global_scale")
+        ks, kq = quantize_blocks(k_stored, spec.cache_format, kg)
+        vs, vq = quantize_blocks(v, spec.cache_format, vg)
+        k_scale, v_scale = scatter_block_scales(k_scale, v_scale, ks, vs, blk, off, spec, layer)
+    elif spec.token_scales:  # k_scale / v_scale are the scale caches
         ks, vs = token_scale(k_stored, spec.cache_dtype), token_scale(v, spec.cache_dtype)
         kq, vq = quantize_rows(k_stored, spec.cache_dtype, ks), quantize_rows(v, spec.cache_dtype, vs)
         k_scale, v_scale = scatter_scales(k_scale, v_scale, ks, vs, blk, off, spec, layer)
@@ -367,11 +459,12 @@ def rope_and_cache(q, k, v, key_cache, value_cache, slot_mapping, positions, cos
     return q_out, k_out, key_cache, value_cache
 
 
-def read_kv(key_cache, value_cache, slot_mapping, scales=None, *, layout="flash"):
+def read_kv(key_cache, value_cache, slot_mapping, scales=None, *, layout="flash", fmt=None):
     """Cached K and V of each slot as [T, KH, D] in the cache dtype; zeros for invalid slots.
     `scales` (k, v): per-token scale caches (the layout's scale axes, e.g. [NB, KH, BS]) or static
     scales [1] / [KH]: dequantized
-    float32 values float32(stored) * scale instead."""
+    float32 values float32(stored) * scale instead. fmt "nvfp4" / "mxfp4": `scales` are the
+    block-scale caches (k, v), then for NVFP4 the global scales (k, v): dequantize_blocks."""
     lay = contract.cache_layout(layout)
     value_cache = key_cache if value_cache is None else value_cache  # merged: one array
     x = lay.cache_x("key", key_cache.shape, key_cache.dtype)
@@ -385,7 +478,12 @@ def read_kv(key_cache, value_cache, slot_mapping, scales=None, *, layout="flash"
     for i, (cache, which) in enumerate(((key_cache, "key"), (value_cache, "value"))):
         shape, perm = lay.token_split(which, kh, d, x)
         got = cache[lay.token_index(which, blk, off, x)].transpose(np.argsort(perm)).reshape(s.shape[0], kh, d)
-        if scales is not None:
+        if fmt is not None:
+            g = 2 * d // contract.BLOCK_GROUP[fmt]
+            _, bperm = lay.token_split("key", kh, g, 1)
+            bs_ = scales[i][lay.token_index("key", blk, off, 1)].transpose(np.argsort(bperm)).reshape(s.shape[0], kh, g)
+            got = dequantize_blocks(got, bs_, fmt, scales[2 + i] if fmt == "nvfp4" else None)
+        elif scales is not None:
             sc = scales[i]
             if sc.ndim == 3:  # a scale cache: [T, KH]
                 _, sperm = lay.token_split("scale", kh, 1, 1)

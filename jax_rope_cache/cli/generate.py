@@ -256,8 +256,9 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--unroll", type=int, default=0, help="layer scan unroll factor (0: all layers, straight-line)")
     p.add_argument("--kv-quant", default=None, choices=tuple(q for q in decoder.KV_QUANTS if q),
-                   help="per_token: float8_e4m3fn, int8_per_token: int8 caches, both with per-token scales "
-                        "(the check then also reports how far the quantized run moves from the unquantized one)")
+                   help="per_token: float8_e4m3fn, int8_per_token / int4_per_token: int8 / int4 caches, all with "
+                        "per-token scales; nvfp4 / mxfp4: 4-bit float caches with block scales (the check then "
+                        "also reports how far the quantized run moves from the unquantized one)")
     a = p.parse_args(argv)
     impls = [s for s in a.impls.split(",") if s]
     for s in impls:

@@ -462,7 +462,9 @@ def layer_plan(config: Mapping) -> tuple[LayerPlan, ...]:
         return tuple(LayerPlan(True, "local", "sliding", window) if t == "sliding_attention"
                      else LayerPlan(True, "global", "full") for t in types)
     if mt in NOPE_MODEL_TYPES:
-        rope = _int_list(config, "no_rope_layers", n)
+        # Llama 4's released configs say "no_rope_layers": [], which transformers reads as the default
+        empty = mt != "smollm3" and config.get("no_rope_layers") in ([], ())
+        rope = None if empty else _int_list(config, "no_rope_layers", n)
         if rope is None:
             every = config.get("no_rope_layer_interval", 4)
             rope = [int((i + 1) % every != 0) for i in range(n)]
