@@ -130,6 +130,8 @@ def op_codes(spec: contract.OpSpec, module=None) -> contract.KernelCodes:
     holds the float dtypes only)."""
     if not spec.low_bit:
         return contract.kernel_codes(spec)
+    if getattr(spec, "cache_format", None) is not None:  # NVFP4 / MXFP4 (uint8 too): not in the kernel
+        raise NotImplementedError(f"rope_and_cache: the FlyDSL kernel has no {spec.cache_format} cache")
     K = module or flydsl.kernel_module()
     codes = contract.kernel_codes(dataclasses.replace(spec, cache_dtype=contract.FP8_DTYPES[0]))  # the same geometry
     return dataclasses.replace(codes, cache_dt=K.INT8 if spec.int8 else K.INT4)
