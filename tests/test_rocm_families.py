@@ -384,7 +384,8 @@ def test_nope_temperature_reads_only_inside_the_factor_table():
     args[6] = np.array([0, 39, 40, -5, 2**31 - 1, -(2**31), 7, 38, 1], np.int32)
     spec = spec_of(fc, args, opts)
     cfg = rocm.kernel_config(spec, K)
-    operands = rocm_emulator.custom_call_operands(list(inputs) + args[3:], opts) + rocm_emulator.extra_operands(spec, opts)
+    operands = (rocm_emulator.custom_call_operands(list(inputs) + args[3:], opts)
+                + rocm_emulator.extra_operands(spec, opts))
     with np.errstate(all="ignore"):
         got = rocm_emulator.run(K, cfg, operands)
         want = reference.rope_and_cache(*args, **opts)

@@ -428,7 +428,8 @@ def make_config(*, qh, kh, d, r, bs, layout, neox, full_table, native, dt, tab_d
     s = ITEMSIZE[dt]
     vmax = 16 // s
     if norm_type not in (RMS, GEMMA, WEIGHTLESS):
-        raise ValueError(f"norm_type: expected {RMS} (rms), {GEMMA} (gemma) or {WEIGHTLESS} (weightless), got {norm_type}")
+        raise ValueError(f"norm_type: expected {RMS} (rms), {GEMMA} (gemma) or {WEIGHTLESS} (weightless), "
+                         f"got {norm_type}")
     weights = q_norm >= 0 or k_norm >= 0
     if (norm_type == GEMMA and not weights) or (norm_type == WEIGHTLESS and weights):
         raise ValueError(f"norm_type: {norm_type} with q_norm={q_norm}, k_norm={k_norm}: gemma needs a weight, "
@@ -481,7 +482,8 @@ def make_config(*, qh, kh, d, r, bs, layout, neox, full_table, native, dt, tab_d
         if not r:
             return 1  # no rotation phase
         # tail: chunks start at D - R + c*W, so W divides D - R too (aligned accesses, whole X groups)
-        w = _pow2_width(cap, r // 2, *((d - r,) if tail else ())) if neox else _pow2_width(cap, r, *((d - r,) if tail else ()))
+        also = (d - r,) if tail else ()
+        w = _pow2_width(cap, r // 2, *also) if neox else _pow2_width(cap, r, *also)
         return max(w, 1 if neox else 2)
 
     wmax = min(vmax, width_cap or vmax)
