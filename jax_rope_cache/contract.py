@@ -1169,10 +1169,9 @@ def mrope_codes(spec: OpSpec) -> dict:
 FEATURES = ("q_norm", "k_norm", "k_scale_heads", "v_scale_heads", "mrope", "token_scales",
             "nope", "rope_switch", "rotary_tail", "gemma_norm", "weightless_norm", "norm_after", "temperature",
             "q_gate", "int8_cache", "int4_cache", "nvfp4_cache", "mxfp4_cache")
-# The options the native kernels implemented before the model-family options (the CPU handler and the
-# FlyDSL kernel implement exactly these; the family options are refused by every kernel today).
+# The options every native kernel implemented before the model-family options.
 BASE_FEATURES = FEATURES[:6]
-# The low-bit cache formats (reference and XLA path only; every kernel refuses them).
+# The low-bit cache formats (each backend's SUPPORTS says which its kernel writes).
 CACHE_FORMAT_FEATURES = ("int8_cache", "int4_cache", "nvfp4_cache", "mxfp4_cache")
 
 

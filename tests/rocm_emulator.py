@@ -540,10 +540,28 @@ def custom_call_operands(args, opts, layer=0) -> list[np.ndarray]:
     none = np.zeros(1, np.float32)
     weights = [none if opts.get(n) is None else np.asarray(opts[n]) for n in ("q_norm_weight", "k_norm_weight")]
     args = list(args)
+    if args[6] is None:  # rotary_dim=0 without positions / tables: the op's placeholders (never read)
+        args[6] = np.zeros(np.asarray(args[0]).shape[:1], np.int32)
+    if args[7] is None:
+        args[7] = args[8] = np.zeros((1, 0), np.float32)
     if args[4] is None:  # kv_merged (no value cache): the op's one-element placeholder per layer
         kc = np.asarray(args[3])
         args[4] = np.zeros(kc.shape[:kc.ndim - 4] + (1,), kc.dtype)
     return [np.asarray(a) for a in args] + scales + [np.asarray(layer, np.int32).reshape(())] + weights
+
+
+def extra_operands(spec, opts) -> list[np.ndarray]:
+    """The operands after the 14 (contract.extra_operands) of a call: use_rope as int32 [], the
+    temperature factors [max_pos // floor_scale + 1] (reference.temperature_factors)."""
+    from jax_rope_cache import contract, reference
+
+    out = []
+    for name in contract.extra_operands(spec):
+        if name == "use_rope":
+            out.append(np.asarray(opts["use_rope"]).astype(np.int32).reshape(()))
+        else:
+            out.append(reference.temperature_factors(spec.max_pos, *spec.temperature))
+    return out
 
 
 def run(kernel_module, cfg, operands: list[np.ndarray]) -> list[np.ndarray]:

@@ -31,6 +31,7 @@ import pytest
 
 import jax_rope_cache as jrc
 from jax_rope_cache import backends, contract, reference
+from jax_rope_cache.backends import cpu as cpu_backend
 from jax_rope_cache.backends import native
 from conftest import assert_bits_equal, assert_fma_close, platforms
 
@@ -300,15 +301,14 @@ def test_temperature_factors_match_transformers_float32_steps():
 
 # ---- the CPU handler: the family options it implements, bit for bit ----------------------------------------
 FAMILY = tuple(f for f in contract.FEATURES if f not in contract.BASE_FEATURES + contract.CACHE_FORMAT_FEATURES)
-CPU_FAMILY = set(FAMILY)
 needs_cpu_kernel = pytest.mark.skipif("cpu" not in backends.kernel_platforms(), reason="no CPU kernel here")
 
 
-def test_every_family_option_is_a_feature_and_only_the_cpu_handler_implements_some():
+def test_every_family_option_is_a_feature_and_the_kernels_implement_theirs():
     assert set(FAMILY) == {"nope", "rope_switch", "rotary_tail", "gemma_norm", "weightless_norm", "norm_after",
                            "temperature", "q_gate"}
     for name, backend in backends.KERNEL_BACKENDS.items():
-        assert set(FAMILY) & set(backend.SUPPORTS) == {"cpu": CPU_FAMILY, "cuda": set(FAMILY)}.get(name, set()), name
+        assert set(FAMILY) <= set(backend.SUPPORTS), name  # every kernel implements every family option
     for f in FAMILY:
         assert f in contract.FEATURE_NAMES
 
@@ -386,17 +386,18 @@ def _spec_using(feature):
 
 
 @pytest.mark.parametrize("feature", [f for f in FAMILY if f != "q_gate"])
-def test_kernel_refuses_and_none_falls_back(feature):
+def test_a_kernel_without_the_option_refuses_and_none_falls_back(feature, monkeypatch):
+    """Every kernel implements the option; one that did not (the CPU handler with it taken out of its
+    SUPPORTS) refuses with impl="kernel", and impl=None runs the XLA path with one warning."""
     args, opts = _spec_using(feature)
     spec = contract.check_op(*args, **opts)
     assert feature in contract.features(spec)
-    for name, backend in backends.KERNEL_BACKENDS.items():  # every other backend refuses before building anything
-        if name == "cpu" and feature in CPU_FAMILY:
-            native.refuse_unsupported(spec, backend.SUPPORTS, backend.NAME)  # implemented: no refusal
-            continue
-        with pytest.raises(native.KernelUnavailable, match="does not implement"):
-            native.refuse_unsupported(spec, backend.SUPPORTS, backend.NAME)
-    if "cpu" not in backends.kernel_platforms() or feature in CPU_FAMILY:
+    for backend in backends.KERNEL_BACKENDS.values():
+        native.refuse_unsupported(spec, backend.SUPPORTS, backend.NAME)  # implemented: no refusal
+    monkeypatch.setattr(cpu_backend, "SUPPORTS", cpu_backend.SUPPORTS - {feature})
+    with pytest.raises(native.KernelUnavailable, match="does not implement"):
+        native.refuse_unsupported(spec, cpu_backend.SUPPORTS, cpu_backend.NAME)
+    if "cpu" not in backends.kernel_platforms():
         return
     with pytest.raises(NotImplementedError, match=r"impl='kernel' on CPU.*" + re.escape(contract.FEATURE_NAMES[feature])):
         run(args, opts, impl="kernel")

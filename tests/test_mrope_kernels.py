@@ -387,7 +387,7 @@ def test_rocm_config_without_mrope_is_the_one_stream_configuration():
 
     _, K = _rocm()
     cfg = rocm.kernel_config(make_spec(T=8))
-    off = ("pack_x", "qkv", "token_scales", "nb")  # other options that leave the key when they are off
+    off = ("pack_x", "qkv", "token_scales", "nb") + tuple(K._FAMILY_DEFAULTS)  # options that leave the key when off
     assert cfg.mrope == 0 and "mrope" not in cfg.key() and len(cfg.key().split("_")) == len(
         [f for f in K.dataclasses.fields(cfg) if not f.name.startswith("mrope") and f.name not in off])
     codes = rocm.config_codes(cfg, K)

@@ -42,8 +42,11 @@ NAME = "ROCm"
 DEFAULT_ARCHS = ("gfx942", "gfx950")
 ARCH_NAMES = {"gfx942": "MI300", "gfx950": "MI350/MI355"}
 # contract.FEATURES the FlyDSL kernel implements (others: the XLA path, or an error with impl="kernel").
-# Per-token scales: for shapes where a row is a power-of-two lane group (refuse_token_scales).
-SUPPORTS: frozenset[str] = frozenset(contract.BASE_FEATURES)  # the model-family options: not yet
+# Per-token scales: for shapes where a row is a power-of-two lane group (refuse_token_scales); the norm
+# after the rotation: where the rotation lanes hold the whole row (refuse_families).
+SUPPORTS: frozenset[str] = frozenset(contract.BASE_FEATURES) | {
+    "nope", "rope_switch", "rotary_tail", "gemma_norm", "weightless_norm", "norm_after", "temperature", "q_gate",
+    "int8_cache", "int4_cache"}
 
 
 class UnsupportedArch(RuntimeError):
@@ -110,29 +113,56 @@ def kernel_config(spec_or_codes, module=None, num_tokens: int | None = None):
     Its regime follows the call's token count (an OpSpec's, or `num_tokens`): small calls get the
     latency configuration (make_config(latency=True)); KernelCodes alone (no T) the bandwidth one."""
     codes = spec_or_codes
-    if isinstance(codes, contract.OpSpec):
+    family = None
+    if isinstance(spec_or_codes, contract.OpSpec):
         num_tokens = codes.num_tokens if num_tokens is None else num_tokens
-        codes = contract.kernel_codes(codes)
+        family = family_codes(codes)
+        codes = op_codes(codes, module)
     K = module or flydsl.kernel_module()
     extra = {}
     if "latency" in inspect.signature(K.make_config).parameters:
         extra["latency"] = K.latency_regime(num_tokens)
-    return K.make_config(**config_codes(codes, K), **extra)
+    return K.make_config(**config_codes(codes, K, family), **extra)
+
+
+def op_codes(spec: contract.OpSpec, module=None) -> contract.KernelCodes:
+    """contract.kernel_codes, with an int8 / int4 cache as the kernel's INT8 / INT4 code (contract.DTYPE_CODES
+    holds the float dtypes only)."""
+    if not spec.low_bit:
+        return contract.kernel_codes(spec)
+    if getattr(spec, "cache_format", None) is not None:  # NVFP4 / MXFP4 (uint8 too): not in the kernel
+        raise NotImplementedError(f"rope_and_cache: the FlyDSL kernel has no {spec.cache_format} cache")
+    K = module or flydsl.kernel_module()
+    codes = contract.kernel_codes(dataclasses.replace(spec, cache_dtype=contract.FP8_DTYPES[0]))  # the same geometry
+    return dataclasses.replace(codes, cache_dt=K.INT8 if spec.int8 else K.INT4)
+
+
+# The model-family fields of the kernel's make_config (not in contract.KernelCodes) and their off values.
+FAMILY_DEFAULTS = dict(tail=False, rope_switch=False, norm_type=0, norm_after=False, temp_floor=0, q_gate=False)
+NORM_TYPE_CODES = {"rms": 0, "gemma": 1, "weightless": 2}
+
+
+def family_codes(spec: contract.OpSpec) -> dict:
+    """The model-family fields of make_config for a call (every one at its off value without the options)."""
+    return dict(tail=bool(spec.rotary_tail), rope_switch=bool(spec.rope_switch),
+                norm_type=NORM_TYPE_CODES[spec.norm_type] if spec.qk_norm else 0, norm_after=bool(spec.norm_after),
+                temp_floor=int(spec.temperature[0]) if spec.temperature is not None else 0, q_gate=bool(spec.q_gate))
 
 
 _CODE_FIELDS = tuple(f.name for f in dataclasses.fields(contract.KernelCodes))
 _CODE_DEFAULTS = {f.name: f.default for f in dataclasses.fields(contract.KernelCodes)
                   if f.default is not dataclasses.MISSING}
+_CODE_DEFAULTS.update(FAMILY_DEFAULTS)
 
 
-def config_codes(codes, module) -> dict:
-    """The KernelCodes fields (of a KernelCodes or RocmKernelConfig) that the kernel module's
-    make_config takes. A field it does not take yet (an option its SUPPORTS lacks) must be at its
-    off value: anything else would be dropped silently, so it raises."""
+def config_codes(codes, module, family: dict | None = None) -> dict:
+    """The KernelCodes fields and the model-family fields (FAMILY_DEFAULTS; of a RocmKernelConfig, or
+    `family`) that the kernel module's make_config takes. A field it does not take yet (an option its
+    SUPPORTS lacks) must be at its off value: anything else would be dropped silently, so it raises."""
     accepted = inspect.signature(module.make_config).parameters
     out = {}
-    for f in _CODE_FIELDS:
-        value = getattr(codes, f, _CODE_DEFAULTS.get(f))
+    for f in _CODE_FIELDS + tuple(FAMILY_DEFAULTS):
+        value = (family or {}).get(f, getattr(codes, f, _CODE_DEFAULTS.get(f)))
         if f in accepted:
             out[f] = value
         elif value != _CODE_DEFAULTS.get(f):
@@ -244,10 +274,23 @@ def refuse_token_scales(cfg, module=None) -> None:
     problem = K.token_scales_problem(cfg) if getattr(cfg, "token_scales", False) else None
     if problem is None:
         return
-    raise native.KernelUnavailable(f"a kernel with per-token fp8 scales for this shape ({problem})") from (
-        NotImplementedError(f"rope_and_cache: impl='kernel' on {NAME}: the kernel does not implement per-token fp8 "
-                            f"scales (k_scale_cache / v_scale_cache) for this shape: {problem}; use impl=None (the "
+    what = "per-token fp8 scales" if cfg.cache_dt in K.FP8_CODES else "per-token int8 / int4 quantization"
+    raise native.KernelUnavailable(f"a kernel with {what} for this shape ({problem})") from (
+        NotImplementedError(f"rope_and_cache: impl='kernel' on {NAME}: the kernel does not implement {what} "
+                            f"(k_scale_cache / v_scale_cache) for this shape: {problem}; use impl=None (the "
                             "XLA implementation then runs) or impl='xla'"))
+
+
+def refuse_families(cfg, module=None) -> None:
+    """KernelUnavailable where the kernel cannot take the call's model-family options for its shape
+    (the kernel's family_problem: the norm after the rotation needs the row in one butterfly group)."""
+    K = module or flydsl.kernel_module()
+    problem = K.family_problem(cfg) if hasattr(K, "family_problem") else None
+    if problem is None:
+        return
+    raise native.KernelUnavailable(f"a kernel with these model-family options for this shape ({problem})") from (
+        NotImplementedError(f"rope_and_cache: impl='kernel' on {NAME}: the kernel does not implement {problem}; use "
+                            "impl=None (the XLA implementation then runs) or impl='xla'"))
 
 
 def table_bytes(spec) -> int:
@@ -264,7 +307,12 @@ def refuse_buffer_limits(spec, cfg, module=None, op: str = "rope_and_cache") -> 
     other buffer is addressed in 64-bit (the kernel module's docstring lists the limits)."""
     K = module or flydsl.kernel_module()
     nbytes = table_bytes(spec)
-    if nbytes >= K.TABLE_BYTES_LIMIT:
+    temp_rows = spec.max_pos // spec.temperature[0] + 1 if getattr(spec, "temperature", None) is not None else 0
+    if temp_rows * 4 >= K.TABLE_BYTES_LIMIT:
+        problem = (f"attn_temperature: expected a factor table of less than 4 GiB (the kernel addresses it with 32-bit "
+                   f"offsets), got {temp_rows} float32 factors (max_pos {spec.max_pos} // floor_scale "
+                   f"{spec.temperature[0]} + 1)")
+    elif nbytes >= K.TABLE_BYTES_LIMIT:
         width = spec.rotary_dim if spec.table_full else spec.rotary_dim // 2
         problem = (f"cos/sin: expected tables of less than 4 GiB ({K.TABLE_BYTES_LIMIT} bytes: the kernel addresses "
                    f"them with 32-bit offsets), got [{spec.max_pos}, {width}] {np.dtype(spec.table_dtype).name} = "
@@ -280,17 +328,22 @@ def refuse_buffer_limits(spec, cfg, module=None, op: str = "rope_and_cache") -> 
 def launch_buffers(spec: contract.OpSpec) -> dict:
     """lower_launch's aliases, fenced operands and buffer names: with per-token scales the scale
     caches are 2 more results aliased to the k_scale / v_scale slots, and (donated, updated in place)
-    are not fenced."""
-    if not spec.token_scales:
+    are not fenced; the extra operands (contract.extra_operands) follow the 14, use_rope fenced."""
+    extra = contract.extra_operands(spec)
+    if not spec.token_scales and not extra:
         return {}
-    fenced = tuple(contract.OPERANDS.index(n) for n in contract.FENCED_OPERANDS if n not in ("k_scale", "v_scale"))
-    names = contract.OPERANDS + tuple(f"{r} result" if r in contract.OPERANDS else r for r in contract.results(spec))
+    fenced = tuple(contract.OPERANDS.index(n) for n in contract.FENCED_OPERANDS
+                   if not (spec.token_scales and n in ("k_scale", "v_scale")))
+    fenced += tuple(len(contract.OPERANDS) + i for i, n in enumerate(extra) if n == "use_rope")
+    ops = contract.OPERANDS + extra
+    names = ops + tuple(f"{r} result" if r in ops else r for r in contract.results(spec))
     return dict(aliases=contract.cache_aliases(spec), fenced=fenced, buffer_names=",".join(names))
 
 
 def lower(ctx, args, spec: contract.OpSpec):
     native.refuse_unsupported(spec, SUPPORTS, NAME)
     refuse_token_scales(kernel_config(spec))
+    refuse_families(kernel_config(spec))
     refuse_buffer_limits(spec, kernel_config(spec))
 
     def build(archs):

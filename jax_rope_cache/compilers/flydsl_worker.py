@@ -133,7 +133,8 @@ def compile_one(req: dict) -> dict:
             with warnings.catch_warnings(), _compile_hints(hints):
                 warnings.simplefilter("ignore")
                 launch = K.build_launcher(cfg)
-                launch._compile_only(*[fx.Int64(0)] * K.NUM_ARGS)
+                n = K.launch_args(cfg) if hasattr(K, "launch_args") else K.NUM_ARGS  # more with extra operands
+                launch._compile_only(*[fx.Int64(0)] * n)
             code = binary_from_artifact(launch._last_compiled[1])
         finally:
             for k, v in saved.items():

@@ -20,6 +20,8 @@ byte offsets 0, 8, ..., 248 (kernarg segment 256 bytes, no hidden arguments):
           T is q's dim0 (positions has dim0 3 with M-RoPE)
 With per-token scales (`token_scales`) k_scale / v_scale are the scale caches and the results
 k_scale_cache_out, v_scale_cache_out follow at 18, 19: 34 arguments (272 bytes), dim0s at 20..33.
+The extra operands (`rope_switch`: use_rope, int32 []; `temp_floor`: temperature_factors, f32) follow
+the 14 operands: the results and the dim0s move up by their count (kernel_args: 34, 36 or 38).
 Grid: (ceil(T / TPB), SPLIT, 1) workgroups of NT threads (NT is the required workgroup size).
 
 Work decomposition. A workgroup owns TPB consecutive tokens (latency regime, small T: one token,
@@ -90,6 +92,14 @@ norm's xor butterfly with that max (token_scale_row); scale and 1/scale by corre
 divisions; the row's first lane writes the scale. Rows that are no power-of-two lane group of one
 wave are refused (token_scales_problem).
 
+Model families (docs/rocm.md#model-family-options): R = 0 (no rotation phase: the pass-through phase
+holds whole rows, its lanes' xor butterfly sums a row for the norm and scales it), `tail` (rotary
+channels [D - R, D)), `rope_switch` (the rotation lanes select the unrotated bits on a call that does
+not rotate), `norm_type` GEMMA / WEIGHTLESS, `norm_after` (the rotated row normalised by the rotation
+lanes: family_problem), `temp_floor` (q * factor on calls that do not rotate), `q_gate` (q head h at
+row 2h of the fused rows). int8 caches (`INT8`): per-token scales with 127, quantized on the bits
+(f32_to_int_bits).
+
 Multimodal RoPE (`mrope` 1: sections, 2: interleaved; `mrope_t/h/w` the frequency counts; 0: off,
 positions [T], and the code is that of a kernel without the option). positions is [3, T]: stream s
 of token t at element s*T + t, read through one descriptor per stream (based at the workgroup's
@@ -113,11 +123,16 @@ ARG_BYTES = 8
 
 # dtype codes: jax_rope_cache/_spec.py DTYPE_CODES
 F32, BF16, F16, FP8_FN, FP8_FNUZ, FP8_E5M2 = 0, 1, 2, 3, 4, 5
-ITEMSIZE = {F32: 4, BF16: 2, F16: 2, FP8_FN: 1, FP8_FNUZ: 1, FP8_E5M2: 1}
+INT8 = 6  # an int8 cache (per-token scales only; backends/rocm.py maps np.int8 to it)
+INT4 = 7  # an int4 cache: uint8 bytes, channel 2j in the low nibble (per-token scales only)
+ITEMSIZE = {F32: 4, BF16: 2, F16: 2, FP8_FN: 1, FP8_FNUZ: 1, FP8_E5M2: 1, INT8: 1, INT4: 1}  # INT4: a byte (2 values)
 FP8_CODES = (FP8_FN, FP8_FNUZ, FP8_E5M2)
 FP8_MAX = {FP8_FN: 448.0, FP8_FNUZ: 240.0, FP8_E5M2: 57344.0}  # contract.FP8_MAX
+QUANT_MAX = {**FP8_MAX, INT8: 127.0, INT4: 7.0}
+LOW_BIT = (INT8, INT4)  # contract.QUANT_MAX: a per-token scale is amax / this
 TOKEN_AMAX_FLOOR_BITS = struct.unpack("<I", struct.pack("<f", 1e-8))[0]  # contract.TOKEN_AMAX_FLOOR (f32)
 FLASH, XPACKED, XPACKED_SHUFFLED, HND, HEAD_MAJOR, KV_MERGED = 0, 1, 2, 3, 4, 5  # contract.LAYOUT_TABLE codes
+RMS, GEMMA, WEIGHTLESS = 0, 1, 2  # norm_type codes (contract.NORM_TYPES)
 TABLE_BYTES_LIMIT = 1 << 32  # a cos/sin table must be smaller (32-bit buffer offsets; module docstring)
 OOB_OFFSET = 0x7FFFFFF0  # past every per-workgroup descriptor (span_problem): loads 0, stores dropped
 
@@ -167,6 +182,13 @@ class RocmKernelConfig:
     token_scales: bool = False
     # head_major: the blocks per layer (its caches [.., KH, NB, BS, D] do not lead with NB); 0 otherwise
     nb: int = 0
+    # ---- model families (each off by default: the code of a configuration without them is unchanged)
+    tail: bool = False        # rotary channels [D - R, D), pass-through [0, D - R) (rotary_position="tail")
+    rope_switch: bool = False  # the int32 [] use_rope operand (after the 14) switches the rotation per call
+    norm_type: int = RMS      # RMS w * r(x * inv); GEMMA r((x * inv) * (1 + w)); WEIGHTLESS r(x * inv), q and k
+    norm_after: bool = False  # the norm runs on the rotated row (calls that rotate only)
+    temp_floor: int = 0       # attention temperature's floor_scale (0: off): q * factor on calls that do not rotate
+    q_gate: bool = False      # fused QKV rows [T, 2 QH + 2 KH, D]: q head h at row 2h (its gate at 2h + 1)
 
     @property
     def x(self) -> int:
@@ -178,11 +200,23 @@ class RocmKernelConfig:
 
     @property
     def norm(self) -> bool:
-        return self.q_norm >= 0 or self.k_norm >= 0
+        return self.q_norm >= 0 or self.k_norm >= 0 or self.norm_type == WEIGHTLESS
+
+    @property
+    def rot_lo(self) -> int:
+        """The first rotary channel."""
+        return self.d - self.r if self.tail else 0
+
+    @property
+    def pass_lo(self) -> int:
+        """The first pass-through channel (they are [pass_lo, pass_lo + D - R))."""
+        return 0 if self.tail else self.r
 
     def key(self) -> str:
         out = []
         for f in dataclasses.fields(self):
+            if f.name in _FAMILY_DEFAULTS and getattr(self, f.name) == _FAMILY_DEFAULTS[f.name]:
+                continue  # an option off: the key of a configuration without the field
             if f.name.startswith("mrope") and not self.mrope:
                 continue  # M-RoPE off: the key of a configuration without the option
             if f.name == "pack_x" and not self.pack_x:
@@ -198,6 +232,15 @@ class RocmKernelConfig:
         return "_".join(out)
 
 
+_FAMILY_DEFAULTS = dict(tail=False, rope_switch=False, norm_type=RMS, norm_after=False, temp_floor=0, q_gate=False)
+
+
+def num_operands(cfg: RocmKernelConfig) -> int:
+    """The custom call's operands: the 14, then use_rope (rope_switch), then temperature_factors
+    (temp_floor), as contract.extra_operands."""
+    return NUM_OPERANDS + int(cfg.rope_switch) + int(cfg.temp_floor > 0)
+
+
 def num_results(cfg: RocmKernelConfig) -> int:
     """The custom call's results: q_out, k_out, the caches, and with per-token scales the scale caches."""
     return 6 if cfg.token_scales else 4
@@ -205,8 +248,17 @@ def num_results(cfg: RocmKernelConfig) -> int:
 
 def kernel_args(cfg: RocmKernelConfig) -> int:
     """The kernel's 8-byte arguments: operand addresses, result addresses, operand dim0s (32, or 34
-    with per-token scales)."""
-    return NUM_OPERANDS + num_results(cfg) + NUM_OPERANDS
+    with per-token scales; 2 more per extra operand)."""
+    return num_operands(cfg) + num_results(cfg) + num_operands(cfg)
+
+
+MAX_LAUNCH_ARGS = NUM_OPERANDS + 2 + 6 + NUM_OPERANDS + 2  # both extra operands, per-token scales
+
+
+def launch_args(cfg: RocmKernelConfig) -> int:
+    """The arguments build_launcher's launch function takes (what the compile worker passes): NUM_ARGS,
+    or MAX_LAUNCH_ARGS where the kernel takes more."""
+    return NUM_ARGS if kernel_args(cfg) <= NUM_ARGS else MAX_LAUNCH_ARGS
 
 
 def mrope_streams(cfg: RocmKernelConfig) -> list[int]:
@@ -255,7 +307,7 @@ SPLIT_MIN_LANES = 320
 def phases(cfg: "RocmKernelConfig") -> list[str]:
     """The kernel's phases in order (part y of a split configuration runs phases(cfg)[y])."""
     merged = whole_rows(cfg) and norm_layout(cfg).merged
-    return ["rot"] + (["pass"] if cfg.r < cfg.d and not merged else []) + ["v"]
+    return (["rot"] if cfg.r else []) + (["pass"] if cfg.r < cfg.d and not merged else []) + ["v"]
 
 
 def span_problem(cfg: "RocmKernelConfig") -> str | None:
@@ -266,7 +318,7 @@ def span_problem(cfg: "RocmKernelConfig") -> str | None:
     idx = 8 if cfg.slot64 or cfg.pos64 else 4
     rows = {"q_out": cfg.qh * cfg.d * s, "k_out": cfg.kh * cfg.d * s, "slot_mapping / positions": idx}
     if cfg.qkv:
-        rows["q / k / v (fused QKV)"] = (cfg.qh + 2 * cfg.kh) * cfg.d * s
+        rows["q / k / v (fused QKV)"] = (cfg.qh * (2 if cfg.q_gate else 1) + 2 * cfg.kh) * cfg.d * s
     else:
         rows["q"], rows["k / v"] = cfg.qh * cfg.d * s, cfg.kh * cfg.d * s
     name, row = max(rows.items(), key=lambda kv: kv[1])
@@ -278,8 +330,9 @@ def span_problem(cfg: "RocmKernelConfig") -> str | None:
 
 def whole_rows(cfg: "RocmKernelConfig") -> bool:
     """Whether the rotation phase's lanes of a (token, head) hold its whole row (norm_layout): the
-    QK-norm's sum of squares and the per-token scale's absolute maximum are reduced over them."""
-    return cfg.norm or cfg.token_scales
+    QK-norm's sum of squares and the per-token scale's absolute maximum are reduced over them. Without
+    rotary channels (R = 0) there is no rotation phase: the pass-through phase holds the rows."""
+    return cfg.r > 0 and (cfg.norm or cfg.token_scales)
 
 
 def token_scales_problem(cfg: "RocmKernelConfig") -> str | None:
@@ -288,6 +341,20 @@ def token_scales_problem(cfg: "RocmKernelConfig") -> str | None:
     merged in) and a V row (V phase) must each be a power-of-two group of at most 64 lanes holding
     every channel."""
     if not cfg.token_scales:
+        return None
+    if cfg.cache_dt == INT4:  # a lane stores whole bytes: every chunk holds channel pairs (2j, 2j + 1)
+        chunks = [(0, cfg.w_v)] + ([(cfg.pass_lo, cfg.w_pass)] if cfg.r < cfg.d else [])
+        if cfg.r:
+            nl = norm_layout(cfg)
+            chunks += [(off, w) for off, w in nl.families] + [(off, nl.w_psub) for off, _ in nl.families[nl.n_rot:]]
+        odd = [(off, w) for off, w in chunks if off % 2 or w % 2]
+        if odd:
+            return (f"int4 packs channel pairs into bytes, but a lane's chunk of {odd[0][1]} channel(s) at {odd[0][0]} "
+                    f"(D={cfg.d}, R={cfg.r}) splits a pair")
+    if not cfg.r:  # R = 0: the pass-through phase's lanes of a head hold its K row
+        for what, n in (("a K row", cfg.d // cfg.w_pass), ("a V row", cfg.d // cfg.w_v)):
+            if n & (n - 1) or n > 64:
+                return f"{what} spans {n} lanes (D={cfg.d}, R=0): not a power of two of at most 64"
         return None
     nl = norm_layout(cfg)
     covered = sorted(ch for off, w in nl.families for ch in range(off, off + w * nl.lanes))
@@ -298,6 +365,19 @@ def token_scales_problem(cfg: "RocmKernelConfig") -> str | None:
     if covered != list(range(cfg.d)):
         return (f"the rotation lanes of a K row ({nl.lanes} lanes, R={cfg.r}) cannot hold its {cfg.d - cfg.r} "
                 f"pass-through channels evenly")
+    return None
+
+
+def family_problem(cfg: "RocmKernelConfig") -> str | None:
+    """Why the kernel does not implement the model-family options of `cfg` for its shape (None: it
+    does). The norm after the rotation sums the rotated row: the rotation lanes must hold the whole
+    row and reduce it by the xor butterfly (norm_layout's plan), with no pass-through phase of its own."""
+    if not cfg.norm_after:
+        return None
+    nl = norm_layout(cfg) if whole_rows(cfg) else None
+    if nl is None or nl.plan is None or (cfg.r < cfg.d and not nl.merged):
+        return (f"norm_position='after' for this shape (the norm of the rotated row needs the row held by one "
+                f"power-of-two group of rotation lanes that the reduction tree fits; D={cfg.d}, R={cfg.r})")
     return None
 
 
@@ -319,8 +399,9 @@ def make_config(*, qh, kh, d, r, bs, layout, neox, full_table, native, dt, tab_d
                 pos64, layer_blocks: int = 0, q_norm: int = -1, k_norm: int = -1, norm_eps: float = 0.0,
                 k_scale_heads: bool = False, v_scale_heads: bool = False, mrope: int = 0, mrope_t: int = 0,
                 mrope_h: int = 0, mrope_w: int = 0, x: int = 0, qkv: bool = False, token_scales: bool = False,
-                nb: int = 0, nt: int = 256, rot_cap: int | None = None, width_cap: int | None = None,
-                latency: bool = False) -> RocmKernelConfig:
+                nb: int = 0, tail: bool = False, rope_switch: bool = False, norm_type: int = RMS,
+                norm_after: bool = False, temp_floor: int = 0, q_gate: bool = False, nt: int = 256,
+                rot_cap: int | None = None, width_cap: int | None = None, latency: bool = False) -> RocmKernelConfig:
     """`rot_cap` / `width_cap`: at most that many elements per rotation chunk / per pass-through and
     V chunk (narrower accesses, fewer values in flight per lane: the occupancy candidates of
     jax_rope_cache/backends/rocm.py; None = as wide as 16 bytes and the shape allow).
@@ -333,6 +414,9 @@ def make_config(*, qh, kh, d, r, bs, layout, neox, full_table, native, dt, tab_d
     `token_scales`: per-token fp8 scales (an fp8 cache, no static per-head scales); the rotation
     lanes hold whole K rows as with the norm (token_scales_problem says where that cannot be).
     `nb`: head_major's blocks per layer (required there, 0 for every other layout).
+    Model families: `r` 0 (no rotary channels: the pass-through phase copies, normalises and scales
+    whole rows), `tail`, `rope_switch`, `norm_type`, `norm_after`, `temp_floor`, `q_gate` (the
+    RocmKernelConfig fields; family_problem says which shapes they cannot take).
 
     Two regimes (`latency`, from latency_regime(T)):
       * bandwidth (large or unknown T): `nt` threads, as many tokens per workgroup as its lanes hold;
@@ -343,14 +427,31 @@ def make_config(*, qh, kh, d, r, bs, layout, neox, full_table, native, dt, tab_d
         stays within 32 lanes (DPP and ds_swizzle; not ds_bpermute nor the row reload)."""
     s = ITEMSIZE[dt]
     vmax = 16 // s
-    norm = q_norm >= 0 or k_norm >= 0
-    whole = norm or token_scales  # the rotation lanes hold whole rows (norm_layout)
-    if token_scales and (cache_dt not in FP8_CODES or k_scale_heads or v_scale_heads):
-        raise ValueError(f"token_scales: expected an fp8 cache ({FP8_CODES}) without per-head static scales, got "
+    if norm_type not in (RMS, GEMMA, WEIGHTLESS):
+        raise ValueError(f"norm_type: expected {RMS} (rms), {GEMMA} (gemma) or {WEIGHTLESS} (weightless), "
+                         f"got {norm_type}")
+    weights = q_norm >= 0 or k_norm >= 0
+    if (norm_type == GEMMA and not weights) or (norm_type == WEIGHTLESS and weights):
+        raise ValueError(f"norm_type: {norm_type} with q_norm={q_norm}, k_norm={k_norm}: gemma needs a weight, "
+                         "weightless takes none")
+    norm = weights or norm_type == WEIGHTLESS
+    if (tail or rope_switch or norm_after) and not r:
+        raise ValueError(f"tail / rope_switch / norm_after: expected rotary channels (R > 0), got R={r}")
+    if norm_after and not norm:
+        raise ValueError("norm_after: expected a norm (q_norm / k_norm or the weightless norm_type)")
+    if q_gate and not qkv:
+        raise ValueError("q_gate: expected the fused QKV input (qkv=True)")
+    if temp_floor < 0 or (temp_floor and r and not rope_switch):
+        raise ValueError(f"temp_floor: expected >= 0, and with R > 0 a rope_switch, got {temp_floor} (R={r})")
+    whole = r > 0 and (norm or token_scales)  # the rotation lanes hold whole rows (norm_layout)
+    if (token_scales and (cache_dt not in FP8_CODES + LOW_BIT or k_scale_heads or v_scale_heads)) or (
+            cache_dt in LOW_BIT and not token_scales):
+        raise ValueError(f"token_scales: expected an fp8 cache ({FP8_CODES}) or an int8 / int4 one ({LOW_BIT}, always "
+                         f"per-token) without per-head static scales, got token_scales={token_scales}, "
                          f"cache_dt={cache_dt}, k_scale_heads={k_scale_heads}, v_scale_heads={v_scale_heads}")
     x = int(x)
     if x and layout in (XPACKED, XPACKED_SHUFFLED):
-        if x & (x - 1) or d % x or (layout == XPACKED_SHUFFLED and bs % x):
+        if x & (x - 1) or (d // 2 if cache_dt == INT4 else d) % x or (layout == XPACKED_SHUFFLED and bs % x):
             raise ValueError(f"x: expected a power of two dividing D={d}" + (f" and BS={bs}" if layout ==
                              XPACKED_SHUFFLED else "") + f", got {x}")
     pack_x = x if x and layout in (XPACKED, XPACKED_SHUFFLED) and x != 16 // ITEMSIZE[cache_dt] else 0
@@ -371,15 +472,23 @@ def make_config(*, qh, kh, d, r, bs, layout, neox, full_table, native, dt, tab_d
 
     def rot_width(cap):
         cap = min(vmax, cap)
+        if cache_dt == INT4:
+            cap = max(cap, 2)  # int4: whole channel pairs per lane (token_scales_problem)
         if whole and r < d:
             # the norm's (or the row scale's) lanes also hold the channels >= R: narrower rotation chunks keep a lane's
             # share of the row at 2 x 16 bytes (more lanes per head, one butterfly step more)
             share = max(1, (vmax * r // d) * (1 if neox else 2))
             cap = min(cap, max(1 if neox else 2, 1 << (share.bit_length() - 1)))  # a power of two
-        w = _pow2_width(cap, r // 2) if neox else _pow2_width(cap, r)
+        if not r:
+            return 1  # no rotation phase
+        # tail: chunks start at D - R + c*W, so W divides D - R too (aligned accesses, whole X groups)
+        also = (d - r,) if tail else ()
+        w = _pow2_width(cap, r // 2, *also) if neox else _pow2_width(cap, r, *also)
         return max(w, 1 if neox else 2)
 
     wmax = min(vmax, width_cap or vmax)
+    if cache_dt == INT4:
+        wmax = max(wmax, 2)
     w_pass = _pow2_width(wmax, r, d) if r < d else 1
     w_v = _pow2_width(wmax, d)
     rh = qh + kh
@@ -393,9 +502,13 @@ def make_config(*, qh, kh, d, r, bs, layout, neox, full_table, native, dt, tab_d
                                 norm_eps=float(norm_eps) if norm else 0.0, k_scale_heads=bool(k_scale_heads),
                                 v_scale_heads=bool(v_scale_heads), latency=bool(latency), mrope=int(mrope),
                                 mrope_t=section[0], mrope_h=section[1], mrope_w=section[2], pack_x=pack_x,
-                                qkv=bool(qkv), token_scales=bool(token_scales), nb=int(nb))
+                                qkv=bool(qkv), token_scales=bool(token_scales), nb=int(nb), tail=bool(tail),
+                                rope_switch=bool(rope_switch), norm_type=int(norm_type), norm_after=bool(norm_after),
+                                temp_floor=int(temp_floor), q_gate=bool(q_gate))
 
     def cpx(w):
+        if not r:  # no rotation phase: the pass-through phase's geometry leads
+            return d // w_pass
         return (r // 2) // w if neox else r // w
 
     w_rot = rot_width(rot_cap or vmax)
@@ -413,7 +526,7 @@ def make_config(*, qh, kh, d, r, bs, layout, neox, full_table, native, dt, tab_d
 
     cfg = one_token(w_rot)
     half = rot_width(w_rot // 2) if rot_cap is None else w_rot
-    if half < w_rot and cpx(half) * rh <= MAX_NT:
+    if r and half < w_rot and cpx(half) * rh <= MAX_NT:
         narrow = one_token(half)
         nl = norm_layout(narrow) if whole_rows(narrow) else None
         ok = nl is None or nl.lanes <= 32  # a row's butterfly within 32 lanes (DPP and ds_swizzle)
@@ -483,18 +596,19 @@ def _butterfly_plan(d: int, families, lanes: int):
     return node(0, d)
 
 
-def _pass_families(d: int, r: int, lanes: int):
-    """Channels [r, d) as the tree's nodes, each spread evenly over the lanes (so the butterfly
-    reduces it), or None."""
+def _pass_families(d: int, r: int, lanes: int, tail: bool = False):
+    """The pass-through channels ([r, d), or [0, d - r) with the rotary channels at the tail) as the
+    tree's nodes, each spread evenly over the lanes (so the butterfly reduces it), or None."""
     out = []
+    plo, phi = (0, d - r) if tail else (r, d)
 
     def node(lo, n):
-        if lo + n <= r:
+        if lo >= phi or lo + n <= plo:  # wholly rotary channels
             return True
-        if lo >= r and n % lanes == 0:
+        if lo >= plo and lo + n <= phi and n % lanes == 0:
             out.append((lo, n // lanes))
             return True
-        if n % 2 or lo >= r:
+        if n % 2 or (lo >= plo and lo + n <= phi):
             return False
         return node(lo, n // 2) and node(lo + n // 2, n // 2)
 
@@ -504,14 +618,16 @@ def _pass_families(d: int, r: int, lanes: int):
 def norm_layout(cfg: RocmKernelConfig) -> NormLayout:
     D, R, W = cfg.d, cfg.r, cfg.w_rot
     lanes = (R // 2) // W if cfg.neox else R // W
-    fams = [(0, W), (R // 2, W)] if cfg.neox else [(0, W)]
+    o, p0 = cfg.rot_lo, cfg.pass_lo
+    fams = [(o, W), (o + R // 2, W)] if cfg.neox else [(o, W)]
     n_rot = len(fams)
     pfams = []
     if whole_rows(cfg) and R < D:
         if lanes == 1:  # the lane holds the row: one segment
-            pfams = [(R, D - R)]
+            pfams = [(p0, D - R)]
         else:
-            pfams = _pass_families(D, R, lanes) or ([(R, (D - R) // lanes)] if (D - R) % lanes == 0 else [])
+            pfams = (_pass_families(D, R, lanes, cfg.tail)
+                     or ([(p0, (D - R) // lanes)] if (D - R) % lanes == 0 else []))
     w_psub = _pow2_width(cfg.w_pass, *[v for f in pfams for v in f]) if pfams else 0  # aligned, one X-group
     fams += pfams
     covered = sorted(ch for off, w in fams for ch in range(off, off + w * lanes))
@@ -849,6 +965,25 @@ class _Emitter:
         out = self.bor(sign, code)
         return self.sel(self.cmp("ugt", x, c(0x7F800000)), c(0x7F), out)  # canonical NaN
 
+    def f32_to_int_bits(self, y, q: int, mask: int):
+        """clamp(round_half_even(y), -q, q) as two's complement bits & mask, NaN -> 0 (reference.quantize_rows
+        of a low-bit cache). On the bits: |y| above q (+-inf too) saturates by its sign; otherwise
+        y + 1.5 * 2^23 rounds y to an integer (nearest even, |y| <= q < 2^22) in its low mantissa bits."""
+        c = self.i32c
+        u = self.bitcast(self.i32, y)
+        a = self.band(u, c(0x7FFFFFFF))
+        qb = struct.unpack("<I", struct.pack("<f", float(q)))[0]
+        rounded = self.sub(self.bitcast(self.i32, self.arith.addf(y, self.c(12582912.0, self.f32))), c(0x4B400000))
+        sat = self.sel(self.cmp("ne", self.lshr(u, c(31)), c(0)), c(-q), c(q))
+        out = self.sel(self.cmp("ugt", a, c(qb)), sat, rounded)
+        out = self.sel(self.cmp("ugt", a, c(0x7F800000)), c(0), out)  # NaN
+        return self.band(out, c(mask))
+
+    def int4_bytes(self, nibbles: list) -> list:
+        """Byte bits (i32) of nibble pairs: nibbles[2j] | nibbles[2j + 1] << 4."""
+        assert len(nibbles) % 2 == 0, len(nibbles)
+        return [self.bor(nibbles[j], self.shl(nibbles[j + 1], self.i32c(4))) for j in range(0, len(nibbles), 2)]
+
     def pack_bits(self, bits: list, elem_bytes: int) -> list:
         """Element bit patterns (i32 each, low bits used) -> list of (bytes, word) for storing."""
         per = 4 // elem_bytes if elem_bytes < 4 else 1
@@ -884,10 +1019,16 @@ class _Emitter:
             return self.f32_to_f16_bits(f)
         if code == FP8_E5M2:
             return self.f32_to_e5m2_bits(self.arith.mulf(f, inv_scale))
+        if code == INT8:
+            return self.f32_to_int_bits(self.arith.mulf(f, inv_scale), 127, 0xFF)
+        if code == INT4:
+            return self.f32_to_int_bits(self.arith.mulf(f, inv_scale), 7, 0xF)
         return self.f32_to_fp8_bits(self.arith.mulf(f, inv_scale), code == FP8_FNUZ)
 
     def store_elems_pieces(self, vals: list, code: int, inv_scale=None) -> list:
         bits = [self.to_bits(v, code, inv_scale) for v in vals]
+        if code == INT4:  # channel 2j in the low nibble: one byte per pair
+            bits = self.int4_bytes(bits)
         return self.words_to_pieces(self.pack_bits(bits, ITEMSIZE[code]))
 
     def zero_raw(self, nbytes: int):
@@ -936,7 +1077,8 @@ class _Emitter:
             amax = self.arith.maxui(amax, self.lane_xor_bits(amax, m, tid))
             m *= 2
         amax = self.arith.maxui(amax, c(TOKEN_AMAX_FLOOR_BITS))
-        scale = self.arith.divf(self.bitcast(self.f32, amax), self.c(FP8_MAX[self.cfg.cache_dt], self.f32))
+        q = FP8_MAX.get(self.cfg.cache_dt) or QUANT_MAX[self.cfg.cache_dt]
+        scale = self.arith.divf(self.bitcast(self.f32, amax), self.c(q, self.f32))
         return scale, self.inv_scale(scale)
 
     def sqrt(self, f):
@@ -980,10 +1122,14 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
     E = _Emitter(cfg, dialects)
     ir = E.ir
     c32, c64 = E.i32c, E.i64c
-    (p_q, p_k, p_v, _p_kc, _p_vc, p_slot, p_pos, p_cos, p_sin, p_ks, p_vs, p_layer, p_wq, p_wk,
-     p_qo, p_ko, p_kco, p_vco) = args[:NUM_ADDRS]
-    p_ksc, p_vsc = args[NUM_ADDRS:NUM_ADDRS + 2] if cfg.token_scales else (None, None)  # the scale caches
-    dims = args[NUM_OPERANDS + num_results(cfg):kernel_args(cfg)]
+    NOPS = num_operands(cfg)
+    (p_q, p_k, p_v, _p_kc, _p_vc, p_slot, p_pos, p_cos, p_sin, p_ks, p_vs, p_layer, p_wq, p_wk) = args[:NUM_OPERANDS]
+    extra = list(args[NUM_OPERANDS:NOPS])  # contract.extra_operands: use_rope, temperature_factors
+    p_use = extra.pop(0) if cfg.rope_switch else None
+    p_temp = extra.pop(0) if cfg.temp_floor else None
+    p_qo, p_ko, p_kco, p_vco = args[NOPS:NOPS + 4]
+    p_ksc, p_vsc = args[NOPS + 4:NOPS + 6] if cfg.token_scales else (None, None)  # the scale caches
+    dims = args[NOPS + num_results(cfg):kernel_args(cfg)]
     T, NB, MAXPOS = dims[0], dims[3], dims[7]
 
     s_in = ITEMSIZE[cfg.dt]
@@ -991,12 +1137,16 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
     s_c = ITEMSIZE[cfg.cache_dt]
     fp8 = cfg.cache_dt in FP8_CODES
     D, R, QH, KH, BS, X = cfg.d, cfg.r, cfg.qh, cfg.kh, cfg.bs, cfg.x
+    PACK = 2 if cfg.cache_dt == INT4 else 1  # channels per stored cache element (int4: a byte holds 2)
+    DC, XC = D // PACK, X * PACK  # a cache row's elements; the channels of one X group
     RH = QH + KH
     TPB = cfg.tpb
     tw = R if cfg.full_table else R // 2
     mode = arith_mode(cfg)
     native_dt = cfg.dt if mode == "rounded" else None
-    QN, KN = cfg.q_norm >= 0, cfg.k_norm >= 0
+    WL = cfg.norm_type == WEIGHTLESS  # q and k normalised, no weights
+    QN, KN = cfg.q_norm >= 0 or WL, cfg.k_norm >= 0 or WL
+    GQ = 2 if cfg.q_gate else 1  # fused rows with the q gate: q head h at row 2h
     NL = norm_layout(cfg) if whole_rows(cfg) else None
     if cfg.token_scales:
         assert token_scales_problem(cfg) is None, token_scales_problem(cfg)
@@ -1011,14 +1161,14 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
         return E.rsrc(base, E.mul(rows, c64(row_bytes)))
 
     if cfg.qkv:  # each of q, k, v the fused [T, QH + 2 KH, D]: a descriptor from each one's first head
-        QKV_ROW = (QH + 2 * KH) * D * s_in
+        QKV_ROW = (GQ * QH + 2 * KH) * D * s_in
 
         def head_rsrc(ptr, first_head):
             skip = first_head * D * s_in
             return E.rsrc(E.add(ptr, E.add(E.mul(t0, c64(QKV_ROW)), c64(skip))),
                           E.sub(E.mul(rows, c64(QKV_ROW)), c64(skip)))
 
-        rs_q, rs_k, rs_v = head_rsrc(p_q, 0), head_rsrc(p_k, QH), head_rsrc(p_v, QH + KH)
+        rs_q, rs_k, rs_v = head_rsrc(p_q, 0), head_rsrc(p_k, GQ * QH), head_rsrc(p_v, GQ * QH + KH)
     else:
         rs_q = row_rsrc(p_q, QH * D * s_in)
         rs_k = row_rsrc(p_k, KH * D * s_in)
@@ -1034,8 +1184,13 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
     tab_bytes = E.mul(MAXPOS, c64(tw * s_tab))
     rs_cos = E.rsrc(p_cos, tab_bytes)
     rs_sin = E.rsrc(p_sin, tab_bytes)
-    rs_wq = E.rsrc(p_wq, c64(D * ITEMSIZE[cfg.q_norm])) if QN else None
-    rs_wk = E.rsrc(p_wk, c64(D * ITEMSIZE[cfg.k_norm])) if KN else None
+    rs_wq = E.rsrc(p_wq, c64(D * ITEMSIZE[cfg.q_norm])) if cfg.q_norm >= 0 else None
+    rs_wk = E.rsrc(p_wk, c64(D * ITEMSIZE[cfg.k_norm])) if cfg.k_norm >= 0 else None
+    # the rotation switch (uniform: one load per lane of the same word); nonzero rotates
+    rot_on = (E.cmp("ne", E.rocdl.raw_ptr_buffer_load(E.i32, E.rsrc(p_use, c64(4)), c32(0), c32(0)), c32(0))
+              if cfg.rope_switch else None)
+    # the temperature factors: a descriptor over the operand's dim0 floats (a read past it gives 0)
+    rs_temp = E.rsrc(p_temp, E.mul(dims[NOPS - 1], c64(4))) if cfg.temp_floor else None
     if cfg.nb:  # head_major: dims[3] is KH (or L); a layer's blocks are compiled in
         NB = c64(cfg.nb)
     num_slots, slot_base = E.mul(NB, c64(BS)), c64(0)
@@ -1088,9 +1243,9 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
         """Element offset of channel d (i64) of kv head hh's row at slot s in head_major, or in
         kv_merged [.., NB, BS, 2 KH, D] (K head h at row 2h, V (`value`) at 2h + 1)."""
         if cfg.layout == HEAD_MAJOR:
-            return E.add(E.mul(head_major_row(s, hh), c64(D)), d)
+            return E.add(E.mul(head_major_row(s, hh), c64(DC)), d)
         row = E.add(E.mul(s, c64(2 * KH)), E.add(E.mul(hh, c64(2)), c64(int(value))))
-        return E.add(E.mul(row, c64(D)), d)
+        return E.add(E.mul(row, c64(DC)), d)
 
     def k_cache_addr(s, h, d0: int | None, dvar=None):
         """Byte address in the key cache of element d of head h for slot s (i64)."""
@@ -1098,19 +1253,19 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
         if cfg.layout in (HEAD_MAJOR, KV_MERGED):
             el = row_el(s, hh, c64(d0) if dvar is None else dvar, False)
         elif cfg.layout == FLASH:
-            el = E.mul(E.add(E.mul(s, c64(KH)), hh), c64(D))
+            el = E.mul(E.add(E.mul(s, c64(KH)), hh), c64(DC))
             el = E.add(el, c64(d0)) if dvar is None else E.add(el, dvar)
         elif cfg.layout == HND:
             blk = E.arith.divui(s, c64(BS))
             off = E.arith.remui(s, c64(BS))
-            el = E.mul(E.add(E.mul(E.add(E.mul(blk, c64(KH)), hh), c64(BS)), off), c64(D))
+            el = E.mul(E.add(E.mul(E.add(E.mul(blk, c64(KH)), hh), c64(BS)), off), c64(DC))
             el = E.add(el, c64(d0)) if dvar is None else E.add(el, dvar)
         else:
             blk = E.arith.divui(s, c64(BS))
             off = E.arith.remui(s, c64(BS))
             d = c64(d0) if dvar is None else dvar
             grp = E.arith.divui(d, c64(X))
-            el = E.mul(E.add(E.mul(blk, c64(KH)), hh), c64(D // X))
+            el = E.mul(E.add(E.mul(blk, c64(KH)), hh), c64(DC // X))
             el = E.add(el, grp)
             el = E.add(E.mul(el, c64(BS)), off)
             el = E.add(E.mul(el, c64(X)), E.arith.remui(d, c64(X)))
@@ -1120,20 +1275,20 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
         if cfg.layout in (HEAD_MAJOR, KV_MERGED):  # kv_merged: V rows in the key cache
             return E.add(p_kco if cfg.layout == KV_MERGED else p_vco, E.mul(row_el(s, hh64, d64, True), c64(s_c)))
         if cfg.layout == FLASH:
-            el = E.add(E.mul(E.add(E.mul(s, c64(KH)), hh64), c64(D)), d64)
+            el = E.add(E.mul(E.add(E.mul(s, c64(KH)), hh64), c64(DC)), d64)
         elif cfg.layout == HND:
             blk = E.arith.divui(s, c64(BS))
             off = E.arith.remui(s, c64(BS))
-            el = E.add(E.mul(E.add(E.mul(E.add(E.mul(blk, c64(KH)), hh64), c64(BS)), off), c64(D)), d64)
+            el = E.add(E.mul(E.add(E.mul(E.add(E.mul(blk, c64(KH)), hh64), c64(BS)), off), c64(DC)), d64)
         else:
             blk = E.arith.divui(s, c64(BS))
             off = E.arith.remui(s, c64(BS))
             bh = E.add(E.mul(blk, c64(KH)), hh64)
             if cfg.layout == XPACKED:
-                el = E.add(E.mul(E.add(E.mul(bh, c64(D)), d64), c64(BS)), off)
+                el = E.add(E.mul(E.add(E.mul(bh, c64(DC)), d64), c64(BS)), off)
             else:
                 el = E.add(E.mul(bh, c64(BS // X)), E.arith.divui(off, c64(X)))
-                el = E.add(E.mul(E.add(E.mul(el, c64(D)), d64), c64(X)), E.arith.remui(off, c64(X)))
+                el = E.add(E.mul(E.add(E.mul(el, c64(DC)), d64), c64(X)), E.arith.remui(off, c64(X)))
         return E.add(p_vco, E.mul(el, c64(s_c)))
 
     def guarded(cond, fn):
@@ -1149,7 +1304,8 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
         def body():
             for m in range(0, len(vals), g):
                 pieces = E.store_elems_pieces(vals[m:m + g], cfg.cache_dt, inv_k)
-                E.global_store_pieces(pieces, k_cache_addr(s, h_k, None, dvar=E.add(d0, c64(m)) if m else d0))
+                d = E.add(d0, c64(m)) if m else d0
+                E.global_store_pieces(pieces, k_cache_addr(s, h_k, None, dvar=E.lshr(d, c64(1)) if PACK == 2 else d))
         guarded(s_ok, body)
 
     def store_row_scale(wr, c, s, h, scale, p_sc):
@@ -1167,7 +1323,7 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
     def k_group(n):
         """Elements per key-cache store of a chunk of n channels (starting at a multiple of n): the
         chunk, or one X group of it where an x-packed X is narrower."""
-        return X if cfg.packed and X < n else n
+        return XC if cfg.packed and XC < n else n
 
     def store_k_same(s_ok, s, h_k, d0, pieces, n):
         """A chunk of n channels already in the cache dtype (raw pieces) into the key cache, one
@@ -1253,12 +1409,12 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
     def head_offset(tl, h, nheads, ch0_bytes_i32):
         return E.add(E.mul(E.add(E.mul(tl, c32(nheads)), h), c32(D * s_in)), ch0_bytes_i32)
 
-    def in_offset(tl, h, nheads, ch0_bytes_i32):
+    def in_offset(tl, h, nheads, ch0_bytes_i32, q=False):
         """head_offset in an input (q, k or v; its descriptor starts at the workgroup's first token):
-        the fused tensor's rows hold QH + 2 KH heads."""
+        the fused tensor's rows hold QH + 2 KH heads (2 QH + 2 KH with the q gate: q head h at 2h)."""
         if not cfg.qkv:
             return head_offset(tl, h, nheads, ch0_bytes_i32)
-        return E.add(E.add(E.mul(tl, c32(QKV_ROW)), E.mul(h, c32(D * s_in))), ch0_bytes_i32)
+        return E.add(E.add(E.mul(tl, c32(QKV_ROW)), E.mul(h, c32((GQ if q else 1) * D * s_in))), ch0_bytes_i32)
 
     def qk_head(h):
         """(is a Q head, kv head index (garbage for Q heads), kv head made safe for indexing)."""
@@ -1277,7 +1433,7 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
         base, extra, n = chunk
         oq = head_offset(tl, h, QH, E.mul(base, c32(s_in)))
         ok = head_offset(tl, hk, KH, E.mul(base, c32(s_in)))
-        iq, ik = (in_offset(tl, h, QH, E.mul(base, c32(s_in))), in_offset(tl, hk, KH, E.mul(base, c32(s_in)))) \
+        iq, ik = (in_offset(tl, h, QH, E.mul(base, c32(s_in)), q=True), in_offset(tl, hk, KH, E.mul(base, c32(s_in)))) \
             if cfg.qkv else (oq, ok)  # the inputs' offsets (the fused rows), oq / ok the outputs'
         if extra:
             oq, ok = E.add(oq, c32(extra * s_in)), E.add(ok, c32(extra * s_in))
@@ -1378,8 +1534,9 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
 
     def plan_sum_sq(fam_vals):
         sq = [[E.arith.mulf(x, x) for x in fv] for fv in fam_vals]
-        if NL.plan == ("local",):
-            return tree_sum([v for fv in sq for v in fv], E.arith.addf)
+        if NL.plan == ("local",):  # in channel order (the families of a tail layout are not)
+            order = sorted(range(len(sq)), key=lambda j: NL.families[j][0])
+            return tree_sum([v for j in order for v in sq[j]], E.arith.addf)
 
         def ev(node):
             if node[0] == "add":
@@ -1426,10 +1583,18 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
                 inv = norm_inv(plan_sum_sq(fam))
             else:
                 inv = norm_inv(S)
+            if WL:  # reference.rms_norm "weightless": r(x * inv)
+                bits = [[E.to_bits(E.arith.mulf(x, inv), cfg.dt) for x in xs] for xs in fam_x]
+                return bits, [E.words_to_pieces(E.pack_bits(b, s_in)) for b in bits]
             # late (bandwidth): after the sum, so the weights are not live across it
             ws = ws_early() if ws_early else norm_weights(chunks, is_q)
-            bits = [[E.to_bits(E.arith.mulf(w, E.round_to(E.arith.mulf(x, inv), cfg.dt)), cfg.dt)
-                     for x, w in zip(xs, wl)] for xs, wl in zip(fam_x, ws)]
+            if cfg.norm_type == GEMMA:  # r((x * inv) * (1 + w)): one rounding
+                one = E.c(1, E.f32)
+                bits = [[E.to_bits(E.arith.mulf(E.arith.mulf(x, inv), E.arith.addf(one, w)), cfg.dt)
+                         for x, w in zip(xs, wl)] for xs, wl in zip(fam_x, ws)]
+            else:
+                bits = [[E.to_bits(E.arith.mulf(w, E.round_to(E.arith.mulf(x, inv), cfg.dt)), cfg.dt)
+                         for x, w in zip(xs, wl)] for xs, wl in zip(fam_x, ws)]
             return bits, [E.words_to_pieces(E.pack_bits(b, s_in)) for b in bits]
 
         normed = head_normed(is_q)
@@ -1448,20 +1613,37 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
             res = res[len(sz):]
         return pieces, [E.elems_from_pieces(p, cfg.dt, n) for p, n in zip(pieces, ns)]
 
+    NORM_BEFORE = cfg.norm and not cfg.norm_after
+
+    def select_pieces(cond, a, b):
+        """Raw pieces a where cond (i1) holds, else b (the same piece sizes): bits, never values."""
+        assert [n for n, _ in a] == [n for n, _ in b], (a, b)
+        return [(n, E.sel(cond, va, vb)) for (n, va), (_, vb) in zip(a, b)]
+
+    def temp_factor(tl):
+        """The temperature factor (f32) of local token tl: temperature_factors[(clamp(p) + 1) // floor_scale],
+        the index kept inside the operand (reference.temperature_rows)."""
+        pos = load_index(rs_pos, tl, cfg.pos64)
+        pos = E.arith.maxsi(E.arith.minsi(pos, E.sub(MAXPOS, c64(1))), c64(0))
+        n = E.arith.divui(E.add(pos, c64(1)), c64(cfg.temp_floor))
+        n = E.arith.maxsi(E.arith.minsi(n, E.sub(dims[NOPS - 1], c64(1))), c64(0))
+        return E.bitcast(E.f32, E.rocdl.raw_ptr_buffer_load(E.i32, rs_temp, E.mul(E.trunc32(n), c32(4)), c32(0)))
+
     # ------------------------------ rotation phase ------------------------------
     W = cfg.w_rot
     cpx_rot = (R // 2) // W if cfg.neox else R // W
     merged = NL is not None and NL.merged
-    early_w = cfg.latency and cfg.norm and NL.plan is not None
+    early_w = cfg.latency and cfg.norm and not WL and NL is not None and NL.plan is not None
     npairs = W if cfg.neox else W // 2
 
     def rot_chunks(c):
         """[(first channel: base (i32) + extra (static), n)] of this lane's families: rotation
         chunks, then the merged pass-through sub-chunks."""
         cw = E.mul(c, c32(W))
-        out = [(cw, 0, W)]
+        o = cfg.rot_lo  # 0, or D - R for the tail
+        out = [(cw, o, W)]
         if cfg.neox:
-            out.append((cw, R // 2, W))
+            out.append((cw, o + R // 2, W))
         for off, w in (NL.families[NL.n_rot:] if merged else ()):
             base = E.mul(c, c32(w))
             out += [(base, off + i * NL.w_psub, NL.w_psub) for i in range(w // NL.w_psub)]
@@ -1470,6 +1652,8 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
     def chunk_d0(chunk):
         base, extra, _ = chunk
         return E.add(E.ext64(base), c64(extra)) if extra else E.ext64(base)
+
+    late_qk = cfg.norm_after or cfg.rope_switch  # q_out / k_out stored once the row's values are final
 
     def rot_token(tl, tvalid, c, heads, chunks):
         n_rot = 2 if cfg.neox else 1
@@ -1531,7 +1715,8 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
             return ca, sa, cb, sb
 
         # without a norm the tables load first; with one after it (not live across the reduction)
-        tabs = None if cfg.norm else tables()
+        tabs = None if NORM_BEFORE else tables()
+        fac = temp_factor(tl) if cfg.temp_floor else None
 
         kslot = token_slot(tl, tvalid) if KH > 0 else None
 
@@ -1540,20 +1725,20 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
         for h, hvalid, inv_k in heads:
             is_q, hk, _ = qk_head(h)
             got = [ld_qk(tl, h, hk, is_q, hvalid, ch) for ch in chunks]
-            S = row_sum_sq(tl, h, hk, is_q, hvalid) if cfg.norm and NL.plan is None else None
+            S = row_sum_sq(tl, h, hk, is_q, hvalid) if NORM_BEFORE and NL.plan is None else None
             # latency regime: the weights load with the chunks (one unit per lane: latency, not registers)
             early.append(norm_weights(chunks, is_q, convert=False) if early_w else None)
             loaded.append((h, hvalid, inv_k, is_q, hk, got, S))
 
         normed = []
         for (h, hvalid, inv_k, is_q, hk, got, S), ew in zip(loaded, early):
-            if cfg.norm:
+            if NORM_BEFORE:
                 normed.append(normalized([g[0] for g in got], chunks, S, is_q, NL.groups, ew))
             else:
                 normed.append((None, [E.elems_from_pieces(g[0], cfg.dt, ch[2]) for g, ch in zip(got, chunks)]))
         ca, sa, cb, sb = tabs or tables()
 
-        for (h, hvalid, inv_k, is_q, hk, got, S), (new_pieces, fam_x) in zip(loaded, normed):
+        for (h, hvalid, inv_k, is_q, hk, got, S), (new_pieces, fam_x), ew in zip(loaded, normed, early):
             if cfg.neox:
                 xa, xb = fam_x[0], fam_x[1]
             else:
@@ -1587,8 +1772,21 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
                         vals = [E.round_to(v, cfg.dt) for v in vals]
                 else:
                     vals, pieces = fam_x[j], (new_pieces[j] if new_pieces else src[0])
-                store_qk(is_q, pieces, src[1], src[2])
+                if not late_qk:
+                    store_qk(is_q, pieces, src[1], src[2])
                 stores.append((pieces, vals, ch))
+            if cfg.norm_after:  # the norm of the rotated row (q_out, k_out; the cache stores the rounded values)
+                after, after_vals = normalized([p for p, _, _ in stores], chunks, None, is_q, NL.groups, ew)
+                stores = [(p, v, ch) for p, v, ch in zip(after, after_vals, chunks)]
+            if cfg.rope_switch:  # a call that does not rotate: the rows as they were (q times the factor)
+                off = [(new_pieces[j] if new_pieces else src[0], fam_x[j]) for j, src in enumerate(got)]
+                if cfg.temp_floor:
+                    off = [(select_pieces(is_q, E.store_elems_pieces([E.arith.mulf(x, fac) for x in xs], cfg.dt), p),
+                            xs) for p, xs in off]
+                stores = [(select_pieces(rot_on, p, op), [E.sel(rot_on, v, ov) for v, ov in zip(vals, ovals)], ch)
+                          for (p, vals, ch), (op, ovals) in zip(stores, off)]
+            for (pieces, _, _), src in zip(stores if late_qk else (), got):
+                store_qk(is_q, pieces, src[1], src[2])
             if KH == 0:
                 continue
             if cfg.token_scales:  # the row's scale, from the values the cache quantizes (every lane of the row)
@@ -1601,7 +1799,8 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
                 else:
                     store_k_cache(wr, s, hk, d0, vals, inv_k)
 
-    run_phase("rot", cpx_rot, RH, rot_token, head_setup=qk_head_setup, setup=rot_chunks)
+    if R:
+        run_phase("rot", cpx_rot, RH, rot_token, head_setup=qk_head_setup, setup=rot_chunks)
 
     # ------------------------------ pass-through phase ------------------------------
     if R < D and not merged:
@@ -1609,21 +1808,55 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
         cpx_p = (D - R) // WP
 
         def pass_setup(c):
-            return (E.mul(c, c32(WP)), R, WP)
+            return (E.mul(c, c32(WP)), cfg.pass_lo, WP)
+
+        # R = 0 with a norm: the head's cpx_p lanes hold its row, one tree node each where they are a
+        # power-of-two group of one wave: S by the xor butterfly (the other shapes reload the row)
+        nope_butterfly = R == 0 and cfg.norm and cpx_p & (cpx_p - 1) == 0 and cpx_p <= 64
+
+        def chunk_row_sum(pieces):
+            xs = E.elems_from_pieces(pieces, cfg.dt, WP)
+            v = tree_sum([E.arith.mulf(x, x) for x in xs], E.arith.addf)
+            m = 1
+            while m < cpx_p:  # lanes c and c^m hold sibling nodes
+                v = E.arith.addf(v, E.lane_xor(v, m, tid))
+                m *= 2
+            return v
 
         def pass_token(tl, tvalid, c, heads, ch):
             kslot = token_slot(tl, tvalid)
+            fac = temp_factor(tl) if cfg.temp_floor else None
+            # q times the factor on calls that do not rotate (R = 0: every call)
+            scaled = None
+            if cfg.temp_floor:
+                scaled = E.arith.xori(rot_on, E.c(1, E.i1)) if cfg.rope_switch else E.c(1, E.i1)
             loaded = []
             for h, hvalid, inv_k in heads:
                 is_q, hk, _ = qk_head(h)
                 got = ld_qk(tl, h, hk, is_q, hvalid, ch)
-                S = row_sum_sq(tl, h, hk, is_q, hvalid) if cfg.norm else None
+                if nope_butterfly:
+                    S = chunk_row_sum(got[0])
+                else:
+                    S = row_sum_sq(tl, h, hk, is_q, hvalid) if cfg.norm else None
                 loaded.append((h, hvalid, inv_k, is_q, hk, got, S))
             for h, hvalid, inv_k, is_q, hk, (pieces, oq, ok), S in loaded:
                 vals = None
                 if cfg.norm:
                     (pieces,), (vals,) = normalized([pieces], [ch], S, is_q, [1])
-                store_qk(is_q, pieces, oq, ok)
+                if cfg.token_scales:  # R = 0: the head's lanes hold its K row (token_scales_problem)
+                    s_ok, s = kslot
+                    wr = E.and1(s_ok, E.arith.xori(is_q, E.c(1, E.i1)))
+                    if hvalid is not None:
+                        wr = E.and1(wr, hvalid)
+                    vals = vals if vals is not None else E.elems_from_pieces(pieces, cfg.dt, WP)
+                    scale, inv_k = E.token_scale_row(vals, cpx_p, tid)
+                    store_row_scale(wr, c, s, hk, scale, p_ksc)
+                if scaled is not None:
+                    xs = vals if vals is not None else E.elems_from_pieces(pieces, cfg.dt, WP)
+                    tp = E.store_elems_pieces([E.arith.mulf(x, fac) for x in xs], cfg.dt)
+                    store_qk(is_q, select_pieces(E.and1(scaled, is_q), tp, pieces), oq, ok)
+                else:
+                    store_qk(is_q, pieces, oq, ok)
                 s_ok, s = kslot
                 wr = E.and1(s_ok, E.arith.xori(is_q, E.c(1, E.i1)))
                 if hvalid is not None:
@@ -1671,12 +1904,14 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
                     else:
                         vals = vals or E.elems_from_pieces(pv, cfg.dt, WV)
                         pieces = E.store_elems_pieces(vals, cfg.cache_dt, inv_v)
-                    E.global_store_pieces(pieces, v_cache_addr(s, hh, d0))
+                    E.global_store_pieces(pieces, v_cache_addr(s, hh, E.lshr(d0, c64(1)) if PACK == 2 else d0))
                 else:  # one element per row of the value cache
                     vals = vals or E.elems_from_pieces(pv, cfg.dt, WV)
-                    for i, v in enumerate(vals):
-                        bits = E.to_bits(v, cfg.cache_dt, inv_v)
-                        words = E.pack_bits([bits], s_c)
+                    bits = [E.to_bits(v, cfg.cache_dt, inv_v) for v in vals]
+                    if PACK == 2:  # one byte per channel pair, at element d / 2
+                        bits, d0 = E.int4_bytes(bits), E.lshr(d0, c64(1))
+                    for i, b in enumerate(bits):
+                        words = E.pack_bits([b], s_c)
                         E.global_store_pieces(E.words_to_pieces(words), v_cache_addr(s, hh, E.add(d0, c64(i))))
             guarded(wr, body)
 
@@ -1684,15 +1919,40 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
 
 
 def build_launcher(cfg: RocmKernelConfig):
-    """A @flyc.jit function (NUM_ARGS Int64 arguments) that launches the kernel for `cfg`, which takes
-    the first kernel_args(cfg) of them (32; 34 with per-token scales)."""
+    """A @flyc.jit function (launch_args(cfg) Int64 arguments: NUM_ARGS, more with extra operands) that
+    launches the kernel for `cfg`, which takes the first kernel_args(cfg) of them (32; 34 with per-token
+    scales or one extra operand; 36, 38 with more)."""
     import flydsl.compiler as flyc
     import flydsl.expr as fx
 
     def _raw(v):
         return v.ir_value() if hasattr(v, "ir_value") else v
 
-    if cfg.token_scales:
+    n = kernel_args(cfg)
+    if n == 38:  # extra operands (use_rope, temperature_factors)
+        @flyc.kernel(known_block_size=(cfg.nt, 1, 1))
+        def jrc_rope_cache(a0: fx.Int64, a1: fx.Int64, a2: fx.Int64, a3: fx.Int64, a4: fx.Int64, a5: fx.Int64,
+                           a6: fx.Int64, a7: fx.Int64, a8: fx.Int64, a9: fx.Int64, a10: fx.Int64, a11: fx.Int64,
+                           a12: fx.Int64, a13: fx.Int64, a14: fx.Int64, a15: fx.Int64, a16: fx.Int64, a17: fx.Int64,
+                           a18: fx.Int64, a19: fx.Int64, a20: fx.Int64, a21: fx.Int64, a22: fx.Int64, a23: fx.Int64,
+                           a24: fx.Int64, a25: fx.Int64, a26: fx.Int64, a27: fx.Int64, a28: fx.Int64, a29: fx.Int64,
+                           a30: fx.Int64, a31: fx.Int64, a32: fx.Int64, a33: fx.Int64, a34: fx.Int64, a35: fx.Int64,
+                           a36: fx.Int64, a37: fx.Int64):
+            emit_kernel_body(cfg, [_raw(a) for a in (a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14,
+                                                     a15, a16, a17, a18, a19, a20, a21, a22, a23, a24, a25, a26, a27,
+                                                     a28, a29, a30, a31, a32, a33, a34, a35, a36, a37)])
+    elif n == 36:  # extra operands (use_rope, temperature_factors)
+        @flyc.kernel(known_block_size=(cfg.nt, 1, 1))
+        def jrc_rope_cache(a0: fx.Int64, a1: fx.Int64, a2: fx.Int64, a3: fx.Int64, a4: fx.Int64, a5: fx.Int64,
+                           a6: fx.Int64, a7: fx.Int64, a8: fx.Int64, a9: fx.Int64, a10: fx.Int64, a11: fx.Int64,
+                           a12: fx.Int64, a13: fx.Int64, a14: fx.Int64, a15: fx.Int64, a16: fx.Int64, a17: fx.Int64,
+                           a18: fx.Int64, a19: fx.Int64, a20: fx.Int64, a21: fx.Int64, a22: fx.Int64, a23: fx.Int64,
+                           a24: fx.Int64, a25: fx.Int64, a26: fx.Int64, a27: fx.Int64, a28: fx.Int64, a29: fx.Int64,
+                           a30: fx.Int64, a31: fx.Int64, a32: fx.Int64, a33: fx.Int64, a34: fx.Int64, a35: fx.Int64):
+            emit_kernel_body(cfg, [_raw(a) for a in (a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14,
+                                                     a15, a16, a17, a18, a19, a20, a21, a22, a23, a24, a25, a26, a27,
+                                                     a28, a29, a30, a31, a32, a33, a34, a35)])
+    elif n == 34:
         @flyc.kernel(known_block_size=(cfg.nt, 1, 1))
         def jrc_rope_cache(a0: fx.Int64, a1: fx.Int64, a2: fx.Int64, a3: fx.Int64, a4: fx.Int64, a5: fx.Int64,
                            a6: fx.Int64, a7: fx.Int64, a8: fx.Int64, a9: fx.Int64, a10: fx.Int64, a11: fx.Int64,
@@ -1715,7 +1975,20 @@ def build_launcher(cfg: RocmKernelConfig):
                                                      a14, a15, a16, a17, a18, a19, a20, a21, a22, a23, a24, a25,
                                                      a26, a27, a28, a29, a30, a31)])
 
-    n = kernel_args(cfg)
+    if launch_args(cfg) > NUM_ARGS:
+        @flyc.jit
+        def jrc_launch(a0: fx.Int64, a1: fx.Int64, a2: fx.Int64, a3: fx.Int64, a4: fx.Int64, a5: fx.Int64,
+                       a6: fx.Int64, a7: fx.Int64, a8: fx.Int64, a9: fx.Int64, a10: fx.Int64, a11: fx.Int64,
+                       a12: fx.Int64, a13: fx.Int64, a14: fx.Int64, a15: fx.Int64, a16: fx.Int64, a17: fx.Int64,
+                       a18: fx.Int64, a19: fx.Int64, a20: fx.Int64, a21: fx.Int64, a22: fx.Int64, a23: fx.Int64,
+                       a24: fx.Int64, a25: fx.Int64, a26: fx.Int64, a27: fx.Int64, a28: fx.Int64, a29: fx.Int64,
+                       a30: fx.Int64, a31: fx.Int64, a32: fx.Int64, a33: fx.Int64, a34: fx.Int64, a35: fx.Int64,
+                       a36: fx.Int64, a37: fx.Int64):
+            every = (a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15, a16, a17, a18, a19, a20,
+                     a21, a22, a23, a24, a25, a26, a27, a28, a29, a30, a31, a32, a33, a34, a35, a36, a37)
+            jrc_rope_cache(*every[:n]).launch(grid=(1, 1, 1), block=(cfg.nt, 1, 1))
+
+        return jrc_launch
 
     @flyc.jit
     def jrc_launch(a0: fx.Int64, a1: fx.Int64, a2: fx.Int64, a3: fx.Int64, a4: fx.Int64, a5: fx.Int64,
