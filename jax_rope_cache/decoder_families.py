@@ -19,9 +19,8 @@ Llama 4 text (Llama4ForCausalLM):
     lax.cond would make a GPU read its predicate on the host every layer) and each kind's weights
     stacked apart (no MoE weights padded onto the dense layers).
 
-The native kernels refuse the family options today (contract.FEATURES), so impl="kernel" calls the op
-with impl=None for them: the kernel where a layer's options allow, the XLA path (one warning)
-elsewhere. The steps, block allocation and host side are decoder.Decoder's; attention reads the
+Every native kernel implements the family options, so impl="kernel" runs the op's kernel on every
+layer. The steps, block allocation and host side are decoder.Decoder's; attention reads the
 caches with attention.gather_blocks.
 """
 
@@ -249,8 +248,6 @@ class FamilyDecoder(decoder.Decoder):
             self.tables = jax.device_put((jnp.stack([g[0], jnp.asarray(l[0])]), jnp.stack([g[1], jnp.asarray(l[1])])),
                                          self.device)
 
-    def _op_impl(self):
-        return None if self.impl == "kernel" else self.impl  # the kernels refuse the family options yet
 
     def _attention(self, w, i, h, caches, step, tables):
         cfg = self.cfg
@@ -262,7 +259,7 @@ class FamilyDecoder(decoder.Decoder):
             cos, sin = cos[local], sin[local]
         qkv = self._mm(h, w["wqkv"]).reshape(B * P, -1)
         opts = dict(num_q_heads=cfg.q_heads, num_kv_heads=cfg.kv_heads, layout=self.layout, is_neox=self.is_neox,
-                    rotary_dim=self.rotary_dim, impl=self._op_impl(), layer=i)
+                    rotary_dim=self.rotary_dim, impl=self.impl, layer=i)
         if cfg.gemma:
             opts |= dict(q_norm_weight=w["q_norm"], k_norm_weight=w["k_norm"], norm_eps=cfg.rms_norm_eps,
                          norm_type="gemma")
