@@ -34,7 +34,8 @@ DEFAULT_SMS = 132
 # contract.FEATURES the CUDA kernel implements (others: the XLA path, or an error with impl="kernel").
 SUPPORTS: frozenset[str] = frozenset({"q_norm", "k_norm", "k_scale_heads", "v_scale_heads", "mrope", "token_scales",
                                       "nope", "rope_switch", "rotary_tail", "gemma_norm", "weightless_norm",
-                                      "norm_after", "temperature", "q_gate", "int8_cache", "int4_cache"})
+                                      "norm_after", "temperature", "q_gate", "int8_cache", "int4_cache",
+                                      "nvfp4_cache", "mxfp4_cache"})
 
 
 @functools.cache
@@ -217,9 +218,12 @@ def _block_units(spec: contract.OpSpec, w: int, vch: int = 1):
     units_tok = rh * _rot_lanes(spec, w) + rh * ((d - r) // w)
 
     ch = d // w
-    v_lanes = spec.token_scales and ch & (ch - 1) == 0 and ch <= 32  # V units from a multiple of ch
+    blocks = spec.cache_format is not None  # NVFP4 / MXFP4: block units (token, k or v, kv head, block)
+    v_lanes = spec.token_scales and not blocks and ch & (ch - 1) == 0 and ch <= 32  # V units from a multiple of ch
 
     def units(tpb):  # x-packed V: one unit per vch channels per group of tokens
+        if blocks:
+            return tpb * units_tok + tpb * 2 * kh * (d // contract.BLOCK_GROUP[spec.cache_format])
         vg = (x if tpb % x == 0 else tpb) if xp else 1
         v0 = -(-tpb * units_tok // ch) * ch if v_lanes else tpb * units_tok
         return v0 + ((tpb // vg) * kh * (d // vch) if xp else tpb * kh * ch)
@@ -355,6 +359,7 @@ def family_defines(spec: contract.OpSpec, defines: tuple) -> tuple:
 # RcLowBitDtype of kernels/common/rope_cache_math.h: the int8 cache's code (contract.DTYPE_CODES has the
 # floating-point formats only).
 INT8_CODE, INT4_CODE = 6, 7
+BLOCK_CODES = {"nvfp4": 8, "mxfp4": 9}  # RcBlockDtype: NVFP4 / MXFP4 caches (uint8 bytes as int4's)
 
 
 def kernel_codes(spec: contract.OpSpec) -> contract.KernelCodes:
@@ -362,7 +367,8 @@ def kernel_codes(spec: contract.OpSpec) -> contract.KernelCodes:
     16 bytes either way; an int4 row is D / 2 bytes, which the kernel derives from RC_D)."""
     if spec.low_bit:
         fp8 = dataclasses.replace(spec, cache_dtype=contract.FP8_DTYPES[0])
-        return dataclasses.replace(contract.kernel_codes(fp8), cache_dt=INT8_CODE if spec.int8 else INT4_CODE)
+        code = BLOCK_CODES.get(spec.cache_format, INT8_CODE if spec.int8 else INT4_CODE)
+        return dataclasses.replace(contract.kernel_codes(fp8), cache_dt=code)
     return contract.kernel_codes(spec)
 
 

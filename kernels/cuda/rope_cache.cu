@@ -264,7 +264,18 @@ constexpr int DT = RC_DT, TAB_DT = RC_TAB_DT, CDT = RC_CACHE_DT, LAYOUT = RC_LAY
 constexpr bool FP8 = CDT == RC_FP8_E4M3FN || CDT == RC_FP8_E4M3FNUZ || CDT == RC_FP8_E5M2;
 // int8 caches (RC_CACHE_DT = RC_INT8): per-token scales only (RC_TOKEN_SCALES), values in [-127, 127].
 // int4 caches (RC_INT4): bytes of two values (channel 2j in the low nibble), rows of D / 2 bytes.
-enum : int { INT8C = CDT == RC_INT8, INT4C = CDT == RC_INT4, LOWB = INT8C || INT4C, CPB = INT4C ? 2 : 1 };
+// NVFP4 / MXFP4 caches (RC_NVFP4, RC_MXFP4: BLKF): bytes as int4's, E2M1 codes, one block-scale byte per
+// GRP channels of a row (block "block formats"); PK4: the caches of two values a byte.
+enum : int {
+  INT8C = CDT == RC_INT8,
+  INT4C = CDT == RC_INT4,
+  NVF = CDT == RC_NVFP4,
+  BLKF = NVF || CDT == RC_MXFP4,
+  GRP = NVF ? 16 : 32,
+  LOWB = INT8C || INT4C || BLKF,
+  PK4 = INT4C || BLKF,
+  CPB = PK4 ? 2 : 1
+};
 constexpr int ARITH = rc_arith(NATIVE, DT, TAB_DT);  // RC_ARITH_FP32, "rounded" (DT) or RC_ARITH_FUSED
 // An fp8 key cache in "fused" arithmetic quantizes the rotated f32 values, not the rounded k_out.
 // The norm after the rotation makes k_out (rounded, normalised) what the cache stores.
@@ -319,17 +330,18 @@ enum : int { P_DIV = P > 0 ? P : 1, UROT_DIV = U_ROT > 0 ? U_ROT : 1 };  // RC_R
 // QK-norm's lane structure: R == D, D a power of two, P <= 32), else every unit reads the whole row.
 enum : int {
   TOKEN = RC_TOKEN_SCALES != 0,
-  TOKEN_LANES = TOKEN && R == D && is_pow2(D) && P <= 32,
+  TOKEN_LANES = TOKEN && !BLKF && R == D && is_pow2(D) && P <= 32,
   KPAIRS = RC_KPAIRS != 0 && XP && TPB % 2 == 0 && (!((NORM_LANES && K_NORM >= 0) || TOKEN_LANES) || 2 * P <= 32),
   N_QROT = TPB * QH * P  // KPAIRS: the q-head units, first
 };
 constexpr int N_PASS = TPB * U_PASS;
-constexpr int N_V = XP && !TOKEN ? (TPB / VG) * KH * DC : TPB * KH * CH;  // TOKEN: row units (v_unit_token)
+// BLKF: block units (token, k or v, kv head, block of GRP channels) instead of V units (block_unit).
+constexpr int N_V = BLKF ? TPB * 2 * KH * (D / GRP) : XP && !TOKEN ? (TPB / VG) * KH * DC : TPB * KH * CH;
 // RC_TOKEN_SCALES: where CH is a power of two <= 32, the V units start at V0, the next multiple of CH
 // (the units between are idle), so a v row's CH units are CH aligned lanes of one warp: their amax
 // by xor shuffles (V_LANES); otherwise each unit reads its row.
 enum : int {
-  V_LANES = TOKEN && is_pow2(CH) && CH <= 32,
+  V_LANES = TOKEN && !BLKF && is_pow2(CH) && CH <= 32,
   V0 = V_LANES ? (N_ROT + N_PASS + CH - 1) / CH * CH : N_ROT + N_PASS  // the first V unit
 };
 constexpr int N_UNITS = V0 + N_V;
@@ -368,6 +380,9 @@ static_assert(!NORM_LANES || (is_pow2(P) && 32 % P == 0 && U_ROT % P == 0 && CH 
               "a head's rotation units: P aligned lanes of one warp covering the row");
 static_assert(!(KS_HEADS || VS_HEADS) || FP8, "per-head scales: fp8 caches only");
 static_assert(!LOWB || TOKEN, "int8 / int4 caches: per-token scales (RC_TOKEN_SCALES)");
+static_assert(!BLKF || ((LAYOUT == RC_FLASH || LAYOUT == RC_HND || LAYOUT == RC_HEAD_MAJOR) && D % GRP == 0 &&
+                        GRP % W == 0),
+              "NVFP4 / MXFP4 caches: flash, hnd or head_major, D a multiple of the block group");
 static_assert(!TOKEN || ((FP8 || LOWB) && !KS_HEADS && !VS_HEADS && VCH == 1 && VSEL == 0),
               "RC_TOKEN_SCALES: fp8 caches, no static per-head scales, one-channel V units");
 static_assert(VCH == 1 || X * S_CACHE == 16, "RC_VCH > 1: 16-byte x-packed groups (the default X)");
@@ -508,7 +523,7 @@ __device__ __forceinline__ void store_chunk(void* base, i64 elem, const Chunk& c
 }
 
 __device__ __forceinline__ raw_cache to_cache(raw_in x, float inv_scale) {
-  if constexpr (INT4C) return (raw_cache)0;  // never called: int4 stores pack pairs (int4_chunk)
+  if constexpr (PK4) return (raw_cache)0;  // never called: int4 stores pack pairs (int4_chunk)
   if constexpr (INT8C) return (raw_cache)(rc_u8)rc_quantize_int(to_f32<DT>(x), inv_scale, 127.0f);
   if (FP8) return (raw_cache)rc_quantize_fp8(to_f32<DT>(x), inv_scale, FP8_DT);
   return (raw_cache)x;
@@ -531,7 +546,7 @@ __device__ __forceinline__ CacheChunk int4_chunk(const Chunk& c, float inv_scale
 }
 
 __device__ __forceinline__ void store_cache_chunk(void* base, i64 elem, const Chunk& c, float inv_scale) {
-  if constexpr (INT4C) {
+  if constexpr (PK4) {
     *reinterpret_cast<VecOf<W * S_CACHE / CPB>::T*>(static_cast<char*>(base) + elem) = int4_chunk(c, inv_scale).v;
     return;
   }
@@ -543,7 +558,7 @@ __device__ __forceinline__ void store_cache_chunk(void* base, i64 elem, const Ch
 
 // W f32 values quantized into an fp8 cache as one access (WIDE_K only).
 __device__ __forceinline__ void store_cache_chunk_f32(void* base, i64 elem, const float* x, float inv_scale) {
-  if constexpr (INT4C) {
+  if constexpr (PK4) {
     *reinterpret_cast<VecOf<W * S_CACHE / CPB>::T*>(static_cast<char*>(base) + elem) = int4_chunk(x, inv_scale).v;
     return;
   }
@@ -584,7 +599,7 @@ __device__ __forceinline__ void store_if(bool pred, void* addr, V v) {
 }
 
 __device__ __forceinline__ void store_cache_chunk_if(bool pred, void* base, i64 elem, const Chunk& c, float inv_scale) {
-  if constexpr (INT4C) {
+  if constexpr (PK4) {
     store_if(pred, static_cast<char*>(base) + elem, int4_chunk(c, inv_scale).v);
     return;
   }
@@ -662,7 +677,7 @@ __device__ __forceinline__ i64 value_index_bytes(i64 blk, i64 off, int h, int e)
 
 // Element offset of channel d (start of an aligned chunk) of kv head h at (blk, off).
 __device__ __forceinline__ i64 key_index(i64 blk, i64 off, int h, int d) {
-  if constexpr (INT4C) return key_index_bytes<D / 2>(blk, off, h, d / 2);
+  if constexpr (PK4) return key_index_bytes<D / 2>(blk, off, h, d / 2);
   if (LAYOUT == RC_FLASH) return ((blk * BS + off) * KH + h) * D + d;
   if (LAYOUT == RC_HND) return ((blk * KH + h) * BS + off) * D + d;
   if (LAYOUT == RC_HEAD_MAJOR) return head_major_index(blk, off, h, d);
@@ -672,7 +687,7 @@ __device__ __forceinline__ i64 key_index(i64 blk, i64 off, int h, int d) {
 
 // kv_merged: the V row of head h right after its K row, in the key cache (vcache).
 __device__ __forceinline__ i64 value_index(i64 blk, i64 off, int h, int d) {
-  if constexpr (INT4C) return value_index_bytes<D / 2>(blk, off, h, d / 2);
+  if constexpr (PK4) return value_index_bytes<D / 2>(blk, off, h, d / 2);
   if (LAYOUT == RC_FLASH) return ((blk * BS + off) * KH + h) * D + d;
   if (LAYOUT == RC_HND) return ((blk * KH + h) * BS + off) * D + d;
   if (LAYOUT == RC_HEAD_MAJOR) return head_major_index(blk, off, h, d);
@@ -702,6 +717,10 @@ struct Params {
 #if RC_TEMP_FS
   const float* temp;  // the temperature factors, f32 [max_pos / RC_TEMP_FS + 1]
 #endif
+#if RC_CACHE_DT == 8
+  const float* k_g;  // NVFP4: the global decode scales, f32 [] (the last operands)
+  const float* v_g;
+#endif
   void* q_out;
   void* k_out;
   void* kc;
@@ -710,7 +729,7 @@ struct Params {
   float* k_sc;  // the scale-cache results [.., NB, KH, BS] (aliased to the k_scale / v_scale operands)
   float* v_sc;
 #endif
-  i64 dim0[14 + (RC_USE_ROPE != 0) + (RC_TEMP_FS > 0)];  // the operands' leading dims (the extra operands too)
+  i64 dim0[14 + (RC_USE_ROPE != 0) + (RC_TEMP_FS > 0) + 2 * (RC_CACHE_DT == 8)];  // the operands' leading dims (the extra operands too)
 };
 
 // Row of one token's head h (h < QH: q, else k head h - QH) in the rotation outputs (q_out, k_out).
@@ -1702,7 +1721,7 @@ __device__ __forceinline__ void v_unit_token(const Params& p, i64 T, i64 t0, int
 #if RC_TOKEN_SCALES
   store_if(ok && c == 0, p.v_sc + scale_index(s, h), __float_as_uint(scale));
 #endif
-  if constexpr (XP && INT4C) {  // one byte (two channels) at a time
+  if constexpr (XP && PK4) {  // one byte (two channels) at a time
     const CacheChunk o = int4_chunk(x, inv);
 #pragma unroll
     for (int e = 0; e < W / 2; ++e)
@@ -1716,6 +1735,87 @@ __device__ __forceinline__ void v_unit_token(const Params& p, i64 T, i64 t0, int
   }
 }
 // ---- end of per-token scales ----------------------------------------------------------------------
+
+// ---- block formats: NVFP4 and MXFP4 (BLKF) ---------------------------------------------------------
+// Block unit (token, k or v, kv head h, block b of GRP channels): the block's values (k: recomputed from
+// the inputs as the rotation / pass units compute them, k_rot_values; v: widened), their finite amax,
+// the block scale (rope_cache_math.h: rc_nvfp4_scale with the global decode scale, rc_mxfp4_exponent)
+// into the block-scale cache, the values times the block's multiplier as E2M1 codes, two a byte.
+__device__ __forceinline__ void block_values_k(const Params& p, i64 T, i64 max_pos, i64 t, int h, int b, float* y) {
+  const bool rotate = R > 0 && rope_on(p);
+  const float inv = k_row_inv(p, T, max_pos, t, h, rotate);
+  const char* row = row_src(p, t, h);
+#pragma unroll 1
+  for (int i = 0; i < GRP / W; ++i) {
+    const int d0 = b * GRP + i * W;
+    float ya[W], yb[NEOX ? W : 1];
+    (void)yb;
+    if (R > 0 && d0 >= ROFF && d0 < ROFF + R) {
+      const int r = d0 - ROFF;
+      const bool second = NEOX && r >= HALF;
+      k_rot_values(p, T, max_pos, t, h, (second ? r - HALF : r) / W, inv, ya, yb, rotate);
+#pragma unroll
+      for (int e = 0; e < W; ++e) y[i * W + e] = NEOX && second ? yb[e] : ya[e];
+    } else {
+      Chunk x = load_chunk(row, d0);
+      if constexpr (K_NORM >= 0) {
+        if (!NORM_AFTER || rotate) x = norm_chunk<K_NORM>(x, p.k_norm_w, d0, inv);
+      }
+#pragma unroll
+      for (int e = 0; e < W; ++e) y[i * W + e] = to_f32<DT>(x.e[e]);
+    }
+  }
+}
+
+__device__ __forceinline__ void block_unit(const Params& p, i64 T, i64 max_pos, i64 t0, int u, SlotRange sr) {
+  constexpr int NBK = D / GRP;  // blocks per row
+  const i64 t = t0 + u / (2 * KH * NBK);
+  if (t >= T) return;
+  const int r = u % (2 * KH * NBK), is_v = r / (KH * NBK), h = (r / NBK) % KH, b = r % NBK;
+  const i64 s_raw = load_index(p.slots, t, RC_SLOT64 != 0);
+  if (s_raw < 0 || s_raw >= sr.n) return;
+  const i64 s = sr.base + s_raw, blk = s / BS, off = s % BS;
+  float y[GRP];
+  if (is_v) {
+    const char* row = static_cast<const char*>(p.v) + v_row_of(t, h) * S_IN;
+#pragma unroll
+    for (int i = 0; i < GRP / W; ++i) {
+      const Chunk x = load_chunk(row, b * GRP + i * W);
+#pragma unroll
+      for (int e = 0; e < W; ++e) y[i * W + e] = to_f32<DT>(x.e[e]);
+    }
+  } else {
+    block_values_k(p, T, max_pos, t, QH + h, b, y);
+  }
+  float amax = 0.0f;
+#pragma unroll
+  for (int e = 0; e < GRP; ++e) amax = rc_amax_step(amax, y[e]);
+  rc_u8 sb;
+  float mult;
+#if RC_CACHE_DT == 8
+  const float g = *(is_v ? p.v_g : p.k_g);
+  sb = rc_nvfp4_scale(amax, rc_inv_scale(g));
+  mult = rc_nvfp4_multiplier(sb, g);
+#else
+  const rc_i32 x = rc_mxfp4_exponent(amax);
+  sb = (rc_u8)(x + 127);
+  mult = rc_mxfp4_multiplier(x);
+#endif
+#if RC_TOKEN_SCALES
+  reinterpret_cast<unsigned char*>(is_v ? p.v_sc : p.k_sc)[key_index_bytes<NBK>(blk, off, h, b)] = sb;
+#endif
+  union {
+    VecOf<GRP / 2>::T v;
+    unsigned char e[GRP / 2];
+  } o;
+#pragma unroll
+  for (int e = 0; e < GRP / 2; ++e)
+    o.e[e] = rc_pack_int4(rc_e2m1_code(rc_mul(y[2 * e], mult)), rc_e2m1_code(rc_mul(y[2 * e + 1], mult)));
+  void* cache = is_v ? vcache(p) : p.kc;
+  *reinterpret_cast<decltype(o.v)*>(static_cast<char*>(cache) + key_index_bytes<D / 2>(blk, off, h, b * GRP / 2)) =
+      o.v;
+}
+// ---- end of block formats -------------------------------------------------------------------------
 
 // mr, share (RC_MROW): the block's merged rows, and whether this thread still has its share to do.
 __device__ __forceinline__ void rot_unit(const Params& p, i64 T, i64 max_pos, i64 t0, int u, SlotRange sr,
@@ -1809,7 +1909,7 @@ __device__ __forceinline__ void rot_unit(const Params& p, i64 T, i64 max_pos, i6
   if constexpr (NORM_AFTER) {  // the rotated, rounded chunks normalised (the head's lanes all rotate or not)
     if (rotate) norm_after_unit(p, T, max_pos, t0, u, is_k, j, oa, ob, ew);
   }
-  if constexpr (TOKEN) {
+  if constexpr (TOKEN && !BLKF) {
     if (is_k) {  // the row's scale (all P lanes of the head take this branch together)
       float own = 0.0f;
       if constexpr (TOKEN_LANES) {
@@ -1832,7 +1932,7 @@ __device__ __forceinline__ void rot_unit(const Params& p, i64 T, i64 max_pos, i6
   void* dst = is_k ? p.k_out : p.q_out;
   store_chunk(dst, row + ROFF + j * W, oa);
   if (NEOX) store_chunk(dst, row + ROFF + HALF + j * W, ob);
-  const i64 s = is_k ? s_any : -1;
+  const i64 s = is_k && !BLKF ? s_any : -1;  // BLKF: the block units write the caches
   if (s >= 0) {
     const i64 blk = s / BS, off = s % BS;
     const int kh = h - QH;
@@ -1879,6 +1979,7 @@ __device__ __forceinline__ void pass_unit(const Params& p, i64 T, i64 max_pos, i
     if (!rotate && !is_k) x = scale_chunk(x, temp_factor(p, clamped_pos(p, max_pos, t)));
   }
   if constexpr (KS_HEADS) inv_k = head_inv(p.k_scale, is_k ? h - QH : 0, inv_k, true);
+  if constexpr (BLKF) return (void)store_chunk(is_k ? p.k_out : p.q_out, row + c * W, x);  // caches: block units
   if constexpr (TOKEN) {  // R < D: never TOKEN_LANES; the rotation unit of chunk 0 writes the scale
     if (is_k) {
       const float scale = row_scale(k_row_amax(p, T, max_pos, t, h, rotate));
@@ -2199,6 +2300,8 @@ __device__ __forceinline__ void run_block(const Params& p, const i64 T, const i6
       rot_unit(p, T, max_pos, t0, u, sr, inv_k, mr, share);
     } else if (u < N_ROT + N_PASS) {
       pass_unit(p, T, max_pos, t0, u - N_ROT, sr, inv_k);
+    } else if (BLKF) {
+      block_unit(p, T, max_pos, t0, u - V0, sr);
     } else if (TOKEN) {
       if (u >= V0) v_unit_token(p, T, t0, u - V0, sr);  // below V0: padding, idle
     } else if (XP) {
@@ -2249,12 +2352,15 @@ extern "C" __global__ void __launch_bounds__(RC_NT, RC_MINB) rope_cache_node(
 #if RC_TEMP_FS
     const float* temp,
 #endif
+#if RC_CACHE_DT == 8
+    const float* k_g, const float* v_g,
+#endif
     void* q_out, void* k_out, void* kc, void* vc
 #if RC_TOKEN_SCALES
     , float* k_sc, float* v_sc  // the scale-cache results (aliased: the k_scale / v_scale addresses)
 #endif
 ) {
-#if RC_USE_ROPE || RC_TEMP_FS
+#if RC_USE_ROPE || RC_TEMP_FS || RC_CACHE_DT == 8
   rc::Params p{};
   p.q = q, p.k = k, p.v = v, p.key_cache_in = key_cache, p.value_cache_in = value_cache, p.slots = slots;
   p.pos = pos, p.cos = cos, p.sin = sin, p.k_scale = k_scale, p.v_scale = v_scale, p.layer = layer;
@@ -2264,6 +2370,9 @@ extern "C" __global__ void __launch_bounds__(RC_NT, RC_MINB) rope_cache_node(
 #endif
 #if RC_TEMP_FS
   p.temp = temp;
+#endif
+#if RC_CACHE_DT == 8
+  p.k_g = k_g, p.v_g = v_g;
 #endif
 #if RC_TOKEN_SCALES
   p.k_sc = k_sc, p.v_sc = v_sc;
@@ -2310,6 +2419,9 @@ extern "C" int rc_emulate(const rc::Params* p, long long grid) {
 #endif
 #if RC_TEMP_FS
                       w.temp,
+#endif
+#if RC_CACHE_DT == 8
+                      w.k_g, w.v_g,
 #endif
                       w.q_out, w.k_out, w.kc, w.vc
 #if RC_TOKEN_SCALES

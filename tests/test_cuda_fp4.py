@@ -1,0 +1,185 @@
+"""NVFP4 and MXFP4 caches in the CUDA kernel (rope_cache.cu's block "block formats") without a GPU
+(and on one, where there is).
+
+1. NVRTC compiles the block formats for sm_90 and sm_80 (the launcher's entry and the kernel-node
+   entry) without spills.
+2. The same source built for the host (kernels/cuda/host_emulation.h), with the extra operands in the
+   launcher's ABI (use_rope, temperature_factors, then NVFP4's global scales k_global_scale /
+   v_global_scale last), equals the numpy reference bit for bit: q_out, k_out, the E2M1 caches and the
+   block-scale caches, on random data (rows of magnitudes 1e-3 .. 1e3, zero rows, inf and NaN, random
+   global scales saturating the largest blocks' scales), flash / hnd / head_major, stacked layers,
+   QK-norm, partial and tail rotary, the family options, slots -1 and out of range; every byte outside
+   the outputs untouched (guard bytes). The default tier runs a sample, the full tier all of it.
+3. On a CUDA device: rope_and_cache(impl="kernel") against the reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import TIER, Case, num_blocks, tier_sample
+from jax_rope_cache import contract, reference
+
+tcc = pytest.importorskip("test_cuda_compile")  # skips this module where NVRTC is missing, as that one
+import test_cuda_families as tcf  # noqa: E402
+from test_low_bit_caches import problem as block_problem  # noqa: E402
+
+from jax_rope_cache.backends import cuda  # noqa: E402
+
+F32 = np.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class BCase:
+    fmt: str
+    case: Case
+    layers: int | None = None
+    norm: bool = False
+    fam: tuple = ()  # extra rope_and_cache options, (name, value) pairs
+    slot_edges: bool = False
+
+    @property
+    def id(self) -> str:
+        parts = [self.fmt, self.case.id]
+        if self.layers:
+            parts.append(f"L{self.layers}")
+        if self.norm:
+            parts.append("norm")
+        parts += [f"{k}={v}" for k, v in self.fam]
+        if self.slot_edges:
+            parts.append("edges")
+        return "-".join(parts)
+
+
+def make(bc: BCase, seed: int = 11):
+    """(spec, args, opts) of bc: test_low_bit_caches.problem's call and bc's options."""
+    args, opts = block_problem(bc.fmt, bc.case, seed, layers=bc.layers, norm=bc.norm)
+    opts = dict(opts, **{k: (np.int32(v) if k == "use_rope" else v) for k, v in bc.fam})
+    if bc.layers:
+        opts["layer"] = np.array(bc.layers - 1, np.int32)
+    if bc.slot_edges:
+        n, t = num_blocks(bc.case) * bc.case.BS, bc.case.T
+        edges = np.array([0, n - 1, -1, n, 2**31 - 1], np.int32)
+        slots = np.asarray(args[5]).astype(np.int32)
+        slots[:min(t, 5)] = edges[:min(t, 5)]
+        args = args[:5] + (slots.astype(args[5].dtype),) + args[6:]
+    spec = contract.check_op(*args, **opts)
+    assert spec.cache_format == bc.fmt and spec.token_scales
+    return spec, args, opts
+
+
+def emulate(spec, args, opts, tmp_dir, source=None):
+    """The kernel on the host: (q_out, k_out, key_cache, value_cache, k_scale_cache, v_scale_cache) with
+    the global scales as the last operands; checks the unit count, the emulation's checks and the guards."""
+    cfg = cuda.kernel_config(spec)
+    lib = tcc._build_emulation(cfg, tmp_dir, source)
+    assert lib.rc_units() == tcc._units(cfg, spec), (lib.rc_units(), tcc._units(cfg, spec), cfg)
+    ops, extra = tcf.kernel_operands(spec, list(args), opts)
+    if spec.cache_format == "nvfp4":
+        extra += [np.asarray(opts["k_scale"], F32).reshape(()), np.asarray(opts["v_scale"], F32).reshape(())]
+    assert len(extra) == len(contract.extra_operands(spec))
+    t, d = spec.num_tokens, spec.head_dim
+    outs = [np.full((t, spec.q_heads, d), 7, spec.dtype), np.full((t, spec.kv_heads, d), 7, spec.dtype),
+            ops[3], ops[4], ops[9], ops[10]]
+    results, guards = zip(*(tcc._guarded(a) for a in outs))
+    ops[3], ops[4], ops[9], ops[10] = results[2:]
+    allargs = ops + extra
+    n_ptr = len(allargs) + len(results)
+
+    class P(ctypes.Structure):
+        _fields_ = [("ptr", ctypes.c_void_p * n_ptr), ("dim0", ctypes.c_int64 * len(allargs))]
+
+    p = P()
+    for i, a in enumerate(allargs + list(results)):
+        p.ptr[i] = a.ctypes.data
+    for i, a in enumerate(allargs):
+        p.dim0[i] = a.shape[0] if a.ndim else 1
+    lib.rc_emulate.argtypes = [ctypes.POINTER(P), ctypes.c_longlong]
+    assert lib.rc_emulate(ctypes.byref(p), -(-t // cfg.tokens_per_block)) == 0, "the emulation's own checks"
+    assert all((g[:tcc._GUARD] == 0xA5).all() and (g[-tcc._GUARD:] == 0xA5).all() for g in guards), \
+        "a write outside the outputs"
+    return list(results)
+
+
+def reference_results(args, opts):
+    with np.errstate(invalid="ignore", over="ignore"):
+        return reference.rope_and_cache(*args, **opts)
+
+
+def check(bc: BCase, emu_dir, seed=11, source=None):
+    spec, args, opts = make(bc, seed)
+    want = reference_results(args, opts)
+    got = emulate(spec, args, opts, emu_dir, source)
+    tcf.assert_bitwise(got, want)
+    return spec, args, want
+
+
+@pytest.fixture(scope="module")
+def emu_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("emu_fp4"))
+
+
+def matrix() -> list[BCase]:
+    out = []
+    for fmt in contract.BLOCK_FORMATS:
+        for layout in contract.BLOCK_LAYOUTS:
+            for layers in (None, 3):
+                out.append(BCase(fmt, Case(T=13, QH=4, KH=2, D=64, BS=16, layout=layout), layers=layers,
+                                 norm=layers is None))
+        out += [
+            BCase(fmt, Case(T=9, QH=2, KH=1, D=128, dtype="bfloat16", precision="native"), norm=True),
+            BCase(fmt, Case(T=9, QH=2, KH=1, D=128, dtype="bfloat16", precision="native", is_neox=False,
+                            table="full"), norm=True),
+            BCase(fmt, Case(T=7, QH=4, KH=2, D=64, dtype="float16", precision="native", layout="hnd")),
+            BCase(fmt, Case(T=11, QH=4, KH=2, D=64, R=32, BS=16, layout="head_major", precision="native"),
+                  layers=2, slot_edges=True),
+            BCase(fmt, Case(T=11, QH=4, KH=2, D=96, R=32, dtype="bfloat16"), norm=True,
+                  fam=(("rotary_position", "tail"),)),
+            BCase(fmt, Case(T=9, QH=4, KH=2, D=64, R=32), fam=(("norm_type", "weightless"),
+                                                               ("norm_position", "after"), ("is_neox", False))),
+            BCase(fmt, Case(T=9, QH=4, KH=2, D=64, R=32), fam=(("use_rope", 0), ("attn_temperature", (4, 0.3)))),
+            BCase(fmt, Case(T=9, QH=4, KH=2, D=64, R=32), fam=(("use_rope", 1), ("attn_temperature", (4, 0.3)))),
+            BCase(fmt, Case(T=9, QH=4, KH=2, D=64), fam=(("rotary_dim", 0),), slot_edges=True),
+            BCase(fmt, Case(T=300, QH=4, KH=2, D=32 if fmt == "mxfp4" else 16, BS=16, NB=40)),
+        ]
+    return out
+
+
+MATRIX = matrix()
+
+
+@pytest.mark.parametrize("bc", tier_sample(MATRIX, 8), ids=lambda bc: bc.id)
+def test_host_emulation_block_formats_bitwise(bc, emu_dir):
+    check(bc, emu_dir)
+
+
+def test_block_formats_supported():
+    assert {"nvfp4_cache", "mxfp4_cache"} <= cuda.SUPPORTS
+
+
+MUTANTS = [  # (format, old, new): each must make the emulation differ from the reference
+    ("nvfp4", "o.e[e] = rc_pack_int4(rc_e2m1_code(rc_mul(y[2 * e], mult)), rc_e2m1_code(rc_mul(y[2 * e + 1], mult)));",
+     "o.e[e] = rc_pack_int4(rc_e2m1_code(rc_mul(y[2 * e + 1], mult)), rc_e2m1_code(rc_mul(y[2 * e], mult)));"),
+    ("nvfp4", "const float g = *(is_v ? p.v_g : p.k_g);", "const float g = *(is_v ? p.k_g : p.v_g);"),
+    ("nvfp4", "mult = rc_nvfp4_multiplier(sb, g);", "mult = rc_nvfp4_multiplier(sb, 1.0f);"),
+    ("mxfp4", "sb = (rc_u8)(x + 127);", "sb = (rc_u8)(x + 126);"),
+    ("mxfp4", "if (!NORM_AFTER || rotate) x = norm_chunk<K_NORM>(x, p.k_norm_w, d0, inv);", ""),
+    ("mxfp4", "for (int e = 0; e < GRP; ++e) amax = rc_amax_step(amax, y[e]);",
+     "for (int e = 1; e < GRP; ++e) amax = rc_amax_step(amax, y[e]);"),
+]
+
+
+@pytest.mark.parametrize("i", range(len(MUTANTS)))
+def test_host_emulation_would_catch_a_wrong_kernel(i, emu_dir):
+    fmt, old, new = MUTANTS[i]
+    src, _ = cuda.kernel_sources()
+    assert src.count(old) == 1, old
+    bc = BCase(fmt, Case(T=13, QH=4, KH=2, D=64, BS=16, R=32, dtype="bfloat16"), norm=True,
+               fam=(("rotary_position", "tail"),))
+    with pytest.raises(AssertionError):
+        check(bc, emu_dir, source=src.replace(old, new))
