@@ -165,12 +165,15 @@ def test_block_formats_supported():
 MUTANTS = [  # (format, old, new): each must make the emulation differ from the reference
     ("nvfp4", "o.e[e] = rc_pack_int4(rc_e2m1_code(rc_mul(y[2 * e], mult)), rc_e2m1_code(rc_mul(y[2 * e + 1], mult)));",
      "o.e[e] = rc_pack_int4(rc_e2m1_code(rc_mul(y[2 * e + 1], mult)), rc_e2m1_code(rc_mul(y[2 * e], mult)));"),
+    ("mxfp4", "*reinterpret_cast<decltype(o.v)*>(cache + i * (W / 2)) = o.v;",
+     "*reinterpret_cast<decltype(o.v)*>(cache + (GRP / W - 1 - i) * (W / 2)) = o.v;"),
     ("nvfp4", "const float g = *(is_v ? p.v_g : p.k_g);", "const float g = *(is_v ? p.k_g : p.v_g);"),
     ("nvfp4", "mult = rc_nvfp4_multiplier(sb, g);", "mult = rc_nvfp4_multiplier(sb, 1.0f);"),
     ("mxfp4", "sb = (rc_u8)(x + 127);", "sb = (rc_u8)(x + 126);"),
     ("mxfp4", "if (!NORM_AFTER || rotate) x = norm_chunk<K_NORM>(x, p.k_norm_w, d0, inv);", ""),
-    ("mxfp4", "for (int e = 0; e < GRP; ++e) amax = rc_amax_step(amax, y[e]);",
-     "for (int e = 1; e < GRP; ++e) amax = rc_amax_step(amax, y[e]);"),
+    ("mxfp4", "const bool second = NEOX && r >= HALF;", "const bool second = false;"),
+    ("mxfp4", "float amax = 0.0f;\n#pragma unroll 1\n  for (int i = 0; i < GRP / W; ++i) {",
+     "float amax = 0.0f;\n#pragma unroll 1\n  for (int i = 1; i < GRP / W; ++i) {"),
 ]
 
 
@@ -183,3 +186,43 @@ def test_host_emulation_would_catch_a_wrong_kernel(i, emu_dir):
                fam=(("rotary_position", "tail"),))
     with pytest.raises(AssertionError):
         check(bc, emu_dir, source=src.replace(old, new))
+
+
+# ---- NVRTC --------------------------------------------------------------------------------------------
+def compile_cases() -> list[BCase]:
+    llama = Case(T=8192, QH=32, KH=8, D=128, dtype="bfloat16")
+    out = []
+    for fmt in contract.BLOCK_FORMATS:
+        out += [BCase(fmt, llama), BCase(fmt, dataclasses.replace(llama, T=1, layout="hnd"), norm=True),
+                BCase(fmt, Case(T=64, QH=16, KH=4, D=128, dtype="bfloat16", layout="head_major"), layers=4,
+                      norm=True, fam=(("norm_position", "after"),)),
+                BCase(fmt, Case(T=64, QH=8, KH=1, D=64, dtype="float32", precision="native", is_neox=False),
+                      fam=(("use_rope", 1), ("attn_temperature", (4, 0.1)))),
+                BCase(fmt, Case(T=8, QH=16, KH=2, D=256, R=64, dtype="bfloat16"), norm=True,
+                      fam=(("rotary_position", "tail"), ("norm_type", "gemma")))]
+    return out
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
+@pytest.mark.parametrize("bc", tier_sample(compile_cases(), 3), ids=lambda bc: bc.id)
+def test_nvrtc_compiles_block_formats_without_spills(bc, arch):
+    big = dataclasses.replace(bc, case=dataclasses.replace(bc.case, T=max(bc.case.T, 8)))  # the problem's rows
+    spec = dataclasses.replace(make(big)[0], num_tokens=bc.case.T)
+    cfg, c = cuda.fit_registers(cuda.kernel_config(spec), arch)  # the lowering's build
+    assert c.code[:4] == b"\x7fELF" and cuda.KERNEL_NAME.encode() in c.code
+    st, ld, stack = tcc.nvrtc.spills(c)
+    assert st == ld == stack == 0, f"spills: {st} B stored, {ld} B loaded, {stack} B stack\n{c.log}"
+    node = cuda.compile_variant(cuda.node_config(cfg, (spec.num_tokens, spec.num_blocks, spec.max_pos)), arch)
+    assert node.code[:4] == b"\x7fELF" and cuda.NODE_KERNEL_NAME.encode() in node.code
+
+
+# ---- on a CUDA device ---------------------------------------------------------------------------------
+@pytest.mark.skipif(not tcf._cuda_devices(), reason="no CUDA device")
+@pytest.mark.parametrize("bc", tier_sample(MATRIX, 4), ids=lambda bc: bc.id)
+def test_gpu_kernel_block_formats_bitwise(bc):
+    import jax_rope_cache as jrc
+    spec, args, opts = make(bc)
+    want = reference_results(args, opts)
+    with jax.default_device(tcf._cuda_devices()[0]):
+        got = jrc.rope_and_cache(*args, **opts, impl="kernel")
+    tcf.assert_bitwise([None if g is None else np.asarray(g) for g in got], want)

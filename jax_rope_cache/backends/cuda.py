@@ -514,16 +514,17 @@ def refuse_int4_shape(spec: contract.OpSpec) -> None:
     """int4 caches: a thread stores whole bytes (two channels) of its chunk, so the chunks must be of an
     even width (NeoX with an odd R / 2 has one-channel chunks) and X the default; KernelUnavailable
     otherwise (impl=None: the XLA path with a warning, impl="kernel": NotImplementedError)."""
-    if not spec.int4:
+    if not (spec.int4 or spec.cache_format):  # NVFP4 / MXFP4: bytes as int4's
         return
+    what = "int4 caches" if spec.int4 else f"{spec.cache_format.upper()} caches"
     why = None
     if chunk_width(spec) % 2:
         why = f"NeoX rotary_dim={spec.rotary_dim} (an odd R / 2 leaves one-channel chunks)"
     elif spec.pack_x:
         why = f"an x-packed group of X={spec.pack_x} bytes (only the default 16)"
     if why is not None:
-        raise native.KernelUnavailable(f"int4 caches with {why}, which the {NAME} kernel does not implement") from (
-            NotImplementedError(f"rope_and_cache: impl='kernel' on {NAME}: int4 caches with {why} are not "
+        raise native.KernelUnavailable(f"{what} with {why}, which the {NAME} kernel does not implement") from (
+            NotImplementedError(f"rope_and_cache: impl='kernel' on {NAME}: {what} with {why} are not "
                                 "implemented; use impl=None (the XLA implementation then runs) or impl='xla'"))
 
 

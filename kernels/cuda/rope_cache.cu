@@ -381,7 +381,7 @@ static_assert(!NORM_LANES || (is_pow2(P) && 32 % P == 0 && U_ROT % P == 0 && CH 
 static_assert(!(KS_HEADS || VS_HEADS) || FP8, "per-head scales: fp8 caches only");
 static_assert(!LOWB || TOKEN, "int8 / int4 caches: per-token scales (RC_TOKEN_SCALES)");
 static_assert(!BLKF || ((LAYOUT == RC_FLASH || LAYOUT == RC_HND || LAYOUT == RC_HEAD_MAJOR) && D % GRP == 0 &&
-                        GRP % W == 0),
+                        GRP % W == 0 && W % 2 == 0),
               "NVFP4 / MXFP4 caches: flash, hnd or head_major, D a multiple of the block group");
 static_assert(!TOKEN || ((FP8 || LOWB) && !KS_HEADS && !VS_HEADS && VCH == 1 && VSEL == 0),
               "RC_TOKEN_SCALES: fp8 caches, no static per-head scales, one-channel V units");
@@ -1740,56 +1740,56 @@ __device__ __forceinline__ void v_unit_token(const Params& p, i64 T, i64 t0, int
 // Block unit (token, k or v, kv head h, block b of GRP channels): the block's values (k: recomputed from
 // the inputs as the rotation / pass units compute them, k_rot_values; v: widened), their finite amax,
 // the block scale (rope_cache_math.h: rc_nvfp4_scale with the global decode scale, rc_mxfp4_exponent)
-// into the block-scale cache, the values times the block's multiplier as E2M1 codes, two a byte.
-__device__ __forceinline__ void block_values_k(const Params& p, i64 T, i64 max_pos, i64 t, int h, int b, float* y) {
-  const bool rotate = R > 0 && rope_on(p);
-  const float inv = k_row_inv(p, T, max_pos, t, h, rotate);
-  const char* row = row_src(p, t, h);
-#pragma unroll 1
-  for (int i = 0; i < GRP / W; ++i) {
-    const int d0 = b * GRP + i * W;
+// into the block-scale cache, the values times the block's multiplier as E2M1 codes, two a byte. Two
+// passes over the block's chunks (amax, then codes; the second's loads are L1 hits): no GRP values
+// held in registers.
+
+// The W values of channels d0 .. d0 + W - 1 of token t's k head h (h >= QH) or v head h (is_v).
+__device__ __forceinline__ void block_chunk(const Params& p, i64 T, i64 max_pos, i64 t, int h, bool is_v, int d0,
+                                            float inv, bool rotate, float* y) {
+  if (is_v) {
+    const Chunk x = load_chunk(static_cast<const char*>(p.v) + v_row_of(t, h) * S_IN, d0);
+#pragma unroll
+    for (int e = 0; e < W; ++e) y[e] = to_f32<DT>(x.e[e]);
+    return;
+  }
+  if (R > 0 && d0 >= ROFF && d0 < ROFF + R) {
+    const int r = d0 - ROFF;
+    const bool second = NEOX && r >= HALF;
     float ya[W], yb[NEOX ? W : 1];
     (void)yb;
-    if (R > 0 && d0 >= ROFF && d0 < ROFF + R) {
-      const int r = d0 - ROFF;
-      const bool second = NEOX && r >= HALF;
-      k_rot_values(p, T, max_pos, t, h, (second ? r - HALF : r) / W, inv, ya, yb, rotate);
+    k_rot_values(p, T, max_pos, t, QH + h, (second ? r - HALF : r) / W, inv, ya, yb, rotate);
 #pragma unroll
-      for (int e = 0; e < W; ++e) y[i * W + e] = NEOX && second ? yb[e] : ya[e];
-    } else {
-      Chunk x = load_chunk(row, d0);
-      if constexpr (K_NORM >= 0) {
-        if (!NORM_AFTER || rotate) x = norm_chunk<K_NORM>(x, p.k_norm_w, d0, inv);
-      }
-#pragma unroll
-      for (int e = 0; e < W; ++e) y[i * W + e] = to_f32<DT>(x.e[e]);
-    }
+    for (int e = 0; e < W; ++e) y[e] = NEOX && second ? yb[e] : ya[e];
+    return;
   }
+  Chunk x = load_chunk(row_src(p, t, QH + h), d0);
+  if constexpr (K_NORM >= 0) {
+    if (!NORM_AFTER || rotate) x = norm_chunk<K_NORM>(x, p.k_norm_w, d0, inv);
+  }
+#pragma unroll
+  for (int e = 0; e < W; ++e) y[e] = to_f32<DT>(x.e[e]);
 }
 
 __device__ __forceinline__ void block_unit(const Params& p, i64 T, i64 max_pos, i64 t0, int u, SlotRange sr) {
   constexpr int NBK = D / GRP;  // blocks per row
   const i64 t = t0 + u / (2 * KH * NBK);
   if (t >= T) return;
-  const int r = u % (2 * KH * NBK), is_v = r / (KH * NBK), h = (r / NBK) % KH, b = r % NBK;
+  const int r = u % (2 * KH * NBK), h = (r / NBK) % KH, b = r % NBK;
+  const bool is_v = r >= KH * NBK;
   const i64 s_raw = load_index(p.slots, t, RC_SLOT64 != 0);
   if (s_raw < 0 || s_raw >= sr.n) return;
   const i64 s = sr.base + s_raw, blk = s / BS, off = s % BS;
-  float y[GRP];
-  if (is_v) {
-    const char* row = static_cast<const char*>(p.v) + v_row_of(t, h) * S_IN;
-#pragma unroll
-    for (int i = 0; i < GRP / W; ++i) {
-      const Chunk x = load_chunk(row, b * GRP + i * W);
-#pragma unroll
-      for (int e = 0; e < W; ++e) y[i * W + e] = to_f32<DT>(x.e[e]);
-    }
-  } else {
-    block_values_k(p, T, max_pos, t, QH + h, b, y);
-  }
+  const bool rotate = R > 0 && rope_on(p);
+  const float inv = is_v ? 0.0f : k_row_inv(p, T, max_pos, t, QH + h, rotate);
   float amax = 0.0f;
+#pragma unroll 1
+  for (int i = 0; i < GRP / W; ++i) {
+    float y[W];
+    block_chunk(p, T, max_pos, t, h, is_v, b * GRP + i * W, inv, rotate, y);
 #pragma unroll
-  for (int e = 0; e < GRP; ++e) amax = rc_amax_step(amax, y[e]);
+    for (int e = 0; e < W; ++e) amax = rc_amax_step(amax, y[e]);
+  }
   rc_u8 sb;
   float mult;
 #if RC_CACHE_DT == 8
@@ -1804,16 +1804,17 @@ __device__ __forceinline__ void block_unit(const Params& p, i64 T, i64 max_pos, 
 #if RC_TOKEN_SCALES
   reinterpret_cast<unsigned char*>(is_v ? p.v_sc : p.k_sc)[key_index_bytes<NBK>(blk, off, h, b)] = sb;
 #endif
-  union {
-    VecOf<GRP / 2>::T v;
-    unsigned char e[GRP / 2];
-  } o;
+  char* cache = static_cast<char*>(is_v ? vcache(p) : p.kc) + key_index_bytes<D / 2>(blk, off, h, b * GRP / 2);
+#pragma unroll 1
+  for (int i = 0; i < GRP / W; ++i) {
+    float y[W];
+    block_chunk(p, T, max_pos, t, h, is_v, b * GRP + i * W, inv, rotate, y);
+    CacheChunk o;
 #pragma unroll
-  for (int e = 0; e < GRP / 2; ++e)
-    o.e[e] = rc_pack_int4(rc_e2m1_code(rc_mul(y[2 * e], mult)), rc_e2m1_code(rc_mul(y[2 * e + 1], mult)));
-  void* cache = is_v ? vcache(p) : p.kc;
-  *reinterpret_cast<decltype(o.v)*>(static_cast<char*>(cache) + key_index_bytes<D / 2>(blk, off, h, b * GRP / 2)) =
-      o.v;
+    for (int e = 0; e < W / 2; ++e)
+      o.e[e] = rc_pack_int4(rc_e2m1_code(rc_mul(y[2 * e], mult)), rc_e2m1_code(rc_mul(y[2 * e + 1], mult)));
+    *reinterpret_cast<decltype(o.v)*>(cache + i * (W / 2)) = o.v;
+  }
 }
 // ---- end of block formats -------------------------------------------------------------------------
 
