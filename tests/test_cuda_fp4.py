@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import re
 
 import jax
 import numpy as np
@@ -226,3 +227,59 @@ def test_gpu_kernel_block_formats_bitwise(bc):
     with jax.default_device(tcf._cuda_devices()[0]):
         got = jrc.rope_and_cache(*args, **opts, impl="kernel")
     tcf.assert_bitwise([None if g is None else np.asarray(g) for g in got], want)
+
+
+# ---- lowering for "cuda" on this machine ------------------------------------------------------------
+@pytest.mark.parametrize("node", [False, True], ids=["launcher", "kernel-node"])
+@pytest.mark.parametrize("fmt", contract.BLOCK_FORMATS)
+def test_cuda_lowering_passes_the_global_scales_last(fmt, node, monkeypatch):
+    """One custom call: the 14 operands, use_rope, then (NVFP4) k_global_scale and v_global_scale, traced;
+    the launcher's buffer names count them; the caches and block-scale caches aliased to the results."""
+    import jax.numpy as jnp
+
+    import jax_rope_cache as jrc
+    from jax_rope_cache.backends import kernel_node, launcher
+
+    monkeypatch.setenv(kernel_node.ENV, "1" if node else "0")
+    T, QH, KH, D, NB, BS = 4, 8, 2, 64, 8, 16
+    s = jax.ShapeDtypeStruct
+    sshape = contract.block_scale_shape("flash", NB, BS, KH, D, fmt)
+    sdt = jnp.dtype(contract.BLOCK_SCALE_DTYPE[fmt])
+    args = (s((T, QH, D), jnp.bfloat16), s((T, KH, D), jnp.bfloat16), s((T, KH, D), jnp.bfloat16),
+            s((NB, BS, KH, D // 2), jnp.uint8), s((NB, BS, KH, D // 2), jnp.uint8), s((T,), jnp.int32),
+            s((T,), jnp.int32), s((32, D // 2), jnp.float32), s((32, D // 2), jnp.float32), s(sshape, sdt),
+            s(sshape, sdt), s((), jnp.int32), s((), jnp.float32), s((), jnp.float32))
+    nv = fmt == "nvfp4"
+
+    def step(q, k, v, kc, vc, sl, p, c, sn, ks, vs, sw, kg, vg):
+        g = dict(k_scale=kg, v_scale=vg) if nv else {}
+        return jrc.rope_and_cache(q, k, v, kc, vc, sl, p, c, sn, k_scale_cache=ks, v_scale_cache=vs, use_rope=sw,
+                                  impl="kernel", **g)
+
+    checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in (launcher.GPU_TARGET, launcher.GPU_TARGET_NO_GRAPH,
+                                                                      kernel_node.TARGET)]
+    text = jax.export.export(jax.jit(step, donate_argnums=(3, 4, 9, 10)), platforms=["cuda"],
+                             disabled_checks=checks)(*args).mlir_module()
+    target = "__gpu$xla.gpu.ptx" if node else "@jax_rope_cache_gpu"
+    calls = [ln for ln in text.splitlines() if "stablehlo.custom_call" in ln and target in ln]
+    assert len(calls) == 1, calls
+    operands = calls[0].split("(", 1)[1].split(")", 1)[0]
+    assert operands.count("%") == len(contract.OPERANDS) + 1 + 2 * nv, calls[0]
+    assert "output_operand_alias" in calls[0] and "tensor<8x16x2x32xui8>" in calls[0], calls[0]
+    if not node:
+        names = re.search(r'buffer_names = "([^"]*)"', calls[0]).group(1).split(",")
+        extra = ["use_rope"] + (["k_global_scale", "v_global_scale"] if nv else [])
+        assert names[14:14 + len(extra)] == extra and len(names) == 14 + len(extra) + 6, names
+
+
+def test_block_format_shapes_the_kernel_cannot_take_are_refused():
+    """NeoX with an odd R / 2 (one-channel chunks): KernelUnavailable from NotImplementedError."""
+    from jax_rope_cache.backends import native
+
+    ok = make(BCase("nvfp4", Case(T=9, QH=2, KH=1, D=64)))[0]
+    cuda.refuse_int4_shape(ok)
+    odd = make(BCase("mxfp4", Case(T=9, QH=2, KH=1, D=64, R=6)))[0]
+    assert cuda.chunk_width(odd) == 1
+    with pytest.raises(native.KernelUnavailable) as e:
+        cuda.refuse_int4_shape(odd)
+    assert isinstance(e.value.__cause__, NotImplementedError) and "MXFP4 caches" in str(e.value.__cause__)

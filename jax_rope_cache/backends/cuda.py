@@ -455,12 +455,14 @@ def node_dims(avals_in) -> tuple[int, int, int]:
 def check_node_shapes(avals_in, spec: contract.OpSpec) -> None:
     """Every operand's shape is the one `spec` compiles for (what the launcher's initialize stage checks
     per execution, checked once here: the node's buffers are XLA's, of exactly these shapes)."""
-    kshape, _ = contract.cache_shapes(spec.layout, spec.num_blocks, spec.block_size, spec.kv_heads,
-                                      spec.head_dim, spec.cache_dtype, spec.x)
+    kshape, vshape = contract.cache_shapes(spec.layout, spec.num_blocks, spec.block_size, spec.kv_heads,
+                                           spec.head_dim, spec.cache_dtype, spec.x)
     lead = () if spec.num_layers is None else (spec.num_layers,)
     width = spec.rotary_dim if spec.table_full else spec.rotary_dim // 2
     t = spec.num_tokens
-    want = {**contract.input_shapes(spec), "key_cache": lead + kshape, "value_cache": contract.value_operand_shape(spec),
+    want = {**contract.input_shapes(spec), "key_cache": lead + kshape,
+            # rows of D / 2 bytes for the caches of two values a byte (int4, NVFP4, MXFP4)
+            "value_cache": contract.value_operand_shape(spec) if vshape is None else lead + vshape,
             "slot_mapping": (t,), "positions": (3, t) if spec.mrope_section else (t,),
             "cos": (spec.max_pos, width), "sin": (spec.max_pos, width),
             "layer": ()}

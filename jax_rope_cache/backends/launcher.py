@@ -162,6 +162,7 @@ XLA_TYPES = {
     np.dtype(ml_dtypes.float8_e5m2): 19,
     np.dtype(np.int32): 4, np.dtype(np.int64): 5,
     np.dtype(np.int8): 2, np.dtype(np.uint8): 6,  # int8 caches; int4 caches (bytes of two values)
+    np.dtype(ml_dtypes.float8_e8m0fnu): 33,  # MXFP4 block-scale caches
 }
 
 
