@@ -283,3 +283,41 @@ def test_block_format_shapes_the_kernel_cannot_take_are_refused():
     with pytest.raises(native.KernelUnavailable) as e:
         cuda.refuse_int4_shape(odd)
     assert isinstance(e.value.__cause__, NotImplementedError) and "MXFP4 caches" in str(e.value.__cause__)
+
+
+@pytest.mark.parametrize("fmt", contract.BLOCK_FORMATS)
+def test_host_emulation_every_class_of_value(fmt, emu_dir):
+    """One token a row (NoPE, f32): E2M1 ties after the multiplier, values past 6, +-0, +-inf, NaN,
+    subnormals, zero blocks, blocks at the float32 maximum (NVFP4's scale saturating at 448, MXFP4's
+    exponent at its top), NaN rows; NVFP4 with global scales that make block scales round to 0 (6e30)
+    and with tiny ones (1e-30, 3e-39)."""
+    U8 = np.dtype(np.uint8)
+    T, KH, D = 16, 1, 64
+    rng = np.random.default_rng(9)
+    v = (rng.standard_normal((T, KH, D)) * 10.0 ** rng.integers(-38, 38, (T, 1, 1))).astype(F32)
+    ties = np.float32([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0, -0.25, -2.5, -5.0, 0.0, -0.0, 6.0, 1e-40, 3.0])
+    v[0, 0, :16] = ties
+    v[1, 0, :32] = np.concatenate([ties, ties]) * np.float32(4.0)
+    v[2, 0, :4] = [np.inf, -np.inf, np.nan, 1.0]
+    v[3] = 0
+    v[4, 0, :] = np.float32(1e-45) * np.arange(D)
+    v[5, 0, ::2] = np.finfo(F32).max
+    v[6, 0, :] = np.nan
+    sshape = contract.block_scale_shape("flash", T, 1, KH, D, fmt)
+    sdt = contract.BLOCK_SCALE_DTYPE[fmt]
+    shapes = contract.cache_shapes("flash", T, 1, KH, D, U8)
+    zeros = 0
+    for g in ((1.0, 1.0), (1e-30, 3e-39), (6e30, 0.37)) if fmt == "nvfp4" else ((None, None),):
+        opts = dict(rotary_dim=0, k_scale_cache=rng.integers(0, 0x7F, sshape).astype(U8).view(sdt),
+                    v_scale_cache=rng.integers(0, 0x7F, sshape).astype(U8).view(sdt))
+        if g[0] is not None:
+            opts.update(k_scale=F32(g[0]), v_scale=F32(g[1]))
+        args = (np.zeros((T, 2, D), F32), v, v[::-1].copy(), rng.integers(0, 256, shapes[0]).astype(U8),
+                rng.integers(0, 256, shapes[1]).astype(U8), np.arange(T, dtype=np.int32), np.zeros(T, np.int32),
+                None, None)
+        spec = contract.check_op(*args, **opts)
+        want = reference_results(args, opts)
+        tcf.assert_bitwise(emulate(spec, args, opts, emu_dir), want)
+        zeros += int((want[4].view(U8) == 0).sum())
+    if fmt == "nvfp4":
+        assert zeros > 8  # blocks whose scale rounds to 0 (or is 0) were written
