@@ -161,7 +161,7 @@ def lower(ctx, args, *, ptx: bytes | str, kernel: str, grid: tuple[int, int, int
           aliases: dict[int, int] | None = None, fenced: tuple[int, ...] | None = None):
     """The call as XLA's PTX custom call: `kernel` of `ptx` on `grid` blocks of `block` threads, its
     arguments the 14 operands, the extra operands of the call (contract.extra_operands: use_rope,
-    temperature_factors; rope_cache_node takes them after the 14) then the results (4, or 6 with per-token
+    temperature_factors, NVFP4's k_global_scale / v_global_scale; rope_cache_node takes them after the 14) then the results (4, or 6 with per-token
     scales), the caches (and scale
     caches) aliased in place (`aliases`, operand -> result; None: contract.CACHE_ALIASES). The small
     operands (`fenced`: their indices; None: the launcher's default) go through the same optimization

@@ -71,6 +71,11 @@
 //                                two more results (k_sc, v_sc: the same buffers) receive one scale per
 //                                (token, kv head) at the token's slot (block "per-token scales"); V
 //                                units are row units (token, kv head, chunk) in every layout
+//                                RC_CACHE_DT 8 / 9 (NVFP4 / MXFP4, rope_cache_math.h's RcBlockDtype):
+//                                uint8 caches of E2M1 pairs, the scale caches the block-scale caches
+//                                (one byte per 16 / 32 channels); NVFP4's global decode scales k_g, v_g
+//                                (f32 []) are the last operands; block units replace the V units
+//                                (block "block formats"); flash, hnd and head_major only
 //   Model-family options (block "model families"; each macro absent by default, the kernel then
 //   the same code as without them):
 //   RC_ROT_OFF                   0: rotary channels [0, R); D - R (rotary_position="tail"): the
