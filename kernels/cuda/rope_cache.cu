@@ -734,7 +734,8 @@ struct Params {
   float* k_sc;  // the scale-cache results [.., NB, KH, BS] (aliased to the k_scale / v_scale operands)
   float* v_sc;
 #endif
-  i64 dim0[14 + (RC_USE_ROPE != 0) + (RC_TEMP_FS > 0) + 2 * (RC_CACHE_DT == 8)];  // the operands' leading dims (the extra operands too)
+  // the operands' leading dims (the extra operands too)
+  i64 dim0[14 + (RC_USE_ROPE != 0) + (RC_TEMP_FS > 0) + 2 * (RC_CACHE_DT == 8)];
 };
 
 // Row of one token's head h (h < QH: q, else k head h - QH) in the rotation outputs (q_out, k_out).
