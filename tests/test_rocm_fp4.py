@@ -1,0 +1,142 @@
+"""NVFP4 and MXFP4 caches in the FlyDSL (AMD) kernel without an AMD GPU.
+
+1. The lane emulator (tests/rocm_emulator.py) runs the kernel's program against the numpy reference,
+   every result bit for bit (q_out, k_out, the uint8 caches, the E4M3 / E8M0 block-scale caches), on
+   fresh random data with NaN / inf / zero rows, blocks whose scale rounds to 0, huge blocks, slots -1
+   and out of range: flash, hnd, head_major, stacked layers, QK-norm, partial rotary (merged
+   pass-through channels), R = 0, f32 / bf16 inputs (blocks inside one lane's chunk or spread over a
+   lane group), both regimes; the NVFP4 global scales are run-time operands.
+2. Routing: the formats are in backends/rocm.SUPPORTS; shapes whose lane chunks split a block unevenly
+   and NVFP4 with use_rope / the temperature are refused with an error naming the shape.
+3. With FlyDSL: a compile for gfx942 and gfx950 of each format.
+The default tier runs a sample; JRC_TEST_TIER=full all of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import rocm_emulator
+from conftest import Case, assert_bits_equal, flydsl_kernel_module, num_blocks, tier_sample
+from jax_rope_cache import contract, reference
+from jax_rope_cache.backends import native, rocm
+from test_rocm_families import BIG_T, Fam, family_call, spec_of
+
+K = flydsl_kernel_module()
+C = Case
+BF, F32 = "bfloat16", "float32"
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp4:
+    fam: Fam
+    fmt: str = "nvfp4"
+    gk: float = 0.01   # NVFP4 global decode scales
+    gv: float = 0.003
+
+    @property
+    def id(self) -> str:
+        return f"{self.fmt}-{self.fam.id}" + (f"-g{self.gk}-{self.gv}" if self.fmt == "nvfp4" else "")
+
+
+def fp4_call(fc: Fp4, seed: int):
+    """family_call's call with uint8 caches of random bytes, random block-scale caches, special rows."""
+    f = fc.fam
+    c = f.case
+    args, opts, inputs = family_call(f, seed)
+    rng = np.random.default_rng(seed + 991)
+    nb = num_blocks(c)
+    lead = (f.layers,) if f.layers else ()
+    shapes = contract.cache_shapes(c.layout, nb, c.BS, c.KH, c.D, contract.INT4, c.X)
+    args[3:5] = [rng.integers(0, 256, lead + tuple(sh)).astype(np.uint8) for sh in shapes]
+    sshape = lead + tuple(contract.block_scale_shape(c.layout, nb, c.BS, c.KH, c.D, fc.fmt))
+    sdt = contract.BLOCK_SCALE_DTYPE[fc.fmt]
+    for k in ("k_scale", "v_scale"):
+        opts.pop(k, None)
+    for k in ("k_scale_cache", "v_scale_cache"):
+        opts[k] = rng.integers(0, 256, sshape).astype(np.uint8).view(sdt)
+    if fc.fmt == "nvfp4":
+        opts["k_scale"], opts["v_scale"] = np.float32(fc.gk), np.float32(fc.gv)
+    # special values: NaN / inf in a k and a v row, an all-zero v row, a tiny block (its NVFP4 scale rounds
+    # to 0, MXFP4's exponent clamps), a huge block (NVFP4's scale saturates at 448)
+    q, k, v = (np.array(a) for a in args[:3])
+    g = contract.BLOCK_GROUP[fc.fmt]
+    T = c.T
+    k[0, 0, 1], k[min(1, T - 1), -1, 3] = np.nan, np.inf
+    v[0, 0, 2], v[min(2, T - 1), 0, :] = -np.inf, 0
+    v[min(1, T - 1), -1, g:2 * g] = 1e-30
+    v[min(3, T - 1), 0, :g] = 3e4
+    v[min(4, T - 1), 0, g:2 * g] = -1e-41  # float32 subnormals
+    # E2M1's ties (round half to even) and its saturation, exact after MXFP4's 2^-3 (amax 32)
+    ties = np.array([4, .25, .75, 1.25, 1.75, 2.5, 3.5, 5, -.25, -.75, -1.25, -1.75, -2.5, -3.5, -5, 7], np.float32) * 8
+    v[min(5, T - 1), -1, :16] = ties
+    k[min(5, T - 1), 0, :16] = ties  # (R = 0 calls store k as given)
+    args[:3] = [q, k, v]
+    if f.qkv or f.gate:
+        raise AssertionError("fused rows are not sampled here")
+    inputs = args[:3]
+    return args, opts, inputs
+
+
+def emulate(fc: Fp4, regime: str = "latency", seed: int = 11):
+    args, opts, inputs = fp4_call(fc, seed)
+    spec = spec_of(fc.fam, args, opts)
+    assert spec.cache_format == fc.fmt
+    cfg = rocm.kernel_config(spec, K, num_tokens=None if regime == "latency" else BIG_T)
+    assert cfg.block_fmt == (K.NVFP4 if fc.fmt == "nvfp4" else K.MXFP4) and cfg.cache_dt == K.INT4
+    assert K.block_problem(cfg) is None, K.block_problem(cfg)
+    operands = rocm_emulator.custom_call_operands(list(inputs) + args[3:], opts, layer=opts.get("layer", 0))
+    operands += rocm_emulator.extra_operands(spec, opts)
+    with np.errstate(all="ignore"):
+        got = rocm_emulator.run(K, cfg, operands)
+        want = reference.rope_and_cache(*args, **opts)
+    return cfg, got, want
+
+
+def assert_all_equal(got, want):
+    names = contract.RESULTS + contract.TOKEN_SCALE_RESULTS
+    assert len(got) == len(want) == 6
+    for name, g, w in zip(names, got, want):
+        g, w = np.asarray(g), np.asarray(w)
+        assert g.dtype == w.dtype and g.shape == w.shape, (name, g.dtype, w.dtype, g.shape, w.shape)
+        if g.dtype.itemsize == 1:  # bytes: the uint8 caches, E4M3 / E8M0 scales
+            bad = np.flatnonzero(g.view(np.uint8) != w.view(np.uint8))
+            assert bad.size == 0, (name, bad[:8], g.view(np.uint8).ravel()[bad[:8]], w.view(np.uint8).ravel()[bad[:8]])
+        else:
+            assert_bits_equal(g, w, name)
+
+
+CASES = [
+    # bf16: 8-channel chunks, a block over 2 (NVFP4) or 4 (MXFP4) lanes
+    Fp4(Fam(C(T=5, QH=4, KH=2, D=64))),
+    Fp4(Fam(C(T=5, QH=4, KH=2, D=64)), fmt="mxfp4"),
+    Fp4(Fam(C(T=6, QH=4, KH=2, D=128, R=64, layout="hnd")), gk=0.5, gv=2.0),
+    Fp4(Fam(C(T=6, QH=4, KH=2, D=128, R=64, layout="hnd")), fmt="mxfp4"),
+    Fp4(Fam(C(T=5, QH=4, KH=2, D=64, layout="head_major"), layers=2)),
+    Fp4(Fam(C(T=5, QH=4, KH=2, D=64, layout="head_major"), layers=2), fmt="mxfp4"),
+    Fp4(Fam(C(T=5, QH=8, KH=2, D=128, precision="native"), norm="rms")),
+    Fp4(Fam(C(T=5, QH=8, KH=2, D=128, is_neox=False), norm="gemma"), fmt="mxfp4"),
+    # f32 inputs, R = 0, the tail, a stacked flash cache
+    Fp4(Fam(C(T=5, QH=4, KH=2, D=64, dtype=F32, table_dtype=F32), nope=True, norm="weightless"), gk=1e-3, gv=7.0),
+    Fp4(Fam(C(T=5, QH=4, KH=2, D=128, R=64, dtype=F32, table_dtype=F32), tail=True, layers=2), fmt="mxfp4"),
+    Fp4(Fam(C(T=7, QH=4, KH=1, D=256, dtype=F32, table_dtype=F32, index_dtype="int64")), gk=3e-5, gv=40.0),
+    Fp4(Fam(C(T=5, QH=4, KH=2, D=64), nope=True, switch=None), fmt="mxfp4"),
+]
+
+
+@pytest.mark.parametrize("regime", ["latency", "bandwidth"])
+@pytest.mark.parametrize("fc", tier_sample(CASES, 3), ids=lambda fc: fc.id)
+def test_emulated_fp4_cache_matches_reference(fc, regime):
+    cfg, got, want = emulate(fc, regime)
+    assert_all_equal(got, want)
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("regime", ["latency", "bandwidth"])
+@pytest.mark.parametrize("fc", CASES, ids=lambda fc: fc.id)
+def test_emulated_fp4_cache_matches_reference_full(fc, regime):
+    test_emulated_fp4_cache_matches_reference(fc, regime)
