@@ -140,3 +140,93 @@ def test_emulated_fp4_cache_matches_reference(fc, regime):
 @pytest.mark.parametrize("fc", CASES, ids=lambda fc: fc.id)
 def test_emulated_fp4_cache_matches_reference_full(fc, regime):
     test_emulated_fp4_cache_matches_reference(fc, regime)
+
+
+# ---- 2. routing ----------------------------------------------------------------------------------------
+def test_supports_lists_the_block_formats():
+    assert {"nvfp4_cache", "mxfp4_cache"} <= rocm.SUPPORTS
+
+
+def test_block_format_off_keeps_the_configuration():
+    """Without a block format the field is off: the key (and the code) of a configuration made before it."""
+    args, opts, _ = family_call(Fam(C(T=5, QH=4, KH=2, D=64), int4=True), 3)
+    cfg = rocm.kernel_config(contract.check_op(*args, **opts), K)
+    assert cfg.block_fmt == 0 and K.block_problem(cfg) is None and K.num_operands(cfg) == 14
+    assert cfg.key() == K.RocmKernelConfig(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}).key()
+
+
+def test_nvfp4_global_scales_are_the_last_operands():
+    fc = Fp4(Fam(C(T=5, QH=4, KH=2, D=64)))
+    args, opts, _ = fp4_call(fc, 3)
+    spec = spec_of(fc.fam, args, opts)
+    cfg = rocm.kernel_config(spec, K)
+    assert K.num_operands(cfg) == 16 and K.kernel_args(cfg) == 16 + 6 + 16
+    names = rocm.launch_buffers(spec)["buffer_names"].split(",")
+    assert names[14:16] == ["k_global_scale", "v_global_scale"] and len(names) == 16 + 6
+    mx = Fp4(Fam(C(T=5, QH=4, KH=2, D=64)), fmt="mxfp4")
+    args, opts, _ = fp4_call(mx, 3)
+    assert K.num_operands(rocm.kernel_config(spec_of(mx.fam, args, opts), K)) == 14
+
+
+@pytest.mark.parametrize("fc, text", [
+    # NeoX with R = 16: the second rotation half starts at channel 8, inside a block of 16
+    (Fp4(Fam(C(T=3, QH=2, KH=1, D=64, R=16))), "NVFP4 blocks of 16 channels"),
+    # MXFP4 with R = 32: the halves start at 0 and 16, inside a block of 32
+    (Fp4(Fam(C(T=3, QH=2, KH=1, D=64, R=32)), fmt="mxfp4"), "MXFP4 blocks of 32 channels"),
+    # NVFP4's global scales with use_rope: more kernel arguments than the launcher takes
+    (Fp4(Fam(C(T=3, QH=2, KH=1, D=64), switch=1)), "use_rope switch"),
+], ids=lambda x: x if isinstance(x, str) else x.id)
+def test_shapes_the_lanes_cannot_take_are_refused(fc, text):
+    args, opts, _ = fp4_call(fc, 1)
+    cfg = rocm.kernel_config(spec_of(fc.fam, args, opts), K)
+    assert text in K.block_problem(cfg)
+    with pytest.raises(native.KernelUnavailable, match="NVFP4|MXFP4") as e:
+        rocm.refuse_token_scales(cfg, K)
+    assert isinstance(e.value.__cause__, NotImplementedError) and text in str(e.value.__cause__)
+
+
+def test_mxfp4_with_the_switch_runs():
+    """MXFP4 has no global scales: use_rope and the temperature fit the launcher."""
+    fc = Fp4(Fam(C(T=5, QH=4, KH=2, D=64), switch=0, temp=(2, 0.2)), fmt="mxfp4")
+    cfg, got, want = emulate(fc)
+    assert K.kernel_args(cfg) == 38
+    assert_all_equal(got, want)
+
+
+def test_nvfp4_traced_global_scales_change_the_results():
+    """The global scales are read at run time: other values give other block scales (same program)."""
+    base = Fp4(Fam(C(T=5, QH=4, KH=2, D=64)))
+    other = dataclasses.replace(base, gk=0.25, gv=0.0625)
+    cfg1, got1, want1 = emulate(base)
+    cfg2, got2, want2 = emulate(other)
+    assert cfg1 == cfg2
+    assert_all_equal(got1, want1)
+    assert_all_equal(got2, want2)
+    assert not np.array_equal(got1[4].view(np.uint8), got2[4].view(np.uint8))
+
+
+# ---- 3. FlyDSL: each format compiles for gfx942 and gfx950 ---------------------------------------------
+from test_rocm_families import ARCHS, needs_flydsl  # noqa: E402
+
+COMPILE_CASES = [
+    Fp4(Fam(C(T=1, QH=32, KH=8, D=128))),                                        # Llama-3.1-8B NVFP4
+    Fp4(Fam(C(T=1, QH=16, KH=8, D=128, layout="hnd"), norm="rms"), fmt="mxfp4"),  # Qwen3 MXFP4
+]
+
+
+@needs_flydsl
+@pytest.mark.parametrize("fc", COMPILE_CASES, ids=lambda fc: fc.id)
+def test_fp4_variant_compiles_for_both_archs(fc):
+    from jax_rope_cache.compilers import amdgpu_elf
+
+    args, opts, _ = fp4_call(fc, 1)
+    spec = spec_of(fc.fam, args, opts)
+    cfg = rocm.kernel_config(spec, K)
+    table, symbol, objs = rocm.build_code_table(cfg, ARCHS)
+    assert [o.arch for o in objs] == list(ARCHS)
+    for o in objs:
+        info = amdgpu_elf.kernel_info(o.code)
+        n = K.kernel_args(o.config)
+        assert n == 2 * (14 + len(contract.extra_operands(spec))) + 6
+        assert info["target"].endswith(o.arch) and info["name"] == symbol and info["kernarg_size"] == 8 * n
+        assert info["private_segment_size"] == 0 and info["vgpr_spill_count"] == 0
