@@ -4,8 +4,8 @@
    every result bit for bit (q_out, k_out, the uint8 caches, the E4M3 / E8M0 block-scale caches), on
    fresh random data with NaN / inf / zero rows, blocks whose scale rounds to 0, huge blocks, slots -1
    and out of range: flash, hnd, head_major, stacked layers, QK-norm, partial rotary (merged
-   pass-through channels), R = 0, f32 / bf16 inputs (blocks inside one lane's chunk or spread over a
-   lane group), both regimes; the NVFP4 global scales are run-time operands.
+   pass-through channels), R = 0, f32 / bf16 inputs (a block spread over 2 to 16 lanes: every
+   occupancy candidate), both regimes; the NVFP4 global scales are run-time operands.
 2. Routing: the formats are in backends/rocm.SUPPORTS; shapes whose lane chunks split a block unevenly
    and NVFP4 with use_rope / the temperature are refused with an error naming the shape.
 3. With FlyDSL: a compile for gfx942 and gfx950 of each format.
@@ -82,11 +82,12 @@ def fp4_call(fc: Fp4, seed: int):
     return args, opts, inputs
 
 
-def emulate(fc: Fp4, regime: str = "latency", seed: int = 11):
+def emulate(fc: Fp4, regime: str = "latency", seed: int = 11, cfg=None):
     args, opts, inputs = fp4_call(fc, seed)
     spec = spec_of(fc.fam, args, opts)
     assert spec.cache_format == fc.fmt
-    cfg = rocm.kernel_config(spec, K, num_tokens=None if regime == "latency" else BIG_T)
+    if cfg is None:
+        cfg = rocm.kernel_config(spec, K, num_tokens=None if regime == "latency" else BIG_T)
     assert cfg.block_fmt == (K.NVFP4 if fc.fmt == "nvfp4" else K.MXFP4) and cfg.cache_dt == K.INT4
     assert K.block_problem(cfg) is None, K.block_problem(cfg)
     operands = rocm_emulator.custom_call_operands(list(inputs) + args[3:], opts, layer=opts.get("layer", 0))
@@ -140,6 +141,23 @@ def test_emulated_fp4_cache_matches_reference(fc, regime):
 @pytest.mark.parametrize("fc", CASES, ids=lambda fc: fc.id)
 def test_emulated_fp4_cache_matches_reference_full(fc, regime):
     test_emulated_fp4_cache_matches_reference(fc, regime)
+
+
+@pytest.mark.parametrize("fc", [CASES[8], CASES[9], CASES[7]], ids=lambda fc: fc.id)
+def test_every_occupancy_candidate_runs_bit_exact(fc):
+    """The narrower configurations the lowering may build instead (f32 chunks of 2 channels: an MXFP4
+    block over 16 lanes) keep the format and run bit-exact."""
+    args, opts, _ = fp4_call(fc, 7)
+    spec = spec_of(fc.fam, args, opts)
+    widths = set()
+    for regime in ("latency", "bandwidth"):
+        cfg = rocm.kernel_config(spec, K, num_tokens=None if regime == "latency" else BIG_T)
+        for cand, _ in rocm.occupancy_candidates(cfg, K):
+            assert cand.block_fmt == cfg.block_fmt and K.block_problem(cand) is None
+            widths.add((cand.w_rot, cand.w_pass, cand.w_v))
+            _, got, want = emulate(fc, cfg=cand)
+            assert_all_equal(got, want)
+    assert len(widths) > 1
 
 
 # ---- 2. routing ----------------------------------------------------------------------------------------

@@ -44,7 +44,7 @@ ARCH_NAMES = {"gfx942": "MI300", "gfx950": "MI350/MI355"}
 # contract.FEATURES the FlyDSL kernel implements (others: the XLA path, or an error with impl="kernel").
 # Per-token scales: for shapes where a row is a power-of-two lane group (refuse_token_scales); the norm
 # after the rotation: where the rotation lanes hold the whole row (refuse_families); NVFP4 / MXFP4: where
-# each lane chunk holds whole blocks or an even share of one (kernel block_problem).
+# each block spreads evenly over an aligned lane group (kernel block_problem).
 SUPPORTS: frozenset[str] = frozenset(contract.BASE_FEATURES) | {
     "nope", "rope_switch", "rotary_tail", "gemma_norm", "weightless_norm", "norm_after", "temperature", "q_gate",
     "int8_cache", "int4_cache", "nvfp4_cache", "mxfp4_cache"}

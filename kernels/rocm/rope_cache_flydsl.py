@@ -99,8 +99,7 @@ not rotate), `norm_type` GEMMA / WEIGHTLESS, `norm_after` (the rotated row norma
 lanes: family_problem), `temp_floor` (q * factor on calls that do not rotate), `q_gate` (q head h at
 row 2h of the fused rows). int8 caches (`INT8`): per-token scales with 127, quantized on the bits
 (f32_to_int_bits). NVFP4 / MXFP4 (`block_fmt`): the INT4 bytes hold E2M1 codes (e2m1_code) with one
-scale per block of 16 / 32 channels of a row, its amax within a lane's chunk or by the xor butterfly
-over the block's lanes (block_plan; block_problem refuses the rest), the scale byte by block_scale.
+scale per block of 16 / 32 channels of a row, its amax by the xor butterfly over the block's lanes (block_plan; block_problem refuses the rest), the scale byte by block_scale.
 
 Multimodal RoPE (`mrope` 1: sections, 2: interleaved; `mrope_t/h/w` the frequency counts; 0: off,
 positions [T], and the code is that of a kernel without the option). positions is [3, T]: stream s
@@ -377,17 +376,14 @@ def token_scales_problem(cfg: "RocmKernelConfig") -> str | None:
     return None
 
 
-def block_plan(off: int, w: int, lanes: int, group: int):
-    """How the blocks of `group` channels meet a family of chunks (lane c holds [off + c*w, off + (c+1)*w)
-    of a row over `lanes` lanes): ("local", n) each chunk holds n whole blocks; ("lanes", n) a block
-    spans an aligned group of n lanes (its amax by the xor butterfly); None: neither."""
-    if off % group:
+def block_plan(off: int, w: int, lanes: int, group: int) -> int | None:
+    """The lanes n over which a block of `group` channels spreads in a family of chunks (lane c holds
+    [off + c*w, off + (c+1)*w) of a row over `lanes` lanes): an aligned group of n = group / w lanes
+    (its amax by the xor butterfly), or None. A chunk is at most 16 bytes of input (8 channels), so a
+    block of 16 or 32 never sits within one lane."""
+    if off % group or group % w or (w * lanes) % group:
         return None
-    if w % group == 0:
-        return ("local", w // group)
-    if group % w == 0 and (w * lanes) % group == 0:
-        return ("lanes", group // w)
-    return None
+    return group // w
 
 
 def block_rows(cfg: "RocmKernelConfig") -> list:
@@ -399,8 +395,8 @@ def block_rows(cfg: "RocmKernelConfig") -> list:
 
 
 def block_problem(cfg: "RocmKernelConfig") -> str | None:
-    """Why a NVFP4 / MXFP4 cache does not fit `cfg` (None: it does): every lane chunk of a row must hold
-    whole blocks or be a part of one block spread over an aligned lane group (block_plan); NVFP4's global
+    """Why a NVFP4 / MXFP4 cache does not fit `cfg` (None: it does): every lane chunk of a row must be
+    an even share of one block spread over an aligned lane group (block_plan); NVFP4's global
     scales plus use_rope / temperature_factors exceed the launcher's arguments."""
     if not cfg.block_fmt:
         return None
@@ -415,7 +411,7 @@ def block_problem(cfg: "RocmKernelConfig") -> str | None:
         for off, w in fams:
             if block_plan(off, w, lanes, g) is None:
                 return (f"{name} blocks of {g} channels: {what}'s lane chunks of {w} channel(s) from channel {off} "
-                        f"({lanes} lanes; D={cfg.d}, R={cfg.r}) neither hold whole blocks nor split them evenly")
+                        f"({lanes} lanes; D={cfg.d}, R={cfg.r}) do not split each block over an aligned lane group")
     return None
 
 
@@ -1466,27 +1462,19 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
         base = E.add(p_sc, E.mul(row, c64(D // g_)))
         mults = []
         for vals, (off, w) in zip(fam_vals, fams):
-            kind, n = block_plan(off, w, lanes_, g_)
-            blocks = [vals[i * g_:(i + 1) * g_] for i in range(n)] if kind == "local" else [vals]
-            mf = []
-            for i, bv in enumerate(blocks):
-                a = E.amax_bits(bv)
-                m = 1
-                while kind == "lanes" and m < n:  # the block's lanes: an aligned group of n
-                    a = E.arith.maxui(a, E.lane_xor_bits(a, m, tid))
-                    m *= 2
-                byte, mult = E.block_scale(a, gs, enc)
-                mf += [mult] * len(bv)
-                if kind == "local":
-                    idx, first = E.add(E.mul(c, c32(n)), c32(off // g_ + i)), None
-                else:
-                    idx = E.add(E.arith.divui(c, c32(n)), c32(off // g_))
-                    first = E.cmp("eq", E.arith.remui(c, c32(n)), c32(0))
-                pieces = E.words_to_pieces(E.pack_bits([byte], 1))
-                addr = E.add(base, E.ext64(idx))
-                guarded(wr if first is None else E.and1(wr, first),
-                        lambda pieces=pieces, addr=addr: E.global_store_pieces(pieces, addr))
-            mults.append(mf)
+            n = block_plan(off, w, lanes_, g_)
+            a = E.amax_bits(vals)
+            m = 1
+            while m < n:  # the block's lanes: an aligned group of n
+                a = E.arith.maxui(a, E.lane_xor_bits(a, m, tid))
+                m *= 2
+            byte, mult = E.block_scale(a, gs, enc)
+            idx = E.add(E.arith.divui(c, c32(n)), c32(off // g_))
+            first = E.cmp("eq", E.arith.remui(c, c32(n)), c32(0))
+            pieces = E.words_to_pieces(E.pack_bits([byte], 1))
+            addr = E.add(base, E.ext64(idx))
+            guarded(E.and1(wr, first), lambda pieces=pieces, addr=addr: E.global_store_pieces(pieces, addr))
+            mults.append([mult] * len(vals))
         return mults
 
     def k_group(n):
