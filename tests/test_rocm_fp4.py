@@ -248,3 +248,40 @@ def test_fp4_variant_compiles_for_both_archs(fc):
         assert n == 2 * (14 + len(contract.extra_operands(spec))) + 6
         assert info["target"].endswith(o.arch) and info["name"] == symbol and info["kernarg_size"] == 8 * n
         assert info["private_segment_size"] == 0 and info["vgpr_spill_count"] == 0
+
+
+@needs_flydsl
+def test_export_rocm_nvfp4_with_traced_global_scales():
+    """jax.export for rocm on this CPU: an NVFP4 call with traced global scales lowers to ONE launcher
+    call with 16 operands (the global scales last), the kernel's 38-word argument block."""
+    import jax
+    import jax.numpy as jnp
+
+    import jax_rope_cache as jrc
+    from jax_rope_cache.backends import launcher
+    from jax_rope_cache.compilers import amdgpu_elf
+    from test_rocm_compile import custom_calls
+
+    T, QH, KH, D, NB, BS = 4, 8, 2, 128, 16, 16
+    s = jax.ShapeDtypeStruct
+    kc, vc = contract.cache_shapes("flash", NB, BS, KH, D, contract.INT4)
+    sc = contract.block_scale_shape("flash", NB, BS, KH, D, "nvfp4")
+    e4 = contract.BLOCK_SCALE_DTYPE["nvfp4"]
+
+    def step(q, k, v, kc, vc, slots, pos, cos, sin, ksc, vsc, gk, gv):
+        return jrc.rope_and_cache(q, k, v, kc, vc, slots, pos, cos, sin, impl="kernel", k_scale_cache=ksc,
+                                  v_scale_cache=vsc, k_scale=gk, v_scale=gv)
+
+    checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in ("jax_rope_cache_gpu", "jax_rope_cache_gpu_nograph")]
+    exp = jax.export.export(jax.jit(step, donate_argnums=(3, 4, 9, 10)), platforms=["rocm"], disabled_checks=checks)(
+        s((T, QH, D), jnp.bfloat16), s((T, KH, D), jnp.bfloat16), s((T, KH, D), jnp.bfloat16), s(kc, jnp.uint8),
+        s(vc, jnp.uint8), s((T,), jnp.int32), s((T,), jnp.int32), s((4096, D // 2), jnp.float32),
+        s((4096, D // 2), jnp.float32), s(sc, e4), s(sc, e4), s((), jnp.float32), s((), jnp.float32))
+    calls = [c for c in custom_calls(exp) if c[0].startswith("jax_rope_cache_gpu")]
+    assert len(calls) == 1, calls
+    names = calls[0][1]["buffer_names"].decode().split(",")
+    assert names[14:16] == ["k_global_scale", "v_global_scale"] and len(names) == 22
+    entries = launcher.unpack_code_table(calls[0][1]["code"])
+    assert [(k, a) for k, a, _ in entries] == [(3, "gfx942"), (3, "gfx950")]
+    for _, arch, code in entries:
+        assert amdgpu_elf.kernel_info(code)["kernarg_size"] == 8 * 38
