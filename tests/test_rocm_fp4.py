@@ -285,3 +285,29 @@ def test_export_rocm_nvfp4_with_traced_global_scales():
     assert [(k, a) for k, a, _ in entries] == [(3, "gfx942"), (3, "gfx950")]
     for _, arch, code in entries:
         assert amdgpu_elf.kernel_info(code)["kernarg_size"] == 8 * 38
+
+
+@pytest.mark.parametrize("mutation", ["nan_in_amax", "group", "no_butterfly"])
+def test_mutated_block_rules_fail(monkeypatch, mutation):
+    """The emulator comparison catches a wrong rule: NaN / inf counted in the amax, the wrong block
+    size, a block's amax from one lane only."""
+    if mutation == "nan_in_amax":
+        def amax_bits(self, vals):
+            amax = None
+            for v in vals:
+                a = self.band(self.bitcast(self.i32, v), self.i32c(0x7FFFFFFF))
+                amax = a if amax is None else self.arith.maxui(amax, a)
+            return amax
+        monkeypatch.setattr(K._Emitter, "amax_bits", amax_bits)
+    elif mutation == "group":
+        monkeypatch.setattr(K, "BLOCK_GROUP", {K.NVFP4: 32, K.MXFP4: 16})
+    else:
+        monkeypatch.setattr(K, "block_plan", lambda off, w, lanes, group: 1)
+    failed = 0
+    for fc in (CASES[0], CASES[1]):
+        _, got, want = emulate(fc)
+        try:
+            assert_all_equal(got, want)
+        except AssertionError:
+            failed += 1
+    assert failed == 2
