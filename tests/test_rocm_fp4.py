@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import ml_dtypes
 import numpy as np
 import pytest
 
@@ -28,7 +27,7 @@ from test_rocm_families import BIG_T, Fam, family_call, spec_of
 
 K = flydsl_kernel_module()
 C = Case
-BF, F32 = "bfloat16", "float32"
+F32 = "float32"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,7 +271,8 @@ def test_export_rocm_nvfp4_with_traced_global_scales():
         return jrc.rope_and_cache(q, k, v, kc, vc, slots, pos, cos, sin, impl="kernel", k_scale_cache=ksc,
                                   v_scale_cache=vsc, k_scale=gk, v_scale=gv)
 
-    checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in ("jax_rope_cache_gpu", "jax_rope_cache_gpu_nograph")]
+    checks = [jax.export.DisabledSafetyCheck.custom_call(t)
+              for t in ("jax_rope_cache_gpu", "jax_rope_cache_gpu_nograph")]
     exp = jax.export.export(jax.jit(step, donate_argnums=(3, 4, 9, 10)), platforms=["rocm"], disabled_checks=checks)(
         s((T, QH, D), jnp.bfloat16), s((T, KH, D), jnp.bfloat16), s((T, KH, D), jnp.bfloat16), s(kc, jnp.uint8),
         s(vc, jnp.uint8), s((T,), jnp.int32), s((T,), jnp.int32), s((4096, D // 2), jnp.float32),

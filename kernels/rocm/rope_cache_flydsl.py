@@ -99,7 +99,8 @@ not rotate), `norm_type` GEMMA / WEIGHTLESS, `norm_after` (the rotated row norma
 lanes: family_problem), `temp_floor` (q * factor on calls that do not rotate), `q_gate` (q head h at
 row 2h of the fused rows). int8 caches (`INT8`): per-token scales with 127, quantized on the bits
 (f32_to_int_bits). NVFP4 / MXFP4 (`block_fmt`): the INT4 bytes hold E2M1 codes (e2m1_code) with one
-scale per block of 16 / 32 channels of a row, its amax by the xor butterfly over the block's lanes (block_plan; block_problem refuses the rest), the scale byte by block_scale.
+scale per block of 16 / 32 channels of a row, its amax by the xor butterfly over the block's lanes
+(block_plan; block_problem refuses the rest), the scale byte by block_scale.
 
 Multimodal RoPE (`mrope` 1: sections, 2: interleaved; `mrope_t/h/w` the frequency counts; 0: off,
 positions [T], and the code is that of a kernel without the option). positions is [3, T]: stream s
