@@ -125,6 +125,9 @@ CASES = [
     Fp4(Fam(C(T=5, QH=4, KH=2, D=128, R=64, dtype=F32, table_dtype=F32), tail=True, layers=2), fmt="mxfp4"),
     Fp4(Fam(C(T=7, QH=4, KH=1, D=256, dtype=F32, table_dtype=F32, index_dtype="int64")), gk=3e-5, gv=40.0),
     Fp4(Fam(C(T=5, QH=4, KH=2, D=64), nope=True, switch=None), fmt="mxfp4"),
+    # Llama-3.1-8B heads: the latency configuration splits the phases over grid.y
+    Fp4(Fam(C(T=3, QH=32, KH=8, D=128))),
+    Fp4(Fam(C(T=3, QH=32, KH=8, D=128, layout="hnd")), fmt="mxfp4"),
 ]
 
 
@@ -132,6 +135,12 @@ CASES = [
 @pytest.mark.parametrize("fc", tier_sample(CASES, 3), ids=lambda fc: fc.id)
 def test_emulated_fp4_cache_matches_reference(fc, regime):
     cfg, got, want = emulate(fc, regime)
+    assert_all_equal(got, want)
+
+
+def test_split_configuration_matches_reference():
+    cfg, got, want = emulate(CASES[-1], "latency")
+    assert cfg.split > 1
     assert_all_equal(got, want)
 
 
