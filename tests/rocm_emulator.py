@@ -532,8 +532,9 @@ def custom_call_operands(args, opts, layer=0) -> list[np.ndarray]:
     fp8 = np.dtype(args[3].dtype).itemsize == 1
     scales = []
     for name in ("k_scale", "v_scale"):
-        if opts.get(name + "_cache") is not None:
-            scales.append(np.asarray(opts[name + "_cache"], np.float32))
+        if opts.get(name + "_cache") is not None:  # float32, or NVFP4 / MXFP4 block scales (1-byte floats)
+            sc = np.asarray(opts[name + "_cache"])
+            scales.append(sc if sc.dtype.itemsize == 1 else sc.astype(np.float32))
             continue
         s = np.asarray(opts.get(name, 1.0) if fp8 else 1.0, np.float32)
         scales.append(s.reshape(()) if s.size == 1 else s.reshape(-1))
@@ -552,13 +553,16 @@ def custom_call_operands(args, opts, layer=0) -> list[np.ndarray]:
 
 def extra_operands(spec, opts) -> list[np.ndarray]:
     """The operands after the 14 (contract.extra_operands) of a call: use_rope as int32 [], the
-    temperature factors [max_pos // floor_scale + 1] (reference.temperature_factors)."""
+    temperature factors [max_pos // floor_scale + 1] (reference.temperature_factors), NVFP4's global
+    scales (k_scale / v_scale) as float32 []."""
     from jax_rope_cache import contract, reference
 
     out = []
     for name in contract.extra_operands(spec):
         if name == "use_rope":
             out.append(np.asarray(opts["use_rope"]).astype(np.int32).reshape(()))
+        elif name in ("k_global_scale", "v_global_scale"):
+            out.append(np.asarray(opts[name[0] + "_scale"], np.float32).reshape(()))
         else:
             out.append(reference.temperature_factors(spec.max_pos, *spec.temperature))
     return out

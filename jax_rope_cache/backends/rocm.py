@@ -43,10 +43,11 @@ DEFAULT_ARCHS = ("gfx942", "gfx950")
 ARCH_NAMES = {"gfx942": "MI300", "gfx950": "MI350/MI355"}
 # contract.FEATURES the FlyDSL kernel implements (others: the XLA path, or an error with impl="kernel").
 # Per-token scales: for shapes where a row is a power-of-two lane group (refuse_token_scales); the norm
-# after the rotation: where the rotation lanes hold the whole row (refuse_families).
+# after the rotation: where the rotation lanes hold the whole row (refuse_families); NVFP4 / MXFP4: where
+# each block spreads evenly over an aligned lane group (kernel block_problem).
 SUPPORTS: frozenset[str] = frozenset(contract.BASE_FEATURES) | {
     "nope", "rope_switch", "rotary_tail", "gemma_norm", "weightless_norm", "norm_after", "temperature", "q_gate",
-    "int8_cache", "int4_cache"}
+    "int8_cache", "int4_cache", "nvfp4_cache", "mxfp4_cache"}
 
 
 class UnsupportedArch(RuntimeError):
@@ -130,15 +131,15 @@ def op_codes(spec: contract.OpSpec, module=None) -> contract.KernelCodes:
     holds the float dtypes only)."""
     if not spec.low_bit:
         return contract.kernel_codes(spec)
-    if getattr(spec, "cache_format", None) is not None:  # NVFP4 / MXFP4 (uint8 too): not in the kernel
-        raise NotImplementedError(f"rope_and_cache: the FlyDSL kernel has no {spec.cache_format} cache")
     K = module or flydsl.kernel_module()
     codes = contract.kernel_codes(dataclasses.replace(spec, cache_dtype=contract.FP8_DTYPES[0]))  # the same geometry
-    return dataclasses.replace(codes, cache_dt=K.INT8 if spec.int8 else K.INT4)
+    return dataclasses.replace(codes, cache_dt=K.INT8 if spec.int8 else K.INT4)  # NVFP4 / MXFP4: INT4 bytes
 
 
 # The model-family fields of the kernel's make_config (not in contract.KernelCodes) and their off values.
-FAMILY_DEFAULTS = dict(tail=False, rope_switch=False, norm_type=0, norm_after=False, temp_floor=0, q_gate=False)
+FAMILY_DEFAULTS = dict(tail=False, rope_switch=False, norm_type=0, norm_after=False, temp_floor=0, q_gate=False,
+                       block_fmt=0)
+BLOCK_FMT_CODES = {None: 0, "nvfp4": 1, "mxfp4": 2}  # the kernel's NVFP4 / MXFP4
 NORM_TYPE_CODES = {"rms": 0, "gemma": 1, "weightless": 2}
 
 
@@ -146,7 +147,8 @@ def family_codes(spec: contract.OpSpec) -> dict:
     """The model-family fields of make_config for a call (every one at its off value without the options)."""
     return dict(tail=bool(spec.rotary_tail), rope_switch=bool(spec.rope_switch),
                 norm_type=NORM_TYPE_CODES[spec.norm_type] if spec.qk_norm else 0, norm_after=bool(spec.norm_after),
-                temp_floor=int(spec.temperature[0]) if spec.temperature is not None else 0, q_gate=bool(spec.q_gate))
+                temp_floor=int(spec.temperature[0]) if spec.temperature is not None else 0, q_gate=bool(spec.q_gate),
+                block_fmt=BLOCK_FMT_CODES[getattr(spec, "cache_format", None)])
 
 
 _CODE_FIELDS = tuple(f.name for f in dataclasses.fields(contract.KernelCodes))
@@ -205,6 +207,8 @@ def occupancy_candidates(cfg, module=None) -> list:
         out += [c for c in occupancy_candidates(K.make_config(**codes), K) if c not in out]
     if getattr(cfg, "token_scales", False):  # narrower chunks may spread a row over too many lanes
         out = [(c, h) for c, h in out if K.token_scales_problem(c) is None]
+    if getattr(cfg, "block_fmt", 0):  # or split a block unevenly
+        out = [(c, h) for c, h in out if K.block_problem(c) is None]
     # a latency cfg's bandwidth fallbacks hold more token rows per workgroup (cfg itself: refused at lowering)
     return [(c, h) for c, h in out if c == cfg or K.span_problem(c) is None]
 
@@ -272,9 +276,11 @@ def refuse_token_scales(cfg, module=None) -> None:
     token_scales_problem: a row's lanes are not a power-of-two group of one wave)."""
     K = module or flydsl.kernel_module()
     problem = K.token_scales_problem(cfg) if getattr(cfg, "token_scales", False) else None
+    what = "per-token fp8 scales" if cfg.cache_dt in K.FP8_CODES else "per-token int8 / int4 quantization"
+    if problem is None and getattr(cfg, "block_fmt", 0):
+        problem, what = K.block_problem(cfg), f"{'NVFP4' if cfg.block_fmt == K.NVFP4 else 'MXFP4'} caches"
     if problem is None:
         return
-    what = "per-token fp8 scales" if cfg.cache_dt in K.FP8_CODES else "per-token int8 / int4 quantization"
     raise native.KernelUnavailable(f"a kernel with {what} for this shape ({problem})") from (
         NotImplementedError(f"rope_and_cache: impl='kernel' on {NAME}: the kernel does not implement {what} "
                             f"(k_scale_cache / v_scale_cache) for this shape: {problem}; use impl=None (the "

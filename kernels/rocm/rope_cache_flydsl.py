@@ -98,7 +98,9 @@ channels [D - R, D)), `rope_switch` (the rotation lanes select the unrotated bit
 not rotate), `norm_type` GEMMA / WEIGHTLESS, `norm_after` (the rotated row normalised by the rotation
 lanes: family_problem), `temp_floor` (q * factor on calls that do not rotate), `q_gate` (q head h at
 row 2h of the fused rows). int8 caches (`INT8`): per-token scales with 127, quantized on the bits
-(f32_to_int_bits).
+(f32_to_int_bits). NVFP4 / MXFP4 (`block_fmt`): the INT4 bytes hold E2M1 codes (e2m1_code) with one
+scale per block of 16 / 32 channels of a row, its amax by the xor butterfly over the block's lanes
+(block_plan; block_problem refuses the rest), the scale byte by block_scale.
 
 Multimodal RoPE (`mrope` 1: sections, 2: interleaved; `mrope_t/h/w` the frequency counts; 0: off,
 positions [T], and the code is that of a kernel without the option). positions is [3, T]: stream s
@@ -133,6 +135,9 @@ LOW_BIT = (INT8, INT4)  # contract.QUANT_MAX: a per-token scale is amax / this
 TOKEN_AMAX_FLOOR_BITS = struct.unpack("<I", struct.pack("<f", 1e-8))[0]  # contract.TOKEN_AMAX_FLOOR (f32)
 FLASH, XPACKED, XPACKED_SHUFFLED, HND, HEAD_MAJOR, KV_MERGED = 0, 1, 2, 3, 4, 5  # contract.LAYOUT_TABLE codes
 RMS, GEMMA, WEIGHTLESS = 0, 1, 2  # norm_type codes (contract.NORM_TYPES)
+# block_fmt codes: an INT4-coded cache of E2M1 values with one scale per block of channels
+NVFP4, MXFP4 = 1, 2
+BLOCK_GROUP = {NVFP4: 16, MXFP4: 32}  # contract.BLOCK_GROUP
 TABLE_BYTES_LIMIT = 1 << 32  # a cos/sin table must be smaller (32-bit buffer offsets; module docstring)
 OOB_OFFSET = 0x7FFFFFF0  # past every per-workgroup descriptor (span_problem): loads 0, stores dropped
 
@@ -189,6 +194,9 @@ class RocmKernelConfig:
     norm_after: bool = False  # the norm runs on the rotated row (calls that rotate only)
     temp_floor: int = 0       # attention temperature's floor_scale (0: off): q * factor on calls that do not rotate
     q_gate: bool = False      # fused QKV rows [T, 2 QH + 2 KH, D]: q head h at row 2h (its gate at 2h + 1)
+    # NVFP4 / MXFP4 (block_problem): the INT4 cache holds E2M1 codes, the scale caches block scales
+    # [.., D / BLOCK_GROUP] bytes next to each cache row (E4M3; E8M0); NVFP4's global scales are the last operands
+    block_fmt: int = 0
 
     @property
     def x(self) -> int:
@@ -232,13 +240,14 @@ class RocmKernelConfig:
         return "_".join(out)
 
 
-_FAMILY_DEFAULTS = dict(tail=False, rope_switch=False, norm_type=RMS, norm_after=False, temp_floor=0, q_gate=False)
+_FAMILY_DEFAULTS = dict(tail=False, rope_switch=False, norm_type=RMS, norm_after=False, temp_floor=0, q_gate=False,
+                        block_fmt=0)
 
 
 def num_operands(cfg: RocmKernelConfig) -> int:
     """The custom call's operands: the 14, then use_rope (rope_switch), then temperature_factors
-    (temp_floor), as contract.extra_operands."""
-    return NUM_OPERANDS + int(cfg.rope_switch) + int(cfg.temp_floor > 0)
+    (temp_floor), then NVFP4's k / v global scales, as contract.extra_operands."""
+    return NUM_OPERANDS + int(cfg.rope_switch) + int(cfg.temp_floor > 0) + 2 * int(cfg.block_fmt == NVFP4)
 
 
 def num_results(cfg: RocmKernelConfig) -> int:
@@ -368,6 +377,45 @@ def token_scales_problem(cfg: "RocmKernelConfig") -> str | None:
     return None
 
 
+def block_plan(off: int, w: int, lanes: int, group: int) -> int | None:
+    """The lanes n over which a block of `group` channels spreads in a family of chunks (lane c holds
+    [off + c*w, off + (c+1)*w) of a row over `lanes` lanes): an aligned group of n = group / w lanes
+    (its amax by the xor butterfly), or None. A chunk is at most 16 bytes of input (8 channels), so a
+    block of 16 or 32 never sits within one lane."""
+    if off % group or group % w or (w * lanes) % group:
+        return None
+    return group // w
+
+
+def block_rows(cfg: "RocmKernelConfig") -> list:
+    """[(what, families, lanes)] of the rows a NVFP4 / MXFP4 cache quantizes: the K row (rotation lanes
+    with the pass-through channels merged in, or the pass-through phase's lanes for R = 0), the V row."""
+    k = (("a K row", norm_layout(cfg).families, norm_layout(cfg).lanes) if cfg.r else
+         ("a K row", ((cfg.pass_lo, cfg.w_pass),), cfg.d // cfg.w_pass))
+    return [k, ("a V row", ((0, cfg.w_v),), cfg.d // cfg.w_v)]
+
+
+def block_problem(cfg: "RocmKernelConfig") -> str | None:
+    """Why a NVFP4 / MXFP4 cache does not fit `cfg` (None: it does): every lane chunk of a row must be
+    an even share of one block spread over an aligned lane group (block_plan); NVFP4's global
+    scales plus use_rope / temperature_factors exceed the launcher's arguments."""
+    if not cfg.block_fmt:
+        return None
+    name, g = ("NVFP4" if cfg.block_fmt == NVFP4 else "MXFP4"), BLOCK_GROUP[cfg.block_fmt]
+    if kernel_args(cfg) > MAX_LAUNCH_ARGS:
+        return (f"{name} with the use_rope switch or the attention temperature (the global scales and those "
+                f"operands make {kernel_args(cfg)} kernel arguments, the launcher takes {MAX_LAUNCH_ARGS})")
+    problem = token_scales_problem(cfg)
+    if problem is not None:
+        return problem
+    for what, fams, lanes in block_rows(cfg):
+        for off, w in fams:
+            if block_plan(off, w, lanes, g) is None:
+                return (f"{name} blocks of {g} channels: {what}'s lane chunks of {w} channel(s) from channel {off} "
+                        f"({lanes} lanes; D={cfg.d}, R={cfg.r}) do not split each block over an aligned lane group")
+    return None
+
+
 def family_problem(cfg: "RocmKernelConfig") -> str | None:
     """Why the kernel does not implement the model-family options of `cfg` for its shape (None: it
     does). The norm after the rotation sums the rotated row: the rotation lanes must hold the whole
@@ -400,7 +448,7 @@ def make_config(*, qh, kh, d, r, bs, layout, neox, full_table, native, dt, tab_d
                 k_scale_heads: bool = False, v_scale_heads: bool = False, mrope: int = 0, mrope_t: int = 0,
                 mrope_h: int = 0, mrope_w: int = 0, x: int = 0, qkv: bool = False, token_scales: bool = False,
                 nb: int = 0, tail: bool = False, rope_switch: bool = False, norm_type: int = RMS,
-                norm_after: bool = False, temp_floor: int = 0, q_gate: bool = False, nt: int = 256,
+                norm_after: bool = False, temp_floor: int = 0, q_gate: bool = False, block_fmt: int = 0, nt: int = 256,
                 rot_cap: int | None = None, width_cap: int | None = None, latency: bool = False) -> RocmKernelConfig:
     """`rot_cap` / `width_cap`: at most that many elements per rotation chunk / per pass-through and
     V chunk (narrower accesses, fewer values in flight per lane: the occupancy candidates of
@@ -449,6 +497,12 @@ def make_config(*, qh, kh, d, r, bs, layout, neox, full_table, native, dt, tab_d
         raise ValueError(f"token_scales: expected an fp8 cache ({FP8_CODES}) or an int8 / int4 one ({LOW_BIT}, always "
                          f"per-token) without per-head static scales, got token_scales={token_scales}, "
                          f"cache_dt={cache_dt}, k_scale_heads={k_scale_heads}, v_scale_heads={v_scale_heads}")
+    if block_fmt and (block_fmt not in BLOCK_GROUP or cache_dt != INT4 or not token_scales
+                      or layout not in (FLASH, HND, HEAD_MAJOR) or d % BLOCK_GROUP[block_fmt]):
+        raise ValueError(f"block_fmt: expected {NVFP4} (NVFP4) or {MXFP4} (MXFP4) with an INT4-coded cache, "
+                         f"token_scales, a flash / hnd / head_major layout and D a multiple of the block, got "
+                         f"block_fmt={block_fmt}, cache_dt={cache_dt}, token_scales={token_scales}, layout={layout}, "
+                         f"D={d}")
     x = int(x)
     if x and layout in (XPACKED, XPACKED_SHUFFLED):
         if x & (x - 1) or (d // 2 if cache_dt == INT4 else d) % x or (layout == XPACKED_SHUFFLED and bs % x):
@@ -504,7 +558,7 @@ def make_config(*, qh, kh, d, r, bs, layout, neox, full_table, native, dt, tab_d
                                 mrope_t=section[0], mrope_h=section[1], mrope_w=section[2], pack_x=pack_x,
                                 qkv=bool(qkv), token_scales=bool(token_scales), nb=int(nb), tail=bool(tail),
                                 rope_switch=bool(rope_switch), norm_type=int(norm_type), norm_after=bool(norm_after),
-                                temp_floor=int(temp_floor), q_gate=bool(q_gate))
+                                temp_floor=int(temp_floor), q_gate=bool(q_gate), block_fmt=int(block_fmt))
 
     def cpx(w):
         if not r:  # no rotation phase: the pass-through phase's geometry leads
@@ -534,6 +588,8 @@ def make_config(*, qh, kh, d, r, bs, layout, neox, full_table, native, dt, tab_d
             ok = ok and nl.plan is not None and norm_layout(cfg).plan is not None
         if narrow.token_scales:
             ok = ok and token_scales_problem(narrow) is None
+        if narrow.block_fmt:
+            ok = ok and block_problem(narrow) is None
         if ok:
             cfg = narrow
     if sum(phase_lanes(cfg).values()) > SPLIT_MIN_LANES:
@@ -1021,12 +1077,17 @@ class _Emitter:
             return self.f32_to_e5m2_bits(self.arith.mulf(f, inv_scale))
         if code == INT8:
             return self.f32_to_int_bits(self.arith.mulf(f, inv_scale), 127, 0xFF)
+        if code == INT4 and self.cfg.block_fmt:  # E2M1 codes, inv_scale the block's multiplier
+            return self.e2m1_code(self.arith.mulf(f, inv_scale))
         if code == INT4:
             return self.f32_to_int_bits(self.arith.mulf(f, inv_scale), 7, 0xF)
         return self.f32_to_fp8_bits(self.arith.mulf(f, inv_scale), code == FP8_FNUZ)
 
     def store_elems_pieces(self, vals: list, code: int, inv_scale=None) -> list:
-        bits = [self.to_bits(v, code, inv_scale) for v in vals]
+        if isinstance(inv_scale, list):  # block formats: a multiplier per value
+            bits = [self.to_bits(v, code, m) for v, m in zip(vals, inv_scale)]
+        else:
+            bits = [self.to_bits(v, code, inv_scale) for v in vals]
         if code == INT4:  # channel 2j in the low nibble: one byte per pair
             bits = self.int4_bytes(bits)
         return self.words_to_pieces(self.pack_bits(bits, ITEMSIZE[code]))
@@ -1081,6 +1142,65 @@ class _Emitter:
         scale = self.arith.divf(self.bitcast(self.f32, amax), self.c(q, self.f32))
         return scale, self.inv_scale(scale)
 
+    # ---- NVFP4 / MXFP4 (reference.quantize_blocks) ----
+    def amax_bits(self, vals: list):
+        """max |x| over vals as bits (NaN and +-inf count as 0): an unsigned max (token_scale_row)."""
+        c = self.i32c
+        amax = None
+        for v in vals:
+            a = self.band(self.bitcast(self.i32, v), c(0x7FFFFFFF))
+            a = self.sel(self.cmp("ult", a, c(0x7F800000)), a, c(0))
+            amax = a if amax is None else self.arith.maxui(amax, a)
+        return amax
+
+    def e4m3_to_f32(self, b):
+        """The f32 value of E4M3 bits b (i32, low byte): exact (subnormals as (1 + m/8) 2^-6 - 2^-6)."""
+        c = self.i32c
+        e, m = self.band(self.lshr(b, c(3)), c(0xF)), self.band(b, c(7))
+        sign = self.shl(self.band(b, c(0x80)), c(24))
+        normal = self.bitcast(self.f32, self.bor(self.shl(self.add(e, c(120)), c(23)), self.shl(m, c(20))))
+        sub = self.arith.subf(self.bitcast(self.f32, self.bor(c(121 << 23), self.shl(m, c(20)))),
+                              self.c(2.0 ** -6, self.f32))
+        mag = self.bitcast(self.i32, self.sel(self.cmp("eq", e, c(0)), sub, normal))
+        mag = self.sel(self.cmp("eq", self.band(b, c(0x7F)), c(0x7F)), c(0x7FC00000), mag)  # NaN
+        return self.bitcast(self.f32, self.bor(mag, sign))
+
+    def block_scale(self, amax, g=None, enc=None):
+        """(scale byte (i32), multiplier f32) of a block of absolute maximum bits `amax`: NVFP4 with the
+        global decode scale g and enc = r32(1 / g) (nvfp4_scales, nvfp4_multiplier), else MXFP4's E8M0
+        exponent and 2^-X (mxfp4_exponents)."""
+        c = self.i32c
+        if self.cfg.block_fmt == MXFP4:
+            x = self.arith.maxsi(self.sub(self.lshr(amax, c(23)), c(129)), c(-127))  # floor(log2) - 2, >= -127
+            return self.add(x, c(127)), self.bitcast(self.f32, self.shl(self.sub(c(127), x), c(23)))
+        s = self.arith.mulf(self.arith.divf(self.bitcast(self.f32, amax), self.c(6.0, self.f32)), enc)
+        u = self.bitcast(self.i32, s)
+        mag = self.band(u, c(0x7FFFFFFF))
+        top = struct.unpack("<I", struct.pack("<f", 448.0))[0]
+        clip = self.sel(self.cmp("ugt", mag, c(top)), c(top), u)
+        clip = self.sel(self.and1(self.cmp("ne", self.lshr(u, c(31)), c(0)), self.cmp("ne", mag, c(0))), c(0), clip)
+        clip = self.sel(self.cmp("ugt", mag, c(0x7F800000)), u, clip)  # np.clip keeps NaN (and -0)
+        byte = self.f32_to_fp8_bits(self.bitcast(self.f32, clip), False)
+        den = self.arith.mulf(self.e4m3_to_f32(byte), g)
+        inv = self.bitcast(self.i32, self.arith.divf(self.c(1, self.f32), den))
+        inv = self.sel(self.cmp("eq", inv, c(0x7F800000)), c(0x7F7FFFFF), inv)  # min(1 / den, FLT_MAX)
+        zero = self.cmp("eq", self.band(self.bitcast(self.i32, den), c(0x7FFFFFFF)), c(0))
+        return byte, self.bitcast(self.f32, self.sel(zero, c(0), inv))
+
+    def e2m1_code(self, p):
+        """reference.e2m1_codes of f32 p: the thresholds compared on |p|'s bits (round half to even, +-6
+        and +-inf saturating), the sign kept, NaN -> 0."""
+        c = self.i32c
+        u = self.bitcast(self.i32, p)
+        a = self.band(u, c(0x7FFFFFFF))
+        code = c(0)
+        for t, up in ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True),
+                      (5.0, False)):
+            tb = struct.unpack("<I", struct.pack("<f", t))[0]
+            code = self.add(code, self.sel(self.cmp("uge" if up else "ugt", a, c(tb)), c(1), c(0)))
+        code = self.bor(code, self.shl(self.lshr(u, c(31)), c(3)))
+        return self.sel(self.cmp("ugt", a, c(0x7F800000)), c(0), code)
+
     def sqrt(self, f):
         """Correctly rounded f32 sqrt (llvm.sqrt without fast-math flags: the AMDGPU backend expands
         it to v_sqrt_f32 plus a correction step, not the 1-ulp instruction alone)."""
@@ -1127,6 +1247,7 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
     extra = list(args[NUM_OPERANDS:NOPS])  # contract.extra_operands: use_rope, temperature_factors
     p_use = extra.pop(0) if cfg.rope_switch else None
     p_temp = extra.pop(0) if cfg.temp_floor else None
+    p_kgs, p_vgs = (extra.pop(0), extra.pop(0)) if cfg.block_fmt == NVFP4 else (None, None)  # global scales
     p_qo, p_ko, p_kco, p_vco = args[NOPS:NOPS + 4]
     p_ksc, p_vsc = args[NOPS + 4:NOPS + 6] if cfg.token_scales else (None, None)  # the scale caches
     dims = args[NOPS + num_results(cfg):kernel_args(cfg)]
@@ -1150,6 +1271,7 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
     NL = norm_layout(cfg) if whole_rows(cfg) else None
     if cfg.token_scales:
         assert token_scales_problem(cfg) is None, token_scales_problem(cfg)
+    assert block_problem(cfg) is None, block_problem(cfg)
 
     tid = E.tid()
     bid = E.bid()
@@ -1191,6 +1313,10 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
               if cfg.rope_switch else None)
     # the temperature factors: a descriptor over the operand's dim0 floats (a read past it gives 0)
     rs_temp = E.rsrc(p_temp, E.mul(dims[NOPS - 1], c64(4))) if cfg.temp_floor else None
+    gscale = {}  # NVFP4: (g, r32(1 / g)) of the K and V global scales (uniform loads)
+    for name, p_g in (("k", p_kgs), ("v", p_vgs)) if cfg.block_fmt == NVFP4 else ():
+        g = E.bitcast(E.f32, E.rocdl.raw_ptr_buffer_load(E.i32, E.rsrc(p_g, c64(4)), c32(0), c32(0)))
+        gscale[name] = (g, E.inv_scale(g))
     if cfg.nb:  # head_major: dims[3] is KH (or L); a layer's blocks are compiled in
         NB = c64(cfg.nb)
     num_slots, slot_base = E.mul(NB, c64(BS)), c64(0)
@@ -1303,7 +1429,8 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
 
         def body():
             for m in range(0, len(vals), g):
-                pieces = E.store_elems_pieces(vals[m:m + g], cfg.cache_dt, inv_k)
+                pieces = E.store_elems_pieces(vals[m:m + g], cfg.cache_dt,
+                                              inv_k[m:m + g] if isinstance(inv_k, list) else inv_k)
                 d = E.add(d0, c64(m)) if m else d0
                 E.global_store_pieces(pieces, k_cache_addr(s, h_k, None, dvar=E.lshr(d, c64(1)) if PACK == 2 else d))
         guarded(s_ok, body)
@@ -1319,6 +1446,37 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
                 el = E.add(E.mul(E.add(E.mul(blk, c64(KH)), E.ext64(h)), c64(BS)), off)
             E.global_store_pieces([(4, E.bitcast(E.i32, scale))], E.add(p_sc, E.mul(el, c64(4))))
         guarded(E.and1(wr, E.cmp("eq", c, c32(0))), body)
+
+    def store_block_scales(wr, c, s, h, fam_vals, fams, lanes_, p_sc, which):
+        """NVFP4 / MXFP4: each block's scale of a row (the lane's values of each family, block_plan) into
+        its block-scale cache row (the cache row's axes, D / G bytes), by the first lane holding the block,
+        where the row is written (wr). Returns the per-value multipliers, per family."""
+        g_ = BLOCK_GROUP[cfg.block_fmt]
+        gs, enc = gscale.get(which, (None, None))
+        hh = E.ext64(h)
+        if cfg.layout == HEAD_MAJOR:
+            row = head_major_row(s, hh)
+        elif cfg.layout == FLASH:
+            row = E.add(E.mul(s, c64(KH)), hh)
+        else:
+            row = E.add(E.mul(E.add(E.mul(E.arith.divui(s, c64(BS)), c64(KH)), hh), c64(BS)), E.arith.remui(s, c64(BS)))
+        base = E.add(p_sc, E.mul(row, c64(D // g_)))
+        mults = []
+        for vals, (off, w) in zip(fam_vals, fams):
+            n = block_plan(off, w, lanes_, g_)
+            a = E.amax_bits(vals)
+            m = 1
+            while m < n:  # the block's lanes: an aligned group of n
+                a = E.arith.maxui(a, E.lane_xor_bits(a, m, tid))
+                m *= 2
+            byte, mult = E.block_scale(a, gs, enc)
+            idx = E.add(E.arith.divui(c, c32(n)), c32(off // g_))
+            first = E.cmp("eq", E.arith.remui(c, c32(n)), c32(0))
+            pieces = E.words_to_pieces(E.pack_bits([byte], 1))
+            addr = E.add(base, E.ext64(idx))
+            guarded(E.and1(wr, first), lambda pieces=pieces, addr=addr: E.global_store_pieces(pieces, addr))
+            mults.append([mult] * len(vals))
+        return mults
 
     def k_group(n):
         """Elements per key-cache store of a chunk of n channels (starting at a multiple of n): the
@@ -1789,15 +1947,26 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
                 store_qk(is_q, pieces, src[1], src[2])
             if KH == 0:
                 continue
-            if cfg.token_scales:  # the row's scale, from the values the cache quantizes (every lane of the row)
+            per_chunk = None
+            if cfg.block_fmt:  # the blocks' scales (every lane of the row), a multiplier per value
+                fam_vals, j = [], 0
+                for n in NL.groups:
+                    fam_vals.append([v for _, vals, _ in stores[j:j + n] for v in vals])
+                    j += n
+                mults = store_block_scales(wr, c, s, hk, fam_vals, NL.families, NL.lanes, p_ksc, "k")
+                per_chunk = []
+                for n, mf in zip(NL.groups, mults):
+                    step = len(mf) // n
+                    per_chunk += [mf[i * step:(i + 1) * step] for i in range(n)]
+            elif cfg.token_scales:  # the row's scale, from the values the cache quantizes (every lane of the row)
                 scale, inv_k = E.token_scale_row([v for _, vals, _ in stores for v in vals], NL.lanes, tid)
                 store_row_scale(wr, c, s, hk, scale, p_ksc)
-            for pieces, vals, ch in stores:
+            for j, (pieces, vals, ch) in enumerate(stores):
                 d0 = chunk_d0(ch)
                 if cfg.cache_dt == cfg.dt:
                     store_k_same(wr, s, hk, d0, pieces, ch[2])
                 else:
-                    store_k_cache(wr, s, hk, d0, vals, inv_k)
+                    store_k_cache(wr, s, hk, d0, vals, inv_k if per_chunk is None else per_chunk[j])
 
     if R:
         run_phase("rot", cpx_rot, RH, rot_token, head_setup=qk_head_setup, setup=rot_chunks)
@@ -1849,8 +2018,11 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
                     if hvalid is not None:
                         wr = E.and1(wr, hvalid)
                     vals = vals if vals is not None else E.elems_from_pieces(pieces, cfg.dt, WP)
-                    scale, inv_k = E.token_scale_row(vals, cpx_p, tid)
-                    store_row_scale(wr, c, s, hk, scale, p_ksc)
+                    if cfg.block_fmt:
+                        inv_k, = store_block_scales(wr, c, s, hk, [vals], ((cfg.pass_lo, WP),), cpx_p, p_ksc, "k")
+                    else:
+                        scale, inv_k = E.token_scale_row(vals, cpx_p, tid)
+                        store_row_scale(wr, c, s, hk, scale, p_ksc)
                 if scaled is not None:
                     xs = vals if vals is not None else E.elems_from_pieces(pieces, cfg.dt, WP)
                     tp = E.store_elems_pieces([E.arith.mulf(x, fac) for x in xs], cfg.dt)
@@ -1894,8 +2066,11 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
             vals = None
             if cfg.token_scales:  # the row's scale (every lane of the row, outside the store's branch)
                 vals = E.elems_from_pieces(pv, cfg.dt, WV)
-                scale, inv_v = E.token_scale_row(vals, cpx_v, tid)
-                store_row_scale(wr, c, s, h, scale, p_vsc)
+                if cfg.block_fmt:
+                    inv_v, = store_block_scales(wr, c, s, h, [vals], ((0, WV),), cpx_v, p_vsc, "v")
+                else:
+                    scale, inv_v = E.token_scale_row(vals, cpx_v, tid)
+                    store_row_scale(wr, c, s, h, scale, p_vsc)
 
             def body(pv=pv, d0=d0, hh=hh, inv_v=inv_v, vals=vals):
                 if not cfg.packed:  # rows of D channels
