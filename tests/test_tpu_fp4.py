@@ -208,19 +208,20 @@ def test_lowered_for_tpu_one_custom_call_with_caches_and_block_scale_caches_alia
 
 # ---- mutations: the checks above see them ----------------------------------------------------------------
 @pytest.mark.skipif(ON_TPU, reason="runs a mutated kernel in interpret mode")
-@pytest.mark.parametrize("what", ["e2m1 ties up", "nvfp4 divides", "mx exponent", "scale lane", "global k for v"])
+@pytest.mark.parametrize("what", ["e2m1 ties up", "den off", "mx exponent", "scale lane", "global k for v"])
 def test_mutations_fail(monkeypatch, what):
     fmt = "mxfp4" if what in ("mx exponent", "scale lane") else "nvfp4"
     if what == "e2m1 ties up":  # every midpoint rounds up
         monkeypatch.setattr(K, "E2M1_STEPS", tuple((t, True) for t, _ in K.E2M1_STEPS))
-    elif what == "nvfp4 divides":  # y / den instead of y * r32(1 / den)
-        monkeypatch.setattr(K, "inverse_scale", lambda s, sep=None: 1.0 / s)
+    elif what == "den off":  # the denominator s * g with s / 1.5 in place of the block scale s
+        real = K.e4m3_value
+        monkeypatch.setattr(K, "e4m3_value", lambda c: real(c) / K.from_bits(K.bits(real(c) * 0 + 1.5)))
     elif what == "mx exponent":  # floor(log2(amax)) - 1
         real = K.block_amax_lanes
         monkeypatch.setattr(K, "block_amax_lanes", lambda y, g: real(y, g) * 2)
-    elif what == "scale lane":  # each block's scale from its second lane
+    elif what == "scale lane":  # each block's scale from the next block
         real = K.compact_lanes
-        monkeypatch.setattr(K, "compact_lanes", lambda v, s: real(K.pltpu.roll(v, v.shape[-1] - 1, v.ndim - 1), s))
+        monkeypatch.setattr(K, "compact_lanes", lambda v, s: real(K.pltpu.roll(v, v.shape[-1] - s, v.ndim - 1), s))
     else:
         real = K.block_quantize
         monkeypatch.setattr(K, "block_quantize", lambda y, f, g, sep: real(y, f, None if g is None else g * 0 + 0.7, sep))
