@@ -17,10 +17,12 @@ import numpy as np
 import pytest
 from conftest import Case, assert_bits_equal, reference_op
 from test_low_bit_caches import problem
+from jax.experimental.pallas import tpu as pltpu
 from test_tpu_kernel import K, ON_TPU, WHERE, _f32_patterns, _x64, check_results, kernel_here, tpu_text
 
 import jax_rope_cache as jrc
 from jax_rope_cache import contract, reference
+from jax_rope_cache.backends import tpu
 
 F32 = np.float32
 BLOCK = ("nvfp4", "mxfp4")
@@ -55,14 +57,16 @@ def run_traced(args, opts, params=None):
         return [None if o is None else np.asarray(o) for o in out]
 
 
-def check(fmt, case, layers=None, norm=False, seed=None):
+def check(fmt, case, layers=None, norm=False, seed=None, slots=None, params=None):
     seed = zlib.crc32(f"{fmt}-{case.id}-{layers}-{norm}".encode()) if seed is None else seed
     args, opts = problem(fmt, case, seed, layers=layers, norm=norm)
     args, opts = with_edges(fmt, args, opts, seed + 5)
+    if slots is not None:  # chosen slots and consecutive positions (a chunked prefill)
+        args = args[:5] + (np.asarray(slots, np.int32), np.arange(case.T, dtype=np.int32) + 7) + args[7:]
     text = tpu_text(args, opts)
     assert text.count("stablehlo.custom_call @tpu_custom_call") == 1, case.id
     want = reference_op(*args, **opts)
-    got = run_traced(args, opts)
+    got = run_traced(args, opts, params)
     check_results(got, want, args, opts, f"{fmt} {case.id}")
     return got, want, args, opts
 
@@ -111,6 +115,46 @@ def test_a_layer_outside_the_stack_writes_nothing(fmt):
     for name, g, before in zip(("key_cache", "value_cache", "k_scale_cache", "v_scale_cache"), got[2:],
                                (args[3], args[4], opts["k_scale_cache"], opts["v_scale_cache"])):
         assert_bits_equal(g, before, f"{name} untouched")
+
+
+def _prefill_slots(case):
+    s = np.arange(19, 19 + case.T)
+    s[30 % case.T] = -1
+    return s
+
+
+@pytest.mark.parametrize("fmt,layout", [("nvfp4", "head_major"), pytest.param("mxfp4", "flash", marks=pytest.mark.full)])
+def test_prefill_over_several_token_blocks(monkeypatch, fmt, layout):
+    """Grid steps of 8 tokens (the smallest token block): the runs of the caches and of the
+    block-scale caches cross token blocks and cache blocks."""
+    monkeypatch.setattr(K, "VMEM_BLOCK_BUDGET", 1)
+    case = Case(T=45, QH=4, KH=2, D=64, layout=layout, NB=8, max_pos=128)
+    args, opts = problem(fmt, case, 81)
+    assert tpu.config(contract.check_op(*args, **opts)).block_tokens == 8
+    check(fmt, case, seed=81, slots=_prefill_slots(case))
+
+
+@pytest.mark.skipif(ON_TPU, reason="the interpreter's DMA orders and race detector")
+@pytest.mark.parametrize("fmt,order", [("mxfp4", "on_wait"), pytest.param("nvfp4", "eager", marks=pytest.mark.full)])
+def test_no_dma_race_whenever_the_copies_run(fmt, order):
+    """The block-scale rows' DMAs run at their start or at their wait, with the race detector on."""
+    case = Case(T=20, QH=4, KH=2, D=64, layout="hnd")
+    slots = np.concatenate([np.arange(3, 17), [40, -1, 90, 41, 60, 200]])
+    check(fmt, case, seed=82, slots=slots,
+          params=pltpu.InterpretParams(dma_execution_mode=order, detect_races=True))
+
+
+@pytest.mark.skipif(ON_TPU, reason="a DMA out of bounds on a TPU faults the device; interpret mode raises")
+def test_interpret_mode_catches_a_dma_outside_the_caches(monkeypatch):
+    """The check the slot-edge tests rely on, with block-scale caches: a kernel told the caches have
+    one block more writes slot NB*BS + 3, and the interpreter raises instead of writing."""
+    case = Case(T=6, QH=2, KH=1, D=64, BS=8, NB=4, layout="hnd")
+    args, opts = problem("nvfp4", case, 83)
+    args = args[:5] + (np.array([0, 4 * 8 + 3, 5, -1, 6, 7], np.int32),) + args[6:]
+    real = tpu.config
+    monkeypatch.setattr(tpu, "config", lambda spec: dataclasses.replace(real(spec), num_blocks=spec.num_blocks + 1))
+    with pytest.raises(Exception, match="Out-of-bounds write"):
+        run_traced(args, opts)
 
 
 # ---- the block arithmetic on plain arrays ----------------------------------------------------------------
