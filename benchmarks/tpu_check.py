@@ -75,7 +75,8 @@ def environment() -> dict:
 def run_tests() -> tuple[bool, str]:
     """tests/test_tpu_kernel.py and tests/test_tpu_fp4.py (full tier) in a child process on this host's TPU."""
     env = dict(os.environ, JRC_TEST_TIER="full")
-    r = subprocess.run([sys.executable, "-m", "pytest", "tests/test_tpu_kernel.py", "tests/test_tpu_fp4.py", "-q", "-p", "no:xdist", "-ra"],
+    r = subprocess.run([sys.executable, "-m", "pytest", "tests/test_tpu_kernel.py", "tests/test_tpu_fp4.py", "-q", "-p",
+                        "no:xdist", "-ra"],
                        capture_output=True, text=True, timeout=3600, env=env, cwd=ROOT)
     lines = r.stdout.strip().splitlines()
     summary = [x for x in lines if x.startswith(("FAILED", "ERROR", "SKIPPED"))][:40] + lines[-1:]
