@@ -2,9 +2,10 @@
 
 The lowering runs Pallas' Mosaic lowering (on any machine: `jax.export` for "tpu" needs no TPU) and
 emits one `tpu_custom_call` whose key and value caches are aliased to results 2 and 3 (per-token
-scales: the scale caches to 4 and 5). The kernel's static configuration (`config`) comes from the
-op's OpSpec; slots, positions, the layer and use_rope stay device values (scalar prefetch), so one
-executable serves every step and every layer.
+scales: the scale caches to 4 and 5; NVFP4 / MXFP4: the block-scale caches, as uint8 bytes, to 4 and
+5). The kernel's static configuration (`config`) comes from the op's OpSpec; slots, positions, the
+layer and use_rope stay device values (scalar prefetch), NVFP4's global scales an SMEM operand, so
+one executable serves every step and every layer.
 
 What the kernel does not implement is refused through the package's mechanism (impl=None: the
 XLA path with one warning; impl="kernel": an error naming it), see `unsupported`. A configuration

@@ -36,7 +36,10 @@ per run writes both. The value cache operand is then a placeholder the pallas_ca
 Quantized caches (fp8 with static, per-head or per-token scales; int8 and int4 with per-token
 scales) take v as a VMEM block too: k_out's and v's rows are quantized in VMEM (integer conversions
 from the f32 bits) and both caches are written from VMEM after the compute; per-token scales go
-to the scale caches (aliased) from a [KH, lanes] buffer, one DMA per run and head. M-RoPE reads
+to the scale caches (aliased) from a [KH, lanes] buffer, one DMA per run and head. NVFP4 and
+MXFP4 rows take each block's amax by lane-roll butterflies, the block scale and multiplier per lane
+(integer arithmetic on the f32 bits), E2M1 codes packed as int4's, and the block scales compacted
+to [KH, D/G] bytes in a [TB, KH, D/G] buffer, DMA'd like the key cache's rows. M-RoPE reads
 the table rows of each of its three position streams and picks each column's stream. The fused
 QKV input is one VMEM block of fused rows. float16 is moved as bits, widened and rounded in
 integer arithmetic. The model-family options (NoPE, the use_rope switch as a 4th scalar
