@@ -23,8 +23,8 @@ import importlib.util
 import sys
 
 import jax.numpy as jnp
-from jax import lax
 import numpy as np
+from jax import lax
 from jax.interpreters import mlir
 
 from jax_rope_cache import contract
@@ -150,8 +150,8 @@ def config(spec: contract.OpSpec):
                                     streams=3 if spec.mrope_section is not None else 1,
                                     block_scales=spec.cache_format is not None),
         mrope=spec.mrope_section, mrope_interleaved=spec.mrope_interleaved, qkv=spec.qkv, q_gate=spec.q_gate,
-        cache_dtype=(spec.cache_format or "int4" if spec.cache_format or spec.int4
-                     else np.dtype(spec.cache_dtype).name if spec.fp8 or spec.int8 else ""),
+        cache_dtype=spec.cache_format or ("int4" if spec.int4 else np.dtype(spec.cache_dtype).name
+                                          if spec.fp8 or spec.int8 else ""),
         token_scales=spec.token_scales, scale_axes=lay.scale_axes)
 
 
