@@ -3,9 +3,10 @@
     python benchmarks/tpu_check.py --report tpu_check_report.md [--dry-run]
 
 On a TPU host: the environment (jax, jaxlib, libtpu, devices), the TPU kernel tests
-(tests/test_tpu_kernel.py, full tier) on the TPU, a decode loop (stacked layers, caches donated,
-checked bit for bit against the numpy reference every step), one call of each newer kernel option
-bit for bit against the reference (fp8 caches with static, per-head and per-token scales, float16,
+(tests/test_tpu_kernel.py and tests/test_tpu_fp4.py, full tier) on the TPU, a decode loop (stacked
+layers, caches donated, checked bit for bit against the numpy reference every step), one call of each
+newer kernel option bit for bit against the reference (fp8 caches with static, per-head and per-token
+scales, NVFP4 and MXFP4 caches with their block-scale caches, float16,
 M-RoPE, the fused QKV input with q_gate rows: `feature_checks`), and the kernel next to the XLA path
 (Llama-3.1-8B 32/8/128 and Llama-3.1-70B TP8 8/1/128, bf16; T = 1 and 64 on scattered slots,
 8192 on a prefill's consecutive slots and on scattered ones; the "flash" layout and the
@@ -72,9 +73,10 @@ def environment() -> dict:
 
 
 def run_tests() -> tuple[bool, str]:
-    """tests/test_tpu_kernel.py (full tier) in a child process on this host's TPU."""
+    """tests/test_tpu_kernel.py and tests/test_tpu_fp4.py (full tier) in a child process on this host's TPU."""
     env = dict(os.environ, JRC_TEST_TIER="full")
-    r = subprocess.run([sys.executable, "-m", "pytest", "tests/test_tpu_kernel.py", "-q", "-p", "no:xdist", "-ra"],
+    r = subprocess.run([sys.executable, "-m", "pytest", "tests/test_tpu_kernel.py", "tests/test_tpu_fp4.py", "-q", "-p",
+                        "no:xdist", "-ra"],
                        capture_output=True, text=True, timeout=3600, env=env, cwd=ROOT)
     lines = r.stdout.strip().splitlines()
     summary = [x for x in lines if x.startswith(("FAILED", "ERROR", "SKIPPED"))][:40] + lines[-1:]
@@ -171,6 +173,16 @@ def feature_checks(device) -> list[tuple[str, bool, str]]:
     cases.append(("fp8 e4m3fn, per-token scales, head_major", a,
                   dict(layout="head_major", k_scale_cache=scale_cache("head_major"),
                        v_scale_cache=scale_cache("head_major"))))
+    for fmt, layout in (("nvfp4", "head_major"), ("mxfp4", "flash")):
+        a = problem(layout=layout)
+        shapes = contract.cache_shapes(layout, nb, bs, kh, d, np.uint8)
+        a[3], a[4] = (rng.integers(0, 256, sh).astype(np.uint8) for sh in shapes)
+        sc = lambda: rng.integers(0, 0x7F, contract.block_scale_shape(layout, nb, bs, kh, d, fmt)).astype(  # noqa: E731
+            np.uint8).view(contract.BLOCK_SCALE_DTYPE[fmt])
+        kw = dict(layout=layout, k_scale_cache=sc(), v_scale_cache=sc())
+        if fmt == "nvfp4":
+            kw.update(k_scale=np.float32(0.004), v_scale=np.float32(0.02))
+        cases.append((f"{contract.BLOCK_FORMAT_NAMES[fmt]} cache, {layout}", a, kw))
     a = problem(dt=f16, layout="hnd", tdt=np.float16)
     cases.append(("float16, native precision, hnd", a, dict(layout="hnd", precision="native")))
     a = problem()
@@ -269,7 +281,7 @@ def report_text(env: dict, found: bool, tests=None, loop=None, rows=None, note: 
     out += ["## Results", "", "| check | result |", "|---|---|"]
     out.append(f"| TPU | {'found' if found else 'NONE'} |")
     if tests is not None:
-        out.append(f"| tests/test_tpu_kernel.py (full tier) | {'PASS' if tests[0] else 'FAIL'} |")
+        out.append(f"| tests/test_tpu_kernel.py, tests/test_tpu_fp4.py (full tier) | {'PASS' if tests[0] else 'FAIL'} |")
     if loop is not None:
         out.append(f"| decode loop, bit-exact | {'PASS' if loop[0] else 'FAIL'}: {loop[1]} |")
     for name, ok, what in features or ():

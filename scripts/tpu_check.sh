@@ -3,8 +3,9 @@
 # person with one runs. It installs what it needs (a venv with jax[tpu], i.e. libtpu, and this
 # package built from the checkout), then runs benchmarks/tpu_check.py, which prints and writes ONE
 # report file: jax / jaxlib / libtpu versions and the devices, the TPU kernel tests
-# (tests/test_tpu_kernel.py, full tier) on the TPU, a decode loop checked bit for bit against the
-# numpy reference, one call each of fp8 caches (static, per-head, per-token scales), float16, M-RoPE
+# (tests/test_tpu_kernel.py, tests/test_tpu_fp4.py, full tier) on the TPU, a decode loop checked bit
+# for bit against the numpy reference, one call each of fp8 caches (static, per-head, per-token
+# scales), NVFP4 and MXFP4 caches, float16, M-RoPE
 # and the fused QKV input (q_gate) checked bit for bit, and the kernel next to the XLA path (flash,
 # and the ragged-paged-attention layout "kv_merged"; T = 1, 64, 8192; fp8 per-token and fused QKV).
 #

@@ -371,7 +371,7 @@ def test_kernel_refuses_and_default_falls_back(fmt, monkeypatch):
 
 # The kernels implementing each format (each kernel's own tests check it bit for bit); the others refuse it.
 IMPLEMENTED = {"int8": {"cpu", "cuda", "rocm", "tpu"}, "int4": {"cpu", "cuda", "rocm", "tpu"},
-               "nvfp4": {"cpu", "cuda", "rocm"}, "mxfp4": {"cpu", "cuda", "rocm"}}
+               "nvfp4": {"cpu", "cuda", "rocm", "tpu"}, "mxfp4": {"cpu", "cuda", "rocm", "tpu"}}
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

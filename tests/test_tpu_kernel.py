@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import re
 import warnings
 import zlib
@@ -1039,7 +1040,8 @@ INT8_CASES = [(Case(T=9, QH=4, KH=2, D=64, layout="flash"), None),
 def test_int8_per_token(case, layers):
     """int8 caches with per-token scales (Q = 127): rows of magnitudes 1e-3..1e3, a zero row, inf
     and NaN (tests/test_int8_per_token.int8_problem), stacked layers."""
-    from test_int8_per_token import int8_problem
+    from test_low_bit_caches import problem
+    int8_problem = functools.partial(problem, "int8")
 
     args, opts = int8_problem(case, zlib.crc32(case.id.encode()), layers=layers)
     check(case, args=args, opts=opts)
@@ -1047,7 +1049,8 @@ def test_int8_per_token(case, layers):
 
 @pytest.mark.parametrize("layout", ["flash", "kv_merged"])
 def test_int8_every_slot_value_writes_only_its_slot(layout):
-    from test_int8_per_token import int8_problem
+    from test_low_bit_caches import problem
+    int8_problem = functools.partial(problem, "int8")
 
     case = Case(T=32 + 4, QH=2, KH=2, D=64, BS=8, NB=4, index_dtype="int64", layout=layout)
     args, opts = int8_problem(case, seed=39)
@@ -1082,7 +1085,8 @@ INT4_DEFAULT = (0, 1)
 
 
 def _int4(i):
-    from test_int4_per_token import int4_problem
+    from test_low_bit_caches import problem
+    int4_problem = functools.partial(problem, "int4")
 
     case, layers = INT4_CASES[i]
     args, opts = int4_problem(case, zlib.crc32(case.id.encode()), layers=layers)
@@ -1144,10 +1148,9 @@ def test_newer_options_lowered_for_tpu_with_the_caches_aliased(what):
     pytest.importorskip("flatbuffers")
     case = Case(T=5, QH=4, KH=2, D=128, dtype="float16" if what == "float16" else "bfloat16")
     if what in ("int8", "int4"):
-        from test_int4_per_token import int4_problem
-        from test_int8_per_token import int8_problem
+        from test_low_bit_caches import problem
 
-        args, opts = (int8_problem if what == "int8" else int4_problem)(case, seed=43)
+        args, opts = problem(what, case, seed=43)
         ksc, vsc = opts.pop("k_scale_cache"), opts.pop("v_scale_cache")
         step = jax.jit(lambda q, k, v, kc, vc, ks, vs, *r: jrc.rope_and_cache(
             q, k, v, kc, vc, *r, k_scale_cache=ks, v_scale_cache=vs, **opts, impl="kernel"),
@@ -1187,7 +1190,8 @@ def test_more_every_slot_values(kind):
     case = Case(T=32 + 4, QH=2, KH=2, D=64, BS=8, NB=4, index_dtype="int64", layout="hnd",
                 cache_dtype="float8_e5m2" if kind == "fp8_static" else None)
     if kind == "int4":
-        from test_int4_per_token import int4_problem
+        from test_low_bit_caches import problem
+        int4_problem = functools.partial(problem, "int4")
 
         args, opts = int4_problem(case, seed=47)
     else:

@@ -2,9 +2,10 @@
 
 The lowering runs Pallas' Mosaic lowering (on any machine: `jax.export` for "tpu" needs no TPU) and
 emits one `tpu_custom_call` whose key and value caches are aliased to results 2 and 3 (per-token
-scales: the scale caches to 4 and 5). The kernel's static configuration (`config`) comes from the
-op's OpSpec; slots, positions, the layer and use_rope stay device values (scalar prefetch), so one
-executable serves every step and every layer.
+scales: the scale caches to 4 and 5; NVFP4 / MXFP4: the block-scale caches, as uint8 bytes, to 4 and
+5). The kernel's static configuration (`config`) comes from the op's OpSpec; slots, positions, the
+layer and use_rope stay device values (scalar prefetch), NVFP4's global scales an SMEM operand, so
+one executable serves every step and every layer.
 
 What the kernel does not implement is refused through the package's mechanism (impl=None: the
 XLA path with one warning; impl="kernel": an error naming it), see `unsupported`. A configuration
@@ -23,6 +24,7 @@ import sys
 
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.interpreters import mlir
 
 from jax_rope_cache import contract
@@ -36,7 +38,7 @@ KERNEL_SOURCE = "tpu/rope_cache_pallas.py"
 SUPPORTS: frozenset[str] = frozenset({"q_norm", "k_norm", "k_scale_heads", "v_scale_heads", "token_scales", "mrope",
                                           "q_gate", "nope", "rope_switch", "rotary_tail", "gemma_norm",
                                           "weightless_norm", "norm_after", "temperature",
-                                          "int8_cache", "int4_cache"})
+                                          "int8_cache", "int4_cache", "nvfp4_cache", "mxfp4_cache"})
 # float16 is moved as bits and widened / rounded in integer arithmetic (Mosaic has no float16 arithmetic).
 DTYPES = (np.dtype(jnp.bfloat16), np.dtype(np.float32), np.dtype(np.float16))
 ROUNDED = (np.dtype(jnp.bfloat16), np.dtype(np.float16))  # "native" precision's "rounded" arithmetic
@@ -145,9 +147,11 @@ def config(spec: contract.OpSpec):
         block_tokens=K.block_tokens(spec.num_tokens, spec.qkv_heads if spec.qkv else spec.q_heads, spec.kv_heads,
                                     spec.head_dim, np.dtype(spec.dtype).itemsize, w, np.dtype(spec.table_dtype).itemsize,
                                     merged=K.row_dma(lay.key_axes) == "merged", quant=spec.fp8 or spec.low_bit,
-                                    streams=3 if spec.mrope_section is not None else 1),
+                                    streams=3 if spec.mrope_section is not None else 1,
+                                    block_scales=spec.cache_format is not None),
         mrope=spec.mrope_section, mrope_interleaved=spec.mrope_interleaved, qkv=spec.qkv, q_gate=spec.q_gate,
-        cache_dtype="int4" if spec.int4 else np.dtype(spec.cache_dtype).name if spec.fp8 or spec.int8 else "",
+        cache_dtype=spec.cache_format or ("int4" if spec.int4 else np.dtype(spec.cache_dtype).name
+                                          if spec.fp8 or spec.int8 else ""),
         token_scales=spec.token_scales, scale_axes=lay.scale_axes)
 
 
@@ -180,11 +184,22 @@ def kernel_fn(spec: contract.OpSpec, interpret=None):
                                 for s in (k_scale, v_scale))
         elif not spec.token_scales:  # no scales at all
             k_scale = v_scale = None
-        return K.rope_and_cache(
+        scale_dtype = None
+        if spec.cache_format is not None:  # block-scale caches as their bytes (uint8: plain Mosaic memrefs)
+            scale_dtype = k_scale.dtype
+            k_scale, v_scale = (lax.bitcast_convert_type(s, jnp.uint8) for s in (k_scale, v_scale))
+        glob = None
+        if spec.cache_format == "nvfp4":
+            glob = jnp.stack([jnp.reshape(extra[n], ()).astype(jnp.float32)
+                              for n in ("k_global_scale", "v_global_scale")])
+        out = K.rope_and_cache(
             q, k, v, key_cache, value_cache, slots, positions, cos, sin, jnp.reshape(layer, (1,)).astype(jnp.int32),
             q_norm_weight if cfg.q_norm else None, k_norm_weight if cfg.k_norm else None, k_scale, v_scale,
             jnp.reshape(extra["use_rope"], (1,)).astype(jnp.int32) if spec.rope_switch else None,
-            extra.get("temperature_factors"), cfg=cfg, interpret=interpret or False)
+            extra.get("temperature_factors"), glob, cfg=cfg, interpret=interpret or False)
+        if scale_dtype is None:
+            return out
+        return out[:4] + tuple(lax.bitcast_convert_type(s, scale_dtype) for s in out[4:])
 
     return op
 

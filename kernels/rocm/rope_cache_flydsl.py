@@ -2082,10 +2082,12 @@ def emit_kernel_body(cfg: RocmKernelConfig, args: list, dialects=None) -> None:
                     E.global_store_pieces(pieces, v_cache_addr(s, hh, E.lshr(d0, c64(1)) if PACK == 2 else d0))
                 else:  # one element per row of the value cache
                     vals = vals or E.elems_from_pieces(pv, cfg.dt, WV)
-                    bits = [E.to_bits(v, cfg.cache_dt, inv_v) for v in vals]
+                    bits = None  # other caches: each element converted just before its store (the emitted order)
                     if PACK == 2:  # one byte per channel pair, at element d / 2
-                        bits, d0 = E.int4_bytes(bits), E.lshr(d0, c64(1))
-                    for i, b in enumerate(bits):
+                        bits = E.int4_bytes([E.to_bits(v, cfg.cache_dt, inv_v) for v in vals])
+                        d0 = E.lshr(d0, c64(1))
+                    for i in range(len(vals) if bits is None else len(bits)):
+                        b = E.to_bits(vals[i], cfg.cache_dt, inv_v) if bits is None else bits[i]
                         words = E.pack_bits([b], s_c)
                         E.global_store_pieces(E.words_to_pieces(words), v_cache_addr(s, hh, E.add(d0, c64(i))))
             guarded(wr, body)

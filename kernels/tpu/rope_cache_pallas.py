@@ -36,7 +36,10 @@ per run writes both. The value cache operand is then a placeholder the pallas_ca
 Quantized caches (fp8 with static, per-head or per-token scales; int8 and int4 with per-token
 scales) take v as a VMEM block too: k_out's and v's rows are quantized in VMEM (integer conversions
 from the f32 bits) and both caches are written from VMEM after the compute; per-token scales go
-to the scale caches (aliased) from a [KH, lanes] buffer, one DMA per run and head. M-RoPE reads
+to the scale caches (aliased) from a [KH, lanes] buffer, one DMA per run and head. NVFP4 and
+MXFP4 rows take each block's amax by lane-roll butterflies, the block scale and multiplier per lane
+(integer arithmetic on the f32 bits), E2M1 codes packed as int4's, and the block scales compacted
+to [KH, D/G] bytes in a [TB, KH, D/G] buffer, DMA'd like the key cache's rows. M-RoPE reads
 the table rows of each of its three position streams and picks each column's stream. The fused
 QKV input is one VMEM block of fused rows. float16 is moved as bits, widened and rounded in
 integer arithmetic. The model-family options (NoPE, the use_rope switch as a 4th scalar
@@ -71,6 +74,7 @@ CANONICAL_NAN_BITS = {np.dtype(jnp.bfloat16): 0x7FFF0000, np.dtype(np.float32): 
                       np.dtype(np.float16): 0x7FFFFFFF}  # f16: any NaN, its encoder writes 0x7FFF
 # A merged cache's rows of K head h and V head h: 2h + 0 and 2h + 1 (JAX's ragged paged attention).
 KV_MERGED_ROWS = (0, 1)
+BLOCK_GROUP = {"nvfp4": 16, "mxfp4": 32}  # contract.BLOCK_GROUP
 VMEM_BLOCK_BUDGET = 4 << 20  # bytes of double-buffered q/k blocks and table rows per grid step
 
 
@@ -96,7 +100,7 @@ class Config:
     key_axes: tuple[str, ...]    # one layer's axes in memory order, e.g. ("NB", "BS", "KH", "D")
     value_axes: tuple[str, ...]
     block_tokens: int          # TB: tokens per grid step
-    cache_dtype: str = ""      # an fp8 cache dtype's name or "int8" (quantized stores), "" for the input dtype
+    cache_dtype: str = ""      # an fp8 cache dtype's name, "int8", "int4", "nvfp4" or "mxfp4" (quantized), "" none
     token_scales: bool = False  # per-token scales written to the scale caches (else static scales)
     scale_axes: tuple[str, ...] = ("NB", "KH", "BS")  # one layer's scale cache axes (token_scales)
     mrope: tuple[int, int, int] | None = None  # M-RoPE sections (t, h, w): positions [3, T], rows per stream
@@ -145,13 +149,24 @@ class Config:
         return self.merged or self.quant
 
     @property
+    def block_group(self) -> int:
+        """Values per block scale (NVFP4 16, MXFP4 32); 0 for the other caches."""
+        return BLOCK_GROUP.get(self.cache_dtype, 0)
+
+    @property
+    def global_scales(self) -> bool:
+        """NVFP4: the k and v global decode scales, an SMEM operand f32 [2]."""
+        return self.cache_dtype == "nvfp4"
+
+    @property
     def scale_lanes(self) -> int:
         """Lanes of a scale buffer [KH, lanes]: TB rounded up to whole 128-lane tiles."""
         return -(-self.block_tokens // 128) * 128
 
 
 def block_tokens(tokens: int, q_heads: int, kv_heads: int, head_dim: int, itemsize: int, table_width: int,
-                 table_itemsize: int, merged: bool = False, quant: bool = False, streams: int = 1) -> int:
+                 table_itemsize: int, merged: bool = False, quant: bool = False, streams: int = 1,
+                 block_scales: bool = False) -> int:
     """TB: all tokens when they fit the budget (the block is the whole array), else a multiple of 8."""
     per_token = (2 * 2 * (q_heads + kv_heads) * head_dim * itemsize
                  + 2 * (streams * table_width * table_itemsize + head_dim * 4))
@@ -161,6 +176,8 @@ def block_tokens(tokens: int, q_heads: int, kv_heads: int, head_dim: int, itemsi
         per_token += 2 * kv_heads * head_dim * itemsize
     if quant:  # fp8 rows of K and V, one f32 scale per head each
         per_token += 2 * kv_heads * (head_dim + 4)
+    if block_scales:  # two uint8 [KH, D/G] block-scale rows a token, each padded to whole (32, 128) tiles
+        per_token += 2 * -(-kv_heads // 32) * 32 * 128
     most = max(8, (VMEM_BLOCK_BUDGET // per_token) // 8 * 8)
     return max(1, tokens) if tokens <= most else most
 
@@ -469,6 +486,81 @@ def token_scale(amax, name: str, sep=keep):
     return div_rn(top, jnp.full(top.shape, QUANT_MAX[name], F32), sep=sep)
 
 
+# ---- NVFP4 / MXFP4 caches (reference.quantize_blocks) ------------------------------------------------
+FP4_MAX = 6.0  # contract.FP4_MAX
+E4M3_MAX = 448.0
+# reference.E2M1_STEPS: code >= k + 1 where |p| passes threshold k (strictly above it where the tie goes down)
+E2M1_STEPS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+
+
+def block_amax_lanes(y, group: int):
+    """reference.block_amax of f32 rows [..., D], on every lane of its block (a butterfly of lane
+    rolls inside each group of `group` lanes): [..., D]. NaN and +-inf left out; a max is exact."""
+    d, ax = y.shape[-1], y.ndim - 1
+    a = from_bits(bits(y) & U32(0x7FFFFFFF))
+    a = jnp.where(a <= F32(F32_MAX), a, F32(0.0))
+    lane = _lanes(a.shape)
+    s = 1
+    while s < group:  # lane l meets lane l ^ s: l + s (roll by d - s) or l - s (roll by s)
+        a = jnp.maximum(a, jnp.where((lane & s) == 0, pltpu.roll(a, d - s, ax), pltpu.roll(a, s, ax)))
+        s *= 2
+    return a
+
+
+def e4m3_value(code):
+    """The f32 value of E4M3 codes (u32, finite, >= 0): exact, by moving bit fields (subnormals m * 2^-9)."""
+    e, m = (code >> 3) & U32(0xF), code & U32(7)
+    normal = from_bits(((e + U32(120)) << 23) | (m << 20))
+    return jnp.where(e == 0, m.astype(I32).astype(F32) * F32(2.0**-9), normal)
+
+
+def e2m1_codes(p):
+    """reference.e2m1_codes of f32 p: codes 0..15 (int32, sign in bit 3), half to even by exact
+    comparisons of |p| with the midpoints, saturating at +-6, NaN -> +0, the sign of a zero kept."""
+    u = jnp.where(jnp.isnan(p), U32(0), bits(p))
+    a = from_bits(u & U32(0x7FFFFFFF))
+    code = jnp.zeros(p.shape, I32)
+    for t, up in E2M1_STEPS:
+        code = code + jnp.where((a >= F32(t)) if up else (a > F32(t)), I32(1), I32(0))
+    return code | ((u >> 31).astype(I32) << 3)
+
+
+def compact_lanes(v, stride: int):
+    """int32 [..., D] -> [..., D / stride]: lane j holds v's lane j * stride. As pack_int4's
+    compaction: stage k moves every value whose index has bit k set down by (stride - 1) * 2^k
+    (lowest bit first, so values keep their order and never share a lane)."""
+    d, ax = v.shape[-1], v.ndim - 1
+    n = d // stride
+    lane = _lanes(v.shape)
+    tag = jnp.where(lax.rem(lane, I32(stride)) == 0, lax.div(lane, I32(stride)), -1)
+    for k in range((n - 1).bit_length()):
+        step = (stride - 1) << k
+        moving = (tag >= 0) & (((tag >> k) & 1) == 1)
+        v_in, tag_in = pltpu.roll(v, d - step, ax), pltpu.roll(jnp.where(moving, tag, -1), d - step, ax)
+        v = jnp.where(tag_in >= 0, v_in, v)
+        tag = jnp.where(tag_in >= 0, tag_in, jnp.where(moving, -1, tag))
+    return v[..., :n]
+
+
+def block_quantize(y, fmt: str, g=None, sep=keep):
+    """reference.quantize_blocks of f32 rows y [KH, D]: (block-scale bytes uint8 [KH, D/G], E2M1
+    bytes uint8 [KH, D/2]); g: NVFP4's global decode scale (f32, y's shape). Every step on all D
+    lanes (each lane with its block's amax and scale), then the scales of lanes 0, G, 2G, ... compacted."""
+    group = BLOCK_GROUP[fmt]
+    amax = block_amax_lanes(y, group)
+    if fmt == "nvfp4":  # e4m3(clamp(r32(r32(amax / 6) * r32(1 / g)), 0, 448))
+        s = sep(div_rn(amax, jnp.full(amax.shape, FP4_MAX, F32), sep=sep) * inverse_scale(g, sep))
+        code = f8_codes(jnp.clip(s, F32(0.0), F32(E4M3_MAX)), "float8_e4m3fn").astype(U32)
+        den = sep(e4m3_value(code) * g)
+        mult = jnp.where(den == F32(0.0), F32(0.0), inverse_scale(den, sep))  # min(r32(1 / den), FLT_MAX)
+    else:  # X = clamp(exponent field - 127 - 2, -127, 127): byte X + 127, multiplier 2^-X (exact)
+        x = jnp.clip((bits(amax) >> 23).astype(I32) - 129, -127, 127)
+        code = (x + 127).astype(U32)
+        mult = from_bits((127 - x).astype(U32) << 23)
+    scales = compact_lanes(code.astype(I32), group).astype(jnp.uint8)
+    return scales, pack_int4(e2m1_codes(sep(y * mult)))
+
+
 def widen(out_bits, dtype):
     """The f32 values of output bits in `dtype` (bf16: a shift)."""
     if np.dtype(dtype) == F16:
@@ -659,6 +751,7 @@ def _kernel(slot_ref, pos_ref, layer_ref, *refs, cfg: Config, sep):
     kw_ref = next(it) if cfg.k_norm and weighted else None
     ks_ref, vs_ref = (next(it), next(it)) if cfg.quant and not cfg.token_scales else (None, None)
     temp_hbm = next(it) if cfg.temperature else None  # temperature factors [N, 1] f32
+    gs_ref = next(it) if cfg.global_scales else None  # NVFP4's global decode scales [2] f32 (SMEM)
     ncache = (1 if cfg.merged else 2) + (2 if cfg.token_scales else 0)
     for _ in range(ncache):
         next(it)  # the caches as inputs: aliased to the outputs below
@@ -732,6 +825,10 @@ def _kernel(slot_ref, pos_ref, layer_ref, *refs, cfg: Config, sep):
     def scale_walks(act):
         if not cfg.token_scales:
             return []
+        if cfg.block_group:  # block-scale rows [KH, D/G] per token: the key cache's axes, D/G last
+            return [walk(lambda t, n, s, src=src, dst=dst: cache_copies(src, dst, cfg.key_axes, layer, t, n, s,
+                                                                        cfg.block_size, cfg.kv_heads), slot, sc_sem, act)
+                    for src, dst in ((ksc_buf, ksc_ref), (vsc_buf, vsc_ref))]
         return [walk(lambda t, n, s, src=src, dst=dst: scale_copies(src, dst, cfg.scale_axes, layer, t, n, s,
                                                                       cfg.block_size, cfg.kv_heads), slot, sc_sem, act)
                 for src, dst in ((ksc_buf, ksc_ref), (vsc_buf, vsc_ref))]
@@ -747,10 +844,15 @@ def _kernel(slot_ref, pos_ref, layer_ref, *refs, cfg: Config, sep):
     weights = [None if w is None else to_f32(w[...]) for w in (qw_ref, kw_ref)]
     norms = (cfg.q_norm, cfg.k_norm)
     static_inv = [None if r is None else inverse_scale(r[...], sep) for r in (ks_ref, vs_ref)]  # [KH, 1]
-    fp8 = None if not cfg.quant else jnp.dtype(cfg.cache_dtype)
+    fp8 = jnp.dtype(cfg.cache_dtype) if cfg.cache_dtype in FP8 else None
 
-    def quantize(y, inv_static, sc_buf, t):
+    def quantize(y, inv_static, sc_buf, t, gi):
         """fp8 rows of f32 rows y [KH, D] (the static rule, or the row's own scale, put in lane t of sc_buf)."""
+        if cfg.block_group:  # the row's block scales to sc_buf[t] ([TB, KH, D/G] bytes)
+            g = None if gs_ref is None else jnp.full(y.shape, gs_ref[gi], F32)
+            scales, packed = block_quantize(y, cfg.cache_dtype, g, sep)
+            sc_buf[t] = scales
+            return packed
         if sc_buf is None:
             inv = inv_static
         else:
@@ -792,8 +894,8 @@ def _kernel(slot_ref, pos_ref, layer_ref, *refs, cfg: Config, sep):
             o_ref[t] = lax.bitcast_convert_type(out, dtype)
             rows.append((out, dtype))
         if cfg.quant:  # the cache stores the rounded k_out and v, quantized
-            k_row = quantize(widen(*rows[1]), static_inv[0], ksc_buf, t)
-            v_row = quantize(to_f32(v_ref[t, heads["v"], :]), static_inv[1], vsc_buf, t)
+            k_row = quantize(widen(*rows[1]), static_inv[0], ksc_buf, t, 0)
+            v_row = quantize(to_f32(v_ref[t, heads["v"], :]), static_inv[1], vsc_buf, t, 1)
         elif cfg.merged:
             k_row, v_row = ko_ref[t], v_ref[t, heads["v"], :]
         if cfg.merged:  # one sublane per head: K head h to row 2h, V head h to 2h+1 (bits as they are)
@@ -814,13 +916,14 @@ def _kernel(slot_ref, pos_ref, layer_ref, *refs, cfg: Config, sep):
 
 
 def rope_and_cache(q, k, v, key_cache, value_cache, slots, positions, cos, sin, layer, q_norm_weight=None,
-                   k_norm_weight=None, k_scale=None, v_scale=None, use_rope=None, temperature_factors=None, *,
-                   cfg: Config, interpret=False):
+                   k_norm_weight=None, k_scale=None, v_scale=None, use_rope=None, temperature_factors=None,
+                   global_scales=None, *, cfg: Config, interpret=False):
     """(q_out, k_out, key_cache, value_cache[, k_scale_cache, v_scale_cache]); slots int32 [T] and
     positions int32 [T] (M-RoPE: [3 * T], stream-major) (slots outside [0, NB*BS) write nothing,
     positions are clamped here), layer int32 [1].
     fp8 caches: k_scale / v_scale f32 [KH, 1] (static scales), or with cfg.token_scales the scale
-    caches (written, aliased). The caches are aliased: donate them for an in-place update.
+    caches (written, aliased); NVFP4 / MXFP4: the block-scale caches as uint8 (written, aliased) and for
+    NVFP4 global_scales f32 [2] (k, v). The caches are aliased: donate them for an in-place update.
     `interpret`: pallas_call's (e.g. pltpu.InterpretParams())."""
     tb, t, d, kh = cfg.block_tokens, cfg.tokens, cfg.head_dim, cfg.kv_heads
     w = cfg.table_width
@@ -844,6 +947,9 @@ def rope_and_cache(q, k, v, key_cache, value_cache, slots, positions, cos, sin, 
     if cfg.temperature:
         in_specs.append(hbm)
         operands.append(temperature_factors.reshape(-1, 1))
+    if cfg.global_scales:
+        in_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
+        operands.append(global_scales.astype(F32).reshape(2))
     cache_at = cfg.scalar_prefetch + len(operands)  # operand index of key_cache, counting the scalar prefetch
     caches = [key_cache] if cfg.merged else [key_cache, value_cache]  # merged: the placeholder stays out
     if cfg.token_scales:
@@ -861,7 +967,9 @@ def rope_and_cache(q, k, v, key_cache, value_cache, slots, positions, cos, sin, 
     elif cfg.quant:  # (int4: D/2 bytes a row)
         scratch += [pltpu.VMEM((tb, kh, key_cache.shape[-1]), key_cache.dtype),
                     pltpu.VMEM((tb, kh, value_cache.shape[-1]), value_cache.dtype)]
-    if cfg.token_scales:
+    if cfg.block_group:  # one row of block-scale bytes per token and head
+        scratch += [pltpu.VMEM((tb, kh, d // cfg.block_group), jnp.uint8)] * 2 + [pltpu.SemaphoreType.DMA(())]
+    elif cfg.token_scales:
         scratch += [pltpu.VMEM((kh, cfg.scale_lanes), F32), pltpu.VMEM((kh, cfg.scale_lanes), F32),
                     pltpu.SemaphoreType.DMA(())]
     grid_spec = pltpu.PrefetchScalarGridSpec(
