@@ -58,8 +58,8 @@ def test_the_decode_loop_with_the_tpu_kernel_interpreted():
 
 
 def test_the_feature_checks_with_the_tpu_kernel_interpreted():
-    """The report's one-call checks of fp8 (static, per-head, per-token scales), float16, M-RoPE and
-    the fused QKV input with q_gate run the TPU kernel interpreted, each bit-exact; and the timing
+    """The report's one-call checks of fp8 (static, per-head, per-token scales), NVFP4 and MXFP4 caches,
+    float16, M-RoPE and the fused QKV input with q_gate run the TPU kernel interpreted, each bit-exact; and the timing
     of the fp8 per-token and fused QKV variants runs (tiny shapes)."""
     from tpu_interpret import tpu_kernel_on_cpu
 
@@ -68,4 +68,4 @@ def test_the_feature_checks_with_the_tpu_kernel_interpreted():
         got = tpu_check.feature_checks(cpu)
         for variant in ("fp8 per-token", "qkv"):
             assert isinstance(tpu_check.time_op(cpu, "kernel", 3, 4, 2, 64, "scattered", "flash", 1, variant), float)
-    assert len(got) == 6 and all(ok for _, ok, _ in got), got
+    assert len(got) == 8 and all(ok for _, ok, _ in got), got
