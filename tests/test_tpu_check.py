@@ -59,8 +59,8 @@ def test_the_decode_loop_with_the_tpu_kernel_interpreted():
 
 def test_the_feature_checks_with_the_tpu_kernel_interpreted():
     """The report's one-call checks of fp8 (static, per-head, per-token scales), NVFP4 and MXFP4 caches,
-    float16, M-RoPE and the fused QKV input with q_gate run the TPU kernel interpreted, each bit-exact; and the timing
-    of the fp8 per-token and fused QKV variants runs (tiny shapes)."""
+    float16, M-RoPE and the fused QKV input with q_gate run the TPU kernel interpreted, each bit-exact;
+    and the timing of the fp8 per-token and fused QKV variants runs (tiny shapes)."""
     from tpu_interpret import tpu_kernel_on_cpu
 
     with tpu_kernel_on_cpu():
