@@ -3,8 +3,9 @@
 # (CMake option JRC_SANITIZE=ON) into a separate folder, then runs the fuzz set, test_op's and
 # test_qk_norm's native-kernel cases, tests/test_concurrency.py and tests/test_hardening.py's direct ffi_call cases
 # (raw_ffi: every operand, result and attribute of the CPU handler and the GPU launcher's buffer
-# check broken in turn) and its hostile-index kernel cases against that build with libasan
-# preloaded. Fails on any sanitizer report.
+# check broken in turn), its hostile-index kernel cases, and tests/test_cpu_families.py and
+# test_cpu_low_bit.py (the model-family options and the low-bit caches) against that build with
+# libasan preloaded. Fails on any sanitizer report.
 #
 # Python: $JRC_PY, else the venv of run_tests.sh ($JRC_VENV or .venv; made by scripts/_venv.sh
 # when missing). Build and install folders: $JRC_ASAN_DIR (default /tmp/jrc_asan), never the
@@ -78,6 +79,11 @@ LD_PRELOAD="$PRELOAD" "$PY" -P -m pytest -q -p no:cacheprovider "$ROOT/tests/tes
   -k "raw_ffi or (kernel and (indices or layer))" "$@" 2>&1 | tee -a "$LOG"
 rc2=${PIPESTATUS[0]}
 [ "$rc" -eq 0 ] && rc=$rc2
+echo "# asan_check: the model-family options and the low-bit caches in the handler (tests/test_cpu_families.py, test_cpu_low_bit.py)"
+LD_PRELOAD="$PRELOAD" "$PY" -P -m pytest -q -p no:cacheprovider "$ROOT/tests/test_cpu_families.py" \
+  "$ROOT/tests/test_cpu_low_bit.py" "$@" 2>&1 | tee -a "$LOG"
+rc3=${PIPESTATUS[0]}
+[ "$rc" -eq 0 ] && rc=$rc3
 set -e
 echo "# asan_check: pytest exit $rc after $(( $(date +%s) - t0 )) s"
 if grep -Eq "ERROR: AddressSanitizer|AddressSanitizer: CHECK failed|runtime error:|SUMMARY: (Address|UndefinedBehavior)Sanitizer" "$LOG"; then
