@@ -197,7 +197,8 @@ def test_rocm_supports_token_scales_and_routes_them():
     assert buf["aliases"] == contract.cache_aliases(spec) == {3: 2, 4: 3, 9: 4, 10: 5}
     fenced = {contract.OPERANDS[i] for i in buf["fenced"]}
     assert fenced == set(contract.FENCED_OPERANDS) - {"k_scale", "v_scale"}  # donated caches, not fenced
-    assert buf["buffer_names"].split(",")[-2:] == ["k_scale_cache", "v_scale_cache"]
+    assert buf["buffer_names"].split(",")[-2:] == ["k_scale_cache result", "v_scale_cache result"]
+    assert buf["buffer_names"].split(",")[9:11] == ["k_scale_cache", "v_scale_cache"]  # the operand slots
     assert rocm.launch_buffers(make_spec(cdt=FN)) == {}  # static scales: the launcher's defaults
     # a key of its own; without the option the key is that of a configuration without it
     plain = rocm.kernel_config(make_spec(QH=8, KH=2, D=128, R=64, cdt=FN), K)
@@ -362,7 +363,7 @@ def test_export_rocm_carries_the_scale_caches():
     calls = [c for c in custom_calls(exp) if c[0].startswith("jax_rope_cache_gpu")]
     assert len(calls) == 1, calls
     _, attrs = calls[0]
-    assert attrs["buffer_names"].decode().split(",")[-2:] == ["k_scale_cache", "v_scale_cache"]
+    assert attrs["buffer_names"].decode().split(",")[-2:] == ["k_scale_cache result", "v_scale_cache result"]
     aliases = re.findall(r"output_tuple_indices = \[(\d+)\], operand_index = (\d+)", exp.mlir_module())
     assert sorted((int(operand), int(result)) for result, operand in aliases) == [(3, 2), (4, 3), (9, 4), (10, 5)]
     entries = launcher.unpack_code_table(attrs["code"])

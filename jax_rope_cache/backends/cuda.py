@@ -495,23 +495,6 @@ def build_node_ptx(cfg: KernelConfig, cc: int | None) -> tuple[KernelConfig, nvr
     return cfg, compile_variant(cfg, f"compute_{ptx_arch}")
 
 
-def fenced(spec: contract.OpSpec) -> tuple[int, ...]:
-    """launcher.fenced(spec) and the use_rope switch: a scan over layers indexes it per step (use_rope[l]),
-    like the slots, so it goes through the same optimization barrier (contract.extra_operands follow the
-    14 operands)."""
-    extra = contract.extra_operands(spec)
-    sw = (len(contract.OPERANDS) + extra.index("use_rope"),) if "use_rope" in extra else ()
-    return launcher.fenced(spec) + sw
-
-
-def buffer_names(spec: contract.OpSpec) -> str:
-    """launcher.buffer_names(spec) with the extra operands (contract.extra_operands) after the 14: the
-    launcher checks that the names count its buffers."""
-    names = launcher.buffer_names(spec).split(",")
-    n = len(contract.OPERANDS)
-    return ",".join(names[:n] + list(contract.extra_operands(spec)) + names[n:])
-
-
 def refuse_int4_shape(spec: contract.OpSpec) -> None:
     """int4 caches: a thread stores whole bytes (two channels) of its chunk, so the chunks must be of an
     even width (NeoX with an odd R / 2 has one-channel chunks) and X the default; KernelUnavailable
@@ -542,8 +525,8 @@ def lower(ctx, args, spec: contract.OpSpec):
         if use:
             grid = (-(-spec.num_tokens // ncfg.tokens_per_block), ncfg.parts, 1)
             return kernel_node.lower(ctx, args, ptx=ptx.code, kernel=NODE_KERNEL_NAME, grid=grid, block=ncfg.threads,
-                                     aliases=contract.cache_aliases(spec), fenced=fenced(spec))
+                                     aliases=contract.cache_aliases(spec), fenced=launcher.fenced(spec))
     return launcher.lower_launch(ctx, args, table=build_code_table(cfg, cc), kernel=KERNEL_NAME,
                                  grid_div=cfg.tokens_per_block, block=cfg.threads, grid_y=cfg.parts,
-                                 aliases=contract.cache_aliases(spec), fenced=fenced(spec),
-                                 buffer_names=buffer_names(spec))
+                                 aliases=contract.cache_aliases(spec), fenced=launcher.fenced(spec),
+                                 buffer_names=launcher.buffer_names(spec))

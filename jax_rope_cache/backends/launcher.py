@@ -177,10 +177,11 @@ def buffer_signature(avals_in, avals_out) -> np.ndarray:
 
 def buffer_names(spec: contract.OpSpec | None = None) -> str:
     """The launcher's `buffer_names` of rope_and_cache (operands, then results; with per-token scales
-    the k_scale / v_scale operands are the scale caches, which are two more results)."""
+    the k_scale / v_scale operands are the scale caches, which are two more results; the call's
+    contract.extra_operands follow the 14 operands)."""
     token = spec is not None and spec.token_scales
     ops = tuple({"k_scale": "k_scale_cache", "v_scale": "v_scale_cache"}.get(n, n) if token else n
-                for n in contract.OPERANDS)
+                for n in contract.OPERANDS) + (contract.extra_operands(spec) if spec is not None else ())
     rets = contract.RESULTS + (contract.TOKEN_SCALE_RESULTS if token else ())
     return ",".join(ops + tuple(f"{r} result" if r in ops else r for r in rets))
 
@@ -193,10 +194,12 @@ _FENCED = tuple(contract.OPERANDS.index(n) for n in contract.FENCED_OPERANDS)
 
 def fenced(spec: contract.OpSpec) -> tuple[int, ...]:
     """The operands fence_small_operands passes through its barrier: the FENCED_OPERANDS, less the
-    k_scale / v_scale slots when they carry the scale caches (donated, updated in place: not small)."""
-    if not spec.token_scales:
-        return _FENCED
-    return tuple(i for i in _FENCED if contract.OPERANDS[i] not in ("k_scale", "v_scale"))
+    k_scale / v_scale slots when they carry the scale caches (donated, updated in place: not small),
+    and the use_rope switch (a scan over layers indexes it per step, like the slots)."""
+    base = _FENCED if not spec.token_scales else tuple(
+        i for i in _FENCED if contract.OPERANDS[i] not in ("k_scale", "v_scale"))
+    extra = contract.extra_operands(spec)
+    return base + tuple(len(contract.OPERANDS) + i for i, n in enumerate(extra) if n == "use_rope")
 
 
 def fence_small_operands(args, fenced=_FENCED):

@@ -338,12 +338,8 @@ def launch_buffers(spec: contract.OpSpec) -> dict:
     extra = contract.extra_operands(spec)
     if not spec.token_scales and not extra:
         return {}
-    fenced = tuple(contract.OPERANDS.index(n) for n in contract.FENCED_OPERANDS
-                   if not (spec.token_scales and n in ("k_scale", "v_scale")))
-    fenced += tuple(len(contract.OPERANDS) + i for i, n in enumerate(extra) if n == "use_rope")
-    ops = contract.OPERANDS + extra
-    names = ops + tuple(f"{r} result" if r in ops else r for r in contract.results(spec))
-    return dict(aliases=contract.cache_aliases(spec), fenced=fenced, buffer_names=",".join(names))
+    return dict(aliases=contract.cache_aliases(spec), fenced=launcher.fenced(spec),
+                buffer_names=launcher.buffer_names(spec))
 
 
 def lower(ctx, args, spec: contract.OpSpec):
